@@ -1,0 +1,43 @@
+"""The one place that decides which implementation runs.
+
+| input                                                        | path                              |
+|--------------------------------------------------------------|-----------------------------------|
+| CUDA tensor                                                  | Triton kernels, compiled          |
+| CPU tensor and ``TRITON_INTERPRET=1`` set before import      | the same Triton kernels, interpreted |
+| CPU tensor otherwise                                         | ``flashtile.cpu``: PyTorch, tiled  |
+
+Nothing else in flashtile reads the environment. Each path module provides
+``attention_forward(q, k, v, softmax_scale, causal) -> (out, lse)`` and
+``attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, dlse) -> (dq, dk, dv)``.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def path_name(device: torch.device) -> str:
+    """'triton' (compiled), 'triton-interpreter' or 'cpu' for tensors on ``device``."""
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu":
+        return "triton-interpreter" if TRITON_INTERPRET else "cpu"
+    raise ValueError(
+        f"flashtile runs on CUDA and CPU tensors, got a tensor on {device}. Move the inputs with .cuda() or .cpu()."
+    )
+
+
+def attention_path(device: torch.device) -> ModuleType:
+    """The module that implements attention for tensors on ``device``."""
+    if path_name(device) == "cpu":
+        from flashtile import cpu
+
+        return cpu
+    from flashtile.ops import attention
+
+    return attention

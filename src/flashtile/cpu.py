@@ -1,0 +1,227 @@
+"""FlashAttention on the CPU: the tiled online-softmax algorithm in plain PyTorch.
+
+This is the path flashtile takes for CPU tensors. It computes exact attention
+
+    S = scale * Q K^T,    P = softmax(S) (row-wise),    O = P V
+
+without ever holding the (seqlen_q, seqlen_k) matrices S or P: it works on a query tile of
+BLOCK_M rows against a key tile of BLOCK_N columns at a time, so the extra memory is
+O(seqlen * headdim + BLOCK_M * BLOCK_N), linear in the sequence length. It is the same algorithm
+as the Triton kernels, written to be read.
+
+Forward: online softmax
+-----------------------
+For one query tile, stream the key/value tiles j = 0, 1, ... and keep, per query row,
+the running max ``m``, the running sum ``l = sum_j exp(s_j - m)`` and an unnormalised output
+``acc = sum_j exp(s_j - m) v_j``. On each new score tile S_j:
+
+    m_new = max(m, rowmax(S_j))
+    P_j   = exp(S_j - m_new)
+    alpha = exp(m - m_new)              # rescales what was summed against the old max
+    l     = alpha * l + rowsum(P_j)
+    acc   = alpha * acc + P_j V_j
+    m     = m_new
+
+After the last tile, ``O = acc / l`` and the log-sum-exp ``LSE = m + log(l)`` is saved for the
+backward. Subtracting the running max keeps every exp() <= 1, so nothing overflows.
+
+Backward: recompute P from the LSE
+----------------------------------
+P is not stored; from the saved LSE it is one exp away: ``P_ij = exp(S_ij - LSE_i)``. With
+dO the gradient of O:
+
+    Delta = rowsum(dO * O)              # = rowsum(P * dP), computed once per query row
+    dV   += P^T dO
+    dP    = dO V^T
+    dS    = P * (dP - Delta)            # softmax backward
+    dQ   += dS K * scale
+    dK   += dS^T Q * scale
+
+A gradient ``dlse`` arriving at the LSE adds ``dlse_i * P_ij`` to dS (d LSE_i / d S_ij = P_ij),
+so it enters as ``Delta - dlse``. The outer loop runs over query tiles (dQ of a tile is finished
+in place), the inner over key tiles; dK and dV are float32 accumulators of size (seqlen_k, headdim).
+
+Layout and precision
+--------------------
+Inputs are flash_attn's (batch, seqlen, nheads, headdim) with any strides; they are viewed as
+(batch, nheads, seqlen, headdim) without a copy, and all (batch, head) pairs of a tile go through
+one batched matmul. With grouped-query attention (nheads = group * nheads_k) the query tile of
+the ``group`` heads that share a key/value head is reshaped to (batch, nheads_k, group * BLOCK_M,
+headdim), so each key/value tile is used once per query tile. Tiles are upcast to float32
+(float64 stays float64) and accumulated there; results are cast back at the end.
+
+Causal masking is bottom-right aligned as in flash_attn: query i sees key j iff
+``j <= i + seqlen_k - seqlen_q``. Key tiles that no row of the query tile can see are skipped,
+and a mask is built only for tiles that cross the diagonal. A query row that sees no key
+(possible when seqlen_q > seqlen_k) gets output 0, LSE -inf and zero gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK_M = 128  # query rows per tile (times the GQA group size)
+BLOCK_N = 256  # key columns per tile; 128x256 to 256x512 all ran within ~10% here
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for fp16/bf16/fp32 inputs, float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _key_end(q_end: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """One past the last key that a query row in [.., q_end) may see (<= 0: none)."""
+    return min(seqlen_k, q_end + seqlen_k - seqlen_q) if causal else seqlen_k
+
+
+def _causal_mask(q0: int, q1: int, k0: int, k1: int, seqlen_q: int, seqlen_k: int) -> Tensor | None:
+    """Boolean (q1 - q0, k1 - k0) mask, True where query i may see key j; None if all may."""
+    offset = seqlen_k - seqlen_q
+    if k1 - 1 <= q0 + offset:  # the tile's last key is visible to its first query row
+        return None
+    i = torch.arange(q0, q1)[:, None]
+    j = torch.arange(k0, k1)[None, :]
+    return j <= i + offset
+
+
+def _scores(q_t: Tensor, k_t: Tensor, scale: float, mask: Tensor | None, group: int) -> Tensor:
+    """Scaled, masked scores of one tile.
+
+    q_t: (B, Hk, group * M, D), k_t: (B, Hk, N, D), mask: (M, N) or None -> (B, Hk, group * M, N).
+    """
+    s = torch.matmul(q_t, k_t.transpose(-1, -2)).mul_(scale)  # [gM, D] @ [D, N] -> [gM, N]
+    if mask is not None:
+        B, Hk, _, N = s.shape
+        s.view(B, Hk, group, -1, N).masked_fill_(~mask, float("-inf"))
+    return s
+
+
+def _query_tile(x: Tensor, q0: int, q1: int, nheads_k: int, dtype: torch.dtype) -> Tensor:
+    """Rows [q0, q1) of x (B, S, H, D) as (B, Hk, group * (q1 - q0), D) in ``dtype``."""
+    B, _, H, D = x.shape
+    return x[:, q0:q1].transpose(1, 2).to(dtype).reshape(B, nheads_k, -1, D)
+
+
+def _key_tile(x: Tensor, k0: int, k1: int, dtype: torch.dtype) -> Tensor:
+    """Rows [k0, k1) of x (B, S, Hk, D) as (B, Hk, k1 - k0, D) in ``dtype``."""
+    return x[:, k0:k1].transpose(1, 2).to(dtype)
+
+
+def _store_query_tile(dst: Tensor, q0: int, q1: int, tile: Tensor) -> None:
+    """Write tile (B, Hk, group * M, D) into rows [q0, q1) of dst (B, S, H, D), casting."""
+    B, _, H, D = dst.shape
+    dst[:, q0:q1] = tile.view(B, H, q1 - q0, D).transpose(1, 2)
+
+
+@torch.no_grad()
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Exact attention by tiles with online softmax.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32/fp64, any strides
+        k: (batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0; query head h uses
+           key/value head h // (nheads // nheads_k)
+        v: (batch, seqlen_k, nheads_k, headdim_v)
+        softmax_scale: multiplies Q K^T before the softmax
+        causal: bottom-right aligned mask, query i sees key j iff j <= i + seqlen_k - seqlen_q.
+           For seqlen_q = 5, seqlen_k = 3 (1 = visible), the first two rows see nothing:
+               0 0 0
+               0 0 0
+               1 0 0
+               1 1 0
+               1 1 1
+           and for seqlen_q = 2, seqlen_k = 5:
+               1 1 1 1 0
+               1 1 1 1 1
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim_v) in q.dtype, contiguous; 0 for a row that sees no key
+        lse: (batch, nheads, seqlen_q) float32, natural-log sum of exp of the scaled scores;
+           -inf for a row that sees no key
+    """
+    B, Sq, H, _ = q.shape
+    _, Sk, Hk, Dv = v.shape
+    group = H // Hk
+    dtype = _compute_dtype(q.dtype)
+    out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32)
+    for q0 in range(0, Sq, BLOCK_M):
+        q1 = min(q0 + BLOCK_M, Sq)
+        q_t = _query_tile(q, q0, q1, Hk, dtype)  # (B, Hk, gM, D)
+        m = torch.full((*q_t.shape[:-1], 1), float("-inf"), dtype=dtype)  # running row max
+        l = torch.zeros_like(m)  # running row sum of exp(s - m)
+        acc = torch.zeros(*q_t.shape[:-1], Dv, dtype=dtype)  # running sum of exp(s - m) v
+        for k0 in range(0, _key_end(q1, Sq, Sk, causal), BLOCK_N):
+            k1 = min(k0 + BLOCK_N, Sk)
+            mask = _causal_mask(q0, q1, k0, k1, Sq, Sk) if causal else None
+            s = _scores(q_t, _key_tile(k, k0, k1, dtype), softmax_scale, mask, group)
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key seen yet
+            p = torch.exp_(s.sub_(m_safe))
+            alpha = torch.exp(m - m_safe)
+            l = l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            acc = acc.mul_(alpha).add_(torch.matmul(p, _key_tile(v, k0, k1, dtype)))  # [gM, N] @ [N, Dv]
+            m = m_new
+        _store_query_tile(out, q0, q1, acc / l.masked_fill(l == 0, 1.0))
+        lse[:, :, q0:q1] = (m + torch.log(l)).view(B, H, q1 - q0)  # -inf + log 0 = -inf if no key
+    return out, lse
+
+
+@torch.no_grad()
+def attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    dlse: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of attention, recomputing P tile by tile from the saved LSE.
+
+    Args:
+        dout: (batch, seqlen_q, nheads, headdim_v), gradient of ``out``
+        q, k, v, softmax_scale, causal: as given to ``attention_forward``
+        out: (batch, seqlen_q, nheads, headdim_v), as returned by ``attention_forward``
+        lse: (batch, nheads, seqlen_q) float32, as returned by ``attention_forward``
+        dlse: (batch, nheads, seqlen_q) float32 gradient of ``lse``, or None for zero
+
+    Returns:
+        dq: (batch, seqlen_q, nheads, headdim) in q.dtype
+        dk: (batch, seqlen_k, nheads_k, headdim) in k.dtype, summed over each group of query heads
+        dv: (batch, seqlen_k, nheads_k, headdim_v) in v.dtype, likewise
+    """
+    B, Sq, H, _ = q.shape
+    _, Sk, Hk, _ = k.shape
+    group = H // Hk
+    dtype = _compute_dtype(q.dtype)
+    dq = torch.empty(q.shape, dtype=q.dtype)
+    dk = torch.zeros(B, Sk, Hk, k.shape[-1], dtype=dtype)
+    dv = torch.zeros(B, Sk, Hk, v.shape[-1], dtype=dtype)
+    dk_acc, dv_acc = dk.transpose(1, 2), dv.transpose(1, 2)  # (B, Hk, Sk, D) views of the accumulators
+    for q0 in range(0, Sq, BLOCK_M):
+        q1 = min(q0 + BLOCK_M, Sq)
+        q_t = _query_tile(q, q0, q1, Hk, dtype)  # (B, Hk, gM, D)
+        do_t = _query_tile(dout, q0, q1, Hk, dtype)  # (B, Hk, gM, Dv)
+        delta = (do_t * _query_tile(out, q0, q1, Hk, dtype)).sum(dim=-1, keepdim=True)  # (B, Hk, gM, 1)
+        lse_t = lse[:, :, q0:q1].reshape(B, Hk, -1, 1).to(dtype)
+        if dlse is not None:
+            delta -= dlse[:, :, q0:q1].reshape(B, Hk, -1, 1).to(dtype)
+        lse_t = lse_t.masked_fill(lse_t == float("-inf"), 0.0)  # rows with no key: P = exp(-inf) = 0
+        dq_t = torch.zeros_like(q_t)
+        for k0 in range(0, _key_end(q1, Sq, Sk, causal), BLOCK_N):
+            k1 = min(k0 + BLOCK_N, Sk)
+            mask = _causal_mask(q0, q1, k0, k1, Sq, Sk) if causal else None
+            k_t = _key_tile(k, k0, k1, dtype)
+            v_t = _key_tile(v, k0, k1, dtype)
+            p = torch.exp_(_scores(q_t, k_t, softmax_scale, mask, group).sub_(lse_t))  # (B, Hk, gM, N)
+            dv_acc[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do_t)  # [N, gM] @ [gM, Dv]
+            dp = torch.matmul(do_t, v_t.transpose(-1, -2))  # [gM, Dv] @ [Dv, N] -> [gM, N]
+            ds = p.mul_(dp.sub_(delta))  # reuses p's memory: p is not needed after this
+            dq_t += torch.matmul(ds, k_t)  # [gM, N] @ [N, D]
+            dk_acc[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q_t)  # [N, gM] @ [gM, D]
+        _store_query_tile(dq, q0, q1, dq_t.mul_(softmax_scale))
+    return dq, dk.mul_(softmax_scale).to(k.dtype), dv.to(v.dtype)

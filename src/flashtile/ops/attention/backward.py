@@ -1,0 +1,459 @@
+"""FlashAttention backward: Triton kernels and their launcher.
+
+Nothing of size seqlen_q x seqlen_k is stored: P is recomputed from Q, K and the saved LSE.
+Three launches, no atomics (so the backward is deterministic):
+  1. delta = rowsum(dO * O) - dLSE                                    (B, H, Sq) fp32
+  2. per key tile and kv head: dV = sum P^T dO, dK = scale * sum dS^T Q over the tile's query tiles
+     and over every query head of the kv head's group (GQA sums happen in registers)
+  3. per query tile and head: dQ = scale * sum dS K over its key tiles
+with dP = dO V^T and dS = P * (dP - delta).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.ops._alloc import empty_output
+from flashtile.ops.attention.configs import config, padded_head_dim
+from flashtile.ops.attention.tiles import LOG2E, key_range, load_tile, query_range, store_tile, visible
+
+
+@triton.jit
+def _delta_kernel(
+    Out,
+    DOut,
+    DLse,
+    Delta,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    nheads,
+    seqlen_q,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
+    """Delta (B, H, Sq) = rowsum(dO * O) - dLse, in fp32."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row = tl.arange(0, BLOCK_M)
+    o_ptrs = (
+        Out + off_b.to(tl.int64) * stride_ob + tl.cast(off_h, tl.int64) * stride_oh + tl.cast(start_m, tl.int64) * stride_om
+        + (row[:, None] * stride_om + offs_dv[None, :])
+    )  # fmt: skip
+    do_ptrs = (
+        DOut + off_b.to(tl.int64) * stride_dob + tl.cast(off_h, tl.int64) * stride_doh
+        + tl.cast(start_m, tl.int64) * stride_dom + (row[:, None] * stride_dom + offs_dv[None, :])
+    )  # fmt: skip
+    o = load_tile(o_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
+    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
+    lse_offs = off_bh.to(tl.int64) * seqlen_q + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLse + lse_offs, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(Delta + lse_offs, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _load_row_stats(Lse, Delta, lse_offs, offs_m, seqlen_q):
+    """LSE in base 2 and delta for the rows offs_m. Rows past the end or that saw no key get an
+    LSE of +inf, so their recomputed probabilities are exactly 0."""
+    lse = tl.load(Lse + lse_offs, mask=offs_m < seqlen_q, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    delta = tl.load(Delta + lse_offs, mask=offs_m < seqlen_q, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _dkdv_tile(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    stride_qm,
+    stride_dom,
+    start_m,
+    offs_n,
+    offs_d,
+    offs_dv,
+    seqlen_q,
+    seqlen_k,
+    diag,
+    left,
+    right,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    PAD_D: tl.constexpr,
+    PAD_DV: tl.constexpr,
+):
+    """Add the contribution of query rows [start_m, start_m + BLOCK_M) to one key tile's dK, dV."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row = tl.arange(0, BLOCK_M)
+    q_ptrs = q_base + tl.cast(start_m, tl.int64) * stride_qm + (row[:, None] * stride_qm + offs_d[None, :])
+    do_ptrs = do_base + tl.cast(start_m, tl.int64) * stride_dom + (row[:, None] * stride_dom + offs_dv[None, :])
+    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
+    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_M, DV]
+    lse, delta = _load_row_stats(lse_base, delta_base, offs_m, offs_m, seqlen_q)
+    qk_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, D] @ [D, BLOCK_M] -> [BLOCK_N, BLOCK_M]
+    p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
+    if MASKED:
+        ok_t = tl.trans(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT))
+        p_t = tl.where(ok_t, p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
+    dp_t = tl.dot(v, tl.trans(do))  # [BLOCK_N, DV] @ [DV, BLOCK_M] -> [BLOCK_N, BLOCK_M]
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]
+    return dk, dv
+
+
+@triton.jit
+def _attention_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DOut,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
+    nheads,
+    nheads_k,
+    group,
+    seqlen_q,
+    seqlen_k,
+    left,
+    right,
+    qk_scale,
+    softmax_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+):
+    """dK (B, Sk, Hk, D) and dV (B, Sk, Hk, DV) for one key tile of one kv head."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bhk = tl.program_id(1)
+    off_b = off_bhk // nheads_k
+    off_hk = off_bhk % nheads_k
+    diag = seqlen_k - seqlen_q
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row = tl.arange(0, BLOCK_N)
+    k_ptrs = (
+        K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + tl.cast(start_n, tl.int64) * stride_kn
+        + (row[:, None] * stride_kn + offs_d[None, :])
+    )  # fmt: skip
+    v_ptrs = (
+        V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + tl.cast(start_n, tl.int64) * stride_vn
+        + (row[:, None] * stride_vn + offs_dv[None, :])
+    )  # fmt: skip
+    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_N, D]
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_N, DV]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, mid_lo, mid_hi, hi = query_range(
+        start_n, seqlen_q, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
+    )
+    for off_h in range(off_hk * group, off_hk * group + group):
+        q_base = Q + off_b.to(tl.int64) * stride_qb + tl.cast(off_h, tl.int64) * stride_qh
+        do_base = DOut + off_b.to(tl.int64) * stride_dob + tl.cast(off_h, tl.int64) * stride_doh
+        row_base = tl.cast(off_b * nheads + off_h, tl.int64) * seqlen_q
+        if MASK_RIGHT:
+            for start_m in range(lo, mid_lo, BLOCK_M):
+                dk, dv = _dkdv_tile(
+                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
+                    start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+                )  # fmt: skip
+        for start_m in range(mid_lo, mid_hi, BLOCK_M):
+            dk, dv = _dkdv_tile(
+                dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
+                start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+            )  # fmt: skip
+        if MASK_LEFT:
+            for start_m in range(mid_hi, hi, BLOCK_M):
+                dk, dv = _dkdv_tile(
+                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
+                    start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+                )  # fmt: skip
+
+    dk_ptrs = (
+        DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
+        + tl.cast(start_n, tl.int64) * stride_dkn + (row[:, None] * stride_dkn + offs_d[None, :])
+    )  # fmt: skip
+    dv_ptrs = (
+        DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
+        + tl.cast(start_n, tl.int64) * stride_dvn + (row[:, None] * stride_dvn + offs_dv[None, :])
+    )  # fmt: skip
+    store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, PAD_D)
+    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, PAD_DV)
+
+
+@triton.jit
+def _dq_tile(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    start_n,
+    offs_m,
+    offs_d,
+    offs_dv,
+    seqlen_k,
+    diag,
+    left,
+    right,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    PAD_D: tl.constexpr,
+    PAD_DV: tl.constexpr,
+):
+    """Add the contribution of key tile [start_n, start_n + BLOCK_N) to one query tile's dQ."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    row = tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + (row[:, None] * stride_kn + offs_d[None, :])
+    v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + (row[:, None] * stride_vn + offs_dv[None, :])
+    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, D]
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED, PAD_DV)  # [BLOCK_N, DV]
+    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    p = tl.math.exp2(qk * qk_scale - lse[:, None])
+    if MASKED:
+        p = tl.where(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT), p, 0.0)
+    dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
+    return dq
+
+
+@triton.jit
+def _attention_dq_kernel(
+    Q,
+    K,
+    V,
+    DOut,
+    Lse,
+    Delta,
+    DQ,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    stride_dqb,
+    stride_dqm,
+    stride_dqh,
+    nheads,
+    group,
+    seqlen_q,
+    seqlen_k,
+    left,
+    right,
+    qk_scale,
+    softmax_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
+):
+    """dQ (B, Sq, H, D) for one query tile of one head."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
+    tile_m = tl.program_id(0)
+    if HEAVY_FIRST:
+        tile_m = tl.num_programs(0) - 1 - tile_m
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    off_hk = off_h // group
+    start_m = tile_m * BLOCK_M
+    diag = seqlen_k - seqlen_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row = tl.arange(0, BLOCK_M)
+    q_ptrs = (
+        Q + off_b.to(tl.int64) * stride_qb + tl.cast(off_h, tl.int64) * stride_qh + tl.cast(start_m, tl.int64) * stride_qm
+        + (row[:, None] * stride_qm + offs_d[None, :])
+    )  # fmt: skip
+    do_ptrs = (
+        DOut + off_b.to(tl.int64) * stride_dob + tl.cast(off_h, tl.int64) * stride_doh
+        + tl.cast(start_m, tl.int64) * stride_dom + (row[:, None] * stride_dom + offs_dv[None, :])
+    )  # fmt: skip
+    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
+    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_M, DV]
+    lse_offs = off_bh.to(tl.int64) * seqlen_q + offs_m
+    lse, delta = _load_row_stats(Lse, Delta, lse_offs, offs_m, seqlen_q)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, mid_lo, mid_hi, hi = key_range(
+        start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
+    )
+    if MASK_LEFT:
+        for start_n in range(lo, mid_lo, BLOCK_N):
+            dq = _dq_tile(
+                dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+                seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+            )  # fmt: skip
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):
+        dq = _dq_tile(
+            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+            False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+        )  # fmt: skip
+    for start_n in range(mid_hi, hi, BLOCK_N):
+        dq = _dq_tile(
+            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+            True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+        )  # fmt: skip
+    dq_ptrs = (
+        DQ + off_b.to(tl.int64) * stride_dqb + tl.cast(off_h, tl.int64) * stride_dqh
+        + tl.cast(start_m, tl.int64) * stride_dqm + (row[:, None] * stride_dqm + offs_d[None, :])
+    )  # fmt: skip
+    store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, PAD_D)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels.
+
+    Args:
+        dout: (batch, seqlen_q, nheads, headdim_v), the gradient of out; last dimension contiguous
+        q, k, v, out, lse, softmax_scale, window_left, window_right: as given to / returned by the forward
+        dlse: None or (batch, nheads, seqlen_q) float32, the gradient arriving at lse
+
+    Returns:
+        dq, dk, dv with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group)
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    group = nheads // nheads_k
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    left = 0 if window_left is None else window_left
+    right = 0 if window_right is None else window_right
+    mask_flags = {"MASK_LEFT": window_left is not None, "MASK_RIGHT": window_right is not None}
+
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    block_rows = 64
+    _delta_kernel[(triton.cdiv(seqlen_q, block_rows), batch * nheads)](
+        out, dout, dlse, delta,
+        out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        nheads, seqlen_q,
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=block_rows, HAS_DLSE=dlse is not None,
+    )  # fmt: skip
+
+    dk = empty_output(k.shape, k.dtype, k.device)
+    dv = empty_output(v.shape, v.dtype, v.device)
+    cfg = config("backward_dkdv", q.device, head_dim, head_dim_v)
+    _attention_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
+        q, k, v, dout, lse, delta, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        nheads, nheads_k, group, seqlen_q, seqlen_k, left, right,
+        softmax_scale * LOG2E.value, softmax_scale,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask_flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+    dq = empty_output(q.shape, q.dtype, q.device)
+    cfg = config("backward_dq", q.device, head_dim, head_dim_v)
+    _attention_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)](
+        q, k, v, dout, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        nheads, group, seqlen_q, seqlen_k, left, right,
+        softmax_scale * LOG2E.value, softmax_scale,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask_flags, HEAVY_FIRST=window_right is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,226 @@
+"""FlashAttention forward: Triton kernel and its launcher.
+
+One program per (query tile, batch * head). The query tile stays in registers while key/value tiles
+stream through; the row max ``m`` and row sum ``l`` of the online softmax are kept in base 2 (the
+softmax scale and log2(e) folded into one multiply), and only O and the natural-log LSE are written.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.ops._alloc import empty_output
+from flashtile.ops.attention.configs import config, padded_head_dim
+from flashtile.ops.attention.tiles import LN2, LOG2E, key_range, load_tile, store_tile, visible
+
+
+
+@triton.jit
+def _forward_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    start_n,
+    offs_m,
+    offs_d,
+    offs_dv,
+    seqlen_k,
+    diag,
+    left,
+    right,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    PAD_D: tl.constexpr,
+    PAD_DV: tl.constexpr,
+):
+    """One online-softmax step over the key tile [start_n, start_n + BLOCK_N)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    row = tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + (row[:, None] * stride_kn + offs_d[None, :])
+    v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + (row[:, None] * stride_vn + offs_dv[None, :])
+    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, D]
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED, PAD_DV)  # [BLOCK_N, DV]
+    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    if MASKED:
+        ok = visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT)
+        qk = tl.where(ok, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_shift[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_shift = m_new
+        p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attention_forward_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    nheads,
+    group,
+    seqlen_q,
+    seqlen_k,
+    left,
+    right,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
+):
+    """Q (B, Sq, H, D), K (B, Sk, Hk, D), V (B, Sk, Hk, DV) -> Out (B, Sq, H, DV), Lse (B, H, Sq) fp32."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
+    tile_m = tl.program_id(0)
+    if HEAVY_FIRST:
+        tile_m = tl.num_programs(0) - 1 - tile_m
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    off_hk = off_h // group
+    start_m = tile_m * BLOCK_M
+    diag = seqlen_k - seqlen_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row = tl.arange(0, BLOCK_M)
+    q_ptrs = (
+        Q
+        + off_b.to(tl.int64) * stride_qb
+        + off_h.to(tl.int64) * stride_qh
+        + tl.cast(start_m, tl.int64) * stride_qm
+        + (row[:, None] * stride_qm + offs_d[None, :])
+    )
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, mid_lo, mid_hi, hi = key_range(
+        start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
+    )
+    if MASK_LEFT:
+        for start_n in range(lo, mid_lo, BLOCK_N):
+            acc, m_i, l_i = _forward_tile(
+                acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+                seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+            )  # fmt: skip
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):
+        acc, m_i, l_i = _forward_tile(
+            acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+            False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+        )  # fmt: skip
+    for start_n in range(mid_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _forward_tile(
+            acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+            True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+        )  # fmt: skip
+
+    # A row that saw no key has l = 0: its output is 0 and its LSE -inf.
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    o_ptrs = (
+        Out
+        + off_b.to(tl.int64) * stride_ob
+        + off_h.to(tl.int64) * stride_oh
+        + tl.cast(start_m, tl.int64) * stride_om
+        + (row[:, None] * stride_om + offs_dv[None, :])
+    )
+    store_tile(o_ptrs, acc.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_dv, HEAD_DIM_V, PAD_DV)
+    tl.store(Lse + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), last dimension contiguous
+        k: (batch, seqlen_k, nheads_k, headdim), last dimension contiguous
+        v: (batch, seqlen_k, nheads_k, headdim_v), last dimension contiguous
+        softmax_scale: multiplies q @ k^T before the softmax
+        window_left, window_right: the visible band (see ``tiles``); None leaves that side unbounded
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    out = empty_output((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
+    lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
+    cfg = config("forward", q.device, head_dim, head_dim_v)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
+    _attention_forward_kernel[grid](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        nheads, nheads // nheads_k, seqlen_q, seqlen_k,
+        0 if window_left is None else window_left,
+        0 if window_right is None else window_right,
+        softmax_scale * LOG2E.value,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_DV=padded_head_dim(head_dim_v),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        MASK_LEFT=window_left is not None,
+        MASK_RIGHT=window_right is not None,
+        HEAVY_FIRST=window_right is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse
+
