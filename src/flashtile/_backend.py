@@ -7,8 +7,9 @@
 | CPU tensor otherwise                                         | ``flashtile.cpu``: PyTorch, tiled  |
 
 Nothing else in flashtile reads the environment. Each path module provides
-``attention_forward(q, k, v, softmax_scale, causal) -> (out, lse)`` and
-``attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, dlse) -> (dq, dk, dv)``.
+``attention_forward(q, k, v, softmax_scale, window_left, window_right) -> (out, lse)`` and
+``attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse)
+-> (dq, dk, dv)``.
 """
 
 from __future__ import annotations

@@ -11,19 +11,19 @@ as the Triton kernels, written to be read.
 
 Forward: online softmax
 -----------------------
-For one query tile, stream the key/value tiles j = 0, 1, ... and keep, per query row,
-the running max ``m``, the running sum ``l = sum_j exp(s_j - m)`` and an unnormalised output
-``acc = sum_j exp(s_j - m) v_j``. On each new score tile S_j:
+For one query tile, stream the key/value tiles j = 0, 1, ... and keep, per query row, the
+running max ``m_i`` of the scores seen so far, the running sum ``l_i = sum exp(s - m_i)`` over
+them and an unnormalised output ``acc = sum exp(s - m_i) v``. On each new score tile S_j:
 
-    m_new = max(m, rowmax(S_j))
+    m_new = max(m_i, rowmax(S_j))
     P_j   = exp(S_j - m_new)
-    alpha = exp(m - m_new)              # rescales what was summed against the old max
-    l     = alpha * l + rowsum(P_j)
+    alpha = exp(m_i - m_new)            # rescales what was summed against the old max
+    l_i   = alpha * l_i + rowsum(P_j)
     acc   = alpha * acc + P_j V_j
-    m     = m_new
+    m_i   = m_new
 
-After the last tile, ``O = acc / l`` and the log-sum-exp ``LSE = m + log(l)`` is saved for the
-backward. Subtracting the running max keeps every exp() <= 1, so nothing overflows.
+After the last tile, ``O = acc / l_i`` and the log-sum-exp ``LSE = m_i + log(l_i)`` is saved for
+the backward. Subtracting the running max keeps every exp() <= 1, so nothing overflows.
 
 Backward: recompute P from the LSE
 ----------------------------------
@@ -50,9 +50,10 @@ the ``group`` heads that share a key/value head is reshaped to (batch, nheads_k,
 headdim), so each key/value tile is used once per query tile. Tiles are upcast to float32
 (float64 stays float64) and accumulated there; results are cast back at the end.
 
-Causal masking is bottom-right aligned as in flash_attn: query i sees key j iff
-``j <= i + seqlen_k - seqlen_q``. Key tiles that no row of the query tile can see are skipped,
-and a mask is built only for tiles that cross the diagonal. A query row that sees no key
+Masks are bottom-right aligned as in flash_attn: with a window (left, right), query i sees key j
+iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (causal: no left
+bound, right = 0). Key tiles that no row of the query tile can see are skipped, and a mask is
+built only for tiles that the band's edges cut. A query row that sees no key
 (possible when seqlen_q > seqlen_k) gets output 0, LSE -inf and zero gradients.
 """
 
@@ -70,19 +71,31 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _key_end(q_end: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """One past the last key that a query row in [.., q_end) may see (<= 0: none)."""
-    return min(seqlen_k, q_end + seqlen_k - seqlen_q) if causal else seqlen_k
+def _key_span(q0: int, q1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None) -> range:
+    """Start of each key tile that a query row in [q0, q1) may see (empty if none sees any key)."""
+    diag = seqlen_k - seqlen_q
+    lo = 0 if left is None else max(0, q0 + diag - left)
+    hi = seqlen_k if right is None else min(seqlen_k, q1 + diag + right)
+    return range(lo, hi, BLOCK_N)
 
 
-def _causal_mask(q0: int, q1: int, k0: int, k1: int, seqlen_q: int, seqlen_k: int) -> Tensor | None:
+def _band_mask(
+    q0: int, q1: int, k0: int, k1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None
+) -> Tensor | None:
     """Boolean (q1 - q0, k1 - k0) mask, True where query i may see key j; None if all may."""
-    offset = seqlen_k - seqlen_q
-    if k1 - 1 <= q0 + offset:  # the tile's last key is visible to its first query row
+    diag = seqlen_k - seqlen_q
+    left_clear = left is None or k0 >= q1 - 1 + diag - left  # the last row sees the tile's first key
+    right_clear = right is None or k1 - 1 <= q0 + diag + right  # the first row sees the tile's last key
+    if left_clear and right_clear:
         return None
     i = torch.arange(q0, q1)[:, None]
     j = torch.arange(k0, k1)[None, :]
-    return j <= i + offset
+    visible = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+    if left is not None:
+        visible &= j >= i + diag - left
+    if right is not None:
+        visible &= j <= i + diag + right
+    return visible
 
 
 def _scores(q_t: Tensor, k_t: Tensor, scale: float, mask: Tensor | None, group: int) -> Tensor:
@@ -115,7 +128,9 @@ def _store_query_tile(dst: Tensor, q0: int, q1: int, tile: Tensor) -> None:
 
 
 @torch.no_grad()
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, window_left: int | None, window_right: int | None
+) -> tuple[Tensor, Tensor]:
     """Exact attention by tiles with online softmax.
 
     Args:
@@ -124,7 +139,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, cau
            key/value head h // (nheads // nheads_k)
         v: (batch, seqlen_k, nheads_k, headdim_v)
         softmax_scale: multiplies Q K^T before the softmax
-        causal: bottom-right aligned mask, query i sees key j iff j <= i + seqlen_k - seqlen_q.
+        window_left, window_right: the visible band, bottom-right aligned as in flash_attn: query i
+           sees key j iff i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right;
+           None leaves a side unbounded. Causal is (None, 0): j <= i + seqlen_k - seqlen_q.
            For seqlen_q = 5, seqlen_k = 3 (1 = visible), the first two rows see nothing:
                0 0 0
                0 0 0
@@ -149,22 +166,22 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, cau
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_t = _query_tile(q, q0, q1, Hk, dtype)  # (B, Hk, gM, D)
-        m = torch.full((*q_t.shape[:-1], 1), float("-inf"), dtype=dtype)  # running row max
-        l = torch.zeros_like(m)  # running row sum of exp(s - m)
-        acc = torch.zeros(*q_t.shape[:-1], Dv, dtype=dtype)  # running sum of exp(s - m) v
-        for k0 in range(0, _key_end(q1, Sq, Sk, causal), BLOCK_N):
+        m_i = torch.full((*q_t.shape[:-1], 1), float("-inf"), dtype=dtype)  # running row max
+        l_i = torch.zeros_like(m_i)  # running row sum of exp(s - m_i)
+        acc = torch.zeros(*q_t.shape[:-1], Dv, dtype=dtype)  # running sum of exp(s - m_i) v
+        for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
-            mask = _causal_mask(q0, q1, k0, k1, Sq, Sk) if causal else None
+            mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
             s = _scores(q_t, _key_tile(k, k0, k1, dtype), softmax_scale, mask, group)
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key seen yet
             p = torch.exp_(s.sub_(m_safe))
-            alpha = torch.exp(m - m_safe)
-            l = l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            alpha = torch.exp(m_i - m_safe)
+            l_i = l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             acc = acc.mul_(alpha).add_(torch.matmul(p, _key_tile(v, k0, k1, dtype)))  # [gM, N] @ [N, Dv]
-            m = m_new
-        _store_query_tile(out, q0, q1, acc / l.masked_fill(l == 0, 1.0))
-        lse[:, :, q0:q1] = (m + torch.log(l)).view(B, H, q1 - q0)  # -inf + log 0 = -inf if no key
+            m_i = m_new
+        _store_query_tile(out, q0, q1, acc / l_i.masked_fill(l_i == 0, 1.0))
+        lse[:, :, q0:q1] = (m_i + torch.log(l_i)).view(B, H, q1 - q0)  # -inf + log 0 = -inf if no key
     return out, lse
 
 
@@ -177,14 +194,15 @@ def attention_backward(
     out: Tensor,
     lse: Tensor,
     softmax_scale: float,
-    causal: bool,
+    window_left: int | None,
+    window_right: int | None,
     dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention, recomputing P tile by tile from the saved LSE.
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim_v), gradient of ``out``
-        q, k, v, softmax_scale, causal: as given to ``attention_forward``
+        q, k, v, softmax_scale, window_left, window_right: as given to ``attention_forward``
         out: (batch, seqlen_q, nheads, headdim_v), as returned by ``attention_forward``
         lse: (batch, nheads, seqlen_q) float32, as returned by ``attention_forward``
         dlse: (batch, nheads, seqlen_q) float32 gradient of ``lse``, or None for zero
@@ -212,9 +230,9 @@ def attention_backward(
             delta -= dlse[:, :, q0:q1].reshape(B, Hk, -1, 1).to(dtype)
         lse_t = lse_t.masked_fill(lse_t == float("-inf"), 0.0)  # rows with no key: P = exp(-inf) = 0
         dq_t = torch.zeros_like(q_t)
-        for k0 in range(0, _key_end(q1, Sq, Sk, causal), BLOCK_N):
+        for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
-            mask = _causal_mask(q0, q1, k0, k1, Sq, Sk) if causal else None
+            mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
             k_t = _key_tile(k, k0, k1, dtype)
             v_t = _key_tile(v, k0, k1, dtype)
             p = torch.exp_(_scores(q_t, k_t, softmax_scale, mask, group).sub_(lse_t))  # (B, Hk, gM, N)

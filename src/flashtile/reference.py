@@ -13,14 +13,31 @@ import math
 import torch
 
 
-def causal_mask(seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Boolean (seqlen_q, seqlen_k) mask, True where query i may see key j.
+def visibility_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k), True where query i may see key j, with flash_attn's semantics.
 
-    Bottom-right aligned as in flash_attn: query i sees keys j <= i + seqlen_k - seqlen_q.
+    Bottom-right aligned: query i sees keys j with
+    i + seqlen_k - seqlen_q - window_size[0] <= j <= i + seqlen_k - seqlen_q + window_size[1];
+    a negative side is unbounded, and causal sets window_size[1] = 0.
     """
+    left, right = window_size
+    if causal:
+        right = 0
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    diag = seqlen_k - seqlen_q
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= j >= i + diag - left
+    if right >= 0:
+        allowed &= j <= i + diag + right
+    return allowed
 
 
 def attention_reference(
@@ -29,6 +46,8 @@ def attention_reference(
     v: torch.Tensor,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention in the inputs' dtype.
 
@@ -37,7 +56,8 @@ def attention_reference(
         k: (batch, seqlen_k, nheads_k, headdim), nheads divisible by nheads_k
         v: (batch, seqlen_k, nheads_k, headdim_v)
         softmax_scale: defaults to 1 / sqrt(headdim)
-        causal: bottom-right aligned causal mask (see ``causal_mask``)
+        causal, window_size: flash_attn's masks (see ``visibility_mask``)
+        mask: (seqlen_q, seqlen_k) boolean, True = visible; replaces causal/window_size when given
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v), 0 for a query row that sees no key
@@ -48,9 +68,9 @@ def attention_reference(
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        allowed = causal_mask(q.shape[1], k.shape[1], q.device)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    if mask is None:
+        mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0.0))
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)

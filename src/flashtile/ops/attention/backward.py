@@ -15,7 +15,16 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import config, padded_head_dim
-from flashtile.ops.attention.tiles import LOG2E, key_range, load_tile, query_range, store_tile, visible
+from flashtile.ops.attention.tiles import (
+    LOG2E,
+    head_base,
+    key_range,
+    load_tile,
+    query_range,
+    rows_at,
+    store_tile,
+    visible,
+)
 
 
 @triton.jit
@@ -44,15 +53,8 @@ def _delta_kernel(
     off_h = off_bh % nheads
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row = tl.arange(0, BLOCK_M)
-    o_ptrs = (
-        Out + off_b.to(tl.int64) * stride_ob + tl.cast(off_h, tl.int64) * stride_oh + tl.cast(start_m, tl.int64) * stride_om
-        + (row[:, None] * stride_om + offs_dv[None, :])
-    )  # fmt: skip
-    do_ptrs = (
-        DOut + off_b.to(tl.int64) * stride_dob + tl.cast(off_h, tl.int64) * stride_doh
-        + tl.cast(start_m, tl.int64) * stride_dom + (row[:, None] * stride_dom + offs_dv[None, :])
-    )  # fmt: skip
+    o_ptrs = rows_at(head_base(Out, off_b, off_h, stride_ob, stride_oh), start_m, stride_om, offs_dv, BLOCK_M)
+    do_ptrs = rows_at(head_base(DOut, off_b, off_h, stride_dob, stride_doh), start_m, stride_dom, offs_dv, BLOCK_M)
     o = load_tile(o_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
@@ -105,9 +107,8 @@ def _dkdv_tile(
 ):
     """Add the contribution of query rows [start_m, start_m + BLOCK_M) to one key tile's dK, dV."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    row = tl.arange(0, BLOCK_M)
-    q_ptrs = q_base + tl.cast(start_m, tl.int64) * stride_qm + (row[:, None] * stride_qm + offs_d[None, :])
-    do_ptrs = do_base + tl.cast(start_m, tl.int64) * stride_dom + (row[:, None] * stride_dom + offs_dv[None, :])
+    q_ptrs = rows_at(q_base, start_m, stride_qm, offs_d, BLOCK_M)
+    do_ptrs = rows_at(do_base, start_m, stride_dom, offs_dv, BLOCK_M)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_M, DV]
     lse, delta = _load_row_stats(lse_base, delta_base, offs_m, offs_m, seqlen_q)
@@ -181,25 +182,16 @@ def _attention_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row = tl.arange(0, BLOCK_N)
-    k_ptrs = (
-        K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + tl.cast(start_n, tl.int64) * stride_kn
-        + (row[:, None] * stride_kn + offs_d[None, :])
-    )  # fmt: skip
-    v_ptrs = (
-        V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + tl.cast(start_n, tl.int64) * stride_vn
-        + (row[:, None] * stride_vn + offs_dv[None, :])
-    )  # fmt: skip
+    k_ptrs = rows_at(head_base(K, off_b, off_hk, stride_kb, stride_kh), start_n, stride_kn, offs_d, BLOCK_N)
+    v_ptrs = rows_at(head_base(V, off_b, off_hk, stride_vb, stride_vh), start_n, stride_vn, offs_dv, BLOCK_N)
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_N, D]
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_N, DV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    lo, mid_lo, mid_hi, hi = query_range(
-        start_n, seqlen_q, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
-    )
+    lo, mid_lo, mid_hi, hi = query_range(start_n, seqlen_q, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     for off_h in range(off_hk * group, off_hk * group + group):
-        q_base = Q + off_b.to(tl.int64) * stride_qb + tl.cast(off_h, tl.int64) * stride_qh
-        do_base = DOut + off_b.to(tl.int64) * stride_dob + tl.cast(off_h, tl.int64) * stride_doh
+        q_base = head_base(Q, off_b, off_h, stride_qb, stride_qh)
+        do_base = head_base(DOut, off_b, off_h, stride_dob, stride_doh)
         row_base = tl.cast(off_b * nheads + off_h, tl.int64) * seqlen_q
         if MASK_RIGHT:
             for start_m in range(lo, mid_lo, BLOCK_M):
@@ -222,14 +214,8 @@ def _attention_dkdv_kernel(
                     HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
                 )  # fmt: skip
 
-    dk_ptrs = (
-        DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
-        + tl.cast(start_n, tl.int64) * stride_dkn + (row[:, None] * stride_dkn + offs_d[None, :])
-    )  # fmt: skip
-    dv_ptrs = (
-        DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
-        + tl.cast(start_n, tl.int64) * stride_dvn + (row[:, None] * stride_dvn + offs_dv[None, :])
-    )  # fmt: skip
+    dk_ptrs = rows_at(head_base(DK, off_b, off_hk, stride_dkb, stride_dkh), start_n, stride_dkn, offs_d, BLOCK_N)
+    dv_ptrs = rows_at(head_base(DV, off_b, off_hk, stride_dvb, stride_dvh), start_n, stride_dvn, offs_dv, BLOCK_N)
     store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, PAD_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, PAD_DV)
 
@@ -265,9 +251,8 @@ def _dq_tile(
 ):
     """Add the contribution of key tile [start_n, start_n + BLOCK_N) to one query tile's dQ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    row = tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + (row[:, None] * stride_kn + offs_d[None, :])
-    v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + (row[:, None] * stride_vn + offs_dv[None, :])
+    k_ptrs = rows_at(k_base, start_n, stride_kn, offs_d, BLOCK_N)
+    v_ptrs = rows_at(v_base, start_n, stride_vn, offs_dv, BLOCK_N)
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, D]
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED, PAD_DV)  # [BLOCK_N, DV]
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
@@ -338,25 +323,16 @@ def _attention_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row = tl.arange(0, BLOCK_M)
-    q_ptrs = (
-        Q + off_b.to(tl.int64) * stride_qb + tl.cast(off_h, tl.int64) * stride_qh + tl.cast(start_m, tl.int64) * stride_qm
-        + (row[:, None] * stride_qm + offs_d[None, :])
-    )  # fmt: skip
-    do_ptrs = (
-        DOut + off_b.to(tl.int64) * stride_dob + tl.cast(off_h, tl.int64) * stride_doh
-        + tl.cast(start_m, tl.int64) * stride_dom + (row[:, None] * stride_dom + offs_dv[None, :])
-    )  # fmt: skip
+    q_ptrs = rows_at(head_base(Q, off_b, off_h, stride_qb, stride_qh), start_m, stride_qm, offs_d, BLOCK_M)
+    do_ptrs = rows_at(head_base(DOut, off_b, off_h, stride_dob, stride_doh), start_m, stride_dom, offs_dv, BLOCK_M)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_M, DV]
     lse_offs = off_bh.to(tl.int64) * seqlen_q + offs_m
     lse, delta = _load_row_stats(Lse, Delta, lse_offs, offs_m, seqlen_q)
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    k_base = head_base(K, off_b, off_hk, stride_kb, stride_kh)
+    v_base = head_base(V, off_b, off_hk, stride_vb, stride_vh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, mid_lo, mid_hi, hi = key_range(
-        start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
-    )
+    lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             dq = _dq_tile(
@@ -376,10 +352,7 @@ def _attention_dq_kernel(
             seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
             True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
         )  # fmt: skip
-    dq_ptrs = (
-        DQ + off_b.to(tl.int64) * stride_dqb + tl.cast(off_h, tl.int64) * stride_dqh
-        + tl.cast(start_m, tl.int64) * stride_dqm + (row[:, None] * stride_dqm + offs_d[None, :])
-    )  # fmt: skip
+    dq_ptrs = rows_at(head_base(DQ, off_b, off_h, stride_dqb, stride_dqh), start_m, stride_dqm, offs_d, BLOCK_M)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, PAD_D)
 
 

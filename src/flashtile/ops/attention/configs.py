@@ -45,9 +45,21 @@ _HOPPER = {
 }
 # Ampere, Ada and anything else: smaller shared memory, so shallower pipelines.
 _OTHER = {
-    "forward": [(64, TileConfig(128, 64, 4, 3)), (128, TileConfig(128, 64, 8, 2)), (256, TileConfig(64, 64, 8, 1))],
-    "backward_dkdv": [(64, TileConfig(64, 64, 4, 2)), (128, TileConfig(64, 64, 8, 1)), (256, TileConfig(32, 64, 8, 1))],
-    "backward_dq": [(64, TileConfig(64, 64, 4, 2)), (128, TileConfig(64, 64, 8, 1)), (256, TileConfig(64, 32, 8, 1))],
+    "forward": [
+        (64, TileConfig(128, 64, 4, 3)),
+        (128, TileConfig(128, 64, 8, 2)),
+        (256, TileConfig(64, 64, 8, 1)),
+    ],
+    "backward_dkdv": [
+        (64, TileConfig(64, 64, 4, 2)),
+        (128, TileConfig(64, 64, 8, 1)),
+        (256, TileConfig(32, 64, 8, 1)),
+    ],
+    "backward_dq": [
+        (64, TileConfig(64, 64, 4, 2)),
+        (128, TileConfig(64, 64, 8, 1)),
+        (256, TileConfig(64, 32, 8, 1)),
+    ],
 }
 INTERPRETER = TileConfig(32, 64, 4, 1)
 

@@ -11,8 +11,7 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import config, padded_head_dim
-from flashtile.ops.attention.tiles import LN2, LOG2E, key_range, load_tile, store_tile, visible
-
+from flashtile.ops.attention.tiles import LN2, LOG2E, head_base, key_range, load_tile, rows_at, store_tile, visible
 
 
 @triton.jit
@@ -45,9 +44,8 @@ def _forward_tile(
 ):
     """One online-softmax step over the key tile [start_n, start_n + BLOCK_N)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    row = tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + (row[:, None] * stride_kn + offs_d[None, :])
-    v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + (row[:, None] * stride_vn + offs_dv[None, :])
+    k_ptrs = rows_at(k_base, start_n, stride_kn, offs_d, BLOCK_N)
+    v_ptrs = rows_at(v_base, start_n, stride_vn, offs_dv, BLOCK_N)
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, D]
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED, PAD_DV)  # [BLOCK_N, DV]
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
@@ -121,24 +119,15 @@ def _attention_forward_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row = tl.arange(0, BLOCK_M)
-    q_ptrs = (
-        Q
-        + off_b.to(tl.int64) * stride_qb
-        + off_h.to(tl.int64) * stride_qh
-        + tl.cast(start_m, tl.int64) * stride_qm
-        + (row[:, None] * stride_qm + offs_d[None, :])
-    )
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    q_ptrs = rows_at(head_base(Q, off_b, off_h, stride_qb, stride_qh), start_m, stride_qm, offs_d, BLOCK_M)
+    k_base = head_base(K, off_b, off_hk, stride_kb, stride_kh)
+    v_base = head_base(V, off_b, off_hk, stride_vb, stride_vh)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    lo, mid_lo, mid_hi, hi = key_range(
-        start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
-    )
+    lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             acc, m_i, l_i = _forward_tile(
@@ -163,13 +152,7 @@ def _attention_forward_kernel(
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    o_ptrs = (
-        Out
-        + off_b.to(tl.int64) * stride_ob
-        + off_h.to(tl.int64) * stride_oh
-        + tl.cast(start_m, tl.int64) * stride_om
-        + (row[:, None] * stride_om + offs_dv[None, :])
-    )
+    o_ptrs = rows_at(head_base(Out, off_b, off_h, stride_ob, stride_oh), start_m, stride_om, offs_dv, BLOCK_M)
     store_tile(o_ptrs, acc.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_dv, HEAD_DIM_V, PAD_DV)
     tl.store(Lse + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
@@ -223,4 +206,3 @@ def attention_forward(
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse
-

@@ -23,6 +23,22 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def head_base(ptr, off_b, off_h, stride_b, stride_h):
+    """Pointer to row 0 of head ``off_h`` of batch entry ``off_b`` of a (B, S, H, D) tensor (64-bit offsets)."""
+    return ptr + tl.cast(off_b, tl.int64) * stride_b + tl.cast(off_h, tl.int64) * stride_h
+
+
+@triton.jit
+def rows_at(head_ptr, start, stride_row, offs_cols, BLOCK_ROWS: tl.constexpr):
+    """[BLOCK_ROWS, cols] pointers to rows [start, start + BLOCK_ROWS) from a head's row 0.
+
+    The tile's start is offset in 64 bits; offsets inside the tile stay 32-bit.
+    """
+    rows = tl.arange(0, BLOCK_ROWS)
+    return head_ptr + tl.cast(start, tl.int64) * stride_row + (rows[:, None] * stride_row + offs_cols[None, :])
+
+
+@triton.jit
 def key_range(
     start_m,
     seqlen_k,

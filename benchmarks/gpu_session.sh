@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call, in steps: bash benchmarks/gpu_session.sh STEP [STEP ...]
+#   test     the whole test suite on the GPU (larger shapes, int64 offsets, races)
+#   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
+#   quick    the benchmark's quick table against every peer
+#   bench    the full standard table (bf16) against every peer
+#   memory   fwd+bwd peak extra memory against SDPA flash
+#   sanitize compute-sanitizer memcheck of one forward + backward
+# Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
+set -uo pipefail
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/flashtile-out}
+mkdir -p "$OUT"
+commit=$(cat benchmarks/.commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S)"
+  case $step in
+    test) timeout 420 python3 -m pytest tests -q -x -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/test.log" | tail -25 ;;
+    tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
+    quick) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
+    bench) timeout 560 python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
+    memory) timeout 300 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
+    sanitize) timeout 300 compute-sanitizer --tool memcheck python3 -c "
+import torch, flashtile
+q, k, v = (torch.randn(2, 300, 4, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+flashtile.flash_attn_func(q, k[:, :211], v[:, :211], causal=True).sum().backward()
+torch.cuda.synchronize(); print('sanitized fwd+bwd ok')" 2>&1 | tail -8 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

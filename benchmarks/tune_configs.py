@@ -1,0 +1,96 @@
+"""Sweep tile configs per pass and head dim on the GPU at hand; the winners go into configs.py.
+
+    PYTHONPATH=src python3 benchmarks/tune_configs.py --out DIR [--head-dims 64,128,256] [--seqlen 8192]
+
+Each pass ('forward', 'backward_dkdv', 'backward_dq') is timed with one candidate config swapped in
+(``configs.override``) and the others at their table value, at B*N = 16384 tokens, H = 2048 / D,
+bf16, causal and not. Writes ``tune.json`` and prints the best config per (head dim, causal, pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from pathlib import Path
+
+import torch
+import triton
+
+from flashtile.ops.attention import attention_backward, attention_forward
+from flashtile.ops.attention.configs import TileConfig, override
+
+CANDIDATES = {
+    "forward": [
+        TileConfig(*c)
+        for c in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 4),
+                  (64, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3)]
+    ],
+    "backward_dkdv": [
+        TileConfig(*c)
+        for c in [(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
+                  (32, 64, 4, 3), (64, 128, 4, 2), (32, 128, 8, 3)]
+    ],
+    "backward_dq": [
+        TileConfig(*c)
+        for c in [(128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3),
+                  (64, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)]
+    ],
+}  # fmt: skip
+
+
+def time_pass(pass_name: str, inputs: dict, causal: bool) -> float:
+    """Median ms of the launch that contains ``pass_name`` (the backward times both of its kernels)."""
+    q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
+    scale = 1 / math.sqrt(q.shape[-1])
+    right = 0 if causal else None
+    if pass_name == "forward":
+        return triton.testing.do_bench(lambda: attention_forward(q, k, v, scale, None, right), return_mode="median")
+    out, lse = attention_forward(q, k, v, scale, None, right)
+    return triton.testing.do_bench(
+        lambda: attention_backward(dout, q, k, v, out, lse, scale, None, right), return_mode="median"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--passes", default="forward,backward_dkdv,backward_dq")
+    parser.add_argument("--causal", default="false", help="comma list of false/true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for head_dim in (int(d) for d in args.head_dims.split(",")):
+        nheads, batch = 2048 // head_dim, 16384 // args.seqlen
+        shape = (batch, args.seqlen, nheads, head_dim)
+        inputs = {n: torch.randn(shape, device="cuda", dtype=torch.bfloat16) for n in ("q", "k", "v", "dout")}
+        causal_values = [c.strip().lower() == "true" for c in args.causal.split(",")]
+        for causal, pass_name in itertools.product(causal_values, args.passes.split(",")):
+            flops = 4 * batch * nheads * args.seqlen**2 * head_dim / (2 if causal else 1)
+            flops *= 1.0 if pass_name == "forward" else 2.5
+            for cfg in CANDIDATES[pass_name]:
+                row = {"head_dim": head_dim, "causal": causal, "pass": pass_name, "config": cfg.__dict__}
+                try:
+                    with override(**{pass_name: cfg}):
+                        ms = time_pass(pass_name, inputs, causal)
+                    row.update(ms=ms, tflops=flops / ms / 1e9)
+                except Exception as error:  # a config that does not fit is a result, not a crash
+                    row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    (args.out / "tune.json").write_text(json.dumps(rows, indent=1))
+    print("\nbest per (head_dim, causal, pass):")
+    for key, group in itertools.groupby(rows, key=lambda r: (r["head_dim"], r["causal"], r["pass"])):
+        timed = [r for r in group if "ms" in r]
+        if timed:
+            best = min(timed, key=lambda r: r["ms"])
+            print(key, best["config"], f"{best['tflops']:.0f} TFLOP/s ({best['ms']:.3f} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""flashtile: exact, IO-aware FlashAttention for PyTorch with Triton kernels.
+
+A drop-in for flash_attn (same names, arguments and layouts) and for
+``torch.nn.functional.scaled_dot_product_attention``. CUDA tensors run compiled Triton kernels;
+CPU tensors run the same tiled algorithm in PyTorch (see ``flashtile._backend``).
+"""
+
+from flashtile.interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtile.sdpa import scaled_dot_product_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "scaled_dot_product_attention",
+]
