@@ -19,9 +19,9 @@ for step in "$@"; do
     test) timeout 420 python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/test.log" | tail -25 ;;
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
     quick) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
-    bench) timeout 560 python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
-    memory) timeout 300 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
-    sanitize) timeout 300 compute-sanitizer --tool memcheck python3 -c "
+    bench) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
+    memory) timeout 80 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
+    sanitize) timeout 90 compute-sanitizer --tool memcheck python3 -c "
 import torch, flashtile
 q, k, v = (torch.randn(2, 300, 4, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 flashtile.flash_attn_func(q, k[:, :211], v[:, :211], causal=True).sum().backward()

@@ -28,19 +28,19 @@ class TileConfig:
 # pass -> [(largest padded head dim it serves, config)], smallest first.
 _HOPPER = {
     "forward": [
-        (64, TileConfig(128, 128, 8, 3)),
-        (128, TileConfig(128, 128, 8, 3)),
-        (256, TileConfig(128, 64, 8, 2)),
+        (64, TileConfig(128, 64, 4, 3)),
+        (128, TileConfig(128, 64, 8, 3)),
+        (256, TileConfig(64, 64, 4, 3)),
     ],
     "backward_dkdv": [
-        (64, TileConfig(64, 128, 8, 3)),
-        (128, TileConfig(64, 128, 8, 2)),
+        (64, TileConfig(32, 128, 4, 4)),
+        (128, TileConfig(64, 128, 8, 3)),
         (256, TileConfig(64, 64, 8, 1)),
     ],
     "backward_dq": [
         (64, TileConfig(128, 64, 8, 3)),
-        (128, TileConfig(128, 64, 8, 2)),
-        (256, TileConfig(64, 64, 8, 1)),
+        (128, TileConfig(128, 64, 8, 3)),
+        (256, TileConfig(128, 32, 8, 3)),
     ],
 }
 # Ampere, Ada and anything else: smaller shared memory, so shallower pipelines.
