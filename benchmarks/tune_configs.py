@@ -1,10 +1,12 @@
 """Sweep tile configs per pass and head dim on the GPU at hand; the winners go into configs.py.
 
-    PYTHONPATH=src python3 benchmarks/tune_configs.py --out DIR [--head-dims 64,128,256] [--seqlen 8192]
+    PYTHONPATH=src python3 benchmarks/tune_configs.py --out DIR [--head-dims 64,128,256] [--seqlens 8192]
+        [--causal false,true] [--passes forward,backward_dkdv,backward_dq] [--atomic-dq] [--tag NAME]
 
 Each pass ('forward', 'backward_dkdv', 'backward_dq') is timed with one candidate config swapped in
 (``configs.override``) and the others at their table value, at B*N = 16384 tokens, H = 2048 / D,
-bf16, causal and not. Writes ``tune.json`` and prints the best config per (head dim, causal, pass).
+bf16. ``--atomic-dq`` times the backward that adds dQ with atomics in the dK/dV kernel. Writes
+``tune-<tag>.json`` and prints the best config per (head dim, seqlen, causal, pass).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ CANDIDATES = {
     "forward": [
         TileConfig(*c)
         for c in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 4),
-                  (64, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3)]
+                  (64, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)]
     ],
     "backward_dkdv": [
         TileConfig(*c)
@@ -57,24 +59,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--head-dims", default="64,128,256")
-    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--seqlens", default="8192")
     parser.add_argument("--passes", default="forward,backward_dkdv,backward_dq")
     parser.add_argument("--causal", default="false", help="comma list of false/true")
+    parser.add_argument("--atomic-dq", action="store_true")
+    parser.add_argument("--tag", default="sweep")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for head_dim in (int(d) for d in args.head_dims.split(",")):
-        nheads, batch = 2048 // head_dim, 16384 // args.seqlen
-        shape = (batch, args.seqlen, nheads, head_dim)
+    causal_values = [c.strip().lower() == "true" for c in args.causal.split(",")]
+    for head_dim, seqlen in itertools.product(
+        (int(d) for d in args.head_dims.split(",")), (int(n) for n in args.seqlens.split(","))
+    ):
+        nheads, batch = 2048 // head_dim, 16384 // seqlen
+        shape = (batch, seqlen, nheads, head_dim)
         inputs = {n: torch.randn(shape, device="cuda", dtype=torch.bfloat16) for n in ("q", "k", "v", "dout")}
-        causal_values = [c.strip().lower() == "true" for c in args.causal.split(",")]
         for causal, pass_name in itertools.product(causal_values, args.passes.split(",")):
-            flops = 4 * batch * nheads * args.seqlen**2 * head_dim / (2 if causal else 1)
+            flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
             flops *= 1.0 if pass_name == "forward" else 2.5
             for cfg in CANDIDATES[pass_name]:
-                row = {"head_dim": head_dim, "causal": causal, "pass": pass_name, "config": cfg.__dict__}
+                row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "pass": pass_name}
+                row.update(atomic_dq=args.atomic_dq, config=cfg.__dict__)
                 try:
-                    with override(**{pass_name: cfg}):
+                    with override(**{pass_name: cfg}, atomic_dq=args.atomic_dq):
                         ms = time_pass(pass_name, inputs, causal)
                     row.update(ms=ms, tflops=flops / ms / 1e9)
                 except Exception as error:  # a config that does not fit is a result, not a crash
@@ -83,9 +90,9 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
         del inputs
         torch.cuda.empty_cache()
-    (args.out / "tune.json").write_text(json.dumps(rows, indent=1))
-    print("\nbest per (head_dim, causal, pass):")
-    for key, group in itertools.groupby(rows, key=lambda r: (r["head_dim"], r["causal"], r["pass"])):
+    (args.out / f"tune-{args.tag}.json").write_text(json.dumps(rows, indent=1))
+    print(f"\n{args.tag}: best per (head_dim, seqlen, causal, pass):")
+    for key, group in itertools.groupby(rows, key=lambda r: (r["head_dim"], r["seqlen"], r["causal"], r["pass"])):
         timed = [r for r in group if "ms" in r]
         if timed:
             best = min(timed, key=lambda r: r["ms"])

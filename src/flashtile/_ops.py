@@ -21,17 +21,18 @@ def attention_forward(
     softmax_scale: float,
     window_left: int | None,
     window_right: int | None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), lse (B, H, Sq) fp32.
 
     Query i sees key j when i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right; a side
-    given as None is unbounded.
+    given as None is unbounded. ``deterministic`` is for the backward (bitwise-repeatable dQ).
     """
     return attention_path(q.device).attention_forward(q, k, v, softmax_scale, window_left, window_right)
 
 
 @attention_forward.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right):
+def _(q, k, v, softmax_scale, window_left, window_right, deterministic=False):
     batch, seqlen_q, nheads, _ = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, v.shape[3]))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -50,24 +51,26 @@ def attention_backward(
     softmax_scale: float,
     window_left: int | None,
     window_right: int | None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse, or None."""
     return attention_path(q.device).attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse
+        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, deterministic
     )
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right):
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right = inputs
+    q, k, v, softmax_scale, window_left, window_right, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
+    ctx.deterministic = deterministic
 
 
 def _backward(ctx, dout, dlse):
@@ -79,8 +82,10 @@ def _backward(ctx, dout, dlse):
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attention_backward(
+        dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right, ctx.deterministic
+    )
+    return dq, dk, dv, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

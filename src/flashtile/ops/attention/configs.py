@@ -62,8 +62,11 @@ _OTHER = {
     ],
 }
 INTERPRETER = TileConfig(32, 64, 4, 1)
+# Whether the backward adds dQ with fp32 atomics inside the dK/dV kernel (5 matrix products per
+# tile pair) instead of a separate dQ kernel (7), when the caller allows non-determinism.
+ATOMIC_DQ = {"hopper": False, "other": False, "interpreter": False}
 
-_overrides: dict[str, TileConfig] = {}
+_overrides: dict[str, TileConfig | bool] = {}
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -82,12 +85,22 @@ def config(pass_name: str, device: torch.device, head_dim: int, head_dim_v: int)
     return next(cfg for largest, cfg in table[pass_name] if width <= largest)
 
 
+def use_atomic_dq(device: torch.device) -> bool:
+    """Whether a non-deterministic backward on ``device`` accumulates dQ with atomics."""
+    if "atomic_dq" in _overrides:
+        return bool(_overrides["atomic_dq"])
+    if device.type != "cuda":
+        return ATOMIC_DQ["interpreter"]
+    return ATOMIC_DQ["hopper" if torch.cuda.get_device_capability(device)[0] == 9 else "other"]
+
+
 @contextlib.contextmanager
-def override(**configs: TileConfig) -> Iterator[None]:
-    """Use the given configs (keyed by pass name) inside the block, e.g. for a tuning sweep."""
-    unknown = set(configs) - {"forward", "backward_dkdv", "backward_dq"}
+def override(**configs: TileConfig | bool) -> Iterator[None]:
+    """Inside the block use the given configs (keyed by pass name: forward, backward_dkdv,
+    backward_dq) and atomic_dq=True/False, e.g. for a tuning sweep."""
+    unknown = set(configs) - {"forward", "backward_dkdv", "backward_dq", "atomic_dq"}
     if unknown:
-        raise ValueError(f"unknown pass names {sorted(unknown)}; use forward, backward_dkdv, backward_dq")
+        raise ValueError(f"unknown names {sorted(unknown)}; use forward, backward_dkdv, backward_dq, atomic_dq")
     saved = dict(_overrides)
     _overrides.update(configs)
     try:

@@ -1,0 +1,124 @@
+"""Small-problem latency (eager and CUDA-graph replay) and first-call compile latency on the GPU.
+
+    PYTHONPATH=src python3 benchmarks/latency.py --out DIR
+
+1. Launch overhead: at N = 512 and 1024 (B*N = 16384, D = 128, bf16, causal and not) the median time
+   of flashtile's forward and forward+backward, called eagerly and replayed from a captured CUDA
+   graph, next to SDPA flash (FA2). The gap between eager and graph is the Python launch path.
+2. First call of a new shape: in a fresh process with an empty Triton cache (TRITON_CACHE_DIR) the
+   first forward+backward pays compilation; a second fresh process with the same cache does not.
+Writes ``latency.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtile
+
+FIRST_CALL = """
+import time, torch, flashtile
+q, k, v = (torch.randn(3, 1000, 12, 96, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+torch.cuda.synchronize()
+start = time.perf_counter()
+flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
+torch.cuda.synchronize()
+print(time.perf_counter() - start)
+"""
+
+
+def graphed(fn):
+    """Capture ``fn`` in a CUDA graph after warm-up; return a function that replays it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def launch_overhead() -> list[dict]:
+    rows = []
+    for seqlen in (512, 1024):
+        batch, nheads, head_dim = 16384 // seqlen, 16, 128
+        q, k, v, dout = (
+            torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+        )
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        for causal in (False, True):
+
+            def ft_fwd():
+                flashtile.flash_attn_func(q, k, v, causal=causal)
+
+            def ft_fwd_bwd():
+                flashtile.flash_attn_func(q, k, v, causal=causal).backward(dout)
+
+            def fa2_fwd():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    torch.nn.functional.scaled_dot_product_attention(
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+                    )
+
+            def fa2_fwd_bwd():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+                    )
+                out.backward(dout.transpose(1, 2))
+
+            for name, fn in (("flashtile fwd", ft_fwd), ("flashtile fwd+bwd", ft_fwd_bwd),
+                             ("fa2 fwd", fa2_fwd), ("fa2 fwd+bwd", fa2_fwd_bwd)):  # fmt: skip
+                eager = triton.testing.do_bench(fn, return_mode="median")
+                graph = triton.testing.do_bench(graphed(fn), return_mode="median")
+                rows.append({"what": name, "N": seqlen, "causal": causal, "eager_ms": eager, "graph_ms": graph})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def first_call() -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        for attempt in ("empty cache", "warm cache"):
+            start = time.perf_counter()
+            run = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True, text=True)
+            process_s = time.perf_counter() - start
+            if run.returncode != 0:
+                rows.append({"what": attempt, "error": run.stderr[-500:]})
+            else:
+                rows.append({"what": attempt, "first_call_s": float(run.stdout.split()[-1]), "process_s": process_s})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"gpu": torch.cuda.get_device_name(), "first_call": first_call(), "launch": launch_overhead()}
+    (args.out / "latency.json").write_text(json.dumps(result, indent=1))
+    print("\n| what | N | causal | eager ms | graph ms |\n|---|---|---|---|---|")
+    for row in result["launch"]:
+        print(f"| {row['what']} | {row['N']} | {row['causal']} | {row['eager_ms']:.3f} | {row['graph_ms']:.3f} |")
+    for row in result["first_call"]:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Decoding with a KV cache as Triton kernels: append with rotary, split-KV attention, combine."""
+
+from flashtile.ops.decode.forward import kvcache_forward
+
+__all__ = ["kvcache_forward"]

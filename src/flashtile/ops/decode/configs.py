@@ -1,0 +1,67 @@
+"""Tile shapes and the split count of the decode kernels.
+
+Decoding reads the whole KV cache for a few query rows, so its speed is the speed of that read: the
+key tile is wide enough to keep loads in flight, and when batch x kv-heads leaves SMs idle the keys are
+split across programs ("flash-decoding"). The CUDA numbers are first choices, to be measured on the
+H200 with benchmarks/bench_decode.py; the Triton interpreter gets small tiles so the tests run fast.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+MAX_SPLITS = 128
+MIN_BLOCKS_PER_SPLIT = 4  # a split reads at least this many key tiles, so the combine stays cheap
+MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """block_n: key rows per tile; num_warps, num_stages: as in Triton."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+INTERPRETER = DecodeConfig(32, 4, 1)
+
+
+def config(device: torch.device, head_dim: int) -> DecodeConfig:
+    """The tile config of the split-KV kernel for ``head_dim`` (the larger of headdim and headdim_v)."""
+    if device.type != "cuda":
+        return INTERPRETER
+    if head_dim <= 128:
+        return DecodeConfig(64, 4, 3)
+    return DecodeConfig(64, 8, 2)
+
+
+def block_m(packed_rows: int) -> int:
+    """Query rows per program for ``packed_rows`` = seqlen_q x (nheads // nheads_k): a power of two in
+    [16, MAX_BLOCK_M] (16 is the smallest matrix-product height)."""
+    return max(16, min(MAX_BLOCK_M, triton.next_power_of_2(packed_rows)))
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs one program at a time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(programs: int, n_blocks: int, num_sms: int) -> int:
+    """How many splits of the keys, for ``programs`` = batch x nheads_k x query tiles reading up to
+    ``n_blocks`` key tiles each, on ``num_sms`` SMs.
+
+    No split when the programs already fill most of one wave; otherwise aim at about two programs per
+    SM, with every split reading at least MIN_BLOCKS_PER_SPLIT tiles and at most MAX_SPLITS splits.
+    """
+    if programs >= 0.8 * num_sms:
+        return 1
+    wanted = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(wanted, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))

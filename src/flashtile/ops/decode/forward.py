@@ -1,0 +1,45 @@
+"""``flash_attn_with_kvcache`` on the Triton kernels: append (with rotary), then split-KV attention."""
+
+import torch
+
+from flashtile.ops.decode.append import append_kv
+from flashtile.ops.decode.split_kv import decode_attention
+
+
+def kvcache_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    cache_batch_idx: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    rotary_interleaved: bool,
+    rotary_per_token: bool,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append k, v to the caches in place, then attend q to each batch entry's keys.
+
+    Inputs are validated (``flashtile.kvcache``); shapes and meanings as in ``decode_attention`` and
+    ``append_kv``. k and v: (batch, seqlen_new, nheads_k, headdim[_v]) or None (then so are rotary_cos
+    and rotary_sin). Returns out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q) fp32.
+    """
+    seqlen_new = 0
+    if k is not None:
+        append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+                  rotary_interleaved)  # fmt: skip
+        seqlen_new = k.shape[1]
+    return decode_attention(
+        q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+        rotary_cos, rotary_sin, seqlen_new, softmax_scale, window_left, window_right, softcap,
+        rotary_interleaved, rotary_per_token, num_splits,
+    )  # fmt: skip

@@ -1,0 +1,107 @@
+"""Triton helpers shared by the decode kernels: where a cache position lives, and rotary embedding.
+
+Cache positions. A position ``pos`` of batch entry b is a row of b's logical key sequence (0 is the
+first row of the cache, ``cache_leftpad`` and ``cache_seqlens`` count in the same units). It lives at
+
+    contiguous cache (batch_cache, seqlen_cache, nheads_k, headdim):   [cache_batch_idx[b], pos]
+    paged cache (num_blocks, PAGE_SIZE, nheads_k, headdim):            [block_table[b, pos // PAGE_SIZE],
+                                                                        pos % PAGE_SIZE]
+
+Rotary embedding, for a row at position p and a column d < ROTARY_DIM, with cos/sin tables of shape
+(seqlen_ro, ROTARY_DIM / 2) and R = ROTARY_DIM:
+
+    interleaved (GPT-J):         x'[2f]     = x[2f]     cos[p, f] - x[2f + 1] sin[p, f]
+                                 x'[2f + 1] = x[2f + 1] cos[p, f] + x[2f]     sin[p, f]
+    non-interleaved (GPT-NeoX):  x'[f]       = x[f]       cos[p, f] - x[f + R/2] sin[p, f]
+                                 x'[f + R/2] = x[f + R/2] cos[p, f] + x[f]       sin[p, f]
+
+Columns d >= ROTARY_DIM pass through unchanged. The rotation runs in fp32 and is rounded once, to the
+tile's dtype.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def cache_slots(
+    pos,
+    pos_ok,
+    off_b,
+    BatchIdx,
+    BlockTable,
+    stride_bt,
+    PAGE_SIZE: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
+):
+    """(slot, row), int64, of the cache positions ``pos`` [ROWS] of batch entry ``off_b``.
+
+    ``slot`` indexes dim 0 of the cache (a page, or a batch entry: then a scalar), ``row`` dim 1.
+    PAGE_SIZE = 0 means a contiguous cache. Block-table entries are read only where ``pos_ok``.
+    """
+    if PAGE_SIZE > 0:
+        table = BlockTable + tl.cast(off_b, tl.int64) * stride_bt
+        slot = tl.load(table + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        row = (pos % PAGE_SIZE).to(tl.int64)
+    else:
+        if HAS_BATCH_IDX:
+            slot = tl.load(BatchIdx + off_b).to(tl.int64)
+        else:
+            slot = tl.cast(off_b, tl.int64)
+        row = pos.to(tl.int64)
+    return slot, row
+
+
+@triton.jit
+def load_rows(row_ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """The [ROWS, BLOCK_D] tile ``row_ptrs[:, None] + offs_d[None, :]``.
+
+    Zero past HEAD_DIM, and (when CHECK_ROWS) in rows that are not ``row_ok``.
+    """
+    PAD_D: tl.constexpr = offs_d.shape[0] != HEAD_DIM
+    ptrs = row_ptrs[:, None] + offs_d[None, :]
+    if CHECK_ROWS and PAD_D:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    elif CHECK_ROWS:
+        tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    elif PAD_D:
+        tile = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def load_rotated(
+    row_ptrs,
+    row_ok,
+    pos,
+    Cos,
+    Sin,
+    stride_cos,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """``load_rows`` (rows checked), rotated at positions ``pos`` [ROWS]; in the tile's own dtype."""
+    x = load_rows(row_ptrs, row_ok, offs_d, HEAD_DIM, True)  # [ROWS, BLOCK_D]
+    if ROTARY_DIM > 0:
+        rotated = offs_d < ROTARY_DIM
+        if INTERLEAVED:
+            partner = offs_d ^ 1
+            freq = offs_d // 2
+            sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+        else:
+            HALF: tl.constexpr = ROTARY_DIM // 2
+            partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+            freq = tl.where(offs_d < HALF, offs_d, offs_d - HALF)
+            sign = tl.where(offs_d < HALF, -1.0, 1.0)
+        partner = tl.where(rotated, partner, offs_d)
+        table_mask = row_ok[:, None] & rotated[None, :]
+        table = pos.to(tl.int64)[:, None] * stride_cos + freq[None, :]  # [ROWS, BLOCK_D]
+        cos = tl.load(Cos + table, mask=table_mask, other=1.0).to(tl.float32)
+        sin = tl.load(Sin + table, mask=table_mask, other=0.0).to(tl.float32)
+        x_partner = load_rows(row_ptrs, row_ok, partner, HEAD_DIM, True).to(tl.float32)
+        x = (x.to(tl.float32) * cos + sign[None, :] * x_partner * sin).to(x.dtype)
+    return x
