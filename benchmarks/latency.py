@@ -13,6 +13,8 @@ Writes ``latency.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import os
 import subprocess
@@ -52,6 +54,25 @@ def graphed(fn):
     return graph.replay
 
 
+def _sdpa_flash(q, k, v, causal):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+        ).transpose(1, 2)
+
+
+def _flashtile(q, k, v, causal):
+    return flashtile.flash_attn_func(q, k, v, causal=causal)
+
+
+def _forward(attention, q, k, v, dout, causal):
+    attention(q, k, v, causal)
+
+
+def _forward_backward(attention, q, k, v, dout, causal):
+    attention(q, k, v, causal).backward(dout)
+
+
 def launch_overhead() -> list[dict]:
     rows = []
     for seqlen in (512, 1024):
@@ -60,33 +81,17 @@ def launch_overhead() -> list[dict]:
             torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
         )
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        for causal in (False, True):
-
-            def ft_fwd():
-                flashtile.flash_attn_func(q, k, v, causal=causal)
-
-            def ft_fwd_bwd():
-                flashtile.flash_attn_func(q, k, v, causal=causal).backward(dout)
-
-            def fa2_fwd():
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    torch.nn.functional.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
-                    )
-
-            def fa2_fwd_bwd():
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    out = torch.nn.functional.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
-                    )
-                out.backward(dout.transpose(1, 2))
-
-            for name, fn in (("flashtile fwd", ft_fwd), ("flashtile fwd+bwd", ft_fwd_bwd),
-                             ("fa2 fwd", fa2_fwd), ("fa2 fwd+bwd", fa2_fwd_bwd)):  # fmt: skip
-                eager = triton.testing.do_bench(fn, return_mode="median")
-                graph = triton.testing.do_bench(graphed(fn), return_mode="median")
-                rows.append({"what": name, "N": seqlen, "causal": causal, "eager_ms": eager, "graph_ms": graph})
-                print(json.dumps(rows[-1]), flush=True)
+        for causal, (name, attention), (pass_name, run) in itertools.product(
+            (False, True),
+            (("flashtile", _flashtile), ("fa2", _sdpa_flash)),
+            (("fwd", _forward), ("fwd+bwd", _forward_backward)),
+        ):
+            fn = functools.partial(run, attention, q, k, v, dout, causal)
+            eager = triton.testing.do_bench(fn, return_mode="median")
+            graph = triton.testing.do_bench(graphed(fn), return_mode="median")
+            row = {"what": f"{name} {pass_name}", "N": seqlen, "causal": causal, "eager_ms": eager, "graph_ms": graph}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 

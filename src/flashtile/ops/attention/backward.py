@@ -214,20 +214,23 @@ def _attention_dkdv_kernel(
         if MASK_RIGHT:
             for start_m in range(lo, mid_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, dq_base, stride_qm, stride_dom, stride_dqm,
+                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, dq_base,
+                    stride_qm, stride_dom, stride_dqm,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
                     HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, ATOMIC_DQ,
                 )  # fmt: skip
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, dq_base, stride_qm, stride_dom, stride_dqm,
+                dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, dq_base,
+                stride_qm, stride_dom, stride_dqm,
                 start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, ATOMIC_DQ,
             )  # fmt: skip
         if MASK_LEFT:
             for start_m in range(mid_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, dq_base, stride_qm, stride_dom, stride_dqm,
+                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, dq_base,
+                    stride_qm, stride_dom, stride_dqm,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
                     HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, ATOMIC_DQ,
                 )  # fmt: skip
