@@ -219,7 +219,7 @@ def _split_kv_kernel(
     full_hi = seqlen_k
     if MASK_LEFT:
         lo = tl.maximum(first_tok + diag - left, 0)
-        full_lo = tl.maximum(last_tok + diag - left, 0)
+        full_lo = tl.maximum(first_tok + diag - left, 0)
     if MASK_RIGHT:
         hi = tl.minimum(tl.maximum(last_tok + diag + right + 1, 0), seqlen_k)
         full_hi = tl.minimum(tl.maximum(first_tok + diag + right + 1, 0), seqlen_k)
