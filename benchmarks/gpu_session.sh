@@ -2,9 +2,8 @@
 # One device call, in steps: bash benchmarks/gpu_session.sh STEP [STEP ...]
 #   test     the whole test suite on the GPU (larger shapes, int64 offsets, races)
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
-#   tune2    atomic-dQ and dK/dV sweeps, causal forward at N=1k
 #   latency  launch overhead (eager vs CUDA graph) and first-call compile time
-#   gputests tests/test_gpu.py and the atomic/deterministic backward tests
+#   gputests tests/test_gpu.py and the deterministic backward test
 #   quick    the benchmark's quick table against every peer
 #   bench    the full standard table (bf16) against every peer
 #   memory   fwd+bwd peak extra memory against SDPA flash
@@ -21,12 +20,8 @@ for step in "$@"; do
   case $step in
     test) timeout 420 python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/test.log" | tail -25 ;;
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
-    tune2) # session 1, second sweep: atomic vs separate dQ kernel, and causal forward at N=1k
-      timeout 200 python3 benchmarks/tune_configs.py --out "$OUT" --head-dims 64,128 --passes backward_dkdv --tag dkdv-atomic --atomic-dq 2>&1 | tail -3
-      timeout 200 python3 benchmarks/tune_configs.py --out "$OUT" --head-dims 64,128 --passes backward_dkdv --tag dkdv 2>&1 | tail -3
-      timeout 150 python3 benchmarks/tune_configs.py --out "$OUT" --head-dims 64,128 --seqlens 1024 --causal true --passes forward --tag fwd-causal-1k 2>&1 | tail -3 ;;
     latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
-    gputests) timeout 240 python3 -m pytest tests/test_gpu.py tests/test_attention.py -k "gpu or atomic or determin" -q -p no:cacheprovider 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;
+    gputests) timeout 240 python3 -m pytest tests/test_gpu.py tests/test_attention.py -k "gpu or determin" -q -p no:cacheprovider 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;
     quick) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
     bench) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
     memory) timeout 80 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;

@@ -1,11 +1,11 @@
 """Sweep tile configs per pass and head dim on the GPU at hand; the winners go into configs.py.
 
     PYTHONPATH=src python3 benchmarks/tune_configs.py --out DIR [--head-dims 64,128,256] [--seqlens 8192]
-        [--causal false,true] [--passes forward,backward_dkdv,backward_dq] [--atomic-dq] [--tag NAME]
+        [--causal false,true] [--passes forward,backward_dkdv,backward_dq] [--tag NAME]
 
 Each pass ('forward', 'backward_dkdv', 'backward_dq') is timed with one candidate config swapped in
 (``configs.override``) and the others at their table value, at B*N = 16384 tokens, H = 2048 / D,
-bf16. ``--atomic-dq`` times the backward that adds dQ with atomics in the dK/dV kernel. Writes
+bf16. Writes
 ``tune-<tag>.json`` and prints the best config per (head dim, seqlen, causal, pass).
 """
 
@@ -40,6 +40,7 @@ CANDIDATES = {
                   (64, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)]
     ],
 }  # fmt: skip
+CANDIDATES["forward_banded_short"] = CANDIDATES["forward"]
 
 
 def time_pass(pass_name: str, inputs: dict, causal: bool) -> float:
@@ -47,7 +48,7 @@ def time_pass(pass_name: str, inputs: dict, causal: bool) -> float:
     q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
     scale = 1 / math.sqrt(q.shape[-1])
     right = 0 if causal else None
-    if pass_name == "forward":
+    if pass_name.startswith("forward"):
         return triton.testing.do_bench(lambda: attention_forward(q, k, v, scale, None, right), return_mode="median")
     out, lse = attention_forward(q, k, v, scale, None, right)
     return triton.testing.do_bench(
@@ -62,7 +63,6 @@ def main() -> None:
     parser.add_argument("--seqlens", default="8192")
     parser.add_argument("--passes", default="forward,backward_dkdv,backward_dq")
     parser.add_argument("--causal", default="false", help="comma list of false/true")
-    parser.add_argument("--atomic-dq", action="store_true")
     parser.add_argument("--tag", default="sweep")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -76,12 +76,12 @@ def main() -> None:
         inputs = {n: torch.randn(shape, device="cuda", dtype=torch.bfloat16) for n in ("q", "k", "v", "dout")}
         for causal, pass_name in itertools.product(causal_values, args.passes.split(",")):
             flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
-            flops *= 1.0 if pass_name == "forward" else 2.5
+            flops *= 1.0 if pass_name.startswith("forward") else 2.5
             for cfg in CANDIDATES[pass_name]:
                 row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "pass": pass_name}
-                row.update(atomic_dq=args.atomic_dq, config=cfg.__dict__)
+                row["config"] = cfg.__dict__
                 try:
-                    with override(**{pass_name: cfg}, atomic_dq=args.atomic_dq):
+                    with override(**{pass_name: cfg}):
                         ms = time_pass(pass_name, inputs, causal)
                     row.update(ms=ms, tflops=flops / ms / 1e9)
                 except Exception as error:  # a config that does not fit is a result, not a crash

@@ -13,7 +13,6 @@ import torch
 
 import flashtile
 from conftest import DEVICE
-from flashtile.ops.attention.configs import override
 from flashtile.reference import visibility_mask
 from oracle import check_against_oracle
 
@@ -178,13 +177,6 @@ def test_deterministic_backward(path):
         again = run_flashtile(q, k, v, dout, causal=True, deterministic=True)
         for name in first:
             assert torch.equal(first[name], again[name]), name
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_atomic_dq_backward(path, causal):
-    """The non-deterministic backward that adds dQ with atomics inside the dK/dV kernel."""
-    with override(atomic_dq=True):
-        check(*make_inputs(2, 99, 131, 6, 2, 40, dtype=torch.bfloat16), causal=causal)
 
 
 def test_default_scale_matches_explicit(path):

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.ops.attention.configs import override
 from oracle import check_against_oracle
 from test_attention import check, make_inputs, run_flashtile
 
@@ -46,12 +45,6 @@ def test_sequence_offsets_past_int32():
     out = flashtile.flash_attn_func(q, k, k, window_size=(0, 0))
     expected = flashtile.flash_attn_func(q, tail.contiguous(), tail.contiguous(), window_size=(0, 0))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq-kernel", "dq-atomic"])
-def test_large_backward_variants(atomic_dq):
-    with override(atomic_dq=atomic_dq):
-        check(*make_inputs(1, 2049, 2049, 16, 4, 128, dtype=torch.bfloat16), causal=True)
 
 
 @pytest.mark.parametrize("seqlen", [4096, 16384])

@@ -21,18 +21,17 @@ def attention_forward(
     softmax_scale: float,
     window_left: int | None,
     window_right: int | None,
-    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), lse (B, H, Sq) fp32.
 
     Query i sees key j when i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right; a side
-    given as None is unbounded. ``deterministic`` is for the backward (bitwise-repeatable dQ).
+    given as None is unbounded.
     """
     return attention_path(q.device).attention_forward(q, k, v, softmax_scale, window_left, window_right)
 
 
 @attention_forward.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, deterministic=False):
+def _(q, k, v, softmax_scale, window_left, window_right):
     batch, seqlen_q, nheads, _ = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, v.shape[3]))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -51,26 +50,24 @@ def attention_backward(
     softmax_scale: float,
     window_left: int | None,
     window_right: int | None,
-    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse, or None."""
     return attention_path(q.device).attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, deterministic
+        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse
     )
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, deterministic=False):
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, deterministic = inputs
+    q, k, v, softmax_scale, window_left, window_right = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
-    ctx.deterministic = deterministic
 
 
 def _backward(ctx, dout, dlse):
@@ -82,10 +79,8 @@ def _backward(ctx, dout, dlse):
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    dq, dk, dv = attention_backward(
-        dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right, ctx.deterministic
-    )
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right)
+    return dq, dk, dv, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

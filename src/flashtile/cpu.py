@@ -197,7 +197,6 @@ def attention_backward(
     window_left: int | None,
     window_right: int | None,
     dlse: Tensor | None = None,
-    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention, recomputing P tile by tile from the saved LSE.
 
@@ -207,7 +206,6 @@ def attention_backward(
         out: (batch, seqlen_q, nheads, headdim_v), as returned by ``attention_forward``
         lse: (batch, nheads, seqlen_q) float32, as returned by ``attention_forward``
         dlse: (batch, nheads, seqlen_q) float32 gradient of ``lse``, or None for zero
-        deterministic: accepted for the common signature; this path is always deterministic
 
     Returns:
         dq: (batch, seqlen_q, nheads, headdim) in q.dtype

@@ -122,14 +122,13 @@ def attention(
     softmax_scale: float | None,
     window_left: int | None,
     window_right: int | None,
-    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated entry to the custom op: returns (out, lse) in flash_attn's layouts."""
     check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    return _ops.attention_forward(q, k, v, float(softmax_scale), window_left, window_right, bool(deterministic))
+    return _ops.attention_forward(q, k, v, float(softmax_scale), window_left, window_right)
 
 
 def flash_attn_func(
@@ -177,8 +176,8 @@ def flash_attn_func(
         window_size: (left, right) for sliding-window attention, -1 for an unbounded side
         softcap: must be 0.0 (not implemented yet)
         alibi_slopes: must be None (not implemented yet)
-        deterministic: make the backward bitwise repeatable (dQ is then never accumulated with
-            atomics; where the config table uses atomics this costs speed, see docs/tuning-log.md)
+        deterministic: accepted; flashtile's backward never uses atomics (measured slower, see
+            docs/tuning-log.md), so it is always bitwise repeatable
         return_attn_probs: also return softmax_lse (the attention probabilities themselves are never
             materialised; the third element is None)
 
@@ -189,7 +188,7 @@ def flash_attn_func(
     """
     check_unimplemented(dropout_p, softcap, alibi_slopes)
     left, right = _window_bounds(window_size, causal)
-    out, lse = attention(q, k, v, softmax_scale, left, right, deterministic)
+    out, lse = attention(q, k, v, softmax_scale, left, right)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops.attention.configs import config, padded_head_dim, use_atomic_dq
+from flashtile.ops.attention.configs import config, padded_head_dim
 from flashtile.ops.attention.tiles import (
     LOG2E,
     head_base,
@@ -84,10 +84,8 @@ def _dkdv_tile(
     do_base,
     lse_base,
     delta_base,
-    dq_base,
     stride_qm,
     stride_dom,
-    stride_dqm,
     start_m,
     offs_n,
     offs_d,
@@ -106,10 +104,8 @@ def _dkdv_tile(
     MASK_RIGHT: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
-    """Add the contribution of query rows [start_m, start_m + BLOCK_M) to one key tile's dK, dV
-    (and, with ATOMIC_DQ, add its share of those rows' dQ into the fp32 accumulator at dq_base)."""
+    """Add the contribution of query rows [start_m, start_m + BLOCK_M) to one key tile's dK, dV."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q_ptrs = rows_at(q_base, start_m, stride_qm, offs_d, BLOCK_M)
     do_ptrs = rows_at(do_base, start_m, stride_dom, offs_dv, BLOCK_M)
@@ -121,17 +117,10 @@ def _dkdv_tile(
     if MASKED:
         ok_t = tl.trans(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT))
         p_t = tl.where(ok_t, p_t, 0.0)
-    elif ATOMIC_DQ:
-        # Keys past the end only touch their own dK/dV rows (never stored) unless they reach dQ.
-        p_t = tl.where(offs_n[:, None] < seqlen_k, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
     dp_t = tl.dot(v, tl.trans(do))  # [BLOCK_N, DV] @ [DV, BLOCK_M] -> [BLOCK_N, BLOCK_M]
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-    dk = tl.dot(ds_t, q, dk)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]
-    if ATOMIC_DQ:
-        dq = tl.dot(tl.trans(ds_t), k)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
-        dq_ptrs = rows_at(dq_base, start_m, stride_dqm, offs_d, BLOCK_M)
-        tl.atomic_add(dq_ptrs, dq, mask=offs_m[:, None] < seqlen_q, sem="relaxed")
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]
     return dk, dv
 
 
@@ -145,7 +134,6 @@ def _attention_dkdv_kernel(
     Delta,
     DK,
     DV,
-    DQAcc,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -164,9 +152,6 @@ def _attention_dkdv_kernel(
     stride_dvb,
     stride_dvn,
     stride_dvh,
-    stride_dqb,
-    stride_dqm,
-    stride_dqh,
     nheads,
     nheads_k,
     group,
@@ -184,10 +169,8 @@ def _attention_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
-    """dK (B, Sk, Hk, D) and dV (B, Sk, Hk, DV) for one key tile of one kv head; with ATOMIC_DQ
-    also each query tile's share of dQ / softmax_scale, added into DQAcc (B, Sq, H, D) fp32."""
+    """dK (B, Sk, Hk, D) and dV (B, Sk, Hk, DV) for one key tile of one kv head."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
     start_n = tl.program_id(0) * BLOCK_N
@@ -210,29 +193,25 @@ def _attention_dkdv_kernel(
         q_base = head_base(Q, off_b, off_h, stride_qb, stride_qh)
         do_base = head_base(DOut, off_b, off_h, stride_dob, stride_doh)
         row_base = tl.cast(off_b * nheads + off_h, tl.int64) * seqlen_q
-        dq_base = head_base(DQAcc, off_b, off_h, stride_dqb, stride_dqh)
         if MASK_RIGHT:
             for start_m in range(lo, mid_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, dq_base,
-                    stride_qm, stride_dom, stride_dqm,
+                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, ATOMIC_DQ,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
                 )  # fmt: skip
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, dq_base,
-                stride_qm, stride_dom, stride_dqm,
+                dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                 start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, ATOMIC_DQ,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
             )  # fmt: skip
         if MASK_LEFT:
             for start_m in range(mid_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, dq_base,
-                    stride_qm, stride_dom, stride_dqm,
+                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, ATOMIC_DQ,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
                 )  # fmt: skip
 
     dk_ptrs = rows_at(head_base(DK, off_b, off_hk, stride_dkb, stride_dkh), start_n, stride_dkn, offs_d, BLOCK_N)
@@ -388,7 +367,6 @@ def attention_backward(
     window_left: int | None,
     window_right: int | None,
     dlse: torch.Tensor | None = None,
-    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels.
 
@@ -396,8 +374,6 @@ def attention_backward(
         dout: (batch, seqlen_q, nheads, headdim_v), the gradient of out; last dimension contiguous
         q, k, v, out, lse, softmax_scale, window_left, window_right: as given to / returned by the forward
         dlse: None or (batch, nheads, seqlen_q) float32, the gradient arriving at lse
-        deterministic: never accumulate dQ with atomics (where the config table would), so repeated
-            runs are bitwise identical
 
     Returns:
         dq, dk, dv with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group)
@@ -422,26 +398,21 @@ def attention_backward(
 
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
-    atomic_dq = not deterministic and use_atomic_dq(q.device)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dk
     cfg = config("backward_dkdv", q.device, head_dim, head_dim_v)
     _attention_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc,
+        q, k, v, dout, lse, delta, dk, dv,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
         nheads, nheads_k, group, seqlen_q, seqlen_k, left, right,
         softmax_scale * LOG2E.value, softmax_scale,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask_flags, ATOMIC_DQ=atomic_dq,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask_flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if atomic_dq:
-        return dq_acc.mul_(softmax_scale).to(q.dtype), dk, dv
 
     dq = empty_output(q.shape, q.dtype, q.device)
     cfg = config("backward_dq", q.device, head_dim, head_dim_v)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops.attention.configs import config, padded_head_dim
+from flashtile.ops.attention.configs import SHORT_SEQLEN, config, padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, head_base, key_range, load_tile, rows_at, store_tile, visible
 
 
@@ -181,7 +181,8 @@ def attention_forward(
     seqlen_k, nheads_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     out = empty_output((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
-    cfg = config("forward", q.device, head_dim, head_dim_v)
+    short_band = window_right is not None and seqlen_k <= SHORT_SEQLEN
+    cfg = config("forward_banded_short" if short_band else "forward", q.device, head_dim, head_dim_v)
     grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
     _attention_forward_kernel[grid](
         q, k, v, out, lse,
