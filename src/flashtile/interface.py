@@ -20,16 +20,17 @@ NO_WINDOW = (-1, -1)
 
 
 def require(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
+    """Raise ``error(message)`` unless ``condition`` (for checks off the per-call hot path)."""
     if not condition:
         raise error(message)
 
 
 def _check_head_dim(name: str, head_dim: int) -> None:
-    require(
-        head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM,
-        f"{name} must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}. "
-        "Pad the head dimension with zeros up to the next multiple of 8 (and slice the output).",
-    )
+    if head_dim % 8 != 0 or not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"{name} must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}. "
+            "Pad the head dimension with zeros up to the next multiple of 8 (and slice the output)."
+        )
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -37,51 +38,40 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
     q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
     v (batch, seqlen_k, nheads_k, headdim_v); fp16 or bf16, one device, nheads % nheads_k == 0.
+    Messages are built only on failure: this runs on every call.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
-        require(
-            t.dtype in SUPPORTED_DTYPES,
-            f"{name} has dtype {t.dtype}; flashtile supports torch.float16 and torch.bfloat16. "
-            f"Cast the inputs, e.g. {name}.to(torch.bfloat16).",
-            TypeError,
-        )
-        require(
-            t.dim() == 4,
-            f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}. "
-            "For variable-length batches use flash_attn_varlen_func.",
-        )
-    require(
-        q.dtype == k.dtype == v.dtype,
-        f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.",
-        TypeError,
-    )
-    require(
-        q.device == k.device == v.device,
-        f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}.",
-    )
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; flashtile supports torch.float16 and torch.bfloat16. "
+                f"Cast the inputs, e.g. {name}.to(torch.bfloat16)."
+            )
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}. "
+                "For variable-length batches use flash_attn_varlen_func."
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}.")
     batch, _, nheads, head_dim = q.shape
-    require(
-        k.shape[0] == batch and v.shape[0] == batch,
-        f"q, k and v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}.",
-    )
-    require(
-        k.shape[1] == v.shape[1],
-        f"k and v must share seqlen_k (dim 1), got k {tuple(k.shape)} and v {tuple(v.shape)}.",
-    )
-    require(
-        k.shape[2] == v.shape[2],
-        f"k and v must share nheads_k (dim 2), got k {tuple(k.shape)} and v {tuple(v.shape)}.",
-    )
-    require(
-        k.shape[3] == head_dim,
-        f"q and k must share headdim (dim 3), got q {tuple(q.shape)} and k {tuple(k.shape)}.",
-    )
-    require(
-        k.shape[2] > 0 and nheads % k.shape[2] == 0,
-        f"nheads ({nheads}) must be divisible by nheads_k ({k.shape[2]}) for grouped-query attention: "
-        f"each group of nheads // nheads_k query heads shares one key/value head.",
-    )
+    k_batch, seqlen_k, nheads_k, k_head_dim = k.shape
+    if not k_batch == v.shape[0] == batch:
+        raise ValueError(f"q, k and v must share the batch size, got {batch}, {k_batch}, {v.shape[0]}.")
+    if (seqlen_k, nheads_k) != tuple(v.shape[1:3]):
+        raise ValueError(
+            f"k and v must share seqlen_k (dim 1) and nheads_k (dim 2), got k {tuple(k.shape)} and v {tuple(v.shape)}."
+        )
+    if k_head_dim != head_dim:
+        raise ValueError(f"q and k must share headdim (dim 3), got q {tuple(q.shape)} and k {tuple(k.shape)}.")
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(
+            f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for grouped-query attention: "
+            "each group of nheads // nheads_k query heads shares one key/value head."
+        )
     _check_head_dim("headdim", head_dim)
     _check_head_dim("headdim_v", v.shape[3])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.interface import attention, check_unimplemented, require
+from flashtile.interface import attention, check_unimplemented
 
 
 def scaled_dot_product_attention(
@@ -45,15 +45,13 @@ def scaled_dot_product_attention(
         )
     check_unimplemented(dropout_p=dropout_p)
     for name, t in (("query", query), ("key", key), ("value", value)):
-        require(
-            isinstance(t, torch.Tensor) and t.dim() == 4,
-            f"{name} must be a 4-D tensor (batch, nheads, seqlen, headdim), got "
-            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}.",
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D tensor (batch, nheads, seqlen, headdim), got {got}.")
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"query has {query.shape[1]} heads and key {key.shape[1]}: set enable_gqa=True for grouped-query attention."
         )
-    require(
-        enable_gqa or query.shape[1] == key.shape[1],
-        f"query has {query.shape[1]} heads and key {key.shape[1]}: set enable_gqa=True for grouped-query attention.",
-    )
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     # Top-left causal (j <= i) in the kernels' bottom-right terms: j <= i + (Sk - Sq) + (Sq - Sk).
     right = seqlen_q - seqlen_k if is_causal else None
