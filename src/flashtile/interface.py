@@ -88,7 +88,7 @@ def check_unimplemented(dropout_p: float = 0.0, softcap: float = 0.0, alibi_slop
         raise NotImplementedError("alibi_slopes: ALiBi is not implemented in flashtile yet.")
 
 
-def _window_bounds(window_size: tuple[int, int], causal: bool) -> tuple[int | None, int | None]:
+def window_bounds(window_size: tuple[int, int], causal: bool) -> tuple[int | None, int | None]:
     """flash_attn's (window_size, causal) as the kernels' (left, right), None meaning unbounded."""
     require(
         len(window_size) == 2 and all(isinstance(w, int) for w in window_size),
@@ -177,7 +177,7 @@ def flash_attn_func(
             float32, the natural-log sum of exp of each row's scaled scores
     """
     check_unimplemented(dropout_p, softcap, alibi_slopes)
-    left, right = _window_bounds(window_size, causal)
+    left, right = window_bounds(window_size, causal)
     out, lse = attention(q, k, v, softmax_scale, left, right)
     return (out, lse, None) if return_attn_probs else out
 

@@ -9,6 +9,7 @@ plain low-precision implementation makes (the ``base`` of the tolerance rule in 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -75,3 +76,62 @@ def attention_reference(
     probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0.0))
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out, lse
+
+
+RESULT_NAMES = ("out", "lse", "dq", "dk", "dv")
+OUTPUT_FACTOR = 2.0
+GRADIENT_FACTOR = 3.0
+
+
+def reference_results(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    dtype: torch.dtype,
+    dlse: torch.Tensor | None = None,
+    **mask_args,
+) -> dict[str, torch.Tensor]:
+    """The oracle's out, lse and gradients of (out * dout).sum() (+ (lse * dlse).sum() if dlse is
+    given) for q, k, v, computed in ``dtype`` and cast back: out and gradients to q's dtype, lse to
+    float32. ``mask_args`` go to ``attention_reference`` (softmax_scale, causal, window_size, mask)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = attention_reference(*leaves, **mask_args)
+    loss = (out * dout.to(dtype)).sum()
+    if dlse is not None:
+        loss = loss + (lse.masked_fill(lse == float("-inf"), 0.0) * dlse.to(dtype)).sum()
+    loss.backward()
+    grads = [t.grad.to(q.dtype) for t in leaves]
+    return dict(zip(RESULT_NAMES, [out.detach().to(q.dtype), lse.detach().float(), *grads], strict=True))
+
+
+@dataclass(frozen=True)
+class ToleranceResult:
+    """One tensor checked against the oracle: its error, the plain low-precision error, the bound."""
+
+    error: float
+    base_error: float
+    bound: float
+    ok: bool
+
+
+def within_tolerance(x: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, factor: float) -> ToleranceResult:
+    """The tolerance rule of the project (shared DESIGN.md) for a result ``x`` of flashtile.
+
+    ref is the oracle in high precision cast to x's dtype, base the oracle computed in x's dtype.
+    Pass when max|x - ref| <= factor * max|base - ref| + 2 ulps of ref's dtype at max|ref| (at 1.0
+    if ref is all zero: a gradient that is exactly 0 has no scale of its own). Infinities (the LSE
+    of a row that sees no key) must match ref's exactly and are left out of the maxima; a NaN in x
+    fails. factor: OUTPUT_FACTOR for outputs, GRADIENT_FACTOR for gradients.
+    """
+    eps = torch.finfo(ref.dtype).eps
+    x, ref, base = x.double(), ref.double(), base.double()
+    finite = torch.isfinite(ref)
+    same_infinities = torch.equal(torch.isfinite(x), finite) and torch.equal(x[~finite], ref[~finite])
+    x, ref, base = x[finite], ref[finite], base[finite]
+    if ref.numel() == 0:
+        return ToleranceResult(0.0, 0.0, 0.0, same_infinities)
+    error = (x - ref).abs().max().item()
+    base_error = (base - ref).abs().max().item()
+    bound = factor * base_error + 2 * eps * (ref.abs().max().item() or 1.0)
+    return ToleranceResult(error, base_error, bound, same_infinities and error <= bound)

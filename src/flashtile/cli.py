@@ -1,0 +1,434 @@
+"""The ``flashtile`` command line (also ``python -m flashtile``).
+
+    flashtile info                               versions, device, which path runs, tile configs
+    flashtile check [--device cuda|cpu] [--quick]
+                                                 verify flashtile against the exact oracle on this
+                                                 machine, then time it and measure its memory next
+                                                 to standard attention; exit code 1 on a failure
+    flashtile bench [ARGS...]                    the repository's benchmarks/bench_attention.py
+
+``check`` applies the tolerance rule of DESIGN.md (``within_tolerance``) to out, softmax_lse, dq,
+dk and dv for a handful of cases, then runs forward+backward of flashtile and of standard
+attention (``attention_reference`` in the inputs' dtype: the score matrix materialised, as a
+plain PyTorch implementation does) at a few sequence lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from rich.console import Console
+from rich.table import Table
+
+import flashtile
+from flashtile import _backend
+from flashtile.ops.attention import configs
+from flashtile.reference import (
+    GRADIENT_FACTOR,
+    OUTPUT_FACTOR,
+    RESULT_NAMES,
+    ToleranceResult,
+    attention_reference,
+    reference_results,
+    within_tolerance,
+)
+
+PATH_DESCRIPTIONS = {
+    "triton": "Triton kernels, compiled",
+    "triton-interpreter": "Triton kernels run by the Triton interpreter, TRITON_INTERPRET=1",
+    "cpu": "flashtile.cpu: the tiled algorithm in PyTorch",
+}
+MAX_SCORE_BYTES = 4 * 2**30  # standard attention is skipped when its score matrix alone is larger
+BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_attention.py"
+
+
+# ----------------------------------------------------------------------------------------- info
+
+
+def _table(title: str, show_header: bool = True) -> Table:
+    """A rich table in the one style of this module: no outer frame, so it fits 80 columns."""
+    return Table(title=title, show_header=show_header, show_edge=False, pad_edge=False)
+
+
+def _device_description() -> str:
+    """'NVIDIA H200, compute capability 9.0', or 'no CUDA device'."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    return f"{torch.cuda.get_device_name()}, compute capability {major}.{minor}"
+
+
+def _path_description(device: torch.device) -> str:
+    """The path flashtile takes for tensors on ``device``, e.g. 'cpu (flashtile.cpu: ...)'."""
+    name = _backend.path_name(device)
+    return f"{name} ({PATH_DESCRIPTIONS[name]})"
+
+
+def _format_config(cfg: configs.TileConfig) -> str:
+    """'128×64 w8 s3': block_m × block_n, warps, pipeline stages."""
+    return f"{cfg.block_m}×{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def info(console: Console) -> int:
+    """Print versions, the device, the path each device's tensors take and the GPU tile configs."""
+    table = _table("flashtile info", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for name, value in (
+        ("flashtile", flashtile.__version__),
+        ("torch", torch.__version__),
+        ("triton", triton.__version__),
+        ("python", platform.python_version()),
+        ("device", _device_description()),
+        ("CUDA tensors", _path_description(torch.device("cuda"))),
+        ("CPU tensors", _path_description(torch.device("cpu"))),
+    ):
+        table.add_row(name, value)
+    console.print(table)
+
+    if not torch.cuda.is_available():
+        console.print("Tile configs: chosen per GPU generation and head dim; no CUDA device here.")
+        return 0
+    device = torch.device("cuda")
+    tiles = _table(f"Tile configs on {torch.cuda.get_device_name()}")
+    tiles.add_column("head dim", justify="right")
+    for pass_name in configs.PASSES:
+        tiles.add_column(pass_name)
+    for head_dim in (64, 128, 256):
+        cells = (_format_config(configs.config(p, device, head_dim, head_dim)) for p in configs.PASSES)
+        tiles.add_row(str(head_dim), *cells)
+    console.print(tiles)
+    console.print("block_m×block_n: query rows × key rows of a tile; w: warps; s: pipeline stages.")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- check
+
+
+@dataclass(frozen=True)
+class Case:
+    """One correctness case (batch CASE_BATCH).
+
+    Shown as e.g. 'bf16 causal 131×77 H8:2 D128': seqlen_q × seqlen_k, nheads : nheads_k, head dim.
+    """
+
+    dtype: torch.dtype
+    causal: bool
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[self.dtype]
+        mask = "causal" if self.causal else "full"
+        shape = f"{self.seqlen_q}×{self.seqlen_k} H{self.nheads}:{self.nheads_k} D{self.head_dim}"
+        return f"{dtype} {mask} {shape}"
+
+
+CASES = (
+    Case(torch.float16, False, 128, 128, 4, 4, 64),
+    Case(torch.bfloat16, True, 128, 128, 4, 4, 64),
+    Case(torch.bfloat16, True, 256, 256, 8, 2, 64),  # grouped-query attention
+    Case(torch.float16, False, 77, 131, 4, 4, 128),  # Sq < Sk, lengths no tile divides
+    Case(torch.bfloat16, True, 131, 77, 4, 4, 128),  # Sq > Sk: the first rows see no key
+    Case(torch.float16, True, 77, 131, 6, 2, 128),
+    Case(torch.bfloat16, False, 131, 131, 4, 1, 64),  # multi-query attention
+    Case(torch.float16, True, 1, 131, 4, 4, 128),  # one query row (decoding)
+)
+CASE_BATCH = 2
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, generator: torch.Generator):
+    """N(0, 1) in ``dtype`` on ``device``, drawn on the CPU so every device sees the same numbers."""
+    return torch.randn(shape, generator=generator, dtype=dtype).to(device)
+
+
+def check_case(case: Case, device: torch.device, seed: int) -> dict[str, ToleranceResult]:
+    """flashtile's forward and backward on one case, each result checked against the oracle."""
+    generator = torch.Generator().manual_seed(seed)
+    q = _random((CASE_BATCH, case.seqlen_q, case.nheads, case.head_dim), case.dtype, device, generator)
+    k, v = (
+        _random((CASE_BATCH, case.seqlen_k, case.nheads_k, case.head_dim), case.dtype, device, generator)
+        for _ in range(2)
+    )
+    dout = _random(q.shape, case.dtype, device, generator)
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = flashtile.flash_attn_func(*leaves, causal=case.causal, return_attn_probs=True)
+    out.backward(dout)
+    results = dict(zip(RESULT_NAMES, [out.detach(), lse, *(t.grad for t in leaves)], strict=True))
+
+    precise = torch.float64 if device.type == "cpu" else torch.float32
+    ref = reference_results(q, k, v, dout, precise, causal=case.causal)
+    base = reference_results(q, k, v, dout, case.dtype, causal=case.causal)
+    return {
+        name: within_tolerance(x, ref[name], base[name], OUTPUT_FACTOR if name in ("out", "lse") else GRADIENT_FACTOR)
+        for name, x in results.items()
+    }
+
+
+def _closeness(result: ToleranceResult) -> float:
+    """How near its bound a result is: 0 exact, 1 at the bound, infinite if it fails."""
+    if not result.ok:
+        return float("inf")
+    return result.error / result.bound if result.bound else 0.0
+
+
+def check_correctness(console: Console, device: torch.device) -> bool:
+    """Run every case and print one row each, for the tensor closest to (or furthest over) its bound."""
+    table = _table(f"Correctness against the exact oracle, batch {CASE_BATCH}")
+    for column in ("case", "worst", "max error", "plain error", "ratio", "result"):
+        table.add_column(column, justify="left" if column in ("case", "worst") else "right")
+    passed = True
+    for seed, case in enumerate(CASES):
+        results = check_case(case, device, seed)
+        name, worst = max(results.items(), key=lambda item: _closeness(item[1]))
+        ok = all(r.ok for r in results.values())
+        passed &= ok
+        ratio = f"{worst.error / worst.base_error:.2g}" if worst.base_error else "-"
+        table.add_row(
+            str(case), name, f"{worst.error:.2e}", f"{worst.base_error:.2e}", ratio,
+            "[green]PASS[/]" if ok else "[bold red]FAIL[/]",
+        )  # fmt: skip
+    console.print(table)
+    precise = "float64" if device.type == "cpu" else "float32"
+    console.print(
+        f"max error: of flashtile against the oracle in {precise}; plain error: of the oracle computed in "
+        "fp16/bf16 itself. worst: the one of out, lse, dq, dk, dv nearest its bound. Pass when max error <= "
+        f"{OUTPUT_FACTOR:g} (out, lse) or {GRADIENT_FACTOR:g} (gradients) × plain error + 2 ulps.\n"
+    )
+    return passed
+
+
+@dataclass(frozen=True)
+class SpeedSetup:
+    """The sizes timed on one kind of device: B=1, bf16, no mask."""
+
+    seqlens: tuple[int, ...]
+    quick_seqlens: tuple[int, ...]
+    nheads: int
+    head_dim: int
+    reps: int
+
+
+SPEED_SETUPS = {
+    "cuda": SpeedSetup((1024, 4096, 16384), (1024, 4096), nheads=16, head_dim=128, reps=10),
+    "cpu": SpeedSetup((1024, 2048, 4096), (1024, 2048), nheads=8, head_dim=64, reps=3),
+}
+SPEED_DTYPE = torch.bfloat16
+CUDA_WARMUP = 3  # runs before anything is measured on a GPU (the first one compiles the kernels)
+WARMUP_SEQLEN = 256  # CPU: a small run first, so loading code does not count as memory
+
+
+def _speed_inputs(seqlen: int, setup: SpeedSetup, device: torch.device) -> list[torch.Tensor]:
+    """q, k, v and dout of shape (1, seqlen, nheads, head_dim), bf16, on ``device``."""
+    generator = torch.Generator().manual_seed(0)
+    return [_random((1, seqlen, setup.nheads, setup.head_dim), SPEED_DTYPE, device, generator) for _ in range(4)]
+
+
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def flashtile_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> None:
+    """One forward+backward of flashtile."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    flashtile.flash_attn_func(q, k, v).backward(dout)
+
+
+def standard_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> None:
+    """One forward+backward of standard attention: the score matrix materialised, in the inputs' dtype."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    attention_reference(q, k, v)[0].backward(dout)
+
+
+def measure_cuda(step: Step, seqlen: int, setup: SpeedSetup) -> tuple[float, float]:
+    """(median ms by CUDA events, peak MiB allocated beyond the inputs) of ``step`` after warm-up."""
+    inputs = _speed_inputs(seqlen, setup, torch.device("cuda"))
+    for _ in range(CUDA_WARMUP):
+        step(*inputs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step(*inputs)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    times = []
+    for _ in range(setup.reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(*inputs)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), peak / 2**20
+
+
+def measure_cpu(step: Step, seqlen: int, setup: SpeedSetup) -> tuple[float, float]:
+    """(median ms by perf_counter, peak RSS growth in MiB) of ``step``; run in a fresh process.
+
+    A small warm-up first loads the code the step runs; the measured run then doubles as the
+    warm-up of the timed ones.
+    """
+    import resource  # POSIX only, like the forkserver this runs under
+
+    step(*_speed_inputs(WARMUP_SEQLEN, setup, torch.device("cpu")))
+    inputs = _speed_inputs(seqlen, setup, torch.device("cpu"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step(*inputs)
+    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    times = []
+    for _ in range(setup.reps):
+        start = time.perf_counter()
+        step(*inputs)
+        times.append(time.perf_counter() - start)
+    rss_unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return statistics.median(times) * 1e3, growth * rss_unit / 2**20
+
+
+def _send_result(connection, function: Callable, args: tuple) -> None:
+    """The target of ``in_fresh_process``'s child: run, and send the result back."""
+    connection.send(function(*args))
+
+
+def in_fresh_process(function: Callable, *args):
+    """``function(*args)`` in a new process forked from a clean server, so that neither memory this
+    process already holds nor its OpenMP threads (which do not survive a plain fork) get in the way."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_send_result, args=(sender, function, args))
+    process.start()
+    sender.close()
+    try:
+        result = receiver.recv()
+    except EOFError:  # it ended without sending: the error, if any, is printed above
+        result = None
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(f"the measuring process ended with exit code {process.exitcode}")
+    return result
+
+
+def _measure(step: Step, seqlen: int, setup: SpeedSetup, device: torch.device) -> tuple[float, float]:
+    """(ms, MiB) of ``step`` on ``device``: in this process on CUDA, in a fresh one on the CPU."""
+    if device.type == "cuda":
+        return measure_cuda(step, seqlen, setup)
+    return in_fresh_process(measure_cpu, step, seqlen, setup)
+
+
+def check_speed(console: Console, device: torch.device, quick: bool) -> None:
+    """Time forward+backward and measure peak extra memory of flashtile and of standard attention."""
+    setup = SPEED_SETUPS[device.type]
+    if _backend.path_name(device) == "triton-interpreter":
+        console.print("Speed and memory: skipped, the Triton interpreter is for tests; unset TRITON_INTERPRET.")
+        return
+    table = _table(f"Forward+backward, B=1 H={setup.nheads} D={setup.head_dim} bf16, no mask")
+    for column in ("N", "flashtile ms", "standard ms", "speed-up", "flashtile MiB", "standard MiB"):
+        table.add_column(column, justify="right")
+    skipped = []
+    for seqlen in setup.quick_seqlens if quick else setup.seqlens:
+        flash_ms, flash_mib = _measure(flashtile_step, seqlen, setup, device)
+        score_bytes = setup.nheads * seqlen * seqlen * SPEED_DTYPE.itemsize
+        if score_bytes > MAX_SCORE_BYTES:
+            gib = score_bytes / 2**30
+            skipped.append(f"N={seqlen}: standard attention skipped (would need {gib:.1f} GiB for its score matrix).")
+            table.add_row(str(seqlen), f"{flash_ms:.1f}", "skipped", "-", f"{flash_mib:.0f}", "-")
+            continue
+        std_ms, std_mib = _measure(standard_step, seqlen, setup, device)
+        table.add_row(
+            str(seqlen), f"{flash_ms:.1f}", f"{std_ms:.1f}", f"{std_ms / flash_ms:.2f}×", f"{flash_mib:.0f}",
+            f"{std_mib:.0f}",
+        )  # fmt: skip
+    console.print(table)
+    for line in skipped:
+        console.print(line)
+    if device.type == "cuda":
+        console.print(
+            f"Time: median of {setup.reps} runs by CUDA events after {CUDA_WARMUP} warm-up runs; speed-up: "
+            "standard ms / flashtile ms. Memory: "
+            "torch.cuda.max_memory_allocated during one run minus what was allocated before it (the inputs)."
+        )
+    else:
+        console.print(
+            f"Time: median of {setup.reps} runs by time.perf_counter; speed-up: standard ms / flashtile ms. "
+            "Memory: growth of the peak resident set "
+            "size (ru_maxrss) of a fresh process during one run, after a small warm-up; inputs not counted. "
+            "Each size and implementation runs in its own process."
+        )
+
+
+def check(console: Console, device: torch.device, quick: bool) -> int:
+    """``flashtile check``: 0 when every correctness case passes, 1 otherwise."""
+    where = _device_description() if device.type == "cuda" else f"the CPU ({torch.get_num_threads()} threads)"
+    console.print(f"flashtile {flashtile.__version__} check on {where}\npath: {_path_description(device)}\n")
+    start = time.perf_counter()
+    passed = check_correctness(console, device)
+    check_speed(console, device, quick)
+    verdict = "[green]all cases PASS[/]" if passed else "[bold red]FAIL: see the table above[/]"
+    console.print(f"{verdict} ({time.perf_counter() - start:.0f} s)")
+    return 0 if passed else 1
+
+
+# ---------------------------------------------------------------------------------------- bench
+
+
+def bench(console: Console, args: Sequence[str]) -> int:
+    """Run the repository's benchmarks/bench_attention.py with ``args``; its exit code."""
+    if not BENCH_SCRIPT.is_file():
+        console.print(
+            "The benchmark lives in the flashtile repository's benchmarks/ folder (bench_attention.py), "
+            "which this installation does not include. Clone the repository and run "
+            "`python benchmarks/bench_attention.py --help` there."
+        )
+        return 1
+    return subprocess.call([sys.executable, str(BENCH_SCRIPT), *args])
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashtile", description="flashtile: exact FlashAttention for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
+    commands.add_parser("info", help="versions, device, which path runs, tile configs")
+    check_parser = commands.add_parser(
+        "check", help="verify flashtile against the exact oracle, then time it next to standard attention"
+    )
+    check_parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available, else cpu"
+    )
+    check_parser.add_argument("--quick", action="store_true", help="fewer sequence lengths for the timing")
+    commands.add_parser(
+        "bench", add_help=False, help="run benchmarks/bench_attention.py (arguments are passed on; try -h)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``flashtile`` and ``python -m flashtile``; returns the exit code."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    console = Console()
+    if args.command == "bench":
+        return bench(console, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "info":
+        return info(console)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here; use --device cpu")
+    return check(console, device, args.quick)

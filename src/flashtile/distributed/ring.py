@@ -1,0 +1,544 @@
+"""Ring attention: exact attention over one sequence split across the ranks of a process group.
+
+Every rank holds a shard of the sequence (see ``layout``): its queries Q_r, keys K_r and values V_r,
+(batch, seqlen / W, heads, headdim) each, W ranks in the group. The result on rank r is its shard of
+``flash_attn_func`` on the whole sequence, forward and backward; nothing of size seqlen^2 is stored.
+
+Forward
+-------
+The K/V shards travel around the ring: in step t = 0 .. W-1, rank r holds the K/V shard of rank
+s = (r - t) mod W. While it computes attention of its queries against that shard, it already sends the
+shard on to rank r + 1 and receives the next one from rank r - 1 (``batch_isend_irecv``), so the
+transfer hides behind the compute once a step's compute outlasts a shard's transfer::
+
+    step 0: rank r computes Q_r K_r^T        and passes K_r/V_r on     (r -> r+1)
+    step 1: rank r computes Q_r K_(r-1)^T    and passes K_(r-1)/V_(r-1) on
+    ...     W steps, W - 1 transfers
+
+Each step gives a partial result over a subset of the keys: an output O_t normalised over those keys
+and its log-sum-exp L_t. Two partials merge exactly, in fp32, by their LSEs::
+
+    L = log(exp(L_a) + exp(L_b)),    O = exp(L_a - L) * O_a + exp(L_b - L) * O_b
+
+A row that saw no key in a step has L_t = -inf and O_t = 0; it gets weight 0 (and a row that has seen
+no key at all keeps L = -inf and O = 0 rather than NaN).
+
+Backward
+--------
+With the global (merged) O and LSE saved, each step's gradient is local to its block of keys:
+P_ij = exp(s_ij - LSE_i) with the global LSE_i, and Delta_i = rowsum(dO_i * O_i) with the global O_i,
+which is exactly what ``flashtile::attention_backward`` computes when given the global ``out`` and
+``lse``. dQ_r sums over the steps on rank r. dK_s and dV_s sum over every rank's queries, so they
+travel with K_s/V_s: an fp32 accumulator for shard s leaves rank s empty, each rank adds its block's
+contribution and passes it on, and after W hops it is home again. The accumulator that arrives during a
+step is only waited for after that step's compute, so its transfer overlaps too.
+
+Masks and layouts
+-----------------
+Under causal or sliding-window masks, whether query position p sees key position p' depends on the
+global positions: p - left <= p' <= p + right. Each step is cut into blocks (query segment, key
+segment) of contiguous positions; a block the mask hides completely is skipped, a block it shows
+completely runs without a mask, and a block the band cuts runs with the band re-expressed in the
+kernel's bottom-right terms (``_block_band``). Neighbouring unmasked blocks merge into one call. With
+``layout="zigzag"`` and causal attention every off-diagonal step is then one unmasked call of half the
+shard's queries (or keys) and the diagonal step one causal call, the same work on every rank.
+
+Failure
+-------
+Before the ring starts, every rank's shapes and options are compared with one all_gather of a dozen
+integers (on GPUs the host waits for it): a rank whose inputs are invalid raises its own error and the
+others raise too, instead of waiting for it.
+A rank that dies or never calls leaves its peers blocked in a transfer until the process group's
+timeout (``torch.distributed.init_process_group(timeout=...)``; gloo's default is 30 minutes, NCCL's
+watchdog aborts after its timeout): then they raise a RuntimeError that says so.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import flashtile._ops  # noqa: F401  (registers torch.ops.flashtile.*)
+from flashtile.distributed.layout import LAYOUTS, Segment, check_layout, segments
+from flashtile.interface import (
+    NO_WINDOW,
+    SUPPORTED_DTYPES,
+    window_bounds,
+    check_qkv,
+    check_unimplemented,
+    require,
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attention call of a ring step: rows [q0, q1) of the local queries against rows [k0, k1) of the
+    K/V shard in hand, with the band (left, right) in the kernel's bottom-right terms; None is unbounded."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    left: int | None
+    right: int | None
+
+    @property
+    def unmasked(self) -> bool:
+        return self.left is None and self.right is None
+
+
+def _block_band(
+    q_seg: Segment, k_seg: Segment, left: int | None, right: int | None
+) -> tuple[int | None, int | None] | None:
+    """The global band on one (query segment, key segment) block as the kernel's (left, right), or None
+    if the block shows no key to any row.
+
+    Globally seqlen_q = seqlen_k, so query position p sees key position p' when p - left <= p' <= p + right.
+    With p = q_seg.start + i and p' = k_seg.start + j, row i of the block sees the columns
+    i + lo <= j <= i + hi, where delta = q_seg.start - k_seg.start, lo = delta - left, hi = delta + right.
+    The kernel's band is i + d - wl <= j <= i + d + wr with d = Lk - Lq, so wl = d - lo and wr = hi - d.
+    A side that cuts no row of the block becomes None (no mask on that side).
+    """
+    n_q, n_k = q_seg.length, k_seg.length
+    delta = q_seg.start - k_seg.start
+    lo = None if left is None else delta - left
+    hi = None if right is None else delta + right
+    first_row = 0 if hi is None else max(0, -hi)  # rows before it end before column 0
+    last_row = n_q - 1 if lo is None else min(n_q - 1, n_k - 1 - lo)  # rows after it start past the last column
+    if first_row > last_row:
+        return None
+    d = n_k - n_q
+    window_left = None if lo is None or lo + n_q - 1 <= 0 else d - lo  # the last row still sees column 0
+    window_right = None if hi is None or hi >= n_k - 1 else hi - d  # row 0 already sees the last column
+    return window_left, window_right
+
+
+def plan_step(
+    q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], left: int | None, right: int | None
+) -> list[Block]:
+    """The attention calls that one ring step needs: queries held as ``q_segments`` against the K/V
+    shard held as ``k_segments``, under the global band (left, right) (None: unbounded; causal is (None, 0)).
+
+    Blocks the band hides are left out; unmasked blocks next to each other in the shard merge into one.
+    Causal attention compares positions only by their order, which a shard keeps: on the step where the
+    queries and keys are the same positions, the shard's own causal mask is the global one (one call
+    where zigzag's two segments would need three).
+    """
+    if left is None and right == 0 and q_segments == k_segments:
+        n = sum(s.length for s in q_segments)
+        return [Block(0, n, 0, n, None, 0)]
+    rows: list[list[Block]] = []
+    for q_seg in q_segments:
+        row: list[Block] = []
+        for k_seg in k_segments:
+            band = _block_band(q_seg, k_seg, left, right)
+            if band is None:
+                continue
+            block = Block(q_seg.offset, q_seg.offset + q_seg.length, k_seg.offset, k_seg.offset + k_seg.length, *band)
+            if row and row[-1].unmasked and block.unmasked and row[-1].k1 == block.k0:
+                block = replace(row.pop(), k1=block.k1)
+            row.append(block)
+        if not row:
+            continue
+        if rows and _stackable(rows[-1], row):
+            row = [replace(upper, q1=lower.q1) for upper, lower in zip(rows.pop(), row, strict=True)]
+        rows.append(row)
+    return [block for row in rows for block in row]
+
+
+def _stackable(upper: list[Block], lower: list[Block]) -> bool:
+    """Whether two rows of blocks form one: adjacent query rows, unmasked, against the same key ranges."""
+    return len(upper) == len(lower) and all(
+        a.unmasked and b.unmasked and a.q1 == b.q0 and (a.k0, a.k1) == (b.k0, b.k1)
+        for a, b in zip(upper, lower, strict=True)
+    )
+
+
+class _Ring:
+    """This rank's place in ``group``: it sends to the next rank and receives from the previous one."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        require(
+            dist.is_available() and dist.is_initialized(),
+            "torch.distributed is not initialised: call torch.distributed.init_process_group first.",
+            RuntimeError,
+        )
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        require(self.rank >= 0, "This process is not a member of the given process group.")
+        self.size = dist.get_world_size(self.group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+
+    def pass_on(self, x: Tensor) -> _Incoming:
+        """Start sending contiguous ``x`` to the next rank and receiving the previous rank's tensor of the
+        same shape; returns at once. With one rank, the incoming tensor is ``x`` itself."""
+        if self.size == 1:
+            return _Incoming(self, [], x)
+        incoming = torch.empty_like(x)
+        ops = [
+            dist.P2POp(dist.isend, x, self.next, self.group),
+            dist.P2POp(dist.irecv, incoming, self.prev, self.group),
+        ]
+        return _Incoming(self, dist.batch_isend_irecv(ops), incoming)
+
+    def all_gather(self, x: Tensor) -> list[Tensor]:
+        """Every rank's ``x``, in group rank order."""
+        gathered = [torch.empty_like(x) for _ in range(self.size)]
+        try:
+            dist.all_gather(gathered, x, group=self.group)
+        except RuntimeError as err:
+            raise self.timeout_error("comparing the inputs of the ranks") from err
+        return gathered
+
+    def timeout_error(self, doing: str) -> RuntimeError:
+        return RuntimeError(
+            f"Ring attention on rank {self.rank} of {self.size}: {doing} failed or timed out. Another rank of "
+            "the group failed, exited, or did not call ring_flash_attn_func (every rank must call it, and "
+            "its backward) within the process group's timeout, set by "
+            "torch.distributed.init_process_group(timeout=...). The cause is on the other rank."
+        )
+
+
+class _Incoming:
+    """A transfer in flight; ``wait()`` returns the received tensor."""
+
+    def __init__(self, ring: _Ring, works: list[dist.Work], buffer: Tensor) -> None:
+        self.ring, self.works, self.buffer = ring, works, buffer
+
+    def wait(self) -> Tensor:
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as err:
+            ring = self.ring
+            raise ring.timeout_error(
+                f"passing shards on from rank {(ring.rank - 1) % ring.size} through rank {ring.rank} "
+                f"to rank {(ring.rank + 1) % ring.size}"
+            ) from err
+        return self.buffer
+
+
+def _pack(*tensors: Tensor) -> Tensor:
+    """One flat contiguous buffer holding ``tensors`` (of one dtype): one message instead of several."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(buffer: Tensor, *shapes: torch.Size) -> list[Tensor]:
+    """Views of ``buffer`` with ``shapes``, the inverse of ``_pack``."""
+    parts = buffer.split([math.prod(shape) for shape in shapes])
+    return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
+
+
+def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """Fold a partial result over more keys into the running one, in place.
+
+    out: (batch, rows, nheads, headdim_v) fp32, lse: (batch, nheads, rows) fp32 (views of the running
+    result); block_out, block_lse: the same shapes, block_out in the inputs' dtype.
+    """
+    new_lse = torch.logaddexp(lse, block_lse)
+    shift = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # no key seen yet: weights exp(-inf) = 0
+    old_weight = torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1)  # (batch, rows, nheads, 1)
+    new_weight = torch.exp(block_lse - shift).transpose(1, 2).unsqueeze(-1)
+    out.mul_(old_weight).add_(new_weight * block_out)
+    lse.copy_(new_lse)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every step needs besides the tensors."""
+
+    ring: _Ring
+    layout: str
+    softmax_scale: float
+    left: int | None
+    right: int | None
+
+    def blocks(self, source: int, shard_len: int) -> list[Block]:
+        """The calls of the step in which this rank holds the K/V shard of group rank ``source``."""
+        return plan_step(
+            segments(self.ring.rank, self.ring.size, self.layout, shard_len),
+            segments(source, self.ring.size, self.layout, shard_len),
+            self.left,
+            self.right,
+        )
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, setup: _Setup) -> tuple[Tensor, Tensor]:
+    """q (B, S, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv): this rank's shards ->
+    out (B, S, H, Dv) in q's dtype, lse (B, H, S) fp32, this rank's rows of the full-sequence attention."""
+    ring = setup.ring
+    batch, shard_len, nheads, _ = q.shape
+    out = torch.zeros(batch, shard_len, nheads, v.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, nheads, shard_len), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = _pack(k, v)
+    for step in range(ring.size):
+        incoming = ring.pass_on(kv) if step + 1 < ring.size else None
+        k_s, v_s = _unpack(kv, k.shape, v.shape)
+        for b in setup.blocks((ring.rank - step) % ring.size, shard_len):
+            block_out, block_lse = torch.ops.flashtile.attention_forward(
+                q[:, b.q0 : b.q1], k_s[:, b.k0 : b.k1], v_s[:, b.k0 : b.k1], setup.softmax_scale, b.left, b.right
+            )
+            _merge(out[:, b.q0 : b.q1], lse[:, :, b.q0 : b.q1], block_out, block_lse)
+        if incoming is not None:
+            kv = incoming.wait()
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, setup: _Setup
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of this rank's shards, shaped and typed like (q, k, v).
+
+    dout: (B, S, H, Dv), out and lse: this rank's rows of the global result (``_ring_forward``),
+    dlse: (B, H, S) fp32 gradient at lse, or None.
+    """
+    ring = setup.ring
+    shard_len = q.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = _pack(k, v)
+    dkv_incoming: _Incoming | None = None  # the dK/dV accumulator of the shard this rank holds next
+    for step in range(ring.size):
+        kv_incoming = ring.pass_on(kv) if step + 1 < ring.size else None
+        k_s, v_s = _unpack(kv, k.shape, v.shape)
+        blocks = setup.blocks((ring.rank - step) % ring.size, shard_len)
+        grads = [
+            torch.ops.flashtile.attention_backward(
+                dout[:, b.q0 : b.q1],
+                q[:, b.q0 : b.q1],
+                k_s[:, b.k0 : b.k1],
+                v_s[:, b.k0 : b.k1],
+                out[:, b.q0 : b.q1],
+                lse[:, :, b.q0 : b.q1].contiguous(),
+                None if dlse is None else dlse[:, :, b.q0 : b.q1].contiguous(),
+                setup.softmax_scale,
+                b.left,
+                b.right,
+            )
+            for b in blocks
+        ]
+        if dkv_incoming is None:
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        else:
+            dkv = dkv_incoming.wait()
+        dk_s, dv_s = _unpack(dkv, k.shape, v.shape)
+        for b, (dq_b, dk_b, dv_b) in zip(blocks, grads, strict=True):
+            dq[:, b.q0 : b.q1] += dq_b
+            dk_s[:, b.k0 : b.k1] += dk_b
+            dv_s[:, b.k0 : b.k1] += dv_b
+        dkv_incoming = ring.pass_on(dkv)  # after the last step, this is the hop home
+        if kv_incoming is not None:
+            kv = kv_incoming.wait()
+    dk, dv = _unpack(dkv_incoming.wait(), k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingFlashAttention(torch.autograd.Function):
+    """Autograd for ring attention: the backward is a collective over the group, like the forward."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, setup: _Setup) -> tuple[Tensor, Tensor]:
+        out, lse = _ring_forward(q, k, v, setup)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.setup = setup
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        dlse = None if dlse is None else dlse.float().contiguous()
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, dlse, ctx.setup)
+        return dq, dk, dv, None
+
+
+_SIGNATURE = (
+    "batch",
+    "seqlen per rank",
+    "nheads",
+    "nheads_k",
+    "headdim",
+    "headdim_v",
+    "dtype",
+    "window left (-1: unbounded)",
+    "window right (-1: unbounded, causal: 0)",
+    "layout",
+    "softmax_scale",
+)
+_SHOW = {
+    "dtype": lambda code: str(SUPPORTED_DTYPES[code]),
+    "layout": lambda code: repr(LAYOUTS[code]),
+    "softmax_scale": lambda bits: repr(struct.unpack("<d", struct.pack("<q", bits))[0]),
+}
+
+
+def _signature(
+    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, left: int | None, right: int | None, layout: str
+) -> tuple[int, ...]:
+    """The ints of ``_SIGNATURE`` for this rank's call; every rank of the group must agree on them."""
+    return (
+        *q.shape,
+        k.shape[2],
+        v.shape[3],
+        SUPPORTED_DTYPES.index(q.dtype),
+        -1 if left is None else left,
+        -1 if right is None else right,
+        LAYOUTS.index(layout),
+        struct.unpack("<q", struct.pack("<d", softmax_scale))[0],
+    )
+
+
+def _check_shard(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
+    """Raise TypeError/ValueError unless q, k, v are valid shards of one sequence for ``layout``."""
+    check_qkv(q, k, v)
+    require(q.shape[1] > 0, f"The shards must hold at least one position, got q {tuple(q.shape)}.")
+    require(
+        q.shape[1] == k.shape[1],
+        f"Ring attention splits one sequence across ranks, so the q and k/v shards must have the same length, "
+        f"got q {tuple(q.shape)} and k {tuple(k.shape)}.",
+    )
+    require(
+        layout != "zigzag" or q.shape[1] % 2 == 0,
+        f"A layout='zigzag' shard holds two equal chunks, so its length must be even, got {q.shape[1]}. "
+        "Shard the full sequence with flashtile.distributed.shard (it must be a multiple of 2 * world_size).",
+    )
+
+
+def _check_across_ranks(ring: _Ring, device: torch.device, signature: tuple[int, ...] | None) -> None:
+    """Raise on every rank unless every rank passed valid inputs (``signature`` not None) with one signature."""
+    mine = [0] * len(_SIGNATURE) if signature is None else list(signature)
+    mine_t = torch.tensor([int(signature is not None), *mine], dtype=torch.int64, device=device)
+    table = torch.stack(ring.all_gather(mine_t)).tolist()  # one row per rank
+    if signature is None:
+        return  # the caller raises its own error
+    rejected = [rank for rank, row in enumerate(table) if not row[0]]
+    require(
+        not rejected,
+        f"Rank(s) {rejected} of the group rejected their inputs to ring_flash_attn_func (their error says why); "
+        "no rank started the ring.",
+    )
+    lines = []
+    for i, name in enumerate(_SIGNATURE, start=1):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            show = _SHOW.get(name, str)
+            lines.append(f"  {name}: " + ", ".join(f"rank {r}: {show(x)}" for r, x in enumerate(values)))
+    require(
+        not lines,
+        "ring_flash_attn_func needs the same shapes and options on every rank of the group; they differ:\n"
+        + "\n".join(lines),
+    )
+
+
+def ring_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    layout: str = "zigzag",
+):
+    """``flash_attn_func`` over a sequence split across the ranks of ``group`` (context parallelism).
+
+    A collective: every rank of ``group`` calls it with its own shard of q, k and v (and, when training,
+    backpropagates through the result). Each rank gets its shard of exactly what ``flash_attn_func``
+    gives on the whole sequence, forward and backward. Shard a full tensor with
+    ``flashtile.distributed.shard`` and gather results with ``unshard``, using the same ``layout``.
+
+    The masks are those of ``flash_attn_func`` on the full sequence of length N = world_size * seqlen
+    (seqlen_q = seqlen_k = N): with ``causal``, global query position p sees keys p' <= p; with
+    ``window_size=(left, right)``, keys p - left <= p' <= p + right (-1: unbounded side). Use
+    layout="zigzag" with causal masks: every rank then does the same work ("contiguous" leaves the last
+    rank with W times the work of the first).
+
+    Args:
+        q: (batch_size, seqlen, nheads, headdim), float16 or bfloat16: this rank's shard of the queries
+        k: (batch_size, seqlen, nheads_k, headdim): this rank's shard of the keys; nheads % nheads_k == 0
+        v: (batch_size, seqlen, nheads_k, headdim_v); headdim and headdim_v multiples of 8, at most 256
+        dropout_p, softcap, alibi_slopes: must be 0.0, 0.0, None (not implemented; NotImplementedError)
+        softmax_scale: scaling of q @ k^T before the softmax; default 1 / sqrt(headdim)
+        causal: causal mask over the global positions
+        window_size: (left, right) sliding window over the global positions, -1 for an unbounded side
+        deterministic: accepted, as in flash_attn_func; the ring adds partial results in a fixed order
+        return_attn_probs: also return softmax_lse (the third element is None, as in flash_attn_func)
+        group: the process group the sequence is split over; None is the default group
+        layout: how the sequence is split: "zigzag" (rank r holds chunks r and 2W-1-r of 2W equal chunks;
+            seqlen must be even) or "contiguous" (rank r holds chunk r of W)
+
+    Returns:
+        out: (batch_size, seqlen, nheads, headdim_v), this rank's rows of the full-sequence output
+        if return_attn_probs: (out, softmax_lse, None) with softmax_lse (batch_size, nheads, seqlen) float32
+
+    Raises:
+        ValueError / TypeError on every rank when any rank's inputs are invalid or the ranks' shapes,
+        dtypes or options differ; RuntimeError when another rank fails or does not call within the
+        process group's timeout.
+    """
+    check_unimplemented(dropout_p, softcap, alibi_slopes)
+    check_layout(layout)
+    left, right = window_bounds(window_size, causal)
+    ring = _Ring(group)
+    require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
+    try:
+        _check_shard(q, k, v, layout)
+    except (TypeError, ValueError):
+        _check_across_ranks(ring, q.device, None)
+        raise
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    softmax_scale = float(softmax_scale)
+    _check_across_ranks(ring, q.device, _signature(q, k, v, softmax_scale, left, right, layout))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    setup = _Setup(ring, layout, softmax_scale, left, right)
+    out, lse = _RingFlashAttention.apply(q, k, v, setup)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def ring_flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    layout: str = "zigzag",
+):
+    """``ring_flash_attn_func`` on a packed qkv shard; gradients flow back into ``qkv``.
+
+    Args:
+        qkv: (batch_size, seqlen, 3, nheads, headdim), this rank's shard
+        the rest: as ``ring_flash_attn_func``
+
+    Returns:
+        out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, None) if return_attn_probs
+    """
+    require(
+        isinstance(qkv, Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3,
+        "qkv must be (batch_size, seqlen, 3, nheads, headdim), got "
+        f"{tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}.",
+    )
+    q, k, v = qkv.unbind(2)
+    return ring_flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, group, layout=layout,
+    )  # fmt: skip

@@ -1,0 +1,411 @@
+"""Ring attention (flashtile.distributed) against the oracle on the full sequence, over gloo processes.
+
+Starting processes is the expensive part (~2 s per process on a CI machine), so one module fixture
+spawns four gloo processes once and runs every case in them: the 4-rank cases on the default group,
+the 2-rank cases on two subgroups {0, 1} and {2, 3} (so group ranks differ from global ranks), then the
+error cases. Each case shards full-sequence inputs with ``shard``, runs forward and backward, gathers
+the results with ``unshard`` and saves them; the tests then hold them to the tolerance rule of shared
+DESIGN.md against the oracle on the full sequence, here in the test process.
+
+The children take flashtile's CPU path (fast); one case runs the Triton kernels in the interpreter.
+The planner that cuts ring steps into kernel calls is checked exhaustively without processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flashtile import _backend
+from flashtile.distributed import ring, ring_flash_attn_func, ring_flash_attn_qkvpacked_func, shard, unshard
+from flashtile.distributed.layout import LAYOUTS, segments, shard_tensor
+from flashtile.ops import _alloc
+from flashtile.reference import visibility_mask
+from oracle import check_against_oracle
+
+SPAWN_DEADLINE_S = 240  # the whole spawn; ~20 s on a 2-core CI machine
+SHORT_TIMEOUT = timedelta(seconds=2)  # process group timeout in the cases where a peer fails
+
+
+@dataclass(frozen=True)
+class Case:
+    """One ring run: the full sequence is seqlen = shard_len * world tokens long."""
+
+    world: int
+    layout: str
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    dtype: torch.dtype = torch.float16
+    batch: int = 1
+    shard_len: int = 34
+    heads: tuple[int, int] = (2, 2)  # (nheads, nheads_k)
+    head_dims: tuple[int, int] = (32, 32)  # (headdim, headdim_v)
+    dlse: bool = False  # also backpropagate a random gradient at softmax_lse
+    packed: bool = False  # ring_flash_attn_qkvpacked_func, without return_attn_probs
+    interpreter: bool = False  # the Triton kernels in the interpreter instead of the CPU path
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        mask = "causal" if self.causal else "full"
+        if self.window != (-1, -1):
+            mask += f"-W{self.window[0]}_{self.window[1]}"
+        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[self.dtype]
+        name = f"W{self.world}-{self.layout}-{mask}-{dtype}-S{self.shard_len * self.world}"
+        name += f"-H{self.heads[0]}_{self.heads[1]}-D{self.head_dims[0]}_{self.head_dims[1]}"
+        for flag in ("dlse", "packed", "interpreter"):
+            name += f"-{flag}" if getattr(self, flag) else ""
+        return name
+
+
+CASES = [
+    # 4 ranks: zigzag shards hold two chunks of 13, contiguous shards one of 25
+    Case(4, "zigzag", causal=True, shard_len=26, heads=(4, 2)),
+    Case(4, "zigzag", causal=False, shard_len=26, dtype=torch.bfloat16, batch=2),
+    Case(4, "contiguous", causal=True, shard_len=25, dtype=torch.bfloat16, heads=(3, 1)),
+    Case(4, "contiguous", causal=False, shard_len=25),
+    Case(4, "zigzag", window=(17, 5), shard_len=26),
+    Case(4, "contiguous", causal=True, window=(30, -1), shard_len=25, dtype=torch.bfloat16),
+    # 2 ranks
+    *(
+        Case(2, layout, causal=causal, dtype=dtype, heads=(4, 2) if causal else (2, 2), seed=seed)
+        for seed, (layout, causal, dtype) in enumerate(
+            itertools.product(LAYOUTS, (False, True), (torch.float16, torch.bfloat16))
+        )
+    ),
+    Case(2, "zigzag", window=(9, 9), shard_len=40, head_dims=(64, 32)),
+    Case(2, "contiguous", window=(-1, 7), shard_len=39, batch=2),
+    Case(2, "zigzag", causal=True, dlse=True, heads=(6, 2)),
+    Case(2, "contiguous", causal=True, packed=True, dtype=torch.bfloat16),
+]
+if _backend.TRITON_INTERPRET:
+    CASES.append(Case(2, "zigzag", causal=True, shard_len=48, heads=(2, 1), interpreter=True))
+
+
+def full_inputs(case: Case) -> tuple[torch.Tensor, ...]:
+    """Fresh random full-sequence q, k, v, dout and dlse (None unless case.dlse), the same in every process."""
+    gen = torch.Generator().manual_seed(case.seed)
+    seqlen = case.shard_len * case.world
+    (nheads, nheads_k), (head_dim, head_dim_v) = case.heads, case.head_dims
+
+    def randn(*shape: int, dtype: torch.dtype = case.dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q = randn(case.batch, seqlen, nheads, head_dim)
+    k = randn(case.batch, seqlen, nheads_k, head_dim)
+    v = randn(case.batch, seqlen, nheads_k, head_dim_v)
+    dout = randn(case.batch, seqlen, nheads, head_dim_v)
+    dlse = randn(case.batch, nheads, seqlen, dtype=torch.float32) if case.dlse else None
+    return q, k, v, dout, dlse
+
+
+# ----------------------------------------------------------------------------------------------
+# What the child processes run
+
+
+def _run_case(case: Case, group: dist.ProcessGroup, results_dir: Path, device: torch.device) -> None:
+    """Shard, run forward and backward on this rank's shard, unshard; group rank 0 saves the results."""
+    if device.type == "cpu":
+        _backend.TRITON_INTERPRET = case.interpreter
+        assert _backend.path_name(device) == ("triton-interpreter" if case.interpreter else "cpu")
+    q, k, v, dout, dlse = (None if t is None else t.to(device) for t in full_inputs(case))
+    options = {"causal": case.causal, "window_size": case.window, "group": group, "layout": case.layout}
+    if case.packed:
+        qkv = shard(torch.stack([q, k, v], dim=2), group, layout=case.layout).requires_grad_()
+        out = ring_flash_attn_qkvpacked_func(qkv, **options)
+        lse = None
+        out.backward(shard(dout, group, layout=case.layout))
+        grads = qkv.grad.unbind(2)
+    else:
+        leaves = [shard(t, group, layout=case.layout).requires_grad_() for t in (q, k, v)]
+        out, lse, probs = ring_flash_attn_func(*leaves, return_attn_probs=True, **options)
+        assert probs is None
+        outputs, grad_outputs = [out], [shard(dout, group, layout=case.layout)]
+        if dlse is not None:
+            outputs.append(lse)
+            grad_outputs.append(shard(dlse, group, layout=case.layout, dim=2))
+        torch.autograd.backward(outputs, grad_outputs)
+        grads = [t.grad for t in leaves]
+    results = {
+        name: unshard(x, group, layout=case.layout).cpu()
+        for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True)
+    }
+    if lse is not None:
+        results["lse"] = unshard(lse, group, layout=case.layout, dim=2).cpu()
+    if dist.get_rank(group) == 0:
+        torch.save(results, results_dir / f"{case.name}.pt")
+
+
+def _record(path: Path, action) -> None:
+    """Run ``action`` and save how it ended: the error's type and message (or None), and the time taken."""
+    start = time.monotonic()
+    try:
+        action()
+        outcome = {"error": None, "message": ""}
+    except Exception as err:  # the outcome is the test's subject
+        outcome = {"error": type(err).__name__, "message": str(err)}
+    outcome["seconds"] = time.monotonic() - start
+    torch.save(outcome, path)
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _shard_qkv(seqlen: int) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(1, seqlen, 2, 32).half() for _ in range(3))
+
+
+def _mismatch_cases(rank: int, group: dist.ProcessGroup, out_dir: Path) -> None:
+    """Ranks 0 and 1: inputs that differ across ranks, or that one rank rejects, fail on both ranks."""
+    lengths = {0: 8, 1: 10}[rank]
+    _record(out_dir / f"lengths-{rank}.pt", lambda: ring_flash_attn_func(*_shard_qkv(lengths), group=group))
+    causal = rank == 0
+    _record(out_dir / f"options-{rank}.pt", lambda: ring_flash_attn_func(*_shard_qkv(8), causal=causal, group=group))
+    odd = {0: 8, 1: 9}[rank]  # a zigzag shard holds two equal chunks
+    _record(out_dir / f"odd-{rank}.pt", lambda: ring_flash_attn_func(*_shard_qkv(odd), causal=True, group=group))
+
+
+def _failing_peer_cases(rank: int, groups: list[dist.ProcessGroup], out_dir: Path) -> None:
+    """Ranks 2 and 3, on groups with a short timeout: a peer that never calls, and one that fails mid-ring."""
+    never, mid_ring = groups
+    if rank == 2:
+        _record(out_dir / "never-2.pt", lambda: ring_flash_attn_func(*_shard_qkv(8), group=never))
+    else:
+        _wait_for(out_dir / "never-2.pt")  # alive but not calling until rank 2 has given up
+
+    def forward_backward() -> None:
+        leaves = [t.requires_grad_() for t in _shard_qkv(8)]
+        ring_flash_attn_func(*leaves, causal=True, group=mid_ring).sum().backward()
+
+    if rank == 3:  # fails in its first merge, after it has sent its K/V shard
+
+        def fail(*args) -> None:
+            raise RuntimeError("injected failure")
+
+        merge, ring._merge = ring._merge, fail
+        _record(out_dir / "mid-3.pt", forward_backward)
+        ring._merge = merge
+        _wait_for(out_dir / "mid-2.pt")
+    else:
+        _record(out_dir / "mid-2.pt", forward_backward)
+
+
+def _gloo_worker(rank: int, world: int, tmp: str, cases: list[Case]) -> None:
+    """Rank ``rank`` of 4 CPU processes: every case in CASES, then the error cases."""
+    torch.set_num_threads(1)
+    _alloc.POISON_OUTPUTS = True  # outputs start as NaN, as in the parent's tests
+    tmp_path = Path(tmp)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'init'}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank takes part in creating each group
+    short = [dist.new_group([2, 3], timeout=SHORT_TIMEOUT) for _ in range(2)]
+    cpu = torch.device("cpu")
+    for case in cases:
+        if case.world == 4:
+            _run_case(case, dist.group.WORLD, tmp_path, cpu)
+    for case in [c for c in cases if c.world == 2][rank // 2 :: 2]:
+        _run_case(case, pairs[rank // 2], tmp_path, cpu)
+    if rank < 2:
+        _mismatch_cases(rank, pairs[0], tmp_path)
+    else:
+        _failing_peer_cases(rank, short, tmp_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _nccl_worker(rank: int, world: int, tmp: str, cases: list[Case]) -> None:
+    """Rank ``rank`` of ``world`` processes, one GPU each: every case, on the default group."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    _alloc.POISON_OUTPUTS = True
+    dist.init_process_group(
+        "nccl", init_method=f"file://{Path(tmp) / 'init'}", rank=rank, world_size=world, device_id=device
+    )
+    for case in cases:
+        _run_case(case, dist.group.WORLD, Path(tmp), device)
+    dist.destroy_process_group()
+
+
+def _spawn(worker, nprocs: int, tmp: Path, cases: list[Case]) -> None:
+    """Run ``worker(rank, nprocs, tmp, cases)`` in ``nprocs`` fresh processes; fail the test if one
+    raises (with its traceback) or if they are not done within SPAWN_DEADLINE_S."""
+    context = mp.start_processes(worker, args=(nprocs, str(tmp), cases), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ring processes did not finish within {SPAWN_DEADLINE_S} s")
+
+
+@pytest.fixture(scope="module")
+def ring_runs(tmp_path_factory) -> Path:
+    """Run every case in one spawn of 4 gloo processes; returns the folder holding their results."""
+    tmp = tmp_path_factory.mktemp("ring")
+    _spawn(_gloo_worker, 4, tmp, CASES)
+    return tmp
+
+
+def _outcome(ring_runs: Path, name: str) -> dict:
+    return torch.load(ring_runs / f"{name}.pt")
+
+
+# ----------------------------------------------------------------------------------------------
+# The tests
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_ring_matches_full_sequence_attention(ring_runs, case):
+    q, k, v, dout, dlse = full_inputs(case)
+    results = torch.load(ring_runs / f"{case.name}.pt")
+    assert set(results) == {"out", "dq", "dk", "dv"} | (set() if case.packed else {"lse"})
+    check_against_oracle(results, q, k, v, dout, dlse=dlse, causal=case.causal, window_size=case.window)
+
+
+GPU_CASES = [
+    Case(2, layout, causal=causal, dtype=torch.bfloat16, shard_len=2048, heads=(8, 2), head_dims=(128, 128))
+    for layout, causal in (("zigzag", True), ("contiguous", True), ("zigzag", False))
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_ring_over_nccl(tmp_path):
+    """The same check on 2 GPUs over NCCL, sequence 4096, compiled Triton kernels."""
+    _spawn(_nccl_worker, 2, tmp_path, GPU_CASES)
+    for case in GPU_CASES:
+        q, k, v, dout, _ = (None if t is None else t.cuda() for t in full_inputs(case))
+        results = {name: x.cuda() for name, x in torch.load(tmp_path / f"{case.name}.pt").items()}
+        check_against_oracle(results, q, k, v, dout, causal=case.causal, window_size=case.window)
+
+
+def test_shapes_that_differ_across_ranks_fail_on_every_rank(ring_runs):
+    for rank in (0, 1):
+        outcome = _outcome(ring_runs, f"lengths-{rank}")
+        assert outcome["error"] == "ValueError", outcome
+        assert "seqlen per rank: rank 0: 8, rank 1: 10" in outcome["message"]
+
+
+def test_options_that_differ_across_ranks_fail_on_every_rank(ring_runs):
+    for rank in (0, 1):
+        outcome = _outcome(ring_runs, f"options-{rank}")
+        assert outcome["error"] == "ValueError", outcome
+        assert "window right (-1: unbounded, causal: 0): rank 0: 0, rank 1: -1" in outcome["message"]
+
+
+def test_a_shard_one_rank_rejects_fails_on_every_rank(ring_runs):
+    """A zigzag shard of odd length (a sequence that does not divide into 2 * world chunks)."""
+    own, other = _outcome(ring_runs, "odd-1"), _outcome(ring_runs, "odd-0")
+    assert own["error"] == "ValueError" and "must be even, got 9" in own["message"], own
+    assert other["error"] == "ValueError" and "Rank(s) [1] of the group rejected" in other["message"], other
+
+
+def test_a_peer_that_never_calls_fails_within_the_timeout(ring_runs):
+    outcome = _outcome(ring_runs, "never-2")
+    assert outcome["error"] == "RuntimeError", outcome
+    assert "init_process_group(timeout=...)" in outcome["message"]
+    assert SHORT_TIMEOUT.total_seconds() <= outcome["seconds"] < 5 * SHORT_TIMEOUT.total_seconds()
+
+
+def test_a_peer_that_fails_mid_ring_fails_the_others_within_the_timeout(ring_runs):
+    failing, waiting = _outcome(ring_runs, "mid-3"), _outcome(ring_runs, "mid-2")
+    assert failing["error"] == "RuntimeError" and failing["message"] == "injected failure", failing
+    assert waiting["error"] == "RuntimeError" and "passing shards on" in waiting["message"], waiting
+    assert waiting["seconds"] < 5 * SHORT_TIMEOUT.total_seconds()
+
+
+def _kernel_mask(n_q: int, n_k: int, left: int | None, right: int | None) -> torch.Tensor:
+    """The kernels' band, bottom-right aligned: row i sees column j iff i + d - left <= j <= i + d + right."""
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    d = n_k - n_q
+    visible = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left is not None:
+        visible &= j >= i + d - left
+    if right is not None:
+        visible &= j <= i + d + right
+    return visible
+
+
+BANDS = [(-1, -1), (-1, 0), (0, 0), (3, 0), (2, 5), (-1, 4), (7, -1), (0, -1), (11, 2), (40, 40)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_plan_covers_the_global_mask_exactly_once(layout, world):
+    """For every rank and every K/V shard it holds, the plan's calls together see exactly the key
+    positions the global mask shows, each once."""
+    for chunk in (1, 2, 5):
+        shard_len = chunk * (2 if layout == "zigzag" else 1)
+        seqlen = shard_len * world
+        position = torch.arange(seqlen)
+        for band in BANDS:
+            left, right = (None if w < 0 else w for w in band)
+            full = visibility_mask(seqlen, seqlen, window_size=band).int()
+            for rank in range(world):
+                rows = shard_tensor(position, rank, world, layout, dim=0)
+                for source in range(world):
+                    cols = shard_tensor(position, source, world, layout, dim=0)
+                    seen = torch.zeros(shard_len, shard_len, dtype=torch.int)
+                    mine, theirs = segments(rank, world, layout, shard_len), segments(source, world, layout, shard_len)
+                    for b in ring.plan_step(mine, theirs, left, right):
+                        seen[b.q0 : b.q1, b.k0 : b.k1] += _kernel_mask(b.q1 - b.q0, b.k1 - b.k0, b.left, b.right)
+                    assert torch.equal(seen, full[rows][:, cols]), (band, rank, source)
+
+
+def test_zigzag_causal_plan_is_one_balanced_call_per_step():
+    """zigzag + causal: step 0 is one causal call over the shard; every other step one unmasked call of
+    half the queries or half the keys, so every rank computes the same area."""
+    world, chunk = 4, 16
+    shard_len = 2 * chunk
+    for rank in range(world):
+        mine = segments(rank, world, "zigzag", shard_len)
+        assert ring.plan_step(mine, mine, None, 0) == [ring.Block(0, shard_len, 0, shard_len, None, 0)]
+        for step in range(1, world):
+            source = (rank - step) % world
+            (block,) = ring.plan_step(mine, segments(source, world, "zigzag", shard_len), None, 0)
+            assert block.unmasked
+            assert (block.q1 - block.q0) * (block.k1 - block.k0) == shard_len * chunk
+
+
+def test_shard_layouts():
+    position = torch.arange(16)
+    assert shard_tensor(position, 1, 4, "zigzag", dim=0).tolist() == [2, 3, 12, 13]
+    assert shard_tensor(position, 3, 4, "zigzag", dim=0).tolist() == [6, 7, 8, 9]
+    assert shard_tensor(position, 1, 4, "contiguous", dim=0).tolist() == [4, 5, 6, 7]
+
+
+def test_shard_needs_a_sequence_that_divides():
+    with pytest.raises(ValueError, match="does not split into 8 equal chunks"):
+        shard_tensor(torch.zeros(1, 12, 2, 8), 0, 4, "zigzag")
+
+
+def test_options_without_an_implementation_raise():
+    q = torch.randn(1, 8, 2, 32).half()
+    with pytest.raises(NotImplementedError, match="softcap"):
+        ring_flash_attn_func(q, q, q, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ring_flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ring_flash_attn_func(q, q, q, layout="striped")
+
+
+def test_needs_an_initialised_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    q = torch.randn(1, 8, 2, 32).half()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_flash_attn_func(q, q, q)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        unshard(q)
