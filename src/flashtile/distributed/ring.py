@@ -68,10 +68,10 @@ from flashtile.distributed.layout import LAYOUTS, Segment, check_layout, segment
 from flashtile.interface import (
     NO_WINDOW,
     SUPPORTED_DTYPES,
-    window_bounds,
     check_qkv,
     check_unimplemented,
     require,
+    window_bounds,
 )
 
 
