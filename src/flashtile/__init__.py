@@ -6,6 +6,8 @@ CPU tensors run the same tiled algorithm in PyTorch (see ``flashtile._backend``)
 """
 
 from flashtile.interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtile.kvcache import flash_attn_with_kvcache
+from flashtile.padding import pad_input, unpad_input
 from flashtile.sdpa import scaled_dot_product_attention
 
 __version__ = "0.1.0"
@@ -14,5 +16,8 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "pad_input",
     "scaled_dot_product_attention",
+    "unpad_input",
 ]

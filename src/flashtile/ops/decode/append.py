@@ -100,6 +100,8 @@ def append_kv(
         rotary_interleaved: rotate pairs (2f, 2f + 1) rather than (f, f + rotary_dim / 2)
     """
     batch, seqlen_new, nheads_k, head_dim = k.shape
+    if k.numel() == 0:
+        return
     head_dim_v = v.shape[3]
     rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
     grid = (triton.cdiv(seqlen_new, BLOCK_T), batch, nheads_k)

@@ -65,3 +65,12 @@ def choose_num_splits(programs: int, n_blocks: int, num_sms: int) -> int:
         return 1
     wanted = triton.cdiv(2 * num_sms, programs)
     return max(1, min(wanted, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+
+
+def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache: int, block_n: int) -> int:
+    """The split count to launch: ``requested``, or the heuristic's choice when it is 0, capped at the
+    number of key tiles of the cache and at MAX_SPLITS. ``programs`` = batch x nheads_k x query tiles."""
+    n_blocks = triton.cdiv(seqlen_cache, block_n)
+    if requested == 0:
+        requested = choose_num_splits(programs, n_blocks, sm_count(device))
+    return max(1, min(requested, n_blocks, MAX_SPLITS))

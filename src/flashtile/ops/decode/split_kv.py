@@ -219,7 +219,7 @@ def _split_kv_kernel(
     full_hi = seqlen_k
     if MASK_LEFT:
         lo = tl.maximum(first_tok + diag - left, 0)
-        full_lo = tl.maximum(first_tok + diag - left, 0)
+        full_lo = tl.maximum(last_tok + diag - left, 0)
     if MASK_RIGHT:
         hi = tl.minimum(tl.maximum(last_tok + diag + right + 1, 0), seqlen_k)
         full_hi = tl.minimum(tl.maximum(first_tok + diag + right + 1, 0), seqlen_k)
@@ -375,19 +375,18 @@ def decode_attention(
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    out = empty_output((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
+    lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
+    if out.numel() == 0:
+        return out, lse
     group = nheads // nheads_k
     paged = block_table is not None
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = configs.config(q.device, max(head_dim, head_dim_v))
     block_m = configs.block_m(seqlen_q * group)
     m_tiles = triton.cdiv(seqlen_q * group, block_m)
-    n_blocks = triton.cdiv(seqlen_cache, cfg.block_n)
-    if num_splits == 0:
-        num_splits = configs.choose_num_splits(batch * nheads_k * m_tiles, n_blocks, configs.sm_count(q.device))
-    num_splits = max(1, min(num_splits, n_blocks, configs.MAX_SPLITS))
+    num_splits = configs.num_splits(num_splits, q.device, batch * nheads_k * m_tiles, seqlen_cache, cfg.block_n)
 
-    out = empty_output((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
-    lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
     if num_splits == 1:
         out_s, lse_s, stride_os, stride_ls = out, lse, 0, 0
     else:

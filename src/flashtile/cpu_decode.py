@@ -1,0 +1,159 @@
+"""``flash_attn_with_kvcache`` on the CPU, in plain PyTorch: the path for CPU tensors.
+
+Same inputs and results as the Triton kernels (``flashtile.ops.decode``), computed directly:
+
+1. Append. New token t of batch entry b goes to cache position ``cache_seqlens[b] + t``; the key is
+   first rotated (rotary embedding, in fp32, rounded once to the cache's dtype) at that position.
+2. Attend, one batch entry at a time. Its keys are the cache positions ``[leftpad_b, cache_seqlens[b] +
+   seqlen_new)``, gathered from the contiguous or paged cache; the query is rotated at positions
+   ``cache_seqlens[b] + i`` (or all at ``cache_seqlens[b]``) and rounded to its dtype, as the kernels do.
+   Scores ``softcap * tanh(scale * q k / softcap)`` (or ``scale * q k``) minus the ALiBi bias, the
+   bottom-right aligned mask, softmax and ``P V`` are computed in fp32 on the whole row of keys.
+
+Memory: one batch entry's scores, nheads x seqlen_q x seqlen_k floats, beyond the inputs. Where a cache
+position lives: ``[cache_batch_idx[b], pos]`` in a contiguous cache, ``[block_table[b, pos // page],
+pos % page]`` in a paged one. ``num_splits`` does not apply here: the result is the unsplit one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for fp16/bf16/fp32 inputs, float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _slots(
+    b: int, pos: Tensor, cache_batch_idx: Tensor | None, block_table: Tensor | None, page_size: int
+) -> tuple[Tensor, Tensor]:
+    """(dim-0, dim-1) cache indices of the positions ``pos`` (any shape) of batch entry b."""
+    if block_table is not None:
+        return block_table[b, pos // page_size].long(), pos % page_size
+    slot = b if cache_batch_idx is None else int(cache_batch_idx[b])
+    return torch.full_like(pos, slot), pos
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of x (seqlen, nheads, headdim) at positions pos (seqlen,), in x's dtype.
+
+    cos, sin: (seqlen_ro, rotary_dim / 2). Columns past rotary_dim are unchanged. Interleaved rotates
+    the pairs (2f, 2f + 1), otherwise (f, f + rotary_dim / 2).
+    """
+    dtype = _compute_dtype(x.dtype)
+    half = cos.shape[1]
+    cos = cos[pos].to(dtype)[:, None, :]  # (seqlen, 1, rotary_dim / 2)
+    sin = sin[pos].to(dtype)[:, None, :]
+    rot = x[..., : 2 * half].to(dtype)
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half :]), dim=-1)
+
+
+@torch.no_grad()
+def kvcache_forward(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    rotary_cos: Tensor | None,
+    rotary_sin: Tensor | None,
+    cache_seqlens: Tensor | None,
+    cache_batch_idx: Tensor | None,
+    cache_leftpad: Tensor | None,
+    block_table: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    rotary_interleaved: bool,
+    rotary_per_token: bool,
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:
+    """Append k, v to the caches in place, then attend q to each batch entry's keys.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim)
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim[_v]), or (num_blocks,
+            page_block_size, nheads_k, headdim[_v]) with a block_table; written in place
+        k, v: (batch, seqlen_new, nheads_k, headdim[_v]) to append, or None
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), or None; k is rotated at its cache
+            positions, q at cache_seqlens[b] + i if rotary_per_token else at cache_seqlens[b]
+        cache_seqlens: (batch,) int32 cache lengths before the append, or None for the whole cache
+        cache_batch_idx: (batch,) int32 cache entry of each batch entry, or None for 0..batch-1
+        cache_leftpad: (batch,) int32 first cache position of each batch entry, or None for 0
+        block_table: (batch, max_blocks_per_seq) int32, or None for a contiguous cache
+        alibi_slopes: (nheads,) or (batch, nheads) fp32: bias -slope * |i + seqlen_k - seqlen_q - j|
+        softmax_scale, softcap: scores softcap * tanh(scale * q k / softcap), or scale * q k if softcap = 0
+        window_left, window_right: query i sees key j iff i + seqlen_k - seqlen_q - window_left <= j <=
+            i + seqlen_k - seqlen_q + window_right; None leaves a side unbounded
+        rotary_interleaved: rotate pairs (2f, 2f + 1) rather than (f, f + rotary_dim / 2)
+        num_splits: ignored (the CPU path does not split)
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim_v) in q's dtype; 0 for a row that sees no key
+        lse: (batch, nheads, seqlen_q) float32; -inf for a row that sees no key
+    """
+    batch, seqlen_q, nheads, _ = q.shape
+    nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    group = nheads // nheads_k
+    page_size = k_cache.shape[1]
+    seqlen_cache = block_table.shape[1] * page_size if block_table is not None else page_size
+    seqlen_new = 0 if k is None else k.shape[1]
+    lengths = [seqlen_cache] * batch if cache_seqlens is None else cache_seqlens.tolist()
+    leftpads = [0] * batch if cache_leftpad is None else cache_leftpad.tolist()
+    dtype = _compute_dtype(q.dtype)
+    out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype)
+    lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32)
+
+    for b in range(batch):
+        if k is not None:
+            pos = torch.arange(lengths[b], lengths[b] + seqlen_new)
+            k_b = k[b] if rotary_cos is None else rotate(k[b], rotary_cos, rotary_sin, pos, rotary_interleaved)
+            slot, row = _slots(b, pos, cache_batch_idx, block_table, page_size)
+            k_cache[slot, row] = k_b
+            v_cache[slot, row] = v[b]
+
+    for b in range(batch):
+        slot, row = _slots(b, torch.arange(leftpads[b], lengths[b] + seqlen_new), cache_batch_idx, block_table,
+                           page_size)  # fmt: skip
+        keys = k_cache[slot, row].to(dtype)  # (seqlen_k, nheads_k, headdim)
+        values = v_cache[slot, row].to(dtype)  # (seqlen_k, nheads_k, headdim_v)
+        seqlen_k = keys.shape[0]
+        q_b = q[b]
+        if rotary_cos is not None:
+            offsets = torch.arange(seqlen_q) if rotary_per_token else torch.zeros(seqlen_q, dtype=torch.long)
+            q_pos = lengths[b] + offsets
+            q_b = rotate(q_b, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        q_b = q_b.to(dtype).view(seqlen_q, nheads_k, group, q.shape[3])
+        s = torch.einsum("ihgd,jhd->hgij", q_b, keys)  # (nheads_k, group, seqlen_q, seqlen_k)
+        if softcap > 0.0:
+            s = torch.tanh(s * (softmax_scale / softcap)) * softcap
+        else:
+            s = s * softmax_scale
+        i = torch.arange(seqlen_q)[:, None]
+        j = torch.arange(seqlen_k)[None, :]
+        diag = seqlen_k - seqlen_q
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+            s = s - slopes.to(dtype).view(nheads_k, group, 1, 1) * (i + diag - j).abs().to(dtype)
+        visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+        if window_left is not None:
+            visible &= j >= i + diag - window_left
+        if window_right is not None:
+            visible &= j <= i + diag + window_right
+        s = s.masked_fill(~visible, float("-inf"))
+        lse_b = torch.logsumexp(s, dim=-1, keepdim=True)  # -inf for a row that sees no key
+        p = torch.exp(s - lse_b.masked_fill(lse_b == float("-inf"), 0.0))
+        o = torch.einsum("hgij,jhd->ihgd", p, values)  # (seqlen_q, nheads_k, group, headdim_v)
+        out[b] = o.reshape(seqlen_q, nheads, head_dim_v)
+        lse[b] = lse_b.view(nheads, seqlen_q)
+    return out, lse

@@ -1,0 +1,622 @@
+"""flash_attn_with_kvcache against the oracle, on every reachable path, and its in-place cache update.
+
+The oracle gathers each batch entry's logical cache (through cache_batch_idx or the block table),
+rotates q and the new k with a plain rotary written here, appends, and runs
+``flashtile.reference.attention_reference`` on the visible keys (with softcap or ALiBi, the same naive
+attention with those terms added). It runs in float64 (``ref``) and in the low dtype (``base``); the
+tolerance rule of DESIGN.md compares them (tests/oracle.py). After every call the cache must hold the
+new rows where they belong and be bitwise unchanged everywhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import flashtile.cpu_decode
+import flashtile.ops.decode
+from conftest import DEVICE
+from flashtile.kvcache import flash_attn_with_kvcache
+from flashtile.ops.decode import configs
+from flashtile.reference import attention_reference, visibility_mask
+from oracle import assert_within_rule
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of flash_attn_with_kvcache: shapes and options (the inputs are drawn from them)."""
+
+    batch: int = 2
+    seqlen_q: int = 1
+    seqlen_new: int = 1  # 0: no new k/v
+    nheads: int = 4
+    nheads_k: int = 2
+    head_dim: int = 64
+    head_dim_v: int | None = None
+    seqlen_cache: int = 96  # per batch entry; a multiple of page_size when paged
+    page_size: int = 0  # 0: contiguous cache
+    dtype: torch.dtype = torch.float16
+    batch_idx: bool = False
+    leftpad: bool = False
+    rotary_dim: int = 0
+    rotary_interleaved: bool = True
+    causal: bool = True
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: str = ""  # "", "heads" for (nheads,), "batch" for (batch, nheads)
+    num_splits: int = 1
+    cache_seqlens: tuple[int, ...] | None = None  # drawn when None
+    softmax_scale: float | None = None
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    rotary_cos: torch.Tensor | None
+    rotary_sin: torch.Tensor | None
+    cache_seqlens: torch.Tensor
+    cache_batch_idx: torch.Tensor | None
+    cache_leftpad: torch.Tensor | None
+    block_table: torch.Tensor | None
+    alibi_slopes: torch.Tensor | None
+
+
+def make_inputs(case: Case) -> Inputs:
+    """Fresh random inputs for ``case`` (never zeros), seeded by the case itself."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    c = case
+    head_dim_v = c.head_dim if c.head_dim_v is None else c.head_dim_v
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(c.dtype)
+
+    def randint(low, high, size=()):
+        return torch.randint(low, high, size, generator=gen)
+
+    if c.page_size:
+        blocks = c.seqlen_cache // c.page_size
+        num_blocks = c.batch * blocks + 3  # spare blocks that no batch entry uses
+        block_table = torch.randperm(num_blocks, generator=gen)[: c.batch * blocks].view(c.batch, blocks)
+        slots, rows = num_blocks, c.page_size
+    else:
+        block_table = None
+        slots, rows = c.batch + (1 if c.batch_idx else 0), c.seqlen_cache
+    k_cache = randn(slots, rows, c.nheads_k, c.head_dim)
+    v_cache = randn(slots, rows, c.nheads_k, head_dim_v)
+    if c.cache_seqlens is None:
+        cache_seqlens = randint(0, c.seqlen_cache - c.seqlen_new + 1, (c.batch,))
+    else:
+        cache_seqlens = torch.tensor(c.cache_seqlens)
+    k = randn(c.batch, c.seqlen_new, c.nheads_k, c.head_dim) if c.seqlen_new else None
+    v = randn(c.batch, c.seqlen_new, c.nheads_k, head_dim_v) if c.seqlen_new else None
+    rotary_cos = rotary_sin = None
+    if c.rotary_dim:
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, c.rotary_dim, 2) / c.rotary_dim)
+        angles = torch.arange(c.seqlen_cache)[:, None] * inv_freq[None, :]  # (seqlen_ro, rotary_dim / 2)
+        rotary_cos, rotary_sin = angles.cos().to(c.dtype), angles.sin().to(c.dtype)
+    batch_idx = torch.randperm(slots, generator=gen)[: c.batch] if c.batch_idx else None
+    leftpad = torch.stack([randint(0, int(n) + 1) for n in cache_seqlens]) if c.leftpad else None
+    alibi = None
+    if c.alibi:
+        shape = (c.nheads,) if c.alibi == "heads" else (c.batch, c.nheads)
+        alibi = torch.rand(*shape, generator=gen) * 0.3 + 0.02
+
+    def dev(t, dtype=None):
+        return None if t is None else t.to(device=DEVICE, dtype=dtype or t.dtype)
+
+    i32 = torch.int32
+    return Inputs(
+        dev(randn(c.batch, c.seqlen_q, c.nheads, c.head_dim)), dev(k_cache), dev(v_cache), dev(k), dev(v),
+        dev(rotary_cos), dev(rotary_sin), dev(cache_seqlens, i32), dev(batch_idx, i32), dev(leftpad, i32),
+        dev(block_table, i32), dev(alibi),
+    )  # fmt: skip
+
+
+def call(case: Case, x: Inputs, **overrides):
+    """flash_attn_with_kvcache on copies of the caches; returns out, lse, k_cache, v_cache."""
+    k_cache, v_cache = x.k_cache.clone(), x.v_cache.clone()
+    kwargs = dict(
+        k=x.k, v=x.v, rotary_cos=x.rotary_cos, rotary_sin=x.rotary_sin, cache_seqlens=x.cache_seqlens,
+        cache_batch_idx=x.cache_batch_idx, cache_leftpad=x.cache_leftpad, block_table=x.block_table,
+        softmax_scale=case.softmax_scale, causal=case.causal, window_size=case.window_size, softcap=case.softcap,
+        rotary_interleaved=case.rotary_interleaved, alibi_slopes=x.alibi_slopes, num_splits=case.num_splits,
+        return_softmax_lse=True,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    out, lse = flash_attn_with_kvcache(kwargs.pop("q", x.q), k_cache, v_cache, **kwargs)
+    return out, lse, k_cache, v_cache
+
+
+# The oracle ---------------------------------------------------------------------------------------------
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding in x's dtype: x (S, H, D), cos/sin (S, R / 2) at the rows' positions."""
+    rotary_dim = 2 * cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:  # pairs (2f, 2f + 1)
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        swapped = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+    else:  # pairs (f, f + R / 2)
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        swapped = torch.cat((-rot[..., rotary_dim // 2 :], rot[..., : rotary_dim // 2]), dim=-1)
+    return torch.cat((rot * cos[:, None] + swapped * sin[:, None], rest), dim=-1)
+
+
+def attention_with_terms(q, k, v, scale, mask, softcap, slopes):
+    """attention_reference, or the same naive attention with softcap and an ALiBi bias (slopes (H,))."""
+    if softcap == 0.0 and slopes is None:
+        return attention_reference(q, k, v, scale, mask=mask)
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if slopes is not None:
+        seqlen_q, seqlen_k = mask.shape
+        i, j = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None, :]
+        scores = scores - slopes.to(q.dtype)[:, None, None] * (i + seqlen_k - seqlen_q - j).abs().to(q.dtype)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0.0))
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+def logical_cache(cache: torch.Tensor, x: Inputs) -> torch.Tensor:
+    """(batch, seqlen_cache, nheads_k, d): each batch entry's cache, gathered."""
+    if x.block_table is not None:
+        return cache[x.block_table.long()].flatten(1, 2)
+    if x.cache_batch_idx is not None:
+        return cache[x.cache_batch_idx.long()]
+    return cache[: x.q.shape[0]]
+
+
+def oracle(case: Case, x: Inputs, dtype: torch.dtype):
+    """out (B, Sq, H, Dv) in case.dtype and lse (B, H, Sq) fp32, computed in ``dtype``; and the new keys
+    as rotated in ``dtype``, cast to case.dtype."""
+    c = case
+
+    def host(t):  # floating-point inputs in ``dtype``, indices as they are
+        return None if t is None else t.cpu() if t.dtype == torch.int32 else t.cpu().to(dtype)
+
+    x = Inputs(**{name: host(t) for name, t in vars(x).items()})
+    seqlens, leftpad = x.cache_seqlens.tolist(), x.cache_leftpad
+    k_cache, v_cache = logical_cache(x.k_cache, x), logical_cache(x.v_cache, x)
+    scale = 1.0 / math.sqrt(c.head_dim) if c.softmax_scale is None else c.softmax_scale
+    outs, lses, new_keys = [], [], []
+    for b in range(c.batch):
+        n = seqlens[b]
+        pos_k = torch.arange(n, n + c.seqlen_new)
+        q = x.q[b]
+        k = x.k[b] if c.seqlen_new else k_cache[b, :0]
+        if c.rotary_dim:
+            # flash_attn: a window side as wide as the cache (or wider) is no window at all
+            per_token = c.causal or any(0 <= w < c.seqlen_cache for w in c.window_size)
+            pos_q = n + (torch.arange(c.seqlen_q) if per_token else torch.zeros(c.seqlen_q, dtype=torch.long))
+            q = rotary_reference(q, x.rotary_cos[pos_q], x.rotary_sin[pos_q], c.rotary_interleaved)
+            k = rotary_reference(k, x.rotary_cos[pos_k], x.rotary_sin[pos_k], c.rotary_interleaved)
+        new_keys.append(k.to(c.dtype))
+        start = 0 if leftpad is None else int(leftpad[b])
+        keys = torch.cat((k_cache[b, start:n], k))
+        values = torch.cat((v_cache[b, start:n], x.v[b] if c.seqlen_new else v_cache[b, :0]))
+        mask = visibility_mask(c.seqlen_q, keys.shape[0], c.causal, c.window_size)
+        slopes = None
+        if c.alibi:
+            slopes = x.alibi_slopes if c.alibi == "heads" else x.alibi_slopes[b]
+        out, lse = attention_with_terms(q[None], keys[None], values[None], scale, mask, c.softcap, slopes)
+        outs.append(out[0].to(c.dtype))
+        lses.append(lse[0].float())
+    return torch.stack(outs), torch.stack(lses), new_keys
+
+
+def new_rows(case: Case, x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Physical (slot, row) indices (batch, seqlen_new) where the new tokens must land."""
+    pos = x.cache_seqlens.long()[:, None] + torch.arange(case.seqlen_new, device=DEVICE)[None, :]
+    if x.block_table is not None:
+        return x.block_table.long().gather(1, pos // case.page_size), pos % case.page_size
+    slots = torch.arange(case.batch, device=DEVICE) if x.cache_batch_idx is None else x.cache_batch_idx.long()
+    return slots[:, None].expand_as(pos), pos
+
+
+def check(case: Case, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``case``; check out, lse and the cache against the oracle. Returns out, lse."""
+    x = make_inputs(case)
+    out, lse, k_cache, v_cache = call(case, x, **overrides)
+    ref_out, ref_lse, ref_keys = oracle(case, x, torch.float64)
+    base_out, base_lse, base_keys = oracle(case, x, case.dtype)
+    assert_within_rule("out", out.cpu(), ref_out, base_out)
+    assert_within_rule("lse", lse.cpu(), ref_lse, base_lse)
+
+    # The cache: new rows where they belong, every other element bitwise untouched.
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
+    if case.seqlen_new:
+        slot, row = new_rows(case, x)
+        written[slot, row] = True
+        assert torch.equal(v_cache[slot, row], x.v), "v_cache: new values not where they belong"
+        if case.rotary_dim:
+            for b in range(case.batch):
+                assert_within_rule("out", k_cache[slot[b], row[b]].cpu(), ref_keys[b], base_keys[b])
+        else:
+            assert torch.equal(k_cache[slot, row], x.k), "k_cache: new keys not where they belong"
+    assert torch.equal(k_cache[~written], x.k_cache[~written]), "k_cache changed outside the new rows"
+    assert torch.equal(v_cache[~written], x.v_cache[~written]), "v_cache changed outside the new rows"
+    return out, lse
+
+
+# The cases ----------------------------------------------------------------------------------------------
+
+HEADS = {"MHA2": (2, 2), "GQA6-2": (6, 2), "MQA4-1": (4, 1)}
+LAYOUTS = {"contiguous": 0, "page16": 16, "page48": 48}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS.keys())
+@pytest.mark.parametrize("heads", HEADS, ids=HEADS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPES.keys())
+def test_decode_step(path, dtype, heads, layout):
+    """One new token per batch entry appended and attended: dtypes x head groupings x cache layouts."""
+    nheads, nheads_k = HEADS[heads]
+    check(Case(dtype=DTYPES[dtype], nheads=nheads, nheads_k=nheads_k, page_size=LAYOUTS[layout]))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "seqlens", [(3, 3), (4, 0), (17, 17), (5, 2)], ids=lambda s: f"Sq{s[0]}-new{s[1]}"
+)  # fmt: skip
+def test_seqlen_q(path, seqlens, causal):
+    """Several query tokens (speculative decoding, chunked prefill), with and without new k/v; 17 tokens
+    x 4 heads per group are 68 packed rows: two query tiles."""
+    seqlen_q, seqlen_new = seqlens
+    check(Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, nheads=8, causal=causal, page_size=16))
+
+
+def test_rows_that_see_no_key(path):
+    """seqlen_q > seqlen_k, causal: the first rows see nothing (0 out, -inf lse); an empty cache sees nothing."""
+    case = Case(seqlen_q=5, seqlen_new=0, cache_seqlens=(3, 0))
+    out, lse = check(case)
+    assert torch.all(out[0, :2] == 0) and torch.all(lse[0, :, :2] == float("-inf"))
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+
+
+@pytest.mark.parametrize("seqlen_q", [4, 40], ids=lambda n: f"Sq{n}")
+@pytest.mark.parametrize("window", [(8, 0), (0, 0), (5, 3), (-1, 2), (20, -1)], ids=lambda w: f"W{w[0]}_{w[1]}")
+def test_window(path, window, seqlen_q):
+    """Sliding windows; with 40 query tokens the band's edges cross several key tiles within one query tile."""
+    check(
+        Case(seqlen_q=seqlen_q, seqlen_new=seqlen_q, causal=False, window_size=window, page_size=16, seqlen_cache=128)
+    )
+
+
+def test_causal_with_window(path):
+    check(Case(seqlen_q=3, seqlen_new=3, causal=True, window_size=(10, 7)))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "page32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["rot64", "rot32"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+def test_rotary(path, interleaved, rotary_dim, causal, layout):
+    """q and the new k rotated at their positions; causal/local: q at cache_seqlens + i, else all at
+    cache_seqlens. rotary_dim 32 < headdim 64 leaves the last 32 dims as they are."""
+    check(
+        Case(
+            seqlen_q=3, seqlen_new=3, rotary_dim=rotary_dim, rotary_interleaved=interleaved, causal=causal,
+            page_size=32 if layout == "page32" else 0,
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [(95, -1), (96, -1), (-1, 200)], ids=lambda w: f"W{w[0]}_{w[1]}")
+def test_rotary_with_wide_window(path, window):
+    """As in flash_attn, a window side >= the cache length (96) is unbounded, and with no window left q
+    is rotated at cache_seqlens for every token; (95, -1) is still a window: q rotated per token."""
+    check(Case(seqlen_q=3, seqlen_new=3, rotary_dim=64, causal=False, window_size=window))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPES.keys())
+def test_rotary_gqa_dtypes(path, dtype):
+    check(Case(dtype=DTYPES[dtype], nheads=6, nheads_k=2, seqlen_q=2, seqlen_new=2, rotary_dim=48, page_size=16))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_idx": True},
+        {"leftpad": True},
+        {"leftpad": True, "page_size": 16},
+        {"batch_idx": True, "leftpad": True, "rotary_dim": 32, "seqlen_q": 2, "seqlen_new": 2},
+        {"leftpad": True, "window_size": (6, 0), "alibi": "heads", "seqlen_q": 3, "seqlen_new": 3},
+    ],
+    ids=["batch_idx", "leftpad", "leftpad-paged", "batch_idx-leftpad-rotary", "leftpad-window-alibi"],
+)
+def test_batch_idx_and_leftpad(path, options):
+    check(Case(batch=3, **options))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("alibi", ["", "heads", "batch"], ids=["no-alibi", "alibi-H", "alibi-BH"])
+@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["no-softcap", "softcap"])
+def test_softcap_and_alibi(path, softcap, alibi, causal):
+    if not softcap and not alibi:
+        pytest.skip("covered by the other tests")
+    check(Case(seqlen_q=3, seqlen_new=2, softcap=softcap, alibi=alibi, causal=causal, nheads=4, nheads_k=1))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 0], ids=lambda n: f"splits{n}")
+def test_num_splits(path, num_splits):
+    """Split-KV: every split count gives the oracle's answer within the rule (and splits past the number
+    of key tiles are empty and weigh nothing)."""
+    check(Case(seqlen_q=2, seqlen_new=2, nheads=6, seqlen_cache=224, page_size=32, num_splits=num_splits))
+
+
+@pytest.mark.parametrize("num_splits", [1, 5], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPES.keys())
+def test_long_cache(path, dtype, num_splits):
+    """A 1000-position cache read by 32 key tiles (interpreter) or 16 (GPU), 8 query heads per kv head."""
+    check(Case(batch=1, nheads=16, seqlen_cache=1024, cache_seqlens=(999,), dtype=DTYPES[dtype], num_splits=num_splits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPES.keys())
+def test_everything_at_once(path, dtype):
+    """Paged (page 48), GQA with two query tiles, leftpad, partial NeoX rotary, softcap, per-batch ALiBi,
+    a window and four splits in one call."""
+    check(
+        Case(
+            batch=3, seqlen_q=9, seqlen_new=9, nheads=16, nheads_k=2, page_size=48, seqlen_cache=192, leftpad=True,
+            rotary_dim=32, rotary_interleaved=False, softcap=2.0, alibi="batch", window_size=(40, 3), causal=False,
+            num_splits=4, dtype=DTYPES[dtype],
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda n: f"splits{n}")
+def test_splits_with_window_and_alibi(path, num_splits):
+    """The same inputs, split or not: a window makes the splits share only the keys the rows see."""
+    check(Case(seqlen_cache=160, window_size=(70, -1), alibi="heads"), num_splits=num_splits)
+
+
+def test_new_tokens_straddle_pages(path):
+    """New tokens that cross a page boundary land on both pages; the rest of both pages is untouched."""
+    check(Case(page_size=16, cache_seqlens=(14, 30), seqlen_new=5, seqlen_q=5, nheads=6))
+
+
+@pytest.mark.parametrize("head_dims", [(40, 40), (128, 64), (32, 96)], ids=lambda d: f"D{d[0]}-Dv{d[1]}")
+def test_head_dims(path, head_dims):
+    check(Case(head_dim=head_dims[0], head_dim_v=head_dims[1], seqlen_new=2, seqlen_q=2, page_size=16))
+
+
+def test_strided_inputs(path):
+    """q, new k/v and the index tensors as strided views: the caches must still be written in place."""
+    case = Case(seqlen_q=2, seqlen_new=2, page_size=16, leftpad=True, alibi="batch")
+    x = make_inputs(case)
+
+    def strided(t):  # the same values, every other element of a wider tensor
+        wide = torch.stack((t, t), dim=-1)
+        return wide[..., 0]
+
+    assert not strided(x.cache_seqlens).is_contiguous()
+    check(
+        case, cache_seqlens=strided(x.cache_seqlens), cache_leftpad=strided(x.cache_leftpad),
+        block_table=strided(x.block_table), alibi_slopes=strided(x.alibi_slopes), q=strided(x.q), k=strided(x.k),
+        v=strided(x.v),
+    )  # fmt: skip
+
+
+def test_int_cache_seqlens(path):
+    case = Case(cache_seqlens=(50, 50), seqlen_new=3, seqlen_q=3)
+    check(case, cache_seqlens=50)
+
+
+def test_whole_cache_without_seqlens(path):
+    """cache_seqlens=None and no new k/v: every position of the cache is a key."""
+    case = Case(seqlen_new=0, seqlen_q=2, cache_seqlens=(96, 96), page_size=16)
+    check(case, cache_seqlens=None)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 1)], ids=["Sq0", "B0"])
+def test_empty_query(path, shape):
+    batch, seqlen_q = shape
+    k_cache = torch.randn(2, 32, 2, 64, device=DEVICE).half()
+    q = torch.randn(batch, seqlen_q, 4, 64, device=DEVICE).half()
+    seqlens = torch.full((batch,), 5, dtype=torch.int32, device=DEVICE)
+    out, lse = flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=seqlens, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (batch, 4, seqlen_q)
+
+
+def test_softmax_scale_and_lse_flag(path):
+    case = Case(softmax_scale=0.3)
+    out, _ = check(case)
+    x = make_inputs(case)
+    plain = flash_attn_with_kvcache(x.q, x.k_cache, x.v_cache, x.k, x.v, cache_seqlens=x.cache_seqlens,
+                                    softmax_scale=0.3, causal=True)  # fmt: skip
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
+
+
+def test_num_splits_heuristic():
+    assert configs.choose_num_splits(programs=132, n_blocks=2048, num_sms=132) == 1
+    assert configs.choose_num_splits(programs=8, n_blocks=2048, num_sms=132) == 33  # two programs per SM
+    assert configs.choose_num_splits(programs=8, n_blocks=16, num_sms=132) == 4  # >= 4 key tiles per split
+    assert configs.choose_num_splits(programs=1, n_blocks=100_000, num_sms=132) == configs.MAX_SPLITS
+    assert configs.choose_num_splits(programs=8, n_blocks=2, num_sms=132) == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_fullgraph(path, backend):
+    """torch.compile traces the custom op (declared as mutating the caches) without graph breaks."""
+    case = Case(seqlen_new=1, page_size=16, rotary_dim=32)
+    x = make_inputs(case)
+
+    def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, table):
+        out = flash_attn_with_kvcache(q * 0.5, k_cache, v_cache, k, v, cos, sin, seqlens, block_table=table,
+                                      causal=True)  # fmt: skip
+        return out.float().square()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    results = []
+    for fn in (step, compiled):
+        k_cache, v_cache = x.k_cache.clone(), x.v_cache.clone()
+        out = fn(x.q, k_cache, v_cache, x.k, x.v, x.rotary_cos, x.rotary_sin, x.cache_seqlens, x.block_table)
+        results.append((out, k_cache, v_cache))
+    for eager, traced in zip(*results, strict=True):
+        assert torch.equal(eager, traced)
+
+
+def test_opcheck(path):
+    case = Case(seqlen_new=1, page_size=16)
+    x = make_inputs(case)
+    args = (x.q, x.k_cache.clone(), x.v_cache.clone(), x.k, x.v, None, None, x.cache_seqlens, None, None,
+            x.block_table, None, 0.125, None, 0, 0.0, True, True, 1)  # fmt: skip
+    torch.library.opcheck(torch.ops.flashtile.kvcache_forward.default, args)
+
+
+# Bad input ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any kernel launch (or CPU-path call) fails the test: errors must come first."""
+
+    def launched(*args, **kwargs):
+        raise AssertionError("an implementation was called for invalid input")
+
+    monkeypatch.setattr(flashtile.ops.decode, "kvcache_forward", launched)
+    monkeypatch.setattr(flashtile.cpu_decode, "kvcache_forward", launched)
+
+
+def _bad(**changes):
+    """Keyword arguments of a valid paged call (batch 2, page 16, 3 blocks each) with ``changes``."""
+    x = make_inputs(Case(page_size=16, seqlen_cache=48, cache_seqlens=(10, 20)))
+    kwargs = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, k=x.k, v=x.v, cache_seqlens=x.cache_seqlens,
+                  block_table=x.block_table)  # fmt: skip
+    kwargs.update({name: change(kwargs) if callable(change) else change for name, change in changes.items()})
+    return kwargs
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+BAD = {
+    "k-without-v": (lambda: _bad(v=None), ValueError, "k and v must be given together"),
+    "v-without-k": (lambda: _bad(k=None), ValueError, "k and v must be given together"),
+    "seqlens-beyond-cache": (lambda: _bad(cache_seqlens=_i32(10, 48)), ValueError, r"cache_seqlens \+ seqlen_new"),
+    "negative-seqlens": (lambda: _bad(cache_seqlens=_i32(-1, 3)), ValueError, r"cache_seqlens \+ seqlen_new"),
+    "int-seqlens-beyond-cache": (lambda: _bad(cache_seqlens=48), ValueError, r"cache_seqlens \+ seqlen_new"),
+    "seqlens-int64": (
+        lambda: _bad(cache_seqlens=lambda kw: kw["cache_seqlens"].long()),
+        TypeError,
+        "must have dtype torch.int32",
+    ),
+    "k-without-seqlens": (lambda: _bad(cache_seqlens=None), ValueError, "cache_seqlens must be given"),
+    "block-table-outside": (
+        lambda: _bad(
+            block_table=lambda kw: kw["block_table"].masked_fill(kw["block_table"] == kw["block_table"][1, 1], 999)
+        ),
+        ValueError,
+        "block_table entries",
+    ),  # fmt: skip
+    "block-table-negative": (
+        lambda: _bad(block_table=lambda kw: kw["block_table"].index_fill(1, torch.tensor([0], device=DEVICE), -1)),
+        ValueError,
+        "block_table",
+    ),
+    "page-not-multiple-of-16": (
+        lambda: _bad(k_cache=lambda kw: kw["k_cache"][:, :8], v_cache=lambda kw: kw["v_cache"][:, :8]),
+        ValueError,
+        "multiple of 16",
+    ),
+    "cache-dtype": (lambda: _bad(k_cache=lambda kw: kw["k_cache"].bfloat16()), TypeError, "share one dtype"),
+    "q-float32": (lambda: _bad(q=lambda kw: kw["q"].float()), TypeError, "float16 and torch.bfloat16"),
+    "headdim-mismatch": (lambda: _bad(q=lambda kw: kw["q"][..., :32]), ValueError, "share headdim"),
+    "heads-not-divisible": (lambda: _bad(q=lambda kw: kw["q"][:, :, :3]), ValueError, "divisible"),
+    "headdim-not-mult-8": (
+        lambda: _bad(q=lambda kw: kw["q"][..., :60], k_cache=lambda kw: kw["k_cache"][..., :60], k=None, v=None),
+        ValueError,
+        "multiple of 8",
+    ),
+    "new-k-heads": (
+        lambda: _bad(k=lambda kw: kw["k"][:, :, :1], v=lambda kw: kw["v"][:, :, :1]),
+        ValueError,
+        "nheads_k",
+    ),
+    "cache-last-dim-strided": (
+        lambda: _bad(k_cache=lambda kw: kw["k_cache"].transpose(-1, -2).contiguous().transpose(-1, -2)),
+        ValueError,
+        "contiguous last dimension",
+    ),
+    "batch-idx-with-pages": (lambda: _bad(cache_batch_idx=_i32(0, 1)), ValueError, "cannot be used with a paged"),
+    "batch-idx-outside": (
+        lambda: _bad(block_table=None, cache_batch_idx=_i32(0, 99), cache_seqlens=_i32(1, 2)),
+        ValueError,
+        "cache_batch_idx entries",
+    ),
+    "leftpad-beyond-seqlens": (lambda: _bad(cache_leftpad=_i32(0, 21)), ValueError, "cache_leftpad"),
+    "rotary-without-k": (
+        lambda: _bad(
+            k=None,
+            v=None,
+            rotary_cos=torch.ones(48, 16, dtype=torch.float16, device=DEVICE),
+            rotary_sin=torch.ones(48, 16, dtype=torch.float16, device=DEVICE),
+        ),
+        ValueError,
+        "pass k and v",
+    ),  # fmt: skip
+    "rotary-cos-without-sin": (
+        lambda: _bad(rotary_cos=torch.ones(48, 16, dtype=torch.float16, device=DEVICE)),
+        ValueError,
+        "together",
+    ),
+    "rotary-too-short": (
+        lambda: _bad(
+            rotary_cos=torch.ones(40, 16, dtype=torch.float16, device=DEVICE),
+            rotary_sin=torch.ones(40, 16, dtype=torch.float16, device=DEVICE),
+        ),
+        ValueError,
+        "seqlen_ro",
+    ),  # fmt: skip
+    "rotary-dim-too-big": (
+        lambda: _bad(
+            rotary_cos=torch.ones(48, 40, dtype=torch.float16, device=DEVICE),
+            rotary_sin=torch.ones(48, 40, dtype=torch.float16, device=DEVICE),
+        ),
+        ValueError,
+        "rotary_dim",
+    ),  # fmt: skip
+    "alibi-shape": (lambda: _bad(alibi_slopes=torch.ones(3, device=DEVICE)), ValueError, "alibi_slopes must have"),
+    "alibi-dtype": (lambda: _bad(alibi_slopes=torch.ones(4, dtype=torch.float16, device=DEVICE)), TypeError, "float32"),
+    "negative-softcap": (lambda: _bad(softcap=-1.0), ValueError, "softcap"),
+    "negative-splits": (lambda: _bad(num_splits=-1), ValueError, "num_splits"),
+    "bad-window": (lambda: _bad(window_size=(1,)), TypeError, "window_size"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=BAD.keys())
+def test_bad_inputs(no_launch, path, case):
+    make, error, message = BAD[case]
+    kwargs = make()
+    k_cache, v_cache = kwargs["k_cache"].clone(), kwargs["v_cache"].clone()
+    with pytest.raises(error, match=message):
+        flash_attn_with_kvcache(**kwargs)
+    assert torch.equal(kwargs["k_cache"], k_cache) and torch.equal(kwargs["v_cache"], v_cache)
+
+
+def test_unused_block_table_entries_may_hold_anything(path):
+    """Entries past cache_seqlens + seqlen_new (here -1, as a serving engine leaves them) are never read."""
+    case = Case(page_size=16, seqlen_cache=96, cache_seqlens=(10, 40))
+    x = make_inputs(case)
+    table = x.block_table.clone()
+    table[0, 1:] = -1  # batch entry 0 uses one block (positions 0..10)
+    table[1, 3:] = -1  # batch entry 1 uses three (positions 0..40)
+    out, *_ = call(case, x, block_table=table)
+    expected, *_ = call(case, x)
+    assert torch.equal(out, expected)
