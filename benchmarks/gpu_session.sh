@@ -2,6 +2,8 @@
 # One device call, in steps: bash benchmarks/gpu_session.sh STEP [STEP ...]
 #   test     the whole test suite on the GPU (larger shapes, int64 offsets, races)
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
+#   decode   the decode (KV cache) benchmark
+#   kvtests  tests/test_kvcache.py on the GPU
 #   latency  launch overhead (eager vs CUDA graph) and first-call compile time
 #   gputests tests/test_gpu.py and the deterministic backward test
 #   quick    the benchmark's quick table against every peer
@@ -20,6 +22,8 @@ for step in "$@"; do
   case $step in
     test) timeout 420 python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/test.log" | tail -25 ;;
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
+    decode) timeout 300 python3 benchmarks/bench_decode.py --out "$OUT/decode" 2>&1 | tail -40 ;;
+    kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
     latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
     gputests) timeout 240 python3 -m pytest tests/test_gpu.py tests/test_attention.py -k "gpu or determin" -q -p no:cacheprovider 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;
     quick) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
