@@ -25,6 +25,7 @@ for step in "$@"; do
     decode) timeout 300 python3 benchmarks/bench_decode.py --out "$OUT/decode" 2>&1 | tail -40 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
     latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
+    firstcall) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import latency; print(latency.first_call(Path('$OUT')))" 2>&1 | tail -4 ;;
     gputests) timeout 240 python3 -m pytest tests/test_gpu.py tests/test_attention.py -k "gpu or determin" -q -p no:cacheprovider 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;
     quick) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
     bench) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;

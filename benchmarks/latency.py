@@ -7,6 +7,7 @@
    graph, next to SDPA flash (FA2). The gap between eager and graph is the Python launch path.
 2. First call of a new shape: in a fresh process with an empty Triton cache (TRITON_CACHE_DIR) the
    first forward+backward pays compilation; a second fresh process with the same cache does not.
+   Each first call runs under cProfile (first-call-profile-*.txt) to show where the time goes.
 Writes ``latency.json`` and prints a table.
 """
 
@@ -30,13 +31,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flashtile
 
 FIRST_CALL = """
-import time, torch, flashtile
+import cProfile, pstats, sys, time, torch, flashtile
 q, k, v = (torch.randn(3, 1000, 12, 96, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 torch.cuda.synchronize()
+profile = cProfile.Profile()
 start = time.perf_counter()
+profile.enable()
 flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
 torch.cuda.synchronize()
-print(time.perf_counter() - start)
+profile.disable()
+elapsed = time.perf_counter() - start
+pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
+print(elapsed)
 """
 
 
@@ -95,7 +101,7 @@ def launch_overhead() -> list[dict]:
     return rows
 
 
-def first_call() -> list[dict]:
+def first_call(out: Path) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
@@ -107,6 +113,7 @@ def first_call() -> list[dict]:
                 rows.append({"what": attempt, "error": run.stderr[-500:]})
             else:
                 rows.append({"what": attempt, "first_call_s": float(run.stdout.split()[-1]), "process_s": process_s})
+                (out / f"first-call-profile-{attempt.replace(' ', '-')}.txt").write_text(run.stderr)
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -116,7 +123,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"gpu": torch.cuda.get_device_name(), "first_call": first_call(), "launch": launch_overhead()}
+    result = {"gpu": torch.cuda.get_device_name(), "first_call": first_call(args.out), "launch": launch_overhead()}
     (args.out / "latency.json").write_text(json.dumps(result, indent=1))
     print("\n| what | N | causal | eager ms | graph ms |\n|---|---|---|---|---|")
     for row in result["launch"]:
