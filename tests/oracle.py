@@ -28,10 +28,12 @@ def assert_within_rule(name: str, x: torch.Tensor, ref: torch.Tensor, base: torc
     )
 
 
-def check_against_oracle(results: dict[str, torch.Tensor], q, k, v, dout, dlse=None, **mask_args) -> None:
-    """Apply the rule to every entry of ``results`` (named as in flashtile.reference.RESULT_NAMES)."""
+def check_against_oracle(results: dict[str, torch.Tensor], q, k, v, dout, dlse=None, **options) -> None:
+    """Apply the rule to every entry of ``results`` (named as in flashtile.reference.RESULT_NAMES, plus
+    "dsink" with a learnable_sink). ``options`` go to the oracle: softmax_scale, causal, window_size,
+    mask, softcap, alibi_slopes, learnable_sink."""
     precise = torch.float64 if q.device.type == "cpu" else torch.float32
-    ref = reference_results(q, k, v, dout, precise, dlse, **mask_args)
-    base = reference_results(q, k, v, dout, q.dtype, dlse, **mask_args)
+    ref = reference_results(q, k, v, dout, precise, dlse, **options)
+    base = reference_results(q, k, v, dout, q.dtype, dlse, **options)
     for name, x in results.items():
         assert_within_rule(name, x, ref[name], base[name])

@@ -74,18 +74,57 @@ def test_device_mismatch():
         flashtile.flash_attn_func(q, k.cpu(), v)
 
 
-@pytest.mark.parametrize(
-    "kwargs, feature",
-    [
-        ({"dropout_p": 0.1}, "dropout"),
-        ({"softcap": 30.0}, "softcap"),
-        ({"alibi_slopes": torch.ones(4)}, "ALiBi"),
-    ],
-    ids=["dropout", "softcap", "alibi"],
-)
-def test_unimplemented_options_raise(kwargs, feature):
-    with pytest.raises(NotImplementedError, match=feature):
-        flashtile.flash_attn_func(*qkv(), **kwargs)
+def test_unimplemented_options_raise():
+    with pytest.raises(NotImplementedError, match="dropout"):
+        flashtile.flash_attn_func(*qkv(), dropout_p=0.1)
+
+
+def fp32(*shape, device=DEVICE):
+    return torch.ones(*shape, device=device)
+
+
+# q has batch 1 and 4 heads (see ``qkv``).
+OPTION_CASES = {
+    "negative-softcap": ({"softcap": -1.0}, ValueError, "softcap must be a finite number >= 0"),
+    "nan-softcap": ({"softcap": float("nan")}, ValueError, "softcap must be a finite number"),
+    "inf-softcap": ({"softcap": float("inf")}, ValueError, "softcap must be a finite number"),
+    "alibi-shape": ({"alibi_slopes": fp32(3)}, ValueError, r"alibi_slopes must have shape \(nheads,\) = \(4,\)"),
+    "alibi-batch-shape": ({"alibi_slopes": fp32(2, 4)}, ValueError, r"\(batch_size, nheads\) = \(1, 4\)"),
+    "alibi-3d": ({"alibi_slopes": fp32(1, 4, 1)}, ValueError, "alibi_slopes must have shape"),
+    "alibi-dtype": ({"alibi_slopes": fp32(4).half()}, TypeError, "alibi_slopes must be float32, got torch.float16"),
+    "alibi-not-tensor": ({"alibi_slopes": [0.5] * 4}, TypeError, "alibi_slopes must be a torch.Tensor"),
+    "sink-shape": ({"learnable_sink": fp32(1, 4)}, ValueError, r"learnable_sink must have shape \(nheads,\) = \(4,\)"),
+    "sink-kv-heads": ({"learnable_sink": fp32(2)}, ValueError, "one logit per query head"),
+    "sink-dtype": ({"learnable_sink": fp32(4).double()}, TypeError, "learnable_sink must be float32"),
+}
+
+
+@pytest.mark.parametrize("case", OPTION_CASES, ids=OPTION_CASES.keys())
+def test_bad_options(case):
+    kwargs, error, message = OPTION_CASES[case]
+    with pytest.raises(error, match=message):
+        flashtile.flash_attn_func(*qkv(k_shape=(1, 16, 2, 64)), **kwargs)
+
+
+def test_bad_options_in_packed_functions():
+    with pytest.raises(ValueError, match="learnable_sink must have shape"):
+        flashtile.flash_attn_qkvpacked_func(torch.randn(1, 16, 3, 4, 64, device=DEVICE).half(), learnable_sink=fp32(3))
+    with pytest.raises(ValueError, match="softcap"):
+        flashtile.flash_attn_kvpacked_func(qkv()[0], torch.randn(1, 16, 2, 4, 64, device=DEVICE).half(), softcap=-2.0)
+
+
+def test_learnable_sink_is_keyword_only():
+    with pytest.raises(TypeError):
+        flashtile.flash_attn_func(*qkv(), 0.0, None, False, (-1, -1), 0.0, None, False, False, fp32(4))
+
+
+def test_option_device_mismatch():
+    if DEVICE != "cuda":
+        pytest.skip("needs a second device type")
+    with pytest.raises(ValueError, match="alibi_slopes must be on the device of q"):
+        flashtile.flash_attn_func(*qkv(), alibi_slopes=fp32(4, device="cpu"))
+    with pytest.raises(ValueError, match="learnable_sink must be on the device of q"):
+        flashtile.flash_attn_func(*qkv(), learnable_sink=fp32(4, device="cpu"))
 
 
 def test_bad_packed_shapes():

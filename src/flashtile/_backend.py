@@ -7,9 +7,10 @@
 | CPU tensor otherwise                                         | ``flashtile.cpu``: PyTorch, tiled  |
 
 Nothing else in flashtile reads the environment. Each path module provides
-``attention_forward(q, k, v, softmax_scale, window_left, window_right) -> (out, lse)`` and
-``attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse)
--> (dq, dk, dv)``.
+``attention_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap,
+learnable_sink) -> (out, lse)``, ``attention_backward(dout, q, k, v, out, lse, softmax_scale,
+window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink) -> (dq, dk, dv)`` and
+``attention_delta(dout, out, dlse) -> delta``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,11 @@
 ``flashtile::attention_forward`` and ``flashtile::attention_backward`` run whichever path
 ``_backend`` picks for the inputs' device; ``register_fake`` gives their output shapes to the
 compiler and ``register_autograd`` wires the backward, recomputing attention from the saved LSE.
+``flashtile::attention_sink_backward`` gives the gradient of a learnable sink.
 Inputs reaching these ops are already validated (``interface``) and have a contiguous last dimension.
+
+The score modifications (``alibi_slopes``, ``softcap``) and ``learnable_sink`` are trailing arguments
+with defaults, so callers that predate them (``flashtile.distributed``) keep working unchanged.
 """
 
 from __future__ import annotations
@@ -21,17 +25,24 @@ def attention_forward(
     softmax_scale: float,
     window_left: int | None,
     window_right: int | None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), lse (B, H, Sq) fp32.
 
     Query i sees key j when i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right; a side
-    given as None is unbounded.
+    given as None is unbounded. Scores: scale * q.k, capped to softcap * tanh(. / softcap) if
+    softcap > 0, minus alibi_slopes[(b,) h] * |i + Sk - Sq - j| if given; learnable_sink (H,) fp32
+    joins each row's softmax denominator (and the LSE).
     """
-    return attention_path(q.device).attention_forward(q, k, v, softmax_scale, window_left, window_right)
+    return attention_path(q.device).attention_forward(
+        q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, learnable_sink
+    )
 
 
 @attention_forward.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right):
+def _(q, k, v, softmax_scale, window_left, window_right, alibi_slopes=None, softcap=0.0, learnable_sink=None):
     batch, seqlen_q, nheads, _ = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, v.shape[3]))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -50,28 +61,57 @@ def attention_backward(
     softmax_scale: float,
     window_left: int | None,
     window_right: int | None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse, or None."""
+    """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse, or None.
+
+    The sink's gradient is ``attention_sink_backward``."""
     return attention_path(q.device).attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse
+        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink
     )
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right):
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("flashtile::attention_sink_backward", mutates_args=())
+def attention_sink_backward(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, learnable_sink: torch.Tensor
+) -> torch.Tensor:
+    """Gradient (H,) of a learnable sink (H,): d loss / d sink_h = -sum over batch and rows i of
+    p_i * delta_i, where p_i = exp(sink_h - lse_i) is the sink's share of row i's softmax and
+    delta_i = rowsum(dout_i * out_i) - dlse_i (a row whose lse is -inf has no share)."""
+    delta = attention_path(out.device).attention_delta(dout, out, dlse)  # (B, H, Sq)
+    log_share = learnable_sink.float()[None, :, None] - lse
+    share = torch.where(lse == float("-inf"), 0.0, torch.exp(log_share))
+    return -(share * delta).sum(dim=(0, 2)).to(learnable_sink.dtype)
+
+
+@attention_sink_backward.register_fake
+def _(dout, out, lse, dlse, learnable_sink):
+    return torch.empty_like(learnable_sink)
+
+
+_OPTION_DEFAULTS = (None, 0.0, None)  # alibi_slopes, softcap, learnable_sink
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right = inputs
+    q, k, v, softmax_scale, window_left, window_right, *options = inputs
+    alibi_slopes, softcap, learnable_sink = (*options, *_OPTION_DEFAULTS[len(options) :])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
+    ctx.softcap = softcap
+    ctx.num_inputs = len(inputs)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, learnable_sink = ctx.saved_tensors
     window_left, window_right = ctx.window
     if dout is None:
         dout = torch.zeros_like(out)
@@ -79,8 +119,15 @@ def _backward(ctx, dout, dlse):
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attention_backward(
+        dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right,
+        alibi_slopes, ctx.softcap, learnable_sink,
+    )  # fmt: skip
+    dsink = None
+    if learnable_sink is not None and ctx.needs_input_grad[8]:
+        dsink = attention_sink_backward(dout, out, lse, dlse, learnable_sink)
+    grads = (dq, dk, dv, None, None, None, None, None, dsink)  # alibi slopes get none, as in flash_attn
+    return grads[: ctx.num_inputs]
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

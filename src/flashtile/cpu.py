@@ -50,6 +50,16 @@ the ``group`` heads that share a key/value head is reshaped to (batch, nheads_k,
 headdim), so each key/value tile is used once per query tile. Tiles are upcast to float32
 (float64 stays float64) and accumulated there; results are cast back at the end.
 
+Score modifications and sinks
+-----------------------------
+With ``softcap > 0`` the scaled scores are capped, ``S = softcap * tanh(scale * Q K^T / softcap)``,
+and with ALiBi slopes a bias ``-slope * |i + seqlen_k - seqlen_q - j|`` is added (flash_attn's order).
+In the backward the cap multiplies dS by its derivative ``1 - tanh^2`` before dQ and dK. A learnable
+sink joins each row's softmax denominator as one more score with no value: the online softmax starts
+from ``m_i = sink, l_i = 1`` instead of ``-inf, 0``, so the LSE includes it and a row that sees no key
+gets output 0 and LSE = sink. P computed from that LSE is already right for the backward; the sink's
+own gradient is ``-sum_i exp(sink - LSE_i) * Delta_i``, from ``attention_delta`` (see ``flashtile._ops``).
+
 Masks are bottom-right aligned as in flash_attn: with a window (left, right), query i sees key j
 iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (causal: no left
 bound, right = 0). Key tiles that no row of the query tile can see are skipped, and a mask is
@@ -58,6 +68,8 @@ built only for tiles that the band's edges cut. A query row that sees no key
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -98,16 +110,50 @@ def _band_mask(
     return visible
 
 
-def _scores(q_t: Tensor, k_t: Tensor, scale: float, mask: Tensor | None, group: int) -> Tensor:
-    """Scaled, masked scores of one tile.
+@dataclass(frozen=True)
+class _ScoreMods:
+    """What changes a scaled score besides the mask: a tanh cap (0 = off) and ALiBi slopes, shaped
+    (B or 1, Hk, group, 1, 1) in the compute dtype (None = off); ``diag`` is seqlen_k - seqlen_q."""
 
-    q_t: (B, Hk, group * M, D), k_t: (B, Hk, N, D), mask: (M, N) or None -> (B, Hk, group * M, N).
+    softcap: float = 0.0
+    slopes: Tensor | None = None
+    diag: int = 0
+
+
+def _score_mods(
+    alibi_slopes: Tensor | None, softcap: float, nheads_k: int, diag: int, dtype: torch.dtype
+) -> _ScoreMods:
+    """The score modifications of a call, slopes reshaped to broadcast against a tile's scores."""
+    slopes = None
+    if alibi_slopes is not None:  # (H,) or (B, H) -> (B or 1, Hk, group, 1, 1)
+        slopes = alibi_slopes.to(dtype).reshape(-1, nheads_k, alibi_slopes.shape[-1] // nheads_k, 1, 1)
+    return _ScoreMods(softcap, slopes, diag)
+
+
+def _scores(
+    q_t: Tensor, k_t: Tensor, scale: float, mask: Tensor | None, group: int, mods: _ScoreMods, q0: int, k0: int
+) -> tuple[Tensor, Tensor | None]:
+    """Scores of one tile, and tanh of the scaled scores if they are capped (for the backward).
+
+    q_t: (B, Hk, group * M, D) holding query rows from q0, k_t: (B, Hk, N, D) holding keys from k0,
+    mask: (M, N) or None -> s: (B, Hk, group * M, N), masked entries -inf; t: like s, or None.
     """
-    s = torch.matmul(q_t, k_t.transpose(-1, -2)).mul_(scale)  # [gM, D] @ [D, N] -> [gM, N]
+    s = torch.matmul(q_t, k_t.transpose(-1, -2))  # [gM, D] @ [D, N] -> [gM, N]
+    t = None
+    if mods.softcap > 0.0:
+        t = s.mul_(scale / mods.softcap).tanh_()
+        s = t * mods.softcap
+    else:
+        s.mul_(scale)
+    B, Hk, _, N = s.shape
+    s_heads = s.view(B, Hk, group, -1, N)  # query heads of a group apart
+    if mods.slopes is not None:
+        i = torch.arange(q0, q0 + s_heads.shape[3])[:, None]
+        j = torch.arange(k0, k0 + N)[None, :]
+        s_heads.sub_(mods.slopes * (i + mods.diag - j).abs().to(s.dtype))  # -slope * |i + Sk - Sq - j|
     if mask is not None:
-        B, Hk, _, N = s.shape
-        s.view(B, Hk, group, -1, N).masked_fill_(~mask, float("-inf"))
-    return s
+        s_heads.masked_fill_(~mask, float("-inf"))
+    return s, t
 
 
 def _query_tile(x: Tensor, q0: int, q1: int, nheads_k: int, dtype: torch.dtype) -> Tensor:
@@ -127,9 +173,30 @@ def _store_query_tile(dst: Tensor, q0: int, q1: int, tile: Tensor) -> None:
     dst[:, q0:q1] = tile.view(B, H, q1 - q0, D).transpose(1, 2)
 
 
+def _delta_tile(
+    dout: Tensor, out: Tensor, dlse: Tensor | None, q0: int, q1: int, nheads_k: int, dtype: torch.dtype
+) -> Tensor:
+    """rowsum(dO * O) - dLSE for rows [q0, q1) as (B, Hk, group * (q1 - q0), 1) in ``dtype``."""
+    B = dout.shape[0]
+    delta = (_query_tile(dout, q0, q1, nheads_k, dtype) * _query_tile(out, q0, q1, nheads_k, dtype)).sum(
+        dim=-1, keepdim=True
+    )
+    if dlse is not None:
+        delta -= dlse[:, :, q0:q1].reshape(B, nheads_k, -1, 1).to(dtype)
+    return delta
+
+
 @torch.no_grad()
 def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, window_left: int | None, window_right: int | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention by tiles with online softmax.
 
@@ -151,28 +218,37 @@ def attention_forward(
            and for seqlen_q = 2, seqlen_k = 5:
                1 1 1 1 0
                1 1 1 1 1
+        alibi_slopes: (nheads,) or (batch, nheads) float32: adds -slope * |i + seqlen_k - seqlen_q - j|
+        softcap: > 0 caps the scaled scores to softcap * tanh(score / softcap) (before ALiBi)
+        learnable_sink: (nheads,) float32 logit that joins each row's softmax denominator
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v) in q.dtype, contiguous; 0 for a row that sees no key
-        lse: (batch, nheads, seqlen_q) float32, natural-log sum of exp of the scaled scores;
-           -inf for a row that sees no key
+        lse: (batch, nheads, seqlen_q) float32, natural-log sum of exp of the scores (and the sink);
+           for a row that sees no key -inf, or the sink's value
     """
     B, Sq, H, _ = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
+    mods = _score_mods(alibi_slopes, softcap, Hk, Sk - Sq, dtype)
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_t = _query_tile(q, q0, q1, Hk, dtype)  # (B, Hk, gM, D)
-        m_i = torch.full((*q_t.shape[:-1], 1), float("-inf"), dtype=dtype)  # running row max
-        l_i = torch.zeros_like(m_i)  # running row sum of exp(s - m_i)
+        if learnable_sink is None:
+            m_i = torch.full((*q_t.shape[:-1], 1), float("-inf"), dtype=dtype)  # running row max
+            l_i = torch.zeros_like(m_i)  # running row sum of exp(s - m_i)
+        else:  # the sink is the first score seen: m = sink, l = exp(sink - m) = 1
+            m_i = learnable_sink.to(dtype).view(1, Hk, group, 1, 1).expand(B, Hk, group, q1 - q0, 1)
+            m_i = m_i.reshape(B, Hk, -1, 1)
+            l_i = torch.ones_like(m_i)
         acc = torch.zeros(*q_t.shape[:-1], Dv, dtype=dtype)  # running sum of exp(s - m_i) v
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
             mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
-            s = _scores(q_t, _key_tile(k, k0, k1, dtype), softmax_scale, mask, group)
+            s, _ = _scores(q_t, _key_tile(k, k0, k1, dtype), softmax_scale, mask, group, mods, q0, k0)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key seen yet
             p = torch.exp_(s.sub_(m_safe))
@@ -181,7 +257,7 @@ def attention_forward(
             acc = acc.mul_(alpha).add_(torch.matmul(p, _key_tile(v, k0, k1, dtype)))  # [gM, N] @ [N, Dv]
             m_i = m_new
         _store_query_tile(out, q0, q1, acc / l_i.masked_fill(l_i == 0, 1.0))
-        lse[:, :, q0:q1] = (m_i + torch.log(l_i)).view(B, H, q1 - q0)  # -inf + log 0 = -inf if no key
+        lse[:, :, q0:q1] = (m_i + torch.log(l_i)).view(B, H, q1 - q0)  # -inf + log 0 = -inf if nothing seen
     return out, lse
 
 
@@ -197,15 +273,20 @@ def attention_backward(
     window_left: int | None,
     window_right: int | None,
     dlse: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention, recomputing P tile by tile from the saved LSE.
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim_v), gradient of ``out``
-        q, k, v, softmax_scale, window_left, window_right: as given to ``attention_forward``
+        q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap: as given to
+           ``attention_forward``
         out: (batch, seqlen_q, nheads, headdim_v), as returned by ``attention_forward``
         lse: (batch, nheads, seqlen_q) float32, as returned by ``attention_forward``
         dlse: (batch, nheads, seqlen_q) float32 gradient of ``lse``, or None for zero
+        learnable_sink: unused (the LSE includes it); its gradient comes from ``attention_delta``
 
     Returns:
         dq: (batch, seqlen_q, nheads, headdim) in q.dtype
@@ -216,6 +297,7 @@ def attention_backward(
     _, Sk, Hk, _ = k.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
+    mods = _score_mods(alibi_slopes, softcap, Hk, Sk - Sq, dtype)
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.zeros(B, Sk, Hk, k.shape[-1], dtype=dtype)
     dv = torch.zeros(B, Sk, Hk, v.shape[-1], dtype=dtype)
@@ -224,10 +306,8 @@ def attention_backward(
         q1 = min(q0 + BLOCK_M, Sq)
         q_t = _query_tile(q, q0, q1, Hk, dtype)  # (B, Hk, gM, D)
         do_t = _query_tile(dout, q0, q1, Hk, dtype)  # (B, Hk, gM, Dv)
-        delta = (do_t * _query_tile(out, q0, q1, Hk, dtype)).sum(dim=-1, keepdim=True)  # (B, Hk, gM, 1)
+        delta = _delta_tile(dout, out, dlse, q0, q1, Hk, dtype)  # (B, Hk, gM, 1)
         lse_t = lse[:, :, q0:q1].reshape(B, Hk, -1, 1).to(dtype)
-        if dlse is not None:
-            delta -= dlse[:, :, q0:q1].reshape(B, Hk, -1, 1).to(dtype)
         lse_t = lse_t.masked_fill(lse_t == float("-inf"), 0.0)  # rows with no key: P = exp(-inf) = 0
         dq_t = torch.zeros_like(q_t)
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
@@ -235,11 +315,29 @@ def attention_backward(
             mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
             k_t = _key_tile(k, k0, k1, dtype)
             v_t = _key_tile(v, k0, k1, dtype)
-            p = torch.exp_(_scores(q_t, k_t, softmax_scale, mask, group).sub_(lse_t))  # (B, Hk, gM, N)
+            s, t = _scores(q_t, k_t, softmax_scale, mask, group, mods, q0, k0)
+            p = torch.exp_(s.sub_(lse_t))  # (B, Hk, gM, N)
             dv_acc[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do_t)  # [N, gM] @ [gM, Dv]
             dp = torch.matmul(do_t, v_t.transpose(-1, -2))  # [gM, Dv] @ [Dv, N] -> [gM, N]
             ds = p.mul_(dp.sub_(delta))  # reuses p's memory: p is not needed after this
+            if t is not None:
+                ds.mul_(t.mul_(t).neg_().add_(1.0))  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
             dq_t += torch.matmul(ds, k_t)  # [gM, N] @ [N, D]
             dk_acc[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q_t)  # [N, gM] @ [gM, D]
         _store_query_tile(dq, q0, q1, dq_t.mul_(softmax_scale))
     return dq, dk.mul_(softmax_scale).to(k.dtype), dv.to(v.dtype)
+
+
+@torch.no_grad()
+def attention_delta(dout: Tensor, out: Tensor, dlse: Tensor | None = None) -> Tensor:
+    """Delta = rowsum(dout * out) - dlse, (batch, nheads, seqlen_q), float32 (float64 for float64 inputs).
+
+    dout, out: (batch, seqlen_q, nheads, headdim_v); dlse: (batch, nheads, seqlen_q) or None.
+    """
+    B, Sq, H, _ = out.shape
+    dtype = _compute_dtype(out.dtype)
+    delta = torch.empty(B, H, Sq, dtype=dtype)
+    for q0 in range(0, Sq, BLOCK_M):
+        q1 = min(q0 + BLOCK_M, Sq)
+        delta[:, :, q0:q1] = _delta_tile(dout, out, dlse, q0, q1, H, dtype).view(B, H, q1 - q0)
+    return delta

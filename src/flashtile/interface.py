@@ -77,15 +77,69 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_unimplemented(dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> None:
-    """Raise NotImplementedError for options flashtile does not implement yet (never ignore them)."""
+    """Raise NotImplementedError for options the calling function does not implement (never ignore them).
+
+    Dropout is implemented nowhere yet. softcap and alibi_slopes work in ``flash_attn_func`` and its
+    packed variants, which do not pass them here; functions that do not support them yet (ring
+    attention) pass them to be refused.
+    """
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"dropout_p={dropout_p}: attention dropout is not implemented in flashtile yet; pass dropout_p=0.0."
         )
     if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap}: softcapping is not implemented in flashtile yet.")
+        raise NotImplementedError(
+            f"softcap={softcap}: softcapping is not implemented for this function yet (flash_attn_func has it)."
+        )
     if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not implemented in flashtile yet.")
+        raise NotImplementedError(
+            "alibi_slopes: ALiBi is not implemented for this function yet (flash_attn_func has it)."
+        )
+
+
+def check_options(
+    q: torch.Tensor,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    learnable_sink: torch.Tensor | None,
+) -> tuple[float, torch.Tensor | None, torch.Tensor | None]:
+    """Validate softcap, alibi_slopes and learnable_sink against q (batch, seqlen_q, nheads, headdim).
+
+    Returns them ready for the kernels: softcap as a float, the tensors with a contiguous last dimension.
+    """
+    if softcap != 0.0:
+        require(
+            isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0.0,
+            f"softcap must be a finite number >= 0 (0 turns it off), got {softcap!r}.",
+        )
+    batch, _, nheads, _ = q.shape
+    if alibi_slopes is not None:
+        _check_fp32_tensor("alibi_slopes", alibi_slopes, q.device)
+        require(
+            tuple(alibi_slopes.shape) in ((nheads,), (batch, nheads)),
+            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch_size, nheads) = ({batch}, {nheads}), "
+            f"got {tuple(alibi_slopes.shape)}.",
+        )
+        alibi_slopes = _last_dim_contiguous(alibi_slopes)
+    if learnable_sink is not None:
+        _check_fp32_tensor("learnable_sink", learnable_sink, q.device)
+        require(
+            tuple(learnable_sink.shape) == (nheads,),
+            f"learnable_sink must have shape (nheads,) = ({nheads},), one logit per query head, "
+            f"got {tuple(learnable_sink.shape)}.",
+        )
+        learnable_sink = _last_dim_contiguous(learnable_sink)
+    return float(softcap), alibi_slopes, learnable_sink
+
+
+def _check_fp32_tensor(name: str, t: object, device: torch.device) -> None:
+    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}.", TypeError)
+    require(
+        t.dtype == torch.float32,
+        f"{name} must be float32, got {t.dtype}. Cast it with {name}.float().",
+        TypeError,
+    )
+    require(t.device == device, f"{name} must be on the device of q ({device}), got {t.device}.")
 
 
 def window_bounds(window_size: tuple[int, int], causal: bool) -> tuple[int | None, int | None]:
@@ -112,13 +166,21 @@ def attention(
     softmax_scale: float | None,
     window_left: int | None,
     window_right: int | None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated entry to the custom op: returns (out, lse) in flash_attn's layouts."""
     check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    return _ops.attention_forward(q, k, v, float(softmax_scale), window_left, window_right)
+    if softcap == 0.0 and alibi_slopes is None and learnable_sink is None:
+        return _ops.attention_forward(q, k, v, float(softmax_scale), window_left, window_right)
+    softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
+    return _ops.attention_forward(
+        q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink
+    )
 
 
 def flash_attn_func(
@@ -133,6 +195,8 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Exact attention, softmax(q @ k^T * softmax_scale) @ v, without materialising the score matrix.
 
@@ -156,6 +220,19 @@ def flash_attn_func(
         i + seqlen_k - seqlen_q - window_size[0] <= j <= i + seqlen_k - seqlen_q + window_size[1].
     A negative side (-1) is unbounded; causal=True sets window_size[1] = 0.
 
+    The score of query i and key j in head h (of batch entry b), in flash_attn 2.x's order:
+        s_ij = softmax_scale * q_i . k_j
+        s_ij = softcap * tanh(s_ij / softcap)                             if softcap > 0
+        s_ij = s_ij - alibi_slopes[(b,) h] * |i + seqlen_k - seqlen_q - j|  if alibi_slopes is given
+    and with learnable_sink the softmax of row i gets one more logit, sink_h, that has no value:
+        out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij))
+    so softmax_lse includes it, and a row that sees no key returns 0 with softmax_lse = sink_h.
+    softcap, alibi_slopes and learnable_sink combine with each other, with causal and window_size,
+    with MQA/GQA, fp16/bf16, seqlen_q != seqlen_k and headdim_v != headdim; dropout_p > 0 is not
+    implemented yet. With causal=True, flash_attn's own kernel adds slope * j instead of the bias above:
+    the same output, but its softmax_lse is larger by slope * (i + seqlen_k - seqlen_q); flashtile's
+    softmax_lse is that of the scores written above, causal or not.
+
     Args:
         q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16
         k: (batch_size, seqlen_k, nheads_k, headdim)
@@ -164,21 +241,25 @@ def flash_attn_func(
         softmax_scale: scaling of q @ k^T before the softmax; default 1 / sqrt(headdim)
         causal: bottom-right aligned causal mask (drawn above)
         window_size: (left, right) for sliding-window attention, -1 for an unbounded side
-        softcap: must be 0.0 (not implemented yet)
-        alibi_slopes: must be None (not implemented yet)
+        softcap: > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2 uses 50);
+            0.0 turns it off; the gradient flows through the tanh
+        alibi_slopes: (nheads,) or (batch_size, nheads), float32, on q's device: the ALiBi bias above,
+            for causal and non-causal attention alike; it gets no gradient (as in flash_attn)
         deterministic: accepted; flashtile's backward never uses atomics (measured slower, see
             docs/tuning-log.md), so it is always bitwise repeatable
         return_attn_probs: also return softmax_lse (the attention probabilities themselves are never
             materialised; the third element is None)
+        learnable_sink: keyword only, (nheads,) float32 on q's device, one logit per query head that
+            joins the softmax denominator (as in gpt-oss and FlashAttention-4); differentiable
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim_v)
         if return_attn_probs: (out, softmax_lse, None) with softmax_lse (batch_size, nheads, seqlen_q),
-            float32, the natural-log sum of exp of each row's scaled scores
+            float32, the natural-log sum of exp of each row's scores (and of the sink)
     """
-    check_unimplemented(dropout_p, softcap, alibi_slopes)
+    check_unimplemented(dropout_p)
     left, right = window_bounds(window_size, causal)
-    out, lse = attention(q, k, v, softmax_scale, left, right)
+    out, lse = attention(q, k, v, softmax_scale, left, right, softcap, alibi_slopes, learnable_sink)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -192,6 +273,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """``flash_attn_func`` on a packed qkv tensor; gradients flow back into ``qkv``.
 
@@ -209,7 +292,7 @@ def flash_attn_qkvpacked_func(
     q, k, v = qkv.unbind(2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs,
+        return_attn_probs, learnable_sink=learnable_sink,
     )  # fmt: skip
 
 
@@ -224,6 +307,8 @@ def flash_attn_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """``flash_attn_func`` with keys and values packed in one tensor; gradients flow back into ``kv``.
 
@@ -242,7 +327,7 @@ def flash_attn_kvpacked_func(
     k, v = kv.unbind(2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs,
+        return_attn_probs, learnable_sink=learnable_sink,
     )  # fmt: skip
 
 

@@ -41,6 +41,14 @@ def visibility_mask(
     return allowed
 
 
+def alibi_distance(seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Integer (seqlen_q, seqlen_k) |i + seqlen_k - seqlen_q - j|: the ALiBi distance of query i to key j,
+    measured from the bottom-right aligned diagonal as in flash_attn."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return (i + seqlen_k - seqlen_q - j).abs()
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,8 +57,19 @@ def attention_reference(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     mask: torch.Tensor | None = None,
+    *,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention in the inputs' dtype.
+
+    The score of query i and key j (flash_attn 2.x's order: scale, then cap, then bias):
+        s_ij = softmax_scale * q_i . k_j
+        s_ij = softcap * tanh(s_ij / softcap)                    if softcap > 0
+        s_ij = s_ij - slope * |i + seqlen_k - seqlen_q - j|     if alibi_slopes is given
+    and with a learnable sink the softmax denominator gains exp(sink_h): for head h,
+        out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)),  lse_i = log(exp(sink_h) + sum_j exp(s_ij)).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim)
@@ -59,20 +78,35 @@ def attention_reference(
         softmax_scale: defaults to 1 / sqrt(headdim)
         causal, window_size: flash_attn's masks (see ``visibility_mask``)
         mask: (seqlen_q, seqlen_k) boolean, True = visible; replaces causal/window_size when given
+        softcap: > 0 caps the scaled scores with tanh; 0 leaves them
+        alibi_slopes: (nheads,) or (batch, nheads), cast to the inputs' dtype
+        learnable_sink: (nheads,), cast to the inputs' dtype (differentiable)
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v), 0 for a query row that sees no key
-        lse: (batch, nheads, seqlen_q), natural-log sum of exp of the scaled scores, -inf for such rows
+        lse: (batch, nheads, seqlen_q), natural-log sum of exp of the scores (and the sink); -inf for a
+            row that sees no key and has no sink, the sink's value if it has one
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    group = q.shape[2] // k.shape[2]
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    group = nheads // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype).expand(batch, nheads)[:, :, None, None]
+        scores = scores - slopes * alibi_distance(seqlen_q, seqlen_k, q.device).to(scores.dtype)
     if mask is None:
-        mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, q.device)
+        mask = visibility_mask(seqlen_q, seqlen_k, causal, window_size, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+    if learnable_sink is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    else:
+        sink = learnable_sink.to(scores.dtype)[None, :, None, None].expand(batch, nheads, seqlen_q, 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
     probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0.0))
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out, lse
@@ -90,19 +124,29 @@ def reference_results(
     dout: torch.Tensor,
     dtype: torch.dtype,
     dlse: torch.Tensor | None = None,
-    **mask_args,
+    **options,
 ) -> dict[str, torch.Tensor]:
     """The oracle's out, lse and gradients of (out * dout).sum() (+ (lse * dlse).sum() if dlse is
     given) for q, k, v, computed in ``dtype`` and cast back: out and gradients to q's dtype, lse to
-    float32. ``mask_args`` go to ``attention_reference`` (softmax_scale, causal, window_size, mask)."""
+    float32. ``options`` go to ``attention_reference`` (softmax_scale, causal, window_size, mask,
+    softcap, alibi_slopes, learnable_sink); a learnable_sink is a leaf too, converted to ``dtype``
+    like q, k, v, and its gradient comes back as "dsink" in the sink's dtype."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = attention_reference(*leaves, **mask_args)
+    names = list(RESULT_NAMES)
+    sink = options.get("learnable_sink")
+    if sink is not None:
+        leaves.append(sink.detach().to(dtype).requires_grad_())
+        options = dict(options, learnable_sink=leaves[-1])
+        names.append("dsink")
+    out, lse = attention_reference(*leaves[:3], **options)
     loss = (out * dout.to(dtype)).sum()
     if dlse is not None:
         loss = loss + (lse.masked_fill(lse == float("-inf"), 0.0) * dlse.to(dtype)).sum()
     loss.backward()
-    grads = [t.grad.to(q.dtype) for t in leaves]
-    return dict(zip(RESULT_NAMES, [out.detach().to(q.dtype), lse.detach().float(), *grads], strict=True))
+    grads = [t.grad.to(q.dtype) for t in leaves[:3]]
+    if sink is not None:
+        grads.append(leaves[-1].grad.to(sink.dtype))
+    return dict(zip(names, [out.detach().to(q.dtype), lse.detach().float(), *grads], strict=True))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,12 @@ Three launches, no atomics (so the backward is deterministic):
      and over every query head of the kv head's group (GQA sums happen in registers)
   3. per query tile and head: dQ = scale * sum dS K over its key tiles
 with dP = dO V^T and dS = P * (dP - delta).
+
+Options: HAS_SOFTCAP and HAS_ALIBI recompute the scores as the forward did (``tiles.score_mod``), and a
+cap multiplies dS by 1 - tanh^2 (``tiles.score_mod_grad``, applied to P before dP's product, which keeps
+fewer tiles live through it). A learnable sink needs nothing here: the
+saved LSE includes it, so P and delta are already right; its own gradient, -sum_i exp(sink - LSE_i) *
+delta_i, is a reduction over ``attention_delta`` done by the caller (``flashtile._ops``).
 """
 
 import torch
@@ -17,11 +23,16 @@ from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import config, padded_head_dim
 from flashtile.ops.attention.tiles import (
     LOG2E,
+    alibi_batch_stride,
+    alibi_slope,
     head_base,
     key_range,
     load_tile,
     query_range,
     rows_at,
+    score_mod,
+    score_mod_grad,
+    score_scales,
     store_tile,
     visible,
 )
@@ -96,6 +107,8 @@ def _dkdv_tile(
     left,
     right,
     qk_scale,
+    softcap,
+    slope,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -104,6 +117,8 @@ def _dkdv_tile(
     MASK_RIGHT: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """Add the contribution of query rows [start_m, start_m + BLOCK_M) to one key tile's dK, dV."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -113,11 +128,15 @@ def _dkdv_tile(
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_M, DV]
     lse, delta = _load_row_stats(lse_base, delta_base, offs_m, offs_m, seqlen_q)
     qk_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, D] @ [D, BLOCK_M] -> [BLOCK_N, BLOCK_M]
-    p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
+    s_t, t_t = score_mod(
+        qk_t, offs_m[None, :], offs_n[:, None], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
+    )  # [BLOCK_N, BLOCK_M], log2 units
+    p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
         ok_t = tl.trans(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT))
         p_t = tl.where(ok_t, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
+    p_t = score_mod_grad(p_t, t_t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
     dp_t = tl.dot(v, tl.trans(do))  # [BLOCK_N, DV] @ [DV, BLOCK_M] -> [BLOCK_N, BLOCK_M]
     ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]
@@ -134,6 +153,7 @@ def _attention_dkdv_kernel(
     Delta,
     DK,
     DV,
+    Alibi,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -152,6 +172,7 @@ def _attention_dkdv_kernel(
     stride_dvb,
     stride_dvn,
     stride_dvh,
+    stride_ab,
     nheads,
     nheads_k,
     group,
@@ -160,6 +181,7 @@ def _attention_dkdv_kernel(
     left,
     right,
     qk_scale,
+    softcap,
     softmax_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
@@ -169,6 +191,8 @@ def _attention_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """dK (B, Sk, Hk, D) and dV (B, Sk, Hk, DV) for one key tile of one kv head."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -193,25 +217,26 @@ def _attention_dkdv_kernel(
         q_base = head_base(Q, off_b, off_h, stride_qb, stride_qh)
         do_base = head_base(DOut, off_b, off_h, stride_dob, stride_doh)
         row_base = tl.cast(off_b * nheads + off_h, tl.int64) * seqlen_q
+        slope = alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI)
         if MASK_RIGHT:
             for start_m in range(lo, mid_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                    start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+                    start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
                 )  # fmt: skip
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+                start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
             )  # fmt: skip
         if MASK_LEFT:
             for start_m in range(mid_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                    start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+                    start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
                 )  # fmt: skip
 
     dk_ptrs = rows_at(head_base(DK, off_b, off_hk, stride_dkb, stride_dkh), start_n, stride_dkn, offs_d, BLOCK_N)
@@ -240,6 +265,8 @@ def _dq_tile(
     left,
     right,
     qk_scale,
+    softcap,
+    slope,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -248,6 +275,8 @@ def _dq_tile(
     MASK_RIGHT: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """Add the contribution of key tile [start_n, start_n + BLOCK_N) to one query tile's dQ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -256,9 +285,13 @@ def _dq_tile(
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, D]
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED, PAD_DV)  # [BLOCK_N, DV]
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
-    p = tl.math.exp2(qk * qk_scale - lse[:, None])
+    s, t = score_mod(
+        qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
+    )  # [BLOCK_M, BLOCK_N], log2 units
+    p = tl.math.exp2(s - lse[:, None])
     if MASKED:
         p = tl.where(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT), p, 0.0)
+    p = score_mod_grad(p, t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
     dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
@@ -274,6 +307,7 @@ def _attention_dq_kernel(
     Lse,
     Delta,
     DQ,
+    Alibi,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -289,6 +323,7 @@ def _attention_dq_kernel(
     stride_dqb,
     stride_dqm,
     stride_dqh,
+    stride_ab,
     nheads,
     group,
     seqlen_q,
@@ -296,6 +331,7 @@ def _attention_dq_kernel(
     left,
     right,
     qk_scale,
+    softcap,
     softmax_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
@@ -306,6 +342,8 @@ def _attention_dq_kernel(
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """dQ (B, Sq, H, D) for one query tile of one head."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -332,28 +370,52 @@ def _attention_dq_kernel(
     k_base = head_base(K, off_b, off_hk, stride_kb, stride_kh)
     v_base = head_base(V, off_b, off_hk, stride_vb, stride_vh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    slope = alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI)
     lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             dq = _dq_tile(
                 dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-                seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+                seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
             )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         dq = _dq_tile(
             dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+            False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):
         dq = _dq_tile(
             dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+            True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
         )  # fmt: skip
     dq_ptrs = rows_at(head_base(DQ, off_b, off_h, stride_dqb, stride_dqh), start_m, stride_dqm, offs_d, BLOCK_M)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, PAD_D)
+
+
+def attention_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the delta kernel: rowsum(dout * out) - dlse.
+
+    Args:
+        dout, out: (batch, seqlen_q, nheads, headdim_v), last dimension contiguous
+        dlse: None or (batch, nheads, seqlen_q) float32, contiguous
+
+    Returns:
+        delta: (batch, nheads, seqlen_q) float32
+    """
+    batch, seqlen_q, nheads, head_dim_v = out.shape
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=out.device)
+    block_rows = 64
+    _delta_kernel[(triton.cdiv(seqlen_q, block_rows), batch * nheads)](
+        out, dout, dlse, delta,
+        out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        nheads, seqlen_q,
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=block_rows, HAS_DLSE=dlse is not None,
+    )  # fmt: skip
+    return delta
 
 
 def attention_backward(
@@ -367,13 +429,18 @@ def attention_backward(
     window_left: int | None,
     window_right: int | None,
     dlse: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels.
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim_v), the gradient of out; last dimension contiguous
-        q, k, v, out, lse, softmax_scale, window_left, window_right: as given to / returned by the forward
+        q, k, v, out, lse, softmax_scale, window_left, window_right, alibi_slopes, softcap: as given to /
+            returned by the forward
         dlse: None or (batch, nheads, seqlen_q) float32, the gradient arriving at lse
+        learnable_sink: unused (the saved lse includes it); its gradient comes from ``attention_delta``
 
     Returns:
         dq, dk, dv with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group)
@@ -384,49 +451,48 @@ def attention_backward(
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     left = 0 if window_left is None else window_left
     right = 0 if window_right is None else window_right
-    mask_flags = {"MASK_LEFT": window_left is not None, "MASK_RIGHT": window_right is not None}
-
-    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    block_rows = 64
-    _delta_kernel[(triton.cdiv(seqlen_q, block_rows), batch * nheads)](
-        out, dout, dlse, delta,
-        out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        nheads, seqlen_q,
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=block_rows, HAS_DLSE=dlse is not None,
-    )  # fmt: skip
+    qk_scale, softcap_log2 = score_scales(softmax_scale, softcap)
+    flags = {
+        "MASK_LEFT": window_left is not None,
+        "MASK_RIGHT": window_right is not None,
+        "HAS_SOFTCAP": softcap > 0.0,
+        "HAS_ALIBI": alibi_slopes is not None,
+    }
+    delta = attention_delta(dout, out, dlse)
 
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     cfg = config("backward_dkdv", q.device, head_dim, head_dim_v)
     _attention_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv,
+        q, k, v, dout, lse, delta, dk, dv, alibi_slopes,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
+        alibi_batch_stride(alibi_slopes),
         nheads, nheads_k, group, seqlen_q, seqlen_k, left, right,
-        softmax_scale * LOG2E.value, softmax_scale,
+        qk_scale, softcap_log2, softmax_scale,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask_flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
     dq = empty_output(q.shape, q.dtype, q.device)
     cfg = config("backward_dq", q.device, head_dim, head_dim_v)
     _attention_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)](
-        q, k, v, dout, lse, delta, dq,
+        q, k, v, dout, lse, delta, dq, alibi_slopes,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
+        alibi_batch_stride(alibi_slopes),
         nheads, group, seqlen_q, seqlen_k, left, right,
-        softmax_scale * LOG2E.value, softmax_scale,
+        qk_scale, softcap_log2, softmax_scale,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **mask_flags, HEAVY_FIRST=window_right is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, HEAVY_FIRST=window_right is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return dq, dk, dv

@@ -3,6 +3,11 @@
 One program per (query tile, batch * head). The query tile stays in registers while key/value tiles
 stream through; the row max ``m`` and row sum ``l`` of the online softmax are kept in base 2 (the
 softmax scale and log2(e) folded into one multiply), and only O and the natural-log LSE are written.
+
+Options are constexpr flags, so each costs nothing when off: HAS_SOFTCAP and HAS_ALIBI modify the
+scores (``tiles.score_mod``); HAS_SINK starts each row's online softmax from the head's sink logit
+(m = sink, l = 1) instead of (-inf, 0), which puts the sink in the denominator and in the LSE and gives
+a row that sees no key output 0 and LSE = sink.
 """
 
 import torch
@@ -11,7 +16,20 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import SHORT_SEQLEN, config, padded_head_dim
-from flashtile.ops.attention.tiles import LN2, LOG2E, head_base, key_range, load_tile, rows_at, store_tile, visible
+from flashtile.ops.attention.tiles import (
+    LN2,
+    LOG2E,
+    alibi_batch_stride,
+    alibi_slope,
+    head_base,
+    key_range,
+    load_tile,
+    rows_at,
+    score_mod,
+    score_scales,
+    store_tile,
+    visible,
+)
 
 
 @triton.jit
@@ -33,6 +51,8 @@ def _forward_tile(
     left,
     right,
     qk_scale,
+    softcap,
+    slope,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -41,6 +61,8 @@ def _forward_tile(
     MASK_RIGHT: tl.constexpr,
     PAD_D: tl.constexpr,
     PAD_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """One online-softmax step over the key tile [start_n, start_n + BLOCK_N)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -49,14 +71,19 @@ def _forward_tile(
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, D]
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED, PAD_DV)  # [BLOCK_N, DV]
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
-    if MASKED:
-        ok = visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT)
-        qk = tl.where(ok, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_shift[:, None])
-    else:
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI:
+        s, _ = score_mod(
+            qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
+        )  # [BLOCK_M, BLOCK_N], log2 units
+        if MASKED:
+            s = tl.where(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = m_new
+        if MASKED:
+            # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+    else:  # plain scores: the scale folds into the max and into exp2's argument
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_shift = m_new
         p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
@@ -74,6 +101,8 @@ def _attention_forward_kernel(
     V,
     Out,
     Lse,
+    Alibi,
+    Sink,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -86,6 +115,7 @@ def _attention_forward_kernel(
     stride_ob,
     stride_om,
     stride_oh,
+    stride_ab,
     nheads,
     group,
     seqlen_q,
@@ -93,6 +123,7 @@ def _attention_forward_kernel(
     left,
     right,
     qk_scale,
+    softcap,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -102,8 +133,14 @@ def _attention_forward_kernel(
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
-    """Q (B, Sq, H, D), K (B, Sk, Hk, D), V (B, Sk, Hk, DV) -> Out (B, Sq, H, DV), Lse (B, H, Sq) fp32."""
+    """Q (B, Sq, H, D), K (B, Sk, Hk, D), V (B, Sk, Hk, DV) -> Out (B, Sq, H, DV), Lse (B, H, Sq) fp32.
+
+    Alibi: (H,) or (B, H) fp32 slopes (batch stride stride_ab) if HAS_ALIBI; Sink: (H,) fp32 if HAS_SINK.
+    """
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
     tile_m = tl.program_id(0)
@@ -124,31 +161,36 @@ def _attention_forward_kernel(
     v_base = head_base(V, off_b, off_hk, stride_vb, stride_vh)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINK:  # the sink is the first score seen: m = sink, l = exp2(sink - m) = 1
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(Sink + off_h) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    slope = alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI)
     lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             acc, m_i, l_i = _forward_tile(
                 acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-                seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+                seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
             )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
             acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+            False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
             acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+            True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
         )  # fmt: skip
 
-    # A row that saw no key has l = 0: its output is 0 and its LSE -inf.
+    # A row that saw no key (and has no sink) has l = 0: its output is 0 and its LSE -inf.
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
@@ -164,6 +206,9 @@ def attention_forward(
     softmax_scale: float,
     window_left: int | None,
     window_right: int | None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel.
 
@@ -173,6 +218,9 @@ def attention_forward(
         v: (batch, seqlen_k, nheads_k, headdim_v), last dimension contiguous
         softmax_scale: multiplies q @ k^T before the softmax
         window_left, window_right: the visible band (see ``tiles``); None leaves that side unbounded
+        alibi_slopes: None or (nheads,) / (batch, nheads) float32 with a contiguous last dimension
+        softcap: > 0 caps the scaled scores at softcap * tanh(score / softcap); 0 is off
+        learnable_sink: None or (nheads,) float32, contiguous
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
@@ -185,15 +233,16 @@ def attention_forward(
     cfg = config("forward_banded_short" if short_band else "forward", q.device, head_dim, head_dim_v)
     grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
     _attention_forward_kernel[grid](
-        q, k, v, out, lse,
+        q, k, v, out, lse, alibi_slopes, learnable_sink,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        alibi_batch_stride(alibi_slopes),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k,
         0 if window_left is None else window_left,
         0 if window_right is None else window_right,
-        softmax_scale * LOG2E.value,
+        *score_scales(softmax_scale, softcap),
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
         BLOCK_D=padded_head_dim(head_dim),
@@ -203,6 +252,9 @@ def attention_forward(
         MASK_LEFT=window_left is not None,
         MASK_RIGHT=window_right is not None,
         HEAVY_FIRST=window_right is not None,
+        HAS_SOFTCAP=softcap > 0.0,
+        HAS_ALIBI=alibi_slopes is not None,
+        HAS_SINK=learnable_sink is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -1,5 +1,6 @@
 """Triton helpers shared by the forward and backward kernels: which tiles a band of keys covers,
-which (query, key) pairs are visible, and bounds-checked tile loads.
+which (query, key) pairs are visible, how a score is modified (softcap, ALiBi), and bounds-checked
+tile loads.
 
 Visibility (flash_attn's semantics, bottom-right aligned): with ``diag = seqlen_k - seqlen_q``,
 query row i sees key j when
@@ -13,13 +14,38 @@ the sequence end pay for a mask:
     [lo, mid_lo)     tiles cut by the left edge of the band      (masked)
     [mid_lo, mid_hi) tiles every row sees completely             (no mask)
     [mid_hi, hi)     tiles cut by the right edge or the end      (masked)
+
+Scores (flash_attn 2.x's order: scale, cap, bias): for the raw product qk = q . k of query i and key j,
+
+    s = qk * scale                                            no softcap
+    s = softcap * tanh(qk * scale / softcap)                  softcap > 0
+    s = s - slope * |i + diag - j|                            ALiBi
+
+The kernels hold s * log2(e), so the softmax runs on exp2. ``score_mod`` computes it in every kernel
+(forward, dK/dV, dQ) from the launcher's ``score_scales``; ``score_mod_grad`` applies the cap's
+derivative 1 - tanh^2 in the backward kernels.
 """
 
+import torch
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+MINUS_TWO_LOG2E = tl.constexpr(-2.8853900817779268)
+
+
+def score_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """The kernels' (qk_scale, softcap) for ``score_mod``: (scale * log2(e), 0) without a cap,
+    (scale / softcap, softcap * log2(e)) with one."""
+    if softcap > 0.0:
+        return softmax_scale / softcap, softcap * LOG2E.value
+    return softmax_scale * LOG2E.value, 0.0
+
+
+def alibi_batch_stride(alibi_slopes: torch.Tensor | None) -> int:
+    """Stride between batch entries of the slopes: 0 for (nheads,) slopes shared by the batch."""
+    return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
 
 
 @triton.jit
@@ -122,6 +148,54 @@ def visible(
     if MASK_RIGHT:
         ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag + right)
     return ok
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp2 (the interpreter has no libdevice): with e = exp(-2|x|) in (0, 1] nothing
+    overflows for any x, tanh(|x|) = (1 - e) / (1 + e), and the sign is restored at the end."""
+    e = tl.math.exp2(tl.abs(x) * MINUS_TWO_LOG2E)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of one (batch entry, head) in log2 units (Alibi is (H,) with stride_ab = 0,
+    or (B, H)); 0.0 when ALiBi is off."""
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + off_b * stride_ab + off_h) * LOG2E
+    return slope
+
+
+@triton.jit
+def score_mod(qk, pos_q, pos_k, diag, qk_scale, softcap, slope, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Scores in log2 units from raw products ``qk`` (see the module docstring), and tanh of the
+    scaled products when capped (for ``score_mod_grad``; ``qk`` itself otherwise, unused).
+
+    pos_q and pos_k hold the query and key indices shaped to broadcast against qk: [BLOCK_M, 1] and
+    [1, BLOCK_N] for a [BLOCK_M, BLOCK_N] tile, or the transpose for a transposed tile.
+    """
+    if HAS_SOFTCAP:
+        t = tanh(qk * qk_scale)
+        s = t * softcap
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s = s - slope * tl.abs(pos_q + diag - pos_k).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def score_mod_grad(x, t, HAS_SOFTCAP: tl.constexpr):
+    """x times the cap's derivative d(softcap * tanh(y / softcap))/dy = 1 - tanh^2, given t = tanh from
+    ``score_mod`` (x itself without a cap). The backward kernels apply it to P, so that
+    dS = P (1 - tanh^2) (dP - delta) is the gradient with respect to the scaled products."""
+    if HAS_SOFTCAP:
+        x = x * (1.0 - t * t)
+    return x
 
 
 @triton.jit
