@@ -1,4 +1,5 @@
-"""Ring attention (flashtile.distributed) against the oracle on the full sequence, over gloo processes.
+"""Ring and Ulysses attention (flashtile.distributed) against the oracle on the full sequence, over gloo
+processes.
 
 Starting processes is the expensive part (~2 s per process on a CI machine), so one module fixture
 spawns four gloo processes once and runs every case in them: the 4-rank cases on the default group,
@@ -14,6 +15,7 @@ The planner that cuts ring steps into kernel calls is checked exhaustively witho
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +27,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flashtile import _backend
-from flashtile.distributed import ring, ring_flash_attn_func, ring_flash_attn_qkvpacked_func, shard, unshard
+from flashtile.distributed import (
+    ring,
+    ring_flash_attn_func,
+    ring_flash_attn_qkvpacked_func,
+    shard,
+    ulysses_flash_attn_func,
+    unshard,
+)
 from flashtile.distributed.layout import LAYOUTS, segments, shard_tensor
 from flashtile.ops import _alloc
 from flashtile.reference import visibility_mask
@@ -51,6 +60,10 @@ class Case:
     dlse: bool = False  # also backpropagate a random gradient at softmax_lse
     packed: bool = False  # ring_flash_attn_qkvpacked_func, without return_attn_probs
     interpreter: bool = False  # the Triton kernels in the interpreter instead of the CPU path
+    softcap: float = 0.0
+    sink: bool = False  # a learnable_sink, with its gradient
+    alibi: bool = False  # alibi_slopes (Ulysses only)
+    method: str = "ring"  # or "ulysses" (contiguous layout)
     seed: int = 0
 
     @property
@@ -61,9 +74,23 @@ class Case:
         dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[self.dtype]
         name = f"W{self.world}-{self.layout}-{mask}-{dtype}-S{self.shard_len * self.world}"
         name += f"-H{self.heads[0]}_{self.heads[1]}-D{self.head_dims[0]}_{self.head_dims[1]}"
-        for flag in ("dlse", "packed", "interpreter"):
+        name += f"-cap{self.softcap:g}" if self.softcap else ""
+        for flag in ("dlse", "packed", "interpreter", "sink", "alibi"):
             name += f"-{flag}" if getattr(self, flag) else ""
-        return name
+        return name if self.method == "ring" else f"{self.method}-{name}"
+
+    @property
+    def oracle_options(self) -> dict:
+        """The options of this case other than q, k, v, for ring/Ulysses and the oracle alike."""
+        sink, slopes = option_tensors(self)
+        options = {"causal": self.causal, "window_size": self.window}
+        if self.softcap:
+            options["softcap"] = self.softcap
+        if self.sink:
+            options["learnable_sink"] = sink
+        if self.alibi:
+            options["alibi_slopes"] = slopes
+        return options
 
 
 CASES = [
@@ -85,9 +112,34 @@ CASES = [
     Case(2, "contiguous", window=(-1, 7), shard_len=39, batch=2),
     Case(2, "zigzag", causal=True, dlse=True, heads=(6, 2)),
     Case(2, "contiguous", causal=True, packed=True, dtype=torch.bfloat16),
+    # softcap and learnable sinks (4 ranks, then 2)
+    Case(4, "zigzag", causal=True, softcap=2.0, sink=True, shard_len=26, heads=(4, 2)),
+    Case(4, "contiguous", sink=True, dlse=True, shard_len=25, dtype=torch.bfloat16),
+    Case(2, "zigzag", softcap=2.0, dtype=torch.bfloat16, seed=1),
+    Case(2, "contiguous", causal=True, softcap=2.0, sink=True, heads=(4, 2), seed=2),
+    Case(2, "zigzag", window=(9, 3), sink=True, shard_len=40, seed=3),
+    Case(2, "contiguous", window=(5, -1), softcap=1.5, dlse=True, shard_len=39, seed=4),
+    Case(2, "zigzag", packed=True, softcap=2.0, sink=True, seed=5),
+    # Ulysses: contiguous shards, all_to_all over heads
+    Case(4, "contiguous", method="ulysses", causal=True, shard_len=25, heads=(4, 2)),  # K/V heads repeated
+    Case(
+        4,
+        "contiguous",
+        method="ulysses",
+        heads=(8, 4),
+        softcap=2.0,
+        alibi=True,
+        sink=True,
+        dlse=True,
+        dtype=torch.bfloat16,
+    ),  # fmt: skip
+    Case(2, "contiguous", method="ulysses", causal=True, alibi=True, window=(20, -1), heads=(4, 2), seed=6),
+    Case(2, "contiguous", method="ulysses", heads=(2, 1), sink=True, softcap=2.0, seed=7),
+    Case(2, "contiguous", method="ulysses", heads=(6, 2), batch=2, dtype=torch.bfloat16, seed=8),
 ]
 if _backend.TRITON_INTERPRET:
     CASES.append(Case(2, "zigzag", causal=True, shard_len=48, heads=(2, 1), interpreter=True))
+    CASES.append(Case(2, "contiguous", causal=True, shard_len=32, softcap=2.0, sink=True, interpreter=True))
 
 
 def full_inputs(case: Case) -> tuple[torch.Tensor, ...]:
@@ -107,6 +159,19 @@ def full_inputs(case: Case) -> tuple[torch.Tensor, ...]:
     return q, k, v, dout, dlse
 
 
+def option_tensors(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """The case's learnable_sink and alibi_slopes, (nheads,) float32 each, the same in every process.
+
+    The sink is near the rows' log-sum-exp (about log seqlen), so it takes a real share of each softmax,
+    and representable in the inputs' dtype, so the oracle in that dtype sees the same sink.
+    """
+    gen = torch.Generator().manual_seed(1000 + case.seed)
+    nheads, seqlen = case.heads[0], case.shard_len * case.world
+    sink = (torch.randn(nheads, generator=gen) + math.log(seqlen)).to(case.dtype).float()
+    slopes = torch.exp2(-8.0 * torch.arange(1, nheads + 1) / nheads) * 0.5  # ALiBi's geometric slopes, halved
+    return sink, slopes
+
+
 # ----------------------------------------------------------------------------------------------
 # What the child processes run
 
@@ -117,7 +182,16 @@ def _run_case(case: Case, group: dist.ProcessGroup, results_dir: Path, device: t
         _backend.TRITON_INTERPRET = case.interpreter
         assert _backend.path_name(device) == ("triton-interpreter" if case.interpreter else "cpu")
     q, k, v, dout, dlse = (None if t is None else t.to(device) for t in full_inputs(case))
-    options = {"causal": case.causal, "window_size": case.window, "group": group, "layout": case.layout}
+    options = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in case.oracle_options.items()}
+    options["group"] = group
+    if "learnable_sink" in options:
+        sink = options["learnable_sink"] = options["learnable_sink"].clone().requires_grad_()  # a replicated leaf
+    if case.method == "ring":
+        options["layout"] = case.layout
+        func = ring_flash_attn_func
+    else:
+        assert case.layout == "contiguous"
+        func = ulysses_flash_attn_func
     if case.packed:
         qkv = shard(torch.stack([q, k, v], dim=2), group, layout=case.layout).requires_grad_()
         out = ring_flash_attn_qkvpacked_func(qkv, **options)
@@ -126,7 +200,7 @@ def _run_case(case: Case, group: dist.ProcessGroup, results_dir: Path, device: t
         grads = qkv.grad.unbind(2)
     else:
         leaves = [shard(t, group, layout=case.layout).requires_grad_() for t in (q, k, v)]
-        out, lse, probs = ring_flash_attn_func(*leaves, return_attn_probs=True, **options)
+        out, lse, probs = func(*leaves, return_attn_probs=True, **options)
         assert probs is None
         outputs, grad_outputs = [out], [shard(dout, group, layout=case.layout)]
         if dlse is not None:
@@ -140,6 +214,13 @@ def _run_case(case: Case, group: dist.ProcessGroup, results_dir: Path, device: t
     }
     if lse is not None:
         results["lse"] = unshard(lse, group, layout=case.layout, dim=2).cpu()
+    if case.sink:  # each rank's share of the gradient; their sum is the full-sequence gradient
+        shares = [torch.empty_like(sink.grad) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shares, sink.grad, group=group)
+        results["dsink_shares"] = torch.stack(shares).cpu()
+        dsink = sink.grad.clone()
+        dist.all_reduce(dsink, group=group)  # what the optimizer's gradient all-reduce does
+        results["dsink"] = dsink.cpu()
     if dist.get_rank(group) == 0:
         torch.save(results, results_dir / f"{case.name}.pt")
 
@@ -174,6 +255,11 @@ def _mismatch_cases(rank: int, group: dist.ProcessGroup, out_dir: Path) -> None:
     _record(out_dir / f"options-{rank}.pt", lambda: ring_flash_attn_func(*_shard_qkv(8), causal=causal, group=group))
     odd = {0: 8, 1: 9}[rank]  # a zigzag shard holds two equal chunks
     _record(out_dir / f"odd-{rank}.pt", lambda: ring_flash_attn_func(*_shard_qkv(odd), causal=True, group=group))
+    sink = torch.zeros(2) if rank == 0 else None
+    _record(out_dir / f"sink-{rank}.pt", lambda: ring_flash_attn_func(*_shard_qkv(8), group=group, learnable_sink=sink))
+    _record(out_dir / f"ulysses-lengths-{rank}.pt", lambda: ulysses_flash_attn_func(*_shard_qkv(lengths), group=group))
+    three_heads = [torch.randn(1, 8, 3, 32).half() for _ in range(3)]
+    _record(out_dir / f"ulysses-heads-{rank}.pt", lambda: ulysses_flash_attn_func(*three_heads, group=group))
 
 
 def _failing_peer_cases(rank: int, groups: list[dist.ProcessGroup], out_dir: Path) -> None:
@@ -270,14 +356,26 @@ def _outcome(ring_runs: Path, name: str) -> dict:
 def test_ring_matches_full_sequence_attention(ring_runs, case):
     q, k, v, dout, dlse = full_inputs(case)
     results = torch.load(ring_runs / f"{case.name}.pt")
-    assert set(results) == {"out", "dq", "dk", "dv"} | (set() if case.packed else {"lse"})
-    check_against_oracle(results, q, k, v, dout, dlse=dlse, causal=case.causal, window_size=case.window)
+    expected = {"out", "dq", "dk", "dv"} | (set() if case.packed else {"lse"})
+    expected |= {"dsink", "dsink_shares"} if case.sink else set()
+    assert set(results) == expected
+    shares = results.pop("dsink_shares", None)
+    check_against_oracle(results, q, k, v, dout, dlse=dlse, **case.oracle_options)
+    if shares is not None:
+        # Not all-reduced inside: each rank holds its own share (rows for the ring, heads for Ulysses).
+        torch.testing.assert_close(shares.sum(0), results["dsink"], rtol=1e-5, atol=1e-6)
+        assert not torch.equal(shares[0], shares[1])
 
 
 GPU_CASES = [
     Case(2, layout, causal=causal, dtype=torch.bfloat16, shard_len=2048, heads=(8, 2), head_dims=(128, 128))
     for layout, causal in (("zigzag", True), ("contiguous", True), ("zigzag", False))
-]
+] + [
+    Case(2, "zigzag", causal=True, softcap=30.0, sink=True, dtype=torch.bfloat16, shard_len=1024, heads=(8, 2),
+         head_dims=(128, 128)),
+    Case(2, "contiguous", method="ulysses", causal=True, alibi=True, sink=True, dtype=torch.bfloat16,
+         shard_len=1024, heads=(8, 2), head_dims=(128, 128)),
+]  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -288,7 +386,9 @@ def test_ring_over_nccl(tmp_path):
     for case in GPU_CASES:
         q, k, v, dout, _ = (None if t is None else t.cuda() for t in full_inputs(case))
         results = {name: x.cuda() for name, x in torch.load(tmp_path / f"{case.name}.pt").items()}
-        check_against_oracle(results, q, k, v, dout, causal=case.causal, window_size=case.window)
+        results.pop("dsink_shares", None)
+        options = {name: x.cuda() if isinstance(x, torch.Tensor) else x for name, x in case.oracle_options.items()}
+        check_against_oracle(results, q, k, v, dout, **options)
 
 
 def test_shapes_that_differ_across_ranks_fail_on_every_rank(ring_runs):
@@ -303,6 +403,24 @@ def test_options_that_differ_across_ranks_fail_on_every_rank(ring_runs):
         outcome = _outcome(ring_runs, f"options-{rank}")
         assert outcome["error"] == "ValueError", outcome
         assert "window right (-1: unbounded, causal: 0): rank 0: 0, rank 1: -1" in outcome["message"]
+
+
+def test_a_sink_on_some_ranks_only_fails_on_every_rank(ring_runs):
+    for rank in (0, 1):
+        outcome = _outcome(ring_runs, f"sink-{rank}")
+        assert outcome["error"] == "ValueError", outcome
+        assert "learnable_sink (1: given): rank 0: 1, rank 1: 0" in outcome["message"]
+
+
+def test_ulysses_checks_its_inputs_on_every_rank(ring_runs):
+    for rank in (0, 1):
+        outcome = _outcome(ring_runs, f"ulysses-lengths-{rank}")
+        assert outcome["error"] == "ValueError", outcome
+        assert outcome["message"].startswith("ulysses_flash_attn_func needs the same shapes"), outcome
+        assert "seqlen per rank: rank 0: 8, rank 1: 10" in outcome["message"]
+        outcome = _outcome(ring_runs, f"ulysses-heads-{rank}")
+        assert outcome["error"] == "ValueError", outcome
+        assert "nheads (3) must be divisible by 2" in outcome["message"], outcome
 
 
 def test_a_shard_one_rank_rejects_fails_on_every_rank(ring_runs):
@@ -393,8 +511,13 @@ def test_shard_needs_a_sequence_that_divides():
 
 def test_options_without_an_implementation_raise():
     q = torch.randn(1, 8, 2, 32).half()
-    with pytest.raises(NotImplementedError, match="softcap"):
-        ring_flash_attn_func(q, q, q, softcap=30.0)
+    slopes = torch.ones(2)
+    with pytest.raises(
+        NotImplementedError, match="ALiBi is not implemented in ring attention.*ulysses_flash_attn_func"
+    ):
+        ring_flash_attn_func(q, q, q, alibi_slopes=slopes)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ulysses_flash_attn_func(q, q, q, dropout_p=0.1)
     with pytest.raises(NotImplementedError, match="dropout"):
         ring_flash_attn_func(q, q, q, dropout_p=0.1)
     with pytest.raises(ValueError, match="layout must be one of"):
@@ -407,5 +530,7 @@ def test_needs_an_initialised_process_group():
     q = torch.randn(1, 8, 2, 32).half()
     with pytest.raises(RuntimeError, match="init_process_group"):
         ring_flash_attn_func(q, q, q)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ulysses_flash_attn_func(q, q, q)
     with pytest.raises(RuntimeError, match="init_process_group"):
         unshard(q)

@@ -43,6 +43,18 @@ kernel's bottom-right terms (``_block_band``). Neighbouring unmasked blocks merg
 ``layout="zigzag"`` and causal attention every off-diagonal step is then one unmasked call of half the
 shard's queries (or keys) and the diagonal step one causal call, the same work on every rank.
 
+Score modifications and sinks
+-----------------------------
+``softcap`` changes each score by itself, whatever its position, so every block call takes it as is
+(forward and backward). A ``learnable_sink`` is one more logit per row with no value: it joins the
+softmax once, not once per step, so the kernel calls run without it and it is merged into the global
+result after the ring (a partial with LSE = sink and output 0). The backward needs nothing more: P from
+the global LSE (which includes the sink) is already right, and the sink's gradient on this rank is
+-sum_i exp(sink - LSE_i) * Delta_i over this rank's rows, not all-reduced (see ``ring_flash_attn_func``).
+ALiBi is not supported: its bias -slope * |p - p'| needs the global offset q_seg.start - k_seg.start of
+each block, while the kernels take the bias's diagonal from the block's shape (Lk - Lq), the same one
+as the mask's; see ``_ALIBI_NOT_IMPLEMENTED``.
+
 Failure
 -------
 Before the ring starts, every rank's shapes and options are compared with one all_gather of a dozen
@@ -68,6 +80,7 @@ from flashtile.distributed.layout import LAYOUTS, Segment, check_layout, segment
 from flashtile.interface import (
     NO_WINDOW,
     SUPPORTED_DTYPES,
+    check_options,
     check_qkv,
     check_unimplemented,
     require,
@@ -160,9 +173,11 @@ def _stackable(upper: list[Block], lower: list[Block]) -> bool:
 
 
 class _Ring:
-    """This rank's place in ``group``: it sends to the next rank and receives from the previous one."""
+    """This rank's place in ``group``: it sends to the next rank and receives from the previous one.
+    ``caller`` names the public function in error messages."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, caller: str = "ring_flash_attn_func") -> None:
+        self.caller = caller
         require(
             dist.is_available() and dist.is_initialized(),
             "torch.distributed is not initialised: call torch.distributed.init_process_group first.",
@@ -196,10 +211,23 @@ class _Ring:
             raise self.timeout_error("comparing the inputs of the ranks") from err
         return gathered
 
+    def all_to_all(self, x: Tensor, scatter_dim: int, gather_dim: int) -> Tensor:
+        """Cut ``x`` into ``size`` equal pieces along ``scatter_dim`` and send piece i to group rank i; return
+        the pieces received, concatenated along ``gather_dim`` in group rank order. With one rank, ``x``."""
+        if self.size == 1:
+            return x
+        parts = x.unflatten(scatter_dim, (self.size, -1)).movedim(scatter_dim, 0).contiguous()
+        received = torch.empty_like(parts)
+        try:
+            dist.all_to_all_single(received, parts, group=self.group)
+        except RuntimeError as err:
+            raise self.timeout_error("exchanging sequence and head shards (all_to_all)") from err
+        return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
     def timeout_error(self, doing: str) -> RuntimeError:
         return RuntimeError(
-            f"Ring attention on rank {self.rank} of {self.size}: {doing} failed or timed out. Another rank of "
-            "the group failed, exited, or did not call ring_flash_attn_func (every rank must call it, and "
+            f"{self.caller} on rank {self.rank} of {self.size}: {doing} failed or timed out. Another rank of "
+            f"the group failed, exited, or did not call {self.caller} (every rank must call it, and "
             "its backward) within the process group's timeout, set by "
             "torch.distributed.init_process_group(timeout=...). The cause is on the other rank."
         )
@@ -249,6 +277,20 @@ def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> No
     lse.copy_(new_lse)
 
 
+def _merge_sink(out: Tensor, lse: Tensor, sink: Tensor) -> None:
+    """Fold a learnable sink (H,) into the merged result over all keys, in place: the sink is one more
+    logit of every row with no value, so LSE' = log(exp(LSE) + exp(sink)) and O' = exp(LSE - LSE') * O
+    (a row that saw no key gets LSE' = sink and keeps O' = 0).
+
+    out: (batch, rows, nheads, headdim_v) fp32, lse: (batch, nheads, rows) fp32.
+    """
+    sink_lse = sink.float()[None, :, None].expand_as(lse)
+    new_lse = torch.logaddexp(lse, sink_lse)
+    shift = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # a sink of -inf and no key: weight 0
+    out.mul_(torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
 @dataclass(frozen=True)
 class _Setup:
     """What every step needs besides the tensors."""
@@ -258,6 +300,7 @@ class _Setup:
     softmax_scale: float
     left: int | None
     right: int | None
+    softcap: float = 0.0
 
     def blocks(self, source: int, shard_len: int) -> list[Block]:
         """The calls of the step in which this rank holds the K/V shard of group rank ``source``."""
@@ -269,9 +312,12 @@ class _Setup:
         )
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, setup: _Setup) -> tuple[Tensor, Tensor]:
-    """q (B, S, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv): this rank's shards ->
-    out (B, S, H, Dv) in q's dtype, lse (B, H, S) fp32, this rank's rows of the full-sequence attention."""
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: _Setup) -> tuple[Tensor, Tensor]:
+    """q (B, S, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv): this rank's shards, sink (H,) fp32 or None ->
+    out (B, S, H, Dv) in q's dtype, lse (B, H, S) fp32, this rank's rows of the full-sequence attention.
+
+    The sink joins each row's softmax once, after the ring: it is one more partial result with
+    LSE = sink and output 0 (the kernel calls run without it; their blocks only hold keys)."""
     ring = setup.ring
     batch, shard_len, nheads, _ = q.shape
     out = torch.zeros(batch, shard_len, nheads, v.shape[3], dtype=torch.float32, device=q.device)
@@ -282,11 +328,14 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, setup: _Setup) -> tuple[Tenso
         k_s, v_s = _unpack(kv, k.shape, v.shape)
         for b in setup.blocks((ring.rank - step) % ring.size, shard_len):
             block_out, block_lse = torch.ops.flashtile.attention_forward(
-                q[:, b.q0 : b.q1], k_s[:, b.k0 : b.k1], v_s[:, b.k0 : b.k1], setup.softmax_scale, b.left, b.right
-            )
+                q[:, b.q0 : b.q1], k_s[:, b.k0 : b.k1], v_s[:, b.k0 : b.k1], setup.softmax_scale, b.left, b.right,
+                softcap=setup.softcap,
+            )  # fmt: skip
             _merge(out[:, b.q0 : b.q1], lse[:, :, b.q0 : b.q1], block_out, block_lse)
         if incoming is not None:
             kv = incoming.wait()
+    if sink is not None:
+        _merge_sink(out, lse, sink)
     return out.to(q.dtype), lse
 
 
@@ -319,6 +368,7 @@ def _ring_backward(
                 setup.softmax_scale,
                 b.left,
                 b.right,
+                softcap=setup.softcap,
             )
             for b in blocks
         ]
@@ -342,21 +392,25 @@ class _RingFlashAttention(torch.autograd.Function):
     """Autograd for ring attention: the backward is a collective over the group, like the forward."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, setup: _Setup) -> tuple[Tensor, Tensor]:
-        out, lse = _ring_forward(q, k, v, setup)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: _Setup) -> tuple[Tensor, Tensor]:
+        out, lse = _ring_forward(q, k, v, sink, setup)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.setup = setup
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         dlse = None if dlse is None else dlse.float().contiguous()
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, dlse, ctx.setup)
-        return dq, dk, dv, None
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            # This rank's rows only: the gradient of this rank's loss (see ring_flash_attn_func).
+            dsink = torch.ops.flashtile.attention_sink_backward(dout, out, lse, dlse, sink)
+        return dq, dk, dv, dsink, None
 
 
 _SIGNATURE = (
@@ -371,18 +425,32 @@ _SIGNATURE = (
     "window right (-1: unbounded, causal: 0)",
     "layout",
     "softmax_scale",
+    "softcap",
+    "learnable_sink (1: given)",
+    "alibi_slopes (1: given)",
 )
 _SHOW = {
     "dtype": lambda code: str(SUPPORTED_DTYPES[code]),
     "layout": lambda code: repr(LAYOUTS[code]),
-    "softmax_scale": lambda bits: repr(struct.unpack("<d", struct.pack("<q", bits))[0]),
+    "softmax_scale": lambda bits: repr(_float_of(bits)),
+    "softcap": lambda bits: repr(_float_of(bits)),
 }
 
 
+def _bits_of(x: float) -> int:
+    """A float as an int64 with the same bits, to compare it exactly across ranks."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _float_of(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
 def _signature(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, left: int | None, right: int | None, layout: str
+    q: Tensor, k: Tensor, v: Tensor, setup: _Setup, has_sink: bool, has_alibi: bool = False
 ) -> tuple[int, ...]:
     """The ints of ``_SIGNATURE`` for this rank's call; every rank of the group must agree on them."""
+    left, right = setup.left, setup.right
     return (
         *q.shape,
         k.shape[2],
@@ -390,8 +458,11 @@ def _signature(
         SUPPORTED_DTYPES.index(q.dtype),
         -1 if left is None else left,
         -1 if right is None else right,
-        LAYOUTS.index(layout),
-        struct.unpack("<q", struct.pack("<d", softmax_scale))[0],
+        LAYOUTS.index(setup.layout),
+        _bits_of(setup.softmax_scale),
+        _bits_of(setup.softcap),
+        int(has_sink),
+        int(has_alibi),
     )
 
 
@@ -421,7 +492,7 @@ def _check_across_ranks(ring: _Ring, device: torch.device, signature: tuple[int,
     rejected = [rank for rank, row in enumerate(table) if not row[0]]
     require(
         not rejected,
-        f"Rank(s) {rejected} of the group rejected their inputs to ring_flash_attn_func (their error says why); "
+        f"Rank(s) {rejected} of the group rejected their inputs to {ring.caller} (their error says why); "
         "no rank started the ring.",
     )
     lines = []
@@ -432,7 +503,7 @@ def _check_across_ranks(ring: _Ring, device: torch.device, signature: tuple[int,
             lines.append(f"  {name}: " + ", ".join(f"rank {r}: {show(x)}" for r, x in enumerate(values)))
     require(
         not lines,
-        "ring_flash_attn_func needs the same shapes and options on every rank of the group; they differ:\n"
+        f"{ring.caller} needs the same shapes and options on every rank of the group; they differ:\n"
         + "\n".join(lines),
     )
 
@@ -452,6 +523,7 @@ def ring_flash_attn_func(
     group: dist.ProcessGroup | None = None,
     *,
     layout: str = "zigzag",
+    learnable_sink: Tensor | None = None,
 ):
     """``flash_attn_func`` over a sequence split across the ranks of ``group`` (context parallelism).
 
@@ -470,15 +542,26 @@ def ring_flash_attn_func(
         q: (batch_size, seqlen, nheads, headdim), float16 or bfloat16: this rank's shard of the queries
         k: (batch_size, seqlen, nheads_k, headdim): this rank's shard of the keys; nheads % nheads_k == 0
         v: (batch_size, seqlen, nheads_k, headdim_v); headdim and headdim_v multiples of 8, at most 256
-        dropout_p, softcap, alibi_slopes: must be 0.0, 0.0, None (not implemented; NotImplementedError)
+        dropout_p, alibi_slopes: must be 0.0 and None (not implemented; NotImplementedError). ALiBi needs
+            the kernels to take the bias's diagonal apart from the mask's (see ``_ALIBI_NOT_IMPLEMENTED``);
+            ``flashtile.distributed.ulysses_flash_attn_func`` supports it.
         softmax_scale: scaling of q @ k^T before the softmax; default 1 / sqrt(headdim)
         causal: causal mask over the global positions
         window_size: (left, right) sliding window over the global positions, -1 for an unbounded side
+        softcap: > 0 caps the scaled scores at softcap * tanh(score / softcap), as in flash_attn_func
         deterministic: accepted, as in flash_attn_func; the ring adds partial results in a fixed order
         return_attn_probs: also return softmax_lse (the third element is None, as in flash_attn_func)
         group: the process group the sequence is split over; None is the default group
         layout: how the sequence is split: "zigzag" (rank r holds chunks r and 2W-1-r of 2W equal chunks;
             seqlen must be even) or "contiguous" (rank r holds chunk r of W)
+        learnable_sink: keyword only, (nheads,) float32 on q's device, the same on every rank (a replicated
+            parameter): one logit per query head that joins every row's softmax denominator, as in
+            flash_attn_func. Differentiable, with the convention of data parallelism: the gradient each
+            rank gets is that of ITS OWN loss (the rows it holds), not all-reduced here. The gradient of
+            the full-sequence loss is the sum over the group, which the usual gradient all-reduce of
+            replicated parameters over the context-parallel group provides (or
+            ``dist.all_reduce(sink.grad, group=group)``); the gradients of the weights that produce q, k
+            and v follow the same convention, each rank holding the part that flows through its tokens.
 
     Returns:
         out: (batch_size, seqlen, nheads, headdim_v), this rank's rows of the full-sequence output
@@ -489,24 +572,36 @@ def ring_flash_attn_func(
         dtypes or options differ; RuntimeError when another rank fails or does not call within the
         process group's timeout.
     """
-    check_unimplemented(dropout_p, softcap, alibi_slopes)
+    check_unimplemented(dropout_p)
+    if alibi_slopes is not None:
+        raise NotImplementedError(_ALIBI_NOT_IMPLEMENTED)
     check_layout(layout)
     left, right = window_bounds(window_size, causal)
     ring = _Ring(group)
     require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
     try:
         _check_shard(q, k, v, layout)
+        softcap, _, learnable_sink = check_options(q, softcap, None, learnable_sink)
     except (TypeError, ValueError):
         _check_across_ranks(ring, q.device, None)
         raise
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    softmax_scale = float(softmax_scale)
-    _check_across_ranks(ring, q.device, _signature(q, k, v, softmax_scale, left, right, layout))
+    setup = _Setup(ring, layout, float(softmax_scale), left, right, softcap)
+    _check_across_ranks(ring, q.device, _signature(q, k, v, setup, learnable_sink is not None))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    setup = _Setup(ring, layout, softmax_scale, left, right)
-    out, lse = _RingFlashAttention.apply(q, k, v, setup)
+    out, lse = _RingFlashAttention.apply(q, k, v, learnable_sink, setup)
     return (out, lse, None) if return_attn_probs else out
+
+
+_ALIBI_NOT_IMPLEMENTED = (
+    "alibi_slopes: ALiBi is not implemented in ring attention yet. Its bias -slope * |p - p'| uses global "
+    "positions, but the attention kernels take the bias's diagonal from the block's own shape "
+    "(seqlen_k - seqlen_q, the causal mask's diagonal), which differs from the global offset of a "
+    "(query chunk, key chunk) pair of the ring; the kernels need an argument that sets the bias's diagonal "
+    "apart from the mask's. Use flashtile.distributed.ulysses_flash_attn_func (it supports ALiBi), or "
+    "flash_attn_func on one device."
+)
 
 
 def ring_flash_attn_qkvpacked_func(
@@ -522,6 +617,7 @@ def ring_flash_attn_qkvpacked_func(
     group: dist.ProcessGroup | None = None,
     *,
     layout: str = "zigzag",
+    learnable_sink: Tensor | None = None,
 ):
     """``ring_flash_attn_func`` on a packed qkv shard; gradients flow back into ``qkv``.
 
@@ -540,5 +636,5 @@ def ring_flash_attn_qkvpacked_func(
     q, k, v = qkv.unbind(2)
     return ring_flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, group, layout=layout,
+        return_attn_probs, group, layout=layout, learnable_sink=learnable_sink,
     )  # fmt: skip

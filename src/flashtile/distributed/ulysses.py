@@ -1,0 +1,164 @@
+"""Ulysses: exact attention over one sequence split across the ranks of a group, by all-to-all over heads.
+
+Every rank holds a contiguous shard of the sequence (``layout="contiguous"``: rank r holds positions
+[r * S, (r + 1) * S) of N = W * S), (batch, S, nheads, headdim). One all_to_all per tensor trades the
+sequence split for a head split: afterwards rank r holds ALL N positions of its nheads / W heads,
+computes plain ``flash_attn_func`` on them (every mask, softcap, ALiBi and sinks work unchanged: the
+whole sequence is local), and one all_to_all trades the output back::
+
+    q, k, v (B, S, H, D) --all_to_all--> (B, N, H/W, D) --flash_attn_func--> (B, N, H/W, Dv)
+        --all_to_all--> out (B, S, H, Dv)
+
+The backward is the same in reverse: each all_to_all's gradient is the inverse all_to_all.
+With GQA and fewer key/value heads than ranks (W divisible by nheads_k), each key/value head is
+repeated W / nheads_k times before the exchange, so every rank receives the one its query heads use.
+
+Ring or Ulysses (rule of thumb)
+-------------------------------
+- Per rank, Ulysses moves about 4 * N * H * D / W elements in the forward (q, k, v, out; less with GQA)
+  and the same in the backward: its traffic per rank SHRINKS as W grows, but an all_to_all waits for every
+  rank and does not overlap with compute. The ring moves K/V (and dK/dV in the backward) W - 1 times,
+  about 2 * N * Hk * D elements per rank whatever W, hidden behind the attention of the shard in hand
+  when each step's compute outlasts its transfer (long shards: seqlen / W in the thousands).
+- Ulysses needs nheads % W == 0 (and nheads_k % W == 0, or W % nheads_k == 0 at the cost of repeating
+  K/V heads); the ring works for any head count.
+- Ulysses is load-balanced under any mask (every rank sees every position of its heads) and supports
+  ALiBi; the ring needs layout="zigzag" for causal balance and does not support ALiBi yet.
+- So: within one node (fast all-to-all, e.g. NVLink), with many heads and moderate sequence lengths,
+  prefer Ulysses; across nodes, with few (key/value) heads, more ranks than heads, or very long
+  sequences where the ring's transfers hide behind compute, prefer the ring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from flashtile.distributed.ring import _check_across_ranks, _Ring, _Setup, _signature
+from flashtile.interface import (
+    NO_WINDOW,
+    check_options,
+    check_qkv,
+    check_unimplemented,
+    flash_attn_func,
+    require,
+    window_bounds,
+)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``_Ring.all_to_all`` with autograd: the gradient goes back by the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scatter_dim: int, gather_dim: int, comm: _Ring) -> Tensor:
+        ctx.dims, ctx.comm = (scatter_dim, gather_dim), comm
+        return comm.all_to_all(x, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return ctx.comm.all_to_all(grad, gather_dim, scatter_dim), None, None, None
+
+
+def _check_shard(q: Tensor, k: Tensor, v: Tensor, world: int) -> None:
+    """Raise TypeError/ValueError unless q, k, v are contiguous shards Ulysses can split over ``world`` heads."""
+    check_qkv(q, k, v)
+    require(q.shape[1] > 0, f"The shards must hold at least one position, got q {tuple(q.shape)}.")
+    require(
+        q.shape[1] == k.shape[1],
+        "ulysses_flash_attn_func splits one sequence across ranks, so the q and k/v shards must have the same "
+        f"length, got q {tuple(q.shape)} and k {tuple(k.shape)}.",
+    )
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    require(
+        nheads % world == 0 and (nheads_k % world == 0 or world % nheads_k == 0),
+        f"ulysses_flash_attn_func splits the heads across the {world} ranks of the group: nheads ({nheads}) "
+        f"must be divisible by {world}, and nheads_k ({nheads_k}) divisible by {world} or a divisor of it. "
+        "Use ring_flash_attn_func, which works for any number of heads.",
+    )
+
+
+def ulysses_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    learnable_sink: Tensor | None = None,
+):
+    """``flash_attn_func`` over a sequence split across the ranks of ``group``, by all-to-all over heads.
+
+    A collective: every rank of ``group`` calls it with its contiguous shard of q, k and v (shard full
+    tensors with ``flashtile.distributed.shard(x, group, layout="contiguous")``) and, when training,
+    backpropagates through the same outputs. Each rank gets its shard of exactly what ``flash_attn_func``
+    gives on the whole sequence of N = world_size * seqlen positions, forward and backward. The module
+    docstring says when to prefer ``ring_flash_attn_func``.
+
+    Args:
+        q: (batch_size, seqlen, nheads, headdim), float16 or bfloat16: this rank's contiguous shard;
+            nheads divisible by the group's size W
+        k: (batch_size, seqlen, nheads_k, headdim); nheads_k divisible by W, or W divisible by nheads_k
+            (then each key/value head is repeated W / nheads_k times for the exchange)
+        v: (batch_size, seqlen, nheads_k, headdim_v)
+        dropout_p: must be 0.0 (not implemented; NotImplementedError)
+        softmax_scale, causal, window_size, softcap: as ``flash_attn_func``, over the global positions
+        alibi_slopes: (nheads,) or (batch_size, nheads) float32, as ``flash_attn_func``, over the global
+            positions; the same on every rank
+        deterministic: accepted, as in flash_attn_func (the result is bitwise repeatable)
+        return_attn_probs: also return softmax_lse (the third element is None, as in flash_attn_func)
+        group: the process group the sequence is split over; None is the default group
+        learnable_sink: keyword only, (nheads,) float32, the same on every rank; differentiable with the
+            convention of ``ring_flash_attn_func``: each rank's gradient is its share, not all-reduced
+            here, and the sum over the group is the gradient of the full-sequence loss (here rank r's
+            share holds the whole gradient of its heads and zeros elsewhere)
+
+    Returns:
+        out: (batch_size, seqlen, nheads, headdim_v), this rank's rows of the full-sequence output
+        if return_attn_probs: (out, softmax_lse, None) with softmax_lse (batch_size, nheads, seqlen) float32
+
+    Raises:
+        ValueError / TypeError on every rank when any rank's inputs are invalid or the ranks' shapes,
+        dtypes or options differ; RuntimeError when another rank fails or does not call within the
+        process group's timeout.
+    """
+    check_unimplemented(dropout_p)
+    left, right = window_bounds(window_size, causal)
+    comm = _Ring(group, caller="ulysses_flash_attn_func")
+    require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
+    try:
+        _check_shard(q, k, v, comm.size)
+        softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
+    except (TypeError, ValueError):
+        _check_across_ranks(comm, q.device, None)
+        raise
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    setup = _Setup(comm, "contiguous", float(softmax_scale), left, right, softcap)
+    signature = _signature(q, k, v, setup, learnable_sink is not None, alibi_slopes is not None)
+    _check_across_ranks(comm, q.device, signature)
+
+    world, nheads, nheads_k = comm.size, q.shape[2], k.shape[2]
+    if nheads_k % world != 0:  # world % nheads_k == 0: rank r's query heads use key/value head r // repeats
+        k, v = (t.repeat_interleave(world // nheads_k, dim=2) for t in (k, v))
+    q, k, v = (_AllToAll.apply(t, 2, 1, comm) for t in (q, k, v))  # (B, N, heads / W, d)
+    heads = slice(comm.rank * nheads // world, (comm.rank + 1) * nheads // world)
+    out, lse, _ = flash_attn_func(
+        q, k, v, 0.0, setup.softmax_scale, False, (-1 if left is None else left, -1 if right is None else right),
+        softcap, None if alibi_slopes is None else alibi_slopes[..., heads], False, True,
+        learnable_sink=None if learnable_sink is None else learnable_sink[heads],
+    )  # fmt: skip
+    out = _AllToAll.apply(out, 1, 2, comm)  # (B, N, H / W, Dv) -> (B, S, H, Dv)
+    if not return_attn_probs:
+        return out
+    return out, _AllToAll.apply(lse, 2, 1, comm), None  # lse (B, H / W, N) -> (B, H, S)
