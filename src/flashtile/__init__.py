@@ -5,7 +5,14 @@ A drop-in for flash_attn (same names, arguments and layouts) and for
 CPU tensors run the same tiled algorithm in PyTorch (see ``flashtile._backend``).
 """
 
-from flashtile.interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtile.interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.padding import pad_input, unpad_input
 from flashtile.sdpa import scaled_dot_product_attention
@@ -16,6 +23,9 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "pad_input",
     "scaled_dot_product_attention",

@@ -4,6 +4,8 @@
 ``_backend`` picks for the inputs' device; ``register_fake`` gives their output shapes to the
 compiler and ``register_autograd`` wires the backward, recomputing attention from the saved LSE.
 ``flashtile::attention_sink_backward`` gives the gradient of a learnable sink.
+``flashtile::varlen_attention_forward`` / ``varlen_attention_backward`` are the same for packed
+variable-length batches (cu_seqlens); separate ops because their layouts differ (lse (H, total_q)).
 Inputs reaching these ops are already validated (``interface``) and have a contiguous last dimension.
 
 The score modifications (``alibi_slopes``, ``softcap``) and ``learnable_sink`` are trailing arguments
@@ -131,3 +133,109 @@ def _backward(ctx, dout, dlse):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Variable-length batches: packed q (total_q, H, D), k/v (total_k, Hk, D / Dv), cu_seqlens (batch + 1,)
+# int32, lse (H, total_q). max_seqlen_* are ints so that the grid is known without reading cu_seqlens.
+
+
+@torch.library.custom_op("flashtile::varlen_attention_forward", mutates_args=())
+def varlen_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_forward`` per sequence of a packed batch -> out (total_q, H, Dv), lse (H, total_q) fp32.
+
+    Sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+    of k and v; masks and ALiBi distances are measured within it ((batch, H) slopes: row b is its own)."""
+    return attention_path(q.device).varlen_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+        alibi_slopes, softcap, learnable_sink,
+    )  # fmt: skip
+
+
+@varlen_attention_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+      alibi_slopes=None, softcap=0.0, learnable_sink=None):  # fmt: skip
+    total_q, nheads, _ = q.shape
+    return q.new_empty((total_q, nheads, v.shape[2])), q.new_empty((nheads, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtile::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (H, total_q) fp32 or None. Rows of k/v that
+    no query sees (e.g. of a sequence without queries) get zero gradients."""
+    return attention_path(q.device).varlen_attention_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink,
+    )  # fmt: skip
+
+
+@varlen_attention_backward.register_fake
+def _(dout, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, *options = inputs
+    alibi_slopes, softcap, learnable_sink = (*options, *_OPTION_DEFAULTS[len(options) :])
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink)
+    ctx.args = (max_q, max_k, softmax_scale, window_left, window_right)
+    ctx.softcap = softcap
+    ctx.num_inputs = len(inputs)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink = ctx.saved_tensors
+    max_q, max_k, softmax_scale, window_left, window_right = ctx.args
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    dq, dk, dv = varlen_attention_backward(
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right,
+        alibi_slopes, ctx.softcap, learnable_sink,
+    )  # fmt: skip
+    dsink = None
+    if learnable_sink is not None and ctx.needs_input_grad[12]:
+        # (H, total_q) is the (1, H, total_q) layout of one packed row of tokens
+        dsink = attention_sink_backward(
+            dout[None], out[None], lse[None], None if dlse is None else dlse[None], learnable_sink
+        )
+    grads = (dq, dk, dv, *(None,) * 9, dsink)  # cu_seqlens, ints, floats and alibi slopes get none
+    return grads[: ctx.num_inputs]
+
+
+varlen_attention_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -341,3 +341,86 @@ def attention_delta(dout: Tensor, out: Tensor, dlse: Tensor | None = None) -> Te
         q1 = min(q0 + BLOCK_M, Sq)
         delta[:, :, q0:q1] = _delta_tile(dout, out, dlse, q0, q1, H, dtype).view(B, H, q1 - q0)
     return delta
+
+
+def _sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple[int, int, int, int, int]]:
+    """(b, q0, q1, k0, k1) per sequence: its rows of the packed q and k."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(b, cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def _slopes_of(alibi_slopes: Tensor | None, b: int) -> Tensor | None:
+    """The (nheads,) slopes of sequence b from (nheads,) or (batch, nheads) slopes."""
+    return alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+
+
+@torch.no_grad()
+def varlen_attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``attention_forward`` on a variable-length batch, one sequence (a B=1 view) at a time.
+
+    q (total_q, nheads, headdim), k (total_k, nheads_k, headdim), v (total_k, nheads_k, headdim_v);
+    sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]). Returns out (total_q, nheads, headdim_v) and
+    lse (nheads, total_q) float32. max_seqlen_* are not needed here.
+    """
+    out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0:
+            continue
+        o_b, lse_b = attention_forward(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, window_left, window_right,
+            _slopes_of(alibi_slopes, b), softcap, learnable_sink,
+        )  # fmt: skip
+        out[q0:q1] = o_b[0]
+        lse[:, q0:q1] = lse_b[0]
+    return out, lse
+
+
+@torch.no_grad()
+def varlen_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    dlse: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``attention_backward`` on a variable-length batch, one sequence at a time (layouts as in
+    ``varlen_attention_forward``; lse and dlse (nheads, total_q)). A sequence without queries or keys
+    contributes zero gradients."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        dq_b, dk_b, dv_b = attention_backward(
+            dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+            lse[None, :, q0:q1], softmax_scale, window_left, window_right,
+            None if dlse is None else dlse[None, :, q0:q1], _slopes_of(alibi_slopes, b), softcap, learnable_sink,
+        )  # fmt: skip
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = dq_b[0], dk_b[0], dv_b[0]
+    return dq, dk, dv

@@ -102,8 +102,10 @@ def check_options(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     learnable_sink: torch.Tensor | None,
+    batch: int | None = None,
 ) -> tuple[float, torch.Tensor | None, torch.Tensor | None]:
-    """Validate softcap, alibi_slopes and learnable_sink against q (batch, seqlen_q, nheads, headdim).
+    """Validate softcap, alibi_slopes and learnable_sink against q (batch, seqlen_q, nheads, headdim), or
+    against a packed q (total_q, nheads, headdim) of ``batch`` sequences.
 
     Returns them ready for the kernels: softcap as a float, the tensors with a contiguous last dimension.
     """
@@ -112,7 +114,8 @@ def check_options(
             isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0.0,
             f"softcap must be a finite number >= 0 (0 turns it off), got {softcap!r}.",
         )
-    batch, _, nheads, _ = q.shape
+    nheads = q.shape[-2]
+    batch = q.shape[0] if batch is None else batch
     if alibi_slopes is not None:
         _check_fp32_tensor("alibi_slopes", alibi_slopes, q.device)
         require(
@@ -333,3 +336,275 @@ def flash_attn_kvpacked_func(
 
 def _shape_of(t: object) -> str:
     return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variable-length batches
+
+
+def _check_cu_seqlens(name: str, cu: object, device: torch.device) -> None:
+    require(isinstance(cu, torch.Tensor), f"{name} must be a torch.Tensor, got {type(cu).__name__}.", TypeError)
+    require(
+        cu.dtype == torch.int32,
+        f"{name} must be int32 (the cumulative sequence lengths, as flash_attn takes them), got {cu.dtype}. "
+        f"Cast it with {name}.to(torch.int32).",
+        TypeError,
+    )
+    require(
+        cu.dim() == 1 and cu.shape[0] >= 2,
+        f"{name} must be 1-D of shape (batch_size + 1,) with batch_size >= 1, got shape {tuple(cu.shape)}.",
+    )
+    require(cu.device == device, f"{name} must be on the device of q ({device}), got {cu.device}.")
+
+
+def _max_seqlen(name: str, value: object) -> int:
+    require(
+        isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and value >= 0,
+        f"{name} must be a Python int >= 0 (the longest sequence; it sizes the launch grid), got {value!r}.",
+        TypeError,
+    )
+    return value
+
+
+def check_cu_seqlens_values(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    total_q: int,
+    total_k: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> None:
+    """Raise ValueError unless both cu_seqlens start at 0, never decrease, end at the token counts, and no
+    sequence is longer than its max_seqlen. Reads the values on the host: for CUDA tensors that is one
+    small device-to-host copy and a synchronisation per call."""
+    both = torch.stack([cu_seqlens_q, cu_seqlens_k]).cpu()
+    for name, cu, total, longest, max_name in (
+        ("cu_seqlens_q", both[0], total_q, max_seqlen_q, "max_seqlen_q"),
+        ("cu_seqlens_k", both[1], total_k, max_seqlen_k, "max_seqlen_k"),
+    ):
+        lengths = cu[1:] - cu[:-1]
+        if cu[0] != 0:
+            raise ValueError(f"{name}[0] must be 0 (the first sequence starts at token 0), got {int(cu[0])}.")
+        if (lengths < 0).any():
+            b = int((lengths < 0).nonzero()[0])
+            raise ValueError(
+                f"{name} must be non-decreasing (cumulative lengths), but {name}[{b + 1}] = {int(cu[b + 1])} < "
+                f"{name}[{b}] = {int(cu[b])}."
+            )
+        if cu[-1] != total:
+            tensor = "q" if name.endswith("q") else "k and v"
+            raise ValueError(
+                f"{name}[-1] must equal the number of tokens of {tensor} ({total}), got {int(cu[-1])}. "
+                "Build it with torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))."
+            )
+        if int(lengths.max()) > longest:
+            raise ValueError(
+                f"{max_name} = {longest} is smaller than the longest sequence ({int(lengths.max())}); "
+                f"pass {max_name} >= the longest sequence length."
+            )
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated entry to the varlen custom op: returns (out (total_q, H, Dv), lse (H, total_q))."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(
+                f"{name} must have 3 dimensions (total_tokens, nheads, headdim) for flash_attn_varlen_func, got "
+                f"shape {tuple(t.shape)}. Pack a padded batch with flashtile.unpad_input, or use flash_attn_func."
+            )
+    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        require(
+            k.shape[:2] == v.shape[:2],
+            f"k and v must share total_k (dim 0) and nheads_k (dim 1), got k {tuple(k.shape)} and v {tuple(v.shape)}.",
+        )
+    check_qkv(*(t[None] if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    require(
+        cu_seqlens_q.shape == cu_seqlens_k.shape,
+        f"cu_seqlens_q and cu_seqlens_k must hold the same batch_size + 1 entries, got {cu_seqlens_q.shape[0]} "
+        f"and {cu_seqlens_k.shape[0]}.",
+    )
+    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
+    if not torch.compiler.is_compiling():  # values need the host; a traced graph must not sync
+        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    batch = cu_seqlens_q.shape[0] - 1
+    softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
+    return _ops.varlen_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), window_left,
+        window_right, alibi_slopes, softcap, learnable_sink,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+):
+    """``flash_attn_func`` on a batch of sequences of different lengths, packed without padding.
+
+    Sequence b is the rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b],
+    cu_seqlens_k[b + 1]) of k and v; its queries see only its own keys. Everything of ``flash_attn_func``
+    holds within each sequence, with that sequence's seqlen_q and seqlen_k (which may differ, either
+    way, and may be 0 or 1): the causal mask is aligned to the bottom right corner of each sequence's
+    own attention matrix, e.g. for seqlen_q = 2, seqlen_k = 5 (1 = visible):
+        1 1 1 1 0
+        1 1 1 1 1
+    and for seqlen_q = 5, seqlen_k = 2:
+        0 0
+        0 0
+        0 0
+        1 0
+        1 1
+    window_size, softcap, ALiBi distances (|i + seqlen_k - seqlen_q - j| with i, j counted from the
+    sequence's start) and learnable_sink likewise. A query whose sequence has no visible key (e.g.
+    seqlen_k = 0) gets output 0 and softmax_lse -inf (or the sink); keys of a sequence without queries
+    get zero gradients.
+
+    Validation happens before anything launches. The cu_seqlens values (start at 0, non-decreasing, end at
+    the token counts, no sequence longer than max_seqlen) are checked on the host: for CUDA tensors that
+    costs one small device-to-host copy and a synchronisation per call. Under torch.compile tracing the
+    value checks are skipped (a traced graph must not synchronise); shapes, dtypes and devices are still
+    checked. Inconsistent values there are undefined behaviour, as in flash_attn.
+
+    Args:
+        q: (total_q, nheads, headdim), float16 or bfloat16; total_q = the number of query tokens
+        k: (total_k, nheads_k, headdim); nheads divisible by nheads_k (MQA/GQA as in flash_attn_func)
+        v: (total_k, nheads_k, headdim_v)
+        cu_seqlens_q: (batch_size + 1,), int32, on q's device: cumulative query lengths, [0, ..., total_q]
+        cu_seqlens_k: (batch_size + 1,), int32, on q's device: cumulative key lengths, [0, ..., total_k]
+        max_seqlen_q: int, at least the longest query sequence (sizes the launch grid)
+        max_seqlen_k: int, at least the longest key sequence
+        dropout_p: must be 0.0 (other values raise NotImplementedError)
+        softmax_scale, causal, window_size, softcap, deterministic: as ``flash_attn_func``
+        alibi_slopes: (nheads,) or (batch_size, nheads), float32: row b holds sequence b's slopes
+        return_attn_probs: also return softmax_lse (the third element is None)
+        block_table: must be None; paged key/value caches are served by flash_attn_with_kvcache
+        learnable_sink: keyword only, (nheads,) float32, as ``flash_attn_func``
+
+    Returns:
+        out: (total_q, nheads, headdim_v)
+        if return_attn_probs: (out, softmax_lse, None) with softmax_lse (nheads, total_q), float32 (flash_attn
+            2.x's varlen layout), differentiable
+    """
+    check_unimplemented(dropout_p)
+    if block_table is not None:
+        raise NotImplementedError(
+            "block_table: paged key/value caches are not supported by flash_attn_varlen_func; use "
+            "flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., block_table=...)."
+        )
+    left, right = window_bounds(window_size, causal)
+    out, lse = varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap,
+        alibi_slopes, learnable_sink,
+    )  # fmt: skip
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+):
+    """``flash_attn_varlen_func`` on a packed qkv tensor (queries and keys share cu_seqlens); gradients
+    flow back into ``qkv`` without a copy of q, k, v (the kernels read the strided slices).
+
+    Args:
+        qkv: (total, 3, nheads, headdim)
+        cu_seqlens: (batch_size + 1,), int32; max_seqlen: int
+        the rest: as ``flash_attn_varlen_func``
+
+    Returns:
+        out: (total, nheads, headdim), or (out, softmax_lse (nheads, total), None) if return_attn_probs
+    """
+    require(
+        isinstance(qkv, torch.Tensor) and qkv.dim() == 4 and qkv.shape[1] == 3,
+        f"qkv must be (total, 3, nheads, headdim), got {_shape_of(qkv)}.",
+    )
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
+        softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+):
+    """``flash_attn_varlen_func`` with keys and values packed in one tensor; gradients flow back into ``kv``.
+
+    Args:
+        q: (total_q, nheads, headdim)
+        kv: (total_k, 2, nheads_k, headdim)
+        the rest: as ``flash_attn_varlen_func``
+
+    Returns:
+        out: (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), None) if return_attn_probs
+    """
+    require(
+        isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.shape[1] == 2,
+        f"kv must be (total_k, 2, nheads_k, headdim), got {_shape_of(kv)}.",
+    )
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink,
+    )  # fmt: skip

@@ -13,6 +13,9 @@ cap multiplies dS by 1 - tanh^2 (``tiles.score_mod_grad``, applied to P before d
 fewer tiles live through it). A learnable sink needs nothing here: the
 saved LSE includes it, so P and delta are already right; its own gradient, -sum_i exp(sink - LSE_i) *
 delta_i, is a reduction over ``attention_delta`` done by the caller (``flashtile._ops``).
+
+IS_VARLEN (packed variable-length batches) works as in the forward kernel; the delta kernel needs no flag,
+since (nheads, total_q) is the (1, nheads, total_q) layout of one packed row of tokens.
 """
 
 import torch
@@ -21,6 +24,7 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import config, padded_head_dim
+from flashtile.ops.attention.forward import token_strides
 from flashtile.ops.attention.tiles import (
     LOG2E,
     alibi_batch_stride,
@@ -33,6 +37,7 @@ from flashtile.ops.attention.tiles import (
     score_mod,
     score_mod_grad,
     score_scales,
+    seq_bounds,
     store_tile,
     visible,
 )
@@ -154,6 +159,8 @@ def _attention_dkdv_kernel(
     DK,
     DV,
     Alibi,
+    CuSeqlensQ,
+    CuSeqlensK,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -193,30 +200,46 @@ def _attention_dkdv_kernel(
     MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
-    """dK (B, Sk, Hk, D) and dV (B, Sk, Hk, DV) for one key tile of one kv head."""
+    """dK (B, Sk, Hk, D) and dV (B, Sk, Hk, DV) for one key tile of one kv head.
+
+    IS_VARLEN: packed (total, heads, d) tensors, Lse and Delta (H, total_q), as in the forward kernel;
+    a key tile that starts past its sequence's end exits at once and writes nothing (rows past the end
+    belong to the next sequences, whose programs write them).
+    """
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = off_bhk // nheads_k
     off_hk = off_bhk % nheads_k
+    off_qb, off_kb = off_b, off_b  # batch entries; first tokens of the sequence if IS_VARLEN
+    lse_stride = seqlen_q  # between the LSE rows of two heads: seqlen_q, or total_q if IS_VARLEN
+    if IS_VARLEN:
+        off_qb, seqlen_q, _ = seq_bounds(CuSeqlensQ, off_b, 0, seqlen_q)
+        off_kb, seqlen_k, _ = seq_bounds(CuSeqlensK, off_b, 0, seqlen_k)
+        if start_n >= seqlen_k:
+            return
     diag = seqlen_k - seqlen_q
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_ptrs = rows_at(head_base(K, off_b, off_hk, stride_kb, stride_kh), start_n, stride_kn, offs_d, BLOCK_N)
-    v_ptrs = rows_at(head_base(V, off_b, off_hk, stride_vb, stride_vh), start_n, stride_vn, offs_dv, BLOCK_N)
+    k_ptrs = rows_at(head_base(K, off_kb, off_hk, stride_kb, stride_kh), start_n, stride_kn, offs_d, BLOCK_N)
+    v_ptrs = rows_at(head_base(V, off_kb, off_hk, stride_vb, stride_vh), start_n, stride_vn, offs_dv, BLOCK_N)
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_N, D]
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_N, DV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, mid_lo, mid_hi, hi = query_range(start_n, seqlen_q, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     for off_h in range(off_hk * group, off_hk * group + group):
-        q_base = head_base(Q, off_b, off_h, stride_qb, stride_qh)
-        do_base = head_base(DOut, off_b, off_h, stride_dob, stride_doh)
-        row_base = tl.cast(off_b * nheads + off_h, tl.int64) * seqlen_q
+        q_base = head_base(Q, off_qb, off_h, stride_qb, stride_qh)
+        do_base = head_base(DOut, off_qb, off_h, stride_dob, stride_doh)
+        if IS_VARLEN:
+            row_base = tl.cast(off_h, tl.int64) * lse_stride + off_qb
+        else:
+            row_base = tl.cast(off_b * nheads + off_h, tl.int64) * seqlen_q
         slope = alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI)
         if MASK_RIGHT:
             for start_m in range(lo, mid_lo, BLOCK_M):
@@ -239,8 +262,8 @@ def _attention_dkdv_kernel(
                     HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
                 )  # fmt: skip
 
-    dk_ptrs = rows_at(head_base(DK, off_b, off_hk, stride_dkb, stride_dkh), start_n, stride_dkn, offs_d, BLOCK_N)
-    dv_ptrs = rows_at(head_base(DV, off_b, off_hk, stride_dvb, stride_dvh), start_n, stride_dvn, offs_dv, BLOCK_N)
+    dk_ptrs = rows_at(head_base(DK, off_kb, off_hk, stride_dkb, stride_dkh), start_n, stride_dkn, offs_d, BLOCK_N)
+    dv_ptrs = rows_at(head_base(DV, off_kb, off_hk, stride_dvb, stride_dvh), start_n, stride_dvn, offs_dv, BLOCK_N)
     store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, PAD_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, PAD_DV)
 
@@ -308,6 +331,8 @@ def _attention_dq_kernel(
     Delta,
     DQ,
     Alibi,
+    CuSeqlensQ,
+    CuSeqlensK,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -344,8 +369,9 @@ def _attention_dq_kernel(
     HEAVY_FIRST: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
-    """dQ (B, Sq, H, D) for one query tile of one head."""
+    """dQ (B, Sq, H, D) for one query tile of one head (IS_VARLEN: as in the forward kernel)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
     tile_m = tl.program_id(0)
@@ -356,19 +382,26 @@ def _attention_dq_kernel(
     off_h = off_bh % nheads
     off_hk = off_h // group
     start_m = tile_m * BLOCK_M
+    off_qb, off_kb = off_b, off_b  # batch entries; first tokens of the sequence if IS_VARLEN
+    lse_base = off_bh.to(tl.int64) * seqlen_q
+    if IS_VARLEN:
+        off_qb, seqlen_q, lse_base = seq_bounds(CuSeqlensQ, off_b, off_h, seqlen_q)
+        off_kb, seqlen_k, _ = seq_bounds(CuSeqlensK, off_b, off_h, seqlen_k)
+        if start_m >= seqlen_q:
+            return
     diag = seqlen_k - seqlen_q
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = rows_at(head_base(Q, off_b, off_h, stride_qb, stride_qh), start_m, stride_qm, offs_d, BLOCK_M)
-    do_ptrs = rows_at(head_base(DOut, off_b, off_h, stride_dob, stride_doh), start_m, stride_dom, offs_dv, BLOCK_M)
+    q_ptrs = rows_at(head_base(Q, off_qb, off_h, stride_qb, stride_qh), start_m, stride_qm, offs_d, BLOCK_M)
+    do_ptrs = rows_at(head_base(DOut, off_qb, off_h, stride_dob, stride_doh), start_m, stride_dom, offs_dv, BLOCK_M)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_M, DV]
-    lse_offs = off_bh.to(tl.int64) * seqlen_q + offs_m
+    lse_offs = lse_base + offs_m
     lse, delta = _load_row_stats(Lse, Delta, lse_offs, offs_m, seqlen_q)
-    k_base = head_base(K, off_b, off_hk, stride_kb, stride_kh)
-    v_base = head_base(V, off_b, off_hk, stride_vb, stride_vh)
+    k_base = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
+    v_base = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     slope = alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI)
     lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -391,7 +424,7 @@ def _attention_dq_kernel(
             seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
             True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
         )  # fmt: skip
-    dq_ptrs = rows_at(head_base(DQ, off_b, off_h, stride_dqb, stride_dqh), start_m, stride_dqm, offs_d, BLOCK_M)
+    dq_ptrs = rows_at(head_base(DQ, off_qb, off_h, stride_dqb, stride_dqh), start_m, stride_dqm, offs_d, BLOCK_M)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, PAD_D)
 
 
@@ -445,8 +478,55 @@ def attention_backward(
     Returns:
         dq, dk, dv with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group)
     """
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    delta = attention_delta(dout, out, dlse)
+    return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], softmax_scale, window_left,
+                   window_right, alibi_slopes, softcap)  # fmt: skip
+
+
+def varlen_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    dlse: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels on a variable-length batch (IS_VARLEN).
+
+    Args:
+        dout, out: (total_q, nheads, headdim_v); lse and dlse (or None): (nheads, total_q) float32
+        the rest: as ``varlen_attention_forward``
+
+    Returns:
+        dq, dk, dv with the shapes and dtypes of q, k, v. The delta kernel needs no flag: (nheads, total_q)
+        is the (1, nheads, total_q) layout of one packed row of tokens.
+    """
+    delta = attention_delta(dout[None], out[None], None if dlse is None else dlse[None])[0]
+    return _launch(dout, q, k, v, lse, delta, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale,
+                   window_left, window_right, alibi_slopes, softcap, cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+
+
+def _launch(
+    dout, q, k, v, lse, delta, batch, seqlen_q, seqlen_k, softmax_scale, window_left, window_right,
+    alibi_slopes, softcap, cu_seqlens_q=None, cu_seqlens_k=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The dK/dV and dQ launches shared by both layouts; seqlen_q and seqlen_k are the (longest) lengths."""
+    nheads, head_dim = q.shape[-2:]
+    nheads_k, head_dim_v = k.shape[-2], v.shape[-1]
+    is_varlen = cu_seqlens_q is not None
+    rows_q = q.shape[0] if is_varlen else seqlen_q  # the LSE's row stride: total_q if IS_VARLEN
+    rows_k = k.shape[0] if is_varlen else seqlen_k
     group = nheads // nheads_k
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     left = 0 if window_left is None else window_left
@@ -457,22 +537,18 @@ def attention_backward(
         "MASK_RIGHT": window_right is not None,
         "HAS_SOFTCAP": softcap > 0.0,
         "HAS_ALIBI": alibi_slopes is not None,
+        "IS_VARLEN": is_varlen,
     }
-    delta = attention_delta(dout, out, dlse)
 
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     cfg = config("backward_dkdv", q.device, head_dim, head_dim_v)
     _attention_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, alibi_slopes,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
+        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dk),
+        *token_strides(dv),
         alibi_batch_stride(alibi_slopes),
-        nheads, nheads_k, group, seqlen_q, seqlen_k, left, right,
+        nheads, nheads_k, group, rows_q, rows_k, left, right,
         qk_scale, softcap_log2, softmax_scale,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
@@ -482,14 +558,10 @@ def attention_backward(
     dq = empty_output(q.shape, q.dtype, q.device)
     cfg = config("backward_dq", q.device, head_dim, head_dim_v)
     _attention_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)](
-        q, k, v, dout, lse, delta, dq, alibi_slopes,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
+        q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dq),
         alibi_batch_stride(alibi_slopes),
-        nheads, group, seqlen_q, seqlen_k, left, right,
+        nheads, group, rows_q, rows_k, left, right,
         qk_scale, softcap_log2, softmax_scale,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, HEAVY_FIRST=window_right is not None,

@@ -8,6 +8,12 @@ Options are constexpr flags, so each costs nothing when off: HAS_SOFTCAP and HAS
 scores (``tiles.score_mod``); HAS_SINK starts each row's online softmax from the head's sink logit
 (m = sink, l = 1) instead of (-inf, 0), which puts the sink in the denominator and in the LSE and gives
 a row that sees no key output 0 and LSE = sink.
+
+IS_VARLEN runs the same kernels on packed variable-length batches: a program reads its sequence's
+first token and length from cu_seqlens (``tiles.seq_bounds``), offsets by the first token where it
+offset by the batch entry, and exits at once, writing nothing, when its tile starts past the
+sequence's end (the grid is sized by the longest sequence). With the flag off the compiled code is
+instruction-identical to the kernels without it (SASS for sm_90 compared).
 """
 
 import torch
@@ -27,6 +33,7 @@ from flashtile.ops.attention.tiles import (
     rows_at,
     score_mod,
     score_scales,
+    seq_bounds,
     store_tile,
     visible,
 )
@@ -103,6 +110,8 @@ def _attention_forward_kernel(
     Lse,
     Alibi,
     Sink,
+    CuSeqlensQ,
+    CuSeqlensK,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -136,10 +145,14 @@ def _attention_forward_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """Q (B, Sq, H, D), K (B, Sk, Hk, D), V (B, Sk, Hk, DV) -> Out (B, Sq, H, DV), Lse (B, H, Sq) fp32.
 
     Alibi: (H,) or (B, H) fp32 slopes (batch stride stride_ab) if HAS_ALIBI; Sink: (H,) fp32 if HAS_SINK.
+    IS_VARLEN: Q (total_q, H, D), K (total_k, Hk, D), V (total_k, Hk, DV) -> Out (total_q, H, DV),
+    Lse (H, total_q); sequence b holds tokens [CuSeqlensQ[b], CuSeqlensQ[b + 1]) of Q (likewise for
+    K/V), the batch strides are the token strides, and seqlen_q is total_q (the Lse row stride).
     """
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
@@ -151,14 +164,20 @@ def _attention_forward_kernel(
     off_h = off_bh % nheads
     off_hk = off_h // group
     start_m = tile_m * BLOCK_M
+    off_qb, off_kb = off_b, off_b  # batch entries; first tokens of the sequence if IS_VARLEN
+    if IS_VARLEN:
+        off_qb, seqlen_q, lse_base = seq_bounds(CuSeqlensQ, off_b, off_h, seqlen_q)
+        off_kb, seqlen_k, _ = seq_bounds(CuSeqlensK, off_b, off_h, seqlen_k)
+        if start_m >= seqlen_q:  # a tile past this sequence's end: nothing to write
+            return
     diag = seqlen_k - seqlen_q
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = rows_at(head_base(Q, off_b, off_h, stride_qb, stride_qh), start_m, stride_qm, offs_d, BLOCK_M)
-    k_base = head_base(K, off_b, off_hk, stride_kb, stride_kh)
-    v_base = head_base(V, off_b, off_hk, stride_vb, stride_vh)
+    q_ptrs = rows_at(head_base(Q, off_qb, off_h, stride_qb, stride_qh), start_m, stride_qm, offs_d, BLOCK_M)
+    k_base = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
+    v_base = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
 
     if HAS_SINK:  # the sink is the first score seen: m = sink, l = exp2(sink - m) = 1
@@ -194,9 +213,13 @@ def _attention_forward_kernel(
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    o_ptrs = rows_at(head_base(Out, off_b, off_h, stride_ob, stride_oh), start_m, stride_om, offs_dv, BLOCK_M)
+    o_ptrs = rows_at(head_base(Out, off_qb, off_h, stride_ob, stride_oh), start_m, stride_om, offs_dv, BLOCK_M)
     store_tile(o_ptrs, acc.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_dv, HEAD_DIM_V, PAD_DV)
-    tl.store(Lse + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    if IS_VARLEN:
+        lse_ptrs = Lse + lse_base + offs_m
+    else:
+        lse_ptrs = Lse + off_bh.to(tl.int64) * seqlen_q + offs_m
+    tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
 def attention_forward(
@@ -225,21 +248,75 @@ def attention_forward(
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
     """
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
-    out = empty_output((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
+    batch, seqlen_q, nheads, _ = q.shape
+    out = empty_output((batch, seqlen_q, nheads, v.shape[3]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
+    _launch(q, k, v, out, lse, batch, seqlen_q, k.shape[1], softmax_scale, window_left, window_right,
+            alibi_slopes, softcap, learnable_sink)  # fmt: skip
+    return out, lse
+
+
+def varlen_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on a variable-length batch (the kernel's IS_VARLEN).
+
+    Args:
+        q: (total_q, nheads, headdim), k: (total_k, nheads_k, headdim), v: (total_k, nheads_k, headdim_v),
+            last dimensions contiguous; sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1])
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, validated by the caller
+        max_seqlen_q, max_seqlen_k: at least the longest sequence (sizes the grid)
+        the rest: as ``attention_forward``; (batch, nheads) alibi slopes are per sequence
+
+    Returns:
+        out (total_q, nheads, headdim_v) in q's dtype, lse (nheads, total_q) float32
+    """
+    total_q, nheads, _ = q.shape
+    out = empty_output((total_q, nheads, v.shape[2]), q.dtype, q.device)
+    lse = empty_output((nheads, total_q), torch.float32, q.device)
+    _launch(q, k, v, out, lse, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+            window_right, alibi_slopes, softcap, learnable_sink, cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+    return out, lse
+
+
+def token_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a (batch, seqlen, nheads, d) tensor, or of a packed (total, nheads, d)
+    one, whose batch stride is its token stride (the kernels offset a sequence by its first token)."""
+    if x.dim() == 3:
+        return x.stride(0), x.stride(0), x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _launch(
+    q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, window_left, window_right,
+    alibi_slopes, softcap, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None,
+) -> None:  # fmt: skip
+    """The forward launch shared by both layouts; seqlen_q and seqlen_k are the (longest) lengths."""
+    nheads, head_dim = q.shape[-2:]
+    nheads_k, head_dim_v = k.shape[-2], v.shape[-1]
+    is_varlen = cu_seqlens_q is not None
     short_band = window_right is not None and seqlen_k <= SHORT_SEQLEN
     cfg = config("forward_banded_short" if short_band else "forward", q.device, head_dim, head_dim_v)
     grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
     _attention_forward_kernel[grid](
-        q, k, v, out, lse, alibi_slopes, learnable_sink,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        q, k, v, out, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+        *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(out),
         alibi_batch_stride(alibi_slopes),
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k,
+        nheads, nheads // nheads_k,
+        q.shape[0] if is_varlen else seqlen_q,  # the LSE's row stride: total_q if IS_VARLEN
+        k.shape[0] if is_varlen else seqlen_k,
         0 if window_left is None else window_left,
         0 if window_right is None else window_right,
         *score_scales(softmax_scale, softcap),
@@ -255,7 +332,7 @@ def attention_forward(
         HAS_SOFTCAP=softcap > 0.0,
         HAS_ALIBI=alibi_slopes is not None,
         HAS_SINK=learnable_sink is not None,
+        IS_VARLEN=is_varlen,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out, lse

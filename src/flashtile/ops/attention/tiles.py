@@ -55,6 +55,16 @@ def head_base(ptr, off_b, off_h, stride_b, stride_h):
 
 
 @triton.jit
+def seq_bounds(CuSeqlens, off_b, off_h, total):
+    """For variable-length batches: (first token, length, LSE offset) of sequence ``off_b``, from the
+    int32 (batch + 1,) cumulative lengths; the LSE offset is that of head ``off_h``'s first row in an
+    (nheads, total) LSE (64-bit)."""
+    start = tl.load(CuSeqlens + off_b)
+    seqlen = tl.load(CuSeqlens + off_b + 1) - start
+    return start, seqlen, tl.cast(off_h, tl.int64) * total + start
+
+
+@triton.jit
 def rows_at(head_ptr, start, stride_row, offs_cols, BLOCK_ROWS: tl.constexpr):
     """[BLOCK_ROWS, cols] pointers to rows [start, start + BLOCK_ROWS) from a head's row 0.
 
