@@ -4,6 +4,7 @@
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
 #   decode   the decode (KV cache) benchmark
 #   kvtests  tests/test_kvcache.py on the GPU
+#   varlen   packed against padded batches
 #   latency  launch overhead (eager vs CUDA graph) and first-call compile time
 #   gputests tests/test_gpu.py and the deterministic backward test
 #   quick    the benchmark's quick table against every peer
@@ -23,6 +24,7 @@ for step in "$@"; do
     test) timeout 420 python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/test.log" | tail -25 ;;
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
     decode) timeout 300 python3 benchmarks/bench_decode.py --out "$OUT/decode" 2>&1 | tail -40 ;;
+    varlen) timeout 300 python3 benchmarks/bench_varlen.py --out "$OUT/varlen" 2>&1 | tail -12 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
     latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
     firstcall) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import latency; print(latency.first_call(Path('$OUT')))" 2>&1 | tail -4 ;;
