@@ -7,6 +7,7 @@ import torch
 
 import flashtile
 from conftest import DEVICE
+from flashtile.interface import varlen_attention
 from flashtile.ops import attention as triton_attention
 
 
@@ -74,9 +75,17 @@ def test_device_mismatch():
         flashtile.flash_attn_func(q, k.cpu(), v)
 
 
-def test_unimplemented_options_raise():
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flashtile.flash_attn_func(*qkv(), dropout_p=0.1)
+@pytest.mark.parametrize(
+    "dropout_p", [1.0, -0.1, float("nan"), 1.5, True], ids=["one", "negative", "nan", "big", "bool"]
+)
+def test_bad_dropout(dropout_p):
+    """dropout_p must be in [0, 1): checked before the seed is drawn or anything launches."""
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+        flashtile.flash_attn_func(*qkv(), dropout_p=dropout_p)
+    q, k, v = (t[0] for t in qkv())
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="dropout_p must be"):
+        varlen_attention(q, k, v, cu, cu, 16, 16, None, None, None, dropout_p=dropout_p)
 
 
 def fp32(*shape, device=DEVICE):
@@ -145,5 +154,5 @@ def test_sdpa_errors():
         flashtile.scaled_dot_product_attention(q, k, v)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         flashtile.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flashtile.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True)
+    with pytest.raises(ValueError, match="dropout_p must be"):
+        flashtile.scaled_dot_product_attention(q, k, v, dropout_p=1.0, enable_gqa=True)

@@ -8,8 +8,9 @@
 
 Nothing else in flashtile reads the environment. Each path module provides
 ``attention_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap,
-learnable_sink) -> (out, lse)``, ``attention_backward(dout, q, k, v, out, lse, softmax_scale,
-window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink) -> (dq, dk, dv)``,
+learnable_sink, dropout_p, rng_state) -> (out, lse)``, ``attention_backward(dout, q, k, v, out, lse,
+softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink, dropout_p,
+rng_state) -> (dq, dk, dv)``,
 ``attention_delta(dout, out, dlse) -> delta``, and ``varlen_attention_forward`` /
 ``varlen_attention_backward``: the same on packed (total, nheads, headdim) batches with cu_seqlens.
 """

@@ -8,8 +8,16 @@ compiler and ``register_autograd`` wires the backward, recomputing attention fro
 variable-length batches (cu_seqlens); separate ops because their layouts differ (lse (H, total_q)).
 Inputs reaching these ops are already validated (``interface``) and have a contiguous last dimension.
 
-The score modifications (``alibi_slopes``, ``softcap``) and ``learnable_sink`` are trailing arguments
-with defaults, so callers that predate them (``flashtile.distributed``) keep working unchanged.
+The score modifications (``alibi_slopes``, ``softcap``), ``learnable_sink`` and dropout (``dropout_p``,
+``rng_state``) are trailing arguments with defaults, so callers that predate them
+(``flashtile.distributed``) keep working unchanged.
+
+Dropout's randomness is an input, not a side effect: ``rng_state`` is an int64 tensor (2,) = [seed,
+philox offset] on q's device, drawn from torch's generator by the public functions
+(``interface.dropout_rng_state``) before the op. A tensor rather than two ints: under torch.compile an
+int argument would become a guard (a recompile per call), and on CUDA the kernels read it from device
+memory, so drawing it needs no host synchronisation. The autograd context saves it, and the backward
+regenerates the forward's mask from it.
 """
 
 from __future__ import annotations
@@ -30,21 +38,25 @@ def attention_forward(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), lse (B, H, Sq) fp32.
 
     Query i sees key j when i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right; a side
     given as None is unbounded. Scores: scale * q.k, capped to softcap * tanh(. / softcap) if
     softcap > 0, minus alibi_slopes[(b,) h] * |i + Sk - Sq - j| if given; learnable_sink (H,) fp32
-    joins each row's softmax denominator (and the LSE).
+    joins each row's softmax denominator (and the LSE). dropout_p > 0 drops each probability with that
+    probability (keep mask from rng_state, int64 (2,) [seed, offset]) and scales the kept by 1 / (1 - p);
+    the LSE is unchanged.
     """
     return attention_path(q.device).attention_forward(
-        q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, learnable_sink
+        q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, learnable_sink, dropout_p, rng_state
     )
 
 
 @attention_forward.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, alibi_slopes=None, softcap=0.0, learnable_sink=None):
+def _(q, k, v, softmax_scale, window_left, window_right, *options):
     batch, seqlen_q, nheads, _ = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, v.shape[3]))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -66,13 +78,16 @@ def attention_backward(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse, or None.
 
-    The sink's gradient is ``attention_sink_backward``."""
+    The sink's gradient is ``attention_sink_backward``. dropout_p and rng_state: the forward's."""
     return attention_path(q.device).attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink
-    )
+        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink,
+        dropout_p, rng_state,
+    )  # fmt: skip
 
 
 @attention_backward.register_fake
@@ -98,22 +113,23 @@ def _(dout, out, lse, dlse, learnable_sink):
     return torch.empty_like(learnable_sink)
 
 
-_OPTION_DEFAULTS = (None, 0.0, None)  # alibi_slopes, softcap, learnable_sink
+_OPTION_DEFAULTS = (None, 0.0, None, 0.0, None)  # alibi_slopes, softcap, learnable_sink, dropout_p, rng_state
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, window_left, window_right, *options = inputs
-    alibi_slopes, softcap, learnable_sink = (*options, *_OPTION_DEFAULTS[len(options) :])
+    alibi_slopes, softcap, learnable_sink, dropout_p, rng_state = (*options, *_OPTION_DEFAULTS[len(options) :])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
+    ctx.dropout_p = dropout_p
     ctx.num_inputs = len(inputs)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes, learnable_sink = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state = ctx.saved_tensors
     window_left, window_right = ctx.window
     if dout is None:
         dout = torch.zeros_like(out)
@@ -123,12 +139,12 @@ def _backward(ctx, dout, dlse):
         dlse = dlse.float().contiguous()
     dq, dk, dv = attention_backward(
         dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right,
-        alibi_slopes, ctx.softcap, learnable_sink,
+        alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state,
     )  # fmt: skip
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[8]:
         dsink = attention_sink_backward(dout, out, lse, dlse, learnable_sink)
-    grads = (dq, dk, dv, None, None, None, None, None, dsink)  # alibi slopes get none, as in flash_attn
+    grads = (dq, dk, dv, None, None, None, None, None, dsink, None, None)  # alibi slopes get none, as in flash_attn
     return grads[: ctx.num_inputs]
 
 
@@ -154,6 +170,8 @@ def varlen_attention_forward(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward`` per sequence of a packed batch -> out (total_q, H, Dv), lse (H, total_q) fp32.
 
@@ -161,13 +179,13 @@ def varlen_attention_forward(
     of k and v; masks and ALiBi distances are measured within it ((batch, H) slopes: row b is its own)."""
     return attention_path(q.device).varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-        alibi_slopes, softcap, learnable_sink,
+        alibi_slopes, softcap, learnable_sink, dropout_p, rng_state,
     )  # fmt: skip
 
 
 @varlen_attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-      alibi_slopes=None, softcap=0.0, learnable_sink=None):  # fmt: skip
+      *options):  # fmt: skip
     total_q, nheads, _ = q.shape
     return q.new_empty((total_q, nheads, v.shape[2])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
@@ -191,12 +209,14 @@ def varlen_attention_backward(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (H, total_q) fp32 or None. Rows of k/v that
     no query sees (e.g. of a sequence without queries) get zero gradients."""
     return attention_path(q.device).varlen_attention_backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-        window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink,
+        window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink, dropout_p, rng_state,
     )  # fmt: skip
 
 
@@ -207,16 +227,17 @@ def _(dout, q, k, v, *rest):
 
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, *options = inputs
-    alibi_slopes, softcap, learnable_sink = (*options, *_OPTION_DEFAULTS[len(options) :])
+    alibi_slopes, softcap, learnable_sink, dropout_p, rng_state = (*options, *_OPTION_DEFAULTS[len(options) :])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink, rng_state)
     ctx.args = (max_q, max_k, softmax_scale, window_left, window_right)
     ctx.softcap = softcap
+    ctx.dropout_p = dropout_p
     ctx.num_inputs = len(inputs)
 
 
 def _varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink, rng_state = ctx.saved_tensors
     max_q, max_k, softmax_scale, window_left, window_right = ctx.args
     if dout is None:
         dout = torch.zeros_like(out)
@@ -226,7 +247,7 @@ def _varlen_backward(ctx, dout, dlse):
         dlse = dlse.float().contiguous()
     dq, dk, dv = varlen_attention_backward(
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right,
-        alibi_slopes, ctx.softcap, learnable_sink,
+        alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state,
     )  # fmt: skip
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[12]:
@@ -234,7 +255,7 @@ def _varlen_backward(ctx, dout, dlse):
         dsink = attention_sink_backward(
             dout[None], out[None], lse[None], None if dlse is None else dlse[None], learnable_sink
         )
-    grads = (dq, dk, dv, *(None,) * 9, dsink)  # cu_seqlens, ints, floats and alibi slopes get none
+    grads = (dq, dk, dv, *(None,) * 9, dsink, None, None)  # cu_seqlens, ints, floats and alibi slopes get none
     return grads[: ctx.num_inputs]
 
 

@@ -60,6 +60,16 @@ from ``m_i = sink, l_i = 1`` instead of ``-inf, 0``, so the LSE includes it and 
 gets output 0 and LSE = sink. P computed from that LSE is already right for the backward; the sink's
 own gradient is ``-sum_i exp(sink - LSE_i) * Delta_i``, from ``attention_delta`` (see ``flashtile._ops``).
 
+Dropout
+-------
+With ``dropout_p > 0`` the probabilities are dropped after the softmax, as flash_attn does:
+``O = (P * Z / (1 - p)) V`` with the LSE unchanged (the row sum ``l_i`` keeps every probability), and
+in the backward ``dV = (P * Z / (1 - p))^T dO``, ``dS = P * (Z / (1 - p) * dP - Delta)`` with Delta
+from the dropped output as always. The keep mask Z is a pure function of (seed, offset, row id, key
+index): an integer hash (``_dropout_keep``) in torch ops, so the backward regenerates it tile by tile
+without storing it, and tile boundaries do not matter. It is deterministic for a seed but not bit for
+bit the Triton kernels' Philox mask.
+
 Masks are bottom-right aligned as in flash_attn: with a window (left, right), query i sees key j
 iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (causal: no left
 bound, right = 0). Key tiles that no row of the query tile can see are skipped, and a mask is
@@ -76,6 +86,59 @@ from torch import Tensor
 
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
 BLOCK_N = 256  # key columns per tile; 128x256 to 256x512 all ran within ~10% here
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32) (int or int64 tensor) without overflowing int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x):
+    """murmur3's 32-bit finaliser: a bijection on [0, 2**32) that spreads every input bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+@dataclass(frozen=True)
+class _Dropout:
+    """Dropout of one call: probability p, seed and offset (from rng_state), and how a tile row maps to
+    a row id unique per (batch, head, query row): row_id = b * stride_b + h * stride_h + row0 + i."""
+
+    p: float
+    seed: int
+    offset: int
+    stride_b: int
+    stride_h: int
+    row0: int = 0
+
+
+def _dropout(dropout_p: float, rng_state: Tensor | None, nheads: int, seqlen_q: int, row0: int = 0,
+             stride_b: int | None = None, stride_h: int | None = None) -> _Dropout | None:  # fmt: skip
+    """The dropout of a call (None when off); row ids default to (b * nheads + h) * seqlen_q + i."""
+    if dropout_p <= 0.0:
+        return None
+    seed, offset = (int(x) for x in rng_state.tolist())
+    stride_h = seqlen_q if stride_h is None else stride_h
+    stride_b = nheads * seqlen_q if stride_b is None else stride_b
+    return _Dropout(dropout_p, seed, offset, stride_b, stride_h, row0)
+
+
+def _dropout_keep(drop: _Dropout, B: int, Hk: int, group: int, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+    """Boolean keep mask (B, Hk, group * (q1 - q0), k1 - k0) of a tile, True with probability 1 - p."""
+    b = torch.arange(B)[:, None, None, None]
+    h = (torch.arange(Hk)[:, None] * group + torch.arange(group)[None, :])[None, :, :, None]
+    row = b * drop.stride_b + h * drop.stride_h + drop.row0 + torch.arange(q0, q1)[None, None, None, :]
+    key = _mix32((drop.seed & _M32) ^ _mix32((drop.seed >> 32) ^ _mix32((drop.offset & _M32) ^ (drop.offset >> 32))))
+    r = _mix32(_mix32((row & _M32) ^ key) ^ (row >> 32)).reshape(B, Hk, -1, 1)
+    cols = _mix32((torch.arange(k0, k1) + key) & _M32)
+    u = _mix32(r ^ cols[None, None, None, :]) >> 8  # 24 uniform bits
+    return u >= round(drop.p * (1 << 24))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -197,6 +260,9 @@ def attention_forward(
     alibi_slopes: Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+    _drop: _Dropout | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention by tiles with online softmax.
 
@@ -221,6 +287,9 @@ def attention_forward(
         alibi_slopes: (nheads,) or (batch, nheads) float32: adds -slope * |i + seqlen_k - seqlen_q - j|
         softcap: > 0 caps the scaled scores to softcap * tanh(score / softcap) (before ALiBi)
         learnable_sink: (nheads,) float32 logit that joins each row's softmax denominator
+        dropout_p: probability of dropping each attention probability (kept ones scaled by 1 / (1 - p))
+        rng_state: with dropout, int64 (2,) [seed, offset] (see the module docstring)
+        _drop: the varlen path's per-sequence dropout (replaces dropout_p and rng_state)
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v) in q.dtype, contiguous; 0 for a row that sees no key
@@ -232,6 +301,7 @@ def attention_forward(
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
     mods = _score_mods(alibi_slopes, softcap, Hk, Sk - Sq, dtype)
+    drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, H, Sq)
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
     for q0 in range(0, Sq, BLOCK_M):
@@ -254,8 +324,12 @@ def attention_forward(
             p = torch.exp_(s.sub_(m_safe))
             alpha = torch.exp(m_i - m_safe)
             l_i = l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            if drop is not None:  # l_i keeps every probability; only P V sees the mask
+                p.mul_(_dropout_keep(drop, B, Hk, group, q0, q1, k0, k1))
             acc = acc.mul_(alpha).add_(torch.matmul(p, _key_tile(v, k0, k1, dtype)))  # [gM, N] @ [N, Dv]
             m_i = m_new
+        if drop is not None:
+            acc.mul_(1.0 / (1.0 - drop.p))
         _store_query_tile(out, q0, q1, acc / l_i.masked_fill(l_i == 0, 1.0))
         lse[:, :, q0:q1] = (m_i + torch.log(l_i)).view(B, H, q1 - q0)  # -inf + log 0 = -inf if nothing seen
     return out, lse
@@ -276,6 +350,9 @@ def attention_backward(
     alibi_slopes: Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+    _drop: _Dropout | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention, recomputing P tile by tile from the saved LSE.
 
@@ -287,6 +364,7 @@ def attention_backward(
         lse: (batch, nheads, seqlen_q) float32, as returned by ``attention_forward``
         dlse: (batch, nheads, seqlen_q) float32 gradient of ``lse``, or None for zero
         learnable_sink: unused (the LSE includes it); its gradient comes from ``attention_delta``
+        dropout_p, rng_state, _drop: as given to ``attention_forward`` (the mask is regenerated)
 
     Returns:
         dq: (batch, seqlen_q, nheads, headdim) in q.dtype
@@ -298,6 +376,7 @@ def attention_backward(
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
     mods = _score_mods(alibi_slopes, softcap, Hk, Sk - Sq, dtype)
+    drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, H, Sq)
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.zeros(B, Sk, Hk, k.shape[-1], dtype=dtype)
     dv = torch.zeros(B, Sk, Hk, v.shape[-1], dtype=dtype)
@@ -317,14 +396,21 @@ def attention_backward(
             v_t = _key_tile(v, k0, k1, dtype)
             s, t = _scores(q_t, k_t, softmax_scale, mask, group, mods, q0, k0)
             p = torch.exp_(s.sub_(lse_t))  # (B, Hk, gM, N)
-            dv_acc[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do_t)  # [N, gM] @ [gM, Dv]
             dp = torch.matmul(do_t, v_t.transpose(-1, -2))  # [gM, Dv] @ [Dv, N] -> [gM, N]
+            if drop is None:
+                dv_acc[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do_t)  # [N, gM] @ [gM, Dv]
+            else:  # the gradient at P is Z / (1 - p) * dP; dV's 1 / (1 - p) is applied at the end
+                keep = _dropout_keep(drop, B, Hk, group, q0, q1, k0, k1)
+                dv_acc[:, :, k0:k1] += torch.matmul((p * keep).transpose(-1, -2), do_t)
+                dp.mul_(keep).mul_(1.0 / (1.0 - drop.p))
             ds = p.mul_(dp.sub_(delta))  # reuses p's memory: p is not needed after this
             if t is not None:
                 ds.mul_(t.mul_(t).neg_().add_(1.0))  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
             dq_t += torch.matmul(ds, k_t)  # [gM, N] @ [N, D]
             dk_acc[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q_t)  # [N, gM] @ [gM, D]
         _store_query_tile(dq, q0, q1, dq_t.mul_(softmax_scale))
+    if drop is not None:
+        dv.mul_(1.0 / (1.0 - drop.p))
     return dq, dk.mul_(softmax_scale).to(k.dtype), dv.to(v.dtype)
 
 
@@ -369,12 +455,15 @@ def varlen_attention_forward(
     alibi_slopes: Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``attention_forward`` on a variable-length batch, one sequence (a B=1 view) at a time.
 
     q (total_q, nheads, headdim), k (total_k, nheads_k, headdim), v (total_k, nheads_k, headdim_v);
     sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]). Returns out (total_q, nheads, headdim_v) and
-    lse (nheads, total_q) float32. max_seqlen_* are not needed here.
+    lse (nheads, total_q) float32. max_seqlen_* are not needed here. Dropout row ids are
+    h * total_q + (the query's token index), unique over the packed batch.
     """
     out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
@@ -384,6 +473,7 @@ def varlen_attention_forward(
         o_b, lse_b = attention_forward(
             q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, window_left, window_right,
             _slopes_of(alibi_slopes, b), softcap, learnable_sink,
+            _drop=_dropout(dropout_p, rng_state, q.shape[1], q.shape[0], row0=q0, stride_b=0),
         )  # fmt: skip
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
@@ -409,6 +499,8 @@ def varlen_attention_backward(
     alibi_slopes: Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``attention_backward`` on a variable-length batch, one sequence at a time (layouts as in
     ``varlen_attention_forward``; lse and dlse (nheads, total_q)). A sequence without queries or keys
@@ -421,6 +513,7 @@ def varlen_attention_backward(
             dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
             lse[None, :, q0:q1], softmax_scale, window_left, window_right,
             None if dlse is None else dlse[None, :, q0:q1], _slopes_of(alibi_slopes, b), softcap, learnable_sink,
+            _drop=_dropout(dropout_p, rng_state, q.shape[1], q.shape[0], row0=q0, stride_b=0),
         )  # fmt: skip
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = dq_b[0], dk_b[0], dv_b[0]
     return dq, dk, dv

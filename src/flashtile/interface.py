@@ -79,13 +79,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def check_unimplemented(dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> None:
     """Raise NotImplementedError for options the calling function does not implement (never ignore them).
 
-    Dropout is implemented nowhere yet. softcap and alibi_slopes work in ``flash_attn_func`` and its
-    packed variants, which do not pass them here; functions that do not support them yet (ring
-    attention) pass them to be refused.
+    dropout_p, softcap and alibi_slopes work in ``flash_attn_func``, its packed variants and
+    ``scaled_dot_product_attention``, which do not pass them here; functions that do not support them
+    yet (ring and Ulysses attention, for now ``flash_attn_varlen_func``'s dropout) pass them to be refused.
     """
     if dropout_p != 0.0:
         raise NotImplementedError(
-            f"dropout_p={dropout_p}: attention dropout is not implemented in flashtile yet; pass dropout_p=0.0."
+            f"dropout_p={dropout_p}: attention dropout is not implemented for this function yet "
+            "(flash_attn_func has it); pass dropout_p=0.0."
         )
     if softcap != 0.0:
         raise NotImplementedError(
@@ -95,6 +96,26 @@ def check_unimplemented(dropout_p: float = 0.0, softcap: float = 0.0, alibi_slop
         raise NotImplementedError(
             "alibi_slopes: ALiBi is not implemented for this function yet (flash_attn_func has it)."
         )
+
+
+def dropout_rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
+    """Validate dropout_p and draw the dropout's randomness: None if dropout_p == 0, else an int64 (2,)
+    tensor [seed, philox offset] on ``device``, from torch's default generator of that device (the CPU
+    generator for CPU tensors, ``torch.cuda.default_generators`` for CUDA ones), each in [0, 2**62).
+
+    So ``torch.manual_seed`` fixes the masks, and consecutive calls draw new ones. A tensor, not ints:
+    on CUDA the draw is one tiny kernel and the attention kernels read it from device memory (no host
+    synchronisation), and under torch.compile it is a graph op instead of a guard on Python ints
+    (with inductor the draw follows inductor's own RNG, so compiled masks differ from eager ones).
+    """
+    if dropout_p == 0.0:
+        return None
+    require(
+        isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and 0.0 <= dropout_p < 1.0,
+        f"dropout_p must be a number in [0, 1) (the probability of dropping an attention probability), "
+        f"got {dropout_p!r}.",
+    )
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
 def check_options(
@@ -172,18 +193,25 @@ def attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated entry to the custom op: returns (out, lse) in flash_attn's layouts."""
     check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    if softcap == 0.0 and alibi_slopes is None and learnable_sink is None:
+    if softcap == 0.0 and alibi_slopes is None and learnable_sink is None and dropout_p == 0.0:
         return _ops.attention_forward(q, k, v, float(softmax_scale), window_left, window_right)
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
+    rng_state = dropout_rng_state(dropout_p, q.device)
+    if rng_state is None:
+        return _ops.attention_forward(
+            q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink
+        )
     return _ops.attention_forward(
-        q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink
-    )
+        q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
+        float(dropout_p), rng_state,
+    )  # fmt: skip
 
 
 def flash_attn_func(
@@ -231,8 +259,18 @@ def flash_attn_func(
         out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij))
     so softmax_lse includes it, and a row that sees no key returns 0 with softmax_lse = sink_h.
     softcap, alibi_slopes and learnable_sink combine with each other, with causal and window_size,
-    with MQA/GQA, fp16/bf16, seqlen_q != seqlen_k and headdim_v != headdim; dropout_p > 0 is not
-    implemented yet. With causal=True, flash_attn's own kernel adds slope * j instead of the bias above:
+    with MQA/GQA, fp16/bf16, seqlen_q != seqlen_k and headdim_v != headdim, and with dropout.
+
+    Dropout (dropout_p > 0), as flash_attn: on the attention probabilities after the softmax,
+        out_i = sum_j P_ij Z_ij / (1 - dropout_p) v_j,   Z_ij = 1 with probability 1 - dropout_p, else 0,
+    with softmax_lse unchanged (that of the scores above). It applies whenever dropout_p > 0 (pass 0.0
+    in evaluation). The mask comes from a counter-based RNG (Philox, ``tl.rand``, in the Triton kernels;
+    an integer hash in the CPU path) keyed by a seed and offset drawn from torch's default generator for
+    q's device at each call: the same ``torch.manual_seed`` gives the same result, consecutive calls
+    different masks, and the backward regenerates the mask instead of storing it. The CPU path's masks
+    are not bit for bit those of the Triton kernels.
+
+    With causal=True, flash_attn's own kernel adds slope * j instead of the bias above:
     the same output, but its softmax_lse is larger by slope * (i + seqlen_k - seqlen_q); flashtile's
     softmax_lse is that of the scores written above, causal or not.
 
@@ -240,7 +278,7 @@ def flash_attn_func(
         q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16
         k: (batch_size, seqlen_k, nheads_k, headdim)
         v: (batch_size, seqlen_k, nheads_k, headdim_v); headdim and headdim_v multiples of 8, at most 256
-        dropout_p: must be 0.0 (dropout is not implemented yet; other values raise NotImplementedError)
+        dropout_p: dropout probability in [0, 1) on the attention probabilities (above); 0.0 is off
         softmax_scale: scaling of q @ k^T before the softmax; default 1 / sqrt(headdim)
         causal: bottom-right aligned causal mask (drawn above)
         window_size: (left, right) for sliding-window attention, -1 for an unbounded side
@@ -251,7 +289,8 @@ def flash_attn_func(
         deterministic: accepted; flashtile's backward never uses atomics (measured slower, see
             docs/tuning-log.md), so it is always bitwise repeatable
         return_attn_probs: also return softmax_lse (the attention probabilities themselves are never
-            materialised; the third element is None)
+            materialised; the third element is None, also with dropout: flash_attn's S_dmask, the
+            probabilities with the dropout pattern, is not returned)
         learnable_sink: keyword only, (nheads,) float32 on q's device, one logit per query head that
             joins the softmax denominator (as in gpt-oss and FlashAttention-4); differentiable
 
@@ -260,9 +299,8 @@ def flash_attn_func(
         if return_attn_probs: (out, softmax_lse, None) with softmax_lse (batch_size, nheads, seqlen_q),
             float32, the natural-log sum of exp of each row's scores (and of the sink)
     """
-    check_unimplemented(dropout_p)
     left, right = window_bounds(window_size, causal)
-    out, lse = attention(q, k, v, softmax_scale, left, right, softcap, alibi_slopes, learnable_sink)
+    out, lse = attention(q, k, v, softmax_scale, left, right, softcap, alibi_slopes, learnable_sink, dropout_p)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -418,6 +456,7 @@ def varlen_attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated entry to the varlen custom op: returns (out (total_q, H, Dv), lse (H, total_q))."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -448,9 +487,15 @@ def varlen_attention(
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch = cu_seqlens_q.shape[0] - 1
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
+    rng_state = dropout_rng_state(dropout_p, q.device)
+    if rng_state is None:
+        return _ops.varlen_attention_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), window_left,
+            window_right, alibi_slopes, softcap, learnable_sink,
+        )  # fmt: skip
     return _ops.varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), window_left,
-        window_right, alibi_slopes, softcap, learnable_sink,
+        window_right, alibi_slopes, softcap, learnable_sink, float(dropout_p), rng_state,
     )  # fmt: skip
 
 
@@ -508,7 +553,8 @@ def flash_attn_varlen_func(
         cu_seqlens_k: (batch_size + 1,), int32, on q's device: cumulative key lengths, [0, ..., total_k]
         max_seqlen_q: int, at least the longest query sequence (sizes the launch grid)
         max_seqlen_k: int, at least the longest key sequence
-        dropout_p: must be 0.0 (other values raise NotImplementedError)
+        dropout_p: dropout probability on the attention probabilities, as ``flash_attn_func`` (the mask
+            is keyed by head and packed token indices)
         softmax_scale, causal, window_size, softcap, deterministic: as ``flash_attn_func``
         alibi_slopes: (nheads,) or (batch_size, nheads), float32: row b holds sequence b's slopes
         return_attn_probs: also return softmax_lse (the third element is None)
@@ -520,7 +566,6 @@ def flash_attn_varlen_func(
         if return_attn_probs: (out, softmax_lse, None) with softmax_lse (nheads, total_q), float32 (flash_attn
             2.x's varlen layout), differentiable
     """
-    check_unimplemented(dropout_p)
     if block_table is not None:
         raise NotImplementedError(
             "block_table: paged key/value caches are not supported by flash_attn_varlen_func; use "
@@ -529,7 +574,7 @@ def flash_attn_varlen_func(
     left, right = window_bounds(window_size, causal)
     out, lse = varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap,
-        alibi_slopes, learnable_sink,
+        alibi_slopes, learnable_sink, dropout_p,
     )  # fmt: skip
     return (out, lse, None) if return_attn_probs else out
 

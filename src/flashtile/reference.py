@@ -61,6 +61,8 @@ def attention_reference(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention in the inputs' dtype.
 
@@ -70,6 +72,8 @@ def attention_reference(
         s_ij = s_ij - slope * |i + seqlen_k - seqlen_q - j|     if alibi_slopes is given
     and with a learnable sink the softmax denominator gains exp(sink_h): for head h,
         out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)),  lse_i = log(exp(sink_h) + sum_j exp(s_ij)).
+    With a dropout mask Z (True = kept), the probabilities P are dropped after the softmax, as flash_attn:
+        out = (P * Z / (1 - dropout_p)) V, lse unchanged.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim)
@@ -81,6 +85,8 @@ def attention_reference(
         softcap: > 0 caps the scaled scores with tanh; 0 leaves them
         alibi_slopes: (nheads,) or (batch, nheads), cast to the inputs' dtype
         learnable_sink: (nheads,), cast to the inputs' dtype (differentiable)
+        dropout_p, dropout_mask: the dropout probability and a given boolean keep mask broadcastable to
+            (batch, nheads, seqlen_q, seqlen_k); no dropout when the mask is None
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v), 0 for a query row that sees no key
@@ -108,6 +114,8 @@ def attention_reference(
         sink = learnable_sink.to(scores.dtype)[None, :, None, None].expand(batch, nheads, seqlen_q, 1)
         lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
     probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0.0))
+    if dropout_mask is not None:
+        probs = probs * dropout_mask.to(probs.dtype) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out, lse
 
@@ -129,8 +137,8 @@ def reference_results(
     """The oracle's out, lse and gradients of (out * dout).sum() (+ (lse * dlse).sum() if dlse is
     given) for q, k, v, computed in ``dtype`` and cast back: out and gradients to q's dtype, lse to
     float32. ``options`` go to ``attention_reference`` (softmax_scale, causal, window_size, mask,
-    softcap, alibi_slopes, learnable_sink); a learnable_sink is a leaf too, converted to ``dtype``
-    like q, k, v, and its gradient comes back as "dsink" in the sink's dtype."""
+    softcap, alibi_slopes, learnable_sink, dropout_p, dropout_mask); a learnable_sink is a leaf too,
+    converted to ``dtype`` like q, k, v, and its gradient comes back as "dsink" in the sink's dtype."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     names = list(RESULT_NAMES)
     sink = options.get("learnable_sink")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.interface import attention, check_unimplemented, varlen_attention
+from flashtile.interface import attention, varlen_attention
 from flashtile.padding import _gather_rows, unpad_input
 
 
@@ -38,7 +38,8 @@ def scaled_dot_product_attention(
             Costs two host synchronisations (counting the kept keys; checking cu_seqlens on CUDA).
             Other masks (float, per-query, per-head) raise NotImplementedError; with is_causal=True,
             ValueError, as in torch.
-        dropout_p: must be 0.0 (dropout is not implemented yet)
+        dropout_p: dropout probability on the attention probabilities, kept ones scaled by 1 / (1 - p), as
+            in torch: applied whenever > 0 (pass 0.0 in evaluation); randomness as in ``flash_attn_func``
         is_causal: top-left aligned causal mask
         scale: scaling of query @ key^T; default 1 / sqrt(headdim)
         enable_gqa: allow nheads_k < nheads (nheads divisible by nheads_k), as in torch
@@ -46,7 +47,6 @@ def scaled_dot_product_attention(
     Returns:
         (batch, nheads, seqlen_q, headdim_v), a transposed view of a (batch, seqlen_q, nheads, headdim_v) tensor
     """
-    check_unimplemented(dropout_p=dropout_p)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -59,10 +59,12 @@ def scaled_dot_product_attention(
         )
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if attn_mask is not None:
-        return _key_padding_attention(query, key, value, attn_mask, scale)
+        return _key_padding_attention(query, key, value, attn_mask, scale, dropout_p)
     # Top-left causal (j <= i) in the kernels' bottom-right terms: j <= i + (Sk - Sq) + (Sq - Sk).
     right = seqlen_q - seqlen_k if is_causal else None
-    out, _ = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, None, right)
+    out, _ = attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, None, right, dropout_p=dropout_p
+    )
     return out.transpose(1, 2)
 
 
@@ -90,6 +92,7 @@ def _key_padding_attention(
     value: torch.Tensor,
     attn_mask: torch.Tensor,
     scale: float | None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """SDPA with a boolean (batch, 1, 1, seqlen_k) key padding mask, through the varlen kernels.
 
@@ -104,5 +107,7 @@ def _key_padding_attention(
     v = _gather_rows(value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], value.shape[3]), indices)
     q = query.transpose(1, 2).reshape(batch * seqlen_q, nheads, head_dim)
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=query.device) * seqlen_q
-    out, _ = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlen_q, max_seqlen_k, scale, None, None)
+    out, _ = varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqlen_q, max_seqlen_k, scale, None, None, dropout_p=dropout_p
+    )
     return out.view(batch, seqlen_q, nheads, -1).transpose(1, 2)

@@ -8,6 +8,11 @@ Three launches, no atomics (so the backward is deterministic):
   3. per query tile and head: dQ = scale * sum dS K over its key tiles
 with dP = dO V^T and dS = P * (dP - delta).
 
+HAS_DROPOUT regenerates the forward's keep mask Z (same Philox counters, ``tiles.dropout_rows``) and
+uses the gradient at the dropped probabilities: dV = sum (P * Z / (1 - p))^T dO, and
+dS = P * (Z / (1 - p) * dP - delta), where delta = rowsum(dO * O) = sum_j P_ij Z_ij / (1 - p) dP_ij
+is computed from the dropped output exactly as without dropout.
+
 Options: HAS_SOFTCAP and HAS_ALIBI recompute the scores as the forward did (``tiles.score_mod``), and a
 cap multiplies dS by 1 - tanh^2 (``tiles.score_mod_grad``, applied to P before dP's product, which keeps
 fewer tiles live through it). A learnable sink needs nothing here: the
@@ -29,6 +34,8 @@ from flashtile.ops.attention.tiles import (
     LOG2E,
     alibi_batch_stride,
     alibi_slope,
+    dropout_keep,
+    dropout_rows,
     head_base,
     key_range,
     load_tile,
@@ -114,6 +121,10 @@ def _dkdv_tile(
     qk_scale,
     softcap,
     slope,
+    Rng,
+    row_base,
+    rng_stride,
+    dropout_p,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -124,6 +135,7 @@ def _dkdv_tile(
     PAD_DV: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """Add the contribution of query rows [start_m, start_m + BLOCK_M) to one key tile's dK, dV."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -140,9 +152,16 @@ def _dkdv_tile(
     if MASKED:
         ok_t = tl.trans(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT))
         p_t = tl.where(ok_t, p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
+    if HAS_DROPOUT:  # the forward's mask, regenerated; dV's 1 / (1 - p) is applied once at the end
+        seed, rng_t = dropout_rows(Rng, row_base + offs_m, rng_stride)  # [BLOCK_M]
+        keep_t = dropout_keep(seed, rng_t[None, :] + offs_n[:, None], dropout_p)  # [BLOCK_N, BLOCK_M]
+        dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV]
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
     p_t = score_mod_grad(p_t, t_t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
     dp_t = tl.dot(v, tl.trans(do))  # [BLOCK_N, DV] @ [DV, BLOCK_M] -> [BLOCK_N, BLOCK_M]
+    if HAS_DROPOUT:  # the gradient at P is Z / (1 - p) * dP; delta = rowsum(dO * O) already includes Z
+        dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
     ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]
     return dk, dv
@@ -161,6 +180,7 @@ def _attention_dkdv_kernel(
     Alibi,
     CuSeqlensQ,
     CuSeqlensK,
+    Rng,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -190,6 +210,7 @@ def _attention_dkdv_kernel(
     qk_scale,
     softcap,
     softmax_scale,
+    dropout_p,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -201,6 +222,7 @@ def _attention_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """dK (B, Sk, Hk, D) and dV (B, Sk, Hk, DV) for one key tile of one kv head.
 
@@ -216,6 +238,7 @@ def _attention_dkdv_kernel(
     off_hk = off_bhk % nheads_k
     off_qb, off_kb = off_b, off_b  # batch entries; first tokens of the sequence if IS_VARLEN
     lse_stride = seqlen_q  # between the LSE rows of two heads: seqlen_q, or total_q if IS_VARLEN
+    rng_stride = seqlen_k  # dropout counters per query row, as in the forward
     if IS_VARLEN:
         off_qb, seqlen_q, _ = seq_bounds(CuSeqlensQ, off_b, 0, seqlen_q)
         off_kb, seqlen_k, _ = seq_bounds(CuSeqlensK, off_b, 0, seqlen_k)
@@ -246,25 +269,30 @@ def _attention_dkdv_kernel(
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
+                    Rng, row_base, rng_stride, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
+                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                 )  # fmt: skip
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                 start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
+                Rng, row_base, rng_stride, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, MASK_LEFT, MASK_RIGHT,
+                PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             )  # fmt: skip
         if MASK_LEFT:
             for start_m in range(mid_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
+                    Rng, row_base, rng_stride, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
+                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                 )  # fmt: skip
 
     dk_ptrs = rows_at(head_base(DK, off_kb, off_hk, stride_dkb, stride_dkh), start_n, stride_dkn, offs_d, BLOCK_N)
     dv_ptrs = rows_at(head_base(DV, off_kb, off_hk, stride_dvb, stride_dvh), start_n, stride_dvn, offs_dv, BLOCK_N)
     store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, PAD_D)
+    if HAS_DROPOUT:
+        dv = dv * (1.0 / (1.0 - dropout_p))
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, PAD_DV)
 
 
@@ -290,6 +318,9 @@ def _dq_tile(
     qk_scale,
     softcap,
     slope,
+    seed,
+    rng_base,
+    dropout_p,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -300,6 +331,7 @@ def _dq_tile(
     PAD_DV: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """Add the contribution of key tile [start_n, start_n + BLOCK_N) to one query tile's dQ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -316,6 +348,9 @@ def _dq_tile(
         p = tl.where(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT), p, 0.0)
     p = score_mod_grad(p, t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
     dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    if HAS_DROPOUT:  # the gradient at P is Z / (1 - p) * dP, Z the forward's mask regenerated
+        keep = dropout_keep(seed, rng_base[:, None] + offs_n[None, :], dropout_p)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
     return dq
@@ -333,6 +368,7 @@ def _attention_dq_kernel(
     Alibi,
     CuSeqlensQ,
     CuSeqlensK,
+    Rng,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -358,6 +394,7 @@ def _attention_dq_kernel(
     qk_scale,
     softcap,
     softmax_scale,
+    dropout_p,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -370,6 +407,7 @@ def _attention_dq_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """dQ (B, Sq, H, D) for one query tile of one head (IS_VARLEN: as in the forward kernel)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -384,6 +422,7 @@ def _attention_dq_kernel(
     start_m = tile_m * BLOCK_M
     off_qb, off_kb = off_b, off_b  # batch entries; first tokens of the sequence if IS_VARLEN
     lse_base = off_bh.to(tl.int64) * seqlen_q
+    rng_stride = seqlen_k  # dropout counters per query row, as in the forward
     if IS_VARLEN:
         off_qb, seqlen_q, lse_base = seq_bounds(CuSeqlensQ, off_b, off_h, seqlen_q)
         off_kb, seqlen_k, _ = seq_bounds(CuSeqlensK, off_b, off_h, seqlen_k)
@@ -404,25 +443,28 @@ def _attention_dq_kernel(
     v_base = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     slope = alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI)
+    seed, rng_base = 0, 0
+    if HAS_DROPOUT:
+        seed, rng_base = dropout_rows(Rng, lse_offs, rng_stride)  # [BLOCK_M] counters of key 0
     lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             dq = _dq_tile(
                 dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-                seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
+                seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         dq = _dq_tile(
             dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):
         dq = _dq_tile(
             dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         )  # fmt: skip
     dq_ptrs = rows_at(head_base(DQ, off_qb, off_h, stride_dqb, stride_dqh), start_m, stride_dqm, offs_d, BLOCK_M)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, PAD_D)
@@ -465,6 +507,8 @@ def attention_backward(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels.
 
@@ -474,13 +518,14 @@ def attention_backward(
             returned by the forward
         dlse: None or (batch, nheads, seqlen_q) float32, the gradient arriving at lse
         learnable_sink: unused (the saved lse includes it); its gradient comes from ``attention_delta``
+        dropout_p, rng_state: as given to the forward (the same [seed, offset] regenerates its mask)
 
     Returns:
         dq, dk, dv with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group)
     """
     delta = attention_delta(dout, out, dlse)
     return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], softmax_scale, window_left,
-                   window_right, alibi_slopes, softcap)  # fmt: skip
+                   window_right, alibi_slopes, softcap, dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
 
 
 def varlen_attention_backward(
@@ -501,6 +546,8 @@ def varlen_attention_backward(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on a variable-length batch (IS_VARLEN).
 
@@ -514,12 +561,13 @@ def varlen_attention_backward(
     """
     delta = attention_delta(dout[None], out[None], None if dlse is None else dlse[None])[0]
     return _launch(dout, q, k, v, lse, delta, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   window_left, window_right, alibi_slopes, softcap, cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+                   window_left, window_right, alibi_slopes, softcap, cu_seqlens_q, cu_seqlens_k, dropout_p,
+                   rng_state)  # fmt: skip
 
 
 def _launch(
     dout, q, k, v, lse, delta, batch, seqlen_q, seqlen_k, softmax_scale, window_left, window_right,
-    alibi_slopes, softcap, cu_seqlens_q=None, cu_seqlens_k=None,
+    alibi_slopes, softcap, cu_seqlens_q=None, cu_seqlens_k=None, dropout_p=0.0, rng_state=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The dK/dV and dQ launches shared by both layouts; seqlen_q and seqlen_k are the (longest) lengths."""
     nheads, head_dim = q.shape[-2:]
@@ -538,18 +586,21 @@ def _launch(
         "HAS_SOFTCAP": softcap > 0.0,
         "HAS_ALIBI": alibi_slopes is not None,
         "IS_VARLEN": is_varlen,
+        "HAS_DROPOUT": dropout_p > 0.0,
     }
+    rng = rng_state if dropout_p > 0.0 else None  # None, like a None tensor, leaves the signature as without
+    p_drop = dropout_p if dropout_p > 0.0 else None
 
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     cfg = config("backward_dkdv", q.device, head_dim, head_dim_v)
     _attention_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dk),
         *token_strides(dv),
         alibi_batch_stride(alibi_slopes),
         nheads, nheads_k, group, rows_q, rows_k, left, right,
-        qk_scale, softcap_log2, softmax_scale,
+        qk_scale, softcap_log2, softmax_scale, p_drop,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -558,11 +609,11 @@ def _launch(
     dq = empty_output(q.shape, q.dtype, q.device)
     cfg = config("backward_dq", q.device, head_dim, head_dim_v)
     _attention_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)](
-        q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dq),
         alibi_batch_stride(alibi_slopes),
         nheads, group, rows_q, rows_k, left, right,
-        qk_scale, softcap_log2, softmax_scale,
+        qk_scale, softcap_log2, softmax_scale, p_drop,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, HEAVY_FIRST=window_right is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -14,6 +14,11 @@ first token and length from cu_seqlens (``tiles.seq_bounds``), offsets by the fi
 offset by the batch entry, and exits at once, writing nothing, when its tile starts past the
 sequence's end (the grid is sized by the longest sequence). With the flag off the compiled code is
 instruction-identical to the kernels without it (SASS for sm_90 compared).
+
+HAS_DROPOUT drops attention probabilities after the softmax, as flash_attn: out = (P * Z / (1 - p)) V
+with the LSE unchanged (the row sum l keeps every probability). The keep mask Z comes from Philox
+(``tl.rand``) keyed by the seed and counter offset + row * stride + key (``tiles.dropout_rows``), so the
+backward regenerates it instead of storing it. Off, the kernel's signature and code are those without it.
 """
 
 import torch
@@ -27,6 +32,8 @@ from flashtile.ops.attention.tiles import (
     LOG2E,
     alibi_batch_stride,
     alibi_slope,
+    dropout_keep,
+    dropout_rows,
     head_base,
     key_range,
     load_tile,
@@ -60,6 +67,9 @@ def _forward_tile(
     qk_scale,
     softcap,
     slope,
+    seed,
+    rng_base,
+    dropout_p,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -70,6 +80,7 @@ def _forward_tile(
     PAD_DV: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """One online-softmax step over the key tile [start_n, start_n + BLOCK_N)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -97,6 +108,8 @@ def _forward_tile(
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if HAS_DROPOUT:  # the softmax sum l keeps every p; only P V sees the mask (1 / (1 - p) at the end)
+        p = tl.where(dropout_keep(seed, rng_base[:, None] + offs_n[None, :], dropout_p), p, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
     return acc, m_new, l_i
 
@@ -112,6 +125,7 @@ def _attention_forward_kernel(
     Sink,
     CuSeqlensQ,
     CuSeqlensK,
+    Rng,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -133,6 +147,7 @@ def _attention_forward_kernel(
     right,
     qk_scale,
     softcap,
+    dropout_p,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -146,6 +161,7 @@ def _attention_forward_kernel(
     HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """Q (B, Sq, H, D), K (B, Sk, Hk, D), V (B, Sk, Hk, DV) -> Out (B, Sq, H, DV), Lse (B, H, Sq) fp32.
 
@@ -153,6 +169,8 @@ def _attention_forward_kernel(
     IS_VARLEN: Q (total_q, H, D), K (total_k, Hk, D), V (total_k, Hk, DV) -> Out (total_q, H, DV),
     Lse (H, total_q); sequence b holds tokens [CuSeqlensQ[b], CuSeqlensQ[b + 1]) of Q (likewise for
     K/V), the batch strides are the token strides, and seqlen_q is total_q (the Lse row stride).
+    HAS_DROPOUT: Rng holds int64 [seed, offset]; P V uses P * Z / (1 - dropout_p), Z the Philox keep mask
+    of counter offset + (the row's Lse offset) * (seqlen_k as passed) + key index (``tiles.dropout_rows``).
     """
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
@@ -165,6 +183,7 @@ def _attention_forward_kernel(
     off_hk = off_h // group
     start_m = tile_m * BLOCK_M
     off_qb, off_kb = off_b, off_b  # batch entries; first tokens of the sequence if IS_VARLEN
+    rng_stride = seqlen_k  # >= every sequence's seqlen_k (total_k if IS_VARLEN)
     if IS_VARLEN:
         off_qb, seqlen_q, lse_base = seq_bounds(CuSeqlensQ, off_b, off_h, seqlen_q)
         off_kb, seqlen_k, _ = seq_bounds(CuSeqlensK, off_b, off_h, seqlen_k)
@@ -188,30 +207,38 @@ def _attention_forward_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     slope = alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI)
+    seed, rng_base = 0, 0
+    if HAS_DROPOUT:  # [BLOCK_M] counters of key 0, from the rows' Lse offsets
+        if IS_VARLEN:
+            seed, rng_base = dropout_rows(Rng, lse_base + offs_m, rng_stride)
+        else:
+            seed, rng_base = dropout_rows(Rng, off_bh.to(tl.int64) * seqlen_q + offs_m, rng_stride)
     lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             acc, m_i, l_i = _forward_tile(
                 acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-                seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
+                seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
             acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
             acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-            True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         )  # fmt: skip
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its LSE -inf.
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if HAS_DROPOUT:
+        acc = acc * (1.0 / (1.0 - dropout_p))
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     o_ptrs = rows_at(head_base(Out, off_qb, off_h, stride_ob, stride_oh), start_m, stride_om, offs_dv, BLOCK_M)
     store_tile(o_ptrs, acc.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_dv, HEAD_DIM_V, PAD_DV)
@@ -232,6 +259,8 @@ def attention_forward(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel.
 
@@ -244,6 +273,8 @@ def attention_forward(
         alibi_slopes: None or (nheads,) / (batch, nheads) float32 with a contiguous last dimension
         softcap: > 0 caps the scaled scores at softcap * tanh(score / softcap); 0 is off
         learnable_sink: None or (nheads,) float32, contiguous
+        dropout_p: probability of dropping each attention probability (0 is off)
+        rng_state: with dropout, int64 (2,) [seed, philox offset] on q's device
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
@@ -252,7 +283,7 @@ def attention_forward(
     out = empty_output((batch, seqlen_q, nheads, v.shape[3]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
     _launch(q, k, v, out, lse, batch, seqlen_q, k.shape[1], softmax_scale, window_left, window_right,
-            alibi_slopes, softcap, learnable_sink)  # fmt: skip
+            alibi_slopes, softcap, learnable_sink, dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
     return out, lse
 
 
@@ -270,6 +301,8 @@ def varlen_attention_forward(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on a variable-length batch (the kernel's IS_VARLEN).
 
@@ -287,7 +320,8 @@ def varlen_attention_forward(
     out = empty_output((total_q, nheads, v.shape[2]), q.dtype, q.device)
     lse = empty_output((nheads, total_q), torch.float32, q.device)
     _launch(q, k, v, out, lse, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-            window_right, alibi_slopes, softcap, learnable_sink, cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+            window_right, alibi_slopes, softcap, learnable_sink, cu_seqlens_q, cu_seqlens_k, dropout_p,
+            rng_state)  # fmt: skip
     return out, lse
 
 
@@ -301,17 +335,19 @@ def token_strides(x: torch.Tensor) -> tuple[int, int, int]:
 
 def _launch(
     q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, window_left, window_right,
-    alibi_slopes, softcap, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None,
+    alibi_slopes, softcap, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None, dropout_p=0.0, rng_state=None,
 ) -> None:  # fmt: skip
     """The forward launch shared by both layouts; seqlen_q and seqlen_k are the (longest) lengths."""
     nheads, head_dim = q.shape[-2:]
     nheads_k, head_dim_v = k.shape[-2], v.shape[-1]
     is_varlen = cu_seqlens_q is not None
+    has_dropout = dropout_p > 0.0
     short_band = window_right is not None and seqlen_k <= SHORT_SEQLEN
     cfg = config("forward_banded_short" if short_band else "forward", q.device, head_dim, head_dim_v)
     grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
     _attention_forward_kernel[grid](
         q, k, v, out, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+        rng_state if has_dropout else None,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(out),
         alibi_batch_stride(alibi_slopes),
         nheads, nheads // nheads_k,
@@ -320,6 +356,7 @@ def _launch(
         0 if window_left is None else window_left,
         0 if window_right is None else window_right,
         *score_scales(softmax_scale, softcap),
+        dropout_p if has_dropout else None,  # None (like a None tensor) leaves the signature as without dropout
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
         BLOCK_D=padded_head_dim(head_dim),
@@ -333,6 +370,7 @@ def _launch(
         HAS_ALIBI=alibi_slopes is not None,
         HAS_SINK=learnable_sink is not None,
         IS_VARLEN=is_varlen,
+        HAS_DROPOUT=has_dropout,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -229,3 +229,21 @@ def store_tile(ptrs, value, offs_rows, n_rows, offs_cols, n_cols, CHECK_COLS: tl
         tl.store(ptrs, value, mask=(offs_rows[:, None] < n_rows) & (offs_cols[None, :] < n_cols))
     else:
         tl.store(ptrs, value, mask=offs_rows[:, None] < n_rows)
+
+
+@triton.jit
+def dropout_rows(Rng, row_ids, row_stride):
+    """(seed, counter of key 0 of each row) for dropout: Rng holds int64 [seed, philox offset] (drawn
+    from torch's generator by the caller); row_ids are the rows' LSE offsets (a unique index of each
+    (batch, head, query row), or (head, query token) if IS_VARLEN) and row_stride is at least every
+    sequence's seqlen_k, so counter + j is unique per (batch, head, query row, key column j)."""
+    seed = tl.load(Rng)
+    base = tl.load(Rng + 1) + row_ids.to(tl.int64) * row_stride
+    return seed, base
+
+
+@triton.jit
+def dropout_keep(seed, counters, dropout_p):
+    """Philox (``tl.rand``) keep mask of the given int64 counters: True with probability 1 - dropout_p.
+    A pure function of (seed, counter), so the backward regenerates the forward's mask."""
+    return tl.rand(seed, counters) >= dropout_p
