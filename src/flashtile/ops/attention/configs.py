@@ -8,6 +8,7 @@ configs for a tuning sweep without touching the tables.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -80,13 +81,19 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+@functools.cache
+def _compute_capability_major(device_index: int | None) -> int:
+    """The GPU generation (9 for Hopper), looked up once per device: config() runs on every launch."""
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def config(pass_name: str, device: torch.device, head_dim: int, head_dim_v: int) -> TileConfig:
     """The tile config for ``pass_name`` (one of PASSES) on ``device``."""
     if pass_name in _overrides:
         return _overrides[pass_name]
     if device.type != "cuda":
         return INTERPRETER
-    table = _HOPPER if torch.cuda.get_device_capability(device)[0] == 9 else _OTHER
+    table = _HOPPER if _compute_capability_major(device.index) == 9 else _OTHER
     width = padded_head_dim(max(head_dim, head_dim_v))
     return next(cfg for largest, cfg in table[pass_name] if width <= largest)
 
