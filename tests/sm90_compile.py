@@ -1,0 +1,410 @@
+"""Compile every shipped kernel config for sm_90 (the H200) on a machine without a GPU.
+
+The Triton interpreter runs the kernels' arithmetic but never lowers them, so a config that does not fit
+in shared memory, a ptxas failure or a register-pressure regression only shows on the GPU. The triton
+wheel carries ptxas, and ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` lowers a
+kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). This module compiles:
+
+* the attention kernels for every entry of the Hopper table (``configs._HOPPER``): each pass at each head
+  dim bucket, causal and full (``forward_banded_short`` serves only banded launches, so it is compiled
+  causal and with a sliding window), with every feature off and with every feature on (softcap, ALiBi,
+  sink, dropout, varlen: those the kernel has), and the delta kernel of the backward;
+* the decode kernels (split-KV, combine, append) at each head dim bucket of ``decode.configs.config``.
+
+Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
+on a ``PTXASError`` (or any other compile error) or when its shared memory exceeds the H200's 227 KiB per
+block (``OutOfResources``, which Triton itself raises only when loading onto a GPU).
+
+Usage: ``python tests/sm90_compile.py [--json PATH]`` (TRITON_INTERPRET must be unset: a kernel defined
+under the interpreter cannot be compiled). Prints one row per variant (kernel, config, flags, registers,
+stack bytes, shared bytes) and exits 1 if any variant failed; ``--json`` writes the rows for
+tests/test_sm90_compile.py.
+
+Signatures come from each kernel's parameter list through ``ARGS``, an explicit map per kernel of every
+non-constexpr parameter to its type, and, for an optional pointer, the constexpr flag under which the
+launcher passes a tensor (otherwise it passes None, which Triton compiles as a constexpr None). A kernel
+parameter missing from its map, a mapped name the kernel does not have, or a constexpr the variant does
+not set fails loudly: update ``ARGS`` (and the variants below) together with the kernel and its launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("tests/sm90_compile.py: unset TRITON_INTERPRET (kernels defined under the interpreter cannot compile)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from flashtile.ops.attention import backward, forward  # noqa: E402
+from flashtile.ops.attention.configs import _HOPPER, PASSES  # noqa: E402
+from flashtile.ops.decode import append, split_kv  # noqa: E402
+from flashtile.ops.decode import configs as decode_configs  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+DATA = "bf16"  # element type of q/k/v/out and their gradients (fp16 lowers the same way)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+TRITON_DEFAULTS = {"num_warps": 4, "num_stages": 3}  # what a launch without num_warps / num_stages gets
+
+
+@dataclass(frozen=True)
+class Ptr:
+    """A pointer parameter: element type (``DATA`` for the q/k/v dtype) and the constexpr flag under which
+    the launcher passes a tensor (None: always a tensor). ``when`` may be a callable of the constexprs."""
+
+    dtype: str
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A scalar parameter: "i32" or "fp32"; ``when`` as for ``Ptr`` (the launcher passes None otherwise);
+    ``aligned``: a stride, which the launchers' tensors make a multiple of 16 (Triton specializes on it)."""
+
+    dtype: str
+    when: str | None = None
+    aligned: bool = False
+
+
+T = Ptr(DATA)  # a q/k/v-typed tensor
+F32 = Ptr("fp32")
+INT = Scalar("i32")
+ST = Scalar("i32", aligned=True)  # a stride of a q/k/v-typed tensor
+FP = Scalar("fp32")
+SPLIT = lambda c: c["_SPLIT"]  # split-KV writes fp32 partial outputs when it splits the keys
+
+# kernel name -> {parameter: type} for every non-constexpr parameter, in the order the launcher passes them.
+# fmt: off
+ARGS: dict[str, dict[str, Ptr | Scalar]] = {
+    "_attention_forward_kernel": {  # forward._launch
+        "Q": T, "K": T, "V": T, "Out": T, "Lse": F32,
+        "Alibi": Ptr("fp32", "HAS_ALIBI"), "Sink": Ptr("fp32", "HAS_SINK"),
+        "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
+        "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
+        "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
+        "stride_ab": INT, "nheads": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT, "left": INT, "right": INT,
+        "qk_scale": FP, "softcap": FP, "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
+    },
+    "_delta_kernel": {  # backward.attention_delta
+        "Out": T, "DOut": T, "DLse": Ptr("fp32", "HAS_DLSE"), "Delta": F32,
+        "stride_ob": ST, "stride_om": ST, "stride_oh": ST, "stride_dob": ST, "stride_dom": ST, "stride_doh": ST,
+        "nheads": INT, "seqlen_q": INT,
+    },
+    "_attention_dkdv_kernel": {  # backward._launch
+        "Q": T, "K": T, "V": T, "DOut": T, "Lse": F32, "Delta": F32, "DK": T, "DV": T,
+        "Alibi": Ptr("fp32", "HAS_ALIBI"),
+        "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
+        "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
+        "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_dob": ST, "stride_dom": ST, "stride_doh": ST,
+        "stride_dkb": ST, "stride_dkn": ST, "stride_dkh": ST, "stride_dvb": ST, "stride_dvn": ST, "stride_dvh": ST,
+        "stride_ab": INT, "nheads": INT, "nheads_k": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT,
+        "left": INT, "right": INT, "qk_scale": FP, "softcap": FP, "softmax_scale": FP,
+        "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
+    },
+    "_attention_dq_kernel": {  # backward._launch
+        "Q": T, "K": T, "V": T, "DOut": T, "Lse": F32, "Delta": F32, "DQ": T,
+        "Alibi": Ptr("fp32", "HAS_ALIBI"),
+        "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
+        "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
+        "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_dob": ST, "stride_dom": ST, "stride_doh": ST,
+        "stride_dqb": ST, "stride_dqm": ST, "stride_dqh": ST,
+        "stride_ab": INT, "nheads": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT, "left": INT, "right": INT,
+        "qk_scale": FP, "softcap": FP, "softmax_scale": FP,
+        "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
+    },
+    "_split_kv_kernel": {  # split_kv.decode_attention
+        "Q": T, "KCache": T, "VCache": T,
+        "Out": T, "Lse": F32,  # Out: fp32 partials (out_s) when the variant splits the keys (OUT_SPLIT)
+        "CacheSeqlens": Ptr("i32", "HAS_SEQLENS"), "BatchIdx": Ptr("i32", "HAS_BATCH_IDX"),
+        "LeftPad": Ptr("i32", "HAS_LEFTPAD"), "BlockTable": Ptr("i32", lambda c: c["PAGE_SIZE"] > 0),
+        "Alibi": Ptr("fp32", "HAS_ALIBI"), "Cos": Ptr(DATA, "ROTARY_DIM"), "Sin": Ptr(DATA, "ROTARY_DIM"),
+        "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
+        "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_os": ST,
+        "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
+        "stride_ls": INT, "stride_lb": INT, "stride_lh": INT, "stride_bt": INT, "stride_ab": INT, "stride_cos": INT,
+        "nheads_k": INT, "group": INT, "seqlen_q": INT, "seqlen_new": INT, "seqlen_cache": INT, "num_splits": INT,
+        "left": INT, "right": INT, "qk_scale": FP, "softcap": FP,
+    },
+    "_combine_kernel": {  # split_kv.decode_attention, when num_splits > 1
+        "OutPart": F32, "LsePart": F32, "Out": T, "Lse": F32,
+        "stride_ps": ST, "stride_pb": ST, "stride_pm": ST, "stride_ph": ST, "stride_lps": INT, "stride_lpb": INT,
+        "stride_lph": INT, "stride_ob": ST, "stride_om": ST, "stride_oh": ST, "stride_lb": INT, "stride_lh": INT,
+        "nheads": INT, "seqlen_q": INT, "num_splits": INT,
+    },
+    "_append_kernel": {  # append.append_kv
+        "K": T, "V": T, "KCache": T, "VCache": T, "CacheSeqlens": Ptr("i32"),
+        "BatchIdx": Ptr("i32", "HAS_BATCH_IDX"), "BlockTable": Ptr("i32", lambda c: c["PAGE_SIZE"] > 0),
+        "Cos": Ptr(DATA, "ROTARY_DIM"), "Sin": Ptr(DATA, "ROTARY_DIM"),
+        "stride_kb": ST, "stride_kn": ST, "stride_kh": ST, "stride_vb": ST, "stride_vn": ST, "stride_vh": ST,
+        "stride_kcb": ST, "stride_kcn": ST, "stride_kch": ST, "stride_vcb": ST, "stride_vcn": ST, "stride_vch": ST,
+        "stride_bt": INT, "stride_cos": INT, "seqlen_new": INT,
+    },
+}
+# fmt: on
+OUT_SPLIT = {("_split_kv_kernel", "Out")}  # fp32 when the variant's _SPLIT is set (the launcher's out_s)
+
+KERNELS = {
+    k.fn.__name__: k
+    for k in (
+        forward._attention_forward_kernel,
+        backward._delta_kernel,
+        backward._attention_dkdv_kernel,
+        backward._attention_dq_kernel,
+        split_kv._split_kv_kernel,
+        split_kv._combine_kernel,
+        append._append_kernel,
+    )
+}
+PASS_KERNEL = {
+    "forward": "_attention_forward_kernel",
+    "forward_banded_short": "_attention_forward_kernel",
+    "backward_dkdv": "_attention_dkdv_kernel",
+    "backward_dq": "_attention_dq_kernel",
+}
+# Feature flags switched on together in a "features on" variant, where the kernel has them.
+ATTENTION_FEATURES = ("HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINK", "IS_VARLEN", "HAS_DROPOUT")
+
+
+@dataclass
+class Variant:
+    kernel: str
+    config: str  # e.g. "forward D128 128x64/w8/s3"
+    mask: str  # "full", "causal", "window" or "-"
+    flags: str  # "off", or the features switched on
+    consts: dict = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} {self.config} {self.mask} {self.flags}"
+
+    def key(self) -> tuple:
+        return (self.kernel, tuple(sorted(self.consts.items())), self.num_warps, self.num_stages)
+
+
+def signature(kernel_name: str, consts: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for ASTSource from the kernel's parameter list and ``ARGS``."""
+    fn = KERNELS[kernel_name]
+    params = fn.params
+    mapping = ARGS[kernel_name]
+    names = [p.name for p in params]
+    unmapped = [p.name for p in params if not p.is_constexpr and p.name not in mapping]
+    stale = [n for n in mapping if n not in names]
+    if unmapped or stale:
+        raise KeyError(
+            f"{kernel_name}: parameters {unmapped} are not mapped in tests/sm90_compile.py ARGS['{kernel_name}'] "
+            f"and mapped names {stale} are not parameters; add each new parameter with its type (Ptr for what the "
+            f"launcher passes a tensor or None for, Scalar('i32') / Scalar('fp32') otherwise) and remove stale ones"
+        )
+    missing = [p.name for p in params if p.is_constexpr and p.name not in consts]
+    if missing:
+        raise KeyError(
+            f"{kernel_name}: constexprs {missing} are not set by the variant; add them in tests/sm90_compile.py"
+        )
+    sig, cx, attrs = {}, {}, {}
+    for i, p in enumerate(params):
+        name = p.name
+        if p.is_constexpr:
+            sig[name], cx[name] = "constexpr", consts[name]
+            continue
+        spec = mapping[name]
+        when = spec.when
+        passed = when is None or (when(consts) if callable(when) else bool(consts[when]))
+        if not passed:  # the launcher passes None: Triton makes it a constexpr None
+            sig[name], cx[name] = "constexpr", None
+        elif isinstance(spec, Ptr):
+            dtype = "fp32" if (kernel_name, name) in OUT_SPLIT and consts.get("_SPLIT") else spec.dtype
+            sig[name] = "*" + dtype
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
+        else:
+            sig[name] = spec.dtype
+            if spec.aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, cx, attrs
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers, stack and local bytes per thread from cuobjdump -res-usage."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"cannot read cuobjdump -res-usage output:\n{out}")
+    return dict(zip(("registers", "stack", "static_shared", "local"), map(int, m.groups()), strict=True))
+
+
+def compile_variant(v: Variant) -> dict:
+    """Compile one variant; the row for the table, with "error" set when it failed."""
+    row = {"kernel": v.kernel, "config": v.config, "mask": v.mask, "flags": v.flags, "label": v.label}
+    start = time.perf_counter()
+    try:
+        sig, cx, attrs = signature(v.kernel, v.consts)
+        compiled = triton.compile(
+            ASTSource(KERNELS[v.kernel], sig, cx, attrs),
+            target=TARGET,
+            options={"num_warps": v.num_warps, "num_stages": v.num_stages},
+        )
+        shared = compiled.metadata.shared
+        if shared > MAX_SHARED:
+            raise OutOfResources(shared, MAX_SHARED, "shared memory")
+        row.update(resources(compiled.asm["cubin"]), shared=shared)
+    except Exception as e:  # noqa: BLE001 - every failure is reported, named by its variant
+        row["error"] = f"{type(e).__name__}: {str(e).strip()[-2000:]}"
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def cfg_name(pass_name: str, head_dim: int, cfg) -> str:
+    return f"{pass_name} D{head_dim} {cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
+
+
+def attention_variants() -> list[Variant]:
+    variants = []
+    assert set(_HOPPER) == set(PASSES), f"Hopper table passes {sorted(_HOPPER)} != PASSES {PASSES}"
+    for pass_name in PASSES:
+        kname = PASS_KERNEL[pass_name]
+        constexprs = {p.name for p in KERNELS[kname].params if p.is_constexpr}
+        masks = ("causal", "window") if pass_name == "forward_banded_short" else ("full", "causal")
+        for head_dim, cfg in _HOPPER[pass_name]:
+            for mask in masks:
+                base = {
+                    "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_D": head_dim, "BLOCK_DV": head_dim,
+                    "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                    "MASK_LEFT": mask == "window", "MASK_RIGHT": mask != "full", "HEAVY_FIRST": mask != "full",
+                }  # fmt: skip
+                features = [f for f in ATTENTION_FEATURES if f in constexprs]
+                for on in (False, True):
+                    consts = {k: val for k, val in base.items() if k in constexprs}
+                    consts.update(dict.fromkeys(features, on))
+                    flags = ",".join(f.split("_", 1)[1].lower() for f in features) if on else "off"
+                    variants.append(
+                        Variant(kname, cfg_name(pass_name, head_dim, cfg), mask, flags, consts, cfg.num_warps,
+                                cfg.num_stages)
+                    )  # fmt: skip
+    # The delta kernel of the backward: 64 rows, Triton's default warps and stages, per value head dim.
+    for head_dim in sorted({d for rows in _HOPPER.values() for d, _ in rows}):
+        for on in (False, True):
+            consts = {"HEAD_DIM_V": head_dim, "BLOCK_DV": head_dim, "BLOCK_M": 64, "HAS_DLSE": on}
+            variants.append(Variant("_delta_kernel", f"delta D{head_dim} 64/w4/s3", "-", "dlse" if on else "off",
+                                    consts, **TRITON_DEFAULTS))  # fmt: skip
+    return variants
+
+
+def decode_variants() -> list[Variant]:
+    variants = []
+    head_dims = (64, 128, 256)  # the buckets of decode.configs.config: <= 128 and > 128 (64 adds a smaller tile)
+    block_ms = sorted({decode_configs.block_m(rows) for rows in (1, 32, 10**6)})  # 16 .. MAX_BLOCK_M
+    for head_dim in head_dims:
+        cfg = decode_configs.config(_CUDA, head_dim)
+        dims = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_D": head_dim, "BLOCK_DV": head_dim}
+        off = {"PAGE_SIZE": 0, "HAS_SEQLENS": False, "HAS_BATCH_IDX": False, "HAS_LEFTPAD": False, "MASK_LEFT": False,
+               "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False, "ROTARY_DIM": 0,
+               "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "_SPLIT": False}  # fmt: skip
+        # everything on that a launch can combine (cache_batch_idx excludes a paged cache), writing fp32 splits
+        paged = dict(off, PAGE_SIZE=256, HAS_SEQLENS=True, HAS_LEFTPAD=True, MASK_LEFT=True, MASK_RIGHT=True,
+                     HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True,
+                     ROTARY_PER_TOKEN=True, _SPLIT=True)  # fmt: skip
+        batch_idx = dict(off, HAS_SEQLENS=True, HAS_BATCH_IDX=True, MASK_RIGHT=True, ROTARY_DIM=head_dim // 2)
+        for bm in block_ms:
+            name = f"split_kv D{head_dim} {bm}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
+            for flags, consts in (("off", off), ("paged,seqlens,leftpad,window,softcap,alibi,rotary,split", paged),
+                                  ("seqlens,batch_idx,causal,rotary_half", batch_idx)):  # fmt: skip
+                variants.append(Variant("_split_kv_kernel", name, "-", flags,
+                                        dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **consts),
+                                        cfg.num_warps, cfg.num_stages))  # fmt: skip
+        for bm in (1, 16):  # combine_m = min(16, next_power_of_2(seqlen_q))
+            consts = {"HEAD_DIM_V": head_dim, "BLOCK_DV": head_dim, "BLOCK_M": bm}
+            variants.append(Variant("_combine_kernel", f"combine D{head_dim} {bm}/w4/s3", "-", "off", consts,
+                                    **TRITON_DEFAULTS))  # fmt: skip
+        app = {"BLOCK_T": append.BLOCK_T, "PAGE_SIZE": 0, "HAS_BATCH_IDX": False, "ROTARY_DIM": 0,
+               "ROTARY_INTERLEAVED": False}  # fmt: skip
+        name = f"append D{head_dim} {append.BLOCK_T}/w4/s3"
+        for flags, consts in (
+            ("off", app),
+            ("paged,rotary", dict(app, PAGE_SIZE=256, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True)),
+            ("batch_idx,rotary_half", dict(app, HAS_BATCH_IDX=True, ROTARY_DIM=head_dim // 2)),
+        ):
+            variants.append(Variant("_append_kernel", name, "-", flags, dict(dims, **consts), **TRITON_DEFAULTS))
+    return variants
+
+
+class _CudaDevice:
+    """Stands in for a CUDA torch.device in decode.configs.config, which only reads ``type``."""
+
+    type = "cuda"
+
+
+_CUDA = _CudaDevice()
+
+
+def all_variants() -> list[Variant]:
+    """Every variant, each distinct compile once (the first label that asks for it)."""
+    seen, out = set(), []
+    for v in attention_variants() + decode_variants():
+        if v.key() not in seen:
+            seen.add(v.key())
+            out.append(v)
+    return out
+
+
+def run(jobs: int | None = None) -> list[dict]:
+    variants = all_variants()
+    jobs = jobs or os.cpu_count() or 1
+    # Heaviest first, so the long compiles do not end up last on one worker.
+    order = sorted(range(len(variants)), key=lambda i: -variants[i].consts.get("HEAD_DIM", 0))
+    with ProcessPoolExecutor(jobs) as pool:
+        rows = dict(zip(order, pool.map(compile_variant, [variants[i] for i in order]), strict=True))
+    return [rows[i] for i in range(len(variants))]
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'kernel':26s} {'config':34s} {'mask':6s} {'flags':56s} {'regs':>4s} {'stack':>5s} {'shared':>6s} {'s':>5s}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            res = f"{'FAILED':>18s}"
+        else:
+            res = f"{r['registers']:4d} {r['stack']:5d} {r['shared']:6d}"
+        lines.append(f"{r['kernel']:26s} {r['config']:34s} {r['mask']:6s} {r['flags']:56s} {res} {r['seconds']:5.1f}")
+    for r in rows:
+        if "error" in r:
+            lines.append(f"\nFAILED {r['label']}:\n{r['error']}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    rows = run(args.jobs)
+    print(table(rows))
+    failed = sum("error" in r for r in rows)
+    print(f"\n{len(rows)} variants, {failed} failed, {time.perf_counter() - start:.1f} s (triton {triton.__version__})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Every shipped kernel config compiles for sm_90 (the H200) and fits, checked on a machine without a GPU.
+
+tests/sm90_compile.py does the work (see its docstring); it runs in a subprocess without TRITON_INTERPRET,
+which conftest sets and under which a @triton.jit kernel cannot be compiled for a GPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("sm90_compile.py")
+
+# Stack bytes per thread of every variant with its features off, as of triton 3.7.1 (cuobjdump -res-usage).
+# A larger stack than recorded here means a register-pressure regression (spills) to look at before
+# raising the number; equal or smaller passes (lower it when a change shrinks it). A new variant needs
+# its entry: run ``python tests/sm90_compile.py`` and copy the stack column.
+EXPECTED_STACK = {
+    "_attention_forward_kernel forward D64 128x64/w4/s3 full off": 0,
+    "_attention_forward_kernel forward D64 128x64/w4/s3 causal off": 0,
+    "_attention_forward_kernel forward D128 128x64/w8/s3 full off": 0,
+    "_attention_forward_kernel forward D128 128x64/w8/s3 causal off": 0,
+    "_attention_forward_kernel forward D256 64x64/w4/s3 full off": 152,
+    "_attention_forward_kernel forward D256 64x64/w4/s3 causal off": 136,
+    "_attention_forward_kernel forward_banded_short D64 64x64/w4/s2 causal off": 0,
+    "_attention_forward_kernel forward_banded_short D64 64x64/w4/s2 window off": 0,
+    "_attention_forward_kernel forward_banded_short D128 64x64/w4/s3 causal off": 0,
+    "_attention_forward_kernel forward_banded_short D128 64x64/w4/s3 window off": 8,
+    "_attention_forward_kernel forward_banded_short D256 64x64/w4/s3 window off": 120,
+    "_attention_dkdv_kernel backward_dkdv D64 32x128/w4/s4 full off": 184,
+    "_attention_dkdv_kernel backward_dkdv D64 32x128/w4/s4 causal off": 336,
+    "_attention_dkdv_kernel backward_dkdv D128 64x128/w8/s3 full off": 88,
+    "_attention_dkdv_kernel backward_dkdv D128 64x128/w8/s3 causal off": 416,
+    "_attention_dkdv_kernel backward_dkdv D256 64x64/w8/s1 full off": 624,
+    "_attention_dkdv_kernel backward_dkdv D256 64x64/w8/s1 causal off": 672,
+    "_attention_dq_kernel backward_dq D64 128x64/w8/s3 full off": 0,
+    "_attention_dq_kernel backward_dq D64 128x64/w8/s3 causal off": 0,
+    "_attention_dq_kernel backward_dq D128 128x64/w8/s3 full off": 0,
+    "_attention_dq_kernel backward_dq D128 128x64/w8/s3 causal off": 0,
+    "_attention_dq_kernel backward_dq D256 128x32/w8/s3 full off": 0,
+    "_attention_dq_kernel backward_dq D256 128x32/w8/s3 causal off": 0,
+    "_delta_kernel delta D64 64/w4/s3 - off": 0,
+    "_delta_kernel delta D128 64/w4/s3 - off": 0,
+    "_delta_kernel delta D256 64/w4/s3 - off": 0,
+    "_split_kv_kernel split_kv D64 16x64/w4/s3 - off": 0,
+    "_split_kv_kernel split_kv D64 32x64/w4/s3 - off": 0,
+    "_split_kv_kernel split_kv D64 64x64/w4/s3 - off": 0,
+    "_combine_kernel combine D64 1/w4/s3 - off": 0,
+    "_combine_kernel combine D64 16/w4/s3 - off": 0,
+    "_append_kernel append D64 16/w4/s3 - off": 0,
+    "_split_kv_kernel split_kv D128 16x64/w4/s3 - off": 0,
+    "_split_kv_kernel split_kv D128 32x64/w4/s3 - off": 0,
+    "_split_kv_kernel split_kv D128 64x64/w4/s3 - off": 0,
+    "_combine_kernel combine D128 1/w4/s3 - off": 0,
+    "_combine_kernel combine D128 16/w4/s3 - off": 0,
+    "_append_kernel append D128 16/w4/s3 - off": 0,
+    "_split_kv_kernel split_kv D256 16x64/w8/s2 - off": 0,
+    "_split_kv_kernel split_kv D256 32x64/w8/s2 - off": 0,
+    "_split_kv_kernel split_kv D256 64x64/w8/s2 - off": 0,
+    "_combine_kernel combine D256 1/w4/s3 - off": 0,
+    "_combine_kernel combine D256 16/w4/s3 - off": 0,
+    "_append_kernel append D256 16/w4/s3 - off": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sm90") / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json", str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
+    if not out.exists():
+        pytest.fail(f"tests/sm90_compile.py wrote no results (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(out.read_text())
+
+
+def test_every_shipped_config_compiles_for_sm90(rows):
+    failed = [f"{r['label']}:\n  {r['error']}" for r in rows if "error" in r]
+    assert not failed, f"{len(failed)} of {len(rows)} kernel variants failed for sm_90:\n" + "\n".join(failed)
+
+
+def test_stack_frames_do_not_grow(rows):
+    off = {r["label"]: r for r in rows if r["flags"] == "off" and "error" not in r}
+    unrecorded = sorted(set(off) - set(EXPECTED_STACK))
+    assert not unrecorded, f"no recorded stack size for {unrecorded}: add them to EXPECTED_STACK"
+    grown = [
+        f"{label}: stack {r['stack']} B > {EXPECTED_STACK[label]} B recorded (registers {r['registers']})"
+        for label, r in off.items()
+        if r["stack"] > EXPECTED_STACK[label]
+    ]
+    assert not grown, "stack frames grew (register spills?):\n" + "\n".join(grown)
