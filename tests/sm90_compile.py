@@ -49,7 +49,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashtile.ops.attention import backward, forward  # noqa: E402
-from flashtile.ops.attention.configs import _HOPPER, PASSES  # noqa: E402
+from flashtile.ops.attention.configs import _HOPPER, PASSES, with_mask  # noqa: E402
 from flashtile.ops.decode import append, split_kv  # noqa: E402
 from flashtile.ops.decode import configs as decode_configs  # noqa: E402
 
@@ -84,6 +84,9 @@ F32 = Ptr("fp32")
 INT = Scalar("i32")
 ST = Scalar("i32", aligned=True)  # a stride of a q/k/v-typed tensor
 FP = Scalar("fp32")
+MS = Scalar("i32", "HAS_MASK")  # a stride of SDPA's attn_mask (0 on broadcast dimensions)
+# SDPA's attn_mask: uint8 when boolean (MASK_IS_BOOL), else additive in the q/k/v dtype
+MASK = Ptr(DATA, "HAS_MASK")
 SPLIT = lambda c: c["_SPLIT"]  # split-KV writes fp32 partial outputs when it splits the keys
 
 # kernel name -> {parameter: type} for every non-constexpr parameter, in the order the launcher passes them.
@@ -93,9 +96,11 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "Q": T, "K": T, "V": T, "Out": T, "Lse": F32,
         "Alibi": Ptr("fp32", "HAS_ALIBI"), "Sink": Ptr("fp32", "HAS_SINK"),
         "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
+        "Mask": MASK,
         "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
         "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
-        "stride_ab": INT, "nheads": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT, "left": INT, "right": INT,
+        "stride_ab": INT, "stride_mb": MS, "stride_mh": MS, "stride_mm": MS, "stride_mn": MS,
+        "nheads": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT, "left": INT, "right": INT,
         "qk_scale": FP, "softcap": FP, "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
     },
     "_delta_kernel": {  # backward.attention_delta
@@ -107,21 +112,25 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "Q": T, "K": T, "V": T, "DOut": T, "Lse": F32, "Delta": F32, "DK": T, "DV": T,
         "Alibi": Ptr("fp32", "HAS_ALIBI"),
         "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
+        "Mask": MASK,
         "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
         "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_dob": ST, "stride_dom": ST, "stride_doh": ST,
         "stride_dkb": ST, "stride_dkn": ST, "stride_dkh": ST, "stride_dvb": ST, "stride_dvn": ST, "stride_dvh": ST,
-        "stride_ab": INT, "nheads": INT, "nheads_k": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT,
+        "stride_ab": INT, "stride_mb": MS, "stride_mh": MS, "stride_mm": MS, "stride_mn": MS,
+        "nheads": INT, "nheads_k": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT,
         "left": INT, "right": INT, "qk_scale": FP, "softcap": FP, "softmax_scale": FP,
         "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
     },
     "_attention_dq_kernel": {  # backward._launch
-        "Q": T, "K": T, "V": T, "DOut": T, "Lse": F32, "Delta": F32, "DQ": T,
+        "Q": T, "K": T, "V": T, "DOut": T, "Lse": F32, "Delta": F32, "DQ": T, "DMask": Ptr("fp32", "MASK_NEEDS_GRAD"),
         "Alibi": Ptr("fp32", "HAS_ALIBI"),
         "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
+        "Mask": MASK,
         "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
         "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_dob": ST, "stride_dom": ST, "stride_doh": ST,
         "stride_dqb": ST, "stride_dqm": ST, "stride_dqh": ST,
-        "stride_ab": INT, "nheads": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT, "left": INT, "right": INT,
+        "stride_ab": INT, "stride_mb": MS, "stride_mh": MS, "stride_mm": MS, "stride_mn": MS,
+        "nheads": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT, "left": INT, "right": INT,
         "qk_scale": FP, "softcap": FP, "softmax_scale": FP,
         "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
     },
@@ -175,7 +184,9 @@ PASS_KERNEL = {
     "backward_dq": "_attention_dq_kernel",
 }
 # Feature flags switched on together in a "features on" variant, where the kernel has them.
-ATTENTION_FEATURES = ("HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINK", "IS_VARLEN", "HAS_DROPOUT")
+ATTENTION_FEATURES = (
+    "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINK", "IS_VARLEN", "HAS_DROPOUT", "HAS_MASK", "MASK_NEEDS_GRAD",
+)  # fmt: skip
 
 
 @dataclass
@@ -287,15 +298,17 @@ def attention_variants() -> list[Variant]:
                     "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_D": head_dim, "BLOCK_DV": head_dim,
                     "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                     "MASK_LEFT": mask == "window", "MASK_RIGHT": mask != "full", "HEAVY_FIRST": mask != "full",
+                    "MASK_IS_BOOL": False,  # an additive attn_mask when HAS_MASK is on
                 }  # fmt: skip
                 features = [f for f in ATTENTION_FEATURES if f in constexprs]
                 for on in (False, True):
                     consts = {k: val for k, val in base.items() if k in constexprs}
                     consts.update(dict.fromkeys(features, on))
                     flags = ",".join(f.split("_", 1)[1].lower() for f in features) if on else "off"
+                    launch = with_mask(cfg, head_dim) if consts.get("HAS_MASK") else cfg  # as the launchers do
                     variants.append(
-                        Variant(kname, cfg_name(pass_name, head_dim, cfg), mask, flags, consts, cfg.num_warps,
-                                cfg.num_stages)
+                        Variant(kname, cfg_name(pass_name, head_dim, launch), mask, flags, consts, launch.num_warps,
+                                launch.num_stages)
                     )  # fmt: skip
     # The delta kernel of the backward: 64 rows, Triton's default warps and stages, per value head dim.
     for head_dim in sorted({d for rows in _HOPPER.values() for d, _ in rows}):

@@ -258,10 +258,11 @@ def test_sdpa_key_padding_mask(path, seqlens):
             assert_within_rule(name, x.transpose(1, 2), ref[name], base[name])
 
 
-def test_sdpa_other_masks_refused():
+def test_sdpa_bad_masks_refused():
+    """Masks of any broadcastable shape work (tests/test_sdpa.py); others, and is_causal with one, raise."""
     q = torch.randn(2, 2, 8, 32, dtype=torch.float16, device=DEVICE)
-    for mask in (torch.ones(2, 1, 8, 8, dtype=torch.bool), torch.zeros(2, 1, 1, 8), torch.ones(8, dtype=torch.bool)):
-        with pytest.raises(NotImplementedError, match="key padding mask"):
+    for mask in (torch.ones(3, 1, 8, 8, dtype=torch.bool), torch.zeros(2, 1, 1, 7), torch.ones(1, 2, 2, 8, 8)):
+        with pytest.raises(ValueError, match="broadcast"):
             flashtile.scaled_dot_product_attention(q, q, q, attn_mask=mask.to(DEVICE))
     with pytest.raises(ValueError, match="is_causal"):
         flashtile.scaled_dot_product_attention(

@@ -6,6 +6,8 @@ compiler and ``register_autograd`` wires the backward, recomputing attention fro
 ``flashtile::attention_sink_backward`` gives the gradient of a learnable sink.
 ``flashtile::varlen_attention_forward`` / ``varlen_attention_backward`` are the same for packed
 variable-length batches (cu_seqlens); separate ops because their layouts differ (lse (H, total_q)).
+``attention_forward`` also takes SDPA's ``attn_mask`` (boolean or additive, 4-D with each dimension 1 or
+full); its backward is ``flashtile::masked_attention_backward``, which also returns the mask's gradient.
 Inputs reaching these ops are already validated (``interface``) and have a contiguous last dimension.
 
 The score modifications (``alibi_slopes``, ``softcap``), ``learnable_sink`` and dropout (``dropout_p``,
@@ -40,6 +42,7 @@ def attention_forward(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), lse (B, H, Sq) fp32.
 
@@ -48,11 +51,24 @@ def attention_forward(
     softcap > 0, minus alibi_slopes[(b,) h] * |i + Sk - Sq - j| if given; learnable_sink (H,) fp32
     joins each row's softmax denominator (and the LSE). dropout_p > 0 drops each probability with that
     probability (keep mask from rng_state, int64 (2,) [seed, offset]) and scales the kept by 1 / (1 - p);
-    the LSE is unchanged.
+    the LSE is unchanged. attn_mask (SDPA's): 4-D, each dimension 1 or (B, H, Sq, Sk)'s, boolean (True =
+    attend) or additive (added to the scaled scores); it is read through a broadcast view, never expanded.
     """
-    return attention_path(q.device).attention_forward(
-        q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, learnable_sink, dropout_p, rng_state
-    )
+    path = attention_path(q.device)
+    if attn_mask is None:
+        return path.attention_forward(
+            q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, learnable_sink, dropout_p,
+            rng_state,
+        )  # fmt: skip
+    return path.attention_forward(
+        q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, learnable_sink, dropout_p, rng_state,
+        attn_mask=_mask_view(attn_mask, q, k),
+    )  # fmt: skip
+
+
+def _mask_view(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """attn_mask as a (B, H, Sq, Sk) view: stride 0 on its broadcast dimensions, no copy."""
+    return attn_mask.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
 
 
 @attention_forward.register_fake
@@ -113,14 +129,57 @@ def _(dout, out, lse, dlse, learnable_sink):
     return torch.empty_like(learnable_sink)
 
 
+@torch.library.custom_op("flashtile::masked_attention_backward", mutates_args=())
+def masked_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    softmax_scale: float,
+    alibi_slopes: torch.Tensor | None,
+    softcap: float,
+    dropout_p: float,
+    rng_state: torch.Tensor | None,
+    attn_mask: torch.Tensor,
+    mask_needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attention_backward`` with SDPA's attn_mask (no window): (dq, dk, dv, dmask). With mask_needs_grad
+    (an additive mask), dmask is the gradient at the mask, shaped and typed like it: dS = P (dP - delta)
+    of every (b, h, i, j), written by the dQ pass into a (B, H, Sq, Sk) fp32 buffer and summed over the
+    mask's broadcast dimensions; otherwise an empty tensor."""
+    view = _mask_view(attn_mask, q, k)
+    dmask = None
+    if mask_needs_grad:
+        dmask = torch.zeros(view.shape, dtype=torch.float32, device=q.device)
+    dq, dk, dv = attention_path(q.device).attention_backward(
+        dout, q, k, v, out, lse, softmax_scale, None, None, dlse, alibi_slopes, softcap, None, dropout_p, rng_state,
+        attn_mask=view, dmask=dmask,
+    )  # fmt: skip
+    if dmask is None:
+        return dq, dk, dv, attn_mask.new_empty((0,))
+    return dq, dk, dv, dmask.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+
+
+@masked_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, alibi_slopes, softcap, dropout_p, rng_state, attn_mask,
+      mask_needs_grad):  # fmt: skip
+    dmask = torch.empty_like(attn_mask) if mask_needs_grad else attn_mask.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+
 _OPTION_DEFAULTS = (None, 0.0, None, 0.0, None)  # alibi_slopes, softcap, learnable_sink, dropout_p, rng_state
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, window_left, window_right, *options = inputs
+    attn_mask = options[5] if len(options) > 5 else None
+    options = options[:5]
     alibi_slopes, softcap, learnable_sink, dropout_p, rng_state = (*options, *_OPTION_DEFAULTS[len(options) :])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state, attn_mask)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
@@ -129,7 +188,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state, attn_mask = ctx.saved_tensors
     window_left, window_right = ctx.window
     if dout is None:
         dout = torch.zeros_like(out)
@@ -137,14 +196,23 @@ def _backward(ctx, dout, dlse):
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    dq, dk, dv = attention_backward(
-        dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right,
-        alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state,
-    )  # fmt: skip
+    dmask = None
+    if attn_mask is None:
+        dq, dk, dv = attention_backward(
+            dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right,
+            alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state,
+        )  # fmt: skip
+    else:  # SDPA's attn_mask: no window, no sink (the public function combines neither with it)
+        needs_grad = ctx.needs_input_grad[11] and attn_mask.is_floating_point()
+        dq, dk, dv, dmask = masked_attention_backward(
+            dout, q, k, v, out, lse, dlse, ctx.softmax_scale, alibi_slopes, ctx.softcap, ctx.dropout_p, rng_state,
+            attn_mask, needs_grad,
+        )  # fmt: skip
+        dmask = dmask if needs_grad else None
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[8]:
         dsink = attention_sink_backward(dout, out, lse, dlse, learnable_sink)
-    grads = (dq, dk, dv, None, None, None, None, None, dsink, None, None)  # alibi slopes get none, as in flash_attn
+    grads = (dq, dk, dv, None, None, None, None, None, dsink, None, None, dmask)  # alibi slopes get none (flash_attn)
     return grads[: ctx.num_inputs]
 
 

@@ -219,6 +219,19 @@ def _scores(
     return s, t
 
 
+def _apply_attn_mask(
+    s: Tensor, attn_mask: Tensor | None, q0: int, q1: int, k0: int, k1: int, nheads_k: int, dtype: torch.dtype
+) -> None:
+    """Apply the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask view to s (B, Hk, group * M, N) in place."""
+    if attn_mask is None:
+        return
+    tile = attn_mask[:, :, q0:q1, k0:k1].reshape(s.shape[0], nheads_k, -1, k1 - k0)  # copies one tile at most
+    if tile.dtype == torch.bool:
+        s.masked_fill_(~tile, float("-inf"))
+    else:
+        s.add_(tile.to(dtype))
+
+
 def _query_tile(x: Tensor, q0: int, q1: int, nheads_k: int, dtype: torch.dtype) -> Tensor:
     """Rows [q0, q1) of x (B, S, H, D) as (B, Hk, group * (q1 - q0), D) in ``dtype``."""
     B, _, H, D = x.shape
@@ -263,6 +276,7 @@ def attention_forward(
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
     _drop: _Dropout | None = None,
+    attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention by tiles with online softmax.
 
@@ -290,6 +304,9 @@ def attention_forward(
         dropout_p: probability of dropping each attention probability (kept ones scaled by 1 / (1 - p))
         rng_state: with dropout, int64 (2,) [seed, offset] (see the module docstring)
         _drop: the varlen path's per-sequence dropout (replaces dropout_p and rng_state)
+        attn_mask: SDPA's mask as a (batch, nheads, seqlen_q, seqlen_k) view (broadcast dimensions of stride 0,
+           never expanded in memory): boolean (True = attend) or additive (added to the scaled scores);
+           read one (query tile, key tile) at a time
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v) in q.dtype, contiguous; 0 for a row that sees no key
@@ -319,6 +336,7 @@ def attention_forward(
             k1 = min(k0 + BLOCK_N, Sk)
             mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
             s, _ = _scores(q_t, _key_tile(k, k0, k1, dtype), softmax_scale, mask, group, mods, q0, k0)
+            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1, Hk, dtype)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key seen yet
             p = torch.exp_(s.sub_(m_safe))
@@ -353,6 +371,8 @@ def attention_backward(
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
     _drop: _Dropout | None = None,
+    attn_mask: Tensor | None = None,
+    dmask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention, recomputing P tile by tile from the saved LSE.
 
@@ -365,6 +385,9 @@ def attention_backward(
         dlse: (batch, nheads, seqlen_q) float32 gradient of ``lse``, or None for zero
         learnable_sink: unused (the LSE includes it); its gradient comes from ``attention_delta``
         dropout_p, rng_state, _drop: as given to ``attention_forward`` (the mask is regenerated)
+        attn_mask: as given to ``attention_forward``
+        dmask: None, or a (batch, nheads, seqlen_q, seqlen_k) float buffer that receives dS = P (dP - delta),
+           the gradient at an additive mask before any reduction over its broadcast dimensions
 
     Returns:
         dq: (batch, seqlen_q, nheads, headdim) in q.dtype
@@ -395,6 +418,7 @@ def attention_backward(
             k_t = _key_tile(k, k0, k1, dtype)
             v_t = _key_tile(v, k0, k1, dtype)
             s, t = _scores(q_t, k_t, softmax_scale, mask, group, mods, q0, k0)
+            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1, Hk, dtype)
             p = torch.exp_(s.sub_(lse_t))  # (B, Hk, gM, N)
             dp = torch.matmul(do_t, v_t.transpose(-1, -2))  # [gM, Dv] @ [Dv, N] -> [gM, N]
             if drop is None:
@@ -404,6 +428,8 @@ def attention_backward(
                 dv_acc[:, :, k0:k1] += torch.matmul((p * keep).transpose(-1, -2), do_t)
                 dp.mul_(keep).mul_(1.0 / (1.0 - drop.p))
             ds = p.mul_(dp.sub_(delta))  # reuses p's memory: p is not needed after this
+            if dmask is not None:  # the gradient at the mask: dS before the cap's derivative
+                dmask[:, :, q0:q1, k0:k1] = ds.view(B, -1, q1 - q0, k1 - k0)
             if t is not None:
                 ds.mul_(t.mul_(t).neg_().add_(1.0))  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
             dq_t += torch.matmul(ds, k_t)  # [gM, N] @ [N, D]

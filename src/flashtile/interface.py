@@ -194,12 +194,21 @@ def attention(
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the custom op: returns (out, lse) in flash_attn's layouts."""
+    """Validated entry to the custom op: returns (out, lse) in flash_attn's layouts.
+
+    attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full)."""
     check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if attn_mask is not None:
+        softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
+        return _ops.attention_forward(
+            q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
+            float(dropout_p), dropout_rng_state(dropout_p, q.device), attn_mask,
+        )  # fmt: skip
     if softcap == 0.0 and alibi_slopes is None and learnable_sink is None and dropout_p == 0.0:
         return _ops.attention_forward(q, k, v, float(softmax_scale), window_left, window_right)
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)

@@ -63,6 +63,7 @@ def attention_reference(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention in the inputs' dtype.
 
@@ -70,6 +71,7 @@ def attention_reference(
         s_ij = softmax_scale * q_i . k_j
         s_ij = softcap * tanh(s_ij / softcap)                    if softcap > 0
         s_ij = s_ij - slope * |i + seqlen_k - seqlen_q - j|     if alibi_slopes is given
+        s_ij = s_ij + bias[b, h, i, j]                          if bias is given (SDPA's additive mask)
     and with a learnable sink the softmax denominator gains exp(sink_h): for head h,
         out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)),  lse_i = log(exp(sink_h) + sum_j exp(s_ij)).
     With a dropout mask Z (True = kept), the probabilities P are dropped after the softmax, as flash_attn:
@@ -81,12 +83,15 @@ def attention_reference(
         v: (batch, seqlen_k, nheads_k, headdim_v)
         softmax_scale: defaults to 1 / sqrt(headdim)
         causal, window_size: flash_attn's masks (see ``visibility_mask``)
-        mask: (seqlen_q, seqlen_k) boolean, True = visible; replaces causal/window_size when given
+        mask: boolean broadcastable to (batch, nheads, seqlen_q, seqlen_k), e.g. (seqlen_q, seqlen_k), True = visible;
+            replaces causal/window_size when given
         softcap: > 0 caps the scaled scores with tanh; 0 leaves them
         alibi_slopes: (nheads,) or (batch, nheads), cast to the inputs' dtype
         learnable_sink: (nheads,), cast to the inputs' dtype (differentiable)
         dropout_p, dropout_mask: the dropout probability and a given boolean keep mask broadcastable to
             (batch, nheads, seqlen_q, seqlen_k); no dropout when the mask is None
+        bias: additive float tensor broadcastable to (batch, nheads, seqlen_q, seqlen_k), cast to the
+            inputs' dtype (differentiable; -inf entries hide a key)
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v), 0 for a query row that sees no key
@@ -105,6 +110,8 @@ def attention_reference(
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(scores.dtype).expand(batch, nheads)[:, :, None, None]
         scores = scores - slopes * alibi_distance(seqlen_q, seqlen_k, q.device).to(scores.dtype)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     if mask is None:
         mask = visibility_mask(seqlen_q, seqlen_k, causal, window_size, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -137,8 +144,9 @@ def reference_results(
     """The oracle's out, lse and gradients of (out * dout).sum() (+ (lse * dlse).sum() if dlse is
     given) for q, k, v, computed in ``dtype`` and cast back: out and gradients to q's dtype, lse to
     float32. ``options`` go to ``attention_reference`` (softmax_scale, causal, window_size, mask,
-    softcap, alibi_slopes, learnable_sink, dropout_p, dropout_mask); a learnable_sink is a leaf too,
-    converted to ``dtype`` like q, k, v, and its gradient comes back as "dsink" in the sink's dtype."""
+    softcap, alibi_slopes, learnable_sink, dropout_p, dropout_mask, bias); a learnable_sink is a leaf too,
+    converted to ``dtype`` like q, k, v, and its gradient comes back as "dsink" in the sink's dtype; so does a
+    ``bias`` that requires grad, as "dbias" (in the bias's dtype)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     names = list(RESULT_NAMES)
     sink = options.get("learnable_sink")
@@ -146,6 +154,11 @@ def reference_results(
         leaves.append(sink.detach().to(dtype).requires_grad_())
         options = dict(options, learnable_sink=leaves[-1])
         names.append("dsink")
+    bias = options.get("bias")
+    if bias is not None and bias.requires_grad:
+        leaves.append(bias.detach().to(dtype).requires_grad_())
+        options = dict(options, bias=leaves[-1])
+        names.append("dbias")
     out, lse = attention_reference(*leaves[:3], **options)
     loss = (out * dout.to(dtype)).sum()
     if dlse is not None:
@@ -153,7 +166,9 @@ def reference_results(
     loss.backward()
     grads = [t.grad.to(q.dtype) for t in leaves[:3]]
     if sink is not None:
-        grads.append(leaves[-1].grad.to(sink.dtype))
+        grads.append(leaves[3].grad.to(sink.dtype))
+    if "dbias" in names:
+        grads.append(leaves[-1].grad.to(bias.dtype))
     return dict(zip(names, [out.detach().to(q.dtype), lse.detach().float(), *grads], strict=True))
 
 

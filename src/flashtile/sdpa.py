@@ -30,14 +30,23 @@ def scaled_dot_product_attention(
         query: (batch, nheads, seqlen_q, headdim), float16 or bfloat16
         key: (batch, nheads_k, seqlen_k, headdim)
         value: (batch, nheads_k, seqlen_k, headdim_v)
-        attn_mask: None, or a boolean key padding mask of shape (batch, 1, 1, seqlen_k), True = attend
-            (what Hugging Face models build from a padded batch's attention_mask). It runs as a
-            variable-length batch: the kept keys and values are packed (``unpad_input``, differentiable)
-            and every query row of batch entry b sees exactly the kept keys of entry b; nothing is
-            computed for the padding. A row whose entry keeps no key returns 0 (torch returns NaN).
-            Costs two host synchronisations (counting the kept keys; checking cu_seqlens on CUDA).
-            Other masks (float, per-query, per-head) raise NotImplementedError; with is_causal=True,
-            ValueError, as in torch.
+        attn_mask: None, or a mask broadcastable to (batch, nheads, seqlen_q, seqlen_k) (at most 4-D,
+            each dimension 1 or the full size, e.g. (seqlen_q, seqlen_k), (batch, 1, seqlen_q, seqlen_k),
+            (1, nheads, 1, seqlen_k)), as in torch:
+            - boolean: True = attend, False = the key is hidden from that query;
+            - float (any floating dtype, usually q's): added to the scaled scores (-inf hides a key). If it
+              requires grad it gets its gradient, dS = P (dP - delta) summed over its broadcast dimensions,
+              in its own dtype (the backward holds one (batch, nheads, seqlen_q, seqlen_k) fp32 buffer for it,
+              the size of a full mask; a mask that does not require grad costs no such memory).
+            The kernels read the mask tile by tile through its broadcast strides (stride 0 on broadcast
+            dimensions): it is never expanded in memory. A query row that sees no key (all False, or all
+            -inf) returns 0 with zero gradients, where torch returns NaN.
+            A boolean (batch, 1, 1, seqlen_k) key padding mask (what Hugging Face models build from a
+            padded batch's attention_mask) takes a faster route: a
+            variable-length batch whose kept keys and values are packed (``unpad_input``, differentiable),
+            so nothing is computed for the padding; it costs two host synchronisations (counting the
+            kept keys; checking cu_seqlens on CUDA). Same results, same fully-masked-row convention.
+            With is_causal=True, ValueError, as in torch.
         dropout_p: dropout probability on the attention probabilities, kept ones scaled by 1 / (1 - p), as
             in torch: applied whenever > 0 (pass 0.0 in evaluation); randomness as in ``flash_attn_func``
         is_causal: top-left aligned causal mask
@@ -52,14 +61,20 @@ def scaled_dot_product_attention(
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a 4-D tensor (batch, nheads, seqlen, headdim), got {got}.")
     if attn_mask is not None:
-        _check_key_padding_mask(attn_mask, query.shape[0], key.shape[2], is_causal)
+        attn_mask = _check_attn_mask(attn_mask, query, key, is_causal)
     if not enable_gqa and query.shape[1] != key.shape[1]:
         raise ValueError(
             f"query has {query.shape[1]} heads and key {key.shape[1]}: set enable_gqa=True for grouped-query attention."
         )
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if attn_mask is not None:
-        return _key_padding_attention(query, key, value, attn_mask, scale, dropout_p)
+        if attn_mask.dtype == torch.bool and tuple(attn_mask.shape) == (query.shape[0], 1, 1, key.shape[2]):
+            return _key_padding_attention(query, key, value, attn_mask, scale, dropout_p)
+        out, _ = attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, None, None,
+            dropout_p=dropout_p, attn_mask=attn_mask,
+        )  # fmt: skip
+        return out.transpose(1, 2)
     # Top-left causal (j <= i) in the kernels' bottom-right terms: j <= i + (Sk - Sq) + (Sq - Sk).
     right = seqlen_q - seqlen_k if is_causal else None
     out, _ = attention(
@@ -68,22 +83,28 @@ def scaled_dot_product_attention(
     return out.transpose(1, 2)
 
 
-def _check_key_padding_mask(attn_mask: object, batch: int, seqlen_k: int, is_causal: bool) -> None:
-    """Raise NotImplementedError unless attn_mask is a boolean (batch, 1, 1, seqlen_k) key padding mask,
-    ValueError if is_causal is set too (as torch does)."""
-    if not (
-        isinstance(attn_mask, torch.Tensor)
-        and attn_mask.dtype == torch.bool
-        and tuple(attn_mask.shape) == (batch, 1, 1, seqlen_k)
-    ):
-        got = f"{attn_mask.dtype} {tuple(attn_mask.shape)}" if isinstance(attn_mask, torch.Tensor) else "non-tensor"
-        raise NotImplementedError(
-            f"attn_mask: flashtile supports a boolean key padding mask of shape (batch, 1, 1, seqlen_k) = "
-            f"({batch}, 1, 1, {seqlen_k}) (True = attend), got {got}. Use is_causal=True for causal masks, or "
-            "torch.nn.functional.scaled_dot_product_attention for arbitrary masks."
-        )
+def _check_attn_mask(attn_mask: object, query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """Validate SDPA's attn_mask and return it as a 4-D view (leading dimensions of size 1 added): ValueError
+    with is_causal=True (as in torch) or when it does not broadcast to (batch, nheads, seqlen_q, seqlen_k),
+    TypeError for a tensor neither boolean nor floating point."""
     if is_causal:
         raise ValueError("attn_mask and is_causal=True cannot be combined (as in torch); pass one of them.")
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
+    if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        raise TypeError(
+            f"attn_mask must be boolean (True = attend) or floating point (added to the scores), got {attn_mask.dtype}."
+        )
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask must be on the device of query ({query.device}), got {attn_mask.device}.")
+    target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(n not in (1, t) for n, t in zip(reversed(shape), reversed(target), strict=False)):
+        raise ValueError(
+            f"attn_mask of shape {shape} does not broadcast to (batch, nheads, seqlen_q, seqlen_k) = {target}: "
+            "each of its (at most 4) dimensions must be 1 or the full size, e.g. (seqlen_q, seqlen_k)."
+        )
+    return attn_mask.view((1,) * (4 - len(shape)) + shape)
 
 
 def _key_padding_attention(

@@ -19,6 +19,11 @@ fewer tiles live through it). A learnable sink needs nothing here: the
 saved LSE includes it, so P and delta are already right; its own gradient, -sum_i exp(sink - LSE_i) *
 delta_i, is a reduction over ``attention_delta`` done by the caller (``flashtile._ops``).
 
+HAS_MASK (SDPA's attn_mask) recomputes the masked scores as the forward did, in both kernels. With
+MASK_NEEDS_GRAD (an additive mask that requires grad) the dQ kernel, which visits every (row, key) pair of
+its query tile exactly once, also writes dS = P (dP - delta) to a (B * H, Sq, Sk) fp32 buffer; the caller
+sums it over the mask's broadcast dimensions (``flashtile._ops.masked_attention_backward``).
+
 IS_VARLEN (packed variable-length batches) works as in the forward kernel; the delta kernel needs no flag,
 since (nheads, total_q) is the (1, nheads, total_q) layout of one packed row of tokens.
 """
@@ -39,6 +44,9 @@ from flashtile.ops.attention.tiles import (
     head_base,
     key_range,
     load_tile,
+    mask_for_kernel,
+    mask_scores,
+    mask_strides,
     query_range,
     rows_at,
     score_mod,
@@ -125,6 +133,9 @@ def _dkdv_tile(
     row_base,
     rng_stride,
     dropout_p,
+    mask_base,
+    stride_mm,
+    stride_mn,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -136,6 +147,8 @@ def _dkdv_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
 ):
     """Add the contribution of query rows [start_m, start_m + BLOCK_M) to one key tile's dK, dV."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -148,6 +161,10 @@ def _dkdv_tile(
     s_t, t_t = score_mod(
         qk_t, offs_m[None, :], offs_n[:, None], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
     )  # [BLOCK_N, BLOCK_M], log2 units
+    if HAS_MASK:
+        s_t = mask_scores(
+            s_t, mask_base, stride_mm, stride_mn, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, MASK_IS_BOOL
+        )
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
         ok_t = tl.trans(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT))
@@ -181,6 +198,7 @@ def _attention_dkdv_kernel(
     CuSeqlensQ,
     CuSeqlensK,
     Rng,
+    Mask,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -200,6 +218,10 @@ def _attention_dkdv_kernel(
     stride_dvn,
     stride_dvh,
     stride_ab,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
     nheads,
     nheads_k,
     group,
@@ -223,12 +245,15 @@ def _attention_dkdv_kernel(
     HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
 ):
     """dK (B, Sk, Hk, D) and dV (B, Sk, Hk, DV) for one key tile of one kv head.
 
     IS_VARLEN: packed (total, heads, d) tensors, Lse and Delta (H, total_q), as in the forward kernel;
     a key tile that starts past its sequence's end exits at once and writes nothing (rows past the end
     belong to the next sequences, whose programs write them).
+    HAS_MASK: SDPA's attn_mask, read per query head of the group as in the forward kernel.
     """
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
@@ -264,28 +289,34 @@ def _attention_dkdv_kernel(
         else:
             row_base = tl.cast(off_b * nheads + off_h, tl.int64) * seqlen_q
         slope = alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI)
+        mask_base = Mask
+        if HAS_MASK:
+            mask_base = head_base(Mask, off_b, off_h, stride_mb, stride_mh)
         if MASK_RIGHT:
             for start_m in range(lo, mid_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
-                    Rng, row_base, rng_stride, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
-                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                    Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
+                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL,
                 )  # fmt: skip
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                 start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
-                Rng, row_base, rng_stride, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, False, MASK_LEFT, MASK_RIGHT,
-                PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_M, False, MASK_LEFT, MASK_RIGHT,
+                PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL,
             )  # fmt: skip
         if MASK_LEFT:
             for start_m in range(mid_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
-                    Rng, row_base, rng_stride, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
-                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                    Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
+                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL,
                 )  # fmt: skip
 
     dk_ptrs = rows_at(head_base(DK, off_kb, off_hk, stride_dkb, stride_dkh), start_n, stride_dkn, offs_d, BLOCK_N)
@@ -321,6 +352,12 @@ def _dq_tile(
     seed,
     rng_base,
     dropout_p,
+    mask_base,
+    stride_mm,
+    stride_mn,
+    seqlen_q,
+    DMask,
+    lse_offs,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -332,6 +369,9 @@ def _dq_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    MASK_NEEDS_GRAD: tl.constexpr,
 ):
     """Add the contribution of key tile [start_n, start_n + BLOCK_N) to one query tile's dQ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -343,15 +383,24 @@ def _dq_tile(
     s, t = score_mod(
         qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
     )  # [BLOCK_M, BLOCK_N], log2 units
+    if HAS_MASK:
+        s = mask_scores(
+            s, mask_base, stride_mm, stride_mn, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, MASK_IS_BOOL
+        )
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:
         p = tl.where(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT), p, 0.0)
+    p_scores = p  # the gradient at the additive mask is P (dP - delta), without the cap's derivative
     p = score_mod_grad(p, t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
     dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if HAS_DROPOUT:  # the gradient at P is Z / (1 - p) * dP, Z the forward's mask regenerated
         keep = dropout_keep(seed, rng_base[:, None] + offs_n[None, :], dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
+    if MASK_NEEDS_GRAD:  # dMask (B * H, Sq, Sk) fp32: this tile's gradient at the masked scores
+        dm_ptrs = DMask + lse_offs[:, None] * seqlen_k + offs_n[None, :]
+        in_bounds = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+        tl.store(dm_ptrs, p_scores * (dp - delta[:, None]), mask=in_bounds)
     dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
     return dq
 
@@ -365,10 +414,12 @@ def _attention_dq_kernel(
     Lse,
     Delta,
     DQ,
+    DMask,
     Alibi,
     CuSeqlensQ,
     CuSeqlensK,
     Rng,
+    Mask,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -385,6 +436,10 @@ def _attention_dq_kernel(
     stride_dqm,
     stride_dqh,
     stride_ab,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
     nheads,
     group,
     seqlen_q,
@@ -408,8 +463,15 @@ def _attention_dq_kernel(
     HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    MASK_NEEDS_GRAD: tl.constexpr,
 ):
-    """dQ (B, Sq, H, D) for one query tile of one head (IS_VARLEN: as in the forward kernel)."""
+    """dQ (B, Sq, H, D) for one query tile of one head (IS_VARLEN: as in the forward kernel).
+
+    HAS_MASK: SDPA's attn_mask as in the forward kernel; MASK_NEEDS_GRAD (additive masks) also writes
+    dS = P (dP - delta), the gradient at the masked scores, to DMask (B * H, Sq, Sk) fp32.
+    """
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
     tile_m = tl.program_id(0)
@@ -446,25 +508,34 @@ def _attention_dq_kernel(
     seed, rng_base = 0, 0
     if HAS_DROPOUT:
         seed, rng_base = dropout_rows(Rng, lse_offs, rng_stride)  # [BLOCK_M] counters of key 0
+    mask_base = Mask
+    if HAS_MASK:
+        mask_base = head_base(Mask, off_b, off_h, stride_mb, stride_mh)
     lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             dq = _dq_tile(
                 dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-                seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
+                mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
+                MASK_IS_BOOL, MASK_NEEDS_GRAD,
             )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         dq = _dq_tile(
             dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
+            mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
+            MASK_IS_BOOL, MASK_NEEDS_GRAD,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):
         dq = _dq_tile(
             dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
+            mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
+            MASK_IS_BOOL, MASK_NEEDS_GRAD,
         )  # fmt: skip
     dq_ptrs = rows_at(head_base(DQ, off_qb, off_h, stride_dqb, stride_dqh), start_m, stride_dqm, offs_d, BLOCK_M)
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, PAD_D)
@@ -509,6 +580,8 @@ def attention_backward(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels.
 
@@ -519,13 +592,17 @@ def attention_backward(
         dlse: None or (batch, nheads, seqlen_q) float32, the gradient arriving at lse
         learnable_sink: unused (the saved lse includes it); its gradient comes from ``attention_delta``
         dropout_p, rng_state: as given to the forward (the same [seed, offset] regenerates its mask)
+        attn_mask: as given to the forward: None or a (batch, nheads, seqlen_q, seqlen_k) broadcast view
+        dmask: None, or a contiguous (batch, nheads, seqlen_q, seqlen_k) float32 buffer that receives
+            dS = P (dP - delta), the gradient at the (additive) mask before any reduction
 
     Returns:
         dq, dk, dv with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group)
     """
     delta = attention_delta(dout, out, dlse)
     return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], softmax_scale, window_left,
-                   window_right, alibi_slopes, softcap, dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
+                   window_right, alibi_slopes, softcap, dropout_p=dropout_p, rng_state=rng_state, attn_mask=attn_mask,
+                   dmask=dmask)  # fmt: skip
 
 
 def varlen_attention_backward(
@@ -568,6 +645,7 @@ def varlen_attention_backward(
 def _launch(
     dout, q, k, v, lse, delta, batch, seqlen_q, seqlen_k, softmax_scale, window_left, window_right,
     alibi_slopes, softcap, cu_seqlens_q=None, cu_seqlens_k=None, dropout_p=0.0, rng_state=None,
+    attn_mask=None, dmask=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The dK/dV and dQ launches shared by both layouts; seqlen_q and seqlen_k are the (longest) lengths."""
     nheads, head_dim = q.shape[-2:]
@@ -587,18 +665,21 @@ def _launch(
         "HAS_ALIBI": alibi_slopes is not None,
         "IS_VARLEN": is_varlen,
         "HAS_DROPOUT": dropout_p > 0.0,
+        "HAS_MASK": attn_mask is not None,
+        "MASK_IS_BOOL": attn_mask is not None and attn_mask.dtype == torch.bool,
     }
+    mask = mask_for_kernel(attn_mask)
     rng = rng_state if dropout_p > 0.0 else None  # None, like a None tensor, leaves the signature as without
     p_drop = dropout_p if dropout_p > 0.0 else None
 
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
-    cfg = config("backward_dkdv", q.device, head_dim, head_dim_v)
+    cfg = config("backward_dkdv", q.device, head_dim, head_dim_v, attn_mask is not None)
     _attention_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng,
+        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dk),
         *token_strides(dv),
-        alibi_batch_stride(alibi_slopes),
+        alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
         nheads, nheads_k, group, rows_q, rows_k, left, right,
         qk_scale, softcap_log2, softmax_scale, p_drop,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
@@ -607,15 +688,16 @@ def _launch(
     )  # fmt: skip
 
     dq = empty_output(q.shape, q.dtype, q.device)
-    cfg = config("backward_dq", q.device, head_dim, head_dim_v)
+    cfg = config("backward_dq", q.device, head_dim, head_dim_v, attn_mask is not None)
     _attention_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)](
-        q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng,
+        q, k, v, dout, lse, delta, dq, dmask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dq),
-        alibi_batch_stride(alibi_slopes),
+        alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
         nheads, group, rows_q, rows_k, left, right,
         qk_scale, softcap_log2, softmax_scale, p_drop,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, HEAVY_FIRST=window_right is not None,
+        MASK_NEEDS_GRAD=dmask is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return dq, dk, dv

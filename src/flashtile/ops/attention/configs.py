@@ -8,6 +8,7 @@ configs for a tuning sweep without touching the tables.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -87,15 +88,28 @@ def _compute_capability_major(device_index: int | None) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def config(pass_name: str, device: torch.device, head_dim: int, head_dim_v: int) -> TileConfig:
-    """The tile config for ``pass_name`` (one of PASSES) on ``device``."""
+MASK_MAX_STAGES = 2
+"""Pipeline depth at head dims above 128 with SDPA's attn_mask: its tiles are pipelined too, and three
+stages of K, V and mask tiles exceed the H200's 227 KiB of shared memory (tests/sm90_compile.py)."""
+
+
+def with_mask(cfg: TileConfig, width: int) -> TileConfig:
+    """``cfg`` for a launch that reads an attn_mask, at padded head dim ``width``."""
+    if width > 128 and cfg.num_stages > MASK_MAX_STAGES:
+        return dataclasses.replace(cfg, num_stages=MASK_MAX_STAGES)
+    return cfg
+
+
+def config(pass_name: str, device: torch.device, head_dim: int, head_dim_v: int, has_mask: bool = False) -> TileConfig:
+    """The tile config for ``pass_name`` (one of PASSES) on ``device`` (``has_mask``: with an attn_mask)."""
     if pass_name in _overrides:
         return _overrides[pass_name]
     if device.type != "cuda":
         return INTERPRETER
     table = _HOPPER if _compute_capability_major(device.index) == 9 else _OTHER
     width = padded_head_dim(max(head_dim, head_dim_v))
-    return next(cfg for largest, cfg in table[pass_name] if width <= largest)
+    cfg = next(cfg for largest, cfg in table[pass_name] if width <= largest)
+    return with_mask(cfg, width) if has_mask else cfg
 
 
 @contextlib.contextmanager

@@ -19,6 +19,12 @@ HAS_DROPOUT drops attention probabilities after the softmax, as flash_attn: out 
 with the LSE unchanged (the row sum l keeps every probability). The keep mask Z comes from Philox
 (``tl.rand``) keyed by the seed and counter offset + row * stride + key (``tiles.dropout_rows``), so the
 backward regenerates it instead of storing it. Off, the kernel's signature and code are those without it.
+
+HAS_MASK applies SDPA's attn_mask (``tiles.mask_scores``): read one [BLOCK_M, BLOCK_N] tile at a time through
+the strides of its (B, H, Sq, Sk) broadcast view (0 on broadcast dimensions, so it is never expanded in
+memory); MASK_IS_BOOL picks a boolean mask (uint8, hides keys) or an additive one (added to the scores).
+A row that the mask hides entirely behaves as a row that sees no key: output 0, LSE -inf. Off, the kernel's
+signature and SASS are those without it (sm_90 SASS of every features-off variant compared).
 """
 
 import torch
@@ -37,6 +43,9 @@ from flashtile.ops.attention.tiles import (
     head_base,
     key_range,
     load_tile,
+    mask_for_kernel,
+    mask_scores,
+    mask_strides,
     rows_at,
     score_mod,
     score_scales,
@@ -70,6 +79,10 @@ def _forward_tile(
     seed,
     rng_base,
     dropout_p,
+    mask_base,
+    stride_mm,
+    stride_mn,
+    seqlen_q,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -81,6 +94,8 @@ def _forward_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
 ):
     """One online-softmax step over the key tile [start_n, start_n + BLOCK_N)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -89,15 +104,19 @@ def _forward_tile(
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, D]
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED, PAD_DV)  # [BLOCK_N, DV]
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
-    if MASKED or HAS_SOFTCAP or HAS_ALIBI:
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI or HAS_MASK:
         s, _ = score_mod(
             qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
         )  # [BLOCK_M, BLOCK_N], log2 units
+        if HAS_MASK:
+            s = mask_scores(
+                s, mask_base, stride_mm, stride_mn, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, MASK_IS_BOOL
+            )
         if MASKED:
             s = tl.where(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = m_new
-        if MASKED:
+        if MASKED or HAS_MASK:
             # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_shift[:, None])
@@ -126,6 +145,7 @@ def _attention_forward_kernel(
     CuSeqlensQ,
     CuSeqlensK,
     Rng,
+    Mask,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -139,6 +159,10 @@ def _attention_forward_kernel(
     stride_om,
     stride_oh,
     stride_ab,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
     nheads,
     group,
     seqlen_q,
@@ -162,6 +186,8 @@ def _attention_forward_kernel(
     HAS_SINK: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
 ):
     """Q (B, Sq, H, D), K (B, Sk, Hk, D), V (B, Sk, Hk, DV) -> Out (B, Sq, H, DV), Lse (B, H, Sq) fp32.
 
@@ -171,6 +197,9 @@ def _attention_forward_kernel(
     K/V), the batch strides are the token strides, and seqlen_q is total_q (the Lse row stride).
     HAS_DROPOUT: Rng holds int64 [seed, offset]; P V uses P * Z / (1 - dropout_p), Z the Philox keep mask
     of counter offset + (the row's Lse offset) * (seqlen_k as passed) + key index (``tiles.dropout_rows``).
+    HAS_MASK: Mask is SDPA's attn_mask as a (B, H, Sq, Sk) view with strides stride_m* (0 on broadcast
+    dimensions), read tile by tile (``tiles.mask_scores``): uint8 (nonzero = attend) if MASK_IS_BOOL, else
+    additive (any float dtype). Not combined with IS_VARLEN.
     """
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
@@ -213,25 +242,34 @@ def _attention_forward_kernel(
             seed, rng_base = dropout_rows(Rng, lse_base + offs_m, rng_stride)
         else:
             seed, rng_base = dropout_rows(Rng, off_bh.to(tl.int64) * seqlen_q + offs_m, rng_stride)
+    mask_base = Mask
+    if HAS_MASK:
+        mask_base = head_base(Mask, off_b, off_h, stride_mb, stride_mh)
     lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             acc, m_i, l_i = _forward_tile(
                 acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-                seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
+                mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
+                MASK_IS_BOOL,
             )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
             acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
+            mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
+            MASK_IS_BOOL,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
             acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p, HEAD_DIM, HEAD_DIM_V,
-            BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
+            mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
+            MASK_IS_BOOL,
         )  # fmt: skip
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its LSE -inf.
@@ -261,6 +299,7 @@ def attention_forward(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel.
 
@@ -275,6 +314,8 @@ def attention_forward(
         learnable_sink: None or (nheads,) float32, contiguous
         dropout_p: probability of dropping each attention probability (0 is off)
         rng_state: with dropout, int64 (2,) [seed, philox offset] on q's device
+        attn_mask: None, or a (batch, nheads, seqlen_q, seqlen_k) view (stride 0 on broadcast dimensions),
+            boolean (True = attend) or additive (float, added to the scaled scores)
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
@@ -283,7 +324,8 @@ def attention_forward(
     out = empty_output((batch, seqlen_q, nheads, v.shape[3]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
     _launch(q, k, v, out, lse, batch, seqlen_q, k.shape[1], softmax_scale, window_left, window_right,
-            alibi_slopes, softcap, learnable_sink, dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
+            alibi_slopes, softcap, learnable_sink, dropout_p=dropout_p, rng_state=rng_state,
+            attn_mask=attn_mask)  # fmt: skip
     return out, lse
 
 
@@ -336,6 +378,7 @@ def token_strides(x: torch.Tensor) -> tuple[int, int, int]:
 def _launch(
     q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, window_left, window_right,
     alibi_slopes, softcap, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None, dropout_p=0.0, rng_state=None,
+    attn_mask=None,
 ) -> None:  # fmt: skip
     """The forward launch shared by both layouts; seqlen_q and seqlen_k are the (longest) lengths."""
     nheads, head_dim = q.shape[-2:]
@@ -343,13 +386,15 @@ def _launch(
     is_varlen = cu_seqlens_q is not None
     has_dropout = dropout_p > 0.0
     short_band = window_right is not None and seqlen_k <= SHORT_SEQLEN
-    cfg = config("forward_banded_short" if short_band else "forward", q.device, head_dim, head_dim_v)
+    cfg = config(
+        "forward_banded_short" if short_band else "forward", q.device, head_dim, head_dim_v, attn_mask is not None
+    )
     grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
     _attention_forward_kernel[grid](
         q, k, v, out, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
-        rng_state if has_dropout else None,
+        rng_state if has_dropout else None, mask_for_kernel(attn_mask),
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(out),
-        alibi_batch_stride(alibi_slopes),
+        alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
         nheads, nheads // nheads_k,
         q.shape[0] if is_varlen else seqlen_q,  # the LSE's row stride: total_q if IS_VARLEN
         k.shape[0] if is_varlen else seqlen_k,
@@ -371,6 +416,8 @@ def _launch(
         HAS_SINK=learnable_sink is not None,
         IS_VARLEN=is_varlen,
         HAS_DROPOUT=has_dropout,
+        HAS_MASK=attn_mask is not None,
+        MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

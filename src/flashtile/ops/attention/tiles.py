@@ -247,3 +247,38 @@ def dropout_keep(seed, counters, dropout_p):
     """Philox (``tl.rand``) keep mask of the given int64 counters: True with probability 1 - dropout_p.
     A pure function of (seed, counter), so the backward regenerates the forward's mask."""
     return tl.rand(seed, counters) >= dropout_p
+
+
+@triton.jit
+def mask_scores(s, mask_base, stride_mm, stride_mn, pos_q, pos_k, seqlen_q, seqlen_k, MASK_IS_BOOL: tl.constexpr):
+    """Apply an attention mask (``attn_mask`` of SDPA) to scores ``s`` in log2 units.
+
+    mask_base points at element (0, 0) of one (batch entry, head) of the mask, read with its strides (0 on
+    broadcast dimensions: the mask is never expanded in memory); pos_q and pos_k are shaped to broadcast
+    against s, as for ``score_mod``. A boolean mask (stored as uint8, nonzero = attend) sets the others to
+    -inf; an additive one is added (times log2(e)). Positions past seqlen_q or seqlen_k read nothing (the
+    kernels mask those keys themselves, and those rows are never stored).
+    """
+    inside = (pos_q < seqlen_q) & (pos_k < seqlen_k)
+    ptrs = mask_base + pos_q.to(tl.int64) * stride_mm + pos_k.to(tl.int64) * stride_mn
+    if MASK_IS_BOOL:
+        keep = tl.load(ptrs, mask=inside, other=0) != 0
+        s = tl.where(keep, s, float("-inf"))
+    else:
+        s = s + tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    return s
+
+
+def mask_strides(attn_mask: torch.Tensor | None) -> tuple:
+    """The kernels' (stride_mb, stride_mh, stride_mm, stride_mn) of a (B, H, Sq, Sk) broadcast view of the
+    mask, or four None when there is none (a None argument leaves the kernel's signature as without it)."""
+    if attn_mask is None:
+        return (None, None, None, None)
+    return tuple(attn_mask.stride())
+
+
+def mask_for_kernel(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask as the kernels read it: a bool mask as uint8 (same bytes and strides), others as they are."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        return attn_mask.view(torch.uint8)
+    return attn_mask
