@@ -153,25 +153,6 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     return torch.cat((rot * cos[:, None] + swapped * sin[:, None], rest), dim=-1)
 
 
-def attention_with_terms(q, k, v, scale, mask, softcap, slopes):
-    """attention_reference, or the same naive attention with softcap and an ALiBi bias (slopes (H,))."""
-    if softcap == 0.0 and slopes is None:
-        return attention_reference(q, k, v, scale, mask=mask)
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    if slopes is not None:
-        seqlen_q, seqlen_k = mask.shape
-        i, j = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None, :]
-        scores = scores - slopes.to(q.dtype)[:, None, None] * (i + seqlen_k - seqlen_q - j).abs().to(q.dtype)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0.0))
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
-
-
 def logical_cache(cache: torch.Tensor, x: Inputs) -> torch.Tensor:
     """(batch, seqlen_cache, nheads_k, d): each batch entry's cache, gathered."""
     if x.block_table is not None:
@@ -213,7 +194,9 @@ def oracle(case: Case, x: Inputs, dtype: torch.dtype):
         slopes = None
         if c.alibi:
             slopes = x.alibi_slopes if c.alibi == "heads" else x.alibi_slopes[b]
-        out, lse = attention_with_terms(q[None], keys[None], values[None], scale, mask, c.softcap, slopes)
+        out, lse = attention_reference(
+            q[None], keys[None], values[None], scale, mask=mask, softcap=c.softcap, alibi_slopes=slopes
+        )
         outs.append(out[0].to(c.dtype))
         lses.append(lse[0].float())
     return torch.stack(outs), torch.stack(lses), new_keys

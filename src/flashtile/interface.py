@@ -20,12 +20,13 @@ NO_WINDOW = (-1, -1)
 
 
 def require(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
-    """Raise ``error(message)`` unless ``condition`` (for checks off the per-call hot path)."""
+    """Raise ``error(message)`` unless ``condition``. The message is built before the call, so checks
+    that run on every call of an entry point use a plain ``if`` instead."""
     if not condition:
         raise error(message)
 
 
-def _check_head_dim(name: str, head_dim: int) -> None:
+def check_head_dim(name: str, head_dim: int) -> None:
     if head_dim % 8 != 0 or not 0 < head_dim <= MAX_HEAD_DIM:
         raise ValueError(
             f"{name} must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}. "
@@ -72,8 +73,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for grouped-query attention: "
             "each group of nheads // nheads_k query heads shares one key/value head."
         )
-    _check_head_dim("headdim", head_dim)
-    _check_head_dim("headdim_v", v.shape[3])
+    check_head_dim("headdim", head_dim)
+    check_head_dim("headdim_v", v.shape[3])
 
 
 def check_unimplemented(dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> None:
@@ -144,7 +145,7 @@ def check_options(
             f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch_size, nheads) = ({batch}, {nheads}), "
             f"got {tuple(alibi_slopes.shape)}.",
         )
-        alibi_slopes = _last_dim_contiguous(alibi_slopes)
+        alibi_slopes = last_dim_contiguous(alibi_slopes)
     if learnable_sink is not None:
         _check_fp32_tensor("learnable_sink", learnable_sink, q.device)
         require(
@@ -152,7 +153,7 @@ def check_options(
             f"learnable_sink must have shape (nheads,) = ({nheads},), one logit per query head, "
             f"got {tuple(learnable_sink.shape)}.",
         )
-        learnable_sink = _last_dim_contiguous(learnable_sink)
+        learnable_sink = last_dim_contiguous(learnable_sink)
     return float(softcap), alibi_slopes, learnable_sink
 
 
@@ -168,18 +169,15 @@ def _check_fp32_tensor(name: str, t: object, device: torch.device) -> None:
 
 def window_bounds(window_size: tuple[int, int], causal: bool) -> tuple[int | None, int | None]:
     """flash_attn's (window_size, causal) as the kernels' (left, right), None meaning unbounded."""
-    require(
-        len(window_size) == 2 and all(isinstance(w, int) for w in window_size),
-        f"window_size must be a pair of ints (left, right), got {window_size!r}.",
-        TypeError,
-    )
+    if len(window_size) != 2 or not all(isinstance(w, int) for w in window_size):  # every call: no eager f-string
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}.")
     left, right = window_size
     if causal:
         right = 0
     return (None if left < 0 else left), (None if right < 0 else right)
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -202,7 +200,7 @@ def attention(
     check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     if attn_mask is not None:
         softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
         return _ops.attention_forward(
@@ -493,7 +491,7 @@ def varlen_attention(
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     batch = cu_seqlens_q.shape[0] - 1
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
     rng_state = dropout_rng_state(dropout_p, q.device)

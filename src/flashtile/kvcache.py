@@ -16,7 +16,15 @@ from collections.abc import Callable
 import torch
 
 from flashtile._backend import path_name
-from flashtile.interface import NO_WINDOW, SUPPORTED_DTYPES, _check_head_dim, _last_dim_contiguous, check_qkv, require
+from flashtile.interface import (
+    NO_WINDOW,
+    SUPPORTED_DTYPES,
+    check_head_dim,
+    check_options,
+    check_qkv,
+    last_dim_contiguous,
+    require,
+)
 
 PAGE_MULTIPLE = 16
 INDEX_DTYPE = torch.int32
@@ -129,8 +137,8 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k_cache.shape[3] == q.shape[3],
         f"q and k_cache must share headdim (dim 3), got q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}.",
     )
-    _check_head_dim("headdim", q.shape[3])
-    _check_head_dim("headdim_v", v_cache.shape[3])
+    check_head_dim("headdim", q.shape[3])
+    check_head_dim("headdim_v", v_cache.shape[3])
 
 
 def _check_layout(
@@ -193,21 +201,6 @@ def _check_rotary(
         f"rotary_cos/rotary_sin must cover every cache position: seqlen_ro ({rotary_cos.shape[0]}) must be at "
         f"least the cache length ({seqlen_cache}).",
     )
-
-
-def _check_alibi(alibi_slopes: torch.Tensor | None, batch: int, nheads: int, device: torch.device) -> None:
-    if alibi_slopes is None:
-        return
-    require(
-        isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dtype == torch.float32,
-        f"alibi_slopes must be a float32 tensor, got {getattr(alibi_slopes, 'dtype', type(alibi_slopes))}.",
-        TypeError,
-    )
-    require(
-        tuple(alibi_slopes.shape) in ((nheads,), (batch, nheads)),
-        f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}.",
-    )
-    require(alibi_slopes.device == device, f"alibi_slopes must be on {device} like q, got {alibi_slopes.device}.")
 
 
 def _window(window_size: tuple[int, int], causal: bool, seqlen_cache: int) -> tuple[int | None, int | None]:
@@ -397,7 +390,7 @@ def flash_attn_with_kvcache(
         )
         require(cache_seqlens is not None, "cache_seqlens must be given with k and v: it says where they go.")
         seqlen_new = k.shape[1]
-        k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+        k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     if isinstance(cache_seqlens, int):
         require(
             0 <= cache_seqlens <= seqlen_cache - seqlen_new,
@@ -407,8 +400,7 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=INDEX_DTYPE, device=q.device)
     _check_index("cache_seqlens", cache_seqlens, (batch,), q.device)
     _check_rotary(q, k, rotary_cos, rotary_sin, seqlen_cache)
-    _check_alibi(alibi_slopes, batch, nheads, q.device)
-    require(softcap >= 0.0, f"softcap must be >= 0 (0 turns it off), got {softcap}.")
+    softcap, alibi_slopes, _ = check_options(q, softcap, alibi_slopes, None)
     require(
         isinstance(num_splits, int) and num_splits >= 0,
         f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}.",
@@ -428,7 +420,7 @@ def flash_attn_with_kvcache(
         for t in (rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
     )
     out, lse = kvcache_forward(
-        _last_dim_contiguous(q), k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        last_dim_contiguous(q), k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, alibi_slopes, float(softmax_scale), left, right, float(softcap),
         rotary_interleaved, left is not None or right is not None, num_splits,
     )  # fmt: skip

@@ -23,17 +23,9 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import padded_head_dim
-from flashtile.ops.attention.tiles import LN2, LOG2E
+from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.tiles import cache_slots, load_rotated, load_rows
-
-
-@triton.jit
-def _tanh(x):
-    """tanh from exp2 (no libdevice): exact to fp32 rounding in absolute terms, never inf / inf."""
-    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))  # exp(-2|x|), in (0, 1]
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -88,7 +80,7 @@ def _decode_tile(
     v = load_rows(v_rows, n_ok, offs_dv, HEAD_DIM_V, MASKED)  # [BLOCK_N, DV]
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
-        s = _tanh(qk * qk_scale) * softcap  # softcap * tanh(scale * qk / softcap), in log2 units
+        s = tanh(qk * qk_scale) * softcap  # softcap * tanh(scale * qk / softcap), in log2 units
     else:
         s = qk * qk_scale
     if HAS_ALIBI:
