@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call, in steps: bash benchmarks/gpu_session.sh STEP [STEP ...]
 #   test     the whole test suite on the GPU (larger shapes, int64 offsets, races)
+#   ptest    the same, as four pytest processes side by side (kernel compiles are CPU-bound)
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
 #   decode   the decode (KV cache) benchmark
 #   kvtests  tests/test_kvcache.py on the GPU
@@ -22,9 +23,19 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
     test) timeout 420 python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/test.log" | tail -25 ;;
+    ptest)
+      groups=("tests/test_attention.py tests/test_gpu.py tests/test_sdpa.py"
+              "tests/test_variants.py tests/test_dropout.py"
+              "tests/test_varlen.py tests/test_kvcache.py tests/test_padding.py"
+              "tests/test_compile.py tests/test_validation.py tests/test_cli.py tests/test_distributed.py")
+      for i in "${!groups[@]}"; do
+        timeout ${PTEST_TIMEOUT:-300} python3 -m pytest ${groups[$i]} -q -p no:cacheprovider --durations=3 > "$OUT/ptest$i.log" 2>&1 &
+      done
+      wait
+      for i in "${!groups[@]}"; do echo "--- ${groups[$i]}"; grep -E "passed|failed|error|FAILED|Timeout" "$OUT/ptest$i.log" | tail -6; done ;;
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
-    decode) timeout 300 python3 benchmarks/bench_decode.py --out "$OUT/decode" 2>&1 | tail -40 ;;
-    varlen) timeout 300 python3 benchmarks/bench_varlen.py --out "$OUT/varlen" 2>&1 | tail -12 ;;
+    decode) timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$OUT/decode" 2>&1 | tail -40 ;;
+    varlen) timeout ${VARLEN_TIMEOUT:-300} python3 benchmarks/bench_varlen.py --out "$OUT/varlen" 2>&1 | tail -12 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
     latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
     firstcall) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import latency; print(latency.first_call(Path('$OUT')))" 2>&1 | tail -4 ;;
