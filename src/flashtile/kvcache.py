@@ -406,8 +406,8 @@ def flash_attn_with_kvcache(
         f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}.",
     )
     left, right = _window(window_size, causal, seqlen_cache)
-    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not torch.compiler.is_compiling() and not capturing:
+    # is_compiling first: dynamo must never trace the capture query (a torch.* call that returns a bool).
+    if not torch.compiler.is_compiling() and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _check_cache_values(
             cache_seqlens, cache_leftpad, cache_batch_idx, block_table, seqlen_new, seqlen_cache, k_cache.shape[0]
         )
