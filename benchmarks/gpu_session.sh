@@ -40,6 +40,7 @@ for step in "$@"; do
     latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
     firstcall) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import latency; print(latency.first_call(Path('$OUT')))" 2>&1 | tail -4 ;;
     gputests) timeout 240 python3 -m pytest tests/test_gpu.py tests/test_attention.py -k "gpu or determin" -q -p no:cacheprovider 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;
+    ring) mkdir -p "$OUT/ring"; timeout 270 python3 -m pytest tests/test_distributed.py -k nccl -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/ring/test.log" | tail -8; timeout ${RING_TIMEOUT:-300} python3 benchmarks/bench_ring.py --out "$OUT/ring" --time-budget ${RING_BUDGET:-240} --commit "$commit" 2>&1 | tee "$OUT/ring/bench.log" | tail -45 ;;
     quick) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
     bench) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
     memory) timeout 80 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;

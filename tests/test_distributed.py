@@ -1,21 +1,25 @@
 """Ring and Ulysses attention (flashtile.distributed) against the oracle on the full sequence, over gloo
-processes.
+processes on CPUs and over NCCL on GPUs.
 
 Starting processes is the expensive part (~2 s per process on a CI machine), so one module fixture
 spawns four gloo processes once and runs every case in them: the 4-rank cases on the default group,
 the 2-rank cases on two subgroups {0, 1} and {2, 3} (so group ranks differ from global ranks), then the
 error cases. Each case shards full-sequence inputs with ``shard``, runs forward and backward, gathers
 the results with ``unshard`` and saves them; the tests then hold them to the tolerance rule of shared
-DESIGN.md against the oracle on the full sequence, here in the test process.
+DESIGN.md against the oracle on the full sequence, here in the test process: the same rule, on the
+same full-sequence inputs, that ``flash_attn_func`` is held to.
 
-The children take flashtile's CPU path (fast); one case runs the Triton kernels in the interpreter.
-The planner that cuts ring steps into kernel calls is checked exhaustively without processes.
+The gloo children take flashtile's CPU path (fast); one case runs the Triton kernels in the interpreter.
+On a machine with two or more GPUs (marked ``gpu``), the same worker runs ``GPU_CASES`` over NCCL, one
+process per GPU (at most 4), with compiled kernels, bf16, head dim 128 and thousands of positions per
+rank. The planner that cuts ring steps into kernel calls is checked exhaustively without processes.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +46,9 @@ from oracle import check_against_oracle
 
 SPAWN_DEADLINE_S = 240  # the whole spawn; ~20 s on a 2-core CI machine
 SHORT_TIMEOUT = timedelta(seconds=2)  # process group timeout in the cases where a peer fails
+GPU_WORLD = min(torch.cuda.device_count(), 4)  # NCCL processes, one per GPU
+# NVLink multicast stays off on the shared GPU machines (their notes say why); set before NCCL starts.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)
@@ -287,47 +294,85 @@ def _failing_peer_cases(rank: int, groups: list[dist.ProcessGroup], out_dir: Pat
         _record(out_dir / "mid-2.pt", forward_backward)
 
 
-def _gloo_worker(rank: int, world: int, tmp: str, cases: list[Case]) -> None:
-    """Rank ``rank`` of 4 CPU processes: every case in CASES, then the error cases."""
-    torch.set_num_threads(1)
+def _nccl_device_cases(rank: int, group: dist.ProcessGroup, out_dir: Path) -> None:
+    """NCCL only: a rank whose inputs are on the CPU makes every rank raise (instead of a hang or an NCCL
+    error), and the ring computes on the inputs' GPU when another GPU is current."""
+    on_cpu = rank == 0
+    qkv = [t if on_cpu else t.cuda() for t in _shard_qkv(8)]
+    _record(out_dir / f"cpu-on-nccl-{rank}.pt", lambda: ring_flash_attn_func(*qkv, group=group))
+
+    gen = torch.Generator().manual_seed(rank)
+    leaves = [torch.randn(1, 256, 4, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
+
+    def forward_backward() -> list[torch.Tensor]:
+        inputs = [t.detach().requires_grad_() for t in leaves]
+        out = ring_flash_attn_func(*inputs, causal=True, group=group)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), *(t.grad for t in inputs)]
+
+    expected = forward_backward()
+    other = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
+    with torch.cuda.device(other):  # the current GPU is not the inputs' one
+        got = forward_backward()
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    torch.save({"same": same, "other": other}, out_dir / f"other-device-{rank}.pt")
+
+
+def _worker(rank: int, world: int, tmp: str, cases: list[Case], backend: str) -> None:
+    """Rank ``rank`` of ``world`` processes over ``backend``: every case, then the error cases.
+
+    "gloo": CPU tensors, one thread per process; "nccl": one GPU per process (cuda:rank), compiled kernels.
+    A case of ``world`` ranks runs on the default group; the cases of fewer ranks W (W divides world) run
+    on the subgroups of W consecutive ranks, each subgroup taking its share of them. Then the error
+    cases: over gloo, cases that need 4 ranks (inputs that differ across ranks, peers that fail); over
+    NCCL, inputs on the wrong device.
+    """
     _alloc.POISON_OUTPUTS = True  # outputs start as NaN, as in the parent's tests
     tmp_path = Path(tmp)
+    if backend == "nccl":
+        os.environ.update(MULTICAST_OFF)
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'init'}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        backend,
+        init_method=f"file://{tmp_path / 'init'}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60 if backend == "gloo" else SPAWN_DEADLINE_S),  # NCCL: room for compiles
+        device_id=device if backend == "nccl" else None,
     )
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank takes part in creating each group
-    short = [dist.new_group([2, 3], timeout=SHORT_TIMEOUT) for _ in range(2)]
-    cpu = torch.device("cpu")
+    error_cases = backend == "gloo"
+    sizes = sorted({case.world for case in cases} - {world} | ({2} if error_cases else set()))
+    subgroups: dict[int, list[dist.ProcessGroup]] = {}
+    for size in sizes:  # every rank takes part in creating each group, in the same order
+        assert world % size == 0, (world, size)
+        subgroups[size] = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
+    short = [dist.new_group([2, 3], timeout=SHORT_TIMEOUT) for _ in range(2)] if error_cases else []
     for case in cases:
-        if case.world == 4:
-            _run_case(case, dist.group.WORLD, tmp_path, cpu)
-    for case in [c for c in cases if c.world == 2][rank // 2 :: 2]:
-        _run_case(case, pairs[rank // 2], tmp_path, cpu)
-    if rank < 2:
-        _mismatch_cases(rank, pairs[0], tmp_path)
+        if case.world == world:
+            _run_case(case, dist.group.WORLD, tmp_path, device)
+    for size, groups in subgroups.items():
+        mine = rank // size
+        for case in [c for c in cases if c.world == size][mine :: len(groups)]:
+            _run_case(case, groups[mine], tmp_path, device)
+    if backend == "nccl":
+        _nccl_device_cases(rank, dist.group.WORLD, tmp_path)
+    elif rank < 2:
+        _mismatch_cases(rank, subgroups[2][0], tmp_path)
     else:
         _failing_peer_cases(rank, short, tmp_path)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _nccl_worker(rank: int, world: int, tmp: str, cases: list[Case]) -> None:
-    """Rank ``rank`` of ``world`` processes, one GPU each: every case, on the default group."""
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    _alloc.POISON_OUTPUTS = True
-    dist.init_process_group(
-        "nccl", init_method=f"file://{Path(tmp) / 'init'}", rank=rank, world_size=world, device_id=device
-    )
-    for case in cases:
-        _run_case(case, dist.group.WORLD, Path(tmp), device)
-    dist.destroy_process_group()
-
-
-def _spawn(worker, nprocs: int, tmp: Path, cases: list[Case]) -> None:
-    """Run ``worker(rank, nprocs, tmp, cases)`` in ``nprocs`` fresh processes; fail the test if one
-    raises (with its traceback) or if they are not done within SPAWN_DEADLINE_S."""
-    context = mp.start_processes(worker, args=(nprocs, str(tmp), cases), nprocs=nprocs, join=False)
+def _spawn(nprocs: int, tmp: Path, cases: list[Case], backend: str) -> None:
+    """Run ``_worker(rank, nprocs, tmp, cases, backend)`` in ``nprocs`` fresh processes; fail the test if
+    one raises (with its traceback) or if they are not done within SPAWN_DEADLINE_S."""
+    context = mp.start_processes(_worker, args=(nprocs, str(tmp), cases, backend), nprocs=nprocs, join=False)
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
@@ -340,7 +385,7 @@ def _spawn(worker, nprocs: int, tmp: Path, cases: list[Case]) -> None:
 def ring_runs(tmp_path_factory) -> Path:
     """Run every case in one spawn of 4 gloo processes; returns the folder holding their results."""
     tmp = tmp_path_factory.mktemp("ring")
-    _spawn(_gloo_worker, 4, tmp, CASES)
+    _spawn(4, tmp, CASES, "gloo")
     return tmp
 
 
@@ -352,43 +397,89 @@ def _outcome(ring_runs: Path, name: str) -> dict:
 # The tests
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_ring_matches_full_sequence_attention(ring_runs, case):
-    q, k, v, dout, dlse = full_inputs(case)
-    results = torch.load(ring_runs / f"{case.name}.pt")
+def _check_case(case: Case, runs: Path, device: str) -> None:
+    """Hold one case's gathered results to the tolerance rule against the oracle on the full sequence."""
+    q, k, v, dout, dlse = (None if t is None else t.to(device) for t in full_inputs(case))
+    results = {name: x.to(device) for name, x in torch.load(runs / f"{case.name}.pt").items()}
     expected = {"out", "dq", "dk", "dv"} | (set() if case.packed else {"lse"})
     expected |= {"dsink", "dsink_shares"} if case.sink else set()
     assert set(results) == expected
     shares = results.pop("dsink_shares", None)
-    check_against_oracle(results, q, k, v, dout, dlse=dlse, **case.oracle_options)
+    options = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in case.oracle_options.items()}
+    check_against_oracle(results, q, k, v, dout, dlse=dlse, **options)
     if shares is not None:
         # Not all-reduced inside: each rank holds its own share (rows for the ring, heads for Ulysses).
         torch.testing.assert_close(shares.sum(0), results["dsink"], rtol=1e-5, atol=1e-6)
         assert not torch.equal(shares[0], shares[1])
 
 
-GPU_CASES = [
-    Case(2, layout, causal=causal, dtype=torch.bfloat16, shard_len=2048, heads=(8, 2), head_dims=(128, 128))
-    for layout, causal in (("zigzag", True), ("contiguous", True), ("zigzag", False))
-] + [
-    Case(2, "zigzag", causal=True, softcap=30.0, sink=True, dtype=torch.bfloat16, shard_len=1024, heads=(8, 2),
-         head_dims=(128, 128)),
-    Case(2, "contiguous", method="ulysses", causal=True, alibi=True, sink=True, dtype=torch.bfloat16,
-         shard_len=1024, heads=(8, 2), head_dims=(128, 128)),
-]  # fmt: skip
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_ring_matches_full_sequence_attention(ring_runs, case):
+    _check_case(case, ring_runs, "cpu")
+
+
+def gpu_cases(world: int) -> list[Case]:
+    """The NCCL cases on ``world`` GPUs: bf16 (and one fp16), head dim 128, 1023 to 2050 positions per
+    rank (some not a multiple of any tile), ring zigzag and contiguous, causal or not, windows, GQA,
+    softcap and sinks, Ulysses with GQA heads split or repeated; nheads are multiples of ``world``."""
+    big = {"dtype": torch.bfloat16, "head_dims": (128, 128)}
+    return [
+        Case(world, "zigzag", causal=True, shard_len=2048, heads=(8, 2), **big),
+        Case(world, "contiguous", causal=True, shard_len=2048, heads=(8, 2), seed=1, **big),
+        Case(world, "zigzag", shard_len=2048, heads=(8, 8), dlse=True, seed=2, **big),
+        Case(world, "contiguous", shard_len=1023, heads=(8, 2), batch=2, seed=3, **big),
+        Case(world, "zigzag", window=(1500, 300), shard_len=2050, heads=(8, 2), seed=4, **big),  # chunks of 1025
+        Case(world, "zigzag", causal=True, softcap=30.0, sink=True, shard_len=1024, heads=(8, 2), seed=5, **big),
+        Case(world, "zigzag", causal=True, packed=True, shard_len=1024, heads=(8, 8), seed=6, **big),
+        Case(world, "zigzag", causal=True, shard_len=2048, heads=(8, 2), head_dims=(64, 64), seed=7),  # fp16
+        Case(world, "contiguous", method="ulysses", causal=True, shard_len=1024, heads=(4 * world, world), seed=8,
+             **big),
+        Case(world, "contiguous", method="ulysses", causal=True, alibi=True, sink=True, shard_len=1024,
+             heads=(4 * world, 1), seed=9, **big),  # the one key/value head repeated for every rank
+    ]  # fmt: skip
+
+
+GPU_CASES = gpu_cases(max(GPU_WORLD, 2))
+needs_gpus = pytest.mark.skipif(
+    GPU_WORLD < 2, reason=f"needs 2 CUDA devices for NCCL, this machine has {torch.cuda.device_count()}"
+)
+
+
+@pytest.fixture(scope="module")
+def nccl_runs(tmp_path_factory) -> Path:
+    """Run every GPU case in one spawn of GPU_WORLD NCCL processes; returns the folder of their results."""
+    tmp = tmp_path_factory.mktemp("ring-nccl")
+    with pytest.MonkeyPatch.context() as patch:  # the children inherit the environment
+        for name, value in MULTICAST_OFF.items():
+            patch.setenv(name, value)
+        _spawn(GPU_WORLD, tmp, GPU_CASES, "nccl")
+    return tmp
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_ring_over_nccl(tmp_path):
-    """The same check on 2 GPUs over NCCL, sequence 4096, compiled Triton kernels."""
-    _spawn(_nccl_worker, 2, tmp_path, GPU_CASES)
-    for case in GPU_CASES:
-        q, k, v, dout, _ = (None if t is None else t.cuda() for t in full_inputs(case))
-        results = {name: x.cuda() for name, x in torch.load(tmp_path / f"{case.name}.pt").items()}
-        results.pop("dsink_shares", None)
-        options = {name: x.cuda() if isinstance(x, torch.Tensor) else x for name, x in case.oracle_options.items()}
-        check_against_oracle(results, q, k, v, dout, **options)
+@needs_gpus
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_nccl_matches_full_sequence_attention(nccl_runs, case):
+    """Compiled kernels over NCCL, one GPU per rank, against the oracle on the full sequence (on a GPU)."""
+    _check_case(case, nccl_runs, "cuda")
+
+
+@pytest.mark.gpu
+@needs_gpus
+def test_nccl_inputs_on_the_cpu_fail_on_every_rank(nccl_runs):
+    own = _outcome(nccl_runs, "cpu-on-nccl-0")
+    assert own["error"] == "ValueError" and "moves CUDA tensors only" in own["message"], own
+    for rank in range(1, GPU_WORLD):
+        other = _outcome(nccl_runs, f"cpu-on-nccl-{rank}")
+        assert other["error"] == "ValueError" and "Rank(s) [0] of the group rejected" in other["message"], other
+
+
+@pytest.mark.gpu
+@needs_gpus
+def test_nccl_ring_runs_on_the_inputs_gpu_whatever_gpu_is_current(nccl_runs):
+    for rank in range(GPU_WORLD):
+        outcome = _outcome(nccl_runs, f"other-device-{rank}")
+        assert outcome["same"], outcome
 
 
 def test_shapes_that_differ_across_ranks_fail_on_every_rank(ring_runs):
@@ -534,3 +625,28 @@ def test_needs_an_initialised_process_group():
         ulysses_flash_attn_func(q, q, q)
     with pytest.raises(RuntimeError, match="init_process_group"):
         unshard(q)
+
+
+def test_which_backends_need_cuda_tensors():
+    assert ring.backend_needs_cuda("nccl")
+    assert not ring.backend_needs_cuda("gloo")
+    assert not ring.backend_needs_cuda("cpu:gloo,cuda:nccl")  # CPU tensors go through gloo
+    assert not ring.backend_needs_cuda("undefined")
+
+
+def test_cpu_inputs_on_an_nccl_group_are_rejected_before_any_transfer():
+    class NcclRing:  # what check_device reads of a _Ring over NCCL
+        caller, backend, needs_cuda = "ring_flash_attn_func", "nccl", True
+
+        def collective_device(self, device):
+            return ring._Ring.collective_device(self, device)
+
+    q = torch.randn(1, 8, 2, 32).half()
+    with pytest.raises(ValueError, match="'nccl', which moves CUDA tensors only, but q is on cpu"):
+        ring.check_device(q, NcclRing())
+    assert NcclRing().collective_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    gloo = NcclRing()
+    gloo.backend, gloo.needs_cuda = "gloo", False
+    ring.check_device(q, gloo)
+    assert gloo.collective_device(q.device) == q.device
+    assert isinstance(ring.on_device(q), type(ring.on_device(None)))  # no device switch for CPU tensors

@@ -55,6 +55,18 @@ ALiBi is not supported: its bias -slope * |p - p'| needs the global offset q_seg
 each block, while the kernels take the bias's diagonal from the block's shape (Lk - Lq), the same one
 as the mask's; see ``_ALIBI_NOT_IMPLEMENTED``.
 
+Devices and streams (NCCL)
+--------------------------
+Every rank computes on the device of its q (the ring runs under ``torch.cuda.device(q.device)``, so
+the kernels and NCCL use that GPU whatever the current device was), and the group's backend must
+reach that device: a group that only speaks NCCL needs CUDA tensors (checked on every rank, with
+the same all_gather as the shapes). NCCL runs the transfers on its own stream, ordered after the work
+already queued on the current stream when ``pass_on`` is called; ``_Incoming.wait`` makes the current
+stream wait for them. So a buffer handed to ``pass_on`` is never written afterwards (each step's
+accumulator is a new tensor), a received buffer is read only after ``wait``, and every transfer is
+waited for before its buffers are dropped (the process group keeps them alive until then, so the
+caching allocator cannot hand their memory to a later kernel while NCCL still uses it).
+
 Failure
 -------
 Before the ring starts, every rank's shapes and options are compared with one all_gather of a dozen
@@ -67,6 +79,7 @@ watchdog aborts after its timeout): then they raise a RuntimeError that says so.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 from dataclasses import dataclass, replace
@@ -189,13 +202,31 @@ class _Ring:
         self.size = dist.get_world_size(self.group)
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        self.backend = str(dist.get_backend(self.group))
+
+    @property
+    def needs_cuda(self) -> bool:
+        """Whether the group's backend only moves CUDA tensors (NCCL without a CPU backend beside it)."""
+        return backend_needs_cuda(self.backend)
+
+    def collective_device(self, device: torch.device) -> torch.device:
+        """Where this rank's small collectives (the input check) run: ``device``, unless the backend cannot
+        reach it (a CPU tensor on an NCCL group); then the current CUDA device, so that a rank with inputs
+        on the wrong device can still take part in the check and make every rank raise."""
+        return (
+            torch.device("cuda", torch.cuda.current_device()) if self.needs_cuda and device.type != "cuda" else device
+        )
 
     def pass_on(self, x: Tensor) -> _Incoming:
         """Start sending contiguous ``x`` to the next rank and receiving the previous rank's tensor of the
-        same shape; returns at once. With one rank, the incoming tensor is ``x`` itself."""
+        same shape; returns at once. With one rank, the incoming tensor is ``x`` itself.
+
+        Until ``wait()`` on the result: ``x`` must not be written (NCCL reads it on its own stream) and the
+        received tensor must not be read."""
         if self.size == 1:
             return _Incoming(self, [], x)
-        incoming = torch.empty_like(x)
+        assert x.is_contiguous(), "point-to-point buffers must be contiguous"
+        incoming = torch.empty_like(x, memory_format=torch.contiguous_format)
         ops = [
             dist.P2POp(dist.isend, x, self.next, self.group),
             dist.P2POp(dist.irecv, incoming, self.prev, self.group),
@@ -231,6 +262,31 @@ class _Ring:
             "its backward) within the process group's timeout, set by "
             "torch.distributed.init_process_group(timeout=...). The cause is on the other rank."
         )
+
+
+def backend_needs_cuda(backend: str) -> bool:
+    """Whether a process group with ``dist.get_backend`` name ``backend`` only moves CUDA tensors: "nccl",
+    but not "gloo", nor a mixed "cpu:gloo,cuda:nccl"."""
+    name = backend.lower()
+    return "nccl" in name and "gloo" not in name and "cpu:" not in name
+
+
+def check_device(q: Tensor, ring: _Ring) -> None:
+    """Raise ValueError unless the group's backend can move tensors of q's device."""
+    require(
+        q.device.type == "cuda" or not ring.needs_cuda,
+        f"{ring.caller}: the process group's backend is {ring.backend!r}, which moves CUDA tensors only, but q is "
+        f"on {q.device}. Move q, k and v to this rank's GPU (torch.cuda.set_device(local_rank) and "
+        "tensor.cuda()), or use a gloo group for CPU tensors.",
+    )
+
+
+def on_device(x: object) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device(x.device)`` for a CUDA tensor ``x``: the kernels and NCCL then use x's GPU even
+    when another one is current. A no-op for anything else."""
+    if isinstance(x, Tensor) and x.device.type == "cuda":
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 class _Incoming:
@@ -332,8 +388,11 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: _
                 softcap=setup.softcap,
             )  # fmt: skip
             _merge(out[:, b.q0 : b.q1], lse[:, :, b.q0 : b.q1], block_out, block_lse)
+            del block_out, block_lse
+        del k_s, v_s  # views of this step's buffer: the next step's receive buffer must not add a third
         if incoming is not None:
             kv = incoming.wait()
+    del kv
     if sink is not None:
         _merge_sink(out, lse, sink)
     return out.to(q.dtype), lse
@@ -355,9 +414,9 @@ def _ring_backward(
     for step in range(ring.size):
         kv_incoming = ring.pass_on(kv) if step + 1 < ring.size else None
         k_s, v_s = _unpack(kv, k.shape, v.shape)
-        blocks = setup.blocks((ring.rank - step) % ring.size, shard_len)
-        grads = [
-            torch.ops.flashtile.attention_backward(
+        kv_grads = []  # (block, dk_b, dv_b), added once the accumulator of this K/V shard has arrived
+        for b in setup.blocks((ring.rank - step) % ring.size, shard_len):
+            dq_b, dk_b, dv_b = torch.ops.flashtile.attention_backward(
                 dout[:, b.q0 : b.q1],
                 q[:, b.q0 : b.q1],
                 k_s[:, b.k0 : b.k1],
@@ -370,20 +429,24 @@ def _ring_backward(
                 b.right,
                 softcap=setup.softcap,
             )
-            for b in blocks
-        ]
+            dq[:, b.q0 : b.q1] += dq_b
+            kv_grads.append((b, dk_b, dv_b))
+            del dq_b, dk_b, dv_b
+        del k_s, v_s
         if dkv_incoming is None:
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         else:
-            dkv = dkv_incoming.wait()
+            dkv = dkv_incoming.wait()  # also frees the accumulator this rank sent a step ago
         dk_s, dv_s = _unpack(dkv, k.shape, v.shape)
-        for b, (dq_b, dk_b, dv_b) in zip(blocks, grads, strict=True):
-            dq[:, b.q0 : b.q1] += dq_b
+        for b, dk_b, dv_b in kv_grads:
             dk_s[:, b.k0 : b.k1] += dk_b
             dv_s[:, b.k0 : b.k1] += dv_b
+        del kv_grads, dk_s, dv_s
         dkv_incoming = ring.pass_on(dkv)  # after the last step, this is the hop home
+        del dkv  # never written again: the transfer holds it until dkv_incoming.wait()
         if kv_incoming is not None:
             kv = kv_incoming.wait()
+    del kv
     dk, dv = _unpack(dkv_incoming.wait(), k.shape, v.shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -401,6 +464,12 @@ class _RingFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+        q = ctx.saved_tensors[0]
+        with on_device(q):
+            return _RingFlashAttention._backward(ctx, dout, dlse)
+
+    @staticmethod
+    def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
         q, k, v, out, lse, sink = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
@@ -578,19 +647,22 @@ def ring_flash_attn_func(
     check_layout(layout)
     left, right = window_bounds(window_size, causal)
     ring = _Ring(group)
-    require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
-    try:
-        _check_shard(q, k, v, layout)
-        softcap, _, learnable_sink = check_options(q, softcap, None, learnable_sink)
-    except (TypeError, ValueError):
-        _check_across_ranks(ring, q.device, None)
-        raise
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    setup = _Setup(ring, layout, float(softmax_scale), left, right, softcap)
-    _check_across_ranks(ring, q.device, _signature(q, k, v, setup, learnable_sink is not None))
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse = _RingFlashAttention.apply(q, k, v, learnable_sink, setup)
+    device = ring.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
+    with on_device(q):
+        try:
+            require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
+            _check_shard(q, k, v, layout)
+            check_device(q, ring)
+            softcap, _, learnable_sink = check_options(q, softcap, None, learnable_sink)
+        except (TypeError, ValueError):
+            _check_across_ranks(ring, device, None)
+            raise
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        setup = _Setup(ring, layout, float(softmax_scale), left, right, softcap)
+        _check_across_ranks(ring, device, _signature(q, k, v, setup, learnable_sink is not None))
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        out, lse = _RingFlashAttention.apply(q, k, v, learnable_sink, setup)
     return (out, lse, None) if return_attn_probs else out
 
 

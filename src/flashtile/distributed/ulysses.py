@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashtile.distributed.ring import _check_across_ranks, _Ring, _Setup, _signature
+from flashtile.distributed.ring import _check_across_ranks, _Ring, _Setup, _signature, check_device, on_device
 from flashtile.interface import (
     NO_WINDOW,
     check_options,
@@ -135,18 +135,41 @@ def ulysses_flash_attn_func(
     check_unimplemented(dropout_p)
     left, right = window_bounds(window_size, causal)
     comm = _Ring(group, caller="ulysses_flash_attn_func")
-    require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
-    try:
-        _check_shard(q, k, v, comm.size)
-        softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
-    except (TypeError, ValueError):
-        _check_across_ranks(comm, q.device, None)
-        raise
+    device = comm.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
+    with on_device(q):
+        try:
+            require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
+            _check_shard(q, k, v, comm.size)
+            check_device(q, comm)
+            softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
+        except (TypeError, ValueError):
+            _check_across_ranks(comm, device, None)
+            raise
+        return _ulysses(q, k, v, softmax_scale, left, right, softcap, alibi_slopes, return_attn_probs, learnable_sink,
+                        comm, device)  # fmt: skip
+
+
+def _ulysses(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float | None,
+    left: int | None,
+    right: int | None,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    return_attn_probs: bool,
+    learnable_sink: Tensor | None,
+    comm: _Ring,
+    device: torch.device,
+):
+    """``ulysses_flash_attn_func`` once every rank's inputs are valid on their own: the cross-rank check,
+    then the exchanges and the attention, on q's device."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     setup = _Setup(comm, "contiguous", float(softmax_scale), left, right, softcap)
     signature = _signature(q, k, v, setup, learnable_sink is not None, alibi_slopes is not None)
-    _check_across_ranks(comm, q.device, signature)
+    _check_across_ranks(comm, device, signature)
 
     world, nheads, nheads_k = comm.size, q.shape[2], k.shape[2]
     if nheads_k % world != 0:  # world % nheads_k == 0: rank r's query heads use key/value head r // repeats
