@@ -145,7 +145,7 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
         "stride_ls": INT, "stride_lb": INT, "stride_lh": INT, "stride_bt": INT, "stride_ab": INT, "stride_cos": INT,
         "nheads_k": INT, "group": INT, "seqlen_q": INT, "seqlen_new": INT, "seqlen_cache": INT, "num_splits": INT,
-        "left": INT, "right": INT, "qk_scale": FP, "softcap": FP,
+        "seqlen_ro": INT, "num_slots": INT, "left": INT, "right": INT, "qk_scale": FP, "softcap": FP,
     },
     "_combine_kernel": {  # split_kv.decode_attention, when num_splits > 1
         "OutPart": F32, "LsePart": F32, "Out": T, "Lse": F32,
@@ -159,7 +159,7 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "Cos": Ptr(DATA, "ROTARY_DIM"), "Sin": Ptr(DATA, "ROTARY_DIM"),
         "stride_kb": ST, "stride_kn": ST, "stride_kh": ST, "stride_vb": ST, "stride_vn": ST, "stride_vh": ST,
         "stride_kcb": ST, "stride_kcn": ST, "stride_kch": ST, "stride_vcb": ST, "stride_vcn": ST, "stride_vch": ST,
-        "stride_bt": INT, "stride_cos": INT, "seqlen_new": INT,
+        "stride_bt": INT, "stride_cos": INT, "seqlen_new": INT, "seqlen_cache": INT, "seqlen_ro": INT, "num_slots": INT,
     },
 }
 # fmt: on

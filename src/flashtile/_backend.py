@@ -6,7 +6,9 @@
 | CPU tensor and ``TRITON_INTERPRET=1`` set before import      | the same Triton kernels, interpreted |
 | CPU tensor otherwise                                         | ``flashtile.cpu``: PyTorch, tiled  |
 
-Nothing else in flashtile reads the environment. Each path module provides
+Nothing else in flashtile reads the environment. It also holds the value-check switch: whether checks
+that need the *values* of index tensors (``cache_seqlens``, ``block_table``, ``cu_seqlens``, ...) run
+(``values_checked``); see docs/validation.md. Each path module provides
 ``attention_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap,
 learnable_sink, dropout_p, rng_state) -> (out, lse)``, ``attention_backward(dout, q, k, v, out, lse,
 softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink, dropout_p,
@@ -17,12 +19,64 @@ rng_state) -> (dq, dk, dv)``,
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _env_flag(name: str, default: str) -> bool:
+    value = os.environ.get(name, default).strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}.")
+    return value == "1"
+
+
+CHECK_VALUES = _env_flag("FLASHTILE_CHECK_VALUES", "1")
+"""The process-wide default of the value checks on CUDA tensors: ``FLASHTILE_CHECK_VALUES=0`` turns them off."""
+
+_check_values: contextvars.ContextVar[bool | None] = contextvars.ContextVar("flashtile_check_values", default=None)
+
+
+@contextlib.contextmanager
+def check_values(enabled: bool) -> Iterator[None]:
+    """Turn the checks of index *values* on CUDA tensors on or off inside a ``with`` block (or a function,
+    as a decorator); the default comes from ``FLASHTILE_CHECK_VALUES`` (1: on).
+
+    These checks copy the index tensors to the host, a synchronisation that drains the GPU's queue, on
+    every call; a serving loop that builds its indices itself turns them off::
+
+        with check_values(False):
+            out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table)
+
+    Shape, dtype and device checks always run, CPU tensors are always checked (no synchronisation), and
+    with the checks off bad values give wrong numbers, never an illegal memory access (docs/validation.md).
+    The setting is a ``contextvars.ContextVar``: it holds for this thread (and asyncio task) only.
+    """
+    token = _check_values.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _check_values.reset(token)
+
+
+def values_checked(device: torch.device) -> bool:
+    """Whether checks of index values run now for tensors on ``device``: always on the CPU, never while
+    torch.compile traces (there are no values), and on CUDA unless switched off (``check_values``,
+    ``FLASHTILE_CHECK_VALUES``) or the current stream is capturing a CUDA graph (a sync would break it)."""
+    if torch.compiler.is_compiling():  # first: dynamo must not trace the capture query below
+        return False
+    if device.type != "cuda":
+        return True
+    enabled = _check_values.get()
+    if not (CHECK_VALUES if enabled is None else enabled):
+        return False
+    return not torch.cuda.is_current_stream_capturing()
 
 
 def path_name(device: torch.device) -> str:

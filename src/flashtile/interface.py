@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from flashtile import _ops
+from flashtile import _backend, _ops
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -487,8 +487,11 @@ def varlen_attention(
     )
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
-    if not torch.compiler.is_compiling():  # values need the host; a traced graph must not sync
+    if _backend.values_checked(q.device):  # values need the host: one sync on CUDA (docs/validation.md)
         check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    else:  # unchecked (switched off, CUDA-graph capture, torch.compile): keep every sequence inside the tensors
+        cu_seqlens_q = torch.cummax(cu_seqlens_q.clamp(0, q.shape[0]), 0).values
+        cu_seqlens_k = torch.cummax(cu_seqlens_k.clamp(0, k.shape[0]), 0).values
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))

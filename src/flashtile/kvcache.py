@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from flashtile import _backend
 from flashtile._backend import path_name
 from flashtile.interface import (
     NO_WINDOW,
@@ -222,11 +223,16 @@ def _check_cache_values(
     seqlen_new: int,
     seqlen_cache: int,
     num_slots: int,
+    seqlen_q: int,
+    seqlen_ro: int,
+    rotary_per_token: bool,
 ) -> None:
     """Check index values against the cache, with one device-to-host copy when all are valid.
 
     cache_seqlens + seqlen_new <= seqlen_cache; 0 <= cache_leftpad <= cache_seqlens; cache_batch_idx and
-    every block_table entry that covers a key in [0, num_slots) (k_cache.shape[0]).
+    every block_table entry that covers a key in [0, num_slots) (k_cache.shape[0]); with rotary tables of
+    seqlen_ro > 0 rows, q's positions (cache_seqlens + seqlen_q - 1 if rotary_per_token, else
+    cache_seqlens) below seqlen_ro.
     """
     checks: list[tuple[torch.Tensor, Callable[[], str]]] = []
     if cache_seqlens is not None:
@@ -235,6 +241,14 @@ def _check_cache_values(
             ((cache_seqlens < 0) | (end > seqlen_cache)).any(),
             lambda: f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length) with "
             f"seqlen_new = {seqlen_new}, got cache_seqlens {cache_seqlens.tolist()}. Allocate a longer cache.",
+        ))  # fmt: skip
+    if seqlen_ro and cache_seqlens is not None and seqlen_q:
+        last_q = cache_seqlens.long() + (seqlen_q - 1 if rotary_per_token else 0)
+        checks.append((
+            (last_q >= seqlen_ro).any(),
+            lambda: f"rotary_cos/rotary_sin have {seqlen_ro} rows (positions), but q is rotated at positions up to "
+            f"{int(last_q.max())} (cache_seqlens {cache_seqlens.tolist()}, seqlen_q = {seqlen_q}): pass tables "
+            "that cover every query position.",
         ))  # fmt: skip
     if cache_leftpad is not None:
         lengths = torch.full_like(cache_leftpad, seqlen_cache) if cache_seqlens is None else cache_seqlens
@@ -369,8 +383,13 @@ def flash_attn_with_kvcache(
         softmax_lse (if return_softmax_lse): (batch_size, nheads, seqlen_q), float32, the natural-log sum
             of exp of each row of scores (after scale, softcap and ALiBi); -inf for a row that sees no key
 
-    Validation of index values (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) reads them
-    to the host once per call; it is skipped while torch.compile traces and during CUDA-graph capture.
+    Validation. Shapes, dtypes and devices are always checked. The *values* of cache_seqlens,
+    cache_leftpad, cache_batch_idx and block_table are checked against the cache too, which for CUDA
+    tensors costs one device-to-host copy (a synchronisation) per call; it is skipped while torch.compile
+    traces, during CUDA-graph capture, and when switched off (``flashtile._backend.check_values(False)`` or
+    ``FLASHTILE_CHECK_VALUES=0``). Unchecked bad values give wrong numbers (and may write the new k/v to a
+    wrong place in the cache), never an illegal memory access: the kernels clamp them into the cache.
+    CPU tensors are always checked. See docs/validation.md.
     """
     _check_q(q)
     batch, _, nheads, head_dim = q.shape
@@ -390,6 +409,10 @@ def flash_attn_with_kvcache(
         )
         require(cache_seqlens is not None, "cache_seqlens must be given with k and v: it says where they go.")
         seqlen_new = k.shape[1]
+        require(
+            seqlen_new <= seqlen_cache,
+            f"k and v hold {seqlen_new} new tokens but the cache has room for {seqlen_cache}. Allocate a longer cache.",
+        )
         k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     if isinstance(cache_seqlens, int):
         require(
@@ -406,11 +429,11 @@ def flash_attn_with_kvcache(
         f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}.",
     )
     left, right = _window(window_size, causal, seqlen_cache)
-    # is_compiling first: dynamo must never trace the capture query (a torch.* call that returns a bool).
-    if not torch.compiler.is_compiling() and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if _backend.values_checked(q.device):  # one device-to-host copy on CUDA (docs/validation.md)
         _check_cache_values(
-            cache_seqlens, cache_leftpad, cache_batch_idx, block_table, seqlen_new, seqlen_cache, k_cache.shape[0]
-        )
+            cache_seqlens, cache_leftpad, cache_batch_idx, block_table, seqlen_new, seqlen_cache, k_cache.shape[0],
+            q.shape[1], 0 if rotary_cos is None else rotary_cos.shape[0], left is not None or right is not None,
+        )  # fmt: skip
 
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)

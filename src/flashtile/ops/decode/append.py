@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops.attention.configs import padded_head_dim
-from flashtile.ops.decode.tiles import cache_slots, load_rotated, load_rows
+from flashtile.ops.decode.tiles import cache_length, cache_slots, load_rotated, load_rows
 
 BLOCK_T = 16  # new tokens per program
 
@@ -41,6 +41,9 @@ def _append_kernel(
     stride_bt,
     stride_cos,
     seqlen_new,
+    seqlen_cache,
+    seqlen_ro,
+    num_slots,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -51,7 +54,9 @@ def _append_kernel(
     ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr,
 ):
-    """K (B, Sn, Hk, D), V (B, Sn, Hk, DV) -> rows cache_seqlens[b] + [0, Sn) of KCache, VCache."""
+    """K (B, Sn, Hk, D), V (B, Sn, Hk, DV) -> rows cache_seqlens[b] + [0, Sn) of KCache, VCache.
+
+    Index values are clamped into the cache as the attention kernel clamps them (``tiles``)."""
     tile_t = tl.program_id(0)
     off_b = tl.program_id(1)
     off_h = tl.program_id(2)
@@ -59,12 +64,14 @@ def _append_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     t_ok = offs_t < seqlen_new
-    pos = tl.load(CacheSeqlens + off_b) + offs_t  # [BLOCK_T] cache positions
-    slot, row = cache_slots(pos, t_ok, off_b, BatchIdx, BlockTable, stride_bt, PAGE_SIZE, HAS_BATCH_IDX)
+    pos = cache_length(CacheSeqlens, off_b, seqlen_cache, seqlen_new, True) + offs_t  # [BLOCK_T] cache positions
+    slot, row = cache_slots(pos, t_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX)
 
     b64 = tl.cast(off_b, tl.int64)
     k_rows = K + b64 * stride_kb + off_h * stride_kh + offs_t * stride_kn  # [BLOCK_T]
-    k = load_rotated(k_rows, t_ok, pos, Cos, Sin, stride_cos, offs_d, HEAD_DIM, ROTARY_DIM, ROTARY_INTERLEAVED)
+    k = load_rotated(
+        k_rows, t_ok, pos, Cos, Sin, stride_cos, seqlen_ro, offs_d, HEAD_DIM, ROTARY_DIM, ROTARY_INTERLEAVED
+    )
     kc_rows = KCache + slot * stride_kcb + row * stride_kcn + off_h * stride_kch  # [BLOCK_T]
     tl.store(kc_rows[:, None] + offs_d[None, :], k, mask=t_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
@@ -104,6 +111,7 @@ def append_kv(
         return
     head_dim_v = v.shape[3]
     rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
+    seqlen_cache = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
     grid = (triton.cdiv(seqlen_new, BLOCK_T), batch, nheads_k)
     _append_kernel[grid](
         k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
@@ -113,7 +121,7 @@ def append_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         0 if block_table is None else block_table.stride(0),
         0 if rotary_cos is None else rotary_cos.stride(0),
-        seqlen_new,
+        seqlen_new, seqlen_cache, 0 if rotary_cos is None else rotary_cos.shape[0], k_cache.shape[0],
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
         BLOCK_D=padded_head_dim(head_dim),

@@ -25,7 +25,7 @@ from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
-from flashtile.ops.decode.tiles import cache_slots, load_rotated, load_rows
+from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows
 
 
 @triton.jit
@@ -45,6 +45,7 @@ def _decode_tile(
     stride_vn,
     stride_vh,
     stride_bt,
+    num_slots,
     off_b,
     off_hk,
     leftpad,
@@ -73,7 +74,9 @@ def _decode_tile(
     """One online-softmax step over the keys [start_n, start_n + BLOCK_N) of one batch entry and kv head."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < seqlen_k
-    slot, row = cache_slots(leftpad + offs_n, n_ok, off_b, BatchIdx, BlockTable, stride_bt, PAGE_SIZE, HAS_BATCH_IDX)
+    slot, row = cache_slots(
+        leftpad + offs_n, n_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX
+    )
     k_rows = KCache + slot * stride_kb + row * stride_kn + off_hk * stride_kh  # [BLOCK_N]
     v_rows = VCache + slot * stride_vb + row * stride_vn + off_hk * stride_vh
     k = load_rows(k_rows, n_ok, offs_d, HEAD_DIM, MASKED)  # [BLOCK_N, D]
@@ -142,6 +145,8 @@ def _split_kv_kernel(
     seqlen_q,
     seqlen_new,
     seqlen_cache,
+    seqlen_ro,
+    num_slots,
     num_splits,
     left,
     right,
@@ -168,6 +173,7 @@ def _split_kv_kernel(
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (S, B, Sq, H, DV), Lse (S, B, H, Sq) for split s.
 
     With one split, S is absent (stride 0) and Out, Lse are the final output (q's dtype) and LSE.
+    Index values are clamped into the cache (``tiles``): bad ones give wrong numbers, never a bad access.
     """
     off_bhk = tl.program_id(0)
     split = tl.program_id(1)
@@ -176,12 +182,10 @@ def _split_kv_kernel(
     off_hk = off_bhk % nheads_k
     b64 = tl.cast(off_b, tl.int64)
 
-    cache_len = seqlen_cache
-    if HAS_SEQLENS:
-        cache_len = tl.load(CacheSeqlens + off_b)
+    cache_len = cache_length(CacheSeqlens, off_b, seqlen_cache, seqlen_new, HAS_SEQLENS)
     leftpad = 0
     if HAS_LEFTPAD:
-        leftpad = tl.load(LeftPad + off_b)
+        leftpad = clamp(tl.load(LeftPad + off_b), 0, cache_len)
     seqlen_k = cache_len + seqlen_new - leftpad
     diag = seqlen_k - seqlen_q
 
@@ -197,7 +201,9 @@ def _split_kv_kernel(
         q_pos = cache_len + tok
     else:
         q_pos = cache_len + tl.zeros_like(tok)
-    q = load_rotated(q_rows, row_ok, q_pos, Cos, Sin, stride_cos, offs_d, HEAD_DIM, ROTARY_DIM, ROTARY_INTERLEAVED)
+    q = load_rotated(
+        q_rows, row_ok, q_pos, Cos, Sin, stride_cos, seqlen_ro, offs_d, HEAD_DIM, ROTARY_DIM, ROTARY_INTERLEAVED
+    )
     slope = tl.zeros([BLOCK_M], tl.float32)
     if HAS_ALIBI:
         slope = tl.load(Alibi + b64 * stride_ab + off_h) * LOG2E
@@ -230,7 +236,7 @@ def _split_kv_kernel(
     for start_n in range(start, mid_lo, BLOCK_N):
         acc, m_i, l_i = _decode_tile(
             acc, m_i, l_i, q, KCache, VCache, BatchIdx, BlockTable,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, num_slots,
             off_b, off_hk, leftpad, start_n, tok, slope, offs_d, offs_dv, seqlen_k, diag, left, right,
             qk_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, HAS_BATCH_IDX,
             True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
@@ -238,7 +244,7 @@ def _split_kv_kernel(
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, m_i, l_i = _decode_tile(
             acc, m_i, l_i, q, KCache, VCache, BatchIdx, BlockTable,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, num_slots,
             off_b, off_hk, leftpad, start_n, tok, slope, offs_d, offs_dv, seqlen_k, diag, left, right,
             qk_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, HAS_BATCH_IDX,
             False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
@@ -246,7 +252,7 @@ def _split_kv_kernel(
     for start_n in range(mid_hi, end, BLOCK_N):
         acc, m_i, l_i = _decode_tile(
             acc, m_i, l_i, q, KCache, VCache, BatchIdx, BlockTable,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, num_slots,
             off_b, off_hk, leftpad, start_n, tok, slope, offs_d, offs_dv, seqlen_k, diag, left, right,
             qk_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, HAS_BATCH_IDX,
             True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
@@ -403,7 +409,8 @@ def decode_attention(
         0 if block_table is None else block_table.stride(0),
         0 if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes.stride(0),
         0 if rotary_cos is None else rotary_cos.stride(0),
-        nheads_k, group, seqlen_q, seqlen_new, seqlen_cache, num_splits,
+        nheads_k, group, seqlen_q, seqlen_new, seqlen_cache, 0 if rotary_cos is None else rotary_cos.shape[0],
+        k_cache.shape[0], num_splits,
         0 if window_left is None else window_left,
         0 if window_right is None else window_right,
         qk_scale, softcap_log2,

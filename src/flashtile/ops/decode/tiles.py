@@ -7,6 +7,12 @@ first row of the cache, ``cache_leftpad`` and ``cache_seqlens`` count in the sam
     paged cache (num_blocks, PAGE_SIZE, nheads_k, headdim):            [block_table[b, pos // PAGE_SIZE],
                                                                         pos % PAGE_SIZE]
 
+Index values are clamped where they are read, so that bad ones (which ``flashtile.kvcache`` rejects
+unless value checks are off: docs/validation.md) give wrong numbers, never an illegal memory access:
+cache_seqlens to [0, seqlen_cache - seqlen_new], cache_leftpad to [0, cache_seqlens], cache_batch_idx and
+block-table entries to [0, num_slots), rotary positions to [0, seqlen_ro). Valid values pass unchanged,
+at the cost of a min and a max.
+
 Rotary embedding, for a row at position p and a column d < ROTARY_DIM, with cos/sin tables of shape
 (seqlen_ro, ROTARY_DIM / 2) and R = ROTARY_DIM:
 
@@ -24,6 +30,21 @@ import triton.language as tl
 
 
 @triton.jit
+def clamp(x, lo, hi):
+    """x limited to [lo, hi] (hi >= lo)."""
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def cache_length(CacheSeqlens, off_b, seqlen_cache, seqlen_new, HAS_SEQLENS: tl.constexpr):
+    """The cache length of batch entry ``off_b`` before the append: cache_seqlens[b] clamped to
+    [0, seqlen_cache - seqlen_new] (the host checks seqlen_new <= seqlen_cache), or seqlen_cache."""
+    if HAS_SEQLENS:
+        return clamp(tl.load(CacheSeqlens + off_b), 0, seqlen_cache - seqlen_new)
+    return seqlen_cache
+
+
+@triton.jit
 def cache_slots(
     pos,
     pos_ok,
@@ -31,21 +52,23 @@ def cache_slots(
     BatchIdx,
     BlockTable,
     stride_bt,
+    num_slots,
     PAGE_SIZE: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
 ):
     """(slot, row), int64, of the cache positions ``pos`` [ROWS] of batch entry ``off_b``.
 
     ``slot`` indexes dim 0 of the cache (a page, or a batch entry: then a scalar), ``row`` dim 1.
-    PAGE_SIZE = 0 means a contiguous cache. Block-table entries are read only where ``pos_ok``.
+    PAGE_SIZE = 0 means a contiguous cache. Block-table entries are read only where ``pos_ok``; they and
+    cache_batch_idx are clamped to [0, num_slots) (num_slots = the cache's dim 0).
     """
     if PAGE_SIZE > 0:
         table = BlockTable + tl.cast(off_b, tl.int64) * stride_bt
-        slot = tl.load(table + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot = clamp(tl.load(table + pos // PAGE_SIZE, mask=pos_ok, other=0), 0, num_slots - 1).to(tl.int64)
         row = (pos % PAGE_SIZE).to(tl.int64)
     else:
         if HAS_BATCH_IDX:
-            slot = tl.load(BatchIdx + off_b).to(tl.int64)
+            slot = clamp(tl.load(BatchIdx + off_b), 0, num_slots - 1).to(tl.int64)
         else:
             slot = tl.cast(off_b, tl.int64)
         row = pos.to(tl.int64)
@@ -79,12 +102,14 @@ def load_rotated(
     Cos,
     Sin,
     stride_cos,
+    seqlen_ro,
     offs_d,
     HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):
-    """``load_rows`` (rows checked), rotated at positions ``pos`` [ROWS]; in the tile's own dtype."""
+    """``load_rows`` (rows checked), rotated at positions ``pos`` [ROWS] (clamped to [0, seqlen_ro), the
+    rows of the cos/sin tables); in the tile's own dtype."""
     x = load_rows(row_ptrs, row_ok, offs_d, HEAD_DIM, True)  # [ROWS, BLOCK_D]
     if ROTARY_DIM > 0:
         rotated = offs_d < ROTARY_DIM
@@ -99,7 +124,7 @@ def load_rotated(
             sign = tl.where(offs_d < HALF, -1.0, 1.0)
         partner = tl.where(rotated, partner, offs_d)
         table_mask = row_ok[:, None] & rotated[None, :]
-        table = pos.to(tl.int64)[:, None] * stride_cos + freq[None, :]  # [ROWS, BLOCK_D]
+        table = clamp(pos, 0, seqlen_ro - 1).to(tl.int64)[:, None] * stride_cos + freq[None, :]  # [ROWS, BLOCK_D]
         cos = tl.load(Cos + table, mask=table_mask, other=1.0).to(tl.float32)
         sin = tl.load(Sin + table, mask=table_mask, other=0.0).to(tl.float32)
         x_partner = load_rows(row_ptrs, row_ok, partner, HEAD_DIM, True).to(tl.float32)
