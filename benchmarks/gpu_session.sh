@@ -24,15 +24,20 @@ for step in "$@"; do
   case $step in
     test) timeout 420 python3 -m pytest tests -q --maxfail=10 -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/test.log" | tail -25 ;;
     ptest)
-      groups=("tests/test_attention.py tests/test_gpu.py tests/test_sdpa.py"
-              "tests/test_variants.py tests/test_dropout.py"
-              "tests/test_varlen.py tests/test_kvcache.py tests/test_padding.py"
+      groups=("tests/test_attention.py -k seqlens"
+              "tests/test_attention.py -k head_dim"
+              "tests/test_attention.py -k not(seqlens)and(not(head_dim))"
+              "tests/test_gpu.py tests/test_sdpa.py tests/test_padding.py"
+              "tests/test_variants.py"
+              "tests/test_dropout.py tests/test_varlen.py"
+              "tests/test_kvcache.py"
               "tests/test_compile.py tests/test_validation.py tests/test_cli.py tests/test_distributed.py")
       for i in "${!groups[@]}"; do
-        timeout ${PTEST_TIMEOUT:-300} python3 -m pytest ${groups[$i]} -q -p no:cacheprovider --durations=3 > "$OUT/ptest$i.log" 2>&1 &
+        timeout ${PTEST_TIMEOUT:-300} python3 -m pytest ${groups[$i]} -q -p no:cacheprovider --durations=3 > "/tmp/ptest$i.log" 2>&1 &
       done
       wait
-      for i in "${!groups[@]}"; do echo "--- ${groups[$i]}"; grep -E "passed|failed|error|FAILED|Timeout" "$OUT/ptest$i.log" | tail -6; done ;;
+      for i in "${!groups[@]}"; do echo "=== ${groups[$i]}"; cat "/tmp/ptest$i.log"; done > "$OUT/ptest.log"
+      for i in "${!groups[@]}"; do echo "--- ${groups[$i]}"; grep -E "passed|failed|error|FAILED|Timeout" "/tmp/ptest$i.log" | tail -6; done ;;
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
     decode) timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$OUT/decode" 2>&1 | tail -40 ;;
     varlen) timeout ${VARLEN_TIMEOUT:-300} python3 benchmarks/bench_varlen.py --out "$OUT/varlen" 2>&1 | tail -12 ;;

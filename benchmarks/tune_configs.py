@@ -23,21 +23,22 @@ import triton
 from flashtile.ops.attention import attention_backward, attention_forward
 from flashtile.ops.attention.configs import TileConfig, override
 
-CANDIDATES = {
+CANDIDATES = {  # (block_m, block_n, num_warps, num_stages[, tma])
     "forward": [
         TileConfig(*c)
-        for c in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 4),
-                  (64, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)]
+        for c in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, True),
+                  (128, 64, 8, 4, True), (128, 64, 8, 5, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True),
+                  (64, 64, 4, 3, True)]
     ],
     "backward_dkdv": [
         TileConfig(*c)
-        for c in [(32, 128, 4, 4), (64, 128, 8, 3), (32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2),
-                  (32, 64, 8, 2), (32, 64, 8, 3), (64, 64, 8, 2)]
+        for c in [(32, 128, 4, 4), (64, 128, 8, 3), (32, 64, 4, 4, True), (64, 128, 8, 3, True),
+                  (32, 64, 4, 3, True), (64, 64, 4, 3, True), (32, 128, 4, 4, True), (64, 64, 8, 2, True)]
     ],
     "backward_dq": [
         TileConfig(*c)
-        for c in [(128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3),
-                  (64, 32, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)]
+        for c in [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, True), (128, 64, 8, 4, True),
+                  (128, 32, 8, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 4, True), (128, 128, 8, 2, True)]
     ],
 }  # fmt: skip
 CANDIDATES["forward_banded_short"] = CANDIDATES["forward"]

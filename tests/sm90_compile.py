@@ -63,10 +63,13 @@ TRITON_DEFAULTS = {"num_warps": 4, "num_stages": 3}  # what a launch without num
 @dataclass(frozen=True)
 class Ptr:
     """A pointer parameter: element type (``DATA`` for the q/k/v dtype) and the constexpr flag under which
-    the launcher passes a tensor (None: always a tensor). ``when`` may be a callable of the constexprs."""
+    the launcher passes a tensor (None: always a tensor). ``when`` may be a callable of the constexprs.
+    ``tile``: the (rows, cols) constexprs of its block when the variant's TMA makes it a tensor descriptor
+    of a (B, S, H, D) tensor (``tiles.tile_sources``)."""
 
     dtype: str
     when: str | None = None
+    tile: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class Scalar:
 
 
 T = Ptr(DATA)  # a q/k/v-typed tensor
+TQ, TK = Ptr(DATA, tile=("BLOCK_M", "BLOCK_D")), Ptr(DATA, tile=("BLOCK_N", "BLOCK_D"))  # descriptors with TMA
+TQV, TKV = Ptr(DATA, tile=("BLOCK_M", "BLOCK_DV")), Ptr(DATA, tile=("BLOCK_N", "BLOCK_DV"))
 F32 = Ptr("fp32")
 INT = Scalar("i32")
 ST = Scalar("i32", aligned=True)  # a stride of a q/k/v-typed tensor
@@ -93,7 +98,7 @@ SPLIT = lambda c: c["_SPLIT"]  # split-KV writes fp32 partial outputs when it sp
 # fmt: off
 ARGS: dict[str, dict[str, Ptr | Scalar]] = {
     "_attention_forward_kernel": {  # forward._launch
-        "Q": T, "K": T, "V": T, "Out": T, "Lse": F32,
+        "Q": TQ, "K": TK, "V": TKV, "Out": TQV, "Lse": F32,
         "Alibi": Ptr("fp32", "HAS_ALIBI"), "Sink": Ptr("fp32", "HAS_SINK"),
         "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
         "Mask": MASK,
@@ -109,7 +114,7 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "nheads": INT, "seqlen_q": INT,
     },
     "_attention_dkdv_kernel": {  # backward._launch
-        "Q": T, "K": T, "V": T, "DOut": T, "Lse": F32, "Delta": F32, "DK": T, "DV": T,
+        "Q": TQ, "K": TK, "V": TKV, "DOut": TQV, "Lse": F32, "Delta": F32, "DK": TK, "DV": TKV,
         "Alibi": Ptr("fp32", "HAS_ALIBI"),
         "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
         "Mask": MASK,
@@ -122,7 +127,8 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
     },
     "_attention_dq_kernel": {  # backward._launch
-        "Q": T, "K": T, "V": T, "DOut": T, "Lse": F32, "Delta": F32, "DQ": T, "DMask": Ptr("fp32", "MASK_NEEDS_GRAD"),
+        "Q": TQ, "K": TK, "V": TKV, "DOut": TQV, "Lse": F32, "Delta": F32, "DQ": TQ,
+        "DMask": Ptr("fp32", "MASK_NEEDS_GRAD"),
         "Alibi": Ptr("fp32", "HAS_ALIBI"),
         "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
         "Mask": MASK,
@@ -237,6 +243,9 @@ def signature(kernel_name: str, consts: dict) -> tuple[dict, dict, dict]:
         passed = when is None or (when(consts) if callable(when) else bool(consts[when]))
         if not passed:  # the launcher passes None: Triton makes it a constexpr None
             sig[name], cx[name] = "constexpr", None
+        elif isinstance(spec, Ptr) and spec.tile and consts.get("TMA"):
+            rows, cols = (consts[c] for c in spec.tile)
+            sig[name] = f"tensordesc<{spec.dtype}[1,{rows},1,{cols}]>"
         elif isinstance(spec, Ptr):
             dtype = "fp32" if (kernel_name, name) in OUT_SPLIT and consts.get("_SPLIT") else spec.dtype
             sig[name] = "*" + dtype
@@ -282,7 +291,10 @@ def compile_variant(v: Variant) -> dict:
 
 
 def cfg_name(pass_name: str, head_dim: int, cfg) -> str:
-    return f"{pass_name} D{head_dim} {cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
+    """E.g. "forward D128 128x64/w8/s4/tma" (/tma: the config loads through tensor descriptors, except in a
+    variable-length variant)."""
+    tma = "/tma" if cfg.tma else ""
+    return f"{pass_name} D{head_dim} {cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}{tma}"
 
 
 def attention_variants() -> list[Variant]:
@@ -301,10 +313,17 @@ def attention_variants() -> list[Variant]:
                     "MASK_IS_BOOL": False,  # an additive attn_mask when HAS_MASK is on
                 }  # fmt: skip
                 features = [f for f in ATTENTION_FEATURES if f in constexprs]
-                for on in (False, True):
+                # Features off, every feature on, and with TMA also every feature but varlen (which reads
+                # through pointers: the launchers never combine IS_VARLEN with TMA).
+                feature_sets = [(), features]
+                if cfg.tma and "TMA" in constexprs:
+                    feature_sets.append([f for f in features if f != "IS_VARLEN"])
+                for on_set in feature_sets:
                     consts = {k: val for k, val in base.items() if k in constexprs}
-                    consts.update(dict.fromkeys(features, on))
-                    flags = ",".join(f.split("_", 1)[1].lower() for f in features) if on else "off"
+                    consts.update({f: f in on_set for f in features})
+                    if "TMA" in constexprs:
+                        consts["TMA"] = cfg.tma and not consts.get("IS_VARLEN")
+                    flags = ",".join(f.split("_", 1)[1].lower() for f in on_set) or "off"
                     launch = with_mask(cfg, head_dim) if consts.get("HAS_MASK") else cfg  # as the launchers do
                     variants.append(
                         Variant(kname, cfg_name(pass_name, head_dim, launch), mask, flags, consts, launch.num_warps,

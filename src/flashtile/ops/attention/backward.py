@@ -43,6 +43,7 @@ from flashtile.ops.attention.tiles import (
     dropout_rows,
     head_base,
     key_range,
+    load_rows,
     load_tile,
     mask_for_kernel,
     mask_scores,
@@ -53,7 +54,9 @@ from flashtile.ops.attention.tiles import (
     score_mod_grad,
     score_scales,
     seq_bounds,
-    store_tile,
+    store_rows,
+    tile_sources,
+    tma_ready,
     visible,
 )
 
@@ -111,8 +114,10 @@ def _dkdv_tile(
     dv,
     k,
     v,
-    q_base,
-    do_base,
+    q_src,
+    do_src,
+    off_qb,
+    off_h,
     lse_base,
     delta_base,
     stride_qm,
@@ -138,6 +143,8 @@ def _dkdv_tile(
     stride_mn,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr,
     MASK_LEFT: tl.constexpr,
@@ -149,13 +156,16 @@ def _dkdv_tile(
     HAS_DROPOUT: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Add the contribution of query rows [start_m, start_m + BLOCK_M) to one key tile's dK, dV."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_ptrs = rows_at(q_base, start_m, stride_qm, offs_d, BLOCK_M)
-    do_ptrs = rows_at(do_base, start_m, stride_dom, offs_dv, BLOCK_M)
-    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
-    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_M, DV]
+    q = load_rows(
+        q_src, off_qb, off_h, start_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, PAD_D, TMA
+    )  # [BLOCK_M, D]
+    do = load_rows(
+        do_src, off_qb, off_h, start_m, stride_dom, offs_dv, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, PAD_DV, TMA
+    )  # [BLOCK_M, DV]
     lse, delta = _load_row_stats(lse_base, delta_base, offs_m, offs_m, seqlen_q)
     qk_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, D] @ [D, BLOCK_M] -> [BLOCK_N, BLOCK_M]
     s_t, t_t = score_mod(
@@ -247,6 +257,7 @@ def _attention_dkdv_kernel(
     HAS_DROPOUT: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dK (B, Sk, Hk, D) and dV (B, Sk, Hk, DV) for one key tile of one kv head.
 
@@ -254,6 +265,7 @@ def _attention_dkdv_kernel(
     a key tile that starts past its sequence's end exits at once and writes nothing (rows past the end
     belong to the next sequences, whose programs write them).
     HAS_MASK: SDPA's attn_mask, read per query head of the group as in the forward kernel.
+    TMA: Q, K, V, DOut, DK and DV are tensor descriptors (``tiles.tile_sources``), as in the forward kernel.
     """
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
@@ -274,16 +286,28 @@ def _attention_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_ptrs = rows_at(head_base(K, off_kb, off_hk, stride_kb, stride_kh), start_n, stride_kn, offs_d, BLOCK_N)
-    v_ptrs = rows_at(head_base(V, off_kb, off_hk, stride_vb, stride_vh), start_n, stride_vn, offs_dv, BLOCK_N)
-    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_N, D]
-    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_N, DV]
+    if TMA:  # descriptors of the whole tensors: the loads pick the head
+        k_src, v_src, dk_dst, dv_dst = K, V, DK, DV
+    else:  # pointers to the kv head's row 0
+        k_src = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
+        v_src = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
+        dk_dst = head_base(DK, off_kb, off_hk, stride_dkb, stride_dkh)
+        dv_dst = head_base(DV, off_kb, off_hk, stride_dvb, stride_dvh)
+    k = load_rows(
+        k_src, off_kb, off_hk, start_n, stride_kn, offs_d, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, PAD_D, TMA
+    )  # [BLOCK_N, D]
+    v = load_rows(
+        v_src, off_kb, off_hk, start_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, True, PAD_DV, TMA
+    )  # [BLOCK_N, DV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, mid_lo, mid_hi, hi = query_range(start_n, seqlen_q, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     for off_h in range(off_hk * group, off_hk * group + group):
-        q_base = head_base(Q, off_qb, off_h, stride_qb, stride_qh)
-        do_base = head_base(DOut, off_qb, off_h, stride_dob, stride_doh)
+        if TMA:
+            q_src, do_src = Q, DOut
+        else:
+            q_src = head_base(Q, off_qb, off_h, stride_qb, stride_qh)
+            do_src = head_base(DOut, off_qb, off_h, stride_dob, stride_doh)
         if IS_VARLEN:
             row_base = tl.cast(off_h, tl.int64) * lse_stride + off_qb
         else:
@@ -295,36 +319,40 @@ def _attention_dkdv_kernel(
         if MASK_RIGHT:
             for start_m in range(lo, mid_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
+                    dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
                     Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
-                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL,
+                    BLOCK_D, BLOCK_DV, BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
+                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
                 )  # fmt: skip
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
+                dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                 start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
                 Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_M, False, MASK_LEFT, MASK_RIGHT,
-                PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL,
+                BLOCK_D, BLOCK_DV, BLOCK_M, False, MASK_LEFT, MASK_RIGHT,
+                PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
             )  # fmt: skip
         if MASK_LEFT:
             for start_m in range(mid_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
+                    dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
                     start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
                     Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
-                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL,
+                    BLOCK_D, BLOCK_DV, BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
+                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
                 )  # fmt: skip
 
-    dk_ptrs = rows_at(head_base(DK, off_kb, off_hk, stride_dkb, stride_dkh), start_n, stride_dkn, offs_d, BLOCK_N)
-    dv_ptrs = rows_at(head_base(DV, off_kb, off_hk, stride_dvb, stride_dvh), start_n, stride_dvn, offs_dv, BLOCK_N)
-    store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, PAD_D)
+    store_rows(
+        dk_dst, (dk * softmax_scale).to(k.dtype), off_kb, off_hk, start_n, stride_dkn, offs_d, seqlen_k, HEAD_DIM,
+        BLOCK_N, BLOCK_D, PAD_D, TMA,
+    )  # fmt: skip
     if HAS_DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))
-    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, PAD_DV)
+    store_rows(
+        dv_dst, dv.to(v.dtype), off_kb, off_hk, start_n, stride_dvn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
+        PAD_DV, TMA,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -334,8 +362,10 @@ def _dq_tile(
     do,
     lse,
     delta,
-    k_base,
-    v_base,
+    k_src,
+    v_src,
+    off_kb,
+    off_hk,
     stride_kn,
     stride_vn,
     start_n,
@@ -360,6 +390,8 @@ def _dq_tile(
     lse_offs,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     MASK_LEFT: tl.constexpr,
@@ -372,13 +404,16 @@ def _dq_tile(
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
     MASK_NEEDS_GRAD: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Add the contribution of key tile [start_n, start_n + BLOCK_N) to one query tile's dQ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k_ptrs = rows_at(k_base, start_n, stride_kn, offs_d, BLOCK_N)
-    v_ptrs = rows_at(v_base, start_n, stride_vn, offs_dv, BLOCK_N)
-    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, D]
-    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED, PAD_DV)  # [BLOCK_N, DV]
+    k = load_rows(
+        k_src, off_kb, off_hk, start_n, stride_kn, offs_d, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, PAD_D, TMA
+    )  # [BLOCK_N, D]
+    v = load_rows(
+        v_src, off_kb, off_hk, start_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED, PAD_DV, TMA
+    )  # [BLOCK_N, DV]
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     s, t = score_mod(
         qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
@@ -466,11 +501,13 @@ def _attention_dq_kernel(
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
     MASK_NEEDS_GRAD: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dQ (B, Sq, H, D) for one query tile of one head (IS_VARLEN: as in the forward kernel).
 
     HAS_MASK: SDPA's attn_mask as in the forward kernel; MASK_NEEDS_GRAD (additive masks) also writes
     dS = P (dP - delta), the gradient at the masked scores, to DMask (B * H, Sq, Sk) fp32.
+    TMA: Q, K, V, DOut and DQ are tensor descriptors (``tiles.tile_sources``), as in the forward kernel.
     """
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
@@ -495,14 +532,22 @@ def _attention_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = rows_at(head_base(Q, off_qb, off_h, stride_qb, stride_qh), start_m, stride_qm, offs_d, BLOCK_M)
-    do_ptrs = rows_at(head_base(DOut, off_qb, off_h, stride_dob, stride_doh), start_m, stride_dom, offs_dv, BLOCK_M)
-    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
-    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, PAD_DV)  # [BLOCK_M, DV]
+    if TMA:  # descriptors of the whole tensors: the loads pick the head
+        q_src, k_src, v_src, do_src, dq_dst = Q, K, V, DOut, DQ
+    else:  # pointers to the head's row 0
+        q_src = head_base(Q, off_qb, off_h, stride_qb, stride_qh)
+        k_src = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
+        v_src = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
+        do_src = head_base(DOut, off_qb, off_h, stride_dob, stride_doh)
+        dq_dst = head_base(DQ, off_qb, off_h, stride_dqb, stride_dqh)
+    q = load_rows(
+        q_src, off_qb, off_h, start_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, PAD_D, TMA
+    )  # [BLOCK_M, D]
+    do = load_rows(
+        do_src, off_qb, off_h, start_m, stride_dom, offs_dv, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, PAD_DV, TMA
+    )  # [BLOCK_M, DV]
     lse_offs = lse_base + offs_m
     lse, delta = _load_row_stats(Lse, Delta, lse_offs, offs_m, seqlen_q)
-    k_base = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
-    v_base = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     slope = alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI)
     seed, rng_base = 0, 0
@@ -515,30 +560,35 @@ def _attention_dq_kernel(
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             dq = _dq_tile(
-                dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+                dq, q, do, lse, delta, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d,
+                offs_dv,
                 seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-                mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V,
+                mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                 BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-                MASK_IS_BOOL, MASK_NEEDS_GRAD,
+                MASK_IS_BOOL, MASK_NEEDS_GRAD, TMA,
             )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         dq = _dq_tile(
-            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            dq, q, do, lse, delta, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d,
+                offs_dv,
             seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-            mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V,
+            mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
             BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL, MASK_NEEDS_GRAD,
+            MASK_IS_BOOL, MASK_NEEDS_GRAD, TMA,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):
         dq = _dq_tile(
-            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            dq, q, do, lse, delta, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d,
+                offs_dv,
             seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-            mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V,
+            mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
             BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL, MASK_NEEDS_GRAD,
+            MASK_IS_BOOL, MASK_NEEDS_GRAD, TMA,
         )  # fmt: skip
-    dq_ptrs = rows_at(head_base(DQ, off_qb, off_h, stride_dqb, stride_dqh), start_m, stride_dqm, offs_d, BLOCK_M)
-    store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, PAD_D)
+    store_rows(
+        dq_dst, (dq * softmax_scale).to(q.dtype), off_qb, off_h, start_m, stride_dqm, offs_d, seqlen_q, HEAD_DIM,
+        BLOCK_M, BLOCK_D, PAD_D, TMA,
+    )  # fmt: skip
 
 
 def attention_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
@@ -675,29 +725,40 @@ def _launch(
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     cfg = config("backward_dkdv", q.device, head_dim, head_dim_v, attn_mask is not None)
+    tma = cfg.tma and not is_varlen and tma_ready(q, k, v, dout, dk, dv)
+    bm, bn = cfg.block_m, cfg.block_n
+    q_src, k_src, v_src, do_src, dk_dst, dv_dst = tile_sources(
+        tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dk, bn, block_d),
+        (dv, bn, block_dv),
+    )  # fmt: skip
     _attention_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
+        q_src, k_src, v_src, do_src, lse, delta, dk_dst, dv_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dk),
         *token_strides(dv),
         alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
         nheads, nheads_k, group, rows_q, rows_k, left, right,
         qk_scale, softcap_log2, softmax_scale, p_drop,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
     dq = empty_output(q.shape, q.dtype, q.device)
     cfg = config("backward_dq", q.device, head_dim, head_dim_v, attn_mask is not None)
+    tma = cfg.tma and not is_varlen and tma_ready(q, k, v, dout, dq)
+    bm, bn = cfg.block_m, cfg.block_n
+    q_src, k_src, v_src, do_src, dq_dst = tile_sources(
+        tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dq, bm, block_d)
+    )
     _attention_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)](
-        q, k, v, dout, lse, delta, dq, dmask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
+        q_src, k_src, v_src, do_src, lse, delta, dq_dst, dmask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dq),
         alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
         nheads, group, rows_q, rows_k, left, right,
         qk_scale, softcap_log2, softmax_scale, p_drop,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, HEAVY_FIRST=window_right is not None,
-        MASK_NEEDS_GRAD=dmask is not None,
+        MASK_NEEDS_GRAD=dmask is not None, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return dq, dk, dv

@@ -19,19 +19,24 @@ import triton
 
 @dataclass(frozen=True)
 class TileConfig:
-    """block_m: query rows per tile; block_n: key rows per tile; num_warps, num_stages: as in Triton."""
+    """block_m: query rows per tile; block_n: key rows per tile; num_warps, num_stages: as in Triton;
+    tma: tiles move through the copy engine (tensor descriptors, Hopper and later) where the kernel and the
+    tensors allow it (``tiles.tma_ready``), otherwise through pointer loads."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
 
 
 # pass -> [(largest padded head dim it serves, config)], smallest first.
 _HOPPER = {
+    # Tensor-descriptor loads at D <= 128 (N=16k, full/causal: D=64 450/431 against 432/418 with pointer
+    # loads, D=128 537/513 against 505/486; docs/tuning-log.md, session 2).
     "forward": [
-        (64, TileConfig(128, 64, 4, 3)),
-        (128, TileConfig(128, 64, 8, 3)),
+        (64, TileConfig(128, 64, 8, 4, tma=True)),
+        (128, TileConfig(128, 64, 8, 4, tma=True)),
         (256, TileConfig(64, 64, 4, 3)),
     ],
     # Banded (causal or windowed) with seqlen_k <= SHORT_SEQLEN: smaller query tiles, fewer masked
@@ -42,8 +47,8 @@ _HOPPER = {
         (256, TileConfig(64, 64, 4, 3)),
     ],
     "backward_dkdv": [
-        (64, TileConfig(32, 128, 4, 4)),
-        (128, TileConfig(64, 128, 8, 3)),
+        (64, TileConfig(32, 64, 4, 4, tma=True)),
+        (128, TileConfig(64, 128, 8, 3, tma=True)),
         (256, TileConfig(64, 64, 8, 1)),
     ],
     "backward_dq": [

@@ -42,15 +42,16 @@ from flashtile.ops.attention.tiles import (
     dropout_rows,
     head_base,
     key_range,
-    load_tile,
+    load_rows,
     mask_for_kernel,
     mask_scores,
     mask_strides,
-    rows_at,
     score_mod,
     score_scales,
     seq_bounds,
-    store_tile,
+    store_rows,
+    tile_sources,
+    tma_ready,
     visible,
 )
 
@@ -61,8 +62,10 @@ def _forward_tile(
     m_i,
     l_i,
     q,
-    k_base,
-    v_base,
+    k_src,
+    v_src,
+    off_kb,
+    off_hk,
     stride_kn,
     stride_vn,
     start_n,
@@ -85,6 +88,8 @@ def _forward_tile(
     seqlen_q,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     MASK_LEFT: tl.constexpr,
@@ -96,13 +101,16 @@ def _forward_tile(
     HAS_DROPOUT: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One online-softmax step over the key tile [start_n, start_n + BLOCK_N)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k_ptrs = rows_at(k_base, start_n, stride_kn, offs_d, BLOCK_N)
-    v_ptrs = rows_at(v_base, start_n, stride_vn, offs_dv, BLOCK_N)
-    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, D]
-    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, MASKED, PAD_DV)  # [BLOCK_N, DV]
+    k = load_rows(
+        k_src, off_kb, off_hk, start_n, stride_kn, offs_d, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, PAD_D, TMA
+    )  # [BLOCK_N, D]
+    v = load_rows(
+        v_src, off_kb, off_hk, start_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED, PAD_DV, TMA
+    )  # [BLOCK_N, DV]
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or HAS_MASK:
         s, _ = score_mod(
@@ -188,8 +196,12 @@ def _attention_forward_kernel(
     HAS_DROPOUT: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Q (B, Sq, H, D), K (B, Sk, Hk, D), V (B, Sk, Hk, DV) -> Out (B, Sq, H, DV), Lse (B, H, Sq) fp32.
+
+    TMA: Q, K, V and Out are tensor descriptors of those tensors (``tiles.tile_sources``), read and written
+    by the copy engine (``tiles.load_rows``); not combined with IS_VARLEN.
 
     Alibi: (H,) or (B, H) fp32 slopes (batch stride stride_ab) if HAS_ALIBI; Sink: (H,) fp32 if HAS_SINK.
     IS_VARLEN: Q (total_q, H, D), K (total_k, Hk, D), V (total_k, Hk, DV) -> Out (total_q, H, DV),
@@ -223,10 +235,16 @@ def _attention_forward_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = rows_at(head_base(Q, off_qb, off_h, stride_qb, stride_qh), start_m, stride_qm, offs_d, BLOCK_M)
-    k_base = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
-    v_base = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
-    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D)  # [BLOCK_M, D]
+    if TMA:  # descriptors of the whole tensors: the loads pick the head
+        q_src, k_src, v_src, out_dst = Q, K, V, Out
+    else:  # pointers to the head's row 0
+        q_src = head_base(Q, off_qb, off_h, stride_qb, stride_qh)
+        k_src = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
+        v_src = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
+        out_dst = head_base(Out, off_qb, off_h, stride_ob, stride_oh)
+    q = load_rows(
+        q_src, off_qb, off_h, start_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, PAD_D, TMA
+    )  # [BLOCK_M, D]
 
     if HAS_SINK:  # the sink is the first score seen: m = sink, l = exp2(sink - m) = 1
         m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(Sink + off_h) * LOG2E
@@ -249,27 +267,27 @@ def _attention_forward_kernel(
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             acc, m_i, l_i = _forward_tile(
-                acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+                acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
                 seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-                mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V,
+                mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                 BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-                MASK_IS_BOOL,
+                MASK_IS_BOOL, TMA,
             )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
-            acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
             seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-            mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V,
+            mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
             BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL,
+            MASK_IS_BOOL, TMA,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
-            acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
             seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-            mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V,
+            mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
             BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL,
+            MASK_IS_BOOL, TMA,
         )  # fmt: skip
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its LSE -inf.
@@ -278,8 +296,10 @@ def _attention_forward_kernel(
     if HAS_DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    o_ptrs = rows_at(head_base(Out, off_qb, off_h, stride_ob, stride_oh), start_m, stride_om, offs_dv, BLOCK_M)
-    store_tile(o_ptrs, acc.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_dv, HEAD_DIM_V, PAD_DV)
+    store_rows(
+        out_dst, acc.to(q.dtype), off_qb, off_h, start_m, stride_om, offs_dv, seqlen_q, HEAD_DIM_V, BLOCK_M,
+        BLOCK_DV, PAD_DV, TMA,
+    )  # fmt: skip
     if IS_VARLEN:
         lse_ptrs = Lse + lse_base + offs_m
     else:
@@ -389,9 +409,15 @@ def _launch(
     cfg = config(
         "forward_banded_short" if short_band else "forward", q.device, head_dim, head_dim_v, attn_mask is not None
     )
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    tma = cfg.tma and not is_varlen and tma_ready(q, k, v, out)
+    rows_q, rows_k = cfg.block_m, cfg.block_n
+    sources = tile_sources(
+        tma, (q, rows_q, block_d), (k, rows_k, block_d), (v, rows_k, block_dv), (out, rows_q, block_dv)
+    )
     grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
     _attention_forward_kernel[grid](
-        q, k, v, out, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+        *sources, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
         rng_state if has_dropout else None, mask_for_kernel(attn_mask),
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(out),
         alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
@@ -404,8 +430,8 @@ def _launch(
         dropout_p if has_dropout else None,  # None (like a None tensor) leaves the signature as without dropout
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
-        BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_DV=padded_head_dim(head_dim_v),
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         MASK_LEFT=window_left is not None,
@@ -418,6 +444,7 @@ def _launch(
         HAS_DROPOUT=has_dropout,
         HAS_MASK=attn_mask is not None,
         MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
+        TMA=tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

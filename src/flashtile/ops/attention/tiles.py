@@ -29,6 +29,7 @@ derivative 1 - tanh^2 in the backward kernels.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -229,6 +230,88 @@ def store_tile(ptrs, value, offs_rows, n_rows, offs_cols, n_cols, CHECK_COLS: tl
         tl.store(ptrs, value, mask=(offs_rows[:, None] < n_rows) & (offs_cols[None, :] < n_cols))
     else:
         tl.store(ptrs, value, mask=offs_rows[:, None] < n_rows)
+
+
+@triton.jit
+def load_rows(
+    src,
+    off_b,
+    off_h,
+    start,
+    stride_row,
+    offs_cols,
+    n_rows,
+    n_cols,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    CHECK_COLS: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """Rows [start, start + BLOCK_ROWS) of one head as a [BLOCK_ROWS, BLOCK_COLS] tile, zero past the ends.
+
+    TMA: ``src`` is a tensor descriptor of the whole (B, S, H, D) tensor with block [1, BLOCK_ROWS, 1,
+    BLOCK_COLS] (``tile_sources``) and (off_b, off_h) pick the head; the copy engine zero-fills rows and
+    columns out of bounds, so no check is needed. Otherwise ``src`` points at the head's row 0
+    (``head_base``) and the CHECK flags say which bounds ``load_tile`` checks.
+    """
+    if TMA:
+        tile = src.load([off_b, start, off_h, 0]).reshape(BLOCK_ROWS, BLOCK_COLS)
+    else:
+        offs_rows = start + tl.arange(0, BLOCK_ROWS)
+        ptrs = rows_at(src, start, stride_row, offs_cols, BLOCK_ROWS)
+        tile = load_tile(ptrs, offs_rows, n_rows, offs_cols, n_cols, CHECK_ROWS, CHECK_COLS)
+    return tile
+
+
+@triton.jit
+def store_rows(
+    dst,
+    value,
+    off_b,
+    off_h,
+    start,
+    stride_row,
+    offs_cols,
+    n_rows,
+    n_cols,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    CHECK_COLS: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """Store a [BLOCK_ROWS, BLOCK_COLS] tile as rows [start, start + BLOCK_ROWS) of one head, nothing past
+    the ends; ``dst`` as ``src`` of ``load_rows`` (the copy engine clips what lies out of bounds)."""
+    if TMA:
+        dst.store([off_b, start, off_h, 0], value.reshape(1, BLOCK_ROWS, 1, BLOCK_COLS))
+    else:
+        offs_rows = start + tl.arange(0, BLOCK_ROWS)
+        ptrs = rows_at(dst, start, stride_row, offs_cols, BLOCK_ROWS)
+        store_tile(ptrs, value, offs_rows, n_rows, offs_cols, n_cols, CHECK_COLS)
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine can read these (batch, seqlen, heads, d) tensors through tensor descriptors:
+    4-D, last dimension contiguous, the start address and every other stride 16-byte aligned, and no
+    dimension longer than 1 broadcast (stride 0, as an expanded dout)."""
+    for x in tensors:
+        if x.dim() != 4 or x.stride(3) != 1 or x.data_ptr() % 16:
+            return False
+        for size, stride in zip(x.shape[:3], x.stride()[:3], strict=True):
+            if stride * x.element_size() % 16 or (stride == 0 and size > 1):
+                return False
+    return True
+
+
+def tile_sources(tma: bool, *tiles: tuple[torch.Tensor, int, int]):
+    """What the kernels' ``load_rows``/``store_rows`` read and write for each (tensor, block rows, block
+    cols): a tensor descriptor with block [1, rows, 1, cols] when ``tma``, otherwise the tensor itself."""
+    if not tma:
+        return tuple(x for x, _, _ in tiles)
+    return tuple(
+        TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, rows, 1, cols])
+        for x, rows, cols in tiles
+    )
 
 
 @triton.jit
