@@ -49,6 +49,7 @@ for step in "$@"; do
     quick) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
     bench) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
     memory) timeout 80 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
+    variants) timeout 300 python3 benchmarks/bench_attention.py --out "$OUT/variants" --shapes variants --commit "$commit" 2>&1 | tail -40 ;;
     sanitize) timeout 90 compute-sanitizer --tool memcheck python3 -c "
 import torch, flashtile
 q, k, v = (torch.randn(2, 300, 4, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

@@ -4,7 +4,8 @@
 
 writes ``<name>.md`` and ``<name>.png`` beside the JSON (or into DIR) and prints the markdown.
 The JSON is what ``benchmarks/bench_attention.py`` writes: ``{"header": {...}, "rows": [...],
-"memory": [...]}``; the row fields are documented there.
+"memory": [...], "variants": [...]}``; the row fields are documented there. Variants rows (``--shapes
+variants``) get their own tables: sliding window against full causal, feature costs, SDPA masks.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def load(path: Path) -> dict[str, Any]:
 def _providers(result: dict[str, Any]) -> list[str]:
     """Providers in the header's order, then any others found in the rows."""
     names = list(result["header"].get("providers", {}))
-    for row in result["rows"] + result.get("memory", []):
+    for row in result["rows"] + result.get("memory", []) + result.get("variants", []):
         if row["provider"] not in names:
             names.append(row["provider"])
     return names
@@ -181,6 +182,223 @@ def _memory_table(rows: list[Row], providers: list[str]) -> list[str]:
     return [title, "", *_table(header, body)]
 
 
+# ---------------------------------------------------------------- variants (--shapes variants)
+
+SECTIONS = {
+    "window": "Sliding window against full causal",
+    "features": "Feature costs",
+    "mask": "SDPA attn_mask against torch's SDPA with the same mask",
+}
+BASELINES = {"window": "causal", "features": "baseline"}
+"""The variant each row of a section is divided by (same N, dtype and pass)."""
+
+
+def _ms(value: float | None) -> str:
+    return MISSING if value is None else f"{value:.3g}"
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return f"{num / den:.2f}" if num is not None and den else MISSING
+
+
+def _section_note(section: str, rows: list[Row]) -> str:
+    """What a section's table holds and how to read it."""
+    first = rows[0]
+    shape = f"{first['dtype']}, D={first['D']}, H={first['H']}"
+    flops = "TFLOP/s count only the visible (query, key) pairs: fwd 4·B·H·D·pairs, bwd 2.5 × fwd"
+    peers = "`ft/x`: x's time over flashtile's (above 1: flashtile is faster)"
+    if section == "window":
+        window = next((r["window"] for r in rows if r["window"]), None)
+        return (
+            f"{shape}, B={first['B']} at every N, causal; "
+            f"`window {tuple(window) if window else ''}`: flash_attn's window_size with causal=True, query i sees "
+            f"keys i−{window[0] if window else 'left'} … i. ms: median. {flops}; full causal has N(N+1)/2 pairs "
+            "(the standard table counts N²/2). "
+            "`keys/q`: visible keys per query on average; `ms/1k q`: flashtile's ms per 1024 query tokens (flat in N "
+            "when the cost follows the window); `÷ causal`: time over full causal at the same N (peers: in "
+            f"brackets, over their own causal time); {peers}."
+        )
+    if section == "features":
+        return (
+            f"{shape}, causal, B·N = {first['B'] * first['N']}. ms: median. {flops}, N(N+1)/2 of them (GQA: "
+            "counted over the query heads). "
+            "`÷ base`: time over the baseline row at the same N (peers: in brackets, over their own baseline); "
+            f"{peers}. Peers run the features they have; `{MISSING}` rows are listed below with the reason."
+        )
+    return (
+        f"{shape}, non-causal; a boolean mask (True = attend, ~70% True) or an additive one (N(0, 1) in the "
+        "inputs' dtype, no gradient) of the shape given, the same tensor for flashtile "
+        "(flashtile.scaled_dot_product_attention) and torch's SDPA. ms: median. TFLOP/s over all N² pairs. "
+        f"{peers}."
+    )
+
+
+def _variant_table(section: str, rows: list[Row], providers: list[str]) -> list[str]:
+    """One line per (dtype, N, variant, pass): flashtile's ms, TFLOP/s and ratio to the section's baseline,
+    then each peer's ms (and its own ratio), then flashtile's speed over each peer's."""
+    order = {label: i for i, label in enumerate(dict.fromkeys(r["label"] for r in rows))}
+    cells: dict[tuple, dict[str, Row]] = defaultdict(dict)
+    for row in rows:
+        cells[(row["dtype"], row["N"], row["label"], row["pass"])][row["provider"]] = row
+    base_variant = BASELINES.get(section)
+    base_label = {r["variant"]: r["label"] for r in rows}.get(base_variant or "")
+    peers = [p for p in dict.fromkeys(r["provider"] for r in rows) if p != OURS]  # the order they ran in
+    base_col = {"window": "÷ causal", "features": "÷ base"}.get(section)
+    header = ["N", "B", "variant", "pass"] + (["keys/q"] if section == "window" else [])
+    header += [f"{OURS} ms"] + (["ms/1k q"] if section == "window" else []) + ["TFLOP/s"]
+    header += ([base_col] if base_col else []) + [f"{p} ms" for p in peers] + [f"ft/{p}" for p in peers]
+    body = []
+    for key in sorted(cells, key=lambda k: (k[0], k[1], order[k[2]], PASS_ORDER.get(k[3], 9))):
+        dtype, n, label, pass_ = key
+        here = cells[key]
+        base = cells.get((dtype, n, base_label, pass_), {}) if base_label else {}
+
+        def ms(provider: str, rows_: dict[str, Row] = here) -> float | None:
+            row = rows_.get(provider)
+            return None if row is None else row["ms"]
+
+        any_row = next(iter(here.values()))
+        ours = here.get(OURS)
+        flag = " (!)" if ours is not None and ours["flagged"] else ""
+        line = [str(n), str(any_row["B"]), label, pass_]
+        if section == "window":
+            line.append(f"{any_row['pairs'] / n:.0f}")
+        line.append(_ms(ms(OURS)) + (flag if ms(OURS) is not None else ""))
+        if section == "window":
+            line.append(MISSING if ms(OURS) is None else f"{ms(OURS) / (any_row['B'] * n / 1024):.3g}")
+        line.append(MISSING if ours is None or ours["tflops"] is None else f"{ours['tflops']:.0f}")
+        if base_col:
+            line.append(_ratio(ms(OURS), ms(OURS, base)))
+        for p in peers:
+            cell = _ms(ms(p))
+            if cell != MISSING and here[p]["flagged"]:
+                cell += " (!)"
+            if cell != MISSING and base_col and base_label != label and ms(p, base) is not None:
+                cell += f" ({_ratio(ms(p), ms(p, base))})"
+            line.append(cell)
+        line += [_ratio(ms(p), ms(OURS)) for p in peers]
+        body.append(line)
+    return _table(header, body)
+
+
+def _variant_accuracy(rows: list[Row], providers: list[str]) -> list[str]:
+    """Worst max abs difference from each case's reference, per provider and pass; the notes (repeatability)."""
+    body = []
+    for provider in providers:
+        for pass_ in PASS_ORDER:
+            mine = [r for r in rows if r["provider"] == provider and r["pass"] == pass_]
+            checked = [r for r in mine if r["max_abs_diff"] is not None]
+            flagged = [r for r in mine if r["flagged"]]
+            if not checked:
+                continue
+            worst = max(checked, key=lambda r: r["max_abs_diff"])
+            at = f"N={worst['N']} {worst['label']} {worst['dtype']} (vs {worst['reference']})"
+            body.append([provider, pass_, f"{worst['max_abs_diff']:.2e}", at, str(len(checked)), str(len(flagged))])
+    lines = []
+    if body:
+        header = ["provider", "pass", "worst max abs diff", "at", "rows checked", "rows flagged (!)"]
+        lines += ["", "Accuracy against each case's reference (max abs difference):", "", *_table(header, body)]
+    notes = [r for r in rows if r.get("note")]
+    if notes:
+        lines += [""] + [f"- {r['provider']}, N={r['N']} {r['label']} {r['pass']}: {r['note']}" for r in notes]
+    return lines
+
+
+def _variant_failures(rows: list[Row]) -> list[str]:
+    """One bullet per (provider, reason): unsupported features, failures, rows skipped for the budget."""
+    groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    skipped = 0
+    for row in rows:
+        if row["error"] == FORWARD_FAILED:
+            skipped += 1
+        elif row["error"] is not None:
+            groups[(row["provider"], row["error"])].append(row)
+    lines = []
+    for (provider, reason), failed in sorted(groups.items()):
+        labels = ", ".join(dict.fromkeys(r["label"] for r in failed))
+        passes = _compact((r["pass"] for r in failed), key=PASS_ORDER.get)
+        where = f"{labels}; N {_compact(r['N'] for r in failed)}; pass {passes}"
+        lines.append(f"- **{provider}**, {_plural(len(failed), 'row')} ({where}): {reason}")
+    if skipped:
+        lines.append(f"- {_plural(skipped, 'bwd row')} not run because the fwd failed (reasons above).")
+    return lines
+
+
+def _variants_markdown(rows: list[Row], providers: list[str]) -> list[str]:
+    lines = ["", "## Variants: windows, features, masks"]
+    for section, title in SECTIONS.items():
+        mine = [r for r in rows if r["section"] == section]
+        if mine:
+            lines += [
+                "",
+                f"### {title}",
+                "",
+                _section_note(section, mine),
+                "",
+                *_variant_table(section, mine, providers),
+            ]
+    lines += _variant_accuracy(rows, providers)
+    failures = _variant_failures(rows)
+    if failures:
+        lines += ["", "Not run, unsupported or failed:", "", *failures]
+    return lines
+
+
+def variant_summary(result: dict[str, Any]) -> list[str]:
+    """A dozen lines for a terminal: flashtile's window/causal ratios and flat cost, feature ratios, masks."""
+    rows = result.get("variants", [])
+    ours = {(r["section"], r["dtype"], r["N"], r["label"], r["pass"]): r["ms"] for r in rows if r["provider"] == OURS}
+    peer = {(r["provider"], r["dtype"], r["N"], r["label"], r["pass"]): r["ms"] for r in rows if r["provider"] != OURS}
+
+    def pair(section: str, dtype: str, n: int, label: str) -> tuple[float | None, float | None]:
+        return ours.get((section, dtype, n, label, "fwd")), ours.get((section, dtype, n, label, "bwd"))
+
+    def fb(values: tuple[float | None, float | None]) -> str:
+        return "/".join(_ms(v) for v in values)
+
+    lines = ["", "Summary (flashtile; fwd/bwd):"]
+    for dtype in sorted({r["dtype"] for r in rows}):
+        window = [r for r in rows if r["section"] == "window" and r["dtype"] == dtype]
+        labels = {r["variant"]: r["label"] for r in window}
+        for n in sorted({r["N"] for r in window}):
+            causal, win = (
+                pair("window", dtype, n, labels.get("causal", "")),
+                pair("window", dtype, n, labels.get("window", "")),
+            )
+            b = next(r["B"] for r in window if r["N"] == n)
+            per_1k = "/".join(MISSING if v is None else f"{v / (b * n / 1024):.3g}" for v in win)
+            ratio = "/".join(_ratio(w, c) for w, c in zip(win, causal, strict=True))
+            lines.append(
+                f"  {dtype} N={n}: causal {fb(causal)} ms, {labels.get('window')} {fb(win)} ms "
+                f"(÷ causal {ratio}; ms per 1k queries {per_1k})"
+            )
+        features = [r for r in rows if r["section"] == "features" and r["dtype"] == dtype]
+        for n in sorted({r["N"] for r in features}):
+            labels_n = list(dict.fromkeys(r["label"] for r in features if r["N"] == n))
+            base = next((r["label"] for r in features if r["variant"] == "baseline"), "")
+            b_ms = pair("features", dtype, n, base)
+            cells = [
+                f"{label.replace(' (H,)', '')} "
+                + "/".join(_ratio(v, bv) for v, bv in zip(pair("features", dtype, n, label), b_ms, strict=True))
+                for label in labels_n
+                if label != base
+            ]
+            lines.append(f"  {dtype} N={n} ÷ baseline ({fb(b_ms)} ms): " + " | ".join(cells))
+        masks = [r for r in rows if r["section"] == "mask" and r["dtype"] == dtype]
+        for n in sorted({r["N"] for r in masks}):
+            cells = []
+            for label in dict.fromkeys(r["label"] for r in masks if r["N"] == n):
+                mine = pair("mask", dtype, n, label)
+                eff = tuple(peer.get(("sdpa_efficient", dtype, n, label, p)) for p in PASS_ORDER)
+                speed = "/".join(_ratio(e, m) for e, m in zip(eff, mine, strict=True))
+                cells.append(f"{label} {fb(mine)} ms (ft/sdpa_efficient {speed})")
+            lines.append(f"  {dtype} N={n} masks: " + " | ".join(cells))
+    failed = sum(1 for r in rows if r["provider"] == OURS and r["error"] is not None)
+    flagged = sum(1 for r in rows if r["flagged"])
+    lines.append(f"  flashtile rows without a time: {failed}; rows flagged (!) for accuracy: {flagged}")
+    return lines
+
+
 def _provenance(head: dict[str, Any]) -> list[str]:
     """Bullets: GPU and versions, commit and date, command, method notes, provider legend."""
     lines = [
@@ -196,10 +414,13 @@ def _provenance(head: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any], provenance: bool = True) -> str:
-    """The report as markdown: provenance (unless left out), speed table, accuracy, failures, memory."""
+    """The report as markdown: provenance (unless left out), speed table, accuracy, failures, memory,
+    variants."""
     providers = _providers(result)
-    rows, memory = result["rows"], result.get("memory", [])
+    rows, memory, variants = result["rows"], result.get("memory", []), result.get("variants", [])
     lines = ["# Attention benchmark", ""]
+    if result["header"].get("dry_run"):
+        lines += ["**Dry run on the CPU at tiny sizes: it checks the plumbing; the times mean nothing.**", ""]
     if provenance:
         lines += _provenance(result["header"])
     if rows:
@@ -218,6 +439,8 @@ def markdown(result: dict[str, Any], provenance: bool = True) -> str:
         lines += ["", "Missing or failed:", "", *failures]
     if memory:
         lines += ["", *_memory_table(memory, providers)]
+    if variants:
+        lines += _variants_markdown(variants, providers)
     return "\n".join(lines) + "\n"
 
 
