@@ -32,11 +32,11 @@ class TileConfig:
 
 # pass -> [(largest padded head dim it serves, config)], smallest first.
 _HOPPER = {
-    # Tensor-descriptor loads at D <= 128 (N=16k, full/causal: D=64 450/431 against 432/418 with pointer
-    # loads, D=128 537/513 against 505/486; docs/tuning-log.md, session 2).
+    # Tensor-descriptor loads at D <= 128 (N=8k, full/causal: D=64 450/425 against 426/398 with pointer
+    # loads, D=128 567/518 against 480/447; docs/tuning-log.md, session 2, step 11).
     "forward": [
         (64, TileConfig(128, 64, 8, 4, tma=True)),
-        (128, TileConfig(128, 64, 8, 4, tma=True)),
+        (128, TileConfig(128, 128, 8, 3, tma=True)),
         (256, TileConfig(64, 64, 4, 3)),
     ],
     # Banded (causal or windowed) with seqlen_k <= SHORT_SEQLEN: smaller query tiles, fewer masked
@@ -52,8 +52,8 @@ _HOPPER = {
         (256, TileConfig(64, 64, 8, 1)),
     ],
     "backward_dq": [
-        (64, TileConfig(128, 64, 8, 3)),
-        (128, TileConfig(128, 64, 8, 3)),
+        (64, TileConfig(64, 64, 4, 4, tma=True)),
+        (128, TileConfig(64, 64, 4, 3, tma=True)),
         (256, TileConfig(128, 32, 8, 3)),
     ],
 }
@@ -94,13 +94,15 @@ def _compute_capability_major(device_index: int | None) -> int:
 
 
 MASK_MAX_STAGES = 2
-"""Pipeline depth at head dims above 128 with SDPA's attn_mask: its tiles are pipelined too, and three
-stages of K, V and mask tiles exceed the H200's 227 KiB of shared memory (tests/sm90_compile.py)."""
+"""Pipeline depth with SDPA's attn_mask at head dims above 128 or with 128 x 128 tiles: its tiles are
+pipelined too, and three stages of K, V and mask tiles exceed the H200's 227 KiB of shared memory
+(tests/sm90_compile.py)."""
 
 
 def with_mask(cfg: TileConfig, width: int) -> TileConfig:
     """``cfg`` for a launch that reads an attn_mask, at padded head dim ``width``."""
-    if width > 128 and cfg.num_stages > MASK_MAX_STAGES:
+    large = width > 128 or cfg.block_m * cfg.block_n >= 128 * 128
+    if large and cfg.num_stages > MASK_MAX_STAGES:
         return dataclasses.replace(cfg, num_stages=MASK_MAX_STAGES)
     return cfg
 
