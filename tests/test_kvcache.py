@@ -10,6 +10,7 @@ new rows where they belong and be bitwise unchanged everywhere else.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import flashtile.cpu_decode
+import flashtile.kvcache
 import flashtile.ops.decode
 from conftest import DEVICE
 from flashtile.kvcache import flash_attn_with_kvcache
@@ -603,3 +605,78 @@ def test_unused_block_table_entries_may_hold_anything(path):
     out, *_ = call(case, x, block_table=table)
     expected, *_ = call(case, x)
     assert torch.equal(out, expected)
+
+
+# The host path ------------------------------------------------------------------------------------------
+
+
+class _Passthrough(torch.overrides.TorchFunctionMode):
+    """A torch function mode that changes nothing: its presence routes calls through the custom op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", [Case(page_size=16, rotary_dim=32, seqlen_q=2, seqlen_new=2), Case(leftpad=True)])
+def test_eager_call_matches_custom_op(path, case):
+    """Plain eager calls skip the custom op's dispatch; the result, the cache and the caches' version
+    counters (autograd's record of in-place writes) are those of the custom op."""
+    x = make_inputs(case)
+    results = []
+    for through_op in (False, True):
+        with _Passthrough() if through_op else contextlib.nullcontext():
+            out, lse, k_cache, v_cache = call(case, x)
+        results.append((out, lse, k_cache, v_cache, k_cache._version, v_cache._version))
+    for eager, op in zip(*results, strict=True):
+        assert torch.equal(eager, op) if isinstance(eager, torch.Tensor) else eager == op
+    assert results[0][4] > 0 and results[0][5] > 0
+
+
+def test_eager_path_skips_custom_op(path, monkeypatch):
+    """The custom op runs only when something traces or intercepts (here a torch function mode)."""
+    calls = []
+    op = flashtile.kvcache.kvcache_forward
+
+    def counted(*args):
+        calls.append(1)
+        return op(*args)
+
+    monkeypatch.setattr(flashtile.kvcache, "kvcache_forward", counted)
+    case = Case()
+    x = make_inputs(case)
+    call(case, x)
+    assert not calls
+    with _Passthrough():
+        call(case, x)
+    assert len(calls) == 1
+
+
+def test_inference_mode(path):
+    """Under torch.inference_mode (how serving stacks decode) the eager path runs; caches made outside it."""
+    case = Case(page_size=16)
+    x = make_inputs(case)
+    expected, *_ = call(case, x)
+    with torch.inference_mode():
+        out, *_ = call(case, x)
+    assert torch.equal(out, expected)
+
+
+def test_host_copy_of_index_tensors():
+    """The value checks copy every index tensor to the host in one piece and split it back."""
+    tensors = {
+        "a": torch.arange(3, dtype=torch.int32),
+        "b": torch.arange(12, dtype=torch.int32).view(3, 4)[:, ::2],
+        "c": torch.zeros(0, dtype=torch.int32),
+    }
+    host = flashtile.kvcache._copy_to_host(tensors)
+    assert list(host) == list(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(host[name], t)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 16, 17, 63, 64, 65, 1000])
+def test_host_helpers_match_triton(n):
+    import triton
+
+    assert configs.next_power_of_2(n) == triton.next_power_of_2(n)
+    assert configs.cdiv(n, 16) == triton.cdiv(n, 16)

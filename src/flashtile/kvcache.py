@@ -3,9 +3,16 @@ signature and semantics (new keys/values appended in place, rotary, paged cache,
 
 Inputs are checked here, before anything launches. Which implementation runs is decided by
 ``flashtile._backend.path_name``: the Triton kernels of ``flashtile.ops.decode`` (compiled on CUDA,
-interpreted under ``TRITON_INTERPRET=1``) or ``flashtile.cpu_decode``. The work happens inside the
-custom op ``flashtile::kvcache_forward``, declared as mutating k_cache and v_cache, so
-``torch.compile(fullgraph=True)`` traces through it.
+interpreted under ``TRITON_INTERPRET=1``) or ``flashtile.cpu_decode``. The work is the custom op
+``flashtile::kvcache_forward``, declared as mutating k_cache and v_cache, so
+``torch.compile(fullgraph=True)`` traces through it. In plain eager calls (no tracing, no torch function
+or dispatch mode, plain tensors, no gradient wanted) the implementation is called directly instead: the
+custom op's Python dispatch costs tens of µs per call, more than everything else before the launch
+(docs/tuning-log.md, "Decode host path").
+
+Host cost per call is part of decoding's latency, so the checks that run on every call build their
+messages only on failure, and the checks of index values (a device-to-host copy on CUDA) can be switched
+off (docs/validation.md).
 """
 
 from __future__ import annotations
@@ -29,6 +36,17 @@ from flashtile.interface import (
 
 PAGE_MULTIPLE = 16
 INDEX_DTYPE = torch.int32
+
+
+def _implementation(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``kvcache_forward`` of the path that runs for ``device`` (``flashtile._backend.path_name``)."""
+    if path_name(device) == "cpu":
+        from flashtile import cpu_decode
+
+        return cpu_decode.kvcache_forward
+    from flashtile.ops import decode  # imports Triton: only when it runs
+
+    return decode.kvcache_forward
 
 
 @torch.library.custom_op("flashtile::kvcache_forward", mutates_args=("k_cache", "v_cache"))
@@ -58,11 +76,7 @@ def kvcache_forward(
     Appends k, v into k_cache, v_cache in place. window_left/window_right: the visible band, None unbounded;
     rotary_per_token: q rotated at cache_seqlens[b] + i (else all at cache_seqlens[b]).
     """
-    if path_name(q.device) == "cpu":
-        from flashtile.cpu_decode import kvcache_forward as implementation
-    else:
-        from flashtile.ops.decode import kvcache_forward as implementation
-    return implementation(
+    return _implementation(q.device)(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, alibi_slopes, softmax_scale, window_left, window_right, softcap, rotary_interleaved,
         rotary_per_token, num_splits,
@@ -80,64 +94,66 @@ def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_ba
 
 
 def _check_index(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
+    """A (shape) int32 tensor on ``device``, or None. Runs on every call: messages are built only on failure."""
     if t is None:
         return
-    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor or None, got {type(t).__name__}.", TypeError)
-    require(
-        t.dtype == INDEX_DTYPE,
-        f"{name} must have dtype torch.int32, got {t.dtype}. Convert it with {name}.to(torch.int32).",
-        TypeError,
-    )
-    require(tuple(t.shape) == shape, f"{name} must have shape {shape}, got {tuple(t.shape)}.")
-    require(t.device == device, f"{name} must be on {device} like q, got {t.device}.")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}.")
+    if t.dtype != INDEX_DTYPE:
+        raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}. Convert it with {name}.to(torch.int32).")
+    if t.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}.")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {t.device}.")
 
 
 def _check_q(q: torch.Tensor) -> None:
-    require(isinstance(q, torch.Tensor), f"q must be a torch.Tensor, got {type(q).__name__}.", TypeError)
-    require(
-        q.dtype in SUPPORTED_DTYPES,
-        f"q has dtype {q.dtype}; flashtile supports torch.float16 and torch.bfloat16. Cast the inputs, "
-        "e.g. q.to(torch.bfloat16), and the cache likewise.",
-        TypeError,
-    )
-    require(q.dim() == 4, f"q must have 4 dimensions (batch_size, seqlen_q, nheads, headdim), got {tuple(q.shape)}.")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"q has dtype {q.dtype}; flashtile supports torch.float16 and torch.bfloat16. Cast the inputs, "
+            "e.g. q.to(torch.bfloat16), and the cache likewise."
+        )
+    if q.dim() != 4:
+        raise ValueError(f"q must have 4 dimensions (batch_size, seqlen_q, nheads, headdim), got {tuple(q.shape)}.")
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> None:
-    layout = (
-        "(num_blocks, page_block_size, nheads_k, headdim)"
-        if paged
-        else "(batch_cache, seqlen_cache, nheads_k, headdim)"
-    )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}.", TypeError)
-        require(
-            t.dtype == q.dtype,
-            f"{name} has dtype {t.dtype} but q has {q.dtype}: the cache and q must share one dtype.",
-            TypeError,
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: the cache and q must share one dtype.")
+        if t.dim() != 4:
+            layout = (
+                "(num_blocks, page_block_size, nheads_k, headdim)"
+                if paged
+                else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+            )
+            raise ValueError(f"{name} must have 4 dimensions {layout}, got shape {tuple(t.shape)}.")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} like q, got {t.device}.")
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have a contiguous last dimension (new keys/values are written into it in place), "
+                f"got strides {t.stride()}."
+            )
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache and v_cache must agree in their first three dimensions, got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}."
         )
-        require(t.dim() == 4, f"{name} must have 4 dimensions {layout}, got shape {tuple(t.shape)}.")
-        require(t.device == q.device, f"{name} must be on {q.device} like q, got {t.device}.")
-        require(
-            t.stride(-1) == 1,
-            f"{name} must have a contiguous last dimension (new keys/values are written into it in place), "
-            f"got strides {t.stride()}.",
-        )
-    require(
-        k_cache.shape[:3] == v_cache.shape[:3],
-        f"k_cache and v_cache must agree in their first three dimensions, got {tuple(k_cache.shape)} "
-        f"and {tuple(v_cache.shape)}.",
-    )
     nheads, nheads_k = q.shape[2], k_cache.shape[2]
-    require(
-        nheads_k > 0 and nheads % nheads_k == 0,
-        f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for grouped-query attention: "
-        "each group of nheads // nheads_k query heads shares one key/value head.",
-    )
-    require(
-        k_cache.shape[3] == q.shape[3],
-        f"q and k_cache must share headdim (dim 3), got q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}.",
-    )
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(
+            f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for grouped-query attention: "
+            "each group of nheads // nheads_k query heads shares one key/value head."
+        )
+    if k_cache.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"q and k_cache must share headdim (dim 3), got q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}."
+        )
     check_head_dim("headdim", q.shape[3])
     check_head_dim("headdim_v", v_cache.shape[3])
 
@@ -147,25 +163,22 @@ def _check_layout(
 ) -> int:
     """Check the paged or contiguous layout; return the cache length of one batch entry."""
     if block_table is None:
-        require(
-            cache_batch_idx is not None or k_cache.shape[0] >= batch,
-            f"k_cache has {k_cache.shape[0]} batch entries for a batch of {batch}; pass cache_batch_idx to pick them.",
-        )
+        if cache_batch_idx is None and k_cache.shape[0] < batch:
+            raise ValueError(
+                f"k_cache has {k_cache.shape[0]} batch entries for a batch of {batch}; pass cache_batch_idx to "
+                "pick them."
+            )
         return k_cache.shape[1]
-    require(
-        isinstance(block_table, torch.Tensor) and block_table.dim() == 2,
-        f"block_table must be (batch_size, max_num_blocks_per_seq), got {_shape_of(block_table)}.",
-    )
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        raise ValueError(f"block_table must be (batch_size, max_num_blocks_per_seq), got {_shape_of(block_table)}.")
     _check_index("block_table", block_table, (batch, block_table.shape[1]), k_cache.device)
     page = k_cache.shape[1]
-    require(
-        page > 0 and page % PAGE_MULTIPLE == 0,
-        f"page_block_size (k_cache.shape[1]) must be a multiple of {PAGE_MULTIPLE}, got {page}.",
-    )
-    require(
-        cache_batch_idx is None,
-        "cache_batch_idx cannot be used with a paged cache (block_table): index pages through block_table.",
-    )
+    if page <= 0 or page % PAGE_MULTIPLE != 0:
+        raise ValueError(f"page_block_size (k_cache.shape[1]) must be a multiple of {PAGE_MULTIPLE}, got {page}.")
+    if cache_batch_idx is not None:
+        raise ValueError(
+            "cache_batch_idx cannot be used with a paged cache (block_table): index pages through block_table."
+        )
     return block_table.shape[1] * page
 
 
@@ -173,53 +186,67 @@ def _check_rotary(
     q: torch.Tensor, k: torch.Tensor | None, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
     seqlen_cache: int,
 ) -> None:  # fmt: skip
-    require(
-        (rotary_cos is None) == (rotary_sin is None), "rotary_cos and rotary_sin must be given together, or neither."
-    )
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together, or neither.")
     if rotary_cos is None:
         return
     require(k is not None, "rotary_cos/rotary_sin rotate the new keys: pass k and v with them.")
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}.", TypeError)
-        require(
-            t.dtype in (q.dtype, torch.float32),
-            f"{name} must have q's dtype ({q.dtype}) or float32, got {t.dtype}.",
-            TypeError,
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dtype != q.dtype and t.dtype != torch.float32:
+            raise TypeError(f"{name} must have q's dtype ({q.dtype}) or float32, got {t.dtype}.")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} like q, got {t.device}.")
+    if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(
+            f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(rotary_cos.shape)} "
+            f"and {tuple(rotary_sin.shape)}."
         )
-        require(t.device == q.device, f"{name} must be on {q.device} like q, got {t.device}.")
-    require(
-        rotary_cos.dim() == 2 and rotary_cos.shape == rotary_sin.shape,
-        f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(rotary_cos.shape)} "
-        f"and {tuple(rotary_sin.shape)}.",
-    )
     rotary_dim = 2 * rotary_cos.shape[1]
-    require(
-        0 < rotary_dim <= q.shape[3],
-        f"rotary_dim (2 x rotary_cos.shape[1] = {rotary_dim}) must lie in [2, headdim = {q.shape[3]}].",
-    )
-    require(
-        rotary_cos.shape[0] >= seqlen_cache,
-        f"rotary_cos/rotary_sin must cover every cache position: seqlen_ro ({rotary_cos.shape[0]}) must be at "
-        f"least the cache length ({seqlen_cache}).",
-    )
+    if not 0 < rotary_dim <= q.shape[3]:
+        raise ValueError(
+            f"rotary_dim (2 x rotary_cos.shape[1] = {rotary_dim}) must lie in [2, headdim = {q.shape[3]}]."
+        )
+    if rotary_cos.shape[0] < seqlen_cache:
+        raise ValueError(
+            f"rotary_cos/rotary_sin must cover every cache position: seqlen_ro ({rotary_cos.shape[0]}) must be at "
+            f"least the cache length ({seqlen_cache})."
+        )
 
 
 def _window(window_size: tuple[int, int], causal: bool, seqlen_cache: int) -> tuple[int | None, int | None]:
     """flash_attn's (window_size, causal) as (left, right), None unbounded; a side >= seqlen_cache is unbounded."""
-    require(
-        len(window_size) == 2 and all(isinstance(w, int) for w in window_size),
-        f"window_size must be a pair of ints (left, right), got {window_size!r}.",
-        TypeError,
-    )
+    if len(window_size) != 2 or not all(isinstance(w, int) for w in window_size):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}.")
     left, right = (None if w < 0 or w >= seqlen_cache else w for w in window_size)
     return left, 0 if causal else right
 
 
+def _on_host(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """The given int32 tensors on the CPU: as they are if they are there, else with one device-to-host copy."""
+    given = {name: t for name, t in tensors.items() if t is not None}
+    if not given or all(t.device.type == "cpu" for t in given.values()):
+        return given
+    return _copy_to_host(given)
+
+
+def _copy_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One concatenation and one copy (the one synchronisation) for all of ``tensors``, then split."""
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()]).cpu()
+    host, start = {}, 0
+    for name, t in tensors.items():
+        host[name] = flat[start : start + t.numel()].view(t.shape)
+        start += t.numel()
+    return host
+
+
 def _check_cache_values(
-    cache_seqlens: torch.Tensor | None,
+    cache_seqlens: int | torch.Tensor | None,
     cache_leftpad: torch.Tensor | None,
     cache_batch_idx: torch.Tensor | None,
     block_table: torch.Tensor | None,
+    batch: int,
     seqlen_new: int,
     seqlen_cache: int,
     num_slots: int,
@@ -227,62 +254,93 @@ def _check_cache_values(
     seqlen_ro: int,
     rotary_per_token: bool,
 ) -> None:
-    """Check index values against the cache, with one device-to-host copy when all are valid.
+    """Check index values against the cache; on CUDA one device-to-host copy of all of them.
 
     cache_seqlens + seqlen_new <= seqlen_cache; 0 <= cache_leftpad <= cache_seqlens; cache_batch_idx and
     every block_table entry that covers a key in [0, num_slots) (k_cache.shape[0]); with rotary tables of
     seqlen_ro > 0 rows, q's positions (cache_seqlens + seqlen_q - 1 if rotary_per_token, else
-    cache_seqlens) below seqlen_ro.
+    cache_seqlens) below seqlen_ro. An int cache_seqlens has been checked already.
     """
-    checks: list[tuple[torch.Tensor, Callable[[], str]]] = []
-    if cache_seqlens is not None:
-        end = cache_seqlens.long() + seqlen_new
-        checks.append((
-            ((cache_seqlens < 0) | (end > seqlen_cache)).any(),
-            lambda: f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length) with "
-            f"seqlen_new = {seqlen_new}, got cache_seqlens {cache_seqlens.tolist()}. Allocate a longer cache.",
-        ))  # fmt: skip
-    if seqlen_ro and cache_seqlens is not None and seqlen_q:
-        last_q = cache_seqlens.long() + (seqlen_q - 1 if rotary_per_token else 0)
-        checks.append((
-            (last_q >= seqlen_ro).any(),
-            lambda: f"rotary_cos/rotary_sin have {seqlen_ro} rows (positions), but q is rotated at positions up to "
-            f"{int(last_q.max())} (cache_seqlens {cache_seqlens.tolist()}, seqlen_q = {seqlen_q}): pass tables "
-            "that cover every query position.",
-        ))  # fmt: skip
-    if cache_leftpad is not None:
-        lengths = torch.full_like(cache_leftpad, seqlen_cache) if cache_seqlens is None else cache_seqlens
-        checks.append((
-            ((cache_leftpad < 0) | (cache_leftpad > lengths)).any(),
-            lambda: f"cache_leftpad must lie in [0, cache_seqlens], got {cache_leftpad.tolist()} "
-            f"for cache_seqlens {lengths.tolist()}.",
-        ))  # fmt: skip
-    if cache_batch_idx is not None:
-        checks.append((
-            ((cache_batch_idx < 0) | (cache_batch_idx >= num_slots)).any(),
-            lambda: f"cache_batch_idx entries must lie in [0, {num_slots}) (k_cache.shape[0]), "
-            f"got {cache_batch_idx.tolist()}.",
-        ))  # fmt: skip
-    if block_table is not None:
-        page = seqlen_cache // block_table.shape[1]
-        blocks = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
-        used = blocks < (seqlen_cache if cache_seqlens is None else (end[:, None] + page - 1) // page)
-        if cache_leftpad is not None:
-            used &= blocks >= (cache_leftpad.long() // page)[:, None]
-        outside = used & ((block_table < 0) | (block_table >= num_slots))
-        checks.append((
-            outside.any(),
-            lambda: f"block_table entries that cover a key must lie in [0, {num_slots}) (k_cache.shape[0], the "
-            f"number of blocks); got {block_table[outside].tolist()} at {outside.nonzero().tolist()}.",
-        ))  # fmt: skip
-    if checks:
-        failed = torch.stack([bad for bad, _ in checks]).tolist()
-        for bad, (_, message) in zip(failed, checks, strict=True):
-            require(not bad, message())
+    host = _on_host(
+        {
+            "cache_seqlens": cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+            "cache_leftpad": cache_leftpad,
+            "cache_batch_idx": cache_batch_idx,
+            "block_table": block_table,
+        }
+    )
+    seqlens = None
+    if isinstance(cache_seqlens, int):
+        seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int64)
+    elif cache_seqlens is not None:
+        seqlens = host["cache_seqlens"].long()
+        end = seqlens + seqlen_new
+        if ((seqlens < 0) | (end > seqlen_cache)).any():
+            raise ValueError(
+                f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length) with seqlen_new = "
+                f"{seqlen_new}, got cache_seqlens {seqlens.tolist()}. Allocate a longer cache."
+            )
+    if seqlen_ro and seqlens is not None and seqlen_q:
+        last_q = seqlens + (seqlen_q - 1 if rotary_per_token else 0)
+        if (last_q >= seqlen_ro).any():
+            raise ValueError(
+                f"rotary_cos/rotary_sin have {seqlen_ro} rows (positions), but q is rotated at positions up to "
+                f"{int(last_q.max())} (cache_seqlens {seqlens.tolist()}, seqlen_q = {seqlen_q}): pass tables that "
+                "cover every query position."
+            )
+    leftpad = host.get("cache_leftpad")
+    if leftpad is not None:
+        lengths = torch.full_like(leftpad, seqlen_cache) if seqlens is None else seqlens
+        if ((leftpad < 0) | (leftpad > lengths)).any():
+            raise ValueError(
+                f"cache_leftpad must lie in [0, cache_seqlens], got {leftpad.tolist()} for cache_seqlens "
+                f"{lengths.tolist()}."
+            )
+    batch_idx = host.get("cache_batch_idx")
+    if batch_idx is not None and ((batch_idx < 0) | (batch_idx >= num_slots)).any():
+        raise ValueError(
+            f"cache_batch_idx entries must lie in [0, {num_slots}) (k_cache.shape[0]), got {batch_idx.tolist()}."
+        )
+    table = host.get("block_table")
+    if table is not None and table.numel():
+        page = seqlen_cache // table.shape[1]
+        blocks = torch.arange(table.shape[1])[None, :]
+        used = blocks < (seqlen_cache if seqlens is None else (seqlens[:, None] + seqlen_new + page - 1) // page)
+        if leftpad is not None:
+            used &= blocks >= (leftpad.long() // page)[:, None]
+        outside = used & ((table < 0) | (table >= num_slots))
+        if outside.any():
+            raise ValueError(
+                f"block_table entries that cover a key must lie in [0, {num_slots}) (k_cache.shape[0], the number "
+                f"of blocks); got {table[outside].tolist()} at {outside.nonzero().tolist()}."
+            )
 
 
 def _shape_of(t: object) -> str:
     return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t with a contiguous last dimension (the kernels index rows by a stride and columns densely)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether the implementation can be called directly, past the custom op's Python dispatch (which costs
+    tens of µs per call): plain tensors, nothing tracing or intercepting torch calls, no gradient wanted.
+    Otherwise the call goes through ``flashtile::kvcache_forward`` (torch.compile, export, fake tensors,
+    tensor subclasses, torch function or dispatch modes such as ``torch.device(...)``)."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
+    ):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
+            return False
+    return True
 
 
 def flash_attn_with_kvcache(
@@ -392,59 +450,67 @@ def flash_attn_with_kvcache(
     CPU tensors are always checked. See docs/validation.md.
     """
     _check_q(q)
-    batch, _, nheads, head_dim = q.shape
+    batch, seqlen_q, _, head_dim = q.shape
+    device = q.device
     _check_cache(q, k_cache, v_cache, block_table is not None)
     seqlen_cache = _check_layout(batch, k_cache, cache_batch_idx, block_table)
-    _check_index("cache_batch_idx", cache_batch_idx, (batch,), q.device)
-    _check_index("cache_leftpad", cache_leftpad, (batch,), q.device)
+    _check_index("cache_batch_idx", cache_batch_idx, (batch,), device)
+    _check_index("cache_leftpad", cache_leftpad, (batch,), device)
 
-    require((k is None) == (v is None), "k and v must be given together (new keys and their values), or neither.")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and their values), or neither.")
     seqlen_new = 0
     if k is not None:
         check_qkv(q, k, v)
-        require(
-            k.shape[2:] == k_cache.shape[2:] and v.shape[2:] == v_cache.shape[2:],
-            f"k and v must be (batch_size, seqlen_new, nheads_k, headdim[_v]) matching the cache's last two dims "
-            f"{tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}, got {tuple(k.shape)} and {tuple(v.shape)}.",
-        )
-        require(cache_seqlens is not None, "cache_seqlens must be given with k and v: it says where they go.")
+        if k.shape[2:] != k_cache.shape[2:] or v.shape[2:] != v_cache.shape[2:]:
+            raise ValueError(
+                f"k and v must be (batch_size, seqlen_new, nheads_k, headdim[_v]) matching the cache's last two "
+                f"dims {tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}, got {tuple(k.shape)} and "
+                f"{tuple(v.shape)}."
+            )
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens must be given with k and v: it says where they go.")
         seqlen_new = k.shape[1]
-        require(
-            seqlen_new <= seqlen_cache,
-            f"k and v hold {seqlen_new} new tokens but the cache has room for {seqlen_cache}. Allocate a longer cache.",
-        )
+        if seqlen_new > seqlen_cache:
+            raise ValueError(
+                f"k and v hold {seqlen_new} new tokens but the cache has room for {seqlen_cache}. Allocate a "
+                "longer cache."
+            )
         k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     if isinstance(cache_seqlens, int):
-        require(
-            0 <= cache_seqlens <= seqlen_cache - seqlen_new,
-            f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length), got "
-            f"cache_seqlens={cache_seqlens} and seqlen_new={seqlen_new}. Allocate a longer cache.",
-        )
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=INDEX_DTYPE, device=q.device)
-    _check_index("cache_seqlens", cache_seqlens, (batch,), q.device)
+        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
+            raise ValueError(
+                f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length), got "
+                f"cache_seqlens={cache_seqlens} and seqlen_new={seqlen_new}. Allocate a longer cache."
+            )
+    else:
+        _check_index("cache_seqlens", cache_seqlens, (batch,), device)
     _check_rotary(q, k, rotary_cos, rotary_sin, seqlen_cache)
     softcap, alibi_slopes, _ = check_options(q, softcap, alibi_slopes, None)
-    require(
-        isinstance(num_splits, int) and num_splits >= 0,
-        f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}.",
-    )
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}.")
     left, right = _window(window_size, causal, seqlen_cache)
-    if _backend.values_checked(q.device):  # one device-to-host copy on CUDA (docs/validation.md)
+    rotary_per_token = left is not None or right is not None
+    if _backend.values_checked(device):  # one device-to-host copy on CUDA (docs/validation.md)
         _check_cache_values(
-            cache_seqlens, cache_leftpad, cache_batch_idx, block_table, seqlen_new, seqlen_cache, k_cache.shape[0],
-            q.shape[1], 0 if rotary_cos is None else rotary_cos.shape[0], left is not None or right is not None,
+            cache_seqlens, cache_leftpad, cache_batch_idx, block_table, batch, seqlen_new, seqlen_cache,
+            k_cache.shape[0], seqlen_q, 0 if rotary_cos is None else rotary_cos.shape[0], rotary_per_token,
         )  # fmt: skip
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=INDEX_DTYPE, device=device)
 
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    # The kernels index these small tensors as dense rows: make them so (a no-op when they are).
-    rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes = (
-        None if t is None else t.contiguous()
-        for t in (rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
-    )
-    out, lse = kvcache_forward(
-        last_dim_contiguous(q), k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-        cache_leftpad, block_table, alibi_slopes, float(softmax_scale), left, right, float(softcap),
-        rotary_interleaved, left is not None or right is not None, num_splits,
+    # The kernels index these as dense rows: make them so (a no-op when they are; 1-D tensors are rows too).
+    args = (
+        last_dim_contiguous(q), k_cache, v_cache, k, v, _dense(rotary_cos), _dense(rotary_sin), _dense(cache_seqlens),
+        _dense(cache_batch_idx), _dense(cache_leftpad), _dense(block_table), alibi_slopes, float(softmax_scale),
+        left, right, float(softcap), rotary_interleaved, rotary_per_token, num_splits,
     )  # fmt: skip
+    if _eager(q, k_cache, v_cache, k, v):
+        out, lse = _implementation(device)(*args)
+        torch.autograd.graph.increment_version(k_cache)  # as the custom op does for its mutated arguments
+        torch.autograd.graph.increment_version(v_cache)
+    else:
+        out, lse = kvcache_forward(*args)
     return (out, lse) if return_softmax_lse else out

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.ops.attention.configs import padded_head_dim
+from flashtile.ops.decode import configs
 from flashtile.ops.decode.tiles import cache_length, cache_slots, load_rotated, load_rows
 
 BLOCK_T = 16  # new tokens per program
@@ -112,20 +112,17 @@ def append_kv(
     head_dim_v = v.shape[3]
     rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
     seqlen_cache = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    grid = (triton.cdiv(seqlen_new, BLOCK_T), batch, nheads_k)
+    grid = (configs.cdiv(seqlen_new, BLOCK_T), batch, nheads_k)
     _append_kernel[grid](
         k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         0 if block_table is None else block_table.stride(0),
         0 if rotary_cos is None else rotary_cos.stride(0),
         seqlen_new, seqlen_cache, 0 if rotary_cos is None else rotary_cos.shape[0], k_cache.shape[0],
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
-        BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_DV=padded_head_dim(head_dim_v),
+        BLOCK_D=configs.tile_width(head_dim),
+        BLOCK_DV=configs.tile_width(head_dim_v),
         BLOCK_T=BLOCK_T,
         PAGE_SIZE=0 if block_table is None else k_cache.shape[1],
         HAS_BATCH_IDX=cache_batch_idx is not None,

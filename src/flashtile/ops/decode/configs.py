@@ -12,7 +12,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
+
+from flashtile.ops.attention.configs import padded_head_dim
 
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 4  # a split reads at least this many key tiles, so the combine stays cheap
@@ -31,6 +32,23 @@ class DecodeConfig:
 INTERPRETER = DecodeConfig(32, 4, 1)
 
 
+# Host helpers in plain Python: they run on every decode step, and Triton's own (``triton.cdiv``,
+# ``triton.next_power_of_2``) are constexpr functions that cost microseconds per call on the host.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1; 0 for 0, as triton.next_power_of_2)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+@functools.cache
+def tile_width(head_dim: int) -> int:
+    """``padded_head_dim`` (the attention kernels' rule), looked up once per head dim."""
+    return padded_head_dim(head_dim)
+
+
 def config(device: torch.device, head_dim: int) -> DecodeConfig:
     """The tile config of the split-KV kernel for ``head_dim`` (the larger of headdim and headdim_v)."""
     if device.type != "cuda":
@@ -43,7 +61,7 @@ def config(device: torch.device, head_dim: int) -> DecodeConfig:
 def block_m(packed_rows: int) -> int:
     """Query rows per program for ``packed_rows`` = seqlen_q x (nheads // nheads_k): a power of two in
     [16, MAX_BLOCK_M] (16 is the smallest matrix-product height)."""
-    return max(16, min(MAX_BLOCK_M, triton.next_power_of_2(packed_rows)))
+    return max(16, min(MAX_BLOCK_M, next_power_of_2(packed_rows)))
 
 
 @functools.cache
@@ -63,14 +81,14 @@ def choose_num_splits(programs: int, n_blocks: int, num_sms: int) -> int:
     """
     if programs >= 0.8 * num_sms:
         return 1
-    wanted = triton.cdiv(2 * num_sms, programs)
+    wanted = cdiv(2 * num_sms, programs)
     return max(1, min(wanted, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
 def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache: int, block_n: int) -> int:
     """The split count to launch: ``requested``, or the heuristic's choice when it is 0, capped at the
     number of key tiles of the cache and at MAX_SPLITS. ``programs`` = batch x nheads_k x query tiles."""
-    n_blocks = triton.cdiv(seqlen_cache, block_n)
+    n_blocks = cdiv(seqlen_cache, block_n)
     if requested == 0:
         requested = choose_num_splits(programs, n_blocks, sm_count(device))
     return max(1, min(requested, n_blocks, MAX_SPLITS))

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops.attention.configs import padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows
@@ -382,7 +381,7 @@ def decode_attention(
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = configs.config(q.device, max(head_dim, head_dim_v))
     block_m = configs.block_m(seqlen_q * group)
-    m_tiles = triton.cdiv(seqlen_q * group, block_m)
+    m_tiles = configs.cdiv(seqlen_q * group, block_m)
     num_splits = configs.num_splits(num_splits, q.device, batch * nheads_k * m_tiles, seqlen_cache, cfg.block_n)
 
     if num_splits == 1:
@@ -393,6 +392,7 @@ def decode_attention(
         stride_os, stride_ls = out_s.stride(0), lse_s.stride(0)
     o_strides = out_s.stride()[-4:-1]
     l_strides = lse_s.stride()[-3:-1]
+    q_strides, k_strides, v_strides = q.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3]
     if softcap > 0.0:
         qk_scale, softcap_log2 = softmax_scale / softcap, softcap * LOG2E.value
     else:
@@ -401,9 +401,7 @@ def decode_attention(
     _split_kv_kernel[grid](
         q, k_cache, v_cache, out_s, lse_s,
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *q_strides, *k_strides, *v_strides,
         stride_os, *o_strides,
         stride_ls, *l_strides,
         0 if block_table is None else block_table.stride(0),
@@ -416,8 +414,8 @@ def decode_attention(
         qk_scale, softcap_log2,
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
-        BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_DV=padded_head_dim(head_dim_v),
+        BLOCK_D=configs.tile_width(head_dim),
+        BLOCK_DV=configs.tile_width(head_dim_v),
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         PAGE_SIZE=k_cache.shape[1] if paged else 0,
@@ -435,16 +433,13 @@ def decode_attention(
         num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        combine_m = min(16, triton.next_power_of_2(seqlen_q))
-        _combine_kernel[(batch * nheads, triton.cdiv(seqlen_q, combine_m))](
+        combine_m = min(16, configs.next_power_of_2(seqlen_q))
+        _combine_kernel[(batch * nheads, configs.cdiv(seqlen_q, combine_m))](
             out_s, lse_s, out, lse,
-            out_s.stride(0), out_s.stride(1), out_s.stride(2), out_s.stride(3),
-            lse_s.stride(0), lse_s.stride(1), lse_s.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
+            *out_s.stride()[:4], *lse_s.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
             nheads, seqlen_q, num_splits,
             HEAD_DIM_V=head_dim_v,
-            BLOCK_DV=padded_head_dim(head_dim_v),
+            BLOCK_DV=configs.tile_width(head_dim_v),
             BLOCK_M=combine_m,
         )  # fmt: skip
     return out, lse
