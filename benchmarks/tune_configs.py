@@ -41,7 +41,7 @@ CANDIDATES = {  # (block_m, block_n, num_warps, num_stages[, tma])
                   (128, 32, 8, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 4, True), (128, 128, 8, 2, True)]
     ],
 }  # fmt: skip
-CANDIDATES["forward_banded_short"] = CANDIDATES["forward"]
+CANDIDATES["forward_short"] = CANDIDATES["forward_banded_short"] = CANDIDATES["forward"]
 
 
 def time_pass(pass_name: str, inputs: dict, causal: bool) -> float:

@@ -7,8 +7,9 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
 
 * the attention kernels for every entry of the Hopper table (``configs._HOPPER``): each pass at each head
   dim bucket, causal and full (``forward_banded_short`` serves only banded launches, so it is compiled
-  causal and with a sliding window), with every feature off and with every feature on (softcap, ALiBi,
-  sink, dropout, varlen: those the kernel has), and the delta kernel of the backward;
+  causal and with a sliding window; ``forward_short`` only launches that are not banded, compiled full),
+  with every feature off and with every feature on (softcap, ALiBi, sink, dropout, varlen: those the
+  kernel has), and the delta kernel of the backward;
 * the decode kernels (split-KV, combine, append) at each head dim bucket of ``decode.configs.config``.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
@@ -185,10 +186,13 @@ KERNELS = {
 }
 PASS_KERNEL = {
     "forward": "_attention_forward_kernel",
+    "forward_short": "_attention_forward_kernel",
     "forward_banded_short": "_attention_forward_kernel",
     "backward_dkdv": "_attention_dkdv_kernel",
     "backward_dq": "_attention_dq_kernel",
 }
+# The masks a pass serves: the short passes split launches with seqlen_k <= SHORT_SEQLEN by banded or not.
+PASS_MASKS = {"forward_banded_short": ("causal", "window"), "forward_short": ("full",)}
 # Feature flags switched on together in a "features on" variant, where the kernel has them.
 ATTENTION_FEATURES = (
     "HAS_SOFTCAP", "HAS_ALIBI", "HAS_SINK", "IS_VARLEN", "HAS_DROPOUT", "HAS_MASK", "MASK_NEEDS_GRAD",
@@ -303,7 +307,7 @@ def attention_variants() -> list[Variant]:
     for pass_name in PASSES:
         kname = PASS_KERNEL[pass_name]
         constexprs = {p.name for p in KERNELS[kname].params if p.is_constexpr}
-        masks = ("causal", "window") if pass_name == "forward_banded_short" else ("full", "causal")
+        masks = PASS_MASKS.get(pass_name, ("full", "causal"))
         for head_dim, cfg in _HOPPER[pass_name]:
             for mask in masks:
                 base = {

@@ -14,6 +14,7 @@ import torch
 import flashtile
 from conftest import DEVICE
 from flashtile.ops.attention import backward as attention_backward_module
+from flashtile.ops.attention import configs
 from flashtile.ops.attention import forward as attention_forward_module
 from flashtile.ops.attention.configs import TileConfig, override
 from flashtile.reference import visibility_mask
@@ -141,7 +142,8 @@ def test_tensor_descriptor_path(path, monkeypatch, seqlens, heads, head_dim, opt
     q, k, v, dout = make_inputs(2, *seqlens, *heads, head_dim, dtype=torch.bfloat16)
     if options.get("alibi_slopes"):
         options = dict(options, alibi_slopes=torch.rand(heads[0], device=DEVICE))
-    with override(forward=TMA_TILES, forward_banded_short=TMA_TILES, backward_dkdv=TMA_TILES, backward_dq=TMA_TILES):
+    forward_passes = {"forward": TMA_TILES, "forward_short": TMA_TILES, "forward_banded_short": TMA_TILES}
+    with override(**forward_passes, backward_dkdv=TMA_TILES, backward_dq=TMA_TILES):
         results = run_flashtile(q, k, v, dout, **options)
     assert taken == [True, True, True]  # forward, dK/dV, dQ
     options.pop("deterministic", None)
@@ -161,12 +163,23 @@ def test_tensor_descriptor_path_falls_back_to_pointers(path, monkeypatch):
     wide = [x.requires_grad_() for x in make_inputs(1, 50, 70, 2, 2, 68)[:3]]
     q, k, v = (x[..., :64] for x in wide)
     dout = make_inputs(1, 50, 70, 2, 2, 64, seed=1)[3]
-    with override(forward=TMA_TILES, backward_dkdv=TMA_TILES):
+    with override(forward=TMA_TILES, forward_short=TMA_TILES, backward_dkdv=TMA_TILES):
         out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
         out.backward(dout)
     assert taken == [False]
     grads = {name: x.grad[..., :64] for name, x in zip(("dq", "dk", "dv"), wide, strict=True)}
     check_against_oracle({"out": out, "lse": lse, **grads}, *(x.detach() for x in (q, k, v)), dout)
+
+
+@pytest.mark.parametrize("major", [8, 9, 10], ids=lambda m: f"sm{m}x")
+def test_every_pass_has_a_config_on_every_gpu_generation(monkeypatch, major):
+    """Each pass the launchers ask for has a tile config on Hopper and on the table for other GPUs."""
+    monkeypatch.setattr(configs, "_compute_capability_major", lambda index: major)
+    for pass_name in configs.PASSES:
+        for head_dim in (8, 64, 128, 256):
+            cfg = configs.config(pass_name, torch.device("cuda", 0), head_dim, head_dim)
+            assert cfg.block_m >= 16 and cfg.block_n >= 16
+            assert not cfg.tma or major >= 9, "the copy engine needs Hopper or later"
 
 
 def test_strided_qkv_from_one_tensor(path):

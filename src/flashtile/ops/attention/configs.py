@@ -39,6 +39,14 @@ _HOPPER = {
         (128, TileConfig(128, 128, 8, 3, tma=True)),
         (256, TileConfig(64, 64, 4, 3)),
     ],
+    # Not banded, seqlen_k <= SHORT_SEQLEN: at N=1k the 128 x 128 tiles leave each program 8 key tiles,
+    # and D=128 fell to 289 TFLOP/s against 394 for (128, 64, 8, 3) with pointer loads (standard table
+    # at 5cca84e against aa5bb66; tuning log step 12).
+    "forward_short": [
+        (64, TileConfig(128, 64, 8, 4, tma=True)),
+        (128, TileConfig(128, 64, 8, 3)),
+        (256, TileConfig(64, 64, 4, 3)),
+    ],
     # Banded (causal or windowed) with seqlen_k <= SHORT_SEQLEN: smaller query tiles, fewer masked
     # diagonal tiles per program (N=1k causal: 286 vs 260 at D=64, 317 vs 287 at D=128).
     "forward_banded_short": [
@@ -46,9 +54,11 @@ _HOPPER = {
         (128, TileConfig(64, 64, 4, 3)),
         (256, TileConfig(64, 64, 4, 3)),
     ],
+    # D=128 keeps pointer loads: in the shipped kernel (GQA loop, options) TMA made dK/dV slower there
+    # (whole backward at N=8k 340 against 371 TFLOP/s; tuning log step 12).
     "backward_dkdv": [
         (64, TileConfig(32, 64, 4, 4, tma=True)),
-        (128, TileConfig(64, 128, 8, 3, tma=True)),
+        (128, TileConfig(64, 128, 8, 3)),
         (256, TileConfig(64, 64, 8, 1)),
     ],
     "backward_dq": [
@@ -75,9 +85,10 @@ _OTHER = {
         (256, TileConfig(64, 32, 8, 1)),
     ],
 }
+_OTHER["forward_short"] = _OTHER["forward_banded_short"] = _OTHER["forward"]  # not tuned apart there
 INTERPRETER = TileConfig(32, 64, 4, 1)
 SHORT_SEQLEN = 1024
-PASSES = ("forward", "forward_banded_short", "backward_dkdv", "backward_dq")
+PASSES = ("forward", "forward_short", "forward_banded_short", "backward_dkdv", "backward_dq")
 
 _overrides: dict[str, TileConfig] = {}
 

@@ -405,10 +405,10 @@ def _launch(
     nheads_k, head_dim_v = k.shape[-2], v.shape[-1]
     is_varlen = cu_seqlens_q is not None
     has_dropout = dropout_p > 0.0
-    short_band = window_right is not None and seqlen_k <= SHORT_SEQLEN
-    cfg = config(
-        "forward_banded_short" if short_band else "forward", q.device, head_dim, head_dim_v, attn_mask is not None
-    )
+    pass_name = "forward"
+    if seqlen_k <= SHORT_SEQLEN:
+        pass_name = "forward_banded_short" if window_right is not None else "forward_short"
+    cfg = config(pass_name, q.device, head_dim, head_dim_v, attn_mask is not None)
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     tma = cfg.tma and not is_varlen and tma_ready(q, k, v, out)
     rows_q, rows_k = cfg.block_m, cfg.block_n
