@@ -5,6 +5,7 @@ A drop-in for flash_attn (same names, arguments and layouts) and for
 CPU tensors run the same tiled algorithm in PyTorch (see ``flashtile._backend``).
 """
 
+from flashtile._backend import check_values
 from flashtile.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -20,6 +21,7 @@ from flashtile.sdpa import scaled_dot_product_attention
 __version__ = "0.1.0"
 
 __all__ = [
+    "check_values",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
