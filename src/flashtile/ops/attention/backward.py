@@ -123,6 +123,7 @@ def _dkdv_tile(
     stride_qm,
     stride_dom,
     start_m,
+    start_n,
     offs_n,
     offs_d,
     offs_dv,
@@ -146,6 +147,7 @@ def _dkdv_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
@@ -180,8 +182,8 @@ def _dkdv_tile(
         ok_t = tl.trans(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT))
         p_t = tl.where(ok_t, p_t, 0.0)
     if HAS_DROPOUT:  # the forward's mask, regenerated; dV's 1 / (1 - p) is applied once at the end
-        seed, rng_t = dropout_rows(Rng, row_base + offs_m, rng_stride)  # [BLOCK_M]
-        keep_t = dropout_keep(seed, rng_t[None, :] + offs_n[:, None], dropout_p)  # [BLOCK_N, BLOCK_M]
+        seed, rng_rows = dropout_rows(Rng, row_base + offs_m, rng_stride)  # [BLOCK_M]
+        keep_t = tl.trans(dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N))  # [BLOCK_N, BLOCK_M]
         dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV]
     else:
         dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
@@ -320,26 +322,26 @@ def _attention_dkdv_kernel(
             for start_m in range(lo, mid_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                    start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
-                    Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
-                    BLOCK_D, BLOCK_DV, BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
+                    start_m, start_n, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
+                    slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
+                    BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
                     PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
                 )  # fmt: skip
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
-                Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_M, False, MASK_LEFT, MASK_RIGHT,
+                start_m, start_n, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
+                slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, MASK_LEFT, MASK_RIGHT,
                 PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
             )  # fmt: skip
         if MASK_LEFT:
             for start_m in range(mid_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                    start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap, slope,
-                    Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
-                    BLOCK_D, BLOCK_DV, BLOCK_M, True, MASK_LEFT, MASK_RIGHT,
+                    start_m, start_n, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
+                    slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
+                    BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
                     PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
                 )  # fmt: skip
 
@@ -429,7 +431,7 @@ def _dq_tile(
     p = score_mod_grad(p, t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
     dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if HAS_DROPOUT:  # the gradient at P is Z / (1 - p) * dP, Z the forward's mask regenerated
-        keep = dropout_keep(seed, rng_base[:, None] + offs_n[None, :], dropout_p)
+        keep = dropout_keep(seed, rng_base, start_n, dropout_p, BLOCK_N)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
     if MASK_NEEDS_GRAD:  # dMask (B * H, Sq, Sk) fp32: this tile's gradient at the masked scores

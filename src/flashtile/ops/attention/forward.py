@@ -17,8 +17,9 @@ instruction-identical to the kernels without it (SASS for sm_90 compared).
 
 HAS_DROPOUT drops attention probabilities after the softmax, as flash_attn: out = (P * Z / (1 - p)) V
 with the LSE unchanged (the row sum l keeps every probability). The keep mask Z comes from Philox
-(``tl.rand``) keyed by the seed and counter offset + row * stride + key (``tiles.dropout_rows``), so the
-backward regenerates it instead of storing it. Off, the kernel's signature and code are those without it.
+(``tl.rand4x``, one call per four keys of a row) keyed by the seed and a counter of (row, key)
+(``tiles.dropout_rows``), so the backward regenerates it instead of storing it. Off, the kernel's
+signature and code are those without it.
 
 HAS_MASK applies SDPA's attn_mask (``tiles.mask_scores``): read one [BLOCK_M, BLOCK_N] tile at a time through
 the strides of its (B, H, Sq, Sk) broadcast view (0 on broadcast dimensions, so it is never expanded in
@@ -136,7 +137,7 @@ def _forward_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:  # the softmax sum l keeps every p; only P V sees the mask (1 / (1 - p) at the end)
-        p = tl.where(dropout_keep(seed, rng_base[:, None] + offs_n[None, :], dropout_p), p, 0.0)
+        p = tl.where(dropout_keep(seed, rng_base, start_n, dropout_p, BLOCK_N), p, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
     return acc, m_new, l_i
 
@@ -208,7 +209,7 @@ def _attention_forward_kernel(
     Lse (H, total_q); sequence b holds tokens [CuSeqlensQ[b], CuSeqlensQ[b + 1]) of Q (likewise for
     K/V), the batch strides are the token strides, and seqlen_q is total_q (the Lse row stride).
     HAS_DROPOUT: Rng holds int64 [seed, offset]; P V uses P * Z / (1 - dropout_p), Z the Philox keep mask
-    of counter offset + (the row's Lse offset) * (seqlen_k as passed) + key index (``tiles.dropout_rows``).
+    of each row (its Lse offset) and key, counters as ``tiles.dropout_rows`` with seqlen_k as passed.
     HAS_MASK: Mask is SDPA's attn_mask as a (B, H, Sq, Sk) view with strides stride_m* (0 on broadcast
     dimensions), read tile by tile (``tiles.mask_scores``): uint8 (nonzero = attend) if MASK_IS_BOOL, else
     additive (any float dtype). Not combined with IS_VARLEN.

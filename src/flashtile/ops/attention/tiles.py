@@ -316,20 +316,28 @@ def tile_sources(tma: bool, *tiles: tuple[torch.Tensor, int, int]):
 
 @triton.jit
 def dropout_rows(Rng, row_ids, row_stride):
-    """(seed, counter of key 0 of each row) for dropout: Rng holds int64 [seed, philox offset] (drawn
-    from torch's generator by the caller); row_ids are the rows' LSE offsets (a unique index of each
-    (batch, head, query row), or (head, query token) if IS_VARLEN) and row_stride is at least every
-    sequence's seqlen_k, so counter + j is unique per (batch, head, query row, key column j)."""
+    """(seed, Philox counter of each row's first group of keys) for dropout.
+
+    Rng holds int64 [seed, philox offset] (drawn from torch's generator by the caller); row_ids are the
+    rows' LSE offsets (a unique index of each (batch, head, query row), or (head, query token) if
+    IS_VARLEN) and row_stride is at least every sequence's seqlen_k. One Philox call yields four numbers,
+    so keys go in groups of four: key j of a row draws number j % 4 of counter
+    offset // 4 + row_id * cdiv(row_stride, 4) + j // 4, unique per (batch, head, query row, key).
+    """
     seed = tl.load(Rng)
-    base = tl.load(Rng + 1) + row_ids.to(tl.int64) * row_stride
+    base = tl.load(Rng + 1) // 4 + row_ids.to(tl.int64) * ((row_stride + 3) // 4)
     return seed, base
 
 
 @triton.jit
-def dropout_keep(seed, counters, dropout_p):
-    """Philox (``tl.rand``) keep mask of the given int64 counters: True with probability 1 - dropout_p.
-    A pure function of (seed, counter), so the backward regenerates the forward's mask."""
-    return tl.rand(seed, counters) >= dropout_p
+def dropout_keep(seed, rows, start_n, dropout_p, BLOCK_N: tl.constexpr):
+    """[rows, BLOCK_N] Philox keep mask of keys [start_n, start_n + BLOCK_N) (start_n a multiple of 4) for
+    the rows whose counters ``dropout_rows`` gave: True with probability 1 - dropout_p. A pure function of
+    (seed, counter), so the backward regenerates the forward's mask; one ``tl.rand4x`` per four keys."""
+    groups = rows[:, None] + (start_n // 4 + tl.arange(0, BLOCK_N // 4))[None, :]  # [rows, BLOCK_N / 4]
+    u0, u1, u2, u3 = tl.rand4x(seed, groups)
+    u = tl.join(tl.join(u0, u1), tl.join(u2, u3))  # [rows, BLOCK_N / 4, 2, 2]: [.., a, b] is u_(2a + b)
+    return tl.reshape(u, (rows.shape[0], BLOCK_N)) >= dropout_p  # key 4g + l draws u_l of group g
 
 
 @triton.jit
