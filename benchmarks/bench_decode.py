@@ -1,23 +1,40 @@
-"""Decoding speed: flashtile.flash_attn_with_kvcache against SDPA on a gathered cache, one GPU.
+"""Decoding speed: flashtile.flash_attn_with_kvcache against SDPA and cuDNN on a gathered cache, one GPU.
 
-    PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--page-size 256] [--commit SHA]
+    PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR [--quick] [--batches 1,16] [--contexts 4096,65536]
+        [--page-size 256] [--commit SHA]
+    PYTHONPATH=src python3 benchmarks/bench_decode.py --out DIR --host-overhead   # any machine, no GPU
 
 One decode step per row: q (B, 1, Hq, D), one new key/value per sequence appended at position
 context - 1 of a cache of ``context`` positions, attention over all of them. Hkv = 8, D = 128, bf16;
 B in {1, 4, 16, 64}, context in {1k, 4k, 16k, 64k, 128k}, Hq in {32, 64}; contiguous cache and
-paged cache (``--page-size``, pages in random order). ``--quick``: B in {1, 16}, context in {4k, 64k}.
+paged cache (``--page-size``, pages in random order). ``--quick``: B in {1, 16}, context in {4k, 64k};
+``--batches`` / ``--contexts`` (comma-separated) pick the rows to run and override both.
 
 Measured, ``triton.testing.do_bench`` median with L2 flushed:
-- ``flashtile_us``: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table),
-  num_splits=0 (the heuristic; ``num_splits`` records its choice);
-- ``sdpa_us``: F.scaled_dot_product_attention(q, K, V, enable_gqa=True) with K, V the contiguous
-  (B, Hkv, context, D) cache, i.e. attention alone on an already gathered cache;
+- ``graph_us``: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table), num_splits=0
+  (the heuristic; ``num_splits`` records its choice), captured once in a CUDA graph and replayed: how
+  serving stacks run decode steps, with no Python per step (value checks are skipped under capture).
+  ``kv_tbps``, ``pct_of_copy`` and the speedups are computed from this time;
+- ``eager_us``: the same call from Python with the default value checks (one device-to-host copy of the
+  index tensors per call), and ``eager_unchecked_us`` inside ``check_values(False)``: what a Python loop
+  pays on top of the kernels;
+- ``sdpa_us``: F.scaled_dot_product_attention(q, K, V, enable_gqa=True) (torch's choice of backend) with
+  K, V the contiguous (B, Hkv, context, D) cache, i.e. attention alone on an already gathered cache;
+- ``cudnn_us``: the same under ``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``, with enable_gqa=True or, if
+  cuDNN refuses it, with K and V repeated to Hq heads (``cudnn_variant`` says which); when cuDNN refuses
+  both, ``cudnn_us`` is None and ``cudnn_error`` says why (markdown: 'missing');
 - ``gather_us`` (paged rows): gathering the pages into that contiguous cache, which SDPA needs first.
-``kv_tbps`` = bytes of K and V read (B * context * Hkv * D * 2 * 2) / flashtile time, and
-``pct_of_copy`` its share of the H200's measured copy bandwidth, 4.24 TB/s (goal: >= 80% at long
-contexts). ``speedup`` = (sdpa_us + gather_us) / flashtile_us. The step time is the per-token latency
-of every sequence in the batch. Before timing, flashtile's output is compared with SDPA's on the same
-cache (``max_abs_diff``, flagged above 0.02).
+``kv_tbps`` = bytes of K and V read (B * context * Hkv * D * 2 * 2) / graph_us, and ``pct_of_copy`` its
+share of the H200's measured copy bandwidth, 4.24 TB/s (goal: >= 80% at long contexts).
+``speedup`` = (sdpa_us + gather_us) / graph_us; ``vs_cudnn`` = cudnn_us / graph_us, attention alone
+(no gather credit on paged rows: the bar of BENCHMARKS.md). The step time is the per-token latency of
+every sequence in the batch. Before timing, flashtile's output is compared with SDPA's and cuDNN's on
+the same cache, and the graph replay's with the eager call's (``max_abs_diff``, ``cudnn_max_abs_diff``,
+``graph_max_abs_diff``; a row is flagged above 0.02).
+
+``--host-overhead`` (any machine): the Python time of one call up to the kernel launches, with CPU
+tensors and the launches replaced by no-ops, value checks on and off; on CUDA the checks also cost the
+device-to-host copy, which this does not see. Writes ``host.json``.
 
 Writes ``decode.json`` (header + rows, rewritten after every row) and ``decode.md``.
 """
@@ -25,6 +42,7 @@ Writes ``decode.json`` (header + rows, rewritten after every row) and ``decode.m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -39,8 +57,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+from flashtile import _backend
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.ops.decode import configs
 
@@ -64,6 +84,10 @@ def _git_commit() -> str | None:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 def _bench(fn: Callable[[], Any], args: argparse.Namespace) -> float:
@@ -106,6 +130,52 @@ class Caches:
         return k, v
 
 
+def capture(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``step`` captured in a CUDA graph (after a warm-up on a side stream), and the graph's output tensor."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def cudnn_peer(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[Callable[[], torch.Tensor] | None, str | None, str | None]:
+    """(call, variant, error): cuDNN through SDPA on q (B, Hq, 1, D), k, v (B, Hkv, L, D); enable_gqa, or
+    K and V repeated to Hq heads if cuDNN refuses GQA; call None and the reasons if it refuses both."""
+    errors = []
+
+    def gqa() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    try:
+        gqa()
+        return gqa, "enable_gqa", None
+    except Exception as exc:  # recorded; the repeated variant is tried next
+        errors.append(f"enable_gqa: {_error(exc)}")
+    try:
+        group = q.shape[1] // k.shape[1]
+        k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+        def repeated() -> torch.Tensor:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k_rep, v_rep)
+
+        repeated()
+        return repeated, "repeated", None
+    except Exception as exc:  # recorded in the row: the column says 'missing', never dropped
+        errors.append(f"repeated K/V: {_error(exc)}")
+        torch.cuda.empty_cache()
+    return None, None, "; ".join(errors)
+
+
 def measure(caches: Caches, layout: str, nheads_q: int, args: argparse.Namespace, row: dict[str, Any]) -> None:
     """Fill ``row`` with the times of one layout and head count."""
     batch, context = caches.k.shape[:2]
@@ -119,24 +189,48 @@ def measure(caches: Caches, layout: str, nheads_q: int, args: argparse.Namespace
             block_table=caches.block_table if paged else None, causal=True,
         )  # fmt: skip
 
-    out = step()  # appends the new token at context - 1: SDPA below sees the same cache
+    def step_unchecked() -> torch.Tensor:
+        with _backend.check_values(False):
+            return step()
+
+    out = step()  # appends the new token at context - 1: every call below sees the same cache
     k_sdpa, v_sdpa = caches.gather() if paged else (caches.k.transpose(1, 2), caches.v.transpose(1, 2))
     q_sdpa = q.transpose(1, 2)
 
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, enable_gqa=True)
 
-    diff = (out.float() - sdpa().transpose(1, 2).float()).abs().max().item()
-    row.update(max_abs_diff=diff, flagged=not diff <= TOLERANCE)
-    row["flashtile_us"] = _bench(step, args)
+    def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a.float() - b.float()).abs().max().item()
+
+    row["max_abs_diff"] = diff(out, sdpa().transpose(1, 2))
+    cudnn, row["cudnn_variant"], row["cudnn_error"] = cudnn_peer(q_sdpa.contiguous(), k_sdpa, v_sdpa)
+    if cudnn is not None:
+        row["cudnn_max_abs_diff"] = diff(out, cudnn().transpose(1, 2))
+    graph, graph_out = capture(step)
+    graph.replay()
+    row["graph_max_abs_diff"] = diff(out, graph_out)
+    row["flagged"] = not all(
+        d <= TOLERANCE for d in (row["max_abs_diff"], row["graph_max_abs_diff"], row["cudnn_max_abs_diff"] or 0.0)
+    )
+
+    row["graph_us"] = _bench(graph.replay, args)
+    row["eager_us"] = _bench(step, args)
+    row["eager_unchecked_us"] = _bench(step_unchecked, args)
+    del graph, graph_out
     row["sdpa_us"] = _bench(sdpa, args)
+    if cudnn is not None:
+        row["cudnn_us"] = _bench(cudnn, args)
+    del cudnn
     if paged:
         del k_sdpa, v_sdpa
         row["gather_us"] = _bench(caches.gather, args)
     kv_bytes = 2 * batch * context * NHEADS_KV * HEAD_DIM * DTYPE.itemsize
-    row["kv_tbps"] = kv_bytes / row["flashtile_us"] * 1e-6
+    row["kv_tbps"] = kv_bytes / row["graph_us"] * 1e-6
     row["pct_of_copy"] = 100.0 * row["kv_tbps"] / COPY_TBPS
-    row["speedup"] = (row["sdpa_us"] + (row["gather_us"] or 0.0)) / row["flashtile_us"]
+    row["speedup"] = (row["sdpa_us"] + (row["gather_us"] or 0.0)) / row["graph_us"]
+    if row["cudnn_us"] is not None:
+        row["vs_cudnn"] = row["cudnn_us"] / row["graph_us"]
 
 
 def _header(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,13 +240,18 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
         "sm_count": props.multi_processor_count,
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
         "commit": args.commit or _git_commit(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "copy_tbps": COPY_TBPS,
-        "notes": __doc__.split("Measured,")[1].split("Writes")[0].strip(),
+        "notes": __doc__.split("Measured,")[1].split("``--host-overhead``")[0].strip(),
     }
+
+
+def _fmt(value: Any, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -161,64 +260,202 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [
         f"# flash_attn_with_kvcache decode step, {h['gpu']}",
         "",
-        f"- torch {h['torch']}, Triton {h['triton']}, commit {h['commit']}, {h['date']}",
+        f"- torch {h['torch']}, Triton {h['triton']}, cuDNN {h.get('cudnn')}, commit {h['commit']}, {h['date']}",
         f"- Hkv {NHEADS_KV}, D {HEAD_DIM}, bf16, one new token per sequence; copy bandwidth {h['copy_tbps']} TB/s",
+        "- flashtile: CUDA-graph replay (bandwidth, % of copy and speedups from it); eager with value checks on "
+        "and off. Peers: eager, attention alone on a contiguous cache (SDPA + gather µs for paged rows).",
         "",
-        "| layout | B | context | Hq | splits | flashtile µs | KV TB/s | % of copy | SDPA µs | gather µs "
-        "| speedup | max diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | B | context | Hq | splits | graph µs | KV TB/s | % of copy | eager µs | eager unchecked µs "
+        "| SDPA µs | cuDNN µs | gather µs | vs SDPA (+gather) | vs cuDNN | max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-
-    def fmt(value: Any, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
     for r in data["rows"]:
+        head = f"| {r['layout']} | {r['batch']} | {r['context']} | {r['nheads_q']} | {r['num_splits']} "
         if r["error"]:
-            lines.append(f"| {r['layout']} | {r['batch']} | {r['context']} | {r['nheads_q']} | | error: {r['error']} |")
+            lines.append(head + f"| error: {r['error']} |")
             continue
+        cudnn = _fmt(r["cudnn_us"], ".1f", "missing") + (" (K/V repeated)" if r["cudnn_variant"] == "repeated" else "")
+        diffs = [r["max_abs_diff"], r["graph_max_abs_diff"], r["cudnn_max_abs_diff"]]
         lines.append(
-            f"| {r['layout']} | {r['batch']} | {r['context']} | {r['nheads_q']} | {r['num_splits']} "
-            f"| {fmt(r['flashtile_us'], '.1f')} | {fmt(r['kv_tbps'], '.2f')} | {fmt(r['pct_of_copy'], '.0f')} "
-            f"| {fmt(r['sdpa_us'], '.1f')} | {fmt(r['gather_us'], '.1f')} | {fmt(r['speedup'], '.2f')} "
-            f"| {fmt(r['max_abs_diff'], '.1e')}{' FLAGGED' if r['flagged'] else ''} |"
+            head + f"| {_fmt(r['graph_us'], '.1f')} | {_fmt(r['kv_tbps'], '.2f')} | {_fmt(r['pct_of_copy'], '.0f')} "
+            f"| {_fmt(r['eager_us'], '.1f')} | {_fmt(r['eager_unchecked_us'], '.1f')} | {_fmt(r['sdpa_us'], '.1f')} "
+            f"| {cudnn} | {_fmt(r['gather_us'], '.1f')} | {_fmt(r['speedup'], '.2f')} | {_fmt(r['vs_cudnn'], '.2f')} "
+            f"| {_fmt(max(d for d in diffs if d is not None), '.1e')}{' FLAGGED' if r['flagged'] else ''} |"
         )
+    missing = [r for r in data["rows"] if not r["error"] and r["cudnn_error"]]
+    if missing:
+        lines += ["", "cuDNN missing or repeated K/V:"]
+        lines += [
+            f"- {r['layout']} B={r['batch']} ctx={r['context']} Hq={r['nheads_q']}: {r['cudnn_error']}" for r in missing
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _write_json(data: dict[str, Any], path: Path) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+# --host-overhead ----------------------------------------------------------------------------------------
+
+HOST_ROWS = ((1, 4096, "contiguous"), (1, 4096, "paged"), (64, 16384, "paged"))
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """Microseconds of Python per flash_attn_with_kvcache call up to the kernel launches (CPU tensors)."""
+    from flashtile.ops.decode import append, split_kv
+
+    saved = (split_kv._split_kv_kernel, split_kv._combine_kernel, append._append_kernel, _backend.TRITON_INTERPRET)
+    split_kv._split_kv_kernel = split_kv._combine_kernel = append._append_kernel = _NoLaunch()
+    _backend.TRITON_INTERPRET = True  # CPU tensors take the Triton launchers' path
+    rows = []
+    try:
+        for batch, context, layout in HOST_ROWS:
+            page = args.page_size
+            # The caches' contents are never read (no kernel runs): empty tensors, never touched.
+            if layout == "paged":
+                blocks = context // page
+                k_cache = torch.empty(batch * blocks, page, NHEADS_KV, HEAD_DIM, dtype=DTYPE)
+                table = torch.randperm(batch * blocks).view(batch, blocks).to(torch.int32)
+            else:
+                k_cache, table = torch.empty(batch, context, NHEADS_KV, HEAD_DIM, dtype=DTYPE), None
+            v_cache = torch.empty_like(k_cache)
+            q = torch.randn(batch, 1, NHEADS_Q[0], HEAD_DIM, dtype=DTYPE)
+            k_new = torch.randn(batch, 1, NHEADS_KV, HEAD_DIM, dtype=DTYPE)
+            v_new = torch.randn_like(k_new)
+            seqlens = torch.full((batch,), context - 1, dtype=torch.int32)
+
+            def step(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new, seqlens=seqlens, table=table):
+                flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                        causal=True)  # fmt: skip
+
+            for checks in ("on", "off"):
+                unchecked = contextlib.nullcontext()
+                if checks == "off":  # CPU tensors are always checked: pretend to be a GPU with the switch off
+                    unchecked = _patched(_backend, "values_checked", lambda device: False)
+                with unchecked:
+                    us = _time_calls(step, args.host_calls)
+                rows.append(dict(batch=batch, context=context, layout=layout, checks=checks, us_per_call=us))
+                print(f"B={batch:<3d} ctx={context:<6d} {layout:10s} value checks {checks:3s}: {us:6.1f} us/call")
+    finally:
+        split_kv._split_kv_kernel, split_kv._combine_kernel, append._append_kernel, _backend.TRITON_INTERPRET = saved
+    return {
+        "header": {
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "commit": args.commit or _git_commit(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "notes": "min over 7 repetitions of the mean of --host-calls calls; Hq 32, Hkv 8, D 128, bf16; "
+            "kernel launches replaced by no-ops; CPU tensors",
+        },
+        "rows": rows,
+    }
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+def _time_calls(fn: Callable[[], Any], calls: int) -> float:
+    for _ in range(min(calls, 200)):
+        fn()
+    means = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - start) / calls * 1e6)
+    return min(means)
+
+
+# --------------------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="folder for decode.{json,md}")
+    parser.add_argument("--out", type=Path, required=True, help="folder for decode.{json,md} (or host.json)")
     parser.add_argument("--quick", action="store_true", help=f"B in {QUICK_BATCHES}, context in {QUICK_CONTEXTS}")
+    parser.add_argument("--batches", type=_ints, default=None, help=f"comma-separated batch sizes (default {BATCHES})")
+    parser.add_argument(
+        "--contexts", type=_ints, default=None, help=f"comma-separated context lengths (default {CONTEXTS})"
+    )
     parser.add_argument("--page-size", type=int, default=256, help="paged cache page size (default 256)")
     parser.add_argument("--commit", default=None, help="flashtile commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms (default 10)")
     parser.add_argument("--rep", type=int, default=50, help="do_bench repetition time, ms (default 50)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--host-overhead", action="store_true", help="time the Python path before the launches (no GPU needed)"
+    )
+    parser.add_argument("--host-calls", type=int, default=2000, help="calls per repetition of --host-overhead")
+    args = parser.parse_args(argv)
+    if args.page_size <= 0 or args.page_size % 16:
+        parser.error(f"--page-size must be a positive multiple of 16, got {args.page_size}")
+    contexts = args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS)
+    bad = [c for c in contexts if c % args.page_size]
+    if bad:
+        parser.error(f"contexts must be multiples of --page-size {args.page_size} (the paged rows), got {bad}")
+    args.batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
+    args.contexts = contexts
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_decode.py needs a CUDA GPU.")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.host_overhead:
+        _write_json(host_overhead(args), args.out / "host.json")
+        return
+    if not torch.cuda.is_available():
+        sys.exit(
+            "bench_decode.py needs a CUDA GPU (torch.cuda.is_available() is False here). "
+            "--host-overhead measures the Python path on any machine."
+        )
     data: dict[str, Any] = {"header": _header(args), "rows": []}
     json_path = args.out / "decode.json"
-    batches, contexts = (QUICK_BATCHES, QUICK_CONTEXTS) if args.quick else (BATCHES, CONTEXTS)
     start = time.perf_counter()
-    for batch in batches:
-        for context in contexts:
+    for batch in args.batches:
+        for context in args.contexts:
             try:
                 caches = Caches(batch, context, args.page_size)
             except torch.cuda.OutOfMemoryError as exc:
-                caches, reason = None, f"cache allocation: {' '.join(str(exc).split())[:200]}"
+                caches, reason = None, f"cache allocation: {_error(exc)}"
             for layout in ("contiguous", "paged"):
                 for nheads_q in NHEADS_Q:
                     row: dict[str, Any] = dict(
                         layout=layout, page_size=args.page_size if layout == "paged" else None, batch=batch,
                         context=context, nheads_q=nheads_q, nheads_kv=NHEADS_KV, head_dim=HEAD_DIM,
-                        num_splits=_chosen_splits(batch, nheads_q, context), flashtile_us=None, kv_tbps=None,
-                        pct_of_copy=None, sdpa_us=None, gather_us=None, speedup=None, max_abs_diff=None,
-                        flagged=False, error=None,
+                        num_splits=_chosen_splits(batch, nheads_q, context), graph_us=None, kv_tbps=None,
+                        pct_of_copy=None, eager_us=None, eager_unchecked_us=None, sdpa_us=None, cudnn_us=None,
+                        cudnn_variant=None, cudnn_error=None, gather_us=None, speedup=None, vs_cudnn=None,
+                        max_abs_diff=None, cudnn_max_abs_diff=None, graph_max_abs_diff=None, flagged=False,
+                        error=None,
                     )  # fmt: skip
                     data["rows"].append(row)
                     try:
@@ -226,14 +463,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                             raise RuntimeError(reason)
                         measure(caches, layout, nheads_q, args, row)
                     except Exception as exc:  # recorded in the row; the run goes on
-                        row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                        row["error"] = _error(exc)
                     torch.cuda.empty_cache()
-                    tmp = json_path.with_suffix(".json.tmp")
-                    tmp.write_text(json.dumps(data, indent=1) + "\n")
-                    os.replace(tmp, json_path)
+                    _write_json(data, json_path)
                     result = row["error"] or (
-                        f"flashtile {row['flashtile_us']:.1f} us, {row['pct_of_copy']:.0f}% of copy, "
-                        f"{row['speedup']:.2f}x SDPA"
+                        f"graph {row['graph_us']:.1f} us ({row['pct_of_copy']:.0f}% of copy), eager "
+                        f"{row['eager_us']:.1f}/{row['eager_unchecked_us']:.1f} us, {row['speedup']:.2f}x SDPA, "
+                        f"cuDNN {_fmt(row['vs_cudnn'], '.2f', 'missing')}x"
                     )
                     elapsed = time.perf_counter() - start
                     print(

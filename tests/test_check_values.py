@@ -264,3 +264,53 @@ def test_varlen_bad_values_unchecked_stay_inside(unchecked, case):
     """Unchecked bad cu_seqlens are clamped into the packed tensors: the kernels finish."""
     out = _varlen(*VARLEN_BAD[case])
     assert out.shape == (12, 2, 32)
+
+
+# On a GPU ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cuda_graph_capture_and_replay(paged):
+    """A decode step captured in a CUDA graph (value checks skipped: a sync would break the capture) replays
+    to the eager result; the indices are read on the device at replay, so new values need no recapture."""
+    case, x = (_paged if paged else _contiguous)()
+    k_cache, v_cache = x.k_cache.clone(), x.v_cache.clone()
+    seqlens = x.cache_seqlens.clone()
+
+    def step():
+        return flash_attn_with_kvcache(x.q, k_cache, v_cache, x.k, x.v, cache_seqlens=seqlens,
+                                       block_table=x.block_table, causal=True)  # fmt: skip
+
+    expected = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    assert torch.equal(out, expected)
+    seqlens.sub_(1)  # the same step one position earlier, without recapturing
+    moved = step()
+    graph.replay()
+    assert torch.equal(out, moved)
+
+
+@pytest.mark.gpu
+def test_checks_off_means_no_sync():
+    """With check_values(False) a decode step never synchronises with the GPU (torch's sync debug mode
+    raises on any synchronising call); with the checks on it does, once."""
+    case, x = _paged()
+    _run(lambda: (case, x), lambda x: {})  # compiles the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with _backend.check_values(False):
+            _run(lambda: (case, x), lambda x: {})
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            _run(lambda: (case, x), lambda x: {})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
