@@ -14,7 +14,7 @@
 #   sanitize compute-sanitizer memcheck of one forward + backward
 # Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
 set -uo pipefail
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps a path set before (fa4_setup.sh)
 OUT=${OUT:-/tmp/flashtile-out}
 mkdir -p "$OUT"
 commit=$(cat benchmarks/.commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
