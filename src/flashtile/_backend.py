@@ -51,8 +51,8 @@ def check_values(enabled: bool) -> Iterator[None]:
     These checks copy the index tensors to the host, a synchronisation that drains the GPU's queue, on
     every call; a serving loop that builds its indices itself turns them off::
 
-        with check_values(False):
-            out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table)
+        with flashtile.check_values(False):
+            out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table)
 
     Shape, dtype and device checks always run, CPU tensors are always checked (no synchronisation), and
     with the checks off bad values give wrong numbers, never an illegal memory access (docs/validation.md).

@@ -444,7 +444,7 @@ def flash_attn_with_kvcache(
     Validation. Shapes, dtypes and devices are always checked. The *values* of cache_seqlens,
     cache_leftpad, cache_batch_idx and block_table are checked against the cache too, which for CUDA
     tensors costs one device-to-host copy (a synchronisation) per call; it is skipped while torch.compile
-    traces, during CUDA-graph capture, and when switched off (``flashtile._backend.check_values(False)`` or
+    traces, during CUDA-graph capture, and when switched off (``flashtile.check_values(False)`` or
     ``FLASHTILE_CHECK_VALUES=0``). Unchecked bad values give wrong numbers (and may write the new k/v to a
     wrong place in the cache), never an illegal memory access: the kernels clamp them into the cache.
     CPU tensors are always checked. See docs/validation.md.
