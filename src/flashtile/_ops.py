@@ -20,17 +20,28 @@ philox offset] on q's device, drawn from torch's generator by the public functio
 int argument would become a guard (a recompile per call), and on CUDA the kernels read it from device
 memory, so drawing it needs no host synchronisation. The autograd context saves it, and the backward
 regenerates the forward's mask from it.
+
+Eager calls skip the ops' Python dispatch. ``attention`` and ``varlen_attention`` are what the public
+functions call: while nothing compiles, traces or intercepts torch calls (no torch function or dispatch
+mode, no functorch transform) and every tensor is a plain one, they call the ops' implementations directly,
+through ``_EagerAttention`` / ``_EagerVarlenAttention`` (``torch.autograd.Function``) when a gradient is
+wanted; otherwise they call the custom ops. Dispatching a custom op costs tens of µs of Python per call,
+more than everything else before the launches (docs/tuning-log.md, "Attention host path"). Both routes
+run the same functions: the custom ops wrap ``_attention_forward`` etc., and the autograd Functions'
+``setup_context`` and ``backward`` are those registered with ``register_autograd``, given the
+implementations (``_DIRECT``) instead of the ops (``_OPS``) for the backward's launches.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
 from flashtile._backend import attention_path
 
 
-@torch.library.custom_op("flashtile::attention_forward", mutates_args=())
-def attention_forward(
+def _attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -66,6 +77,9 @@ def attention_forward(
     )  # fmt: skip
 
 
+attention_forward = torch.library.custom_op("flashtile::attention_forward", _attention_forward, mutates_args=())
+
+
 def _mask_view(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """attn_mask as a (B, H, Sq, Sk) view: stride 0 on its broadcast dimensions, no copy."""
     return attn_mask.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
@@ -79,8 +93,7 @@ def _(q, k, v, softmax_scale, window_left, window_right, *options):
     return out, lse
 
 
-@torch.library.custom_op("flashtile::attention_backward", mutates_args=())
-def attention_backward(
+def _attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,13 +119,15 @@ def attention_backward(
     )  # fmt: skip
 
 
+attention_backward = torch.library.custom_op("flashtile::attention_backward", _attention_backward, mutates_args=())
+
+
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-@torch.library.custom_op("flashtile::attention_sink_backward", mutates_args=())
-def attention_sink_backward(
+def _attention_sink_backward(
     dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, learnable_sink: torch.Tensor
 ) -> torch.Tensor:
     """Gradient (H,) of a learnable sink (H,): d loss / d sink_h = -sum over batch and rows i of
@@ -124,13 +139,17 @@ def attention_sink_backward(
     return -(share * delta).sum(dim=(0, 2)).to(learnable_sink.dtype)
 
 
+attention_sink_backward = torch.library.custom_op(
+    "flashtile::attention_sink_backward", _attention_sink_backward, mutates_args=()
+)
+
+
 @attention_sink_backward.register_fake
 def _(dout, out, lse, dlse, learnable_sink):
     return torch.empty_like(learnable_sink)
 
 
-@torch.library.custom_op("flashtile::masked_attention_backward", mutates_args=())
-def masked_attention_backward(
+def _masked_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -163,6 +182,11 @@ def masked_attention_backward(
     return dq, dk, dv, dmask.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
 
 
+masked_attention_backward = torch.library.custom_op(
+    "flashtile::masked_attention_backward", _masked_attention_backward, mutates_args=()
+)
+
+
 @masked_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, softmax_scale, alibi_slopes, softcap, dropout_p, rng_state, attn_mask,
       mask_needs_grad):  # fmt: skip
@@ -185,9 +209,14 @@ def _setup_context(ctx, inputs, output):
     ctx.softcap = softcap
     ctx.dropout_p = dropout_p
     ctx.num_inputs = len(inputs)
+    # An output the loss does not use (lse, usually) gets None, not a zero tensor: no (B, H, Sq) fill and
+    # no dlse read per backward. Same results: delta = rowsum(dout * out) - 0 is rowsum(dout * out).
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
+def _backward_with(ops, ctx, dout, dlse):
+    """The backward of ``attention_forward`` (``register_autograd``'s function), launching through ``ops``:
+    ``_OPS`` (the custom ops, which torch.compile traces) or ``_DIRECT`` (their implementations)."""
     q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state, attn_mask = ctx.saved_tensors
     window_left, window_right = ctx.window
     if dout is None:
@@ -198,22 +227,26 @@ def _backward(ctx, dout, dlse):
         dlse = dlse.float().contiguous()
     dmask = None
     if attn_mask is None:
-        dq, dk, dv = attention_backward(
+        dq, dk, dv = ops.attention_backward(
             dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right,
             alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state,
         )  # fmt: skip
     else:  # SDPA's attn_mask: no window, no sink (the public function combines neither with it)
         needs_grad = ctx.needs_input_grad[11] and attn_mask.is_floating_point()
-        dq, dk, dv, dmask = masked_attention_backward(
+        dq, dk, dv, dmask = ops.masked_attention_backward(
             dout, q, k, v, out, lse, dlse, ctx.softmax_scale, alibi_slopes, ctx.softcap, ctx.dropout_p, rng_state,
             attn_mask, needs_grad,
         )  # fmt: skip
         dmask = dmask if needs_grad else None
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[8]:
-        dsink = attention_sink_backward(dout, out, lse, dlse, learnable_sink)
+        dsink = ops.attention_sink_backward(dout, out, lse, dlse, learnable_sink)
     grads = (dq, dk, dv, None, None, None, None, None, dsink, None, None, dmask)  # alibi slopes get none (flash_attn)
     return grads[: ctx.num_inputs]
+
+
+def _backward(ctx, dout, dlse):
+    return _backward_with(_OPS, ctx, dout, dlse)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -223,8 +256,7 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 # int32, lse (H, total_q). max_seqlen_* are ints so that the grid is known without reading cu_seqlens.
 
 
-@torch.library.custom_op("flashtile::varlen_attention_forward", mutates_args=())
-def varlen_attention_forward(
+def _varlen_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -251,6 +283,11 @@ def varlen_attention_forward(
     )  # fmt: skip
 
 
+varlen_attention_forward = torch.library.custom_op(
+    "flashtile::varlen_attention_forward", _varlen_attention_forward, mutates_args=()
+)
+
+
 @varlen_attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
       *options):  # fmt: skip
@@ -258,8 +295,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
     return q.new_empty((total_q, nheads, v.shape[2])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashtile::varlen_attention_backward", mutates_args=())
-def varlen_attention_backward(
+def _varlen_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -288,6 +324,11 @@ def varlen_attention_backward(
     )  # fmt: skip
 
 
+varlen_attention_backward = torch.library.custom_op(
+    "flashtile::varlen_attention_backward", _varlen_attention_backward, mutates_args=()
+)
+
+
 @varlen_attention_backward.register_fake
 def _(dout, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -302,9 +343,11 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.softcap = softcap
     ctx.dropout_p = dropout_p
     ctx.num_inputs = len(inputs)
+    ctx.set_materialize_grads(False)  # as in _setup_context
 
 
-def _varlen_backward(ctx, dout, dlse):
+def _varlen_backward_with(ops, ctx, dout, dlse):
+    """The backward of ``varlen_attention_forward``, launching through ``ops`` (as ``_backward_with``)."""
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink, rng_state = ctx.saved_tensors
     max_q, max_k, softmax_scale, window_left, window_right = ctx.args
     if dout is None:
@@ -313,18 +356,109 @@ def _varlen_backward(ctx, dout, dlse):
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    dq, dk, dv = varlen_attention_backward(
+    dq, dk, dv = ops.varlen_attention_backward(
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right,
         alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state,
     )  # fmt: skip
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[12]:
         # (H, total_q) is the (1, H, total_q) layout of one packed row of tokens
-        dsink = attention_sink_backward(
+        dsink = ops.attention_sink_backward(
             dout[None], out[None], lse[None], None if dlse is None else dlse[None], learnable_sink
         )
     grads = (dq, dk, dv, *(None,) * 9, dsink, None, None)  # cu_seqlens, ints, floats and alibi slopes get none
     return grads[: ctx.num_inputs]
 
 
+def _varlen_backward(ctx, dout, dlse):
+    return _varlen_backward_with(_OPS, ctx, dout, dlse)
+
+
 varlen_attention_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Eager calls past the dispatcher
+
+_OPS = SimpleNamespace(
+    attention_backward=attention_backward,
+    masked_attention_backward=masked_attention_backward,
+    attention_sink_backward=attention_sink_backward,
+    varlen_attention_backward=varlen_attention_backward,
+)
+_DIRECT = SimpleNamespace(
+    attention_backward=_attention_backward,
+    masked_attention_backward=_masked_attention_backward,
+    attention_sink_backward=_attention_sink_backward,
+    varlen_attention_backward=_varlen_attention_backward,
+)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """``attention_forward`` with its registered autograd, minus the custom op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # not a separate setup_context: apply() would bind the signature on every call
+        output = _attention_forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward_with(_DIRECT, ctx, dout, dlse)
+
+
+class _EagerVarlenAttention(torch.autograd.Function):
+    """``varlen_attention_forward`` with its registered autograd, minus the custom op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # not a separate setup_context: apply() would bind the signature on every call
+        output = _varlen_attention_forward(*inputs)
+        _varlen_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _varlen_backward_with(_DIRECT, ctx, dout, dlse)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a Parameter (e.g. a learnable sink) behaves as a tensor
+
+
+def _eager(tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether a call may skip the custom op's dispatch: nothing compiles, traces or intercepts torch calls
+    (no torch function or dispatch mode such as ``torch.device(...)``, FakeTensorMode or make_fx, no
+    functorch transform) and every tensor is a plain one (no subclass: fake, functional, DTensor...)."""
+    if (
+        torch.compiler.is_compiling()  # first: dynamo must not trace the queries below
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    ):
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+def _wants_grad(tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def attention(*args):
+    """``attention_forward(*args)`` (same arguments, 6 to 12 of them), called directly in plain eager mode
+    (``_eager``): through ``_EagerAttention`` when a gradient is wanted, else the implementation itself."""
+    tensors = (*args[:3], *args[6:7], *args[8:9], *args[10:12])  # q, k, v, alibi_slopes, sink, rng_state, mask
+    if not _eager(tensors):
+        return attention_forward(*args)
+    if _wants_grad(tensors):
+        return _EagerAttention.apply(*args)
+    return _attention_forward(*args)
+
+
+def varlen_attention(*args):
+    """``varlen_attention_forward(*args)``, past the dispatcher in plain eager mode, as ``attention``."""
+    tensors = (*args[:5], *args[10:11], *args[12:13], *args[14:15])  # q, k, v, cu_seqlens, alibi, sink, rng
+    if not _eager(tensors):
+        return varlen_attention_forward(*args)
+    if _wants_grad(tensors):
+        return _EagerVarlenAttention.apply(*args)
+    return _varlen_attention_forward(*args)

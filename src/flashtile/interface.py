@@ -194,7 +194,7 @@ def attention(
     dropout_p: float = 0.0,
     attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the custom op: returns (out, lse) in flash_attn's layouts.
+    """Validated entry to the custom op (``_ops.attention``): returns (out, lse) in flash_attn's layouts.
 
     attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full)."""
     check_qkv(q, k, v)
@@ -203,19 +203,19 @@ def attention(
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     if attn_mask is not None:
         softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
-        return _ops.attention_forward(
+        return _ops.attention(
             q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
             float(dropout_p), dropout_rng_state(dropout_p, q.device), attn_mask,
         )  # fmt: skip
     if softcap == 0.0 and alibi_slopes is None and learnable_sink is None and dropout_p == 0.0:
-        return _ops.attention_forward(q, k, v, float(softmax_scale), window_left, window_right)
+        return _ops.attention(q, k, v, float(softmax_scale), window_left, window_right)
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
     rng_state = dropout_rng_state(dropout_p, q.device)
     if rng_state is None:
-        return _ops.attention_forward(
+        return _ops.attention(
             q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink
         )
-    return _ops.attention_forward(
+    return _ops.attention(
         q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
         float(dropout_p), rng_state,
     )  # fmt: skip
@@ -499,11 +499,11 @@ def varlen_attention(
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
     rng_state = dropout_rng_state(dropout_p, q.device)
     if rng_state is None:
-        return _ops.varlen_attention_forward(
+        return _ops.varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), window_left,
             window_right, alibi_slopes, softcap, learnable_sink,
         )  # fmt: skip
-    return _ops.varlen_attention_forward(
+    return _ops.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), window_left,
         window_right, alibi_slopes, softcap, learnable_sink, float(dropout_p), rng_state,
     )  # fmt: skip

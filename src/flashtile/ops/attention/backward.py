@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops.attention.configs import config, padded_head_dim
-from flashtile.ops.attention.forward import token_strides
+from flashtile.ops.attention.configs import config
+from flashtile.ops.attention.forward import block_widths, cdiv, token_strides
 from flashtile.ops.attention.tiles import (
     LOG2E,
     alibi_batch_stride,
@@ -606,12 +606,13 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | 
     batch, seqlen_q, nheads, head_dim_v = out.shape
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=out.device)
     block_rows = 64
-    _delta_kernel[(triton.cdiv(seqlen_q, block_rows), batch * nheads)](
+    _delta_kernel[(cdiv(seqlen_q, block_rows), batch * nheads)](
         out, dout, dlse, delta,
-        out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
+        *out.stride()[:3],
+        *dout.stride()[:3],
         nheads, seqlen_q,
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_head_dim(head_dim_v), BLOCK_M=block_rows, HAS_DLSE=dlse is not None,
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_widths(head_dim_v, head_dim_v)[1], BLOCK_M=block_rows,
+        HAS_DLSE=dlse is not None,
     )  # fmt: skip
     return delta
 
@@ -706,7 +707,7 @@ def _launch(
     rows_q = q.shape[0] if is_varlen else seqlen_q  # the LSE's row stride: total_q if IS_VARLEN
     rows_k = k.shape[0] if is_varlen else seqlen_k
     group = nheads // nheads_k
-    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    block_d, block_dv = block_widths(head_dim, head_dim_v)
     left = 0 if window_left is None else window_left
     right = 0 if window_right is None else window_right
     qk_scale, softcap_log2 = score_scales(softmax_scale, softcap)
@@ -733,7 +734,7 @@ def _launch(
         tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dk, bn, block_d),
         (dv, bn, block_dv),
     )  # fmt: skip
-    _attention_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
+    _attention_dkdv_kernel[(cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
         q_src, k_src, v_src, do_src, lse, delta, dk_dst, dv_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dk),
         *token_strides(dv),
@@ -752,7 +753,7 @@ def _launch(
     q_src, k_src, v_src, do_src, dq_dst = tile_sources(
         tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dq, bm, block_d)
     )
-    _attention_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)](
+    _attention_dq_kernel[(cdiv(seqlen_q, cfg.block_m), batch * nheads)](
         q_src, k_src, v_src, do_src, lse, delta, dq_dst, dmask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dq),
         alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),

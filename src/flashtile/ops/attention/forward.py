@@ -28,6 +28,8 @@ A row that the mask hides entirely behaves as a row that sees no key: output 0, 
 signature and SASS are those without it (sm_90 SASS of every features-off variant compared).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -391,9 +393,21 @@ def varlen_attention_forward(
 def token_strides(x: torch.Tensor) -> tuple[int, int, int]:
     """(batch, row, head) strides of a (batch, seqlen, nheads, d) tensor, or of a packed (total, nheads, d)
     one, whose batch stride is its token stride (the kernels offset a sequence by its first token)."""
-    if x.dim() == 3:
-        return x.stride(0), x.stride(0), x.stride(1)
-    return x.stride(0), x.stride(1), x.stride(2)
+    strides = x.stride()
+    if len(strides) == 3:
+        return strides[0], strides[0], strides[1]
+    return strides[0], strides[1], strides[2]
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python: the launchers run it on every call, and ``triton.cdiv`` costs more there."""
+    return -(-a // b)
+
+
+@functools.cache
+def block_widths(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """The kernels' (BLOCK_D, BLOCK_DV) for these head dims (``padded_head_dim``), computed once per pair."""
+    return padded_head_dim(head_dim), padded_head_dim(head_dim_v)
 
 
 def _launch(
@@ -410,13 +424,13 @@ def _launch(
     if seqlen_k <= SHORT_SEQLEN:
         pass_name = "forward_banded_short" if window_right is not None else "forward_short"
     cfg = config(pass_name, q.device, head_dim, head_dim_v, attn_mask is not None)
-    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    block_d, block_dv = block_widths(head_dim, head_dim_v)
     tma = cfg.tma and not is_varlen and tma_ready(q, k, v, out)
     rows_q, rows_k = cfg.block_m, cfg.block_n
     sources = tile_sources(
         tma, (q, rows_q, block_d), (k, rows_k, block_d), (v, rows_k, block_dv), (out, rows_q, block_dv)
     )
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
+    grid = (cdiv(seqlen_q, cfg.block_m), batch * nheads)
     _attention_forward_kernel[grid](
         *sources, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
         rng_state if has_dropout else None, mask_for_kernel(attn_mask),

@@ -1,0 +1,160 @@
+"""Eager calls past the custom ops' dispatch (``flashtile._ops.attention`` / ``varlen_attention``).
+
+Plain eager calls run the ops' implementations directly (``_EagerAttention`` when a gradient is wanted);
+anything that traces or intercepts goes through the custom ops. Both routes must give the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import flashtile
+from flashtile import _ops
+from test_attention import DEVICE, make_inputs
+
+
+def _run(fn, leaves, dout, dlse=None):
+    """fn(*leaves) -> (out, lse); returns out, lse and the gradients of every leaf that requires grad."""
+    out, lse = fn(*leaves)
+    loss = (out.float() * dout.float()).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse).sum()
+    wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [out, lse, *torch.autograd.grad(loss, wanted)]
+
+
+def _fresh(t):
+    """A new leaf like t (a Parameter stays a Parameter)."""
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(t.detach().clone())
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _both_routes(fn, leaves, dout, dlse=None, monkeypatch=None):
+    """Results of the eager route and of the custom-op route (``_eager`` forced off) on fresh leaves."""
+    results = []
+    for eager in (True, False):
+        fresh = [_fresh(t) for t in leaves]
+        with monkeypatch.context() as patch:
+            if not eager:
+                patch.setattr(_ops, "_eager", lambda tensors: False)
+            results.append(_run(fn, fresh, dout, dlse))
+    return results
+
+
+def _assert_same(results):
+    for eager, op in zip(*results, strict=True):
+        assert torch.equal(eager, op)
+
+
+class _PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["out", "out+lse"])
+def test_eager_route_matches_custom_op(path, monkeypatch, with_dlse):
+    q, k, v, dout = make_inputs(2, 17, 33, 4, 2, 32, dtype=torch.bfloat16)
+    sink = torch.nn.Parameter(torch.randn(4, device=DEVICE))  # a Parameter still takes the eager route
+    leaves = [q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), sink]
+    dlse = torch.randn(2, 4, 17, device=DEVICE) if with_dlse else None
+
+    def fn(q, k, v, sink):
+        out, lse, _ = flashtile.flash_attn_func(
+            q, k, v, causal=True, softcap=5.0, return_attn_probs=True, learnable_sink=sink
+        )
+        return out, lse
+
+    _assert_same(_both_routes(fn, leaves, dout, dlse, monkeypatch))
+
+
+def test_eager_route_matches_custom_op_masked(path, monkeypatch):
+    q, k, v, dout = make_inputs(1, 16, 24, 2, 2, 16, dtype=torch.float16)
+    mask = torch.randn(1, 2, 16, 24, device=DEVICE, dtype=torch.float16).requires_grad_()
+
+    def fn(q, k, v, mask):
+        out = flashtile.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return out.transpose(1, 2), out.new_zeros(())
+
+    leaves = [q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask]
+    _assert_same(_both_routes(fn, leaves, dout, None, monkeypatch))
+
+
+def test_eager_route_matches_custom_op_varlen(path, monkeypatch):
+    q, k, v, dout = make_inputs(1, 40, 40, 2, 1, 16, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 13, 13, 40], dtype=torch.int32, device=DEVICE)
+    sink = torch.randn(2, device=DEVICE, requires_grad=True)
+
+    def fn(q, k, v, sink):
+        out, lse, _ = flashtile.flash_attn_varlen_func(
+            q, k, v, cu, cu, 27, 27, causal=True, return_attn_probs=True, learnable_sink=sink
+        )
+        return out, lse
+
+    leaves = [t[0].requires_grad_() for t in (q, k, v)] + [sink]
+    _assert_same(_both_routes(fn, leaves, dout[0], torch.randn(2, 40, device=DEVICE), monkeypatch))
+
+
+def test_routes_taken(monkeypatch):
+    """Plain calls skip the custom op; a torch function mode (or tracing) goes through it."""
+    q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 16)
+    calls = []
+    op = _ops.attention_forward
+    monkeypatch.setattr(_ops, "attention_forward", lambda *args: calls.append(1) or op(*args))
+    flashtile.flash_attn_func(q, k, v)
+    with torch.no_grad():
+        flashtile.flash_attn_func(q.requires_grad_(), k, v)
+    out = flashtile.flash_attn_func(q, k, v)
+    assert not calls and out.grad_fn is not None and type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+    with _PassThrough():
+        flashtile.flash_attn_func(q, k, v)
+    assert calls == [1]
+
+
+def test_unused_lse_gets_no_gradient_tensor(monkeypatch):
+    """The backward gets dlse = None when only out is used (no zero tensor filled per backward)."""
+    q, k, v, dout = make_inputs(1, 8, 8, 2, 2, 16)
+    seen = []
+    backward = _ops._DIRECT.attention_backward
+
+    def spy(*args):
+        seen.append(args[6])  # dlse
+        return backward(*args)
+
+    monkeypatch.setattr(_ops._DIRECT, "attention_backward", spy)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    flashtile.flash_attn_func(*leaves).backward(dout)
+    assert seen == [None]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_forward_and_backward():
+    q, k, v, dout = make_inputs(2, 128, 128, 4, 2, 64, dtype=torch.bfloat16)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = flashtile.flash_attn_func(*leaves, causal=True)
+        out.backward(dout)
+        return out
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        expected = step().detach().clone()
+        grads = [t.grad.clone() for t in leaves]
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for t in leaves:
+        t.grad = None
+    with torch.cuda.graph(graph):
+        out = flashtile.flash_attn_func(*leaves, causal=True)
+        out.backward(dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    for t, grad in zip(leaves, grads, strict=True):
+        assert torch.equal(t.grad, grad)
