@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import triton
 
 
 @dataclass(frozen=True)
