@@ -63,6 +63,7 @@ from triton.testing import do_bench
 from flashtile import _backend
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.ops.decode import configs
+from host_overhead import time_calls  # benchmarks/, beside this script
 
 COPY_TBPS = 4.24  # measured device-to-device copy bandwidth of the H200, TB/s
 BATCHES = (1, 4, 16, 64)
@@ -342,7 +343,7 @@ def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
                 if checks == "off":  # CPU tensors are always checked: pretend to be a GPU with the switch off
                     unchecked = _patched(_backend, "values_checked", lambda device: False)
                 with unchecked:
-                    us = _time_calls(step, args.host_calls)
+                    us = time_calls(step, args.host_calls)
                 rows.append(dict(batch=batch, context=context, layout=layout, checks=checks, us_per_call=us))
                 print(f"B={batch:<3d} ctx={context:<6d} {layout:10s} value checks {checks:3s}: {us:6.1f} us/call")
     finally:
@@ -371,18 +372,6 @@ def _patched(obj: Any, name: str, value: Any):
         yield
     finally:
         setattr(obj, name, saved)
-
-
-def _time_calls(fn: Callable[[], Any], calls: int) -> float:
-    for _ in range(min(calls, 200)):
-        fn()
-    means = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        means.append((time.perf_counter() - start) / calls * 1e6)
-    return min(means)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from flashtile.ops.attention.tiles import (
     dropout_keep,
     dropout_rows,
     head_base,
+    head_source,
     key_range,
     load_rows,
     load_tile,
@@ -288,13 +289,10 @@ def _attention_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if TMA:  # descriptors of the whole tensors: the loads pick the head
-        k_src, v_src, dk_dst, dv_dst = K, V, DK, DV
-    else:  # pointers to the kv head's row 0
-        k_src = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
-        v_src = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
-        dk_dst = head_base(DK, off_kb, off_hk, stride_dkb, stride_dkh)
-        dv_dst = head_base(DV, off_kb, off_hk, stride_dvb, stride_dvh)
+    k_src = head_source(K, off_kb, off_hk, stride_kb, stride_kh, TMA)
+    v_src = head_source(V, off_kb, off_hk, stride_vb, stride_vh, TMA)
+    dk_dst = head_source(DK, off_kb, off_hk, stride_dkb, stride_dkh, TMA)
+    dv_dst = head_source(DV, off_kb, off_hk, stride_dvb, stride_dvh, TMA)
     k = load_rows(
         k_src, off_kb, off_hk, start_n, stride_kn, offs_d, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, True, PAD_D, TMA
     )  # [BLOCK_N, D]
@@ -305,11 +303,8 @@ def _attention_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, mid_lo, mid_hi, hi = query_range(start_n, seqlen_q, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     for off_h in range(off_hk * group, off_hk * group + group):
-        if TMA:
-            q_src, do_src = Q, DOut
-        else:
-            q_src = head_base(Q, off_qb, off_h, stride_qb, stride_qh)
-            do_src = head_base(DOut, off_qb, off_h, stride_dob, stride_doh)
+        q_src = head_source(Q, off_qb, off_h, stride_qb, stride_qh, TMA)
+        do_src = head_source(DOut, off_qb, off_h, stride_dob, stride_doh, TMA)
         if IS_VARLEN:
             row_base = tl.cast(off_h, tl.int64) * lse_stride + off_qb
         else:
@@ -534,14 +529,11 @@ def _attention_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if TMA:  # descriptors of the whole tensors: the loads pick the head
-        q_src, k_src, v_src, do_src, dq_dst = Q, K, V, DOut, DQ
-    else:  # pointers to the head's row 0
-        q_src = head_base(Q, off_qb, off_h, stride_qb, stride_qh)
-        k_src = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
-        v_src = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
-        do_src = head_base(DOut, off_qb, off_h, stride_dob, stride_doh)
-        dq_dst = head_base(DQ, off_qb, off_h, stride_dqb, stride_dqh)
+    q_src = head_source(Q, off_qb, off_h, stride_qb, stride_qh, TMA)
+    k_src = head_source(K, off_kb, off_hk, stride_kb, stride_kh, TMA)
+    v_src = head_source(V, off_kb, off_hk, stride_vb, stride_vh, TMA)
+    do_src = head_source(DOut, off_qb, off_h, stride_dob, stride_doh, TMA)
+    dq_dst = head_source(DQ, off_qb, off_h, stride_dqb, stride_dqh, TMA)
     q = load_rows(
         q_src, off_qb, off_h, start_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, PAD_D, TMA
     )  # [BLOCK_M, D]

@@ -44,6 +44,7 @@ from flashtile.ops.attention.tiles import (
     dropout_keep,
     dropout_rows,
     head_base,
+    head_source,
     key_range,
     load_rows,
     mask_for_kernel,
@@ -238,13 +239,10 @@ def _attention_forward_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if TMA:  # descriptors of the whole tensors: the loads pick the head
-        q_src, k_src, v_src, out_dst = Q, K, V, Out
-    else:  # pointers to the head's row 0
-        q_src = head_base(Q, off_qb, off_h, stride_qb, stride_qh)
-        k_src = head_base(K, off_kb, off_hk, stride_kb, stride_kh)
-        v_src = head_base(V, off_kb, off_hk, stride_vb, stride_vh)
-        out_dst = head_base(Out, off_qb, off_h, stride_ob, stride_oh)
+    q_src = head_source(Q, off_qb, off_h, stride_qb, stride_qh, TMA)
+    k_src = head_source(K, off_kb, off_hk, stride_kb, stride_kh, TMA)
+    v_src = head_source(V, off_kb, off_hk, stride_vb, stride_vh, TMA)
+    out_dst = head_source(Out, off_qb, off_h, stride_ob, stride_oh, TMA)
     q = load_rows(
         q_src, off_qb, off_h, start_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, PAD_D, TMA
     )  # [BLOCK_M, D]

@@ -56,6 +56,17 @@ def head_base(ptr, off_b, off_h, stride_b, stride_h):
 
 
 @triton.jit
+def head_source(x, off_b, off_h, stride_b, stride_h, TMA: tl.constexpr):
+    """What ``load_rows`` / ``store_rows`` take for head ``off_h`` of batch entry ``off_b`` of x: x itself when
+    TMA (a tensor descriptor of the whole tensor; the loads pick the head), else ``head_base``'s pointer."""
+    if TMA:
+        source = x
+    else:
+        source = head_base(x, off_b, off_h, stride_b, stride_h)
+    return source
+
+
+@triton.jit
 def seq_bounds(CuSeqlens, off_b, off_h, total):
     """For variable-length batches: (first token, length, LSE offset) of sequence ``off_b``, from the
     int32 (batch + 1,) cumulative lengths; the LSE offset is that of head ``off_h``'s first row in an
