@@ -118,6 +118,16 @@ def test_rows_that_see_no_key(path, dtype):
 
 
 TMA_TILES = TileConfig(32, 32, 4, 1, tma=True)
+ALL_PASSES_TMA = dict.fromkeys(configs.PASSES, TMA_TILES)
+
+
+def record_tma(monkeypatch) -> list[bool]:
+    """Record the ``tma`` of every ``tile_sources`` call of the launchers (forward, dK/dV, dQ, in order)."""
+    taken = []
+    for module in (attention_forward_module, attention_backward_module):
+        original = module.tile_sources
+        monkeypatch.setattr(module, "tile_sources", lambda tma, *t, _f=original: taken.append(tma) or _f(tma, *t))
+    return taken
 
 
 @pytest.mark.parametrize(
@@ -135,15 +145,11 @@ def test_tensor_descriptor_path(path, monkeypatch, seqlens, heads, head_dim, opt
     oracle; the launchers must really take that path (their tile_sources calls are recorded)."""
     if path != "triton":
         pytest.skip("tile configs only steer the Triton kernels")
-    taken = []
-    for module in (attention_forward_module, attention_backward_module):
-        original = module.tile_sources
-        monkeypatch.setattr(module, "tile_sources", lambda tma, *t, _f=original: taken.append(tma) or _f(tma, *t))
+    taken = record_tma(monkeypatch)
     q, k, v, dout = make_inputs(2, *seqlens, *heads, head_dim, dtype=torch.bfloat16)
     if options.get("alibi_slopes"):
         options = dict(options, alibi_slopes=torch.rand(heads[0], device=DEVICE))
-    forward_passes = {"forward": TMA_TILES, "forward_short": TMA_TILES, "forward_banded_short": TMA_TILES}
-    with override(**forward_passes, backward_dkdv=TMA_TILES, backward_dq=TMA_TILES):
+    with override(**ALL_PASSES_TMA):
         results = run_flashtile(q, k, v, dout, **options)
     assert taken == [True, True, True]  # forward, dK/dV, dQ
     options.pop("deterministic", None)
@@ -155,18 +161,14 @@ def test_tensor_descriptor_path_falls_back_to_pointers(path, monkeypatch):
     cannot be described to the copy engine: the launchers read them through pointers, with the same result."""
     if path != "triton":
         pytest.skip("tile configs only steer the Triton kernels")
-    taken = []
-    original = attention_forward_module.tile_sources
-    monkeypatch.setattr(
-        attention_forward_module, "tile_sources", lambda tma, *t: taken.append(tma) or original(tma, *t)
-    )
+    taken = record_tma(monkeypatch)
     wide = [x.requires_grad_() for x in make_inputs(1, 50, 70, 2, 2, 68)[:3]]
     q, k, v = (x[..., :64] for x in wide)
     dout = make_inputs(1, 50, 70, 2, 2, 64, seed=1)[3]
-    with override(forward=TMA_TILES, forward_short=TMA_TILES, backward_dkdv=TMA_TILES):
+    with override(**ALL_PASSES_TMA):
         out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
         out.backward(dout)
-    assert taken == [False]
+    assert taken == [False, False, False]  # forward, dK/dV, dQ
     grads = {name: x.grad[..., :64] for name, x in zip(("dq", "dk", "dv"), wide, strict=True)}
     check_against_oracle({"out": out, "lse": lse, **grads}, *(x.detach() for x in (q, k, v)), dout)
 

@@ -125,7 +125,6 @@ def _dkdv_tile(
     stride_dom,
     start_m,
     start_n,
-    offs_n,
     offs_d,
     offs_dv,
     seqlen_q,
@@ -161,8 +160,10 @@ def _dkdv_tile(
     MASK_IS_BOOL: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """Add the contribution of query rows [start_m, start_m + BLOCK_M) to one key tile's dK, dV."""
+    """Add the contribution of query rows [start_m, start_m + BLOCK_M) to key tile [start_n, start_n + BLOCK_N)'s
+    dK, dV."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     q = load_rows(
         q_src, off_qb, off_h, start_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, PAD_D, TMA
     )  # [BLOCK_M, D]
@@ -286,7 +287,6 @@ def _attention_dkdv_kernel(
             return
     diag = seqlen_k - seqlen_q
 
-    offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_src = head_source(K, off_kb, off_hk, stride_kb, stride_kh, TMA)
@@ -317,7 +317,7 @@ def _attention_dkdv_kernel(
             for start_m in range(lo, mid_lo, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                    start_m, start_n, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
+                    start_m, start_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
                     slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
                     BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
                     PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
@@ -325,7 +325,7 @@ def _attention_dkdv_kernel(
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                start_m, start_n, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
+                start_m, start_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
                 slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, MASK_LEFT, MASK_RIGHT,
                 PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
@@ -334,7 +334,7 @@ def _attention_dkdv_kernel(
             for start_m in range(mid_hi, hi, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                    start_m, start_n, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
+                    start_m, start_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
                     slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
                     BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
                     PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
@@ -714,13 +714,15 @@ def _launch(
         "MASK_IS_BOOL": attn_mask is not None and attn_mask.dtype == torch.bool,
     }
     mask = mask_for_kernel(attn_mask)
+    # Whether the copy engine can read the inputs; dq, dk, dv are fresh, so ready whenever the inputs are.
+    inputs_tma_ready = not is_varlen and tma_ready(q, k, v, dout)
     rng = rng_state if dropout_p > 0.0 else None  # None, like a None tensor, leaves the signature as without
     p_drop = dropout_p if dropout_p > 0.0 else None
 
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     cfg = config("backward_dkdv", q.device, head_dim, head_dim_v, attn_mask is not None)
-    tma = cfg.tma and not is_varlen and tma_ready(q, k, v, dout, dk, dv)
+    tma = cfg.tma and inputs_tma_ready
     bm, bn = cfg.block_m, cfg.block_n
     q_src, k_src, v_src, do_src, dk_dst, dv_dst = tile_sources(
         tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dk, bn, block_d),
@@ -740,7 +742,7 @@ def _launch(
 
     dq = empty_output(q.shape, q.dtype, q.device)
     cfg = config("backward_dq", q.device, head_dim, head_dim_v, attn_mask is not None)
-    tma = cfg.tma and not is_varlen and tma_ready(q, k, v, dout, dq)
+    tma = cfg.tma and inputs_tma_ready
     bm, bn = cfg.block_m, cfg.block_n
     q_src, k_src, v_src, do_src, dq_dst = tile_sources(
         tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dq, bm, block_d)

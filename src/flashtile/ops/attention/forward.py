@@ -423,7 +423,7 @@ def _launch(
         pass_name = "forward_banded_short" if window_right is not None else "forward_short"
     cfg = config(pass_name, q.device, head_dim, head_dim_v, attn_mask is not None)
     block_d, block_dv = block_widths(head_dim, head_dim_v)
-    tma = cfg.tma and not is_varlen and tma_ready(q, k, v, out)
+    tma = cfg.tma and not is_varlen and tma_ready(q, k, v)  # out: fresh, so ready when they are
     rows_q, rows_k = cfg.block_m, cfg.block_n
     sources = tile_sources(
         tma, (q, rows_q, block_d), (k, rows_k, block_d), (v, rows_k, block_dv), (out, rows_q, block_dv)

@@ -304,7 +304,8 @@ def store_rows(
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether the copy engine can read these (batch, seqlen, heads, d) tensors through tensor descriptors:
     4-D, last dimension contiguous, the start address and every other stride 16-byte aligned, and no
-    dimension longer than 1 broadcast (stride 0, as an expanded dout)."""
+    dimension longer than 1 broadcast (stride 0, as an expanded dout). A fresh contiguous output of such a
+    shape always is (head dims are multiples of 8), so the launchers ask about their inputs only."""
     for x in tensors:
         if x.dim() != 4 or x.stride(3) != 1 or x.data_ptr() % 16:
             return False
