@@ -4,6 +4,7 @@
 #   ptest    the same, as four pytest processes side by side (kernel compiles are CPU-bound)
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
 #   decode   the decode (KV cache) benchmark
+#   tunedecode  decode tile-config and split-count sweep, host profile (benchmarks/tune_decode.py)
 #   kvtests  tests/test_kvcache.py on the GPU
 #   varlen   packed against padded batches
 #   latency  launch overhead (eager vs CUDA graph) and first-call compile time
@@ -41,6 +42,7 @@ for step in "$@"; do
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
     decode) timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$OUT/decode" 2>&1 | tail -40 ;;
     varlen) timeout ${VARLEN_TIMEOUT:-300} python3 benchmarks/bench_varlen.py --out "$OUT/varlen" 2>&1 | tail -12 ;;
+    tunedecode) timeout ${TUNEDECODE_TIMEOUT:-300} python3 benchmarks/tune_decode.py --out "$OUT" ${TUNEDECODE_ARGS:-} 2>&1 | tee "$OUT/tunedecode.log" | grep -v '^ *[0-9]' | tail -40 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
     latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
     firstcall) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import latency; print(latency.first_call(Path('$OUT')))" 2>&1 | tail -4 ;;

@@ -427,9 +427,10 @@ def test_softmax_scale_and_lse_flag(path):
 
 
 def test_num_splits_heuristic():
-    assert configs.choose_num_splits(programs=132, n_blocks=2048, num_sms=132) == 1
-    assert configs.choose_num_splits(programs=8, n_blocks=2048, num_sms=132) == 33  # two programs per SM
-    assert configs.choose_num_splits(programs=8, n_blocks=16, num_sms=132) == 4  # >= 4 key tiles per split
+    assert configs.choose_num_splits(programs=264, n_blocks=2048, num_sms=132) == 1  # two programs per SM
+    assert configs.choose_num_splits(programs=128, n_blocks=2048, num_sms=132) == 2  # rounded down
+    assert configs.choose_num_splits(programs=8, n_blocks=2048, num_sms=132) == 33
+    assert configs.choose_num_splits(programs=8, n_blocks=16, num_sms=132) == 8  # >= 2 key tiles per split
     assert configs.choose_num_splits(programs=1, n_blocks=100_000, num_sms=132) == configs.MAX_SPLITS
     assert configs.choose_num_splits(programs=8, n_blocks=2, num_sms=132) == 1
 

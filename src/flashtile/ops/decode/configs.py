@@ -3,7 +3,8 @@
 Decoding reads the whole KV cache for a few query rows, so its speed is the speed of that read: the
 key tile is wide enough to keep loads in flight, and when batch x kv-heads leaves SMs idle the keys are
 split across programs ("flash-decoding"). The CUDA numbers are first choices, to be measured on the
-H200 with benchmarks/bench_decode.py; the Triton interpreter gets small tiles so the tests run fast.
+H200 with benchmarks/tune_decode.py (docs/tuning-log.md, "Decode tiles and splits"); the Triton
+interpreter gets small tiles so the tests run fast.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from flashtile.ops.attention.configs import padded_head_dim
 
 MAX_SPLITS = 128
-MIN_BLOCKS_PER_SPLIT = 4  # a split reads at least this many key tiles, so the combine stays cheap
+MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many key tiles, so the combine stays cheap
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
 
 
@@ -54,7 +55,7 @@ def config(device: torch.device, head_dim: int) -> DecodeConfig:
     if device.type != "cuda":
         return INTERPRETER
     if head_dim <= 128:
-        return DecodeConfig(64, 4, 3)
+        return DecodeConfig(128, 4, 2)
     return DecodeConfig(64, 8, 2)
 
 
@@ -76,12 +77,11 @@ def choose_num_splits(programs: int, n_blocks: int, num_sms: int) -> int:
     """How many splits of the keys, for ``programs`` = batch x nheads_k x query tiles reading up to
     ``n_blocks`` key tiles each, on ``num_sms`` SMs.
 
-    No split when the programs already fill most of one wave; otherwise aim at about two programs per
-    SM, with every split reading at least MIN_BLOCKS_PER_SPLIT tiles and at most MAX_SPLITS splits.
+    About two programs per SM in all (rounded down: on the H200 two splits of 128 programs beat three,
+    and 256 or more programs want no split), with every split reading at least MIN_BLOCKS_PER_SPLIT
+    tiles and at most MAX_SPLITS splits.
     """
-    if programs >= 0.8 * num_sms:
-        return 1
-    wanted = cdiv(2 * num_sms, programs)
+    wanted = 2 * num_sms // programs
     return max(1, min(wanted, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
