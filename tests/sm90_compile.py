@@ -10,7 +10,7 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
   causal and with a sliding window; ``forward_short`` only launches that are not banded, compiled full),
   with every feature off and with every feature on (softcap, ALiBi, sink, dropout, varlen: those the
   kernel has), and the delta kernel of the backward;
-* the decode kernels (split-KV, combine, append) at each head dim bucket of ``decode.configs.config``.
+* the decode kernels (split-KV, append) at each head dim bucket of ``decode.configs.config``.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
 on a ``PTXASError`` (or any other compile error) or when its shared memory exceeds the H200's 227 KiB per
@@ -93,7 +93,6 @@ FP = Scalar("fp32")
 MS = Scalar("i32", "HAS_MASK")  # a stride of SDPA's attn_mask (0 on broadcast dimensions)
 # SDPA's attn_mask: uint8 when boolean (MASK_IS_BOOL), else additive in the q/k/v dtype
 MASK = Ptr(DATA, "HAS_MASK")
-SPLIT = lambda c: c["_SPLIT"]  # split-KV writes fp32 partial outputs when it splits the keys
 
 # kernel name -> {parameter: type} for every non-constexpr parameter, in the order the launcher passes them.
 # fmt: off
@@ -143,22 +142,18 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
     },
     "_split_kv_kernel": {  # split_kv.decode_attention
         "Q": T, "KCache": T, "VCache": T,
-        "Out": T, "Lse": F32,  # Out: fp32 partials (out_s) when the variant splits the keys (OUT_SPLIT)
+        "Out": T, "Lse": F32,
+        # the splits' fp32 partials and ticket counters, when the variant splits the keys
+        "OutPart": Ptr("fp32", "IS_SPLIT"), "LsePart": Ptr("fp32", "IS_SPLIT"), "Counters": Ptr("i32", "IS_SPLIT"),
         "CacheSeqlens": Ptr("i32", "HAS_SEQLENS"), "BatchIdx": Ptr("i32", "HAS_BATCH_IDX"),
         "LeftPad": Ptr("i32", "HAS_LEFTPAD"), "BlockTable": Ptr("i32", lambda c: c["PAGE_SIZE"] > 0),
         "Alibi": Ptr("fp32", "HAS_ALIBI"), "Cos": Ptr(DATA, "ROTARY_DIM"), "Sin": Ptr(DATA, "ROTARY_DIM"),
         "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
-        "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_os": ST,
-        "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
-        "stride_ls": INT, "stride_lb": INT, "stride_lh": INT, "stride_bt": INT, "stride_ab": INT, "stride_cos": INT,
+        "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
+        "stride_lb": INT, "stride_lh": INT, "stride_ps": ST, "stride_ls": INT,
+        "stride_bt": INT, "stride_ab": INT, "stride_cos": INT,
         "nheads_k": INT, "group": INT, "seqlen_q": INT, "seqlen_new": INT, "seqlen_cache": INT, "num_splits": INT,
         "seqlen_ro": INT, "num_slots": INT, "left": INT, "right": INT, "qk_scale": FP, "softcap": FP,
-    },
-    "_combine_kernel": {  # split_kv.decode_attention, when num_splits > 1
-        "OutPart": F32, "LsePart": F32, "Out": T, "Lse": F32,
-        "stride_ps": ST, "stride_pb": ST, "stride_pm": ST, "stride_ph": ST, "stride_lps": INT, "stride_lpb": INT,
-        "stride_lph": INT, "stride_ob": ST, "stride_om": ST, "stride_oh": ST, "stride_lb": INT, "stride_lh": INT,
-        "nheads": INT, "seqlen_q": INT, "num_splits": INT,
     },
     "_append_kernel": {  # append.append_kv
         "K": T, "V": T, "KCache": T, "VCache": T, "CacheSeqlens": Ptr("i32"),
@@ -170,7 +165,6 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
     },
 }
 # fmt: on
-OUT_SPLIT = {("_split_kv_kernel", "Out")}  # fp32 when the variant's _SPLIT is set (the launcher's out_s)
 
 KERNELS = {
     k.fn.__name__: k
@@ -180,7 +174,6 @@ KERNELS = {
         backward._attention_dkdv_kernel,
         backward._attention_dq_kernel,
         split_kv._split_kv_kernel,
-        split_kv._combine_kernel,
         append._append_kernel,
     )
 }
@@ -251,8 +244,7 @@ def signature(kernel_name: str, consts: dict) -> tuple[dict, dict, dict]:
             rows, cols = (consts[c] for c in spec.tile)
             sig[name] = f"tensordesc<{spec.dtype}[1,{rows},1,{cols}]>"
         elif isinstance(spec, Ptr):
-            dtype = "fp32" if (kernel_name, name) in OUT_SPLIT and consts.get("_SPLIT") else spec.dtype
-            sig[name] = "*" + dtype
+            sig[name] = "*" + spec.dtype
             attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
         else:
             sig[name] = spec.dtype
@@ -351,11 +343,11 @@ def decode_variants() -> list[Variant]:
         dims = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_D": head_dim, "BLOCK_DV": head_dim}
         off = {"PAGE_SIZE": 0, "HAS_SEQLENS": False, "HAS_BATCH_IDX": False, "HAS_LEFTPAD": False, "MASK_LEFT": False,
                "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False, "ROTARY_DIM": 0,
-               "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "_SPLIT": False}  # fmt: skip
+               "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "IS_SPLIT": False}  # fmt: skip
         # everything on that a launch can combine (cache_batch_idx excludes a paged cache), writing fp32 splits
         paged = dict(off, PAGE_SIZE=256, HAS_SEQLENS=True, HAS_LEFTPAD=True, MASK_LEFT=True, MASK_RIGHT=True,
                      HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True,
-                     ROTARY_PER_TOKEN=True, _SPLIT=True)  # fmt: skip
+                     ROTARY_PER_TOKEN=True, IS_SPLIT=True)  # fmt: skip
         batch_idx = dict(off, HAS_SEQLENS=True, HAS_BATCH_IDX=True, MASK_RIGHT=True, ROTARY_DIM=head_dim // 2)
         for bm in block_ms:
             name = f"split_kv D{head_dim} {bm}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
@@ -364,10 +356,6 @@ def decode_variants() -> list[Variant]:
                 variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                         dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **consts),
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip
-        for bm in (1, 16):  # combine_m = min(16, next_power_of_2(seqlen_q))
-            consts = {"HEAD_DIM_V": head_dim, "BLOCK_DV": head_dim, "BLOCK_M": bm}
-            variants.append(Variant("_combine_kernel", f"combine D{head_dim} {bm}/w4/s3", "-", "off", consts,
-                                    **TRITON_DEFAULTS))  # fmt: skip
         app = {"BLOCK_T": append.BLOCK_T, "PAGE_SIZE": 0, "HAS_BATCH_IDX": False, "ROTARY_DIM": 0,
                "ROTARY_INTERLEAVED": False}  # fmt: skip
         name = f"append D{head_dim} {append.BLOCK_T}/w4/s3"

@@ -681,3 +681,82 @@ def test_host_helpers_match_triton(n):
 
     assert configs.next_power_of_2(n) == triton.next_power_of_2(n)
     assert configs.cdiv(n, 16) == triton.cdiv(n, 16)
+
+
+# Splits merged in the kernel ----------------------------------------------------------------------------
+# With num_splits > 1 every split takes a ticket from its tile's counter and the last one merges the
+# splits (ops/decode/split_kv.py); the counters must be back at zero after each launch.
+
+split_kv = flashtile.ops.decode.split_kv
+
+
+def counters_are_zero(device: torch.device) -> bool:
+    counters = split_kv._counters.get(device)
+    return counters is not None and not counters.any()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(batch=2, seqlen_q=17, seqlen_new=3, nheads=8, seqlen_cache=256, cache_seqlens=(200, 90), num_splits=3),
+        Case(batch=2, seqlen_q=17, seqlen_new=3, nheads=8, seqlen_cache=256, cache_seqlens=(200, 90), num_splits=7),
+        Case(batch=1, nheads=2, nheads_k=1, seqlen_cache=2048, cache_seqlens=(2000,), num_splits=64, page_size=64),
+    ],
+    ids=["splits3-2tiles", "splits7-2tiles-some-empty", "splits64"],
+)
+def test_many_splits(case):
+    """Several (batch entry x kv head, query tile) counters at once; 7 splits of 8 key tiles leave some
+    empty (2 tiles each); 64 splits of one key tile each (interpreter; 16 on a GPU's wider tiles)."""
+    out, _ = check(case)
+    assert counters_are_zero(out.device)
+
+
+def test_heuristic_splits_on_long_cache(monkeypatch):
+    """num_splits=0 with an H200's 132 SMs: one program would split into every second key tile."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    case = Case(batch=1, nheads=8, nheads_k=1, seqlen_cache=1024, cache_seqlens=(1000,), num_splits=0)
+    block_n = configs.config(torch.device(DEVICE), case.head_dim).block_n
+    assert configs.num_splits(0, torch.device(DEVICE), 1, case.seqlen_cache, block_n) == 1024 // block_n // 2
+    check(case)
+
+
+def test_repeated_split_calls_reset_counters():
+    """Ten steps in a row, with other cache lengths and split counts each time, reuse one zeroed buffer."""
+    counters = None
+    for step in range(10):
+        case = Case(seqlen_cache=128, cache_seqlens=(10 * step + 3, 120 - 7 * step), num_splits=2 + step % 4)
+        out, _ = check(case)
+        device = out.device
+        assert counters_are_zero(device), f"step {step}: counters not reset"
+        counters = split_kv._counters[device] if counters is None else counters
+        assert split_kv._counters[device] is counters, "the counters were reallocated"
+
+
+def test_split_counters_grow_and_keep_old(monkeypatch):
+    """One zeroed buffer per device, replaced by a larger one only when a launch needs more counters; the
+    outgrown one stays alive (a captured CUDA graph may still use it)."""
+    monkeypatch.setattr(split_kv, "_counters", {})
+    monkeypatch.setattr(split_kv, "_kept", [])
+    device = torch.device("cpu")
+    first = split_kv.split_counters(device, 10)
+    assert first.dtype == torch.int32 and first.numel() == split_kv.MIN_COUNTERS and not first.any()
+    assert split_kv.split_counters(device, split_kv.MIN_COUNTERS) is first
+    grown = split_kv.split_counters(device, split_kv.MIN_COUNTERS + 1)
+    assert grown.numel() == 2 * split_kv.MIN_COUNTERS and not grown.any()
+    assert split_kv._kept == [first] and split_kv.split_counters(device, 1) is grown
+
+
+def test_split_counters_during_capture(monkeypatch):
+    """A CUDA graph capture uses the device's buffer when it is large enough; otherwise each launch gets
+    its own (zeroed by the graph on replay), kept alive, and the device's buffer stays as it was."""
+    monkeypatch.setattr(split_kv, "_counters", {})
+    monkeypatch.setattr(split_kv, "_kept", [])
+    monkeypatch.setattr(split_kv, "_capturing", lambda device: True)
+    device = torch.device("cpu")
+    own = split_kv.split_counters(device, 10)
+    assert split_kv._counters == {} and split_kv._kept == [own]
+    assert split_kv.split_counters(device, 10) is not own  # nothing zeroes ``own`` before a replay
+    monkeypatch.setattr(split_kv, "_capturing", lambda device: False)
+    eager = split_kv.split_counters(device, 10)
+    monkeypatch.setattr(split_kv, "_capturing", lambda device: True)
+    assert split_kv.split_counters(device, 10) is eager

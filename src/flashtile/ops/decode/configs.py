@@ -17,7 +17,7 @@ import torch
 from flashtile.ops.attention.configs import padded_head_dim
 
 MAX_SPLITS = 128
-MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many key tiles, so the combine stays cheap
+MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many key tiles, so the merge stays cheap
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
 
 

@@ -1,20 +1,39 @@
-"""Split-KV attention over a KV cache ("flash-decoding"), and the kernel that merges the splits.
+"""Split-KV attention over a KV cache ("flash-decoding"), with the splits merged in the same launch.
 
-Attention kernel: one program per (batch entry x kv head, split, query tile). The query heads of one
-kv group are packed into the rows of the tile, row r = token * group + head-in-group, so every key/value
-tile is read once for the whole group (GQA/MQA decoding reads the cache nheads // nheads_k times less).
-A tile is padded to at least 16 rows for ``tl.dot``; padded rows are computed and never stored.
+One program per (batch entry x kv head, split, query tile). The query heads of one kv group are packed
+into the rows of the tile, row r = token * group + head-in-group, so every key/value tile is read once
+for the whole group (GQA/MQA decoding reads the cache nheads // nheads_k times less). A tile is padded to
+at least 16 rows for ``tl.dot``; padded rows are computed and never stored.
 
 Keys of batch entry b are the cache positions [leftpad_b, cache_seqlens[b] + seqlen_new), numbered
 j = 0 .. seqlen_k - 1 from leftpad_b; masks and ALiBi are bottom-right aligned on them (diag =
 seqlen_k - seqlen_q). The key tiles a query tile sees are divided evenly among the splits; each split
-runs the online softmax in base 2 over its share and writes its normalised output and natural-log LSE.
-With one split these are the final ``out`` and ``lse``; with more they go to fp32 buffers with a
-leading split dimension and the combine kernel merges them:
+runs the online softmax in base 2 over its share, giving its normalised output out_s and natural-log
+LSE lse_s. With one split these are the final ``out`` and ``lse``. With more, every split writes them
+to fp32 buffers with a leading split dimension and takes a ticket from its tile's counter (below); the
+split that draws the last ticket merges all the splits of its tile's rows and writes ``out`` and ``lse``:
 
     lse = log sum_s exp(lse_s),    out = sum_s exp(lse_s - lse) out_s
 
 A split (or a whole row) that sees no key has out_s = 0 and lse_s = -inf, so it weighs nothing.
+
+Ticket counters: one int32 per (batch entry x kv head, query tile) in a zeroed buffer kept per device
+(``split_counters``). A split stores its partials, then (after a barrier of its program, so that every
+thread's stores come first) adds 1 to the counter with acquire-release semantics: the stores of every
+split that took a ticket before are visible to the split that draws ticket num_splits - 1, which merges
+and then sets the counter back to 0, as the next launch expects. Nothing resets it from the host, so a
+launch costs no memset and a CUDA graph replays it as it is. The rules that follow:
+
+* One buffer per device, shared by every launch on it: split launches on one device must not run at the
+  same time on different streams (nor CUDA graphs holding them be replayed concurrently); launches in
+  one stream, or ordered between streams, are fine.
+* The buffer grows when a launch needs more counters than it has (``MIN_COUNTERS`` at first, which the
+  split heuristic never exceeds: it splits only below two programs per SM). An outgrown buffer is kept
+  alive, so a CUDA graph captured with it stays valid.
+* A launch captured into a CUDA graph uses the device's buffer when it is large enough. Otherwise (no
+  eager split launch of that size ran before the capture) the launch gets a buffer of its own, zeroed
+  inside the graph: correct, but one more memset node per such launch in every replay. Run one eager
+  step of the largest batch before capturing to avoid it.
 """
 
 import torch
@@ -25,6 +44,37 @@ from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows
+
+MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
+
+_counters: dict[torch.device, torch.Tensor] = {}  # device -> its ticket counters, int32, zero between launches
+_kept: list[torch.Tensor] = []  # buffers a captured CUDA graph may still use: outgrown, or zeroed in a graph
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Ticket counters for a launch on ``device``: (n,) int32 with n >= ``count``, zero between launches.
+
+    The device's buffer, the same tensor on every call until a call asks for more; during a CUDA graph
+    capture that would need a larger one, a buffer for this launch only, whose zeroing the graph records
+    (the zeros exist only once the graph replays, so no eager launch may use it). Module docstring: the
+    rules for streams and graphs.
+    """
+    counters = _counters.get(device)
+    if counters is not None and counters.numel() >= count:
+        return counters
+    fresh = torch.zeros(max(MIN_COUNTERS, configs.next_power_of_2(count)), dtype=torch.int32, device=device)
+    if _capturing(device):
+        _kept.append(fresh)
+        return fresh
+    if counters is not None:
+        _kept.append(counters)
+    _counters[device] = fresh
+    return fresh
 
 
 @triton.jit
@@ -95,15 +145,63 @@ def _decode_tile(
         if MASK_RIGHT:
             ok = ok & (offs_n[None, :] <= tok[:, None] + diag + right)
         s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_new, m_shift, alpha = _raise_max(m_i, tl.max(s, 1))
     p = tl.math.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
-    alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
     return acc, m_new, l_i
+
+
+@triton.jit
+def _raise_max(m_i, m_seen):
+    """The online softmax's step for rows whose running max m_i [ROWS] (log2 units) meets values of max
+    m_seen [ROWS]: the new max, the shift to subtract before exp2 (the new max, or 0 where it is still
+    -inf, so that exp2 gives 0 rather than NaN for a row that has seen nothing), and exp2(m_i - shift),
+    the factor that rescales what was summed so far."""
+    m_new = tl.maximum(m_i, m_seen)
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, m_shift, tl.math.exp2(m_i - m_shift)
+
+
+@triton.jit
+def _normalize(acc, m_i, l_i):
+    """Online-softmax state acc [ROWS, DV], m_i, l_i [ROWS] (log2 units) -> the output acc / l and the
+    natural-log LSE; a row that saw no key (l = 0) gets output 0 and LSE -inf."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    return acc / l_safe[:, None], lse
+
+
+@triton.jit
+def _merge_splits(
+    OPart,
+    LsePart,
+    stride_ps,
+    stride_ls,
+    row_ok,
+    o_mask,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """The splits' partials of BLOCK_M rows merged by an online log-sum-exp: OPart [BLOCK_M, BLOCK_DV]
+    pointers to split 0's out_s, LsePart [BLOCK_M] to its lse_s; split s is stride_ps / stride_ls further.
+    Returns the online-softmax state acc, m, l of ``_normalize``; masked-out elements read as an empty split."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for split in range(num_splits):
+        s64 = tl.cast(split, tl.int64)
+        # .cg: read from L2, where the other programs' stores are (not a line this SM cached earlier)
+        lse_s = tl.load(LsePart + s64 * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg") * LOG2E
+        o_s = tl.load(OPart + s64 * stride_ps, mask=o_mask, other=0.0, cache_modifier=".cg")  # [BLOCK_M, DV]
+        m_i, m_shift, alpha = _raise_max(m_i, lse_s)
+        weight = tl.math.exp2(lse_s - m_shift)  # l_s exp2(m_s - shift): split s's softmax sum
+        l_i = l_i * alpha + weight
+        acc = acc * alpha[:, None] + weight[:, None] * o_s
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -113,6 +211,9 @@ def _split_kv_kernel(
     VCache,
     Out,
     Lse,
+    OutPart,
+    LsePart,
+    Counters,
     CacheSeqlens,
     BatchIdx,
     LeftPad,
@@ -129,13 +230,13 @@ def _split_kv_kernel(
     stride_vb,
     stride_vn,
     stride_vh,
-    stride_os,
     stride_ob,
     stride_om,
     stride_oh,
-    stride_ls,
     stride_lb,
     stride_lh,
+    stride_ps,
+    stride_ls,
     stride_bt,
     stride_ab,
     stride_cos,
@@ -168,10 +269,14 @@ def _split_kv_kernel(
     ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr,
     ROTARY_PER_TOKEN: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
 ):
-    """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (S, B, Sq, H, DV), Lse (S, B, H, Sq) for split s.
+    """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
 
-    With one split, S is absent (stride 0) and Out, Lse are the final output (q's dtype) and LSE.
+    IS_SPLIT (num_splits > 1): split s also writes its partials to OutPart (S, B, Sq, H, DV) and LsePart
+    (S, B, H, Sq), fp32, laid out as Out and Lse behind a split stride (stride_ps, stride_ls), and takes a
+    ticket from Counters (B * Hk, query tiles) int32, zero between launches; the last split to finish a
+    tile merges (module docstring). Without IS_SPLIT, OutPart, LsePart and Counters are not read.
     Index values are clamped into the cache (``tiles``): bad ones give wrong numbers, never a bad access.
     """
     off_bhk = tl.program_id(0)
@@ -257,75 +362,28 @@ def _split_kv_kernel(
             True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
         )  # fmt: skip
 
-    # A row that saw no key has l = 0: its output is 0 and its LSE -inf.
-    seen = l_i > 0.0
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    base_o = Out + tl.cast(split, tl.int64) * stride_os + b64 * stride_ob
-    o_rows = base_o + tok * stride_om + off_h * stride_oh  # [BLOCK_M]
+    out, lse = _normalize(acc, m_i, l_i)
+    o_rows = b64 * stride_ob + tok * stride_om + off_h * stride_oh  # [BLOCK_M] row offsets in Out (and OutPart)
+    l_rows = b64 * stride_lb + off_h * stride_lh + tok  # [BLOCK_M] in Lse (and LsePart)
+    o_ptrs = o_rows[:, None] + offs_dv[None, :]  # [BLOCK_M, BLOCK_DV]
     o_mask = row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
-    tl.store(o_rows[:, None] + offs_dv[None, :], acc.to(Out.dtype.element_ty), mask=o_mask)
-    base_l = Lse + tl.cast(split, tl.int64) * stride_ls + b64 * stride_lb
-    tl.store(base_l + off_h * stride_lh + tok, lse, mask=row_ok)
-
-
-@triton.jit
-def _combine_kernel(
-    OutPart,
-    LsePart,
-    Out,
-    Lse,
-    stride_ps,
-    stride_pb,
-    stride_pm,
-    stride_ph,
-    stride_lps,
-    stride_lpb,
-    stride_lph,
-    stride_ob,
-    stride_om,
-    stride_oh,
-    stride_lb,
-    stride_lh,
-    nheads,
-    seqlen_q,
-    num_splits,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """OutPart (S, B, Sq, H, DV) fp32, LsePart (S, B, H, Sq) fp32 -> Out (B, Sq, H, DV), Lse (B, H, Sq)."""
-    off_bh = tl.program_id(0)
-    off_b = tl.cast(off_bh // nheads, tl.int64)
-    off_h = off_bh % nheads
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < seqlen_q
-    mask = m_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
-    o_part = OutPart + off_b * stride_pb + off_h * stride_ph + offs_m[:, None] * stride_pm + offs_dv[None, :]
-    lse_part = LsePart + off_b * stride_lpb + off_h * stride_lph + offs_m
-
-    # Online log-sum-exp over the splits, as the attention kernel does over key tiles.
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for split in range(num_splits):
+    if IS_SPLIT:
         s64 = tl.cast(split, tl.int64)
-        lse_s = tl.load(lse_part + s64 * stride_lps, mask=m_ok, other=float("-inf"))  # [BLOCK_M]
-        o_s = tl.load(o_part + s64 * stride_ps, mask=mask, other=0.0)  # [BLOCK_M, DV]
-        m_new = tl.maximum(m_i, lse_s)
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2((m_i - m_shift) * LOG2E)
-        weight = tl.math.exp2((lse_s - m_shift) * LOG2E)
-        l_i = l_i * alpha + weight
-        acc = acc * alpha[:, None] + weight[:, None] * o_s
-        m_i = m_new
-    seen = l_i > 0.0
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) * LN2, float("-inf"))
-    o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
-    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + offs_m, lse, mask=m_ok)
+        tl.store(OutPart + s64 * stride_ps + o_ptrs, out, mask=o_mask)
+        tl.store(LsePart + s64 * stride_ls + l_rows, lse, mask=row_ok)
+        tl.debug_barrier()  # every thread's stores before the ticket, which one thread takes with release
+        counter = Counters + off_bhk * tl.num_programs(2) + tile_m
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:  # the other splits have stored theirs
+            acc, m_i, l_i = _merge_splits(
+                OutPart + o_ptrs, LsePart + l_rows, stride_ps, stride_ls, row_ok, o_mask, num_splits, BLOCK_M, BLOCK_DV
+            )
+            out, lse = _normalize(acc, m_i, l_i)
+            tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+            tl.store(Lse + l_rows, lse, mask=row_ok)
+            tl.store(counter, 0)  # no other program touches it in this launch any more
+    else:
+        tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+        tl.store(Lse + l_rows, lse, mask=row_ok)
 
 
 def decode_attention(
@@ -348,7 +406,7 @@ def decode_attention(
     rotary_per_token: bool,
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the split-KV kernel (and the combine kernel when it splits) on a cache already appended to.
+    """Launch the split-KV kernel on a cache already appended to.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), last dimension contiguous
@@ -384,14 +442,13 @@ def decode_attention(
     m_tiles = configs.cdiv(seqlen_q * group, block_m)
     num_splits = configs.num_splits(num_splits, q.device, batch * nheads_k * m_tiles, seqlen_cache, cfg.block_n)
 
-    if num_splits == 1:
-        out_s, lse_s, stride_os, stride_ls = out, lse, 0, 0
-    else:
-        out_s = empty_output((num_splits, *out.shape), torch.float32, q.device)
-        lse_s = empty_output((num_splits, *lse.shape), torch.float32, q.device)
-        stride_os, stride_ls = out_s.stride(0), lse_s.stride(0)
-    o_strides = out_s.stride()[-4:-1]
-    l_strides = lse_s.stride()[-3:-1]
+    out_part = lse_part = counters = None
+    stride_ps = stride_ls = 0
+    if num_splits > 1:
+        out_part = empty_output((num_splits, *out.shape), torch.float32, q.device)
+        lse_part = empty_output((num_splits, *lse.shape), torch.float32, q.device)
+        stride_ps, stride_ls = out_part.stride(0), lse_part.stride(0)
+        counters = split_counters(q.device, batch * nheads_k * m_tiles)
     q_strides, k_strides, v_strides = q.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3]
     if softcap > 0.0:
         qk_scale, softcap_log2 = softmax_scale / softcap, softcap * LOG2E.value
@@ -399,11 +456,9 @@ def decode_attention(
         qk_scale, softcap_log2 = softmax_scale * LOG2E.value, 0.0
     grid = (batch * nheads_k, num_splits, m_tiles)
     _split_kv_kernel[grid](
-        q, k_cache, v_cache, out_s, lse_s,
+        q, k_cache, v_cache, out, lse, out_part, lse_part, counters,
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin,
-        *q_strides, *k_strides, *v_strides,
-        stride_os, *o_strides,
-        stride_ls, *l_strides,
+        *q_strides, *k_strides, *v_strides, *out.stride()[:3], *lse.stride()[:2], stride_ps, stride_ls,
         0 if block_table is None else block_table.stride(0),
         0 if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes.stride(0),
         0 if rotary_cos is None else rotary_cos.stride(0),
@@ -429,17 +484,8 @@ def decode_attention(
         ROTARY_DIM=0 if rotary_cos is None else 2 * rotary_cos.shape[1],
         ROTARY_INTERLEAVED=rotary_interleaved,
         ROTARY_PER_TOKEN=rotary_per_token,
+        IS_SPLIT=num_splits > 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        combine_m = min(16, configs.next_power_of_2(seqlen_q))
-        _combine_kernel[(batch * nheads, configs.cdiv(seqlen_q, combine_m))](
-            out_s, lse_s, out, lse,
-            *out_s.stride()[:4], *lse_s.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
-            nheads, seqlen_q, num_splits,
-            HEAD_DIM_V=head_dim_v,
-            BLOCK_DV=configs.tile_width(head_dim_v),
-            BLOCK_M=combine_m,
-        )  # fmt: skip
     return out, lse
