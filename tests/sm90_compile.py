@@ -9,7 +9,7 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
   dim bucket, causal and full (``forward_banded_short`` serves only banded launches, so it is compiled
   causal and with a sliding window; ``forward_short`` only launches that are not banded, compiled full),
   with every feature off and with every feature on (softcap, ALiBi, sink, dropout, varlen: those the
-  kernel has), and the delta kernel of the backward;
+  kernel has; the forward also with paged K/V on top), and the delta kernel of the backward;
 * the decode kernels (split-KV, append) at each head dim bucket of ``decode.configs.config``.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
@@ -93,6 +93,7 @@ FP = Scalar("fp32")
 MS = Scalar("i32", "HAS_MASK")  # a stride of SDPA's attn_mask (0 on broadcast dimensions)
 # SDPA's attn_mask: uint8 when boolean (MASK_IS_BOOL), else additive in the q/k/v dtype
 MASK = Ptr(DATA, "HAS_MASK")
+PAGED = lambda c: c["PAGE_SIZE"] > 0  # the launcher passes a block table (paged K/V)
 
 # kernel name -> {parameter: type} for every non-constexpr parameter, in the order the launcher passes them.
 # fmt: off
@@ -101,12 +102,13 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "Q": TQ, "K": TK, "V": TKV, "Out": TQV, "Lse": F32,
         "Alibi": Ptr("fp32", "HAS_ALIBI"), "Sink": Ptr("fp32", "HAS_SINK"),
         "CuSeqlensQ": Ptr("i32", "IS_VARLEN"), "CuSeqlensK": Ptr("i32", "IS_VARLEN"), "Rng": Ptr("i64", "HAS_DROPOUT"),
-        "Mask": MASK,
+        "Mask": MASK, "BlockTable": Ptr("i32", PAGED),
         "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
         "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
         "stride_ab": INT, "stride_mb": MS, "stride_mh": MS, "stride_mm": MS, "stride_mn": MS,
-        "nheads": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT, "left": INT, "right": INT,
-        "qk_scale": FP, "softcap": FP, "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
+        "stride_bt": Scalar("i32", PAGED),
+        "nheads": INT, "group": INT, "seqlen_q": INT, "seqlen_k": INT, "num_blocks": Scalar("i32", PAGED),
+        "left": INT, "right": INT, "qk_scale": FP, "softcap": FP, "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
     },
     "_delta_kernel": {  # backward.attention_delta
         "Out": T, "DOut": T, "DLse": Ptr("fp32", "HAS_DLSE"), "Delta": F32,
@@ -146,7 +148,7 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         # the splits' fp32 partials and ticket counters, when the variant splits the keys
         "OutPart": Ptr("fp32", "IS_SPLIT"), "LsePart": Ptr("fp32", "IS_SPLIT"), "Counters": Ptr("i32", "IS_SPLIT"),
         "CacheSeqlens": Ptr("i32", "HAS_SEQLENS"), "BatchIdx": Ptr("i32", "HAS_BATCH_IDX"),
-        "LeftPad": Ptr("i32", "HAS_LEFTPAD"), "BlockTable": Ptr("i32", lambda c: c["PAGE_SIZE"] > 0),
+        "LeftPad": Ptr("i32", "HAS_LEFTPAD"), "BlockTable": Ptr("i32", PAGED),
         "Alibi": Ptr("fp32", "HAS_ALIBI"), "Cos": Ptr(DATA, "ROTARY_DIM"), "Sin": Ptr(DATA, "ROTARY_DIM"),
         "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
         "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
@@ -157,7 +159,7 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
     },
     "_append_kernel": {  # append.append_kv
         "K": T, "V": T, "KCache": T, "VCache": T, "CacheSeqlens": Ptr("i32"),
-        "BatchIdx": Ptr("i32", "HAS_BATCH_IDX"), "BlockTable": Ptr("i32", lambda c: c["PAGE_SIZE"] > 0),
+        "BatchIdx": Ptr("i32", "HAS_BATCH_IDX"), "BlockTable": Ptr("i32", PAGED),
         "Cos": Ptr(DATA, "ROTARY_DIM"), "Sin": Ptr(DATA, "ROTARY_DIM"),
         "stride_kb": ST, "stride_kn": ST, "stride_kh": ST, "stride_vb": ST, "stride_vn": ST, "stride_vh": ST,
         "stride_kcb": ST, "stride_kcn": ST, "stride_kch": ST, "stride_vcb": ST, "stride_vcn": ST, "stride_vch": ST,
@@ -307,6 +309,7 @@ def attention_variants() -> list[Variant]:
                     "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                     "MASK_LEFT": mask == "window", "MASK_RIGHT": mask != "full", "HEAVY_FIRST": mask != "full",
                     "MASK_IS_BOOL": False,  # an additive attn_mask when HAS_MASK is on
+                    "PAGE_SIZE": 0,
                 }  # fmt: skip
                 features = [f for f in ATTENTION_FEATURES if f in constexprs]
                 # Features off, every feature on, and with TMA also every feature but varlen (which reads
@@ -314,9 +317,13 @@ def attention_variants() -> list[Variant]:
                 feature_sets = [(), features]
                 if cfg.tma and "TMA" in constexprs:
                     feature_sets.append([f for f in features if f != "IS_VARLEN"])
+                if "PAGE_SIZE" in constexprs:  # and every feature on with paged K/V (IS_PAGED: pages of 256)
+                    feature_sets.append([*features, "IS_PAGED"])
                 for on_set in feature_sets:
                     consts = {k: val for k, val in base.items() if k in constexprs}
                     consts.update({f: f in on_set for f in features})
+                    if "IS_PAGED" in on_set:
+                        consts["PAGE_SIZE"] = 256
                     if "TMA" in constexprs:
                         consts["TMA"] = cfg.tma and not consts.get("IS_VARLEN")
                     flags = ",".join(f.split("_", 1)[1].lower() for f in on_set) or "off"

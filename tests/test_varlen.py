@@ -317,8 +317,6 @@ def test_bad_key_cu_seqlens_and_options(no_launch):
         flashtile.flash_attn_varlen_func(q, k, v, cu_q, _int32([0, 6, 13]), 7, 7)
     with pytest.raises(ValueError, match="max_seqlen_k = 5"):
         flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 5)
-    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache"):
-        flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 6, block_table=_int32([[0]]))
     with pytest.raises(ValueError, match="3 dimensions"):
         flashtile.flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 7, 6)
     with pytest.raises(ValueError, match=r"\(nheads,\) = \(2,\) or \(batch_size, nheads\) = \(2, 2\)"):

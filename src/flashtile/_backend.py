@@ -14,7 +14,8 @@ learnable_sink, dropout_p, rng_state) -> (out, lse)``, ``attention_backward(dout
 softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink, dropout_p,
 rng_state) -> (dq, dk, dv)``,
 ``attention_delta(dout, out, dlse) -> delta``, and ``varlen_attention_forward`` /
-``varlen_attention_backward``: the same on packed (total, nheads, headdim) batches with cu_seqlens.
+``varlen_attention_backward``: the same on packed (total, nheads, headdim) batches with cu_seqlens (the
+forward also takes a trailing ``block_table``: paged keys and values).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@
 compiler and ``register_autograd`` wires the backward, recomputing attention from the saved LSE.
 ``flashtile::attention_sink_backward`` gives the gradient of a learnable sink.
 ``flashtile::varlen_attention_forward`` / ``varlen_attention_backward`` are the same for packed
-variable-length batches (cu_seqlens); separate ops because their layouts differ (lse (H, total_q)).
+variable-length batches (cu_seqlens); separate ops because their layouts differ (lse (H, total_q)). Their
+trailing ``block_table`` makes k and v pages (flash_attn_varlen_func's paged K/V): the forward reads them in
+place, the backward gathers them into packed keys, runs the unpaged backward and adds the key gradients
+back into pages (``flashtile.paged``), inside the op, so that torch.compile sees fixed shapes.
 ``attention_forward`` also takes SDPA's ``attn_mask`` (boolean or additive, 4-D with each dimension 1 or
 full); its backward is ``flashtile::masked_attention_backward``, which also returns the mask's gradient.
 Inputs reaching these ops are already validated (``interface``) and have a contiguous last dimension.
@@ -38,6 +41,7 @@ from types import SimpleNamespace
 
 import torch
 
+from flashtile import paged
 from flashtile._backend import attention_path
 
 
@@ -195,6 +199,7 @@ def _(dout, q, k, v, out, lse, dlse, softmax_scale, alibi_slopes, softcap, dropo
 
 
 _OPTION_DEFAULTS = (None, 0.0, None, 0.0, None)  # alibi_slopes, softcap, learnable_sink, dropout_p, rng_state
+_VARLEN_OPTION_DEFAULTS = (*_OPTION_DEFAULTS, None)  # and block_table
 
 
 def _setup_context(ctx, inputs, output):
@@ -272,14 +277,17 @@ def _varlen_attention_forward(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward`` per sequence of a packed batch -> out (total_q, H, Dv), lse (H, total_q) fp32.
 
     Sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b + 1])
-    of k and v; masks and ALiBi distances are measured within it ((batch, H) slopes: row b is its own)."""
+    of k and v; masks and ALiBi distances are measured within it ((batch, H) slopes: row b is its own).
+    With block_table (batch, max_blocks) int32, k and v are pages (num_blocks, page_block_size, Hk, D / Dv):
+    key j of sequence b is row j % page_block_size of page block_table[b, j // page_block_size]."""
     return attention_path(q.device).varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-        alibi_slopes, softcap, learnable_sink, dropout_p, rng_state,
+        alibi_slopes, softcap, learnable_sink, dropout_p, rng_state, block_table,
     )  # fmt: skip
 
 
@@ -292,7 +300,7 @@ varlen_attention_forward = torch.library.custom_op(
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
       *options):  # fmt: skip
     total_q, nheads, _ = q.shape
-    return q.new_empty((total_q, nheads, v.shape[2])), q.new_empty((nheads, total_q), dtype=torch.float32)
+    return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
 
 def _varlen_attention_backward(
@@ -315,13 +323,24 @@ def _varlen_attention_backward(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (H, total_q) fp32 or None. Rows of k/v that
-    no query sees (e.g. of a sequence without queries) get zero gradients."""
-    return attention_path(q.device).varlen_attention_backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+    no query sees (e.g. of a sequence without queries) get zero gradients.
+
+    With a block_table (paged k and v, as in the forward; flash_attn has no backward for them) the pages
+    are gathered into packed keys, the unpaged backward runs on those, and dk, dv are its gradients added
+    back into pages (``flashtile.paged``): a page that several sequences use gets their sum, one that none
+    uses zeros. Sizing the packed keys reads cu_seqlens_k[-1] on the host (one synchronisation on CUDA)."""
+    slots = None if block_table is None else paged.packed_slots(block_table, cu_seqlens_k, k)
+    packed_k, packed_v = (k, v) if slots is None else (k[slots], v[slots])
+    dq, dk, dv = attention_path(q.device).varlen_attention_backward(
+        dout, q, packed_k, packed_v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
         window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink, dropout_p, rng_state,
     )  # fmt: skip
+    if slots is not None:
+        dk, dv = paged.scatter_add(dk, slots, k), paged.scatter_add(dv, slots, v)
+    return dq, dk, dv
 
 
 varlen_attention_backward = torch.library.custom_op(
@@ -336,9 +355,11 @@ def _(dout, q, k, v, *rest):
 
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, *options = inputs
-    alibi_slopes, softcap, learnable_sink, dropout_p, rng_state = (*options, *_OPTION_DEFAULTS[len(options) :])
+    alibi_slopes, softcap, learnable_sink, dropout_p, rng_state, block_table = (
+        *options, *_VARLEN_OPTION_DEFAULTS[len(options) :]
+    )  # fmt: skip
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink, rng_state, block_table)
     ctx.args = (max_q, max_k, softmax_scale, window_left, window_right)
     ctx.softcap = softcap
     ctx.dropout_p = dropout_p
@@ -348,7 +369,7 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward_with(ops, ctx, dout, dlse):
     """The backward of ``varlen_attention_forward``, launching through ``ops`` (as ``_backward_with``)."""
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink, rng_state, block_table = ctx.saved_tensors
     max_q, max_k, softmax_scale, window_left, window_right = ctx.args
     if dout is None:
         dout = torch.zeros_like(out)
@@ -358,7 +379,7 @@ def _varlen_backward_with(ops, ctx, dout, dlse):
         dlse = dlse.float().contiguous()
     dq, dk, dv = ops.varlen_attention_backward(
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right,
-        alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state,
+        alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state, block_table,
     )  # fmt: skip
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[12]:
@@ -366,7 +387,7 @@ def _varlen_backward_with(ops, ctx, dout, dlse):
         dsink = ops.attention_sink_backward(
             dout[None], out[None], lse[None], None if dlse is None else dlse[None], learnable_sink
         )
-    grads = (dq, dk, dv, *(None,) * 9, dsink, None, None)  # cu_seqlens, ints, floats and alibi slopes get none
+    grads = (dq, dk, dv, *(None,) * 9, dsink, None, None, None)  # cu_seqlens, ints, floats, alibi, table: none
     return grads[: ctx.num_inputs]
 
 
@@ -456,7 +477,7 @@ def attention(*args):
 
 def varlen_attention(*args):
     """``varlen_attention_forward(*args)``, past the dispatcher in plain eager mode, as ``attention``."""
-    tensors = (*args[:5], *args[10:11], *args[12:13], *args[14:15])  # q, k, v, cu_seqlens, alibi, sink, rng
+    tensors = (*args[:5], *args[10:11], *args[12:13], *args[14:16])  # q, k, v, cu_seqlens, alibi, sink, rng, table
     if not _eager(tensors):
         return varlen_attention_forward(*args)
     if _wants_grad(tensors):

@@ -84,6 +84,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flashtile import paged
+
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
 BLOCK_N = 256  # key columns per tile; 128x256 to 256x512 all ran within ~10% here
 
@@ -483,14 +485,20 @@ def varlen_attention_forward(
     learnable_sink: Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
+    block_table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``attention_forward`` on a variable-length batch, one sequence (a B=1 view) at a time.
 
     q (total_q, nheads, headdim), k (total_k, nheads_k, headdim), v (total_k, nheads_k, headdim_v);
     sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]). Returns out (total_q, nheads, headdim_v) and
     lse (nheads, total_q) float32. max_seqlen_* are not needed here. Dropout row ids are
-    h * total_q + (the query's token index), unique over the packed batch.
+    h * total_q + (the query's token index), unique over the packed batch. With a block_table, k and v are
+    pages (num_blocks, page_block_size, nheads_k, headdim[_v]), gathered first into those packed keys
+    (``flashtile.paged``).
     """
+    if block_table is not None:
+        slots = paged.packed_slots(block_table, cu_seqlens_k, k)
+        k, v = k[slots], v[slots]
     out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
     for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):

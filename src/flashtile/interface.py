@@ -17,6 +17,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 NO_WINDOW = (-1, -1)
 """``window_size`` for full attention: a side of -1 (any negative value) is unbounded."""
+INT32_MAX = torch.iinfo(torch.int32).max
 
 
 def require(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
@@ -384,6 +385,53 @@ def _shape_of(t: object) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Paged keys and values (block_table), shared with flash_attn_with_kvcache
+
+PAGE_MULTIPLE = 16
+"""page_block_size must be a multiple of this (flash_attn asks for multiples of 256)."""
+
+
+def check_page_size(pages: torch.Tensor, name: str) -> int:
+    """Raise ValueError unless pages (num_blocks, page_block_size, ...) has a page_block_size that is a positive
+    multiple of PAGE_MULTIPLE; return it."""
+    page = pages.shape[1]
+    if page <= 0 or page % PAGE_MULTIPLE != 0:
+        raise ValueError(
+            f"page_block_size ({name}.shape[1]) must be a multiple of {PAGE_MULTIPLE}, got {page}. Allocate the "
+            f"pages with a page size such as {PAGE_MULTIPLE * 16}."
+        )
+    return page
+
+
+def check_block_table(block_table: object, batch: int, device: torch.device) -> None:
+    """Raise unless block_table is (batch, max_num_blocks_per_seq) int32 on ``device``. Runs on every call:
+    messages are built only on failure."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(
+            f"block_table must be (batch_size, max_num_blocks_per_seq) with batch_size = {batch}, one row of page "
+            f"indices per sequence, got {_shape_of(block_table)}."
+        )
+    if block_table.dtype != torch.int32:
+        raise TypeError(
+            f"block_table must have dtype torch.int32, got {block_table.dtype}. Convert it with "
+            "block_table.to(torch.int32)."
+        )
+    if block_table.device != device:
+        raise ValueError(f"block_table must be on {device} like q, got {block_table.device}.")
+
+
+def check_block_table_entries(table: torch.Tensor, used: torch.Tensor, num_blocks: int, pages_name: str) -> None:
+    """Raise ValueError unless the entries of a block table on the host where ``used`` (the blocks that hold
+    keys) lie in [0, num_blocks); the others are never read and may hold anything."""
+    outside = used & ((table < 0) | (table >= num_blocks))
+    if outside.any():
+        raise ValueError(
+            f"block_table entries that cover a key must lie in [0, {num_blocks}) ({pages_name}.shape[0], the number "
+            f"of blocks); got {table[outside].tolist()} at {outside.nonzero().tolist()} ([sequence, block])."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
 # Variable-length batches
 
 
@@ -418,14 +466,20 @@ def check_cu_seqlens_values(
     total_k: int,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    block_table: torch.Tensor | None = None,
+    pages: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError unless both cu_seqlens start at 0, never decrease, end at the token counts, and no
     sequence is longer than its max_seqlen. Reads the values on the host: for CUDA tensors that is one
-    small device-to-host copy and a synchronisation per call."""
-    both = torch.stack([cu_seqlens_q, cu_seqlens_k]).cpu()
+    small device-to-host copy and a synchronisation per call.
+
+    With a block_table and the pages of k it indexes (total_k None: the keys have no packed count), each
+    sequence's keys must fit in its row of the block table and the entries that cover them index a page."""
+    batch = cu_seqlens_q.shape[0] - 1
+    host = torch.cat([cu_seqlens_q, cu_seqlens_k, *(() if block_table is None else (block_table.flatten(),))]).cpu()
     for name, cu, total, longest, max_name in (
-        ("cu_seqlens_q", both[0], total_q, max_seqlen_q, "max_seqlen_q"),
-        ("cu_seqlens_k", both[1], total_k, max_seqlen_k, "max_seqlen_k"),
+        ("cu_seqlens_q", host[: batch + 1], total_q, max_seqlen_q, "max_seqlen_q"),
+        ("cu_seqlens_k", host[batch + 1 : 2 * batch + 2], total_k, max_seqlen_k, "max_seqlen_k"),
     ):
         lengths = cu[1:] - cu[:-1]
         if cu[0] != 0:
@@ -436,7 +490,7 @@ def check_cu_seqlens_values(
                 f"{name} must be non-decreasing (cumulative lengths), but {name}[{b + 1}] = {int(cu[b + 1])} < "
                 f"{name}[{b}] = {int(cu[b])}."
             )
-        if cu[-1] != total:
+        if total is not None and cu[-1] != total:
             tensor = "q" if name.endswith("q") else "k and v"
             raise ValueError(
                 f"{name}[-1] must equal the number of tokens of {tensor} ({total}), got {int(cu[-1])}. "
@@ -447,6 +501,24 @@ def check_cu_seqlens_values(
                 f"{max_name} = {longest} is smaller than the longest sequence ({int(lengths.max())}); "
                 f"pass {max_name} >= the longest sequence length."
             )
+    if block_table is not None:
+        _check_paged_lengths(host[2 * batch + 2 :].view(block_table.shape), host[batch + 1 : 2 * batch + 2], pages)
+
+
+def _check_paged_lengths(table: torch.Tensor, cu_seqlens_k: torch.Tensor, pages: torch.Tensor) -> None:
+    """On the host: every sequence's keys (cu_seqlens_k, valid) fit in its row of the block table, and the
+    entries of the blocks that hold them index one of the pages."""
+    page = pages.shape[1]
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    capacity = table.shape[1] * page
+    if (lengths > capacity).any():
+        b = int((lengths > capacity).nonzero()[0])
+        raise ValueError(
+            f"sequence {b} has {int(lengths[b])} keys (cu_seqlens_k) but a block_table row reaches only {capacity} "
+            f"(max_num_blocks_per_seq {table.shape[1]} x page_block_size {page}): give block_table more columns."
+        )
+    used = torch.arange(table.shape[1])[None, :] < (lengths[:, None] + page - 1) // page
+    check_block_table_entries(table, used, pages.shape[0], "k")
 
 
 def varlen_attention(
@@ -464,20 +536,28 @@ def varlen_attention(
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the varlen custom op: returns (out (total_q, H, Dv), lse (H, total_q))."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    """Validated entry to the varlen custom op: returns (out (total_q, H, Dv), lse (H, total_q)).
+
+    With a block_table, k and v are pages (num_blocks, page_block_size, nheads_k, headdim[_v])."""
+    paged = block_table is not None
+    for name, t in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
             raise ValueError(
                 f"{name} must have 3 dimensions (total_tokens, nheads, headdim) for flash_attn_varlen_func, got "
                 f"shape {tuple(t.shape)}. Pack a padded batch with flashtile.unpad_input, or use flash_attn_func."
             )
-    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+    keys, values = k, v
+    if paged:
+        _check_pages(k, v)
+        keys, values = k[:, 0], v[:, 0]  # row 0 of each page, for check_qkv's dtypes, devices, heads, head dims
+    elif isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         require(
             k.shape[:2] == v.shape[:2],
             f"k and v must share total_k (dim 0) and nheads_k (dim 1), got k {tuple(k.shape)} and v {tuple(v.shape)}.",
         )
-    check_qkv(*(t[None] if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
+    check_qkv(*(t[None] if isinstance(t, torch.Tensor) else t for t in (q, keys, values)))
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     require(
@@ -485,28 +565,60 @@ def varlen_attention(
         f"cu_seqlens_q and cu_seqlens_k must hold the same batch_size + 1 entries, got {cu_seqlens_q.shape[0]} "
         f"and {cu_seqlens_k.shape[0]}.",
     )
+    batch = cu_seqlens_q.shape[0] - 1
+    total_k = k.shape[0]
+    if paged:
+        check_block_table(block_table, batch, q.device)
+        total_k = None  # pages: no packed key count, but each sequence fits in its block-table row
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
     if _backend.values_checked(q.device):  # values need the host: one sync on CUDA (docs/validation.md)
-        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+        check_cu_seqlens_values(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], total_k, max_seqlen_q, max_seqlen_k, block_table, k
+        )
     else:  # unchecked (switched off, CUDA-graph capture, torch.compile): keep every sequence inside the tensors
         cu_seqlens_q = torch.cummax(cu_seqlens_q.clamp(0, q.shape[0]), 0).values
-        cu_seqlens_k = torch.cummax(cu_seqlens_k.clamp(0, k.shape[0]), 0).values
+        if paged:  # and inside its block-table row, so the backward gathers the keys the forward read
+            lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).clamp(0, block_table.shape[1] * k.shape[1])
+            cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0).clamp(max=INT32_MAX), (1, 0)).to(torch.int32)
+        else:
+            cu_seqlens_k = torch.cummax(cu_seqlens_k.clamp(0, total_k), 0).values
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    batch = cu_seqlens_q.shape[0] - 1
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
     rng_state = dropout_rng_state(dropout_p, q.device)
-    if rng_state is None:
-        return _ops.varlen_attention(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), window_left,
-            window_right, alibi_slopes, softcap, learnable_sink,
-        )  # fmt: skip
-    return _ops.varlen_attention(
+    args = (
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), window_left,
-        window_right, alibi_slopes, softcap, learnable_sink, float(dropout_p), rng_state,
+        window_right, alibi_slopes, softcap, learnable_sink,
     )  # fmt: skip
+    if rng_state is not None or paged:
+        args = (*args, float(dropout_p), rng_state)
+    if paged:
+        args = (*args, block_table)
+    return _ops.varlen_attention(*args)
+
+
+def _check_pages(k: object, v: object) -> None:
+    """Raise unless k and v are paged keys and values: (num_blocks, page_block_size, nheads_k, headdim[_v])
+    tensors with num_blocks >= 1, one page size and one nheads_k. Messages are built only on failure."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (num_blocks, page_block_size, nheads_k, headdim) with a block_table "
+                f"(paged K/V), got shape {tuple(t.shape)}. Without pages pass block_table=None and packed "
+                "(total_k, nheads_k, headdim) keys and values."
+            )
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must share num_blocks, page_block_size and nheads_k (dims 0-2), got k {tuple(k.shape)} and "
+            f"v {tuple(v.shape)}."
+        )
+    check_page_size(k, "k")
+    if k.shape[0] == 0:
+        raise ValueError(f"k and v must hold at least one page (num_blocks >= 1), got k {tuple(k.shape)}.")
 
 
 def flash_attn_varlen_func(
@@ -549,18 +661,35 @@ def flash_attn_varlen_func(
     seqlen_k = 0) gets output 0 and softmax_lse -inf (or the sink); keys of a sequence without queries
     get zero gradients.
 
+    Paged keys and values (block_table, as flash_attn 2.x): k and v are pages (num_blocks,
+    page_block_size, nheads_k, headdim[_v]) and key j of sequence b (cu_seqlens_k still gives its length,
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b]) is
+        k[block_table[b, j // page_block_size], j % page_block_size]
+    (v likewise). Pages may come in any order, be shared by sequences or unused; entries past a sequence's
+    last page are never read. Output, softmax_lse, every option above and dropout's mask are those of the
+    call without pages on the gathered keys (packed in sequence order). page_block_size may be any multiple
+    of 16 (flash_attn asks for 256). The Triton kernels read the pages in place. flash_attn has no backward
+    here; flashtile's gathers the pages into packed keys, runs the unpaged backward and adds the key
+    gradients back into pages (a page used twice gets both, unused pages zeros); sizing those packed keys
+    reads cu_seqlens_k[-1] on the host (one synchronisation per backward on CUDA).
+
     Validation happens before anything launches. The cu_seqlens values (start at 0, non-decreasing, end at
     the token counts, no sequence longer than max_seqlen) are checked on the host: for CUDA tensors that
-    costs one small device-to-host copy and a synchronisation per call. Under torch.compile tracing the
-    value checks are skipped (a traced graph must not synchronise); shapes, dtypes and devices are still
-    checked. Inconsistent values there are undefined behaviour, as in flash_attn.
+    costs one small device-to-host copy and a synchronisation per call. With a block_table the same copy
+    checks that each sequence's keys fit in its row (max_num_blocks_per_seq * page_block_size keys) and
+    that the entries covering them lie in [0, num_blocks). Under torch.compile tracing the value checks are
+    skipped (a traced graph must not synchronise), as they are on CUDA with ``flashtile.check_values(False)``
+    or during CUDA-graph capture; shapes, dtypes and devices are still checked. Inconsistent values there
+    are undefined behaviour, as in flash_attn, but never an out-of-bounds access: the kernels clamp them.
 
     Args:
         q: (total_q, nheads, headdim), float16 or bfloat16; total_q = the number of query tokens
-        k: (total_k, nheads_k, headdim); nheads divisible by nheads_k (MQA/GQA as in flash_attn_func)
-        v: (total_k, nheads_k, headdim_v)
+        k: (total_k, nheads_k, headdim); nheads divisible by nheads_k (MQA/GQA as in flash_attn_func);
+            with a block_table (num_blocks, page_block_size, nheads_k, headdim)
+        v: (total_k, nheads_k, headdim_v); with a block_table (num_blocks, page_block_size, nheads_k, headdim_v)
         cu_seqlens_q: (batch_size + 1,), int32, on q's device: cumulative query lengths, [0, ..., total_q]
         cu_seqlens_k: (batch_size + 1,), int32, on q's device: cumulative key lengths, [0, ..., total_k]
+            (with a block_table, total_k is the batch's number of keys, which no tensor size has to match)
         max_seqlen_q: int, at least the longest query sequence (sizes the launch grid)
         max_seqlen_k: int, at least the longest key sequence
         dropout_p: dropout probability on the attention probabilities, as ``flash_attn_func`` (the mask
@@ -568,7 +697,8 @@ def flash_attn_varlen_func(
         softmax_scale, causal, window_size, softcap, deterministic: as ``flash_attn_func``
         alibi_slopes: (nheads,) or (batch_size, nheads), float32: row b holds sequence b's slopes
         return_attn_probs: also return softmax_lse (the third element is None)
-        block_table: must be None; paged key/value caches are served by flash_attn_with_kvcache
+        block_table: None, or (batch_size, max_num_blocks_per_seq) int32 on q's device: the pages of each
+            sequence's keys and values, in order (above)
         learnable_sink: keyword only, (nheads,) float32, as ``flash_attn_func``
 
     Returns:
@@ -576,15 +706,10 @@ def flash_attn_varlen_func(
         if return_attn_probs: (out, softmax_lse, None) with softmax_lse (nheads, total_q), float32 (flash_attn
             2.x's varlen layout), differentiable
     """
-    if block_table is not None:
-        raise NotImplementedError(
-            "block_table: paged key/value caches are not supported by flash_attn_varlen_func; use "
-            "flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., block_table=...)."
-        )
     left, right = window_bounds(window_size, causal)
     out, lse = varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap,
-        alibi_slopes, learnable_sink, dropout_p,
+        alibi_slopes, learnable_sink, dropout_p, block_table,
     )  # fmt: skip
     return (out, lse, None) if return_attn_probs else out
 

@@ -27,14 +27,16 @@ from flashtile._backend import path_name
 from flashtile.interface import (
     NO_WINDOW,
     SUPPORTED_DTYPES,
+    check_block_table,
+    check_block_table_entries,
     check_head_dim,
     check_options,
+    check_page_size,
     check_qkv,
     last_dim_contiguous,
     require,
 )
 
-PAGE_MULTIPLE = 16
 INDEX_DTYPE = torch.int32
 
 
@@ -169,12 +171,8 @@ def _check_layout(
                 "pick them."
             )
         return k_cache.shape[1]
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-        raise ValueError(f"block_table must be (batch_size, max_num_blocks_per_seq), got {_shape_of(block_table)}.")
-    _check_index("block_table", block_table, (batch, block_table.shape[1]), k_cache.device)
-    page = k_cache.shape[1]
-    if page <= 0 or page % PAGE_MULTIPLE != 0:
-        raise ValueError(f"page_block_size (k_cache.shape[1]) must be a multiple of {PAGE_MULTIPLE}, got {page}.")
+    check_block_table(block_table, batch, k_cache.device)
+    page = check_page_size(k_cache, "k_cache")
     if cache_batch_idx is not None:
         raise ValueError(
             "cache_batch_idx cannot be used with a paged cache (block_table): index pages through block_table."
@@ -308,16 +306,7 @@ def _check_cache_values(
         used = blocks < (seqlen_cache if seqlens is None else (seqlens[:, None] + seqlen_new + page - 1) // page)
         if leftpad is not None:
             used &= blocks >= (leftpad.long() // page)[:, None]
-        outside = used & ((table < 0) | (table >= num_slots))
-        if outside.any():
-            raise ValueError(
-                f"block_table entries that cover a key must lie in [0, {num_slots}) (k_cache.shape[0], the number "
-                f"of blocks); got {table[outside].tolist()} at {outside.nonzero().tolist()}."
-            )
-
-
-def _shape_of(t: object) -> str:
-    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        check_block_table_entries(table, used, num_slots, "k_cache")
 
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -15,6 +15,12 @@ offset by the batch entry, and exits at once, writing nothing, when its tile sta
 sequence's end (the grid is sized by the longest sequence). With the flag off the compiled code is
 instruction-identical to the kernels without it (SASS for sm_90 compared).
 
+PAGE_SIZE > 0 (with IS_VARLEN) reads K and V from pages (num_blocks, PAGE_SIZE, nheads_k, headdim) through
+a block table, flash_attn_varlen_func's ``block_table``: key j of sequence b is row j % PAGE_SIZE of page
+block_table[b, j // PAGE_SIZE], located per key row by the decode kernels' ``cache_slots`` and read with
+pointer loads. The rest of the kernel is unchanged (keys are counted within their sequence as without
+pages). PAGE_SIZE = 0 compiles to the same SASS as before the flag existed.
+
 HAS_DROPOUT drops attention probabilities after the softmax, as flash_attn: out = (P * Z / (1 - p)) V
 with the LSE unchanged (the row sum l keeps every probability). The keep mask Z comes from Philox
 (``tl.rand4x``, one call per four keys of a row) keyed by the seed and a counter of (row, key)
@@ -50,6 +56,7 @@ from flashtile.ops.attention.tiles import (
     mask_for_kernel,
     mask_scores,
     mask_strides,
+    paged_seq_bounds,
     score_mod,
     score_scales,
     seq_bounds,
@@ -58,6 +65,8 @@ from flashtile.ops.attention.tiles import (
     tma_ready,
     visible,
 )
+from flashtile.ops.decode.tiles import cache_slots
+from flashtile.ops.decode.tiles import load_rows as load_cache_rows
 
 
 @triton.jit
@@ -72,6 +81,11 @@ def _forward_tile(
     off_hk,
     stride_kn,
     stride_vn,
+    BlockTable,
+    stride_bt,
+    num_blocks,
+    stride_kb,
+    stride_vb,
     start_n,
     offs_m,
     offs_d,
@@ -106,15 +120,26 @@ def _forward_tile(
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
     TMA: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
-    """One online-softmax step over the key tile [start_n, start_n + BLOCK_N)."""
+    """One online-softmax step over the key tile [start_n, start_n + BLOCK_N).
+
+    With PAGE_SIZE > 0, k_src and v_src point at the head's row 0 of page 0 and off_kb is the batch entry:
+    each key row is found through row off_kb of the block table (``cache_slots``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(
-        k_src, off_kb, off_hk, start_n, stride_kn, offs_d, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, PAD_D, TMA
-    )  # [BLOCK_N, D]
-    v = load_rows(
-        v_src, off_kb, off_hk, start_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED, PAD_DV, TMA
-    )  # [BLOCK_N, DV]
+    if PAGE_SIZE > 0:
+        n_ok = offs_n < seqlen_k
+        slot, row = cache_slots(offs_n, n_ok, off_kb, None, BlockTable, stride_bt, num_blocks, PAGE_SIZE, False)
+        k = load_cache_rows(k_src + slot * stride_kb + row * stride_kn, n_ok, offs_d, HEAD_DIM, MASKED)  # [BLOCK_N, D]
+        v = load_cache_rows(v_src + slot * stride_vb + row * stride_vn, n_ok, offs_dv, HEAD_DIM_V, MASKED)
+    else:
+        k = load_rows(
+            k_src, off_kb, off_hk, start_n, stride_kn, offs_d, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, PAD_D, TMA
+        )  # [BLOCK_N, D]
+        v = load_rows(
+            v_src, off_kb, off_hk, start_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED, PAD_DV,
+            TMA,
+        )  # [BLOCK_N, DV]  # fmt: skip
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or HAS_MASK:
         s, _ = score_mod(
@@ -158,6 +183,7 @@ def _attention_forward_kernel(
     CuSeqlensK,
     Rng,
     Mask,
+    BlockTable,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -175,10 +201,12 @@ def _attention_forward_kernel(
     stride_mh,
     stride_mm,
     stride_mn,
+    stride_bt,
     nheads,
     group,
     seqlen_q,
     seqlen_k,
+    num_blocks,
     left,
     right,
     qk_scale,
@@ -197,6 +225,7 @@ def _attention_forward_kernel(
     HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
@@ -211,6 +240,10 @@ def _attention_forward_kernel(
     IS_VARLEN: Q (total_q, H, D), K (total_k, Hk, D), V (total_k, Hk, DV) -> Out (total_q, H, DV),
     Lse (H, total_q); sequence b holds tokens [CuSeqlensQ[b], CuSeqlensQ[b + 1]) of Q (likewise for
     K/V), the batch strides are the token strides, and seqlen_q is total_q (the Lse row stride).
+    PAGE_SIZE > 0 (IS_VARLEN only): K (num_blocks, PAGE_SIZE, Hk, D) and V (num_blocks, PAGE_SIZE, Hk, DV) are
+    pages, stride_kb / stride_vb their page strides; key j of sequence b is row j % PAGE_SIZE of page
+    BlockTable[b, j // PAGE_SIZE] (int32, row stride stride_bt; entries clamped to [0, num_blocks)), and
+    seqlen_k is the block table's capacity, max_blocks_per_seq * PAGE_SIZE, which bounds each sequence's keys.
     HAS_DROPOUT: Rng holds int64 [seed, offset]; P V uses P * Z / (1 - dropout_p), Z the Philox keep mask
     of each row (its Lse offset) and key, counters as ``tiles.dropout_rows`` with seqlen_k as passed.
     HAS_MASK: Mask is SDPA's attn_mask as a (B, H, Sq, Sk) view with strides stride_m* (0 on broadcast
@@ -231,7 +264,10 @@ def _attention_forward_kernel(
     rng_stride = seqlen_k  # >= every sequence's seqlen_k (total_k if IS_VARLEN)
     if IS_VARLEN:
         off_qb, seqlen_q, lse_base = seq_bounds(CuSeqlensQ, off_b, off_h, seqlen_q)
-        off_kb, seqlen_k, _ = seq_bounds(CuSeqlensK, off_b, off_h, seqlen_k)
+        if PAGE_SIZE > 0:  # off_kb stays the batch entry: the block-table row
+            seqlen_k, rng_stride = paged_seq_bounds(CuSeqlensK, off_b, tl.num_programs(1) // nheads, seqlen_k)
+        else:
+            off_kb, seqlen_k, _ = seq_bounds(CuSeqlensK, off_b, off_h, seqlen_k)
         if start_m >= seqlen_q:  # a tile past this sequence's end: nothing to write
             return
     diag = seqlen_k - seqlen_q
@@ -240,8 +276,12 @@ def _attention_forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_src = head_source(Q, off_qb, off_h, stride_qb, stride_qh, TMA)
-    k_src = head_source(K, off_kb, off_hk, stride_kb, stride_kh, TMA)
-    v_src = head_source(V, off_kb, off_hk, stride_vb, stride_vh, TMA)
+    if PAGE_SIZE > 0:  # page 0: each tile adds its rows' pages (_forward_tile)
+        k_src = head_base(K, 0, off_hk, stride_kb, stride_kh)
+        v_src = head_base(V, 0, off_hk, stride_vb, stride_vh)
+    else:
+        k_src = head_source(K, off_kb, off_hk, stride_kb, stride_kh, TMA)
+        v_src = head_source(V, off_kb, off_hk, stride_vb, stride_vh, TMA)
     out_dst = head_source(Out, off_qb, off_h, stride_ob, stride_oh, TMA)
     q = load_rows(
         q_src, off_qb, off_h, start_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, True, PAD_D, TMA
@@ -268,27 +308,30 @@ def _attention_forward_kernel(
     if MASK_LEFT:
         for start_n in range(lo, mid_lo, BLOCK_N):
             acc, m_i, l_i = _forward_tile(
-                acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+                acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, BlockTable, stride_bt, num_blocks,
+                stride_kb, stride_vb, start_n, offs_m, offs_d, offs_dv,
                 seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
                 mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                 BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-                MASK_IS_BOOL, TMA,
+                MASK_IS_BOOL, TMA, PAGE_SIZE,
             )  # fmt: skip
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
-            acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, BlockTable, stride_bt, num_blocks,
+            stride_kb, stride_vb, start_n, offs_m, offs_d, offs_dv,
             seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
             mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
             BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL, TMA,
+            MASK_IS_BOOL, TMA, PAGE_SIZE,
         )  # fmt: skip
     for start_n in range(mid_hi, hi, BLOCK_N):
         acc, m_i, l_i = _forward_tile(
-            acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, BlockTable, stride_bt, num_blocks,
+            stride_kb, stride_vb, start_n, offs_m, offs_d, offs_dv,
             seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
             mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
             BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL, TMA,
+            MASK_IS_BOOL, TMA, PAGE_SIZE,
         )  # fmt: skip
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its LSE -inf.
@@ -366,6 +409,7 @@ def varlen_attention_forward(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on a variable-length batch (the kernel's IS_VARLEN).
 
@@ -374,17 +418,20 @@ def varlen_attention_forward(
             last dimensions contiguous; sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1])
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, validated by the caller
         max_seqlen_q, max_seqlen_k: at least the longest sequence (sizes the grid)
+        block_table: None, or (batch, max_blocks_per_seq) int32 with k (num_blocks, page_block_size, nheads_k,
+            headdim) and v (num_blocks, page_block_size, nheads_k, headdim_v) pages (the kernel's PAGE_SIZE):
+            key j of sequence b is k[block_table[b, j // page_block_size], j % page_block_size]
         the rest: as ``attention_forward``; (batch, nheads) alibi slopes are per sequence
 
     Returns:
         out (total_q, nheads, headdim_v) in q's dtype, lse (nheads, total_q) float32
     """
     total_q, nheads, _ = q.shape
-    out = empty_output((total_q, nheads, v.shape[2]), q.dtype, q.device)
+    out = empty_output((total_q, nheads, v.shape[-1]), q.dtype, q.device)
     lse = empty_output((nheads, total_q), torch.float32, q.device)
     _launch(q, k, v, out, lse, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
             window_right, alibi_slopes, softcap, learnable_sink, cu_seqlens_q, cu_seqlens_k, dropout_p,
-            rng_state)  # fmt: skip
+            rng_state, block_table=block_table)  # fmt: skip
     return out, lse
 
 
@@ -411,12 +458,13 @@ def block_widths(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 def _launch(
     q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, window_left, window_right,
     alibi_slopes, softcap, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None, dropout_p=0.0, rng_state=None,
-    attn_mask=None,
+    attn_mask=None, block_table=None,
 ) -> None:  # fmt: skip
     """The forward launch shared by both layouts; seqlen_q and seqlen_k are the (longest) lengths."""
     nheads, head_dim = q.shape[-2:]
     nheads_k, head_dim_v = k.shape[-2], v.shape[-1]
     is_varlen = cu_seqlens_q is not None
+    paged = block_table is not None
     has_dropout = dropout_p > 0.0
     pass_name = "forward"
     if seqlen_k <= SHORT_SEQLEN:
@@ -431,12 +479,14 @@ def _launch(
     grid = (cdiv(seqlen_q, cfg.block_m), batch * nheads)
     _attention_forward_kernel[grid](
         *sources, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
-        rng_state if has_dropout else None, mask_for_kernel(attn_mask),
+        rng_state if has_dropout else None, mask_for_kernel(attn_mask), block_table,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(out),
         alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
+        block_table.stride(0) if paged else None,  # None (like a None tensor) leaves the signature as without pages
         nheads, nheads // nheads_k,
         q.shape[0] if is_varlen else seqlen_q,  # the LSE's row stride: total_q if IS_VARLEN
-        k.shape[0] if is_varlen else seqlen_k,
+        block_table.shape[1] * k.shape[1] if paged else k.shape[0] if is_varlen else seqlen_k,
+        k.shape[0] if paged else None,  # the number of pages
         0 if window_left is None else window_left,
         0 if window_right is None else window_right,
         *score_scales(softmax_scale, softcap),
@@ -454,6 +504,7 @@ def _launch(
         HAS_ALIBI=alibi_slopes is not None,
         HAS_SINK=learnable_sink is not None,
         IS_VARLEN=is_varlen,
+        PAGE_SIZE=k.shape[1] if paged else 0,
         HAS_DROPOUT=has_dropout,
         HAS_MASK=attn_mask is not None,
         MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,

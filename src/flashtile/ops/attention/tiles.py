@@ -77,6 +77,20 @@ def seq_bounds(CuSeqlens, off_b, off_h, total):
 
 
 @triton.jit
+def paged_seq_bounds(CuSeqlensK, off_b, batch, capacity):
+    """For variable-length batches whose keys are pages: (number of keys, total keys) of sequence ``off_b``.
+
+    Its length from the int32 (batch + 1,) cumulative key lengths, clamped to ``capacity`` (the keys its
+    block-table row reaches, so that unchecked lengths never index past the row), and the packed batch's
+    key count CuSeqlensK[batch]: the total_k of the same batch without pages (the dropout counters' row
+    stride, so that the keep mask is the unpaged one).
+    """
+    start = tl.load(CuSeqlensK + off_b)
+    seqlen = tl.minimum(tl.load(CuSeqlensK + off_b + 1) - start, capacity)
+    return seqlen, tl.load(CuSeqlensK + batch)
+
+
+@triton.jit
 def rows_at(head_ptr, start, stride_row, offs_cols, BLOCK_ROWS: tl.constexpr):
     """[BLOCK_ROWS, cols] pointers to rows [start, start + BLOCK_ROWS) from a head's row 0.
 
