@@ -28,21 +28,22 @@ included), max over the ranks, in GiB per GPU.
 
 Longest sequence (fwd+bwd), for W = 1 and every W: N doubles from 64k until a rank raises
 torch.cuda.OutOfMemoryError (memory is freed and that W stops) or the next trial would end past the time
-budget. One call per N, causal with a sliding window of --longest-window keys (4096; 0 for plain causal):
-the buffers are those of plain causal attention (q, k, v, out, LSE, gradients, the ring's K/V and dK/dV
-buffers; nothing depends on the mask but the kernels' temporaries, which are linear in N either way), but
-the compute is linear in N, so the search reaches the memory limit in seconds, where plain causal at
-millions of tokens takes minutes a call. The ring's per-step gradient temporaries are smaller with a
-narrow window (blocks outside the band are skipped), so its result is optimistic by up to ~10%; the table
-also gives the longest N predicted from the plain-causal peak memory per token of the scaling runs.
-Every rank reports whether it ran out of memory before any rank waits on the GPU, so an out-of-memory
-on one rank cannot leave the others waiting forever; if a rank's GPU stream still waits for a peer
-that failed, the run stops there (what was measured is kept).
+budget; then each W that ran out of memory tries 1.5 times its longest N that fit, once. One call per N,
+causal with a sliding window of --longest-window keys (4096; 0 for plain causal): the buffers are those
+of plain causal attention (q, k, v, out, LSE, gradients, the ring's K/V and dK/dV buffers; nothing
+depends on the mask but the kernels' temporaries, which are linear in N either way), but the compute is
+linear in N, so the search reaches the memory limit in seconds, where plain causal at millions of tokens
+takes minutes a call. The ring's per-step gradient temporaries are smaller with a narrow window (blocks
+outside the band are skipped), so its result is optimistic by up to ~10%; the table also gives the
+longest N predicted from the plain-causal peak memory per token of the scaling runs. Every rank reports
+whether it ran out of memory before any rank waits on the GPU, so an out-of-memory on one rank cannot
+leave the others waiting forever; if a rank's GPU stream still waits for a peer that failed, the run
+stops there (what was measured is kept).
 
 --time-budget S: nothing starts that is predicted to end more than S seconds after the start
-(predictions from the previous N: x4 for plain causal, x2 in the windowed search); the rows skipped say
-so. Outputs in --out: ``ring.json`` (header + rows, rewritten after every row, so a killed run keeps
-what it measured) and ``ring.md`` (the tables, printed at the end).
+(predictions from the previous N: x4 for plain causal, x2 in the windowed search, x2.25 and x1.5 for the
+1.5x trial); the rows skipped say so. Outputs in --out: ``ring.json`` (header + rows, rewritten after
+every row, so a killed run keeps what it measured) and ``ring.md`` (the tables, printed at the end).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ os.environ.update(MULTICAST_OFF)
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -84,7 +86,7 @@ LONGEST_START, LONGEST_WINDOW, LONGEST_CAP = 65536, 4096, 1 << 26
 EFFICIENCY_GOAL, GOAL_FROM_N = 0.85, 65536  # issue 7: >= 85% at N >= 64k
 # --cpu: the same logic on flashtile's CPU path over gloo, shapes small enough for seconds.
 CPU_SEQLENS, CPU_NHEADS, CPU_HEAD_DIM = (256, 512), 2, 32
-CPU_LONGEST_START, CPU_LONGEST_WINDOW, CPU_CAPACITY_TOKENS = 128, 64, 1024
+CPU_LONGEST_START, CPU_LONGEST_WINDOW, CPU_CAPACITY_TOKENS = 128, 64, 1536  # W = 1, 2 fit 1.5x their last doubling
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STATUS_TIMEOUT_S = 300  # how long a rank waits for the others' word after a call (includes kernel compiles)
 STUCK_POLL_S = 10  # after a peer's out-of-memory: how long to wait for this rank's stream before calling it stuck
@@ -364,43 +366,56 @@ class _Runner:
         return None
 
     def longest(self) -> None:
-        """Double N per W until out of memory or out of time."""
+        """Double N per W until out of memory or out of time; then, for each W that ran out of memory, one
+        try at 1.5 times the longest N that fit (between the two, where a doubling cannot tell W apart)."""
         window = self.s.longest_window
         growth = 2 if window else 4  # how a call's time grows when N doubles
         worlds = [1, *range(2, self.s.world + 1)]
         last_s: dict[int, float] = {}
         stopped: dict[int, str] = {}
+        fit: dict[int, tuple[int, float]] = {}  # per W: the longest requested N that fit, its call's seconds
         n_req = self.s.longest_start
         while len(stopped) < len(worlds) and n_req <= LONGEST_CAP:
             for w in worlds:
-                if w in stopped:
-                    continue
-                n = self.rounded(n_req, w)
-                proposal = (True, "")
-                predicted = last_s.get(w, 0.0) * growth
-                if self.rank == 0 and (predicted > self.left_s() or self.left_s() <= 0):
-                    proposal = (False, f"time budget (predicted {predicted:.0f} s, {max(self.left_s(), 0):.0f} s left)")
-                run, reason = self.decide(proposal)
-                row: dict[str, Any] = {"kind": "longest", "N": n, "world": w, "window": window or None}
-                if not run:
-                    stopped[w] = reason
-                    self.record({**row, "status": f"not run: {reason}"})
-                    continue
-                results = self.run_everywhere(w, n, ("fwd_bwd",), 0, 1, window=window)
-                ran = [r for r in results if r is not None]
-                last_s[w] = max(r["seconds"] for r in ran)
-                peaks = [r["peak_bytes"] for r in ran if r["peak_bytes"] is not None]
-                fits = all(r["status"] == "ok" for r in ran)
-                row |= {
-                    "status": "fits" if fits else "out of memory",
-                    "seconds": last_s[w],
-                    "oom_ranks": [rank for rank, r in enumerate(ran) if r["status"] != "ok"],
-                    "peak_gib_per_gpu": max(peaks) / GIB if peaks else None,
-                }
-                self.record(row)
-                if not fits:
-                    stopped[w] = "out of memory"
+                if w not in stopped:
+                    status = self._longest_trial(w, n_req, last_s.get(w, 0.0) * growth, last_s)
+                    if status == "fits":
+                        fit[w] = (n_req, last_s[w])
+                    else:
+                        stopped[w] = status
             n_req *= 2
+        for w in worlds:
+            if stopped.get(w) == "out of memory" and w in fit:
+                n_fit, seconds = fit[w]
+                self._longest_trial(w, n_fit * 3 // 2, seconds * 1.5 ** math.log2(growth), last_s)
+
+    def _longest_trial(self, w: int, n_req: int, predicted: float, last_s: dict[int, float]) -> str:
+        """One fwd+bwd at N = n_req (rounded for W) unless it is predicted to take more than the time left;
+        records the row and returns its status: "fits", "out of memory" or "not run: ..." (the same on every
+        rank). ``last_s[w]`` becomes the call's seconds."""
+        window = self.s.longest_window
+        n = self.rounded(n_req, w)
+        proposal = (True, "")
+        if self.rank == 0 and (predicted > self.left_s() or self.left_s() <= 0):
+            proposal = (False, f"time budget (predicted {predicted:.0f} s, {max(self.left_s(), 0):.0f} s left)")
+        run, reason = self.decide(proposal)
+        row: dict[str, Any] = {"kind": "longest", "N": n, "world": w, "window": window or None}
+        if not run:
+            self.record({**row, "status": f"not run: {reason}"})
+            return f"not run: {reason}"
+        results = self.run_everywhere(w, n, ("fwd_bwd",), 0, 1, window=window)
+        ran = [r for r in results if r is not None]
+        last_s[w] = max(r["seconds"] for r in ran)
+        peaks = [r["peak_bytes"] for r in ran if r["peak_bytes"] is not None]
+        fits = all(r["status"] == "ok" for r in ran)
+        row |= {
+            "status": "fits" if fits else "out of memory",
+            "seconds": last_s[w],
+            "oom_ranks": [rank for rank, r in enumerate(ran) if r["status"] != "ok"],
+            "peak_gib_per_gpu": max(peaks) / GIB if peaks else None,
+        }
+        self.record(row)
+        return row["status"]
 
     # -- output (rank 0)
 
@@ -521,7 +536,8 @@ def markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         capacity = header.get("gpu_memory_gib")
         lines += [
             "",
-            f"## Longest sequence, fwd+bwd ({mask}), N doubling from {settings.get('longest_start')}",
+            f"## Longest sequence, fwd+bwd ({mask}), N doubling from {settings.get('longest_start')}, then 1.5x "
+            "the longest that fit",
             "",
             "| W | longest N that fit | peak GiB/GPU there | stopped at | why | predicted longest from causal "
             "memory/token |",
@@ -531,11 +547,12 @@ def markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             mine = [r for r in longest if r["world"] == w]
             fits = [r for r in mine if r["status"] == "fits"]
             best = max(fits, key=lambda r: r["N"]) if fits else None
-            last = mine[-1]
-            why = last["status"] if last["status"] != "fits" else "cap"
+            failed = [r for r in mine if r["status"] == "out of memory"]
+            stop = min(failed, key=lambda r: r["N"]) if failed else mine[-1]  # the shortest N that did not fit
+            why = stop["status"] if stop["status"] != "fits" else "cap"
             lines.append(
                 f"| {w} | {best['N'] if best else '-'} | {_fmt(best and best.get('peak_gib_per_gpu'), '.1f')} | "
-                f"{last['N'] if last is not best else '-'} | {why} | {_predicted_longest(scaling, w, capacity)} |"
+                f"{stop['N'] if stop is not best else '-'} | {why} | {_predicted_longest(scaling, w, capacity)} |"
             )
         lines += [
             "",

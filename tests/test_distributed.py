@@ -10,6 +10,9 @@ DESIGN.md against the oracle on the full sequence, here in the test process: the
 same full-sequence inputs, that ``flash_attn_func`` is held to.
 
 The gloo children take flashtile's CPU path (fast); one case runs the Triton kernels in the interpreter.
+Every case runs the ring in head groups (``ring.MIN_GROUP_ROWS = 1``: as many as nheads_k allows, up to 4),
+which only long shards do otherwise. After the cases, the gloo children also profile one ring call's
+allocations at W = 4 and W = 2 (``_memory_case``), held to ring.py's memory accounting.
 On a machine with two or more GPUs (marked ``gpu``), the same worker runs ``GPU_CASES`` over NCCL, one
 process per GPU (at most 4), with compiled kernels, bf16, head dim 128 and thousands of positions per
 rank. The planner that cuts ring steps into kernel calls is checked exhaustively without processes.
@@ -127,6 +130,8 @@ CASES = [
     Case(2, "zigzag", window=(9, 3), sink=True, shard_len=40, seed=3),
     Case(2, "contiguous", window=(5, -1), softcap=1.5, dlse=True, shard_len=39, seed=4),
     Case(2, "zigzag", packed=True, softcap=2.0, sink=True, seed=5),
+    # 6 K/V heads in 4 groups of 1 or 2 (uneven), each group's sink and dlse
+    Case(4, "zigzag", causal=True, heads=(12, 6), sink=True, dlse=True, dtype=torch.bfloat16, shard_len=26, seed=9),
     # Ulysses: contiguous shards, all_to_all over heads
     Case(4, "contiguous", method="ulysses", causal=True, shard_len=25, heads=(4, 2)),  # K/V heads repeated
     Case(
@@ -319,8 +324,83 @@ def _nccl_device_cases(rank: int, group: dist.ProcessGroup, out_dir: Path) -> No
     torch.save({"same": same, "other": other}, out_dir / f"other-device-{rank}.pt")
 
 
+MEMORY_SHAPE = (256, 4, 64)  # (shard_len, nheads = nheads_k, headdim) of the memory runs: bf16, zigzag, causal
+
+
+def _memory_case(group: dist.ProcessGroup, out_dir: Path) -> None:
+    """Profile one forward and one backward of ring attention on this rank (CPU path) and save every rank's
+    peak allocation, in T per local token (T = one bf16 (1, shard_len, nheads, headdim) tensor), counting
+    what exists before each as it does in training: q, k, v and dout before the forward (4T), and out too
+    before the backward (5T). The first global rank of the group saves them for the group."""
+    _backend.TRITON_INTERPRET = False  # the CPU path, whichever path the last case took
+    shard_len, nheads, head_dim = MEMORY_SHAPE
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v, dout = (torch.randn(1, shard_len, nheads, head_dim, generator=gen).bfloat16() for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    ring_flash_attn_func(*leaves, causal=True, group=group).backward(dout)  # once before: first-call caches
+    for t in leaves:
+        t.grad = None
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as forward:
+        out = ring_flash_attn_func(*leaves, causal=True, group=group)
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as backward:
+        out.backward(dout)
+    unit = q.numel() * q.element_size()
+    mine = {}
+    for name, prof, before in (("fwd", forward, 4), ("bwd", backward, 5)):
+        peak, live = _peak_allocation(prof)
+        mine[name] = (before + peak / unit, [(round(nbytes / unit, 3), op) for nbytes, op in live])
+    peaks = [None] * dist.get_world_size(group)
+    dist.all_gather_object(peaks, mine, group=group)
+    if dist.get_rank() == dist.get_global_rank(group, 0):
+        torch.save(peaks, out_dir / f"memory-W{len(peaks)}-{dist.get_rank()}.pt")
+
+
+def _peak_allocation(prof: torch.profiler.profile) -> tuple[int, list[tuple[int, str]]]:
+    """The highest net CPU allocation in a profile (bytes, from its start) and what was alive then (bytes,
+    the operator that made it), as a GPU's allocator would count it: what an operator allocates and frees
+    itself is left out (a CPU kernel's fp32 copy of a bf16 input, the CPU attention path's fp32 tiles; a
+    CUDA kernel reads mixed dtypes in place), and what it keeps counts from the operator's end."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int, int, str]] = []  # (time ns, bytes: + allocated / - freed, address, operator)
+
+    def walk(event, op, temporaries: dict | None) -> None:
+        if op is None and event.name.startswith(("aten::", "flashtile::")):
+            op, temporaries = event, {}
+        if event.tag == _EventType.Allocation:
+            size, address = event.extra_fields.alloc_size, event.extra_fields.ptr
+            if op is None:
+                events.append((event.start_time_ns, size, address, event.parent.name if event.parent else "-"))
+            elif size > 0:
+                temporaries[address] = (op.end_time_ns, size, address, op.name)
+            elif temporaries.pop(address, None) is None:  # not op's own: freed at op's end
+                events.append((op.end_time_ns, size, address, op.name))
+        for child in sorted(event.children, key=lambda e: e.start_time_ns):
+            walk(child, op, temporaries)
+        if event is op:
+            events.extend(temporaries.values())  # what op allocated and kept
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None, None)
+    events.sort(key=lambda e: e[0])  # stable: the order within an operator stays
+    total = peak = 0
+    live: dict[int, tuple[int, str]] = {}
+    at_peak: list[tuple[int, str]] = []
+    for _, size, address, op in events:
+        total += size
+        if size > 0:
+            live[address] = (size, op)
+        else:
+            live.pop(address, None)
+        if total > peak:
+            peak, at_peak = total, sorted(live.values(), reverse=True)
+    return peak, at_peak
+
+
 def _worker(rank: int, world: int, tmp: str, cases: list[Case], backend: str) -> None:
-    """Rank ``rank`` of ``world`` processes over ``backend``: every case, then the error cases.
+    """Rank ``rank`` of ``world`` processes over ``backend``: every case, the memory runs (gloo), then the
+    error cases.
 
     "gloo": CPU tensors, one thread per process; "nccl": one GPU per process (cuda:rank), compiled kernels.
     A case of ``world`` ranks runs on the default group; the cases of fewer ranks W (W divides world) run
@@ -329,6 +409,7 @@ def _worker(rank: int, world: int, tmp: str, cases: list[Case], backend: str) ->
     NCCL, inputs on the wrong device.
     """
     _alloc.POISON_OUTPUTS = True  # outputs start as NaN, as in the parent's tests
+    ring.MIN_GROUP_ROWS = 1  # small shards too run in head groups (as many as MAX_HEAD_GROUPS and nheads_k allow)
     tmp_path = Path(tmp)
     if backend == "nccl":
         os.environ.update(MULTICAST_OFF)
@@ -359,6 +440,9 @@ def _worker(rank: int, world: int, tmp: str, cases: list[Case], backend: str) ->
         mine = rank // size
         for case in [c for c in cases if c.world == size][mine :: len(groups)]:
             _run_case(case, groups[mine], tmp_path, device)
+    if error_cases:
+        _memory_case(dist.group.WORLD, tmp_path)
+        _memory_case(subgroups[2][rank // 2], tmp_path)
     if backend == "nccl":
         _nccl_device_cases(rank, dist.group.WORLD, tmp_path)
     elif rank < 2:
@@ -480,6 +564,36 @@ def test_nccl_ring_runs_on_the_inputs_gpu_whatever_gpu_is_current(nccl_runs):
     for rank in range(GPU_WORLD):
         outcome = _outcome(nccl_runs, f"other-device-{rank}")
         assert outcome["same"], outcome
+
+
+# The peaks of ring.py's "Head groups and memory" table for MEMORY_SHAPE (4 head groups) in T per local token, and the
+# slack the accounting leaves out: LSE-sized fp32 terms, (B, H, S) each, 2 / headdim T.
+MEMORY_PEAKS = {(2, "fwd"): 6.75, (2, "bwd"): 10.75, (4, "fwd"): 6.75, (4, "bwd"): 12.625}
+MEMORY_SLACK = 0.2
+
+
+@pytest.mark.parametrize(("world", "rank0"), [(2, 0), (2, 2), (4, 0)])
+def test_ring_memory_per_local_token_matches_the_accounting(ring_runs, world, rank0):
+    """The highest peak allocation over the ranks in a forward and in a backward (profiled on the CPU path,
+    counted as a GPU allocator counts it) is the documented accounting's, within LSE-sized terms: q, k, v,
+    dout (and out) + the gradients + the ring's buffers over 4 head groups (21-23T before head groups)."""
+    peaks = torch.load(ring_runs / f"memory-W{world}-{rank0}.pt")
+    for name in ("fwd", "bwd"):
+        rank = max(range(world), key=lambda r: peaks[r][name][0])
+        peak, live = peaks[rank][name]
+        expected = MEMORY_PEAKS[world, name]
+        assert expected <= peak <= expected + MEMORY_SLACK, (
+            f"W={world} {name}: peak {peak:.3f}T (rank {rank}), expected {expected}T; alive at the peak "
+            f"(T, operator): {live}"
+        )
+
+
+def test_head_groups():
+    assert ring.head_groups(1, 1 << 15, 16, 16) == [slice(0, 4), slice(4, 8), slice(8, 12), slice(12, 16)]
+    assert ring.head_groups(1, 1 << 14, 16, 16) == [slice(0, 8), slice(8, 16)]  # fewer: each keeps 2^17 rows
+    assert ring.head_groups(1, 1 << 12, 16, 16) == [slice(0, 16)]
+    assert ring.head_groups(1, 1 << 20, 32, 1) == [slice(0, 1)]  # one K/V head: one group
+    assert ring.head_groups(2, 1 << 20, 12, 6) == [slice(0, 1), slice(1, 3), slice(3, 4), slice(4, 6)]
 
 
 def test_shapes_that_differ_across_ranks_fail_on_every_rank(ring_runs):

@@ -28,10 +28,50 @@ Backward
 With the global (merged) O and LSE saved, each step's gradient is local to its block of keys:
 P_ij = exp(s_ij - LSE_i) with the global LSE_i, and Delta_i = rowsum(dO_i * O_i) with the global O_i,
 which is exactly what ``flashtile::attention_backward`` computes when given the global ``out`` and
-``lse``. dQ_r sums over the steps on rank r. dK_s and dV_s sum over every rank's queries, so they
-travel with K_s/V_s: an fp32 accumulator for shard s leaves rank s empty, each rank adds its block's
-contribution and passes it on, and after W hops it is home again. The accumulator that arrives during a
-step is only waited for after that step's compute, so its transfer overlaps too.
+``lse``. dQ_r sums over the steps on rank r, in fp32. dK_s and dV_s sum over every rank's queries, so
+they travel with K_s/V_s, one step behind: an fp32 accumulator for shard s starts on rank s + 1 with its
+blocks of step 1, each next rank adds its blocks and passes it on, and after the last step it hops home
+to rank s, which adds its own blocks of step 0 (kept in the inputs' dtype meanwhile): W - 1 hops. The
+accumulator that arrives during a step is only waited for after that step's compute, so its transfer
+overlaps too; the hop home does not (the pass has no compute left to hide it behind).
+
+Head groups and memory
+----------------------
+Heads are independent, so the ring runs once per group of K/V heads (with their query heads), the groups
+one after the other (``head_groups``: up to MAX_HEAD_GROUPS = 4 groups, but none of fewer than
+MIN_GROUP_ROWS query rows, so that every kernel call still fills a GPU; short shards take one). A pass's
+buffers are then its group's share, while the inputs, outputs and gradients are whole; every element's
+arithmetic is the same. Peak allocation per rank, in T = one (B, S, H, D) tensor in the inputs' dtype
+(S local tokens; with Hk = H and Dv = D, as below, every input, output and gradient is 1T, an fp32
+accumulator 2T), G groups, zigzag causal (an off-diagonal step's block has half the queries or half the
+keys), counted as ``torch.cuda.max_memory_allocated`` counts it in training, that is with q, k, v and
+dout allocated before the forward and out before the backward:
+
+=====================  ==============================================================  ============
+pass                   alive at the peak                                               G = 4
+=====================  ==============================================================  ============
+forward                q, k, v, dout 4 + out 1; per group: fp32 out 2 + K/V in hand    6.75T
+                       (at step 0 the group's copy for sending) 2 + K/V being
+                       received 2 + a block's output 1: 5 + 7/G
+backward, W = 2        q, k, v, dout, out 5 + dq, dk, dv 3; per group, at the hop      10.75T
+                       home: own blocks dk, dv 2 + fp32 accumulator sent 4 and
+                       received 4 + dq 1: 8 + 11/G
+backward, W >= 3       8; per group, in a middle step: fp32 dq 2 + K/V in hand 2 and   12.63T
+                       being received 2 + own blocks 2 + accumulators sent 4 and
+                       received 4 + the step's dq, dk, dv blocks 2.5: 8 + 18.5/G
+=====================  ==============================================================  ============
+
+One group (G = 1) allocates neither the whole outputs ahead nor a K/V copy: forward 9T (W = 2) or 10.5T,
+backward 16T (W = 2) or 23.5T. Besides: LSE-sized fp32 terms ((B, H, S), 2/D T each). One GPU running
+``flash_attn_func`` on its whole sequence holds 8T (q, k, v, dout, out, dq, dk, dv), so W ranks hold
+8 W / peak times its tokens: 1.5x at W = 2, 2.5x at W = 4. Before the head groups (ccb3103), measured as
+``tests/test_distributed.py`` measures (CPU path, gloo, T per local token): forward 13.2T (q, k, v, dout
+4 + fp32 out 2 + K/V packed into one copy 2 + receive buffer 2 + block output 1 + the merge's fp32
+product 2), backward 23T at W = 2 and 25T at W = 4 (5 + fp32 dq 2 + K/V in hand 2 (and being received
+2) + three fp32 dK/dV accumulators 12: sent, received, and the next receive buffer, allocated while the
+previous transfer's works still held the sent one + one step's dk, dv blocks a loop variable kept 2);
+the H200 measured 21T at W = 2 (84.1 KiB per local token at H = 16, D = 128: T = 4 KiB).
+What groups cost: G times as many kernel calls and transfers, each 1/G the size.
 
 Masks and layouts
 -----------------
@@ -62,10 +102,12 @@ the kernels and NCCL use that GPU whatever the current device was), and the grou
 reach that device: a group that only speaks NCCL needs CUDA tensors (checked on every rank, with
 the same all_gather as the shapes). NCCL runs the transfers on its own stream, ordered after the work
 already queued on the current stream when ``pass_on`` is called; ``_Incoming.wait`` makes the current
-stream wait for them. So a buffer handed to ``pass_on`` is never written afterwards (each step's
-accumulator is a new tensor), a received buffer is read only after ``wait``, and every transfer is
-waited for before its buffers are dropped (the process group keeps them alive until then, so the
-caching allocator cannot hand their memory to a later kernel while NCCL still uses it).
+stream wait for them. So a buffer handed to ``pass_on`` is never written afterwards (an accumulator is
+added to after it arrives and before it is passed on, never after), a received buffer is read only after
+``wait``, and every transfer is waited for before its buffers are dropped (the process group keeps them
+alive until then, so the caching allocator cannot hand their memory to a later kernel while NCCL still
+uses it); ``wait`` lets go of them at once, so that a transfer's buffers are freed before the next one's
+are allocated.
 
 Failure
 -------
@@ -99,6 +141,7 @@ from flashtile.interface import (
     require,
     window_bounds,
 )
+from flashtile.ops._alloc import empty_output
 
 
 @dataclass(frozen=True)
@@ -217,20 +260,19 @@ class _Ring:
             torch.device("cuda", torch.cuda.current_device()) if self.needs_cuda and device.type != "cuda" else device
         )
 
-    def pass_on(self, x: Tensor) -> _Incoming:
-        """Start sending contiguous ``x`` to the next rank and receiving the previous rank's tensor of the
-        same shape; returns at once. With one rank, the incoming tensor is ``x`` itself.
+    def pass_on(self, *tensors: Tensor) -> _Incoming:
+        """Start sending the contiguous ``tensors`` to the next rank and receiving the previous rank's
+        tensors of the same shapes into new buffers (one ``batch_isend_irecv``); returns at once. With one
+        rank, the incoming tensors are ``tensors`` themselves.
 
-        Until ``wait()`` on the result: ``x`` must not be written (NCCL reads it on its own stream) and the
-        received tensor must not be read."""
+        Until ``wait()`` on the result: ``tensors`` must not be written (NCCL reads them on its own stream)
+        and the received tensors must not be read."""
         if self.size == 1:
-            return _Incoming(self, [], x)
-        assert x.is_contiguous(), "point-to-point buffers must be contiguous"
-        incoming = torch.empty_like(x, memory_format=torch.contiguous_format)
-        ops = [
-            dist.P2POp(dist.isend, x, self.next, self.group),
-            dist.P2POp(dist.irecv, incoming, self.prev, self.group),
-        ]
+            return _Incoming(self, [], list(tensors))
+        assert all(x.is_contiguous() for x in tensors), "point-to-point buffers must be contiguous"
+        incoming = [torch.empty_like(x) for x in tensors]
+        ops = [dist.P2POp(dist.isend, x, self.next, self.group) for x in tensors]
+        ops += [dist.P2POp(dist.irecv, x, self.prev, self.group) for x in incoming]
         return _Incoming(self, dist.batch_isend_irecv(ops), incoming)
 
     def all_gather(self, x: Tensor) -> list[Tensor]:
@@ -290,12 +332,14 @@ def on_device(x: object) -> contextlib.AbstractContextManager:
 
 
 class _Incoming:
-    """A transfer in flight; ``wait()`` returns the received tensor."""
+    """A transfer in flight; ``wait()`` returns the received tensors."""
 
-    def __init__(self, ring: _Ring, works: list[dist.Work], buffer: Tensor) -> None:
-        self.ring, self.works, self.buffer = ring, works, buffer
+    def __init__(self, ring: _Ring, works: list[dist.Work], buffers: list[Tensor]) -> None:
+        self.ring, self.works, self.buffers = ring, works, buffers
 
-    def wait(self) -> Tensor:
+    def wait(self) -> list[Tensor]:
+        """The received tensors, once the transfers both ways are done. Lets go of everything it held (the
+        works hold the sent tensors too), so that a sent tensor is freed as soon as its caller drops it."""
         try:
             for work in self.works:
                 work.wait()
@@ -305,31 +349,22 @@ class _Incoming:
                 f"passing shards on from rank {(ring.rank - 1) % ring.size} through rank {ring.rank} "
                 f"to rank {(ring.rank + 1) % ring.size}"
             ) from err
-        return self.buffer
-
-
-def _pack(*tensors: Tensor) -> Tensor:
-    """One flat contiguous buffer holding ``tensors`` (of one dtype): one message instead of several."""
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unpack(buffer: Tensor, *shapes: torch.Size) -> list[Tensor]:
-    """Views of ``buffer`` with ``shapes``, the inverse of ``_pack``."""
-    parts = buffer.split([math.prod(shape) for shape in shapes])
-    return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
+        buffers, self.works, self.buffers = self.buffers, [], []
+        return buffers
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
     """Fold a partial result over more keys into the running one, in place.
 
     out: (batch, rows, nheads, headdim_v) fp32, lse: (batch, nheads, rows) fp32 (views of the running
-    result); block_out, block_lse: the same shapes, block_out in the inputs' dtype.
+    result); block_out, block_lse: the same shapes, block_out in the inputs' dtype (read as it is: no fp32
+    copy of it on a GPU).
     """
     new_lse = torch.logaddexp(lse, block_lse)
     shift = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # no key seen yet: weights exp(-inf) = 0
     old_weight = torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1)  # (batch, rows, nheads, 1)
     new_weight = torch.exp(block_lse - shift).transpose(1, 2).unsqueeze(-1)
-    out.mul_(old_weight).add_(new_weight * block_out)
+    out.mul_(old_weight).addcmul_(block_out, new_weight)
     lse.copy_(new_lse)
 
 
@@ -345,6 +380,23 @@ def _merge_sink(out: Tensor, lse: Tensor, sink: Tensor) -> None:
     shift = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # a sink of -inf and no key: weight 0
     out.mul_(torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1))
     lse.copy_(new_lse)
+
+
+MAX_HEAD_GROUPS = 4  # the ring runs once per group of heads: its buffers are 1 / groups of a whole pass's
+MIN_GROUP_ROWS = 1 << 17  # batch * seqlen * nheads of one group at least: each kernel call still fills the GPU
+
+
+def head_groups(batch: int, shard_len: int, nheads: int, nheads_k: int) -> list[slice]:
+    """The K/V heads of each pass of the ring, in order: up to MAX_HEAD_GROUPS near-equal groups, fewer
+    where a group would hold fewer than MIN_GROUP_ROWS query rows (batch * seqlen * its query heads), one
+    for a short shard. The groups run one after the other, each a whole ring (``_ring_forward``)."""
+    count = max(1, min(MAX_HEAD_GROUPS, nheads_k, batch * shard_len * nheads // MIN_GROUP_ROWS))
+    return [slice(nheads_k * i // count, nheads_k * (i + 1) // count) for i in range(count)]
+
+
+def _query_heads(kv_heads: slice, group: int) -> slice:
+    """The query heads that attend to ``kv_heads`` (``group`` query heads per K/V head)."""
+    return slice(kv_heads.start * group, kv_heads.stop * group)
 
 
 @dataclass(frozen=True)
@@ -367,21 +419,46 @@ class _Setup:
             self.right,
         )
 
+    def sendable(self, *tensors: Tensor) -> list[Tensor]:
+        """``tensors`` as they can go into ``pass_on``: contiguous (a copy of a head group's view) when the
+        ring has more than one rank."""
+        return [x if self.ring.size == 1 or x.is_contiguous() else x.contiguous() for x in tensors]
+
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: _Setup) -> tuple[Tensor, Tensor]:
     """q (B, S, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv): this rank's shards, sink (H,) fp32 or None ->
     out (B, S, H, Dv) in q's dtype, lse (B, H, S) fp32, this rank's rows of the full-sequence attention.
 
-    The sink joins each row's softmax once, after the ring: it is one more partial result with
-    LSE = sink and output 0 (the kernel calls run without it; their blocks only hold keys)."""
+    One pass of the ring per group of heads (``head_groups``)."""
+    batch, shard_len, nheads, nheads_k = *q.shape[:3], k.shape[2]
+    groups = head_groups(batch, shard_len, nheads, nheads_k)
+    lse = torch.empty((batch, nheads, shard_len), dtype=torch.float32, device=q.device)
+    out = None if len(groups) == 1 else empty_output((batch, shard_len, nheads, v.shape[3]), q.dtype, q.device)
+    for kv_heads in groups:
+        heads = _query_heads(kv_heads, nheads // nheads_k)
+        out_g = _forward_pass(
+            q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads], lse[:, heads], None if sink is None else sink[heads],
+            setup,
+        )  # fmt: skip
+        if out is None:
+            return out_g, lse
+        out[:, :, heads] = out_g
+        del out_g
+    return out, lse
+
+
+def _forward_pass(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, sink: Tensor | None, setup: _Setup) -> Tensor:
+    """One pass of the ring: attention of q over every rank's k, v, in q's dtype; its LSE goes into ``lse``.
+
+    The sink joins each row's softmax once, after the ring: it is one more partial result with LSE = sink
+    and output 0 (the kernel calls run without it; their blocks only hold keys)."""
     ring = setup.ring
-    batch, shard_len, nheads, _ = q.shape
-    out = torch.zeros(batch, shard_len, nheads, v.shape[3], dtype=torch.float32, device=q.device)
-    lse = torch.full((batch, nheads, shard_len), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = _pack(k, v)
+    shard_len = q.shape[1]
+    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=torch.float32, device=q.device)
+    lse.fill_(float("-inf"))
+    k_s, v_s = setup.sendable(k, v)
     for step in range(ring.size):
-        incoming = ring.pass_on(kv) if step + 1 < ring.size else None
-        k_s, v_s = _unpack(kv, k.shape, v.shape)
+        incoming = ring.pass_on(k_s, v_s) if step + 1 < ring.size else None
         for b in setup.blocks((ring.rank - step) % ring.size, shard_len):
             block_out, block_lse = torch.ops.flashtile.attention_forward(
                 q[:, b.q0 : b.q1], k_s[:, b.k0 : b.k1], v_s[:, b.k0 : b.k1], setup.softmax_scale, b.left, b.right,
@@ -389,13 +466,12 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: _
             )  # fmt: skip
             _merge(out[:, b.q0 : b.q1], lse[:, :, b.q0 : b.q1], block_out, block_lse)
             del block_out, block_lse
-        del k_s, v_s  # views of this step's buffer: the next step's receive buffer must not add a third
+        del k_s, v_s  # this step's K/V: freed once sent (``wait``), so the ring holds two shards, not three
         if incoming is not None:
-            kv = incoming.wait()
-    del kv
+            k_s, v_s = incoming.wait()
     if sink is not None:
         _merge_sink(out, lse, sink)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype)
 
 
 def _ring_backward(
@@ -404,17 +480,41 @@ def _ring_backward(
     """Gradients (dq, dk, dv) of this rank's shards, shaped and typed like (q, k, v).
 
     dout: (B, S, H, Dv), out and lse: this rank's rows of the global result (``_ring_forward``),
-    dlse: (B, H, S) fp32 gradient at lse, or None.
+    dlse: (B, H, S) fp32 gradient at lse, or None. One pass of the ring per group of heads.
     """
+    batch, shard_len, nheads, nheads_k = *q.shape[:3], k.shape[2]
+    groups = head_groups(batch, shard_len, nheads, nheads_k)
+    grads = None if len(groups) == 1 else [empty_output(x.shape, x.dtype, x.device) for x in (q, k, v)]
+    for kv_heads in groups:
+        heads = _query_heads(kv_heads, nheads // nheads_k)
+        parts = _backward_pass(
+            dout[:, :, heads], q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads], out[:, :, heads],
+            lse[:, heads], None if dlse is None else dlse[:, heads], setup,
+        )  # fmt: skip
+        if grads is None:
+            return parts
+        for i, grad_heads in enumerate((heads, kv_heads, kv_heads)):
+            grads[i][:, :, grad_heads] = parts[i]
+        del parts  # copied (and no loop variable keeps one of them)
+    return tuple(grads)
+
+
+def _backward_pass(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, setup: _Setup
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One pass of the ring backward: dq, dk, dv of this rank's q, k, v, in their dtypes.
+
+    The fp32 dK/dV accumulator of shard s starts at rank s + 1 (step 1), gathers each rank's blocks on
+    its way round and arrives home after the last step, where rank s adds its own blocks (step 0, kept
+    in the inputs' dtype meanwhile)."""
     ring = setup.ring
     shard_len = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = _pack(k, v)
-    dkv_incoming: _Incoming | None = None  # the dK/dV accumulator of the shard this rank holds next
+    k_s, v_s = setup.sendable(k, v)
+    dkv_incoming: _Incoming | None = None  # the accumulator of the shard this rank holds next
     for step in range(ring.size):
-        kv_incoming = ring.pass_on(kv) if step + 1 < ring.size else None
-        k_s, v_s = _unpack(kv, k.shape, v.shape)
-        kv_grads = []  # (block, dk_b, dv_b), added once the accumulator of this K/V shard has arrived
+        kv_incoming = ring.pass_on(k_s, v_s) if step + 1 < ring.size else None
+        blocks = []  # (block, dk_b, dv_b) of this step, for the accumulator of this K/V shard
         for b in setup.blocks((ring.rank - step) % ring.size, shard_len):
             dq_b, dk_b, dv_b = torch.ops.flashtile.attention_backward(
                 dout[:, b.q0 : b.q1],
@@ -430,25 +530,40 @@ def _ring_backward(
                 softcap=setup.softcap,
             )
             dq[:, b.q0 : b.q1] += dq_b
-            kv_grads.append((b, dk_b, dv_b))
+            blocks.append((b, dk_b, dv_b))
             del dq_b, dk_b, dv_b
         del k_s, v_s
-        if dkv_incoming is None:
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        if step == ring.size - 1:
+            dq = dq.to(q.dtype)  # complete: the fp32 one is gone before the accumulator's hop home
+        if step == 0:
+            own = blocks  # this rank's own blocks, until its shard's accumulator comes home
         else:
-            dkv = dkv_incoming.wait()  # also frees the accumulator this rank sent a step ago
-        dk_s, dv_s = _unpack(dkv, k.shape, v.shape)
-        for b, dk_b, dv_b in kv_grads:
-            dk_s[:, b.k0 : b.k1] += dk_b
-            dv_s[:, b.k0 : b.k1] += dv_b
-        del kv_grads, dk_s, dv_s
-        dkv_incoming = ring.pass_on(dkv)  # after the last step, this is the hop home
-        del dkv  # never written again: the transfer holds it until dkv_incoming.wait()
+            # the accumulator of this K/V shard: a new one at step 1, else the one that came during the step
+            # (waiting for it also frees the one this rank sent a step ago)
+            dkv = _zeros_fp32(k, v) if dkv_incoming is None else dkv_incoming.wait()
+            _add_key_grads(dkv, blocks)
+            del blocks
+            dkv_incoming = ring.pass_on(*dkv)  # after the last step, this is the hop home
+            del dkv  # never written again: the transfer holds it until dkv_incoming.wait()
         if kv_incoming is not None:
-            kv = kv_incoming.wait()
-    del kv
-    dk, dv = _unpack(dkv_incoming.wait(), k.shape, v.shape)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            k_s, v_s = kv_incoming.wait()
+    dkv = _zeros_fp32(k, v) if dkv_incoming is None else dkv_incoming.wait()  # None: one rank
+    _add_key_grads(dkv, own)
+    del own
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _zeros_fp32(*tensors: Tensor) -> list[Tensor]:
+    """fp32 zeros shaped like each of ``tensors``: new accumulators."""
+    return [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in tensors]
+
+
+def _add_key_grads(dkv: list[Tensor], blocks: list[tuple[Block, Tensor, Tensor]]) -> None:
+    """Add each block's (dk_b, dv_b) to its keys' rows of the fp32 accumulators dkv = [dk, dv], in place."""
+    dk, dv = dkv
+    for b, dk_b, dv_b in blocks:
+        dk[:, b.k0 : b.k1] += dk_b
+        dv[:, b.k0 : b.k1] += dv_b
 
 
 class _RingFlashAttention(torch.autograd.Function):
