@@ -317,8 +317,8 @@ def attention_variants() -> list[Variant]:
                 feature_sets = [(), features]
                 if cfg.tma and "TMA" in constexprs:
                     feature_sets.append([f for f in features if f != "IS_VARLEN"])
-                if "PAGE_SIZE" in constexprs:  # and every feature on with paged K/V (IS_PAGED: pages of 256)
-                    feature_sets.append([*features, "IS_PAGED"])
+                if "PAGE_SIZE" in constexprs and mask == masks[0]:  # every feature on with paged K/V (pages
+                    feature_sets.append([*features, "IS_PAGED"])  # of 256), once per config: loads, not masks
                 for on_set in feature_sets:
                     consts = {k: val for k, val in base.items() if k in constexprs}
                     consts.update({f: f in on_set for f in features})
