@@ -312,10 +312,10 @@ class _NoLaunch:
 
 def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Microseconds of Python per flash_attn_with_kvcache call up to the kernel launches (CPU tensors)."""
-    from flashtile.ops.decode import append, split_kv
+    from flashtile.ops.decode import split_kv
 
-    saved = (split_kv._split_kv_kernel, append._append_kernel, _backend.TRITON_INTERPRET)
-    split_kv._split_kv_kernel = append._append_kernel = _NoLaunch()
+    saved = (split_kv._split_kv_kernel, _backend.TRITON_INTERPRET)
+    split_kv._split_kv_kernel = _NoLaunch()
     _backend.TRITON_INTERPRET = True  # CPU tensors take the Triton launchers' path
     rows = []
     try:
@@ -347,7 +347,7 @@ def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(dict(batch=batch, context=context, layout=layout, checks=checks, us_per_call=us))
                 print(f"B={batch:<3d} ctx={context:<6d} {layout:10s} value checks {checks:3s}: {us:6.1f} us/call")
     finally:
-        split_kv._split_kv_kernel, append._append_kernel, _backend.TRITON_INTERPRET = saved
+        split_kv._split_kv_kernel, _backend.TRITON_INTERPRET = saved
     return {
         "header": {
             "machine": platform.machine(),

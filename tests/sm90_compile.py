@@ -10,7 +10,8 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
   causal and with a sliding window; ``forward_short`` only launches that are not banded, compiled full),
   with every feature off and with every feature on (softcap, ALiBi, sink, dropout, varlen: those the
   kernel has; the forward also with paged K/V on top), and the delta kernel of the backward;
-* the decode kernels (split-KV, append) at each head dim bucket of ``decode.configs.config``.
+* the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
+  ``decode.configs.config``.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
 on a ``PTXASError`` (or any other compile error) or when its shared memory exceeds the H200's 227 KiB per
@@ -51,8 +52,8 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashtile.ops.attention import backward, forward  # noqa: E402
 from flashtile.ops.attention.configs import _HOPPER, PASSES, with_mask  # noqa: E402
-from flashtile.ops.decode import append, split_kv  # noqa: E402
 from flashtile.ops.decode import configs as decode_configs  # noqa: E402
+from flashtile.ops.decode import split_kv  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
@@ -143,7 +144,7 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "dropout_p": Scalar("fp32", "HAS_DROPOUT"),
     },
     "_split_kv_kernel": {  # split_kv.decode_attention
-        "Q": T, "KCache": T, "VCache": T,
+        "Q": T, "KCache": T, "VCache": T, "KNew": Ptr(DATA, "HAS_NEW"), "VNew": Ptr(DATA, "HAS_NEW"),
         "Out": T, "Lse": F32,
         # the splits' fp32 partials and ticket counters, when the variant splits the keys
         "OutPart": Ptr("fp32", "IS_SPLIT"), "LsePart": Ptr("fp32", "IS_SPLIT"), "Counters": Ptr("i32", "IS_SPLIT"),
@@ -151,19 +152,12 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "LeftPad": Ptr("i32", "HAS_LEFTPAD"), "BlockTable": Ptr("i32", PAGED),
         "Alibi": Ptr("fp32", "HAS_ALIBI"), "Cos": Ptr(DATA, "ROTARY_DIM"), "Sin": Ptr(DATA, "ROTARY_DIM"),
         "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
-        "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
+        "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_knb": ST, "stride_knn": ST, "stride_knh": ST,
+        "stride_vnb": ST, "stride_vnn": ST, "stride_vnh": ST, "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
         "stride_lb": INT, "stride_lh": INT, "stride_ps": ST, "stride_ls": INT,
         "stride_bt": INT, "stride_ab": INT, "stride_cos": INT,
         "nheads_k": INT, "group": INT, "seqlen_q": INT, "seqlen_new": INT, "seqlen_cache": INT, "num_splits": INT,
         "seqlen_ro": INT, "num_slots": INT, "left": INT, "right": INT, "qk_scale": FP, "softcap": FP,
-    },
-    "_append_kernel": {  # append.append_kv
-        "K": T, "V": T, "KCache": T, "VCache": T, "CacheSeqlens": Ptr("i32"),
-        "BatchIdx": Ptr("i32", "HAS_BATCH_IDX"), "BlockTable": Ptr("i32", PAGED),
-        "Cos": Ptr(DATA, "ROTARY_DIM"), "Sin": Ptr(DATA, "ROTARY_DIM"),
-        "stride_kb": ST, "stride_kn": ST, "stride_kh": ST, "stride_vb": ST, "stride_vn": ST, "stride_vh": ST,
-        "stride_kcb": ST, "stride_kcn": ST, "stride_kch": ST, "stride_vcb": ST, "stride_vcn": ST, "stride_vch": ST,
-        "stride_bt": INT, "stride_cos": INT, "seqlen_new": INT, "seqlen_cache": INT, "seqlen_ro": INT, "num_slots": INT,
     },
 }
 # fmt: on
@@ -176,7 +170,6 @@ KERNELS = {
         backward._attention_dkdv_kernel,
         backward._attention_dq_kernel,
         split_kv._split_kv_kernel,
-        append._append_kernel,
     )
 }
 PASS_KERNEL = {
@@ -350,28 +343,22 @@ def decode_variants() -> list[Variant]:
         dims = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_D": head_dim, "BLOCK_DV": head_dim}
         off = {"PAGE_SIZE": 0, "HAS_SEQLENS": False, "HAS_BATCH_IDX": False, "HAS_LEFTPAD": False, "MASK_LEFT": False,
                "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False, "ROTARY_DIM": 0,
-               "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "IS_SPLIT": False}  # fmt: skip
+               "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "HAS_NEW": False, "IS_SPLIT": False}  # fmt: skip
         # everything on that a launch can combine (cache_batch_idx excludes a paged cache), writing fp32 splits
         paged = dict(off, PAGE_SIZE=256, HAS_SEQLENS=True, HAS_LEFTPAD=True, MASK_LEFT=True, MASK_RIGHT=True,
                      HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True,
-                     ROTARY_PER_TOKEN=True, IS_SPLIT=True)  # fmt: skip
-        batch_idx = dict(off, HAS_SEQLENS=True, HAS_BATCH_IDX=True, MASK_RIGHT=True, ROTARY_DIM=head_dim // 2)
+                     ROTARY_PER_TOKEN=True, HAS_NEW=True, IS_SPLIT=True)  # fmt: skip
+        batch_idx = dict(off, HAS_SEQLENS=True, HAS_BATCH_IDX=True, MASK_RIGHT=True, ROTARY_DIM=head_dim // 2,
+                         HAS_NEW=True)  # fmt: skip
+        step = dict(off, HAS_SEQLENS=True, MASK_RIGHT=True, HAS_NEW=True, IS_SPLIT=True)  # a bench_decode.py step
         for bm in block_ms:
             name = f"split_kv D{head_dim} {bm}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
-            for flags, consts in (("off", off), ("paged,seqlens,leftpad,window,softcap,alibi,rotary,split", paged),
-                                  ("seqlens,batch_idx,causal,rotary_half", batch_idx)):  # fmt: skip
+            for flags, consts in (("off", off), ("paged,seqlens,leftpad,window,softcap,alibi,rotary,new,split", paged),
+                                  ("seqlens,batch_idx,causal,rotary_half,new", batch_idx),
+                                  ("seqlens,causal,new,split", step)):  # fmt: skip
                 variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                         dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **consts),
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip
-        app = {"BLOCK_T": append.BLOCK_T, "PAGE_SIZE": 0, "HAS_BATCH_IDX": False, "ROTARY_DIM": 0,
-               "ROTARY_INTERLEAVED": False}  # fmt: skip
-        name = f"append D{head_dim} {append.BLOCK_T}/w4/s3"
-        for flags, consts in (
-            ("off", app),
-            ("paged,rotary", dict(app, PAGE_SIZE=256, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True)),
-            ("batch_idx,rotary_half", dict(app, HAS_BATCH_IDX=True, ROTARY_DIM=head_dim // 2)),
-        ):
-            variants.append(Variant("_append_kernel", name, "-", flags, dict(dims, **consts), **TRITON_DEFAULTS))
     return variants
 
 

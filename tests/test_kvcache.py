@@ -760,3 +760,25 @@ def test_split_counters_during_capture(monkeypatch):
     eager = split_kv.split_counters(device, 10)
     monkeypatch.setattr(split_kv, "_capturing", lambda device: True)
     assert split_kv.split_counters(device, 10) is eager
+
+
+# The append folded into the attention kernel ------------------------------------------------------------
+# New keys are read from k and v by every program that attends to them and written to the cache by one
+# program each (ops/decode/append.py); these cases put them where the other tests rarely do.
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_new_tokens_fill_whole_key_tiles(path, causal):
+    """40 new tokens after 24 and 7 cached ones: whole key tiles of new keys (interpreter tiles are 32
+    wide), which without a mask would take the kernel's unmasked path; 3 splits share them."""
+    check(Case(seqlen_q=40, seqlen_new=40, cache_seqlens=(24, 7), seqlen_cache=128, causal=causal, num_splits=3))
+
+
+def test_new_tokens_without_queries(path):
+    """seqlen_q = 0 with new k, v: nothing to attend, the cache is still appended to."""
+    case = Case(seqlen_q=1, seqlen_new=3, page_size=16, rotary_dim=32, causal=False)
+    x = make_inputs(case)
+    out, lse, k_cache, v_cache = call(case, x, q=x.q[:, :0])
+    assert out.shape == (case.batch, 0, case.nheads, case.head_dim) and lse.shape == (case.batch, case.nheads, 0)
+    _, _, expected_k, expected_v = call(case, x)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)

@@ -49,15 +49,12 @@ EXPECTED_STACK = {
     "_split_kv_kernel split_kv D64 16x128/w4/s2 - off": 0,
     "_split_kv_kernel split_kv D64 32x128/w4/s2 - off": 0,
     "_split_kv_kernel split_kv D64 64x128/w4/s2 - off": 0,
-    "_append_kernel append D64 16/w4/s3 - off": 0,
     "_split_kv_kernel split_kv D128 16x128/w4/s2 - off": 0,
     "_split_kv_kernel split_kv D128 32x128/w4/s2 - off": 0,
     "_split_kv_kernel split_kv D128 64x128/w4/s2 - off": 96,
-    "_append_kernel append D128 16/w4/s3 - off": 0,
     "_split_kv_kernel split_kv D256 16x64/w8/s2 - off": 0,
     "_split_kv_kernel split_kv D256 32x64/w8/s2 - off": 0,
     "_split_kv_kernel split_kv D256 64x64/w8/s2 - off": 0,
-    "_append_kernel append D256 16/w4/s3 - off": 0,
 }
 
 

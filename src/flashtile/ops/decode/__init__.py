@@ -1,4 +1,4 @@
-"""Decoding with a KV cache as Triton kernels: append with rotary, split-KV attention (splits merged in-kernel)."""
+"""Decoding with a KV cache as one Triton kernel: appends the new tokens (keys rotated), attends, merges splits."""
 
 from flashtile.ops.decode.forward import kvcache_forward
 

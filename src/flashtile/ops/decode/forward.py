@@ -1,8 +1,7 @@
-"""``flash_attn_with_kvcache`` on the Triton kernels: append (with rotary), then split-KV attention."""
+"""``flash_attn_with_kvcache`` on the Triton kernels: one split-KV launch that also appends k, v (rotated)."""
 
 import torch
 
-from flashtile.ops.decode.append import append_kv
 from flashtile.ops.decode.split_kv import decode_attention
 
 
@@ -27,19 +26,14 @@ def kvcache_forward(
     rotary_per_token: bool,
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append k, v to the caches in place, then attend q to each batch entry's keys.
+    """Append k, v to the caches in place and attend q to each batch entry's keys (the new ones included).
 
-    Inputs are validated (``flashtile.kvcache``); shapes and meanings as in ``decode_attention`` and
-    ``append_kv``. k and v: (batch, seqlen_new, nheads_k, headdim[_v]) or None (then so are rotary_cos
-    and rotary_sin). Returns out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q) fp32.
+    Inputs are validated (``flashtile.kvcache``); shapes and meanings as in ``decode_attention``. k and v:
+    (batch, seqlen_new, nheads_k, headdim[_v]) or None (then so are rotary_cos and rotary_sin). Returns
+    out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q) fp32.
     """
-    seqlen_new = 0
-    if k is not None:
-        append_kv(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
-                  rotary_interleaved)  # fmt: skip
-        seqlen_new = k.shape[1]
     return decode_attention(
-        q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-        rotary_cos, rotary_sin, seqlen_new, softmax_scale, window_left, window_right, softcap,
-        rotary_interleaved, rotary_per_token, num_splits,
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+        rotary_cos, rotary_sin, softmax_scale, window_left, window_right, softcap, rotary_interleaved,
+        rotary_per_token, num_splits,
     )  # fmt: skip

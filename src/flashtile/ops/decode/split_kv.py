@@ -1,4 +1,5 @@
-"""Split-KV attention over a KV cache ("flash-decoding"), with the splits merged in the same launch.
+"""Split-KV attention over a KV cache ("flash-decoding"): one launch appends the new tokens, attends and
+merges the splits.
 
 One program per (batch entry x kv head, split, query tile). The query heads of one kv group are packed
 into the rows of the tile, row r = token * group + head-in-group, so every key/value tile is read once
@@ -7,11 +8,15 @@ at least 16 rows for ``tl.dot``; padded rows are computed and never stored.
 
 Keys of batch entry b are the cache positions [leftpad_b, cache_seqlens[b] + seqlen_new), numbered
 j = 0 .. seqlen_k - 1 from leftpad_b; masks and ALiBi are bottom-right aligned on them (diag =
-seqlen_k - seqlen_q). The key tiles a query tile sees are divided evenly among the splits; each split
-runs the online softmax in base 2 over its share, giving its normalised output out_s and natural-log
-LSE lse_s. With one split these are the final ``out`` and ``lse``. With more, every split writes them
-to fp32 buffers with a leading split dimension and takes a ticket from its tile's counter (below); the
-split that draws the last ticket merges all the splits of its tile's rows and writes ``out`` and ``lse``:
+seqlen_k - seqlen_q). The last seqlen_new, from j = new_lo on, are this step's new tokens: every program
+that attends to them reads them from k and v (keys rotated as the cache will hold them), and the
+programs of query tile 0 write them to the cache (``append``), after attending.
+
+The key tiles a query tile sees are divided evenly among the splits; each split runs the online
+softmax in base 2 over its share, giving its normalised output out_s and natural-log LSE lse_s. With
+one split these are the final ``out`` and ``lse``. With more, every split writes them to fp32 buffers
+with a leading split dimension and takes a ticket from its tile's counter (below); the split that draws
+the last ticket merges all the splits of its tile's rows and writes ``out`` and ``lse``:
 
     lse = log sum_s exp(lse_s),    out = sum_s exp(lse_s - lse) out_s
 
@@ -43,6 +48,7 @@ import triton.language as tl
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
+from flashtile.ops.decode.append import BLOCK_NEW, append_new, load_new
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
@@ -85,8 +91,12 @@ def _decode_tile(
     q,
     KCache,
     VCache,
+    KNew,
+    VNew,
     BatchIdx,
     BlockTable,
+    Cos,
+    Sin,
     stride_kb,
     stride_kn,
     stride_kh,
@@ -94,6 +104,10 @@ def _decode_tile(
     stride_vn,
     stride_vh,
     stride_bt,
+    stride_knn,
+    stride_vnn,
+    stride_cos,
+    seqlen_ro,
     num_slots,
     off_b,
     off_hk,
@@ -103,7 +117,8 @@ def _decode_tile(
     slope,
     offs_d,
     offs_dv,
-    seqlen_k,
+    new_lo,
+    n_end,
     diag,
     left,
     right,
@@ -119,17 +134,30 @@ def _decode_tile(
     MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    FROM_NEW: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    ROTARY_INTERLEAVED: tl.constexpr,
 ):
-    """One online-softmax step over the keys [start_n, start_n + BLOCK_N) of one batch entry and kv head."""
+    """One online-softmax step over the keys [start_n, start_n + BLOCK_N) of one batch entry and kv head,
+    those before n_end (the end of the keys this loop reads).
+
+    Keys are read from the cache, or with FROM_NEW (keys >= new_lo, this step's new tokens) from KNew,
+    VNew, token j - new_lo, the keys rotated (``append.load_new``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < seqlen_k
-    slot, row = cache_slots(
-        leftpad + offs_n, n_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX
-    )
-    k_rows = KCache + slot * stride_kb + row * stride_kn + off_hk * stride_kh  # [BLOCK_N]
-    v_rows = VCache + slot * stride_vb + row * stride_vn + off_hk * stride_vh
-    k = load_rows(k_rows, n_ok, offs_d, HEAD_DIM, MASKED)  # [BLOCK_N, D]
-    v = load_rows(v_rows, n_ok, offs_dv, HEAD_DIM_V, MASKED)  # [BLOCK_N, DV]
+    n_ok = offs_n < n_end
+    if FROM_NEW:
+        k, v = load_new(
+            KNew, VNew, stride_knn, stride_vnn, offs_n - new_lo, n_ok, leftpad + offs_n, Cos, Sin, stride_cos,
+            seqlen_ro, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, ROTARY_DIM, ROTARY_INTERLEAVED,
+        )  # fmt: skip
+    else:
+        slot, row = cache_slots(
+            leftpad + offs_n, n_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX
+        )
+        k_rows = KCache + slot * stride_kb + row * stride_kn + off_hk * stride_kh  # [BLOCK_N]
+        v_rows = VCache + slot * stride_vb + row * stride_vn + off_hk * stride_vh
+        k = load_rows(k_rows, n_ok, offs_d, HEAD_DIM, MASKED)  # [BLOCK_N, D]
+        v = load_rows(v_rows, n_ok, offs_dv, HEAD_DIM_V, MASKED)  # [BLOCK_N, DV]
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
         s = tanh(qk * qk_scale) * softcap  # softcap * tanh(scale * qk / softcap), in log2 units
@@ -209,6 +237,8 @@ def _split_kv_kernel(
     Q,
     KCache,
     VCache,
+    KNew,
+    VNew,
     Out,
     Lse,
     OutPart,
@@ -230,6 +260,12 @@ def _split_kv_kernel(
     stride_vb,
     stride_vn,
     stride_vh,
+    stride_knb,
+    stride_knn,
+    stride_knh,
+    stride_vnb,
+    stride_vnn,
+    stride_vnh,
     stride_ob,
     stride_om,
     stride_oh,
@@ -269,9 +305,14 @@ def _split_kv_kernel(
     ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr,
     ROTARY_PER_TOKEN: tl.constexpr,
+    HAS_NEW: tl.constexpr,
     IS_SPLIT: tl.constexpr,
 ):
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
+
+    HAS_NEW: KNew (B, Sn, Hk, D) and VNew (B, Sn, Hk, DV), Sn = seqlen_new, are this step's new tokens, the
+    last keys of each batch entry: read from there (``append.load_new``), and appended to the caches by
+    the programs of query tile 0, the token tiles divided among the splits (``append.append_new``).
 
     IS_SPLIT (num_splits > 1): split s also writes its partials to OutPart (S, B, Sq, H, DV) and LsePart
     (S, B, H, Sq), fp32, laid out as Out and Lse behind a split stride (stride_ps, stride_ls), and takes a
@@ -300,6 +341,12 @@ def _split_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
+    k_new = KNew
+    v_new = VNew
+    if HAS_NEW:
+        k_new = KNew + b64 * stride_knb + off_hk * stride_knh  # token 0 of this batch entry and kv head
+        v_new = VNew + b64 * stride_vnb + off_hk * stride_vnh
+
     q_rows = Q + b64 * stride_qb + tok * stride_qm + off_h * stride_qh  # [BLOCK_M]
     if ROTARY_PER_TOKEN:
         q_pos = cache_len + tok
@@ -325,42 +372,47 @@ def _split_kv_kernel(
     if MASK_RIGHT:
         hi = tl.minimum(tl.maximum(last_tok + diag + right + 1, 0), seqlen_k)
         full_hi = tl.minimum(tl.maximum(first_tok + diag + right + 1, 0), seqlen_k)
+    new_lo = seqlen_k  # the first new key (read from KNew, VNew)
+    if HAS_NEW:
+        new_lo = seqlen_k - seqlen_new
+        full_hi = tl.minimum(full_hi, new_lo)  # the cache keys' tiles end there: masked
+        hi = tl.where(seqlen_q > 0, hi, 0)  # a call without queries only appends
     lo = lo // BLOCK_N * BLOCK_N
     hi = tl.maximum(hi, lo)
-    # This split's share of the key tiles, [start, end), split into masked | unmasked | masked.
+    # This split's share of the key tiles, [start, end): cache keys in tiles masked | unmasked | masked up
+    # to cache_end, then the new keys from max(start, new_lo) in tiles of BLOCK_NEW.
     tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
     start = tl.minimum(lo + split * tiles_per_split * BLOCK_N, hi)
     end = tl.minimum(start + tiles_per_split * BLOCK_N, hi)
-    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), end)
-    mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N * BLOCK_N, mid_lo), end)
+    cache_end = end
+    if HAS_NEW:
+        cache_end = tl.minimum(end, new_lo)
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), cache_end)
+    mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N * BLOCK_N, mid_lo), cache_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start_n in range(start, mid_lo, BLOCK_N):
-        acc, m_i, l_i = _decode_tile(
-            acc, m_i, l_i, q, KCache, VCache, BatchIdx, BlockTable,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, num_slots,
-            off_b, off_hk, leftpad, start_n, tok, slope, offs_d, offs_dv, seqlen_k, diag, left, right,
-            qk_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, HAS_BATCH_IDX,
-            True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        )  # fmt: skip
-    for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        acc, m_i, l_i = _decode_tile(
-            acc, m_i, l_i, q, KCache, VCache, BatchIdx, BlockTable,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, num_slots,
-            off_b, off_hk, leftpad, start_n, tok, slope, offs_d, offs_dv, seqlen_k, diag, left, right,
-            qk_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, HAS_BATCH_IDX,
-            False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        )  # fmt: skip
-    for start_n in range(mid_hi, end, BLOCK_N):
-        acc, m_i, l_i = _decode_tile(
-            acc, m_i, l_i, q, KCache, VCache, BatchIdx, BlockTable,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, num_slots,
-            off_b, off_hk, leftpad, start_n, tok, slope, offs_d, offs_dv, seqlen_k, diag, left, right,
-            qk_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, HAS_BATCH_IDX,
-            True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        )  # fmt: skip
+    for segment in tl.static_range(4):  # the four ranges above, each with its tile width and masking
+        if segment == 0:
+            seg_lo, seg_hi = start, mid_lo
+        elif segment == 1:
+            seg_lo, seg_hi = mid_lo, mid_hi
+        elif segment == 2:
+            seg_lo, seg_hi = mid_hi, cache_end
+        else:
+            seg_lo, seg_hi = tl.maximum(start, new_lo), end
+        if segment < 3 or HAS_NEW:
+            for start_n in range(seg_lo, seg_hi, BLOCK_N if segment < 3 else BLOCK_NEW):
+                acc, m_i, l_i = _decode_tile(
+                    acc, m_i, l_i, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin,
+                    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_knn,
+                    stride_vnn, stride_cos, seqlen_ro, num_slots, off_b, off_hk, leftpad, start_n, tok, slope, offs_d,
+                    offs_dv, new_lo, end if segment == 3 else new_lo, diag, left, right, qk_scale, softcap,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_N if segment < 3 else BLOCK_NEW, PAGE_SIZE, HAS_BATCH_IDX,
+                    segment != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, segment == 3, ROTARY_DIM,
+                    ROTARY_INTERLEAVED,
+                )  # fmt: skip
 
     out, lse = _normalize(acc, m_i, l_i)
     o_rows = b64 * stride_ob + tok * stride_om + off_h * stride_oh  # [BLOCK_M] row offsets in Out (and OutPart)
@@ -385,11 +437,25 @@ def _split_kv_kernel(
         tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
         tl.store(Lse + l_rows, lse, mask=row_ok)
 
+    # The new tokens to the cache, for the steps to come (this launch reads them from KNew, VNew): token
+    # tiles split, split + num_splits, ... by query tile 0. Last, so that under the interpreter, which runs
+    # the programs one by one, a program that read new keys from the cache would read stale rows.
+    if HAS_NEW:
+        if tile_m == 0:
+            append_new(
+                k_new, v_new, KCache, VCache, BatchIdx, BlockTable, Cos, Sin, stride_knn, stride_vnn,
+                stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_cos, seqlen_ro,
+                num_slots, off_b, off_hk, cache_len, seqlen_new, split, num_splits, offs_d, offs_dv,
+                HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED,
+            )  # fmt: skip
+
 
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cache_seqlens: torch.Tensor | None,
     cache_batch_idx: torch.Tensor | None,
     cache_leftpad: torch.Tensor | None,
@@ -397,7 +463,6 @@ def decode_attention(
     alibi_slopes: torch.Tensor | None,
     rotary_cos: torch.Tensor | None,
     rotary_sin: torch.Tensor | None,
-    seqlen_new: int,
     softmax_scale: float,
     window_left: int | None,
     window_right: int | None,
@@ -406,20 +471,23 @@ def decode_attention(
     rotary_per_token: bool,
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the split-KV kernel on a cache already appended to.
+    """Append k, v to the caches in place and attend q to each batch entry's keys: one launch.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), last dimension contiguous
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim[_v]), or (num_blocks,
             page_block_size, nheads_k, headdim[_v]) with a block_table; last dimension contiguous
+        k, v: (batch, seqlen_new, nheads_k, headdim[_v]) new tokens (k rotated on the way in) to append
+            at cache_seqlens[b] + [0, seqlen_new), last dimension contiguous; or both None
         cache_seqlens: (batch,) int32 cache lengths before the append, or None for the whole cache
+            (then k and v are None)
         cache_batch_idx: (batch,) int32 cache entry of each batch entry, or None for 0..batch-1
         cache_leftpad: (batch,) int32 first cache position of each batch entry, or None for 0
         block_table: (batch, max_blocks_per_seq) int32, or None for a contiguous cache
         alibi_slopes: (nheads,) or (batch, nheads) fp32, or None
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), contiguous, or None: q is rotated at
-            positions cache_seqlens[b] + i if rotary_per_token else cache_seqlens[b]
-        seqlen_new: tokens appended this step (keys end at cache_seqlens[b] + seqlen_new)
+            positions cache_seqlens[b] + i if rotary_per_token else cache_seqlens[b], new key t at
+            cache_seqlens[b] + t
         softmax_scale, softcap: scores are softcap * tanh(scale * q k / softcap) (scale * q k if softcap = 0)
         window_left, window_right: the visible band, bottom-right aligned; None is unbounded
         rotary_interleaved: rotate pairs (2f, 2f + 1) rather than (f, f + rotary_dim / 2)
@@ -432,14 +500,16 @@ def decode_attention(
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     out = empty_output((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
-    if out.numel() == 0:
+    has_new = k is not None and k.numel() > 0
+    if out.numel() == 0 and not has_new:
         return out, lse
+    seqlen_new = k.shape[1] if has_new else 0
     group = nheads // nheads_k
     paged = block_table is not None
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = configs.config(q.device, max(head_dim, head_dim_v))
     block_m = configs.block_m(seqlen_q * group)
-    m_tiles = configs.cdiv(seqlen_q * group, block_m)
+    m_tiles = max(1, configs.cdiv(seqlen_q * group, block_m))  # one tile without queries: it appends k, v
     num_splits = configs.num_splits(num_splits, q.device, batch * nheads_k * m_tiles, seqlen_cache, cfg.block_n)
 
     out_part = lse_part = counters = None
@@ -450,15 +520,16 @@ def decode_attention(
         stride_ps, stride_ls = out_part.stride(0), lse_part.stride(0)
         counters = split_counters(q.device, batch * nheads_k * m_tiles)
     q_strides, k_strides, v_strides = q.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3]
+    new_strides = (*k.stride()[:3], *v.stride()[:3]) if has_new else (0,) * 6
     if softcap > 0.0:
         qk_scale, softcap_log2 = softmax_scale / softcap, softcap * LOG2E.value
     else:
         qk_scale, softcap_log2 = softmax_scale * LOG2E.value, 0.0
     grid = (batch * nheads_k, num_splits, m_tiles)
     _split_kv_kernel[grid](
-        q, k_cache, v_cache, out, lse, out_part, lse_part, counters,
+        q, k_cache, v_cache, k if has_new else None, v if has_new else None, out, lse, out_part, lse_part, counters,
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin,
-        *q_strides, *k_strides, *v_strides, *out.stride()[:3], *lse.stride()[:2], stride_ps, stride_ls,
+        *q_strides, *k_strides, *v_strides, *new_strides, *out.stride()[:3], *lse.stride()[:2], stride_ps, stride_ls,
         0 if block_table is None else block_table.stride(0),
         0 if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes.stride(0),
         0 if rotary_cos is None else rotary_cos.stride(0),
@@ -484,6 +555,7 @@ def decode_attention(
         ROTARY_DIM=0 if rotary_cos is None else 2 * rotary_cos.shape[1],
         ROTARY_INTERLEAVED=rotary_interleaved,
         ROTARY_PER_TOKEN=rotary_per_token,
+        HAS_NEW=has_new,
         IS_SPLIT=num_splits > 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
