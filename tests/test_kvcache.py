@@ -782,3 +782,40 @@ def test_new_tokens_without_queries(path):
     assert out.shape == (case.batch, 0, case.nheads, case.head_dim) and lse.shape == (case.batch, case.nheads, 0)
     _, _, expected_k, expected_v = call(case, x)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_new", [1, 17])
+@pytest.mark.parametrize("num_splits", [2, 4, 8, 64])
+def test_split_merge_is_race_free_on_gpu(num_splits, seqlen_new):
+    """The last-ticket merge under real concurrency: 300 eager steps and 300 CUDA-graph replays of one
+    step give the first step's bits every time, and the counters end at zero (B=1, Hkv 8, Hq 32, D 128)."""
+    gen = torch.Generator(device="cuda").manual_seed(num_splits)
+    shape = (1, 4096, 8, 128)
+    k_cache, v_cache = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_new, v_new = (torch.randn(1, seqlen_new, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    for _ in range(2))  # fmt: skip
+    seqlens = torch.full((1,), 3000, device="cuda", dtype=torch.int32)
+
+    def step() -> torch.Tensor:
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                       num_splits=num_splits)  # fmt: skip
+
+    first = step()
+    outs = [step() for _ in range(300)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step()
+    for _ in range(300):
+        graph.replay()
+        outs.append(replayed.clone())
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, first) for out in outs)
+    assert counters_are_zero(first.device)
+    assert torch.equal(k_cache[0, 3000 : 3000 + seqlen_new], k_new[0])
