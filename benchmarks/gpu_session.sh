@@ -30,7 +30,7 @@ for step in "$@"; do
               "tests/test_attention.py -k not(seqlens)and(not(head_dim))"
               "tests/test_gpu.py tests/test_sdpa.py tests/test_padding.py"
               "tests/test_variants.py"
-              "tests/test_dropout.py tests/test_varlen.py"
+              "tests/test_dropout.py tests/test_varlen.py tests/test_varlen_paged.py"
               "tests/test_kvcache.py"
               "tests/test_compile.py tests/test_validation.py tests/test_cli.py tests/test_distributed.py")
       for i in "${!groups[@]}"; do
@@ -40,7 +40,7 @@ for step in "$@"; do
       for i in "${!groups[@]}"; do echo "=== ${groups[$i]}"; cat "/tmp/ptest$i.log"; done > "$OUT/ptest.log"
       for i in "${!groups[@]}"; do echo "--- ${groups[$i]}"; grep -E "passed|failed|error|FAILED|Timeout" "/tmp/ptest$i.log" | tail -6; done ;;
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
-    decode) timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$OUT/decode" 2>&1 | tail -40 ;;
+    decode) timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$OUT/decode" --commit "$commit" 2>&1 | tail -40 ;;
     varlen) timeout ${VARLEN_TIMEOUT:-300} python3 benchmarks/bench_varlen.py --out "$OUT/varlen" 2>&1 | tail -12 ;;
     tunedecode) timeout ${TUNEDECODE_TIMEOUT:-300} python3 benchmarks/tune_decode.py --out "$OUT" ${TUNEDECODE_ARGS:-} 2>&1 | tee "$OUT/tunedecode.log" | grep -v '^ *[0-9]' | tail -40 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;

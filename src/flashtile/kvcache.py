@@ -408,7 +408,9 @@ def flash_attn_with_kvcache(
             cache_seqlens + seqlen_new must not exceed the cache length.
         cache_batch_idx: (batch_size,) int32: the k_cache/v_cache entry of each batch entry (contiguous
             cache only); None for 0, 1, ..., batch_size - 1. With duplicate indices and k/v given, which
-            batch entry's new keys end up in the cache is unspecified.
+            batch entry's new keys end up in the cache, and which keys the other entries sharing those
+            rows attend to, is unspecified (the same holds for pages that several block_table rows share
+            where new keys are written).
         cache_leftpad: (batch_size,) int32: the first cache position of each batch entry; None for 0
         block_table: (batch_size, max_num_blocks_per_seq) int32: page b's j-th block of positions
             [j * page_block_size, (j + 1) * page_block_size) is k_cache[block_table[b, j]]
