@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, capture
 from flashtile import _backend
 from flashtile.interface import flash_attn_varlen_func
 from flashtile.kvcache import flash_attn_with_kvcache
@@ -283,14 +283,7 @@ def test_cuda_graph_capture_and_replay(paged):
                                        block_table=x.block_table, causal=True)  # fmt: skip
 
     expected = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     graph.replay()
     assert torch.equal(out, expected)
     seqlens.sub_(1)  # the same step one position earlier, without recapturing

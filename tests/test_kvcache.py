@@ -21,7 +21,7 @@ import torch
 import flashtile.cpu_decode
 import flashtile.kvcache
 import flashtile.ops.decode
-from conftest import DEVICE
+from conftest import DEVICE, capture
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.ops.decode import configs
 from flashtile.reference import attention_reference, visibility_mask
@@ -804,14 +804,7 @@ def test_split_merge_is_race_free_on_gpu(num_splits, seqlen_new):
 
     first = step()
     outs = [step() for _ in range(300)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = step()
+    graph, replayed = capture(step)
     for _ in range(300):
         graph.replay()
         outs.append(replayed.clone())
