@@ -13,6 +13,7 @@
 #   bench    the full standard table (bf16) against every peer
 #   memory   fwd+bwd peak extra memory against SDPA flash
 #   sanitize compute-sanitizer memcheck of one forward + backward
+#   gluon    the Gluon sm_90 forward prototype: checks, then its timing table (benchmarks/experiments/)
 # Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
 set -uo pipefail
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps a path set before (fa4_setup.sh)
@@ -57,6 +58,7 @@ import torch, flashtile
 q, k, v = (torch.randn(2, 300, 4, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 flashtile.flash_attn_func(q, k[:, :211], v[:, :211], causal=True).sum().backward()
 torch.cuda.synchronize(); print('sanitized fwd+bwd ok')" 2>&1 | tail -8 ;;
+    gluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/experiments/gluon_forward_sm90.py 2>&1 | tee "$OUT/gluon.log" | tail -60 ;;
     *) echo "unknown step $step" ;;
   esac
 done
