@@ -8,6 +8,7 @@ how to fix it.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -27,12 +28,51 @@ def require(condition: bool, message: str, error: type[Exception] = ValueError) 
         raise error(message)
 
 
+class UnsupportedDtypeError(TypeError, RuntimeError):
+    """An input dtype the kernels do not take (q, k, v must be float16 or bfloat16).
+
+    A TypeError, and also a RuntimeError as flash_attn's own check raises, so code written for either catches it."""
+
+
+class UnsupportedHeadDimError(ValueError, RuntimeError):
+    """A head dimension the kernels do not take. A ValueError, and a RuntimeError as flash_attn raises."""
+
+
 def check_head_dim(name: str, head_dim: int) -> None:
     if head_dim % 8 != 0 or not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ValueError(
+        raise UnsupportedHeadDimError(
             f"{name} must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}. "
             "Pad the head dimension with zeros up to the next multiple of 8 (and slice the output)."
         )
+
+
+def pad_head_dim(
+    q: object, k: object, v: object, softmax_scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int] | None:
+    """flash_attn's handling of a head dimension that is not a multiple of 8: when q, k and v share it
+    (flash_attn's layout) and it is at most MAX_HEAD_DIM, zero-pad the last dimension of all three up to
+    the next multiple of 8. Zero columns add nothing to q . k and give zero output columns, so the output
+    sliced back to the original width, softmax_lse and the gradients (through the pad) are exact.
+
+    Returns None when nothing is padded (also for inputs check_qkv will refuse), else (q, k, v padded,
+    softmax_scale with its default 1 / sqrt of the original headdim, the original headdim); slice the
+    output back with ``sliced``.
+    """
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    head_dim = q.shape[-1] if q.dim() else 0
+    if head_dim % 8 == 0 or head_dim > MAX_HEAD_DIM or not (k.dim() and v.dim()):
+        return None
+    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        return None
+    pad = (0, 8 - head_dim % 8)
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    return (*(torch.nn.functional.pad(t, pad) for t in (q, k, v)), scale, head_dim)
+
+
+def sliced(result: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a call on inputs ``pad_head_dim`` padded -> (out[..., :head_dim], lse)."""
+    return result[0][..., :head_dim], result[1]
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -46,7 +86,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
+            raise UnsupportedDtypeError(
                 f"{name} has dtype {t.dtype}; flashtile supports torch.float16 and torch.bfloat16. "
                 f"Cast the inputs, e.g. {name}.to(torch.bfloat16)."
             )
@@ -169,13 +209,26 @@ def _check_fp32_tensor(name: str, t: object, device: torch.device) -> None:
 
 
 def window_bounds(window_size: tuple[int, int], causal: bool) -> tuple[int | None, int | None]:
-    """flash_attn's (window_size, causal) as the kernels' (left, right), None meaning unbounded."""
-    if len(window_size) != 2 or not all(isinstance(w, int) for w in window_size):  # every call: no eager f-string
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}.")
+    """flash_attn's (window_size, causal) as the kernels' (left, right), None meaning unbounded.
+
+    window_size: a tuple or list of two integers (Python ints, or anything with ``__index__`` such as
+    numpy integers; not bools)."""
+    if len(window_size) != 2 or not all(type(w) is int for w in window_size):  # every call: no eager f-string
+        window_size = window_pair(window_size)
     left, right = window_size
     if causal:
         right = 0
     return (None if left < 0 else left), (None if right < 0 else right)
+
+
+def window_pair(window_size: object) -> tuple[int, int]:
+    """window_size as two Python ints, or TypeError."""
+    try:
+        if len(window_size) == 2 and not any(isinstance(w, bool) for w in window_size):
+            return operator.index(window_size[0]), operator.index(window_size[1])
+    except TypeError:
+        pass
+    raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}.")
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -197,7 +250,12 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated entry to the custom op (``_ops.attention``): returns (out, lse) in flash_attn's layouts.
 
-    attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full)."""
+    attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
+    A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
+    padded = pad_head_dim(q, k, v, softmax_scale)
+    if padded is not None:
+        options = (window_left, window_right, softcap, alibi_slopes, learnable_sink, dropout_p, attn_mask)
+        return sliced(attention(*padded[:4], *options), padded[4])
     check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -285,7 +343,9 @@ def flash_attn_func(
     Args:
         q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16
         k: (batch_size, seqlen_k, nheads_k, headdim)
-        v: (batch_size, seqlen_k, nheads_k, headdim_v); headdim and headdim_v multiples of 8, at most 256
+        v: (batch_size, seqlen_k, nheads_k, headdim_v); headdim and headdim_v at most 256 and multiples of 8,
+            except that a headdim == headdim_v that is not a multiple of 8 is zero-padded up to one and the
+            output sliced back, as flash_attn does (``pad_head_dim``; out is then a non-contiguous view)
         dropout_p: dropout probability in [0, 1) on the attention probabilities (above); 0.0 is off
         softmax_scale: scaling of q @ k^T before the softmax; default 1 / sqrt(headdim)
         causal: bottom-right aligned causal mask (drawn above)
@@ -540,7 +600,18 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated entry to the varlen custom op: returns (out (total_q, H, Dv), lse (H, total_q)).
 
-    With a block_table, k and v are pages (num_blocks, page_block_size, nheads_k, headdim[_v])."""
+    With a block_table, k and v are pages (num_blocks, page_block_size, nheads_k, headdim[_v]).
+    A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
+    padded = pad_head_dim(q, k, v, softmax_scale)
+    if padded is not None:
+        q, k, v, softmax_scale, head_dim = padded
+        return sliced(
+            varlen_attention(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                window_right, softcap, alibi_slopes, learnable_sink, dropout_p, block_table,
+            ),
+            head_dim,
+        )  # fmt: skip
     paged = block_table is not None
     for name, t in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:

@@ -27,6 +27,7 @@ from flashtile._backend import path_name
 from flashtile.interface import (
     NO_WINDOW,
     SUPPORTED_DTYPES,
+    UnsupportedDtypeError,
     check_block_table,
     check_block_table_entries,
     check_head_dim,
@@ -34,7 +35,10 @@ from flashtile.interface import (
     check_page_size,
     check_qkv,
     last_dim_contiguous,
+    pad_head_dim,
     require,
+    sliced,
+    window_pair,
 )
 
 INDEX_DTYPE = torch.int32
@@ -109,11 +113,15 @@ def _check_index(name: str, t: torch.Tensor | None, shape: tuple[int, ...], devi
         raise ValueError(f"{name} must be on {device} like q, got {t.device}.")
 
 
+def _has_head_dim(t: object, head_dim: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] == head_dim
+
+
 def _check_q(q: torch.Tensor) -> None:
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
     if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
+        raise UnsupportedDtypeError(
             f"q has dtype {q.dtype}; flashtile supports torch.float16 and torch.bfloat16. Cast the inputs, "
             "e.g. q.to(torch.bfloat16), and the cache likewise."
         )
@@ -215,8 +223,8 @@ def _check_rotary(
 
 def _window(window_size: tuple[int, int], causal: bool, seqlen_cache: int) -> tuple[int | None, int | None]:
     """flash_attn's (window_size, causal) as (left, right), None unbounded; a side >= seqlen_cache is unbounded."""
-    if len(window_size) != 2 or not all(isinstance(w, int) for w in window_size):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}.")
+    if len(window_size) != 2 or not all(type(w) is int for w in window_size):
+        window_size = window_pair(window_size)
     left, right = (None if w < 0 or w >= seqlen_cache else w for w in window_size)
     return left, 0 if causal else right
 
@@ -393,7 +401,7 @@ def flash_attn_with_kvcache(
     A negative side, or one >= the cache length, is unbounded; causal=True sets window_size[1] = 0.
 
     Args:
-        q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16; headdim a multiple of 8, <= 256
+        q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16; headdim <= 256 (padding below)
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) without a block_table, or
             (num_blocks, page_block_size, nheads_k, headdim) with one (paged cache; page_block_size a
             multiple of 16); q's dtype and device, last dimension contiguous. Updated in place.
@@ -439,7 +447,28 @@ def flash_attn_with_kvcache(
     ``FLASHTILE_CHECK_VALUES=0``). Unchecked bad values give wrong numbers (and may write the new k/v to a
     wrong place in the cache), never an illegal memory access: the kernels clamp them into the cache.
     CPU tensors are always checked. See docs/validation.md.
+
+    A headdim that is not a multiple of 8 (q, caches, k and v sharing it, <= 256) is padded as flash_attn
+    does: q, the caches and k, v are zero-padded to the next multiple of 8, and the padded caches' new rows
+    copied back into k_cache and v_cache. That costs a copy of the whole cache per call: allocate caches
+    with a headdim that is a multiple of 8 for speed.
     """
+    padded = pad_head_dim(q, k_cache, v_cache, softmax_scale)
+    if padded is not None and (k is None or all(_has_head_dim(t, padded[4]) for t in (k, v))):
+        q_padded, k_cache_padded, v_cache_padded, scale, head_dim = padded
+        k_padded, v_padded = (None, None) if k is None else pad_head_dim(k, v, v)[:2]
+        out, lse = sliced(
+            flash_attn_with_kvcache(
+                q_padded, k_cache_padded, v_cache_padded, k_padded, v_padded, rotary_cos, rotary_sin, cache_seqlens,
+                cache_batch_idx, cache_leftpad, block_table, scale, causal, window_size, softcap, rotary_interleaved,
+                alibi_slopes, num_splits, True,
+            ),
+            head_dim,
+        )  # fmt: skip
+        if k is not None:
+            k_cache.copy_(k_cache_padded[..., :head_dim])
+            v_cache.copy_(v_cache_padded[..., :head_dim])
+        return (out, lse) if return_softmax_lse else out
     _check_q(q)
     batch, seqlen_q, _, head_dim = q.shape
     device = q.device
