@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,7 @@ from triton.testing import do_bench
 from flashtile import _backend
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.ops.decode import configs
-from host_overhead import time_calls  # benchmarks/, beside this script
+from host_overhead import stubbed_launches, time_calls  # benchmarks/, beside this script
 
 COPY_TBPS = 4.24  # measured device-to-device copy bandwidth of the H200, TB/s
 BATCHES = (1, 4, 16, 64)
@@ -303,22 +304,12 @@ def _write_json(data: dict[str, Any], path: Path) -> None:
 HOST_ROWS = ((1, 4096, "contiguous"), (1, 4096, "paged"), (64, 16384, "paged"))
 
 
-class _NoLaunch:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
-
-    def __getitem__(self, grid: Any) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
-
-
 def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Microseconds of Python per flash_attn_with_kvcache call up to the kernel launches (CPU tensors)."""
     from flashtile.ops.decode import split_kv
 
-    saved = (split_kv._split_kv_kernel, _backend.TRITON_INTERPRET)
-    split_kv._split_kv_kernel = _NoLaunch()
-    _backend.TRITON_INTERPRET = True  # CPU tensors take the Triton launchers' path
     rows = []
-    try:
+    with stubbed_launches(kernels=((split_kv, "_split_kv_kernel"),)):
         for batch, context, layout in HOST_ROWS:
             page = args.page_size
             # The caches' contents are never read (no kernel runs): empty tensors, never touched.
@@ -341,13 +332,11 @@ def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
             for checks in ("on", "off"):
                 unchecked = contextlib.nullcontext()
                 if checks == "off":  # CPU tensors are always checked: pretend to be a GPU with the switch off
-                    unchecked = _patched(_backend, "values_checked", lambda device: False)
+                    unchecked = mock.patch.object(_backend, "values_checked", lambda device: False)
                 with unchecked:
                     us = time_calls(step, args.host_calls)
                 rows.append(dict(batch=batch, context=context, layout=layout, checks=checks, us_per_call=us))
                 print(f"B={batch:<3d} ctx={context:<6d} {layout:10s} value checks {checks:3s}: {us:6.1f} us/call")
-    finally:
-        split_kv._split_kv_kernel, _backend.TRITON_INTERPRET = saved
     return {
         "header": {
             "machine": platform.machine(),
@@ -362,16 +351,6 @@ def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
         },
         "rows": rows,
     }
-
-
-@contextlib.contextmanager
-def _patched(obj: Any, name: str, value: Any):
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
 
 
 # --------------------------------------------------------------------------------------------------------

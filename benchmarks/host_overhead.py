@@ -45,14 +45,17 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+ATTENTION_KERNELS = ((forward, "_attention_forward_kernel"), (backward, "_attention_dkdv_kernel"),
+                     (backward, "_attention_dq_kernel"), (backward, "_delta_kernel"))  # fmt: skip
+
+
 @contextlib.contextmanager
-def stubbed_launches(tma: bool = False) -> Iterator[None]:
-    """Attention kernels replaced by no-ops; CPU tensors on the Triton launchers' path."""
-    names = ((forward, "_attention_forward_kernel"), (backward, "_attention_dkdv_kernel"),
-             (backward, "_attention_dq_kernel"), (backward, "_delta_kernel"))  # fmt: skip
-    saved = [getattr(module, name) for module, name in names]
+def stubbed_launches(tma: bool = False, kernels: tuple[tuple[Any, str], ...] = ATTENTION_KERNELS) -> Iterator[None]:
+    """``kernels`` ((module, name) pairs, the attention kernels by default) replaced by no-ops; CPU tensors
+    on the Triton launchers' path; ``tma``: configs that ask for tensor descriptors."""
+    saved = [getattr(module, name) for module, name in kernels]
     saved_interpret = _backend.TRITON_INTERPRET
-    for module, name in names:
+    for module, name in kernels:
         setattr(module, name, _NoLaunch())
     _backend.TRITON_INTERPRET = True
     tiles = configs.TileConfig(64, 64, 4, 3, tma=True)
@@ -61,7 +64,7 @@ def stubbed_launches(tma: bool = False) -> Iterator[None]:
         with overrides:
             yield
     finally:
-        for (module, name), kernel in zip(names, saved, strict=True):
+        for (module, name), kernel in zip(kernels, saved, strict=True):
             setattr(module, name, kernel)
         _backend.TRITON_INTERPRET = saved_interpret
 

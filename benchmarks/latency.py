@@ -29,6 +29,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
+from bench_decode import capture
 
 FIRST_CALL = """
 import cProfile, pstats, sys, time, torch, flashtile
@@ -44,20 +45,6 @@ elapsed = time.perf_counter() - start
 pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
 print(elapsed)
 """
-
-
-def graphed(fn):
-    """Capture ``fn`` in a CUDA graph after warm-up; return a function that replays it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _sdpa_flash(q, k, v, causal):
@@ -94,7 +81,7 @@ def launch_overhead() -> list[dict]:
         ):
             fn = functools.partial(run, attention, q, k, v, dout, causal)
             eager = triton.testing.do_bench(fn, return_mode="median")
-            graph = triton.testing.do_bench(graphed(fn), return_mode="median")
+            graph = triton.testing.do_bench(capture(fn)[0].replay, return_mode="median")
             row = {"what": f"{name} {pass_name}", "N": seqlen, "causal": causal, "eager_ms": eager, "graph_ms": graph}
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -108,8 +108,9 @@ def _speed_table(rows: list[Row], providers: list[str]) -> list[str]:
     return _table(header, body)
 
 
-def _failures(rows: list[Row], kind: str) -> list[str]:
-    """One bullet per (provider, reason): how many ``kind`` rows it cost and which shapes.
+def _failures(rows: list[Row], noun: str, where: Callable[[list[Row]], str] | None = None) -> list[str]:
+    """One bullet per (provider, reason): how many rows (``noun``) it cost and which shapes (``where`` of
+    the failed rows; by default their D, N and, for timed rows, causal and pass).
 
     bwd rows skipped because their fwd failed are counted in one closing line, not listed.
     """
@@ -122,14 +123,26 @@ def _failures(rows: list[Row], kind: str) -> list[str]:
             groups[(row["provider"], row["error"])].append(row)
     lines = []
     for (provider, reason), failed in sorted(groups.items()):
-        where = f"D {_compact(r['D'] for r in failed)}, N {_compact(r['N'] for r in failed)}"
-        if "pass" in failed[0]:
-            causal = _compact(_yes_no(r["causal"]) for r in failed)
-            where += f", causal {causal}, pass {_compact((r['pass'] for r in failed), key=PASS_ORDER.get)}"
-        lines.append(f"- **{provider}**, {_plural(len(failed), kind + ' row')} ({where}): {reason}")
+        lines.append(f"- **{provider}**, {_plural(len(failed), noun)} ({(where or _shapes)(failed)}): {reason}")
     if skipped:
         lines.append(f"- {_plural(skipped, 'bwd row')} not run because the fwd failed (reasons above).")
     return lines
+
+
+def _shapes(failed: list[Row]) -> str:
+    """The D, N (and causal, pass for timed rows) of failed rows of the standard table."""
+    where = f"D {_compact(r['D'] for r in failed)}, N {_compact(r['N'] for r in failed)}"
+    if "pass" in failed[0]:
+        causal = _compact(_yes_no(r["causal"]) for r in failed)
+        where += f", causal {causal}, pass {_compact((r['pass'] for r in failed), key=PASS_ORDER.get)}"
+    return where
+
+
+def _variant_shapes(failed: list[Row]) -> str:
+    """The variants, N and passes of failed rows of the variants table."""
+    labels = ", ".join(dict.fromkeys(r["label"] for r in failed))
+    passes = _compact((r["pass"] for r in failed), key=PASS_ORDER.get)
+    return f"{labels}; N {_compact(r['N'] for r in failed)}; pass {passes}"
 
 
 def _accuracy(rows: list[Row], providers: list[str]) -> list[str]:
@@ -304,26 +317,6 @@ def _variant_accuracy(rows: list[Row], providers: list[str]) -> list[str]:
     return lines
 
 
-def _variant_failures(rows: list[Row]) -> list[str]:
-    """One bullet per (provider, reason): unsupported features, failures, rows skipped for the budget."""
-    groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
-    skipped = 0
-    for row in rows:
-        if row["error"] == FORWARD_FAILED:
-            skipped += 1
-        elif row["error"] is not None:
-            groups[(row["provider"], row["error"])].append(row)
-    lines = []
-    for (provider, reason), failed in sorted(groups.items()):
-        labels = ", ".join(dict.fromkeys(r["label"] for r in failed))
-        passes = _compact((r["pass"] for r in failed), key=PASS_ORDER.get)
-        where = f"{labels}; N {_compact(r['N'] for r in failed)}; pass {passes}"
-        lines.append(f"- **{provider}**, {_plural(len(failed), 'row')} ({where}): {reason}")
-    if skipped:
-        lines.append(f"- {_plural(skipped, 'bwd row')} not run because the fwd failed (reasons above).")
-    return lines
-
-
 def _variants_markdown(rows: list[Row], providers: list[str]) -> list[str]:
     lines = ["", "## Variants: windows, features, masks"]
     for section, title in SECTIONS.items():
@@ -338,7 +331,7 @@ def _variants_markdown(rows: list[Row], providers: list[str]) -> list[str]:
                 *_variant_table(section, mine, providers),
             ]
     lines += _variant_accuracy(rows, providers)
-    failures = _variant_failures(rows)
+    failures = _failures(rows, "row", _variant_shapes)
     if failures:
         lines += ["", "Not run, unsupported or failed:", "", *failures]
     return lines
@@ -434,7 +427,7 @@ def markdown(result: dict[str, Any], provenance: bool = True) -> str:
         accuracy = _accuracy(rows, providers)
         if accuracy:
             lines += ["", "Accuracy against the reference (max abs difference):", "", *accuracy]
-    failures = _failures(rows, "speed") + _failures(memory, "memory")
+    failures = _failures(rows, "speed row") + _failures(memory, "memory row")
     if failures:
         lines += ["", "Missing or failed:", "", *failures]
     if memory:
