@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, in steps: bash benchmarks/gpu_session.sh STEP [STEP ...]
 #   test     the whole test suite on the GPU (larger shapes, int64 offsets, races)
-#   ptest    the same, as four pytest processes side by side (kernel compiles are CPU-bound)
+#   ptest    the GPU-relevant test files as nine pytest processes side by side (kernel compiles are CPU-bound)
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
 #   decode   the decode (KV cache) benchmark
 #   tunedecode  decode tile-config and split-count sweep, host profile (benchmarks/tune_decode.py)
@@ -33,7 +33,8 @@ for step in "$@"; do
               "tests/test_variants.py"
               "tests/test_dropout.py tests/test_varlen.py tests/test_varlen_paged.py"
               "tests/test_kvcache.py"
-              "tests/test_compile.py tests/test_validation.py tests/test_cli.py tests/test_distributed.py")
+              "tests/test_compile.py tests/test_validation.py tests/test_cli.py tests/test_distributed.py"
+              "tests/test_check_values.py tests/test_flash_attn_api.py tests/test_host_path.py tests/test_bench_decode.py")
       for i in "${!groups[@]}"; do
         timeout ${PTEST_TIMEOUT:-300} python3 -m pytest ${groups[$i]} -q -p no:cacheprovider --durations=3 > "/tmp/ptest$i.log" 2>&1 &
       done
