@@ -34,11 +34,11 @@ of plain causal attention (q, k, v, out, LSE, gradients, the ring's K/V and dK/d
 depends on the mask but the kernels' temporaries, which are linear in N either way), but the compute is
 linear in N, so the search reaches the memory limit in seconds, where plain causal at millions of tokens
 takes minutes a call. The ring's per-step gradient temporaries are smaller with a narrow window (blocks
-outside the band are skipped), so its result is optimistic by up to ~10%; the table also gives the
-longest N predicted from the plain-causal peak memory per token of the scaling runs. Every rank reports
-whether it ran out of memory before any rank waits on the GPU, so an out-of-memory on one rank cannot
-leave the others waiting forever; if a rank's GPU stream still waits for a peer that failed, the run
-stops there (what was measured is kept).
+outside the band are skipped), so its result is optimistic, by an estimated ~10% at most (not measured);
+the table also gives the longest N predicted from the plain-causal peak memory per token of the scaling
+runs. Every rank reports whether it ran out of memory before any rank waits on the GPU, so an
+out-of-memory on one rank cannot leave the others waiting forever; if a rank's GPU stream still waits for a
+peer that failed, the run stops there (what was measured is kept).
 
 --time-budget S: nothing starts that is predicted to end more than S seconds after the start
 (predictions from the previous N: x4 for plain causal, x2 in the windowed search, x2.25 and x1.5 for the

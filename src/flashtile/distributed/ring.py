@@ -64,13 +64,17 @@ backward, W >= 3       8; per group, in a middle step: fp32 dq 2 + K/V in hand 2
 One group (G = 1) allocates neither the whole outputs ahead nor a K/V copy: forward 9T (W = 2) or 10.5T,
 backward 16T (W = 2) or 23.5T. Besides: LSE-sized fp32 terms ((B, H, S), 2/D T each). One GPU running
 ``flash_attn_func`` on its whole sequence holds 8T (q, k, v, dout, out, dq, dk, dv), so W ranks hold
-8 W / peak times its tokens: 1.5x at W = 2, 2.5x at W = 4. Before the head groups (ccb3103), measured as
+8 W / peak times its tokens: predicted 1.5x at W = 2, 2.5x at W = 4. Measured on two H200s (29c8725,
+bench_ring.py, H = 16, D = 128: T = 4 KiB per token): peak 0.84 / 1.35 / 2.69 / 5.38 GiB per GPU at
+N = 32k / 64k / 128k / 256k, i.e. 43.1 KiB = 10.8T per local token at W = 2 (10.75T above); the longest
+search fit 4194304 tokens at W = 2 (88.1 GiB) and not 8388608 (the 1.5x try between was not run), so the
+1.5x is not measured yet; W = 1 fit 4194304 too (128.5 GiB), not 6291456. Before the head groups (ccb3103), measured as
 ``tests/test_distributed.py`` measures (CPU path, gloo, T per local token): forward 13.2T (q, k, v, dout
 4 + fp32 out 2 + K/V packed into one copy 2 + receive buffer 2 + block output 1 + the merge's fp32
 product 2), backward 23T at W = 2 and 25T at W = 4 (5 + fp32 dq 2 + K/V in hand 2 (and being received
 2) + three fp32 dK/dV accumulators 12: sent, received, and the next receive buffer, allocated while the
 previous transfer's works still held the sent one + one step's dk, dv blocks a loop variable kept 2);
-the H200 measured 21T at W = 2 (84.1 KiB per local token at H = 16, D = 128: T = 4 KiB).
+the H200 measured 21T at W = 2 (84.1 KiB per local token).
 What groups cost: G times as many kernel calls and transfers, each 1/G the size.
 
 Masks and layouts
@@ -433,17 +437,15 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: _
     batch, shard_len, nheads, nheads_k = *q.shape[:3], k.shape[2]
     groups = head_groups(batch, shard_len, nheads, nheads_k)
     lse = torch.empty((batch, nheads, shard_len), dtype=torch.float32, device=q.device)
-    out = None if len(groups) == 1 else empty_output((batch, shard_len, nheads, v.shape[3]), q.dtype, q.device)
+    if len(groups) == 1:
+        return _forward_pass(q, k, v, lse, sink, setup), lse
+    out = empty_output((batch, shard_len, nheads, v.shape[3]), q.dtype, q.device)
     for kv_heads in groups:
         heads = _query_heads(kv_heads, nheads // nheads_k)
-        out_g = _forward_pass(
+        out[:, :, heads] = _forward_pass(
             q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads], lse[:, heads], None if sink is None else sink[heads],
             setup,
         )  # fmt: skip
-        if out is None:
-            return out_g, lse
-        out[:, :, heads] = out_g
-        del out_g
     return out, lse
 
 
@@ -484,15 +486,15 @@ def _ring_backward(
     """
     batch, shard_len, nheads, nheads_k = *q.shape[:3], k.shape[2]
     groups = head_groups(batch, shard_len, nheads, nheads_k)
-    grads = None if len(groups) == 1 else [empty_output(x.shape, x.dtype, x.device) for x in (q, k, v)]
+    if len(groups) == 1:
+        return _backward_pass(dout, q, k, v, out, lse, dlse, setup)
+    grads = [empty_output(x.shape, x.dtype, x.device) for x in (q, k, v)]
     for kv_heads in groups:
         heads = _query_heads(kv_heads, nheads // nheads_k)
         parts = _backward_pass(
             dout[:, :, heads], q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads], out[:, :, heads],
             lse[:, heads], None if dlse is None else dlse[:, heads], setup,
         )  # fmt: skip
-        if grads is None:
-            return parts
         for i, grad_heads in enumerate((heads, kv_heads, kv_heads)):
             grads[i][:, :, grad_heads] = parts[i]
         del parts  # copied (and no loop variable keeps one of them)

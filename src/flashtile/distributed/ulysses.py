@@ -145,43 +145,23 @@ def ulysses_flash_attn_func(
         except (TypeError, ValueError):
             _check_across_ranks(comm, device, None)
             raise
-        return _ulysses(q, k, v, softmax_scale, left, right, softcap, alibi_slopes, return_attn_probs, learnable_sink,
-                        comm, device)  # fmt: skip
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        setup = _Setup(comm, "contiguous", float(softmax_scale), left, right, softcap)
+        signature = _signature(q, k, v, setup, learnable_sink is not None, alibi_slopes is not None)
+        _check_across_ranks(comm, device, signature)
 
-
-def _ulysses(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    softmax_scale: float | None,
-    left: int | None,
-    right: int | None,
-    softcap: float,
-    alibi_slopes: Tensor | None,
-    return_attn_probs: bool,
-    learnable_sink: Tensor | None,
-    comm: _Ring,
-    device: torch.device,
-):
-    """``ulysses_flash_attn_func`` once every rank's inputs are valid on their own: the cross-rank check,
-    then the exchanges and the attention, on q's device."""
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    setup = _Setup(comm, "contiguous", float(softmax_scale), left, right, softcap)
-    signature = _signature(q, k, v, setup, learnable_sink is not None, alibi_slopes is not None)
-    _check_across_ranks(comm, device, signature)
-
-    world, nheads, nheads_k = comm.size, q.shape[2], k.shape[2]
-    if nheads_k % world != 0:  # world % nheads_k == 0: rank r's query heads use key/value head r // repeats
-        k, v = (t.repeat_interleave(world // nheads_k, dim=2) for t in (k, v))
-    q, k, v = (_AllToAll.apply(t, 2, 1, comm) for t in (q, k, v))  # (B, N, heads / W, d)
-    heads = slice(comm.rank * nheads // world, (comm.rank + 1) * nheads // world)
-    out, lse, _ = flash_attn_func(
-        q, k, v, 0.0, setup.softmax_scale, False, (-1 if left is None else left, -1 if right is None else right),
-        softcap, None if alibi_slopes is None else alibi_slopes[..., heads], False, True,
-        learnable_sink=None if learnable_sink is None else learnable_sink[heads],
-    )  # fmt: skip
-    out = _AllToAll.apply(out, 1, 2, comm)  # (B, N, H / W, Dv) -> (B, S, H, Dv)
-    if not return_attn_probs:
-        return out
-    return out, _AllToAll.apply(lse, 2, 1, comm), None  # lse (B, H / W, N) -> (B, H, S)
+        world, nheads, nheads_k = comm.size, q.shape[2], k.shape[2]
+        if nheads_k % world != 0:  # world % nheads_k == 0: rank r's query heads use key/value head r // repeats
+            k, v = (t.repeat_interleave(world // nheads_k, dim=2) for t in (k, v))
+        q, k, v = (_AllToAll.apply(t, 2, 1, comm) for t in (q, k, v))  # (B, N, heads / W, d)
+        heads = slice(comm.rank * nheads // world, (comm.rank + 1) * nheads // world)
+        out, lse, _ = flash_attn_func(
+            q, k, v, 0.0, setup.softmax_scale, False, (-1 if left is None else left, -1 if right is None else right),
+            softcap, None if alibi_slopes is None else alibi_slopes[..., heads], False, True,
+            learnable_sink=None if learnable_sink is None else learnable_sink[heads],
+        )  # fmt: skip
+        out = _AllToAll.apply(out, 1, 2, comm)  # (B, N, H / W, Dv) -> (B, S, H, Dv)
+        if not return_attn_probs:
+            return out
+        return out, _AllToAll.apply(lse, 2, 1, comm), None  # lse (B, H / W, N) -> (B, H, S)
