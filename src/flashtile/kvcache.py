@@ -38,7 +38,7 @@ from flashtile.interface import (
     pad_head_dim,
     require,
     sliced,
-    window_pair,
+    window_bounds,
 )
 
 INDEX_DTYPE = torch.int32
@@ -222,11 +222,14 @@ def _check_rotary(
 
 
 def _window(window_size: tuple[int, int], causal: bool, seqlen_cache: int) -> tuple[int | None, int | None]:
-    """flash_attn's (window_size, causal) as (left, right), None unbounded; a side >= seqlen_cache is unbounded."""
-    if len(window_size) != 2 or not all(type(w) is int for w in window_size):
-        window_size = window_pair(window_size)
-    left, right = (None if w < 0 or w >= seqlen_cache else w for w in window_size)
-    return left, 0 if causal else right
+    """flash_attn's (window_size, causal) as (left, right), None unbounded (``window_bounds``); a side
+    >= seqlen_cache is unbounded too (causal's right = 0 stays)."""
+    left, right = window_bounds(window_size, causal)
+    if left is not None and left >= seqlen_cache:
+        left = None
+    if right is not None and right >= seqlen_cache and not causal:
+        right = None
+    return left, right
 
 
 def _on_host(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
@@ -318,8 +321,8 @@ def _check_cache_values(
 
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
-    """t with a contiguous last dimension (the kernels index rows by a stride and columns densely)."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+    """``last_dim_contiguous`` for an optional tensor (the kernels index rows by a stride and columns densely)."""
+    return None if t is None else last_dim_contiguous(t)
 
 
 def _eager(*tensors: torch.Tensor | None) -> bool:

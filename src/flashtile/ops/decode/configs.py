@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtile.ops.attention.configs import padded_head_dim
-
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many key tiles, so the merge stays cheap
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
@@ -31,6 +29,8 @@ class DecodeConfig:
 
 
 INTERPRETER = DecodeConfig(32, 4, 1)
+CUDA_HEAD_DIM_128 = DecodeConfig(128, 4, 2)  # head dims <= 128
+CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
 
 
 # Host helpers in plain Python: they run on every decode step, and Triton's own (``triton.cdiv``,
@@ -44,19 +44,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-@functools.cache
-def tile_width(head_dim: int) -> int:
-    """``padded_head_dim`` (the attention kernels' rule), looked up once per head dim."""
-    return padded_head_dim(head_dim)
-
-
 def config(device: torch.device, head_dim: int) -> DecodeConfig:
     """The tile config of the split-KV kernel for ``head_dim`` (the larger of headdim and headdim_v)."""
     if device.type != "cuda":
         return INTERPRETER
-    if head_dim <= 128:
-        return DecodeConfig(128, 4, 2)
-    return DecodeConfig(64, 8, 2)
+    return CUDA_HEAD_DIM_128 if head_dim <= 128 else CUDA_HEAD_DIM_256
 
 
 def block_m(packed_rows: int) -> int:

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
+from flashtile.ops.attention.configs import padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.append import BLOCK_NEW, append_new, load_new
@@ -540,8 +541,8 @@ def decode_attention(
         qk_scale, softcap_log2,
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
-        BLOCK_D=configs.tile_width(head_dim),
-        BLOCK_DV=configs.tile_width(head_dim_v),
+        BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_DV=padded_head_dim(head_dim_v),
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         PAGE_SIZE=k_cache.shape[1] if paged else 0,
