@@ -415,32 +415,28 @@ _DIRECT = SimpleNamespace(
 )
 
 
-class _EagerAttention(torch.autograd.Function):
-    """``attention_forward`` with its registered autograd, minus the custom op's dispatch."""
+def _eager_function(name: str, forward, setup_context, backward_with) -> type[torch.autograd.Function]:
+    """A ``torch.autograd.Function`` named ``name``: a custom op's implementation ``forward`` with its registered
+    autograd (``setup_context``, ``backward_with`` given ``_DIRECT``), minus the custom op's dispatch. Its
+    forward calls ``setup_context`` itself: a separate setup_context would make apply() bind the signature
+    on every call."""
 
-    @staticmethod
-    def forward(ctx, *inputs):  # not a separate setup_context: apply() would bind the signature on every call
-        output = _attention_forward(*inputs)
-        _setup_context(ctx, inputs, output)
+    def eager_forward(ctx, *inputs):
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
         return output
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _backward_with(_DIRECT, ctx, dout, dlse)
+    def eager_backward(ctx, dout, dlse):
+        return backward_with(_DIRECT, ctx, dout, dlse)
+
+    methods = {"forward": staticmethod(eager_forward), "backward": staticmethod(eager_backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _EagerVarlenAttention(torch.autograd.Function):
-    """``varlen_attention_forward`` with its registered autograd, minus the custom op's dispatch."""
-
-    @staticmethod
-    def forward(ctx, *inputs):  # not a separate setup_context: apply() would bind the signature on every call
-        output = _varlen_attention_forward(*inputs)
-        _varlen_setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _varlen_backward_with(_DIRECT, ctx, dout, dlse)
+_EagerAttention = _eager_function("_EagerAttention", _attention_forward, _setup_context, _backward_with)
+_EagerVarlenAttention = _eager_function(
+    "_EagerVarlenAttention", _varlen_attention_forward, _varlen_setup_context, _varlen_backward_with
+)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a Parameter (e.g. a learnable sink) behaves as a tensor

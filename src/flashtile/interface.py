@@ -58,10 +58,13 @@ def pad_head_dim(
     softmax_scale with its default 1 / sqrt of the original headdim, the original headdim); slice the
     output back with ``sliced``.
     """
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+    # Every call runs this: the common case (a tensor q whose headdim is a multiple of 8) returns first.
+    if not isinstance(q, torch.Tensor) or not q.dim() or q.shape[-1] % 8 == 0:
         return None
-    head_dim = q.shape[-1] if q.dim() else 0
-    if head_dim % 8 == 0 or head_dim > MAX_HEAD_DIM or not (k.dim() and v.dim()):
+    head_dim = q.shape[-1]
+    if head_dim > MAX_HEAD_DIM or not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    if not (k.dim() and v.dim()):
         return None
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
         return None
