@@ -2,9 +2,10 @@
 
 Decoding reads the whole KV cache for a few query rows, so its speed is the speed of that read: the
 key tile is wide enough to keep loads in flight, and when batch x kv-heads leaves SMs idle the keys are
-split across programs ("flash-decoding"). The CUDA numbers are first choices, to be measured on the
-H200 with benchmarks/tune_decode.py (docs/tuning-log.md, "Decode tiles and splits"); the Triton
-interpreter gets small tiles so the tests run fast.
+split across programs ("flash-decoding"). The CUDA numbers for head dims up to 128 come from H200 sweeps
+with benchmarks/tune_decode.py (docs/tuning-log.md, "Decode tiles and splits"; measured with the
+kernel of that time, which still launched the append and the merge separately); the D > 128 tile is a
+first choice, not measured. The Triton interpreter gets small tiles so the tests run fast.
 """
 
 from __future__ import annotations
