@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops.attention.configs import config
-from flashtile.ops.attention.forward import block_widths, cdiv, token_strides
+from flashtile.ops.attention.configs import cdiv, config
+from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
     LOG2E,
     alibi_batch_stride,

@@ -92,6 +92,12 @@ PASSES = ("forward", "forward_short", "forward_banded_short", "backward_dkdv", "
 _overrides: dict[str, TileConfig] = {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python: the launchers (attention and decode) run it on every call, and
+    ``triton.cdiv``, a constexpr function, costs microseconds per host call."""
+    return -(-a // b)
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The power-of-two tile width (at least 16, the smallest matrix-product width) for a head dim (plain
     Python: it runs on every launch, and triton.next_power_of_2 costs ~2 µs a call)."""

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops.attention.configs import SHORT_SEQLEN, config, padded_head_dim
+from flashtile.ops.attention.configs import SHORT_SEQLEN, cdiv, config, padded_head_dim
 from flashtile.ops.attention.tiles import (
     LN2,
     LOG2E,
@@ -442,11 +442,6 @@ def token_strides(x: torch.Tensor) -> tuple[int, int, int]:
     if len(strides) == 3:
         return strides[0], strides[0], strides[1]
     return strides[0], strides[1], strides[2]
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) in plain Python: the launchers run it on every call, and ``triton.cdiv`` costs more there."""
-    return -(-a // b)
 
 
 @functools.cache

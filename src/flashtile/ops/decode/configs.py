@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtile.ops.attention.configs import cdiv
+
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many key tiles, so the merge stays cheap
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
@@ -34,12 +36,8 @@ CUDA_HEAD_DIM_128 = DecodeConfig(128, 4, 2)  # head dims <= 128
 CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
 
 
-# Host helpers in plain Python: they run on every decode step, and Triton's own (``triton.cdiv``,
-# ``triton.next_power_of_2``) are constexpr functions that cost microseconds per call on the host.
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
+# A host helper in plain Python (as ``cdiv``): it runs on every decode step, and Triton's own
+# ``triton.next_power_of_2`` is a constexpr function that costs microseconds per call on the host.
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (n >= 1; 0 for 0, as triton.next_power_of_2)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops.attention.configs import padded_head_dim
+from flashtile.ops.attention.configs import cdiv, padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.append import BLOCK_NEW, append_new, load_new
@@ -510,7 +510,7 @@ def decode_attention(
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = configs.config(q.device, max(head_dim, head_dim_v))
     block_m = configs.block_m(seqlen_q * group)
-    m_tiles = max(1, configs.cdiv(seqlen_q * group, block_m))  # one tile without queries: it appends k, v
+    m_tiles = max(1, cdiv(seqlen_q * group, block_m))  # one tile without queries: it appends k, v
     num_splits = configs.num_splits(num_splits, q.device, batch * nheads_k * m_tiles, seqlen_cache, cfg.block_n)
 
     out_part = lse_part = counters = None
