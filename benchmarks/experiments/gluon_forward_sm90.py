@@ -651,6 +651,19 @@ def bench(variants=None):
                             flush=True,
                         )
                 try:
+                    import flashtile
+
+                    ms = do_bench(
+                        lambda q=q, k=k, v=v, c=causal: flashtile.flash_attn_func(q, k, v, causal=c), warmup=25, rep=100
+                    )
+                    print(
+                        f"D={D:3d} H={H:2d} B={B:2d} N={N:5d} causal={int(causal)} {'flashtile tl':>12}: "
+                        f"{ms:8.3f} ms {flops / ms * 1e-9:6.1f} TFLOP/s",
+                        flush=True,
+                    )
+                except Exception as e:  # noqa: BLE001
+                    print(f"flashtile FAIL {e}")
+                try:
                     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                     ms = do_bench(
                         lambda qt=qt, kt=kt, vt=vt, c=causal: torch.nn.functional.scaled_dot_product_attention(
