@@ -1,0 +1,658 @@
+"""Prototype: FlashAttention backward for Hopper (sm_90) in Gluon, warp specialized (FA-3 style), 5 GEMMs.
+
+STATUS: compile-checked for sm_90 without a GPU only (see the report in the commit message / the
+`--compile-only` output); never run. Next H100/H200 session: `--check-only`, then the timing table.
+
+Math (same conventions as src/flashtile/ops/attention/backward.py): with s = softmax_scale * q k^T,
+P = exp(s - lse), dP = dO V^T, delta = rowsum(dO * O), dS = P * (dP - delta):
+    dV = P^T dO,   dK = softmax_scale * dS^T Q,   dQ = softmax_scale * dS K.
+Five matrix products per (query tile, key tile) pair: S, dP, dV, dK, dQ (the `tl` backward needs seven,
+since its separate dQ kernel recomputes S and dP). dQ is accumulated over key tiles with fp32 atomics
+(not deterministic, like FA2/FA3).
+
+Layout (batch, seqlen, nheads, headdim) contiguous, bf16/fp16, head dim 64 or 128, MHA only (as many
+key/value heads as query heads), non-causal and causal (bottom-right aligned: query i sees key j iff
+j <= i + seqlen_k - seqlen_q). lse (B, H, Sq) fp32, natural log, -inf for a row that sees no key.
+
+PROTOTYPE RESTRICTIONS: seqlen_q and seqlen_k multiples of 128; the host asserts it (the 2-D TMA view
+(B*S, H*D) would otherwise read across batches).
+
+Host side (`run`):
+  1. delta (B, H, Sq) fp32 = rowsum(dO * O) (a small `tl` kernel, `_delta_kernel`);
+     dq_accum (B, Sq, H, D) fp32 zeros.
+  2. the main kernel, grid (Sk / BLOCK_N, B * H); it adds softmax_scale * dS K into dq_accum and writes
+     dK, dV in the input dtype.
+  3. dq = dq_accum.to(dtype) (dq_accum already has the layout of q and the scale folded in: one
+     elementwise cast, no transpose).
+
+Structure of one CTA (one (batch, head), BLOCK_N = 128 key rows, 64 per consumer warpgroup):
+  * producer partition, 1 warp: TMA loads of the CTA's K and V tiles (once, kv_bar), then the query
+    tiles (BLOCK_M = 64 rows of Q and dO) into a ring of STAGES buffers. q_ready/do_ready (tx-count)
+    signal the consumers; qdo_empty (count 2, one arrival per consumer warpgroup) frees a slot once
+    both warpgroups' dK and dV products that read it are done.
+  * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1), 64 key rows each.
+    Per query tile, all products are wgmma with fp32 accumulators:
+        S^T  = K_wg Q^T            (smem, smem)          [64 keys, 64 queries]
+        dP^T = V_wg dO^T           (smem, smem)
+        P^T  = exp2(S^T * scale * log2 e - lse * log2 e)  (causal mask on tiles crossing the diagonal)
+        dS^T = P^T * (dP^T - delta)
+        dV_wg += P^T dO            (registers, smem)
+        dK_wg += dS^T Q            (registers, smem)
+    and dS^T goes to a shared buffer [128 keys, 64 queries] (each warpgroup writes its 64 rows; two
+    buffers, used alternately). Once both halves are there (ds_ready, count 2), each warpgroup computes
+    half of the dQ partial, dQ[:, wg*D/2 : (wg+1)*D/2] = dS K[:, cols] (A = the dS^T buffer transposed,
+    from smem), scales it and adds it to dq_accum with relaxed fp32 atomics. ds_free (count 2) tells
+    the warpgroups that both dQ products have read a dS buffer, before it is written again.
+  * epilogue: each warpgroup stores dK_wg * softmax_scale and dV_wg (input dtype, plain stores).
+  Causal: a key tile visits only the query tiles from the one holding row kv_start - (Sk - Sq) (clipped
+  at 0); only tiles crossing the diagonal apply the mask. Rows with lse = -inf (they see no key) get
+  lse = +inf, so exp2 gives exactly 0 there, not NaN.
+
+Usage:
+  python benchmarks/experiments/gluon_backward_sm90.py                 # H100/H200: checks, then timing table
+  python benchmarks/experiments/gluon_backward_sm90.py --check-only    # correctness only
+  python benchmarks/experiments/gluon_backward_sm90.py --bench-only    # timing only
+  python benchmarks/experiments/gluon_backward_sm90.py --compile-only  # no GPU: sm_90 regs / smem / spills
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = 1.4426950408889634
+_LOG2E = gl.constexpr(LOG2E)  # the same, readable from jitted code
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton 3.6 / 3.7 compatibility
+# 3.6: gl.thread_barrier(); 3.7: gl.barrier() (both: a barrier among the warps of the calling partition).
+# mbarrier.expect's byte argument is `bytes` (3.6) vs `bytes_per_cta` (3.7): always pass it positionally.
+# gl.warp_specialize(functions_and_args, worker_num_warps, worker_num_regs) is the same in both.
+# ---------------------------------------------------------------------------------------------------------
+_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+@gluon.constexpr_function
+def _mma_layout(n):
+    # one warpgroup, wgmma m64nNk16 tiles (bf16/fp16: k = 16), N = the full tile width
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+# ------------------------------------------------------------------------------------------------ delta
+@triton.jit
+def _delta_kernel(out_ptr, dout_ptr, delta_ptr, seqlen_q, nheads, HEAD_D: tl.constexpr, BLOCK: tl.constexpr):
+    """delta (B, H, Sq) fp32 = rowsum(dO * O) for one (batch, head) and BLOCK query rows; O and dO are
+    (B, Sq, H, D) contiguous."""
+    m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    offs = ((b * seqlen_q + m).to(tl.int64) * nheads + h)[:, None] * HEAD_D + tl.arange(0, HEAD_D)[None, :]
+    o = tl.load(out_ptr + offs).to(tl.float32)
+    do = tl.load(dout_ptr + offs).to(tl.float32)
+    tl.store(delta_ptr + bh.to(tl.int64) * seqlen_q + m, tl.sum(o * do, 1))
+
+
+# ------------------------------------------------------------------------------------------------ producer
+@gluon.jit
+def _producer(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    do_smem,
+    k_smem,
+    v_smem,
+    kv_bar,
+    q_ready,
+    do_ready,
+    qdo_empty,
+    q_row0,
+    kv_row,
+    col,
+    n_iters,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """K and V once, then the Q and dO tiles of n_iters query tiles (rows q_row0 + i * BLOCK_M)."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, col], kv_bar, v_smem)
+    for i in range(n_iters):
+        s = i % STAGES
+        # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
+        ph = ((i // STAGES) & 1) ^ 1
+        row = q_row0 + i * BLOCK_M
+        mbarrier.wait(qdo_empty.index(s), ph)
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(s), do_smem.index(s))
+
+
+# ------------------------------------------------------------------------------------------------ consumer
+@gluon.jit
+def _probs_and_grad(
+    s_acc,
+    dp_acc,
+    lse2,
+    delta,
+    qk_scale,
+    key0,
+    q0,
+    diag_off,
+    N_WG: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    """P^T and dS^T (fp32, mma layout) of a [N_WG keys, BLOCK_M queries] tile from S^T, dP^T, the
+    queries' lse in base 2 (lse2, +inf for rows that see no key) and delta. Keys key0.., queries q0.."""
+    s_layout: gl.constexpr = s_acc.type.layout
+    p = gl.exp2(s_acc * qk_scale - lse2[None, :])
+    if CAUSAL:
+        # only tiles crossing the diagonal need the mask: key j visible to query i iff j <= i + diag_off
+        if key0 + N_WG - 1 > q0 + diag_off:
+            keys = key0 + gl.arange(0, N_WG, layout=gl.SliceLayout(1, s_layout))
+            queries = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            keep = keys[:, None] <= (queries + diag_off)[None, :]
+            p = gl.where(keep, p, gl.zeros_like(p))
+    ds = p * (dp_acc - delta[None, :])
+    return p, ds
+
+
+@gluon.jit
+def _consumer(
+    WG: gl.constexpr,
+    q_smem,
+    do_smem,
+    k_smem,
+    v_smem,
+    ds_smem,
+    kv_bar,
+    q_ready,
+    do_ready,
+    qdo_empty,
+    ds_ready,
+    ds_free,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    stat_off,
+    dq_off,
+    kv_off,
+    row_stride,
+    m_start,
+    kv_start,
+    diag_off,
+    n_iters,
+    qk_scale,
+    sm_scale,
+    HEAD_D: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    N_WG: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    dtype: gl.constexpr = q_smem.dtype
+    DQ_COLS: gl.constexpr = HEAD_D // 2
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)  # S^T, dP^T: [N_WG keys, BLOCK_M queries]
+    kv_layout: gl.constexpr = _mma_layout(HEAD_D)  # dK, dV: [N_WG keys, HEAD_D]
+    dq_layout: gl.constexpr = _mma_layout(DQ_COLS)  # dQ partial: [BLOCK_M queries, HEAD_D / 2]
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    key0 = kv_start + WG * N_WG
+    k_wg = k_smem.slice(WG * N_WG, N_WG)
+    v_wg = v_smem.slice(WG * N_WG, N_WG)
+    k_cols = k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1)  # B operand of this warpgroup's dQ half
+    ds_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    ds_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    dq_ptrs0 = dq_ptr + dq_off + ds_rows[:, None] * row_stride + ds_cols[None, :]
+
+    s_zero = gl.zeros([N_WG, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    dk = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_iters):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        b = i % 2
+        bph = (i // 2) & 1
+        q0 = m_start + i * BLOCK_M
+        q_tile = q_smem.index(s)
+        do_tile = do_smem.index(s)
+        ds_buf = ds_smem.index(b)
+
+        # ---- S^T and dP^T in flight together; the row statistics load meanwhile
+        mbarrier.wait(q_ready.index(s), ph)
+        s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(s), ph)
+        dp_tok = warpgroup_mma(v_wg, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        q_offs = stat_off + q0 + gl.arange(0, BLOCK_M, layout=col_s)
+        lse2 = gl.load(lse_ptr + q_offs) * _LOG2E
+        if CAUSAL:
+            lse2 = gl.where(lse2 == float("-inf"), gl.full_like(lse2, float("inf")), lse2)
+        delta = gl.load(delta_ptr + q_offs)
+        s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
+        dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, k_wg, v_wg, q_tile, do_tile))[0]
+        p, ds = _probs_and_grad(s_acc, dp_acc, lse2, delta, qk_scale, key0, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
+        p16 = p.to(dtype)
+        ds16 = ds.to(dtype)
+
+        # ---- dV += P^T dO, dK += dS^T Q (A from registers)
+        dv_tok = warpgroup_mma(gl.convert_layout(p16, op_layout), do_tile, dv, is_async=True)
+        dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
+
+        # ---- dS^T to shared memory (both warpgroups' halves), then this warpgroup's half of dQ = dS K
+        mbarrier.wait(ds_free.index(b), bph ^ 1)  # both dQ products of iteration i - 2 have read ds_buf
+        ds_buf.slice(WG * N_WG, N_WG).store(ds16)
+        fence_async_shared()
+        _partition_barrier()  # every thread of this warpgroup has written (and fenced) its part
+        mbarrier.arrive(ds_ready.index(b), count=1)
+        mbarrier.wait(ds_ready.index(b), bph)
+        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+
+        dv, dk = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok))
+        mbarrier.arrive(qdo_empty.index(s), count=1)
+        dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_cols))[0]
+        mbarrier.arrive(ds_free.index(b), count=1)
+        gl.atomic_add(dq_ptrs0 + q0 * row_stride, dq * sm_scale, sem="relaxed")
+
+    # ---- epilogue: dK * scale and dV in the input dtype, this warpgroup's N_WG key rows
+    rows = key0 + gl.arange(0, N_WG, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+    offs = kv_off + rows[:, None] * row_stride + cols[None, :]
+    gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype))
+    gl.store(dv_ptr + offs, dv.to(dtype))
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+@gluon.jit
+def attn_bwd_ws(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    qk_scale,
+    sm_scale,
+    seqlen_q,
+    seqlen_k,
+    nheads,
+    HEAD_D: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    N_WG: gl.constexpr = BLOCK_N // 2
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    kv_start = pid_n * BLOCK_N
+    diag_off = seqlen_k - seqlen_q
+    if CAUSAL:
+        # the first query row that sees key kv_start is kv_start - diag_off
+        m_start = (gl.maximum(kv_start - diag_off, 0) // BLOCK_M) * BLOCK_M
+        m_start = gl.minimum(m_start, seqlen_q)
+    else:
+        m_start = 0
+    n_iters = (seqlen_q - m_start) // BLOCK_M
+
+    row_stride = nheads * HEAD_D
+    col = h * HEAD_D
+    stat_off = bh.to(gl.int64) * seqlen_q
+    dq_off = b.to(gl.int64) * seqlen_q * row_stride + col
+    kv_off = b.to(gl.int64) * seqlen_k * row_stride + col
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=2)  # one arrival per consumer warpgroup
+    for j in gl.static_range(2):
+        mbarrier.init(ds_ready.index(j), count=2)
+        mbarrier.init(ds_free.index(j), count=2)
+
+    # (tuples can not be concatenated here: `(0, ) + common` breaks the constexprs, so spell the args out)
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    0,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    ds_smem,
+                    kv_bar,
+                    q_ready,
+                    do_ready,
+                    qdo_empty,
+                    ds_ready,
+                    ds_free,
+                    lse_ptr,
+                    delta_ptr,
+                    dq_ptr,
+                    dk_ptr,
+                    dv_ptr,
+                    stat_off,
+                    dq_off,
+                    kv_off,
+                    row_stride,
+                    m_start,
+                    kv_start,
+                    diag_off,
+                    n_iters,
+                    qk_scale,
+                    sm_scale,
+                    HEAD_D,
+                    BLOCK_M,
+                    N_WG,
+                    STAGES,
+                    CAUSAL,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    1,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    ds_smem,
+                    kv_bar,
+                    q_ready,
+                    do_ready,
+                    qdo_empty,
+                    ds_ready,
+                    ds_free,
+                    lse_ptr,
+                    delta_ptr,
+                    dq_ptr,
+                    dk_ptr,
+                    dv_ptr,
+                    stat_off,
+                    dq_off,
+                    kv_off,
+                    row_stride,
+                    m_start,
+                    kv_start,
+                    diag_off,
+                    n_iters,
+                    qk_scale,
+                    sm_scale,
+                    HEAD_D,
+                    BLOCK_M,
+                    N_WG,
+                    STAGES,
+                    CAUSAL,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    q_desc,
+                    do_desc,
+                    k_desc,
+                    v_desc,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    kv_bar,
+                    q_ready,
+                    do_ready,
+                    qdo_empty,
+                    b * seqlen_q + m_start,
+                    b * seqlen_k + kv_start,
+                    col,
+                    n_iters,
+                    BLOCK_M,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+# ------------------------------------------------------------------------------------------------ configs
+def config(head_dim, causal):
+    """(BLOCK_M, BLOCK_N, STAGES, consumer regs, producer regs)."""
+    if head_dim == 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, CONSUMER_REGS=240, PRODUCER_REGS=24)
+    if head_dim == 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
+    raise ValueError(f"head dim {head_dim} not in (64, 128)")
+
+
+# timing variants: name -> (head dim -> config overrides)
+VARIANTS = {
+    "default": lambda D: {},
+    "more-stages": lambda D: {"STAGES": 3 if D == 128 else 4},
+}
+
+
+def _gl_dtype(torch_dtype):
+    import torch
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
+
+
+def run(q, k, v, out, dout, lse, causal=False, softmax_scale=None, **overrides):
+    """Gradients dq, dk, dv (B, S, H, D) of softmax(q k^T * scale) v. q, out, dout: (B, Sq, H, D), k, v:
+    (B, Sk, H, D), contiguous bf16/fp16; lse (B, H, Sq) fp32 natural log (the forward's)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, Sq, H, D = q.shape
+    Sk = k.shape[1]
+    assert k.shape == (B, Sk, H, D) and v.shape == k.shape, "prototype: MHA only (same number of heads)"
+    assert out.shape == q.shape and dout.shape == q.shape and lse.shape == (B, H, Sq)
+    assert q.dtype in (torch.bfloat16, torch.float16) and all(t.dtype == q.dtype for t in (k, v, out, dout))
+    assert lse.dtype == torch.float32
+    assert all(t.is_contiguous() for t in (q, k, v, out, dout, lse))
+    cfg = dict(config(D, causal))
+    cfg.update(overrides)
+    BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    assert Sq % 128 == 0 and Sk % BLOCK_N == 0 and Sq % BLOCK_M == 0, (
+        f"prototype: seqlen_q ({Sq}) and seqlen_k ({Sk}) must be multiples of 128"
+    )
+    if softmax_scale is None:
+        softmax_scale = D**-0.5
+
+    delta = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
+    _delta_kernel[(Sq // 64, B * H)](out, dout, delta, Sq, H, HEAD_D=D, BLOCK=64, num_warps=4)
+    dq_accum = torch.zeros((B, Sq, H, D), device=q.device, dtype=torch.float32)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+
+    gdt = _gl_dtype(q.dtype)
+    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gdt)
+    q2, do2, k2, v2 = (t.view(t.shape[0] * t.shape[1], H * D) for t in (q, dout, k, v))
+    q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, D], q_layout)
+    do_desc = TensorDescriptor.from_tensor(do2, [BLOCK_M, D], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k2, [BLOCK_N, D], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, D], kv_layout)
+    attn_bwd_ws[(Sk // BLOCK_N, B * H)](
+        q_desc,
+        do_desc,
+        k_desc,
+        v_desc,
+        lse,
+        delta,
+        dq_accum,
+        dk,
+        dv,
+        softmax_scale * LOG2E,
+        softmax_scale,
+        Sq,
+        Sk,
+        H,
+        HEAD_D=D,
+        CAUSAL=causal,
+        num_warps=4,
+        **cfg,
+    )
+    return dq_accum.to(q.dtype), dk, dv
+
+
+# ------------------------------------------------------------------------------------------------ compile only
+def _desc_sig(dt, rows, d, gdt):
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
+    return f"tensordesc<{dt}[{rows},{d}],{layout!r}>"
+
+
+def compile_only(dtypes=("bf16", "fp16"), variants=None):
+    """Compile every (dtype, head dim, causal) for sm_90 with the default config, and the timing variants
+    (VARIANTS) for bf16; print shared memory, setmaxnreg and ptxas register / stack / local use."""
+    import itertools
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # Gluon kernels need GluonASTSource (same constructor as ASTSource; sets Language.GLUON and builds the
+    # module with the ttg.* attributes); the same class path exists in Triton 3.6 and 3.7.
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    ok = True
+    print(f"triton {triton.__version__}")
+    for dt in dtypes:
+        for D in (64, 128):
+            src = ASTSource(
+                _delta_kernel,
+                {"out_ptr": f"*{dt}", "dout_ptr": f"*{dt}", "delta_ptr": "*fp32", "seqlen_q": "i32", "nheads": "i32"}
+                | {"HEAD_D": "constexpr", "BLOCK": "constexpr"},
+                constexprs={"HEAD_D": D, "BLOCK": 64},
+            )
+            try:
+                triton.compile(src, target=target, options={"num_warps": 4})
+            except Exception as e:  # noqa: BLE001
+                ok = False
+                print(f"FAIL delta kernel {dt} D={D}: {type(e).__name__}: {str(e)[:2000]}")
+    for dt in dtypes:
+        gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
+        for D, causal, (vname, ov) in itertools.product((64, 128), (False, True), (variants or VARIANTS).items()):
+            if vname != "default" and dt != "bf16":
+                continue
+            cfg = dict(config(D, causal))
+            cfg.update(ov(D))
+            BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+            sig = {
+                "q_desc": _desc_sig(dt, BM, D, gdt),
+                "do_desc": _desc_sig(dt, BM, D, gdt),
+                "k_desc": _desc_sig(dt, BN, D, gdt),
+                "v_desc": _desc_sig(dt, BN, D, gdt),
+                "lse_ptr": "*fp32",
+                "delta_ptr": "*fp32",
+                "dq_ptr": "*fp32",
+                "dk_ptr": f"*{dt}",
+                "dv_ptr": f"*{dt}",
+                "qk_scale": "fp32",
+                "sm_scale": "fp32",
+                "seqlen_q": "i32",
+                "seqlen_k": "i32",
+                "nheads": "i32",
+            }
+            constexprs = dict(HEAD_D=D, CAUSAL=causal, **cfg)
+            for name in constexprs:
+                sig[name] = "constexpr"
+            attrs = {name: [["tt.divisibility", 16]] for name in sig if name.endswith("_ptr") or "seqlen" in name}
+            src = GluonASTSource(attn_bwd_ws, sig, constexprs=constexprs, attrs=attrs)
+            tag = f"{dt} D={D} causal={int(causal)} [{vname}] {cfg}"
+            try:
+                c = triton.compile(src, target=target, options={"num_warps": 4})
+            except Exception as e:  # noqa: BLE001
+                ok = False
+                print(f"FAIL {tag}: {type(e).__name__}: {str(e)[:3000]}")
+                continue
+            ptx = c.asm["ptx"]
+            maxnreg = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)
+            local = re.findall(r"\.local \.align \d+ \.b8 \S+\[(\d+)\]", ptx)
+            md = c.metadata
+            info = _sass_info(c)
+            print(
+                f"ok   {tag}\n     shared={md.shared} B  num_warps(total)={md.num_warps}  "
+                f"setmaxnreg={maxnreg}  ptx .local={local}  {info}"
+            )
+            if md.shared > 232448:
+                ok = False
+                print("     FAIL: shared memory exceeds 227 KiB")
+            if os.environ.get("DUMP_DIR"):
+                name = f"{dt}_d{D}_c{int(causal)}_{vname}"
+                for ext in ("ttgir", "ptx"):
+                    with open(os.path.join(os.environ["DUMP_DIR"], f"{name}.{ext}"), "w") as f:
+                        f.write(c.asm[ext])
+    return ok
+
+
+def _sass_info(c):
+    """Registers / stack / spills from cuobjdump -res-usage on the cubin (ptxas output)."""
+    import subprocess
+    import tempfile
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump) or "cubin" not in c.asm:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        r = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", r.stdout)
+    if not m:
+        return r.stdout.strip()[-300:]
+    return f"sass REG={m.group(1)} STACK={m.group(2)} LOCAL={m.group(4)}"
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    sys.exit(0 if compile_only() else 1)
