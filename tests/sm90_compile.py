@@ -11,7 +11,8 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
   with every feature off and with every feature on (softcap, ALiBi, sink, dropout, varlen: those the
   kernel has; the forward also with paged K/V on top), and the delta kernel of the backward;
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
-  ``decode.configs.config``.
+  ``decode.configs.config``;
+* the Gluon forward of ``forward_sm90`` (its one config), causal and full.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
 on a ``PTXASError`` (or any other compile error) or when its shared memory exceeds the H200's 227 KiB per
@@ -45,12 +46,13 @@ from dataclasses import dataclass, field
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("tests/sm90_compile.py: unset TRITON_INTERPRET (kernels defined under the interpreter cannot compile)")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from flashtile.ops.attention import backward, forward  # noqa: E402
+from flashtile.ops.attention import backward, forward, forward_sm90  # noqa: E402
 from flashtile.ops.attention.configs import _HOPPER, PASSES, with_mask  # noqa: E402
 from flashtile.ops.decode import configs as decode_configs  # noqa: E402
 from flashtile.ops.decode import split_kv  # noqa: E402
@@ -260,14 +262,49 @@ def resources(cubin: bytes) -> dict:
     return dict(zip(("registers", "stack", "static_shared", "local"), map(int, m.groups()), strict=True))
 
 
+GLUON_FORWARD = forward_sm90._attention_forward_sm90_kernel.fn.__name__
+
+
+def gluon_forward_source(consts: dict):
+    """What triton.compile takes for the Gluon forward (a GluonASTSource: Gluon kernels need their own
+    source class) with the descriptors ``forward_sm90.attention_forward_sm90`` passes."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def descriptor(rows: int) -> str:
+        layout = forward_sm90._shared_layout(rows, torch.bfloat16)
+        return f"tensordesc<{DATA}[{rows},{forward_sm90.HEAD_DIM}],{layout!r}>"
+
+    sig = {
+        "q_desc": descriptor(consts["M_WG"]), "k_desc": descriptor(consts["BLOCK_N"]),
+        "v_desc": descriptor(consts["BLOCK_N"]), "o_desc": descriptor(consts["M_WG"]), "lse_ptr": "*fp32",
+        "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32",
+    }  # fmt: skip
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    kernel = forward_sm90._attention_forward_sm90_kernel
+    attrs = {(kernel.arg_names.index("lse_ptr"),): [["tt.divisibility", 16]]}  # a torch allocation
+    return GluonASTSource(kernel, sig, consts, attrs)
+
+
+def gluon_variants() -> list[Variant]:
+    cfg = forward_sm90.CONFIG
+    name = f"forward_sm90 D{forward_sm90.HEAD_DIM} {2 * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
+    return [
+        Variant(GLUON_FORWARD, name, mask, "off", dict(cfg, HEAD_D=forward_sm90.HEAD_DIM, CAUSAL=mask == "causal"))
+        for mask in ("full", "causal")
+    ]
+
+
 def compile_variant(v: Variant) -> dict:
     """Compile one variant; the row for the table, with "error" set when it failed."""
     row = {"kernel": v.kernel, "config": v.config, "mask": v.mask, "flags": v.flags, "label": v.label}
     start = time.perf_counter()
     try:
-        sig, cx, attrs = signature(v.kernel, v.consts)
+        if v.kernel == GLUON_FORWARD:
+            source = gluon_forward_source(v.consts)
+        else:
+            source = ASTSource(KERNELS[v.kernel], *signature(v.kernel, v.consts))
         compiled = triton.compile(
-            ASTSource(KERNELS[v.kernel], sig, cx, attrs),
+            source,
             target=TARGET,
             options={"num_warps": v.num_warps, "num_stages": v.num_stages},
         )
@@ -374,7 +411,7 @@ _CUDA = _CudaDevice()
 def all_variants() -> list[Variant]:
     """Every variant, each distinct compile once (the first label that asks for it)."""
     seen, out = set(), []
-    for v in attention_variants() + decode_variants():
+    for v in attention_variants() + decode_variants() + gluon_variants():
         if v.key() not in seen:
             seen.add(v.key())
             out.append(v)

@@ -6,7 +6,9 @@
 | CPU tensor and ``TRITON_INTERPRET=1`` set before import      | the same Triton kernels, interpreted |
 | CPU tensor otherwise                                         | ``flashtile.cpu``: PyTorch, tiled  |
 
-Nothing else in flashtile reads the environment. It also holds the value-check switch: whether checks
+Nothing else in flashtile reads the environment. On a Hopper GPU (sm_90) the forwards that qualify run a
+Gluon kernel instead of the Triton one (``ops.attention.forward_sm90``; ``FLASHTILE_GLUON=0`` turns it
+off). It also holds the value-check switch: whether checks
 that need the *values* of index tensors (``cache_seqlens``, ``block_table``, ``cu_seqlens``, ...) run
 (``values_checked``); see docs/validation.md. Each path module provides
 ``attention_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap,
@@ -37,6 +39,10 @@ def _env_flag(name: str, default: str) -> bool:
         raise ValueError(f"{name} must be 0 or 1, got {value!r}.")
     return value == "1"
 
+
+GLUON = _env_flag("FLASHTILE_GLUON", "1")
+"""Whether forwards that qualify run the Gluon kernel on sm_90 (``ops.attention.forward_sm90``):
+``FLASHTILE_GLUON=0`` keeps every launch on the portable Triton kernels."""
 
 CHECK_VALUES = _env_flag("FLASHTILE_CHECK_VALUES", "1")
 """The process-wide default of the value checks on CUDA tensors: ``FLASHTILE_CHECK_VALUES=0`` turns them off."""

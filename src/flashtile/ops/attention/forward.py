@@ -32,6 +32,9 @@ the strides of its (B, H, Sq, Sk) broadcast view (0 on broadcast dimensions, so 
 memory); MASK_IS_BOOL picks a boolean mask (uint8, hides keys) or an additive one (added to the scores).
 A row that the mask hides entirely behaves as a row that sees no key: output 0, LSE -inf. Off, the kernel's
 signature and SASS are those without it (sm_90 SASS of every features-off variant compared).
+
+On sm_90 the launcher hands the forwards without options (causal or not, head dim 128, lengths multiples of
+128) to the warp-specialized Gluon kernel of ``forward_sm90``.
 """
 
 import functools
@@ -41,6 +44,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
+from flashtile.ops.attention import forward_sm90
 from flashtile.ops.attention.configs import SHORT_SEQLEN, cdiv, config, padded_head_dim
 from flashtile.ops.attention.tiles import (
     LN2,
@@ -461,6 +465,11 @@ def _launch(
     is_varlen = cu_seqlens_q is not None
     paged = block_table is not None
     has_dropout = dropout_p > 0.0
+    options = (alibi_slopes, learnable_sink, attn_mask, cu_seqlens_q, window_left)
+    plain = all(x is None for x in options) and not has_dropout and softcap == 0.0 and window_right in (None, 0)
+    if plain and forward_sm90.applies(q, k, v):
+        forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=window_right == 0)
+        return
     pass_name = "forward"
     if seqlen_k <= SHORT_SEQLEN:
         pass_name = "forward_banded_short" if window_right is not None else "forward_short"

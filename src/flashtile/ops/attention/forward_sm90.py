@@ -1,0 +1,491 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
+
+On an H100/H200 the forwards that qualify (``applies``) run this kernel instead of the portable Triton one
+(``forward.py``, which every other GPU and the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap,
+sink, window or packed batch; causal or not; head dim 128 for q, k and v (at 64 the Triton kernel was as
+fast); bf16/fp16; seqlen_q and seqlen_k multiples of 128; heads of a token contiguous and tokens of a batch
+entry evenly strided (a contiguous tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns
+it off (``flashtile._backend.GLUON``). Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
+sm_90 without a GPU, and the GPU tests run it against the oracle.
+
+Measured on an H200 (D=128, bf16, TFLOP/s; benchmarks/results/2026-11-30-h200x2-gluon-3a0d6e0.log): N=1k
+555 / 389 causal against 393 / 316 for the Triton kernel, N=4k 642 / 530 against 536 / 478, N=16k 646 / 586
+against 548 / 541 (cuDNN in the same session's table: 565 / 437, 605 / 541, 630 / 577).
+
+Inputs are read through 2-D tensor descriptors of the (batch * seqlen, nheads * headdim) view, so a tile
+never crosses a batch entry when both lengths are multiples of the tiles. Outputs: out (B, Sq, H, D) and
+lse (B, H, Sq) fp32, natural log; a query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and
+lse -inf, as the Triton kernel.
+
+One CTA per (2 * M_WG query rows, batch * head):
+  * producer partition, 1 warp: TMA loads of the two Q tiles, then K and V tiles into a ring of STAGES
+    shared-memory buffers; k_ready/v_ready (tx-count) barriers signal the consumers, k_empty/v_empty
+    (count 2, one arrival per consumer warpgroup) signal the producer that a slot is free.
+  * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1), M_WG query rows each:
+    S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V (wgmma, P from
+    registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits only for S_i,
+    does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG two mbarriers
+    hand a "turn" between the warpgroups so one issues its two products while the other does its softmax
+    (FA-3's warp scheduler barriers).
+  * epilogue: O / l cast to the input dtype, written to the (now free) Q tile, TMA store; lse by plain stores.
+Causal launches take the heaviest query tiles first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashtile import _backend
+
+LOG2E = 1.4426950408889634
+HEAD_DIM = 128
+"""The one head dim this path serves."""
+CONFIG = {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24}
+"""Query rows per consumer warpgroup, key rows per tile, K/V ring depth, ping-pong, registers per thread of
+the consumers and the producer (setmaxnreg). 164 KiB of shared memory; no spills (tests/sm90_compile.py)."""
+ROWS = 2 * CONFIG["M_WG"]
+"""seqlen_q and seqlen_k must be multiples of this (BLOCK_N = 2 * M_WG)."""
+
+# Triton 3.6 and 3.7 differ in mbarrier.expect's byte-count keyword (bytes / bytes_per_cta): it is always
+# passed positionally here.
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+@gluon.constexpr_function
+def _mma_layout(n):
+    # one warpgroup, wgmma m64nNk16 tiles (bf16/fp16: k = 16), N = the full tile width
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+# ------------------------------------------------------------------------------------------------ producer
+@gluon.jit
+def _producer(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_bar,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    q_row,
+    kv_row,
+    q_col,
+    kv_col,
+    n_blocks,
+    M_WG: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    # Q tiles of both consumer warpgroups
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * M_WG, q_col], q_bar.index(w), q_smem.index(w))
+    for i in range(n_blocks):
+        s = i % STAGES
+        # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
+        ph = ((i // STAGES) & 1) ^ 1
+        row = kv_row + i * BLOCK_N
+        mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+
+
+# ------------------------------------------------------------------------------------------------ consumer
+@gluon.jit
+def _softmax_step(
+    s_acc,
+    m_i,
+    l_i,
+    qk_scale,
+    kv_start,
+    q_pos0,
+    diag_off,
+    M_WG: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    """One online-softmax step on the raw scores tile s_acc (fp32, mma layout). m_i is kept in
+    scaled log2 units (max of s * softmax_scale * log2(e)). Returns p (fp32), alpha, m_new, l_new."""
+    s_layout: gl.constexpr = s_acc.type.layout
+    if CAUSAL:
+        # only tiles that cross the diagonal of this warpgroup's rows need the mask
+        if kv_start + BLOCK_N > q_pos0 + diag_off + 1:
+            rows = q_pos0 + gl.arange(0, M_WG, layout=gl.SliceLayout(1, s_layout))
+            cols = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = cols[None, :] <= (rows + diag_off)[:, None]
+            s_acc = gl.where(keep, s_acc, gl.full(s_acc.shape, float("-inf"), gl.float32, s_layout))
+    m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
+    if CAUSAL:
+        # rows that have seen no key yet (only when seqlen_q > seqlen_k): keep exp2 finite
+        m_use = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(s_acc * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _consumer(
+    WG: gl.constexpr,
+    o_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_bar,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    turn,
+    lse_ptr,
+    lse_off,
+    q_row,
+    col,
+    q_pos0,
+    diag_off,
+    n_blocks,
+    qk_scale,
+    M_WG: gl.constexpr,
+    HEAD_D: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_pos0 = q_pos0 + WG * M_WG
+    q_tile = q_smem.index(WG)
+    my_turn = turn.index(WG)
+    other_turn = turn.index(1 - WG)
+    # WG 0 starts with the turn (parity 1 on a fresh barrier passes), WG 1 waits for WG 0's first hand-off
+    turn_ph = 1 - WG
+
+    s_zero = gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
+    m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
+    l_i = gl.full([M_WG], 0.0, gl.float32, row_s)
+
+    mbarrier.wait(q_bar.index(WG), 0)
+
+    # ---- prologue: S_0 and softmax_0
+    mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(my_turn, turn_ph)
+        turn_ph ^= 1
+    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(other_turn, count=1)
+    s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_smem.index(0)))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, M_WG, BLOCK_N, CAUSAL)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    # ---- steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together
+    for i in range(1, n_blocks):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        sp = (i - 1) % STAGES
+        php = ((i - 1) // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), ph)
+        if PINGPONG:
+            mbarrier.wait(my_turn, turn_ph)
+            turn_ph ^= 1
+        s_tok = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), php)
+        acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn, count=1)
+        # wgmma groups retire in order: <= 1 outstanding means S_i is done
+        s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_smem.index(s)))
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p, alpha, m_i, l_i = _softmax_step(
+            s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, M_WG, BLOCK_N, CAUSAL
+        )
+        acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_smem.index(sp)))
+        mbarrier.arrive(v_empty.index(sp), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    # ---- epilogue: O += P_{n-1} V_{n-1}
+    sl = (n_blocks - 1) % STAGES
+    phl = ((n_blocks - 1) // STAGES) & 1
+    mbarrier.wait(v_ready.index(sl), phl)
+    acc_tok = warpgroup_mma(p_op, v_smem.index(sl), acc, is_async=True)
+    acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_smem.index(sl)))
+    mbarrier.arrive(v_empty.index(sl), count=1)
+
+    # ---- normalize, store O through the Q tile's shared memory, store lse
+    l_safe = gl.where(l_i == 0.0, gl.full_like(l_i, 1.0), l_i)
+    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    q_tile.store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row + WG * M_WG, col], q_tile)
+
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # l_i == 0 (no key seen) gives -inf
+    offs = lse_off + q_pos0 + gl.arange(0, M_WG, layout=row_s)
+    gl.store(lse_ptr + offs, lse)
+    tma.store_wait(0)
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+@gluon.jit
+def _attention_forward_sm90_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    lse_ptr,
+    qk_scale,
+    seqlen_q,
+    seqlen_k,
+    nheads,
+    group,
+    HEAD_D: gl.constexpr,
+    M_WG: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = 2 * M_WG
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    if CAUSAL:
+        # heaviest query tiles first
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    b = bh // nheads
+    h = bh % nheads
+    m0 = pid_m * BLOCK_M
+    diag_off = seqlen_k - seqlen_q
+    if CAUSAL:
+        kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M + diag_off)
+        kv_end = gl.maximum(kv_end, 1)  # a tile that sees no key still runs one (fully masked) block
+    else:
+        kv_end = seqlen_k
+    n_blocks = gl.cdiv(kv_end, BLOCK_N)
+
+    q_row = b * seqlen_q + m0
+    kv_row = b * seqlen_k
+    col = h * HEAD_D
+    kv_col = (h // group) * HEAD_D
+    lse_off = bh.to(gl.int64) * seqlen_q
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, M_WG, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(q_bar.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(s), count=2)
+
+    # (tuples can not be concatenated here: `(0, ) + common` breaks the constexprs, so spell the args out)
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    0,
+                    o_desc,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_bar,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    turn,
+                    lse_ptr,
+                    lse_off,
+                    q_row,
+                    col,
+                    m0,
+                    diag_off,
+                    n_blocks,
+                    qk_scale,
+                    M_WG,
+                    HEAD_D,
+                    BLOCK_N,
+                    STAGES,
+                    CAUSAL,
+                    PINGPONG,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    1,
+                    o_desc,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_bar,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    turn,
+                    lse_ptr,
+                    lse_off,
+                    q_row,
+                    col,
+                    m0,
+                    diag_off,
+                    n_blocks,
+                    qk_scale,
+                    M_WG,
+                    HEAD_D,
+                    BLOCK_N,
+                    STAGES,
+                    CAUSAL,
+                    PINGPONG,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_bar,
+                    k_ready,
+                    v_ready,
+                    k_empty,
+                    v_empty,
+                    q_row,
+                    kv_row,
+                    col,
+                    kv_col,
+                    n_blocks,
+                    M_WG,
+                    BLOCK_N,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+@functools.cache
+def _is_sm90(device_index: int | None) -> bool:
+    """Whether the device is a Hopper GPU (compute capability 9.0), looked up once per device."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _rows_view_ok(x: torch.Tensor) -> bool:
+    """Whether (batch, seqlen, nheads, headdim) ``x`` reads as the 2-D (batch * seqlen, nheads * headdim) rows
+    of a tensor descriptor: heads of a token contiguous, tokens evenly strided across batch entries, and the
+    start address and the row stride 16-byte aligned."""
+    batch, seqlen, nheads, head_dim = x.shape
+    s_b, s_s, s_h, s_d = x.stride()
+    evenly = batch == 1 or s_b == seqlen * s_s
+    return s_d == 1 and s_h == head_dim and evenly and (s_s * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a forward of (batch, seqlen, nheads, headdim) q, k, v without options (no dropout, attn_mask,
+    ALiBi, softcap, sink, window, packed batch: the caller checks those) runs this kernel: switched on
+    (``flashtile._backend.GLUON``), an sm_90 GPU, and ``qualifies``."""
+    return _backend.GLUON and q.device.type == "cuda" and _is_sm90(q.device.index) and qualifies(q, k, v)
+
+
+def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The kernel's own conditions on q, k, v (any device): bf16/fp16, head dim HEAD_DIM, both lengths
+    positive multiples of ROWS, and layouts a tensor descriptor can read (``_rows_view_ok``)."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if q.shape[3] != HEAD_DIM or k.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM:
+        return False
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    if seqlen_q % ROWS or seqlen_k % ROWS or seqlen_k == 0:
+        return False
+    return _rows_view_ok(q) and _rows_view_ok(k) and _rows_view_ok(v)
+
+
+@functools.cache
+def _shared_layout(rows: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout of a [rows, HEAD_DIM] tile (what TMA writes and wgmma reads)."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], gl_dtype)
+
+
+def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A tensor descriptor of the (batch * seqlen, nheads * headdim) rows of ``x`` with [rows, HEAD_DIM] tiles."""
+    batch, seqlen, nheads, head_dim = x.shape
+    return TensorDescriptor(
+        x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], [rows, head_dim], _shared_layout(rows, x.dtype)
+    )
+
+
+def attention_forward_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> None:
+    """Launch the kernel; ``applies(q, k, v)`` must hold.
+
+    Args:
+        q: (batch, seqlen_q, nheads, 128); k, v: (batch, seqlen_k, nheads_k, 128), nheads a multiple of nheads_k
+        out: (batch, seqlen_q, nheads, 128) in q's dtype, contiguous; written
+        lse: (batch, nheads, seqlen_q) float32, contiguous; written (natural log)
+        softmax_scale: multiplies q @ k^T before the softmax
+        causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
+    """
+    batch, seqlen_q, nheads, _ = q.shape
+    m_wg, block_n = CONFIG["M_WG"], CONFIG["BLOCK_N"]
+    grid = (seqlen_q // (2 * m_wg), batch * nheads)
+    _attention_forward_sm90_kernel[grid](
+        _descriptor(q, m_wg), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, m_wg), lse,
+        softmax_scale * LOG2E, seqlen_q, k.shape[1], nheads, nheads // k.shape[2],
+        HEAD_D=HEAD_DIM, CAUSAL=causal, num_warps=4, **CONFIG,
+    )  # fmt: skip
