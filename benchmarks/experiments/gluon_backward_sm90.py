@@ -119,21 +119,31 @@ def _producer(
     do_smem,
     k_smem,
     v_smem,
+    lse_smem,
+    delta_smem,
     kv_bar,
     q_ready,
     do_ready,
+    stat_ready,
     qdo_empty,
+    lse_ptr,
+    delta_ptr,
     q_row0,
+    m_start,
     kv_row,
     col,
     n_iters,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """K and V once, then the Q and dO tiles of n_iters query tiles (rows q_row0 + i * BLOCK_M)."""
+    """K and V once, then per query tile i (rows m_start + i * BLOCK_M; q_row0 = its row in the 2-D view):
+    Q and dO by TMA, and the rows' lse (in base 2, +inf where it is -inf) and delta by plain loads into
+    shared memory, so that the consumers read them with shared-memory loads (no pointer tensors there).
+    lse_ptr / delta_ptr point at this (batch, head)'s rows."""
+    stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, col], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, col], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, col], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kv_row, col], kv_bar, v_smem.index(0))
     for i in range(n_iters):
         s = i % STAGES
         # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
@@ -144,15 +154,20 @@ def _producer(
         tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(s), do_smem.index(s))
+        offs = m_start + i * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_layout)
+        lse = gl.load(lse_ptr + offs)
+        # rows that see no key (lse = -inf): +inf makes exp2(s - lse) exactly 0 instead of NaN
+        lse_smem.index(s).store(gl.where(lse == float("-inf"), gl.full_like(lse, float("inf")), lse * _LOG2E))
+        delta_smem.index(s).store(gl.load(delta_ptr + offs))
+        _partition_barrier()  # all 32 lanes have stored before the (single-thread) arrive
+        mbarrier.arrive(stat_ready.index(s), count=1)
 
 
 # ------------------------------------------------------------------------------------------------ consumer
 @gluon.jit
-def _probs_and_grad(
+def _probs(
     s_acc,
-    dp_acc,
     lse2,
-    delta,
     qk_scale,
     key0,
     q0,
@@ -161,19 +176,20 @@ def _probs_and_grad(
     BLOCK_M: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
-    """P^T and dS^T (fp32, mma layout) of a [N_WG keys, BLOCK_M queries] tile from S^T, dP^T, the
-    queries' lse in base 2 (lse2, +inf for rows that see no key) and delta. Keys key0.., queries q0.."""
+    """P^T (fp32, mma layout) of a [N_WG keys, BLOCK_M queries] tile from S^T and the queries' lse in base 2
+    (lse2, +inf for rows that see no key, so that exp2 gives 0). Keys key0.., queries q0..; the causal
+    mask (key j visible to query i iff j <= i + diag_off) only on tiles that cross the diagonal."""
     s_layout: gl.constexpr = s_acc.type.layout
     p = gl.exp2(s_acc * qk_scale - lse2[None, :])
     if CAUSAL:
-        # only tiles crossing the diagonal need the mask: key j visible to query i iff j <= i + diag_off
         if key0 + N_WG - 1 > q0 + diag_off:
-            keys = key0 + gl.arange(0, N_WG, layout=gl.SliceLayout(1, s_layout))
+            # (written so that no loop-invariant [BLOCK_M] tensor is formed, which LLVM would hoist out of the
+            # loop into registers)
+            keys = key0 - diag_off + gl.arange(0, N_WG, layout=gl.SliceLayout(1, s_layout))
             queries = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            keep = keys[:, None] <= (queries + diag_off)[None, :]
+            keep = keys[:, None] <= queries[None, :]
             p = gl.where(keep, p, gl.zeros_like(p))
-    ds = p * (dp_acc - delta[None, :])
-    return p, ds
+    return p
 
 
 @gluon.jit
@@ -184,20 +200,21 @@ def _consumer(
     k_smem,
     v_smem,
     ds_smem,
+    lse_smem,
+    delta_smem,
     kv_bar,
     q_ready,
     do_ready,
+    stat_ready,
     qdo_empty,
     ds_ready,
     ds_free,
-    lse_ptr,
-    delta_ptr,
+    kv_done,
+    dk_desc,
+    dv_desc,
     dq_ptr,
-    dk_ptr,
-    dv_ptr,
-    stat_off,
-    dq_off,
-    kv_off,
+    kv_row,
+    col,
     row_stride,
     m_start,
     kv_start,
@@ -220,12 +237,8 @@ def _consumer(
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     key0 = kv_start + WG * N_WG
-    k_wg = k_smem.slice(WG * N_WG, N_WG)
-    v_wg = v_smem.slice(WG * N_WG, N_WG)
-    k_cols = k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1)  # B operand of this warpgroup's dQ half
-    ds_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    ds_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-    dq_ptrs0 = dq_ptr + dq_off + ds_rows[:, None] * row_stride + ds_cols[None, :]
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
 
     s_zero = gl.zeros([N_WG, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
@@ -242,25 +255,28 @@ def _consumer(
         q_tile = q_smem.index(s)
         do_tile = do_smem.index(s)
         ds_buf = ds_smem.index(b)
+        zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
+        k_it = k_smem.index(zero)
+        v_it = v_smem.index(zero)
+        k_wg = k_it.slice(WG * N_WG, N_WG)
+        v_wg = v_it.slice(WG * N_WG, N_WG)
+        k_cols = k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1)  # B operand of this warpgroup's dQ half
 
         # ---- S^T and dP^T in flight together; the row statistics load meanwhile
         mbarrier.wait(q_ready.index(s), ph)
         s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(s), ph)
         dp_tok = warpgroup_mma(v_wg, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        q_offs = stat_off + q0 + gl.arange(0, BLOCK_M, layout=col_s)
-        lse2 = gl.load(lse_ptr + q_offs) * _LOG2E
-        if CAUSAL:
-            lse2 = gl.where(lse2 == float("-inf"), gl.full_like(lse2, float("inf")), lse2)
-        delta = gl.load(delta_ptr + q_offs)
-        s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
-        dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, k_wg, v_wg, q_tile, do_tile))[0]
-        p, ds = _probs_and_grad(s_acc, dp_acc, lse2, delta, qk_scale, key0, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
-        p16 = p.to(dtype)
-        ds16 = ds.to(dtype)
+        mbarrier.wait(stat_ready.index(s), ph)
+        lse2 = lse_smem.index(s).load(col_s)
+        delta = delta_smem.index(s).load(col_s)
 
-        # ---- dV += P^T dO, dK += dS^T Q (A from registers)
-        dv_tok = warpgroup_mma(gl.convert_layout(p16, op_layout), do_tile, dv, is_async=True)
+        # ---- P^T and dS^T, then dV += P^T dO and dK += dS^T Q (A from registers)
+        s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
+        p = _probs(s_acc, lse2, qk_scale, key0, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
+        dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, k_wg, v_wg))[0]
+        ds16 = (p * (dp_acc - delta[None, :]) * sm_scale).to(dtype)
+        dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
         dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
 
         # ---- dS^T to shared memory (both warpgroups' halves), then this warpgroup's half of dQ = dS K
@@ -272,18 +288,27 @@ def _consumer(
         mbarrier.wait(ds_ready.index(b), bph)
         dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
 
-        dv, dk = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok))
+        dv, dk = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
         mbarrier.arrive(qdo_empty.index(s), count=1)
         dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_cols))[0]
         mbarrier.arrive(ds_free.index(b), count=1)
-        gl.atomic_add(dq_ptrs0 + q0 * row_stride, dq * sm_scale, sem="relaxed")
+        dq_ptrs = dq_ptr + (q0 + dq_rows)[:, None] * row_stride + dq_cols[None, :]
+        gl.atomic_add(dq_ptrs, dq, sem="relaxed")
 
-    # ---- epilogue: dK * scale and dV in the input dtype, this warpgroup's N_WG key rows
-    rows = key0 + gl.arange(0, N_WG, layout=gl.SliceLayout(1, kv_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
-    offs = kv_off + rows[:, None] * row_stride + cols[None, :]
-    gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype))
-    gl.store(dv_ptr + offs, dv.to(dtype))
+    # ---- epilogue: dV and dK * scale in the input dtype, through shared memory and TMA stores. V_wg is read
+    # only by this warpgroup, so it can take dV at once; K is read by both warpgroups' dQ products, so dK
+    # waits until both have left the loop (kv_done, count 2).
+    mbarrier.arrive(kv_done, count=1)
+    dv_tile = v_smem.index(0).slice(WG * N_WG, N_WG)
+    dv_tile.store(dv.to(dtype))
+    dk_tile = k_smem.index(0).slice(WG * N_WG, N_WG)
+    mbarrier.wait(kv_done, 0)
+    dk_tile.store(dk.to(dtype))
+    fence_async_shared()
+    _partition_barrier()
+    tma.async_copy_shared_to_global(dv_desc, [kv_row + WG * N_WG, col], dv_tile)
+    tma.async_copy_shared_to_global(dk_desc, [kv_row + WG * N_WG, col], dk_tile)
+    tma.store_wait(0)
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -293,11 +318,11 @@ def attn_bwd_ws(
     do_desc,
     k_desc,
     v_desc,
+    dk_desc,
+    dv_desc,
     lse_ptr,
     delta_ptr,
     dq_ptr,
-    dk_ptr,
-    dv_ptr,
     qk_scale,
     sm_scale,
     seqlen_q,
@@ -329,27 +354,34 @@ def attn_bwd_ws(
     row_stride = nheads * HEAD_D
     col = h * HEAD_D
     stat_off = bh.to(gl.int64) * seqlen_q
+    stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     dq_off = b.to(gl.int64) * seqlen_q * row_stride + col
-    kv_off = b.to(gl.int64) * seqlen_k * row_stride + col
+    kv_row = b * seqlen_k + kv_start
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
 
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    stat_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_done, count=2)  # one arrival per consumer warpgroup
     for s in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(stat_ready.index(s), count=1)
         mbarrier.init(qdo_empty.index(s), count=2)  # one arrival per consumer warpgroup
     for j in gl.static_range(2):
         mbarrier.init(ds_ready.index(j), count=2)
@@ -367,20 +399,21 @@ def attn_bwd_ws(
                     k_smem,
                     v_smem,
                     ds_smem,
+                    lse_smem,
+                    delta_smem,
                     kv_bar,
                     q_ready,
                     do_ready,
+                    stat_ready,
                     qdo_empty,
                     ds_ready,
                     ds_free,
-                    lse_ptr,
-                    delta_ptr,
-                    dq_ptr,
-                    dk_ptr,
-                    dv_ptr,
-                    stat_off,
-                    dq_off,
-                    kv_off,
+                    kv_done,
+                    dk_desc,
+                    dv_desc,
+                    dq_ptr + dq_off,
+                    kv_row,
+                    col,
                     row_stride,
                     m_start,
                     kv_start,
@@ -404,20 +437,21 @@ def attn_bwd_ws(
                     k_smem,
                     v_smem,
                     ds_smem,
+                    lse_smem,
+                    delta_smem,
                     kv_bar,
                     q_ready,
                     do_ready,
+                    stat_ready,
                     qdo_empty,
                     ds_ready,
                     ds_free,
-                    lse_ptr,
-                    delta_ptr,
-                    dq_ptr,
-                    dk_ptr,
-                    dv_ptr,
-                    stat_off,
-                    dq_off,
-                    kv_off,
+                    kv_done,
+                    dk_desc,
+                    dv_desc,
+                    dq_ptr + dq_off,
+                    kv_row,
+                    col,
                     row_stride,
                     m_start,
                     kv_start,
@@ -443,12 +477,18 @@ def attn_bwd_ws(
                     do_smem,
                     k_smem,
                     v_smem,
+                    lse_smem,
+                    delta_smem,
                     kv_bar,
                     q_ready,
                     do_ready,
+                    stat_ready,
                     qdo_empty,
+                    lse_ptr + stat_off,
+                    delta_ptr + stat_off,
                     b * seqlen_q + m_start,
-                    b * seqlen_k + kv_start,
+                    m_start,
+                    kv_row,
                     col,
                     n_iters,
                     BLOCK_M,
@@ -520,16 +560,20 @@ def run(q, k, v, out, dout, lse, causal=False, softmax_scale=None, **overrides):
     do_desc = TensorDescriptor.from_tensor(do2, [BLOCK_M, D], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2, [BLOCK_N, D], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, D], kv_layout)
+    # dK and dV: one [BLOCK_N / 2, D] tile per consumer warpgroup
+    wg_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, D], gdt)
+    dk_desc = TensorDescriptor.from_tensor(dk.view(B * Sk, H * D), [BLOCK_N // 2, D], wg_layout)
+    dv_desc = TensorDescriptor.from_tensor(dv.view(B * Sk, H * D), [BLOCK_N // 2, D], wg_layout)
     attn_bwd_ws[(Sk // BLOCK_N, B * H)](
         q_desc,
         do_desc,
         k_desc,
         v_desc,
+        dk_desc,
+        dv_desc,
         lse,
         delta,
         dq_accum,
-        dk,
-        dv,
         softmax_scale * LOG2E,
         softmax_scale,
         Sq,
@@ -590,11 +634,11 @@ def compile_only(dtypes=("bf16", "fp16"), variants=None):
                 "do_desc": _desc_sig(dt, BM, D, gdt),
                 "k_desc": _desc_sig(dt, BN, D, gdt),
                 "v_desc": _desc_sig(dt, BN, D, gdt),
+                "dk_desc": _desc_sig(dt, BN // 2, D, gdt),
+                "dv_desc": _desc_sig(dt, BN // 2, D, gdt),
                 "lse_ptr": "*fp32",
                 "delta_ptr": "*fp32",
                 "dq_ptr": "*fp32",
-                "dk_ptr": f"*{dt}",
-                "dv_ptr": f"*{dt}",
                 "qk_scale": "fp32",
                 "sm_scale": "fp32",
                 "seqlen_q": "i32",
@@ -651,8 +695,155 @@ def _sass_info(c):
     return f"sass REG={m.group(1)} STACK={m.group(2)} LOCAL={m.group(4)}"
 
 
+# ------------------------------------------------------------------------------------------------ GPU main
+def _forward_prototype():
+    """The sibling forward prototype (benchmarks/experiments/gluon_forward_sm90.py): run() gives out and
+    lse (B, H, Sq) in the layout this backward takes."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gluon_forward_sm90
+
+    return gluon_forward_sm90
+
+
+def _reference_grads(q, k, v, dout, causal, scale, dtype):
+    """dq, dk, dv by PyTorch autograd with q, k, v, dout cast to dtype (float32: the reference; the input
+    dtype: the baseline error). Softmax written out so that a row that sees no key gives 0, not NaN."""
+    import torch
+
+    qf, kf, vf = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    qt, kt, vt = (t.transpose(1, 2) for t in (qf, kf, vf))
+    s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if causal:
+        Sq, Sk = q.shape[1], k.shape[1]
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + Sk - Sq, float("-inf"))
+    m = s.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True)
+    p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+    o = torch.matmul(p, vt).transpose(1, 2)
+    o.backward(dout.to(dtype))
+    return qf.grad, kf.grad, vf.grad
+
+
+def check():
+    """dq, dk, dv against float32 autograd: err <= 2 * (error of the same computation in the input dtype)
+    + 4 * eps * max|ref|, per gradient; out and lse come from the forward prototype."""
+    import torch
+
+    fwd = _forward_prototype()
+    torch.manual_seed(0)
+    n_fail = 0
+    for D in (64, 128):
+        for causal in (False, True):
+            for B, H, Sq, Sk in [
+                (2, 3, 128, 128),
+                (1, 2, 256, 512),
+                (2, 2, 512, 256),
+                (1, 4, 1024, 1024),
+                (1, 2, 384, 1152),
+            ]:
+                for dt in (torch.bfloat16, torch.float16):
+                    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
+                    k = torch.randn(B, Sk, H, D, device="cuda", dtype=dt)
+                    v = torch.randn(B, Sk, H, D, device="cuda", dtype=dt)
+                    dout = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
+                    scale = D**-0.5
+                    out, lse = fwd.run(q, k, v, causal, scale)
+                    grads = run(q, k, v, out, dout, lse, causal, scale)
+                    torch.cuda.synchronize()
+                    refs = _reference_grads(q, k, v, dout, causal, scale, torch.float32)
+                    bases = _reference_grads(q, k, v, dout, causal, scale, dt)
+                    ok = True
+                    msg = []
+                    for name, g, ref, base in zip(("dq", "dk", "dv"), grads, refs, bases, strict=True):
+                        err = (g.float() - ref).abs().max().item()
+                        base_err = (base.float() - ref).abs().max().item()
+                        floor = 4 * torch.finfo(dt).eps * ref.abs().max().item()
+                        good = err <= 2 * base_err + floor and not torch.isnan(g).any().item()
+                        ok &= good
+                        msg.append(f"{name} {err:.2e} (base {base_err:.2e}){'' if good else ' <-'}")
+                    n_fail += not ok
+                    print(
+                        f"{'ok  ' if ok else 'FAIL'} D={D} causal={int(causal)} B={B} H={H} Sq={Sq} Sk={Sk} "
+                        f"{str(dt)[6:]}: " + ", ".join(msg),
+                        flush=True,
+                    )
+    return n_fail == 0
+
+
+def _print_time(label, fn, flops, grad_to_none=None):
+    from triton.testing import do_bench
+
+    try:
+        ms = do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
+        print(f"{label}: {ms:8.3f} ms {flops / ms * 1e-9:6.1f} TFLOP/s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"{label}: FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def bench(variants=None):
+    """Backward time (everything after the forward: delta, the kernel, the dq cast) beside flashtile's
+    current backward and SDPA's cuDNN backward; flops = 2.5 * 4 * B * H * N^2 * D, halved when causal."""
+    import functools
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fwd = _forward_prototype()
+    torch.manual_seed(0)
+    for D, H in ((128, 16), (64, 32)):
+        for N in (1024, 4096, 16384):
+            B = 16384 // N
+            q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn_like(q)
+            v = torch.randn_like(q)
+            dout = torch.randn_like(q)
+            for causal in (False, True):
+                flops = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
+                head = f"D={D:3d} H={H:2d} B={B:2d} N={N:5d} causal={int(causal)}"
+                out, lse = fwd.run(q, k, v, causal)
+                for name, ov in (variants or {"default": lambda D: {}}).items():
+                    fn = functools.partial(run, q, k, v, out, dout, lse, causal, None, **ov(D))
+                    _print_time(f"{head} {name:>14}", fn, flops)
+                qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                try:
+                    import flashtile
+
+                    o = flashtile.flash_attn_func(qg, kg, vg, causal=causal)
+                    fn = functools.partial(o.backward, dout, retain_graph=True)
+                    _print_time(f"{head} {'flashtile tl':>14}", fn, flops, [qg, kg, vg])
+                except Exception as e:  # noqa: BLE001
+                    print(f"{head} flashtile tl: FAIL {e}")
+                qt, kt, vt = (t.transpose(1, 2) for t in (qg, kg, vg))
+                try:
+                    # the backward kernel is chosen when the forward runs
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    fn = functools.partial(o.backward, dout.transpose(1, 2), retain_graph=True)
+                    _print_time(f"{head} {'sdpa cudnn':>14}", fn, flops, [qg, kg, vg])
+                except Exception as e:  # noqa: BLE001
+                    print(f"{head} sdpa cudnn: FAIL {e}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--bench-only", action="store_true")
     args = ap.parse_args()
-    sys.exit(0 if compile_only() else 1)
+    if args.compile_only:
+        sys.exit(0 if compile_only() else 1)
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        sys.exit("needs a Hopper GPU (sm_90); use --compile-only without one")
+    good = True
+    if not args.bench_only:
+        good = check()
+        print("CHECK", "PASSED" if good else "FAILED", flush=True)
+    if not args.check_only:
+        bench(VARIANTS)
+    sys.exit(0 if good else 1)
