@@ -193,6 +193,43 @@ def _probs(
 
 
 @gluon.jit
+def _dq_step(
+    dv_tok,
+    dk_tok,
+    ds_buf,
+    k_cols,
+    q_tile,
+    do_tile,
+    ds_ready,
+    ds_phase,
+    qdo_empty,
+    ds_free,
+    dq_ptr,
+    q0,
+    col0,
+    row_stride,
+    BLOCK_M: gl.constexpr,
+    DQ_COLS: gl.constexpr,
+):
+    """Once both warpgroups' dS^T halves are in ds_buf [BLOCK_N keys, BLOCK_M queries]: dQ[:, col0 : col0 +
+    DQ_COLS] of query rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq (rows of
+    row_stride floats) with relaxed fp32 atomics. Also retires this iteration's dV and dK products (issued
+    before, so they complete first) and releases the Q/dO slot and the dS buffer. Returns dv, dk."""
+    dq_layout: gl.constexpr = _mma_layout(DQ_COLS)
+    mbarrier.wait(ds_ready, ds_phase)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+    dv, dk = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
+    mbarrier.arrive(qdo_empty, count=1)
+    dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_cols))[0]
+    mbarrier.arrive(ds_free, count=1)
+    rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    gl.atomic_add(dq_ptr + rows[:, None] * row_stride + cols[None, :], dq, sem="relaxed")
+    return dv, dk
+
+
+@gluon.jit
 def _consumer(
     WG: gl.constexpr,
     q_smem,
@@ -227,21 +264,18 @@ def _consumer(
     N_WG: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
 ):
     dtype: gl.constexpr = q_smem.dtype
-    DQ_COLS: gl.constexpr = HEAD_D // 2
+    DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)  # S^T, dP^T: [N_WG keys, BLOCK_M queries]
     kv_layout: gl.constexpr = _mma_layout(HEAD_D)  # dK, dV: [N_WG keys, HEAD_D]
-    dq_layout: gl.constexpr = _mma_layout(DQ_COLS)  # dQ partial: [BLOCK_M queries, HEAD_D / 2]
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     key0 = kv_start + WG * N_WG
-    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    dq_cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
 
     s_zero = gl.zeros([N_WG, BLOCK_M], gl.float32, s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     dk = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
     dv = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
 
@@ -260,7 +294,6 @@ def _consumer(
         v_it = v_smem.index(zero)
         k_wg = k_it.slice(WG * N_WG, N_WG)
         v_wg = v_it.slice(WG * N_WG, N_WG)
-        k_cols = k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1)  # B operand of this warpgroup's dQ half
 
         # ---- S^T and dP^T in flight together; the row statistics load meanwhile
         mbarrier.wait(q_ready.index(s), ph)
@@ -279,21 +312,30 @@ def _consumer(
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
         dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
 
-        # ---- dS^T to shared memory (both warpgroups' halves), then this warpgroup's half of dQ = dS K
-        mbarrier.wait(ds_free.index(b), bph ^ 1)  # both dQ products of iteration i - 2 have read ds_buf
+        # ---- dS^T to shared memory (both warpgroups' halves), then dQ += dS K (A = the dS^T buffer transposed)
+        mbarrier.wait(ds_free.index(b), bph ^ 1)  # the dQ product(s) of iteration i - 2 have read ds_buf
         ds_buf.slice(WG * N_WG, N_WG).store(ds16)
         fence_async_shared()
         _partition_barrier()  # every thread of this warpgroup has written (and fenced) its part
         mbarrier.arrive(ds_ready.index(b), count=1)
-        mbarrier.wait(ds_ready.index(b), bph)
-        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-
-        dv, dk = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
-        mbarrier.arrive(qdo_empty.index(s), count=1)
-        dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_cols))[0]
-        mbarrier.arrive(ds_free.index(b), count=1)
-        dq_ptrs = dq_ptr + (q0 + dq_rows)[:, None] * row_stride + dq_cols[None, :]
-        gl.atomic_add(dq_ptrs, dq, sem="relaxed")
+        if DQ_SPLIT:
+            # each warpgroup: columns [WG * D/2, (WG + 1) * D/2) of the dQ partial
+            dv, dk = _dq_step(
+                dv_tok, dk_tok, ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1), q_tile, do_tile,
+                ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
+                dq_ptr, q0, WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
+            )  # fmt: skip
+        elif b == WG:
+            # warpgroup (i % 2) computes the whole dQ partial of iteration i
+            dv, dk = _dq_step(
+                dv_tok, dk_tok, ds_buf, k_it, q_tile, do_tile,
+                ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
+                dq_ptr, q0, 0, row_stride, BLOCK_M, DQ_COLS,
+            )  # fmt: skip
+        else:
+            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
+            mbarrier.arrive(qdo_empty.index(s), count=1)
+            mbarrier.arrive(ds_free.index(b), count=1)  # this warpgroup does not read ds_buf
 
     # ---- epilogue: dV and dK * scale in the input dtype, through shared memory and TMA stores. V_wg is read
     # only by this warpgroup, so it can take dV at once; K is read by both warpgroups' dQ products, so dK
@@ -333,6 +375,7 @@ def attn_bwd_ws(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -426,6 +469,7 @@ def attn_bwd_ws(
                     N_WG,
                     STAGES,
                     CAUSAL,
+                    DQ_SPLIT,
                 ),
             ),
             (
@@ -464,6 +508,7 @@ def attn_bwd_ws(
                     N_WG,
                     STAGES,
                     CAUSAL,
+                    DQ_SPLIT,
                 ),
             ),
             (
@@ -503,11 +548,15 @@ def attn_bwd_ws(
 
 # ------------------------------------------------------------------------------------------------ configs
 def config(head_dim, causal):
-    """(BLOCK_M, BLOCK_N, STAGES, consumer regs, producer regs)."""
+    """(BLOCK_M, BLOCK_N, STAGES, DQ_SPLIT, consumer regs, producer regs).
+
+    DQ_SPLIT: each warpgroup computes half of the dQ partial's columns. That slices K along its contiguous
+    dimension, which a wgmma operand with the 128-byte swizzle only allows at whole swizzle atoms (64
+    bf16/fp16 columns), so only for head dim 128; at 64 the warpgroups take turns computing all of it."""
     if head_dim == 128:
-        return dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, CONSUMER_REGS=240, PRODUCER_REGS=24)
+        return dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_SPLIT=True, CONSUMER_REGS=240, PRODUCER_REGS=24)
     if head_dim == 64:
-        return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24)
+        return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, DQ_SPLIT=False, CONSUMER_REGS=240, PRODUCER_REGS=24)
     raise ValueError(f"head dim {head_dim} not in (64, 128)")
 
 
@@ -515,6 +564,7 @@ def config(head_dim, causal):
 VARIANTS = {
     "default": lambda D: {},
     "more-stages": lambda D: {"STAGES": 3 if D == 128 else 4},
+    "dq-one-wg": lambda D: {"DQ_SPLIT": False},
 }
 
 
@@ -543,6 +593,7 @@ def run(q, k, v, out, dout, lse, causal=False, softmax_scale=None, **overrides):
     assert Sq % 128 == 0 and Sk % BLOCK_N == 0 and Sq % BLOCK_M == 0, (
         f"prototype: seqlen_q ({Sq}) and seqlen_k ({Sk}) must be multiples of 128"
     )
+    assert not cfg["DQ_SPLIT"] or (D // 2) * q.element_size() % 128 == 0, "DQ_SPLIT needs head dim 128"
     if softmax_scale is None:
         softmax_scale = D**-0.5
 
@@ -624,10 +675,10 @@ def compile_only(dtypes=("bf16", "fp16"), variants=None):
     for dt in dtypes:
         gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
         for D, causal, (vname, ov) in itertools.product((64, 128), (False, True), (variants or VARIANTS).items()):
-            if vname != "default" and dt != "bf16":
-                continue
             cfg = dict(config(D, causal))
             cfg.update(ov(D))
+            if vname != "default" and (dt != "bf16" or cfg == config(D, causal)):
+                continue
             BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
             sig = {
                 "q_desc": _desc_sig(dt, BM, D, gdt),
@@ -806,6 +857,8 @@ def bench(variants=None):
                 head = f"D={D:3d} H={H:2d} B={B:2d} N={N:5d} causal={int(causal)}"
                 out, lse = fwd.run(q, k, v, causal)
                 for name, ov in (variants or {"default": lambda D: {}}).items():
+                    if name != "default" and {**config(D, causal), **ov(D)} == config(D, causal):
+                        continue  # (this variant is the default config at this head dim)
                     fn = functools.partial(run, q, k, v, out, dout, lse, causal, None, **ov(D))
                     _print_time(f"{head} {name:>14}", fn, flops)
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
