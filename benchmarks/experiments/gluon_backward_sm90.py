@@ -1,14 +1,20 @@
 """Prototype: FlashAttention backward for Hopper (sm_90) in Gluon, warp specialized (FA-3 style), 5 GEMMs.
 
-STATUS: compile-checked for sm_90 without a GPU only (see the report in the commit message / the
-`--compile-only` output); never run. Next H100/H200 session: `--check-only`, then the timing table.
+STATUS: compile-checked for sm_90 without a GPU (Triton 3.7.1 and 3.6.0, bf16 and fp16); never run.
+Shared memory: D=128 2 stages 165 KB (3 stages 199 KB), D=64 3 stages 117 KB (4 stages 134 KB).
+Registers: consumers setmaxnreg 240, producer 24 (ptxas REG=168 is the launch-time count for 384
+threads). D=64: no spills. D=128: no tile spills; ptxas reports 16-32 bytes of spill stores (2-3 scalars,
+the dq base pointer among them, reloaded once per query tile). The CPU simulation of the same tiling
+(kept out of this file) matched the float32 reference. Next H100/H200 session: `--check-only`, then the
+timing table.
 
 Math (same conventions as src/flashtile/ops/attention/backward.py): with s = softmax_scale * q k^T,
 P = exp(s - lse), dP = dO V^T, delta = rowsum(dO * O), dS = P * (dP - delta):
     dV = P^T dO,   dK = softmax_scale * dS^T Q,   dQ = softmax_scale * dS K.
 Five matrix products per (query tile, key tile) pair: S, dP, dV, dK, dQ (the `tl` backward needs seven,
 since its separate dQ kernel recomputes S and dP). dQ is accumulated over key tiles with fp32 atomics
-(not deterministic, like FA2/FA3).
+(not deterministic, like FA2/FA3). softmax_scale is folded into dS (before its cast to the input dtype),
+so dK and dQ need no final scaling.
 
 Layout (batch, seqlen, nheads, headdim) contiguous, bf16/fp16, head dim 64 or 128, MHA only (as many
 key/value heads as query heads), non-causal and causal (bottom-right aligned: query i sees key j iff
@@ -20,33 +26,44 @@ PROTOTYPE RESTRICTIONS: seqlen_q and seqlen_k multiples of 128; the host asserts
 Host side (`run`):
   1. delta (B, H, Sq) fp32 = rowsum(dO * O) (a small `tl` kernel, `_delta_kernel`);
      dq_accum (B, Sq, H, D) fp32 zeros.
-  2. the main kernel, grid (Sk / BLOCK_N, B * H); it adds softmax_scale * dS K into dq_accum and writes
-     dK, dV in the input dtype.
-  3. dq = dq_accum.to(dtype) (dq_accum already has the layout of q and the scale folded in: one
-     elementwise cast, no transpose).
+  2. the main kernel, grid (Sk / BLOCK_N, B * H): adds dQ partials into dq_accum, writes dK and dV.
+  3. dq = dq_accum.to(dtype) (dq_accum has the layout of q: one elementwise cast, no transpose).
 
 Structure of one CTA (one (batch, head), BLOCK_N = 128 key rows, 64 per consumer warpgroup):
-  * producer partition, 1 warp: TMA loads of the CTA's K and V tiles (once, kv_bar), then the query
-    tiles (BLOCK_M = 64 rows of Q and dO) into a ring of STAGES buffers. q_ready/do_ready (tx-count)
-    signal the consumers; qdo_empty (count 2, one arrival per consumer warpgroup) frees a slot once
-    both warpgroups' dK and dV products that read it are done.
+  * producer partition, 1 warp: TMA loads of the CTA's K and V tiles (once, kv_bar), then per query tile
+    (BLOCK_M = 64 rows) Q and dO by TMA into a ring of STAGES buffers (q_ready / do_ready, tx-count), and
+    the rows' lse (base 2) and delta by plain loads into shared memory (stat_ready). qdo_empty (count 2,
+    one arrival per consumer warpgroup) frees a slot once both warpgroups' dV and dK products are done.
   * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1), 64 key rows each.
     Per query tile, all products are wgmma with fp32 accumulators:
         S^T  = K_wg Q^T            (smem, smem)          [64 keys, 64 queries]
         dP^T = V_wg dO^T           (smem, smem)
         P^T  = exp2(S^T * scale * log2 e - lse * log2 e)  (causal mask on tiles crossing the diagonal)
-        dS^T = P^T * (dP^T - delta)
+        dS^T = P^T * (dP^T - delta) * scale
         dV_wg += P^T dO            (registers, smem)
         dK_wg += dS^T Q            (registers, smem)
     and dS^T goes to a shared buffer [128 keys, 64 queries] (each warpgroup writes its 64 rows; two
-    buffers, used alternately). Once both halves are there (ds_ready, count 2), each warpgroup computes
-    half of the dQ partial, dQ[:, wg*D/2 : (wg+1)*D/2] = dS K[:, cols] (A = the dS^T buffer transposed,
-    from smem), scales it and adds it to dq_accum with relaxed fp32 atomics. ds_free (count 2) tells
-    the warpgroups that both dQ products have read a dS buffer, before it is written again.
-  * epilogue: each warpgroup stores dK_wg * softmax_scale and dV_wg (input dtype, plain stores).
+    buffers, used alternately). Once both halves are there (ds_ready, count 2), dQ partial = dS K
+    (A = the dS^T buffer transposed, from smem; B = K) is added to dq_accum with relaxed fp32 atomics
+    (red.global.add.f32):
+      D=128 (DQ_SPLIT): each warpgroup computes half of the columns, dQ[:, wg*64 : (wg+1)*64];
+      D=64: warpgroup (i % 2) computes all of it for query tile i (a 32-column slice of K would cut the
+      128-byte swizzle atom, which a wgmma operand can not start inside).
+    ds_free (count 2) tells the warpgroups that a dS buffer has been read, before it is written again.
+  * epilogue: dV_wg goes to this warpgroup's rows of the V tile in shared memory (only it reads them);
+    dK_wg to its rows of the K tile once both warpgroups have left the loop (kv_done, count 2: the dQ
+    products read all of K); then TMA stores.
   Causal: a key tile visits only the query tiles from the one holding row kv_start - (Sk - Sq) (clipped
   at 0); only tiles crossing the diagonal apply the mask. Rows with lse = -inf (they see no key) get
   lse = +inf, so exp2 gives exactly 0 there, not NaN.
+
+Register-pressure notes (what made the D=128 spills go away; keep them in mind when editing):
+  * LLVM hoists loop-invariant address arithmetic out of the query-tile loop and ptxas then spills it.
+    The wgmma descriptors of the K and V tiles (24 64-bit values) are kept in the loop by indexing the
+    (single-slot) K/V buffers with an opaque zero from inline asm; lse/delta come from shared memory
+    (no pointer tensors in the consumers); dK/dV leave through TMA, not pointer tensors.
+  * P^T and dS^T are both computed before the dV and dK products are issued (issuing dV first kept one
+    more [64, 64] fp32 tile live).
 
 Usage:
   python benchmarks/experiments/gluon_backward_sm90.py                 # H100/H200: checks, then timing table
@@ -289,6 +306,8 @@ def _consumer(
         q_tile = q_smem.index(s)
         do_tile = do_smem.index(s)
         ds_buf = ds_smem.index(b)
+        # an opaque 0 (side-effecting inline asm, so not hoisted): the K/V wgmma descriptors are computed
+        # in the loop instead of being hoisted out of it into ~48 registers that ptxas would spill
         zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
         k_it = k_smem.index(zero)
         v_it = v_smem.index(zero)
@@ -729,21 +748,29 @@ def compile_only(dtypes=("bf16", "fp16"), variants=None):
 
 
 def _sass_info(c):
-    """Registers / stack / spills from cuobjdump -res-usage on the cubin (ptxas output)."""
+    """Registers / stack / local use (cuobjdump -res-usage on the cubin) and spill bytes (the bundled ptxas
+    run again with -v on the PTX)."""
     import subprocess
     import tempfile
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cuobjdump, ptxas = os.path.join(bin_dir, "cuobjdump"), os.path.join(bin_dir, "ptxas")
     if not os.path.exists(cuobjdump) or "cubin" not in c.asm:
         return ""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(c.asm["cubin"])
-        f.flush()
-        r = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+        with open(cubin, "wb") as f:
+            f.write(c.asm["cubin"])
+        with open(ptx, "w") as f:
+            f.write(c.asm["ptx"])
+        r = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True)
+        v = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(tmp, "v.cubin")], capture_output=True)
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", r.stdout)
     if not m:
         return r.stdout.strip()[-300:]
-    return f"sass REG={m.group(1)} STACK={m.group(2)} LOCAL={m.group(4)}"
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v.stderr.decode())
+    spill_txt = f" spill stores/loads={spills.group(1)}/{spills.group(2)} B" if spills else ""
+    return f"sass REG={m.group(1)} STACK={m.group(2)} LOCAL={m.group(4)}{spill_txt}"
 
 
 # ------------------------------------------------------------------------------------------------ GPU main
