@@ -1,12 +1,13 @@
 """Prototype: FlashAttention backward for Hopper (sm_90) in Gluon, warp specialized (FA-3 style), 5 GEMMs.
 
-STATUS: compile-checked for sm_90 without a GPU (Triton 3.7.1 and 3.6.0, bf16 and fp16); never run.
-Shared memory: D=128 2 stages 165 KB (3 stages 199 KB), D=64 3 stages 117 KB (4 stages 134 KB).
-Registers: consumers setmaxnreg 240, producer 24 (ptxas REG=168 is the launch-time count for 384
-threads). D=64: no spills. D=128: no tile spills; ptxas reports 16-32 bytes of spill stores (2-3 scalars,
-the dq base pointer among them, reloaded once per query tile). The CPU simulation of the same tiling
-(kept out of this file) matched the float32 reference. Next H100/H200 session: `--check-only`, then the
-timing table.
+STATUS: compile-checked for sm_90 without a GPU (Triton 3.7.1 and 3.6.0, bf16 and fp16, D 64/128, causal
+or not, every timing variant); never run. Shared memory: D=128 165,344 B with 2 stages (198,688 B with 3),
+D=64 116,768 B with 3 stages (133,664 B with 4). Registers: consumers setmaxnreg 240, producer 24 (ptxas
+REG=168 is the launch-time count for 384 threads). D=64: no spills. D=128: no tile spills; ptxas reports
+20-36 bytes of spill stores (a few scalars, the dq base pointer among them, reloaded 1-2 times per query
+tile; LOCAL=0). A PyTorch simulation of the same tiling on the CPU (not in this file: tile loop, causal
+start tile and mask, lse = -inf rows, dQ column halves) passed check()'s tolerance rule. Next H100/H200
+session: `--check-only`, then the timing table.
 
 Math (same conventions as src/flashtile/ops/attention/backward.py): with s = softmax_scale * q k^T,
 P = exp(s - lse), dP = dO V^T, delta = rowsum(dO * O), dS = P * (dP - delta):
@@ -166,16 +167,18 @@ def _producer(
         # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
         ph = ((i // STAGES) & 1) ^ 1
         row = q_row0 + i * BLOCK_M
+        # the row statistics are loaded before waiting for the slot, so their latency overlaps the wait
+        offs = m_start + i * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_layout)
+        lse = gl.load(lse_ptr + offs)
+        delta = gl.load(delta_ptr + offs)
         mbarrier.wait(qdo_empty.index(s), ph)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(s), do_smem.index(s))
-        offs = m_start + i * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_layout)
-        lse = gl.load(lse_ptr + offs)
         # rows that see no key (lse = -inf): +inf makes exp2(s - lse) exactly 0 instead of NaN
         lse_smem.index(s).store(gl.where(lse == float("-inf"), gl.full_like(lse, float("inf")), lse * _LOG2E))
-        delta_smem.index(s).store(gl.load(delta_ptr + offs))
+        delta_smem.index(s).store(delta)
         _partition_barrier()  # all 32 lanes have stored before the (single-thread) arrive
         mbarrier.arrive(stat_ready.index(s), count=1)
 
@@ -227,6 +230,7 @@ def _dq_step(
     row_stride,
     BLOCK_M: gl.constexpr,
     DQ_COLS: gl.constexpr,
+    RED_V2: gl.constexpr,
 ):
     """Once both warpgroups' dS^T halves are in ds_buf [BLOCK_N keys, BLOCK_M queries]: dQ[:, col0 : col0 +
     DQ_COLS] of query rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq (rows of
@@ -242,7 +246,21 @@ def _dq_step(
     mbarrier.arrive(ds_free, count=1)
     rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-    gl.atomic_add(dq_ptr + rows[:, None] * row_stride + cols[None, :], dq, sem="relaxed")
+    ptrs = dq_ptr + rows[:, None] * row_stride + cols[None, :]
+    if RED_V2:
+        # red.global.add.v2.f32 on the pairs of adjacent columns each thread holds: the accumulator layout's
+        # registers go (row, c), (row, c + 1), ... so pack=2 hands the asm two neighbours ($2 = the first
+        # one's address; $3 = $2 + 4 is not used); the int32 results are dummies
+        gl.inline_asm_elementwise(
+            "red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;",
+            "=r,=r,l,l,f,f",
+            [ptrs.to(gl.int64, bitcast=True), dq],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=2,
+        )
+    else:
+        gl.atomic_add(ptrs, dq, sem="relaxed")
     return dv, dk
 
 
@@ -282,6 +300,7 @@ def _consumer(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
+    RED_V2: gl.constexpr,
 ):
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
@@ -342,14 +361,14 @@ def _consumer(
             dv, dk = _dq_step(
                 dv_tok, dk_tok, ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1), q_tile, do_tile,
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_ptr, q0, WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
+                dq_ptr, q0, WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS, RED_V2,
             )  # fmt: skip
         elif b == WG:
             # warpgroup (i % 2) computes the whole dQ partial of iteration i
             dv, dk = _dq_step(
                 dv_tok, dk_tok, ds_buf, k_it, q_tile, do_tile,
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_ptr, q0, 0, row_stride, BLOCK_M, DQ_COLS,
+                dq_ptr, q0, 0, row_stride, BLOCK_M, DQ_COLS, RED_V2,
             )  # fmt: skip
         else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
@@ -395,6 +414,7 @@ def attn_bwd_ws(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
+    RED_V2: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -489,6 +509,7 @@ def attn_bwd_ws(
                     STAGES,
                     CAUSAL,
                     DQ_SPLIT,
+                    RED_V2,
                 ),
             ),
             (
@@ -528,6 +549,7 @@ def attn_bwd_ws(
                     STAGES,
                     CAUSAL,
                     DQ_SPLIT,
+                    RED_V2,
                 ),
             ),
             (
@@ -567,15 +589,18 @@ def attn_bwd_ws(
 
 # ------------------------------------------------------------------------------------------------ configs
 def config(head_dim, causal):
-    """(BLOCK_M, BLOCK_N, STAGES, DQ_SPLIT, consumer regs, producer regs).
+    """(BLOCK_M, BLOCK_N, STAGES, DQ_SPLIT, RED_V2, consumer regs, producer regs).
 
     DQ_SPLIT: each warpgroup computes half of the dQ partial's columns. That slices K along its contiguous
     dimension, which a wgmma operand with the 128-byte swizzle only allows at whole swizzle atoms (64
-    bf16/fp16 columns), so only for head dim 128; at 64 the warpgroups take turns computing all of it."""
+    bf16/fp16 columns), so only for head dim 128; at 64 the warpgroups take turns computing all of it.
+    RED_V2: dQ atomics as red.global.add.v2.f32 (inline asm, half the instructions) instead of
+    gl.atomic_add's scalar ones."""
+    common = dict(BLOCK_M=64, BLOCK_N=128, RED_V2=False, CONSUMER_REGS=240, PRODUCER_REGS=24)
     if head_dim == 128:
-        return dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_SPLIT=True, CONSUMER_REGS=240, PRODUCER_REGS=24)
+        return dict(common, STAGES=2, DQ_SPLIT=True)
     if head_dim == 64:
-        return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, DQ_SPLIT=False, CONSUMER_REGS=240, PRODUCER_REGS=24)
+        return dict(common, STAGES=3, DQ_SPLIT=False)
     raise ValueError(f"head dim {head_dim} not in (64, 128)")
 
 
@@ -584,6 +609,7 @@ VARIANTS = {
     "default": lambda D: {},
     "more-stages": lambda D: {"STAGES": 3 if D == 128 else 4},
     "dq-one-wg": lambda D: {"DQ_SPLIT": False},
+    "red-v2": lambda D: {"RED_V2": True},
 }
 
 
@@ -806,49 +832,55 @@ def _reference_grads(q, k, v, dout, causal, scale, dtype):
     return qf.grad, kf.grad, vf.grad
 
 
-def check():
+def check(variants=None):
     """dq, dk, dv against float32 autograd: err <= 2 * (error of the same computation in the input dtype)
-    + 4 * eps * max|ref|, per gradient; out and lse come from the forward prototype."""
+    + 4 * eps * max|ref|, per gradient; out and lse come from the forward prototype. The default config on
+    every case; the other timing variants (bf16) on the shapes with Sq != Sk."""
+    import itertools
+
     import torch
 
     fwd = _forward_prototype()
     torch.manual_seed(0)
+    shapes = [(2, 3, 128, 128), (1, 2, 256, 512), (2, 2, 512, 256), (1, 4, 1024, 1024), (1, 2, 384, 1152)]
+    cases = []
+    for D, causal in itertools.product((64, 128), (False, True)):
+        for (name, ov), shape, dt in itertools.product(
+            (variants or VARIANTS).items(), shapes, (torch.bfloat16, torch.float16)
+        ):
+            overrides = ov(D)
+            if name != "default" and (
+                dt != torch.bfloat16 or shape[2] == shape[3] or {**config(D, causal), **overrides} == config(D, causal)
+            ):
+                continue
+            cases.append((D, causal, shape, dt, name, overrides))
     n_fail = 0
-    for D in (64, 128):
-        for causal in (False, True):
-            for B, H, Sq, Sk in [
-                (2, 3, 128, 128),
-                (1, 2, 256, 512),
-                (2, 2, 512, 256),
-                (1, 4, 1024, 1024),
-                (1, 2, 384, 1152),
-            ]:
-                for dt in (torch.bfloat16, torch.float16):
-                    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
-                    k = torch.randn(B, Sk, H, D, device="cuda", dtype=dt)
-                    v = torch.randn(B, Sk, H, D, device="cuda", dtype=dt)
-                    dout = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
-                    scale = D**-0.5
-                    out, lse = fwd.run(q, k, v, causal, scale)
-                    grads = run(q, k, v, out, dout, lse, causal, scale)
-                    torch.cuda.synchronize()
-                    refs = _reference_grads(q, k, v, dout, causal, scale, torch.float32)
-                    bases = _reference_grads(q, k, v, dout, causal, scale, dt)
-                    ok = True
-                    msg = []
-                    for name, g, ref, base in zip(("dq", "dk", "dv"), grads, refs, bases, strict=True):
-                        err = (g.float() - ref).abs().max().item()
-                        base_err = (base.float() - ref).abs().max().item()
-                        floor = 4 * torch.finfo(dt).eps * ref.abs().max().item()
-                        good = err <= 2 * base_err + floor and not torch.isnan(g).any().item()
-                        ok &= good
-                        msg.append(f"{name} {err:.2e} (base {base_err:.2e}){'' if good else ' <-'}")
-                    n_fail += not ok
-                    print(
-                        f"{'ok  ' if ok else 'FAIL'} D={D} causal={int(causal)} B={B} H={H} Sq={Sq} Sk={Sk} "
-                        f"{str(dt)[6:]}: " + ", ".join(msg),
-                        flush=True,
-                    )
+    for D, causal, (B, H, Sq, Sk), dt, name, overrides in cases:
+        q = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
+        k = torch.randn(B, Sk, H, D, device="cuda", dtype=dt)
+        v = torch.randn(B, Sk, H, D, device="cuda", dtype=dt)
+        dout = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
+        scale = D**-0.5
+        out, lse = fwd.run(q, k, v, causal, scale)
+        grads = run(q, k, v, out, dout, lse, causal, scale, **overrides)
+        torch.cuda.synchronize()
+        refs = _reference_grads(q, k, v, dout, causal, scale, torch.float32)
+        bases = _reference_grads(q, k, v, dout, causal, scale, dt)
+        ok = True
+        msg = []
+        for gname, g, ref, base in zip(("dq", "dk", "dv"), grads, refs, bases, strict=True):
+            err = (g.float() - ref).abs().max().item()
+            base_err = (base.float() - ref).abs().max().item()
+            floor = 4 * torch.finfo(dt).eps * ref.abs().max().item()
+            good = err <= 2 * base_err + floor and not torch.isnan(g).any().item()
+            ok &= good
+            msg.append(f"{gname} {err:.2e} (base {base_err:.2e}){'' if good else ' <-'}")
+        n_fail += not ok
+        print(
+            f"{'ok  ' if ok else 'FAIL'} D={D} causal={int(causal)} B={B} H={H} Sq={Sq} Sk={Sk} {str(dt)[6:]} "
+            f"[{name}]: " + ", ".join(msg),
+            flush=True,
+        )
     return n_fail == 0
 
 
