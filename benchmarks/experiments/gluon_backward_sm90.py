@@ -302,6 +302,9 @@ def _consumer(
     DQ_SPLIT: gl.constexpr,
     RED_V2: gl.constexpr,
 ):
+    """One consumer warpgroup (WG 0 or 1): key rows kv_start + WG * N_WG .. + N_WG of the CTA's tile, all
+    n_iters query tiles; accumulates dK_wg and dV_wg in registers, adds dQ partials to dq (see _dq_step),
+    stores dK_wg and dV_wg at the end."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)  # S^T, dP^T: [N_WG keys, BLOCK_M queries]
@@ -333,7 +336,7 @@ def _consumer(
         k_wg = k_it.slice(WG * N_WG, N_WG)
         v_wg = v_it.slice(WG * N_WG, N_WG)
 
-        # ---- S^T and dP^T in flight together; the row statistics load meanwhile
+        # ---- S^T and dP^T in flight together; the row statistics come from shared memory meanwhile
         mbarrier.wait(q_ready.index(s), ph)
         s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(s), ph)
@@ -375,9 +378,9 @@ def _consumer(
             mbarrier.arrive(qdo_empty.index(s), count=1)
             mbarrier.arrive(ds_free.index(b), count=1)  # this warpgroup does not read ds_buf
 
-    # ---- epilogue: dV and dK * scale in the input dtype, through shared memory and TMA stores. V_wg is read
-    # only by this warpgroup, so it can take dV at once; K is read by both warpgroups' dQ products, so dK
-    # waits until both have left the loop (kv_done, count 2).
+    # ---- epilogue: dV and dK (softmax_scale is already in dS) in the input dtype, through shared memory and
+    # TMA stores. V_wg is read only by this warpgroup, so it can take dV at once; K is read by both
+    # warpgroups' dQ products, so dK waits until both have left the loop (kv_done, count 2).
     mbarrier.arrive(kv_done, count=1)
     dv_tile = v_smem.index(0).slice(WG * N_WG, N_WG)
     dv_tile.store(dv.to(dtype))
@@ -691,7 +694,8 @@ def _desc_sig(dt, rows, d, gdt):
 
 def compile_only(dtypes=("bf16", "fp16"), variants=None):
     """Compile every (dtype, head dim, causal) for sm_90 with the default config, and the timing variants
-    (VARIANTS) for bf16; print shared memory, setmaxnreg and ptxas register / stack / local use."""
+    (VARIANTS) for bf16; print shared memory, setmaxnreg, register / stack / local use and spill bytes.
+    With DUMP_DIR set, also write each main kernel's TTGIR and PTX there."""
     import itertools
 
     from triton.backends.compiler import GPUTarget
