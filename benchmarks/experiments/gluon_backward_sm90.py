@@ -4,10 +4,10 @@ STATUS: compile-checked for sm_90 without a GPU (Triton 3.7.1 and 3.6.0, bf16 an
 or not, every timing variant); never run. Shared memory: D=128 165,344 B with 2 stages (198,688 B with 3),
 D=64 116,768 B with 3 stages (133,664 B with 4). Registers: consumers setmaxnreg 240, producer 24 (ptxas
 REG=168 is the launch-time count for 384 threads). D=64: no spills. D=128: no tile spills; ptxas reports
-20-36 bytes of spill stores (a few scalars, the dq base pointer among them, reloaded 1-2 times per query
-tile; LOCAL=0). A PyTorch simulation of the same tiling on the CPU (not in this file: tile loop, causal
-start tile and mask, lse = -inf rows, dQ column halves) passed check()'s tolerance rule. Next H100/H200
-session: `--check-only`, then the timing table.
+20-52 bytes of spill stores (default config: 20-32; a few scalars, the dq base pointer among them: 1-2
+local loads, sometimes a store, per query tile; LOCAL=0). A PyTorch simulation of the same tiling on
+the CPU (not in this file: tile loop, causal start tile and mask, lse = -inf rows, dQ column halves)
+passed check()'s tolerance rule. Next H100/H200 session: `--check-only`, then the timing table.
 
 Math (same conventions as src/flashtile/ops/attention/backward.py): with s = softmax_scale * q k^T,
 P = exp(s - lse), dP = dO V^T, delta = rowsum(dO * O), dS = P * (dP - delta):
