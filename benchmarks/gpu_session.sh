@@ -14,6 +14,7 @@
 #   memory   fwd+bwd peak extra memory against SDPA flash
 #   sanitize compute-sanitizer memcheck of one forward + backward
 #   gluon    the Gluon sm_90 forward prototype: checks, then its timing table (benchmarks/experiments/)
+#   gluonbwd the Gluon sm_90 backward prototype (atomic dQ): checks, then its timing table
 # Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
 set -uo pipefail
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps a path set before (fa4_setup.sh)
@@ -60,6 +61,7 @@ q, k, v = (torch.randn(2, 300, 4, 64, device='cuda', dtype=torch.bfloat16, requi
 flashtile.flash_attn_func(q, k[:, :211], v[:, :211], causal=True).sum().backward()
 torch.cuda.synchronize(); print('sanitized fwd+bwd ok')" 2>&1 | tail -8 ;;
     gluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/experiments/gluon_forward_sm90.py 2>&1 | tee "$OUT/gluon.log" | tail -60 ;;
+    gluonbwd) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/experiments/gluon_backward_sm90.py 2>&1 | tee "$OUT/gluonbwd.log" | grep -v "^ok " | tail -60 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -5,8 +5,11 @@
 1. Launch overhead: at N = 512 and 1024 (B*N = 16384, D = 128, bf16, causal and not) the median time
    of flashtile's forward and forward+backward, called eagerly and replayed from a captured CUDA
    graph, next to SDPA flash (FA2). The gap between eager and graph is the Python launch path.
+   host_us is the Python time per call alone: the calls are queued behind a long GPU sleep, so none
+   waits for the GPU.
 2. First call of a new shape: in a fresh process with an empty Triton cache (TRITON_CACHE_DIR) the
    first forward+backward pays compilation; a second fresh process with the same cache does not.
+   Two shapes: (3, 1000, 12, 96) runs the Triton kernels, (2, 1024, 16, 128) the Gluon forward on sm_90.
    Each first call runs under cProfile (first-call-profile-*.txt) to show where the time goes.
 Writes ``latency.json`` and prints a table.
 """
@@ -33,7 +36,8 @@ from bench_decode import capture
 
 FIRST_CALL = """
 import cProfile, pstats, sys, time, torch, flashtile
-q, k, v = (torch.randn(3, 1000, 12, 96, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+shape = [int(n) for n in sys.argv[1].split(",")]
+q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 torch.cuda.synchronize()
 profile = cProfile.Profile()
 start = time.perf_counter()
@@ -66,6 +70,19 @@ def _forward_backward(attention, q, k, v, dout, causal):
     attention(q, k, v, causal).backward(dout)
 
 
+def host_time(fn, calls: int = 50) -> float:
+    """Seconds of Python per call of ``fn``, queued behind a GPU sleep long enough that no call waits."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls
+
+
 def launch_overhead() -> list[dict]:
     rows = []
     for seqlen in (512, 1024):
@@ -82,7 +99,8 @@ def launch_overhead() -> list[dict]:
             fn = functools.partial(run, attention, q, k, v, dout, causal)
             eager = triton.testing.do_bench(fn, return_mode="median")
             graph = triton.testing.do_bench(capture(fn)[0].replay, return_mode="median")
-            row = {"what": f"{name} {pass_name}", "N": seqlen, "causal": causal, "eager_ms": eager, "graph_ms": graph}
+            row = {"what": f"{name} {pass_name}", "N": seqlen, "causal": causal, "eager_ms": eager, "graph_ms": graph,
+                   "host_us": host_time(fn) * 1e6}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -92,15 +110,18 @@ def first_call(out: Path) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
-        for attempt in ("empty cache", "warm cache"):
+        for shape, attempt in itertools.product(("3,1000,12,96", "2,1024,16,128"), ("empty cache", "warm cache")):
             start = time.perf_counter()
-            run = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True, text=True)
+            argv = [sys.executable, "-c", FIRST_CALL, shape]
+            run = subprocess.run(argv, env=env, capture_output=True, text=True)
             process_s = time.perf_counter() - start
+            what = f"{attempt} {shape}"
             if run.returncode != 0:
-                rows.append({"what": attempt, "error": run.stderr[-500:]})
+                rows.append({"what": what, "error": run.stderr[-500:]})
             else:
-                rows.append({"what": attempt, "first_call_s": float(run.stdout.split()[-1]), "process_s": process_s})
-                (out / f"first-call-profile-{attempt.replace(' ', '-')}.txt").write_text(run.stderr)
+                rows.append({"what": what, "first_call_s": float(run.stdout.split()[-1]), "process_s": process_s})
+                name = f"first-call-profile-{attempt.replace(' ', '-')}-{shape.replace(',', 'x')}.txt"
+                (out / name).write_text(run.stderr)
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -112,9 +133,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"gpu": torch.cuda.get_device_name(), "first_call": first_call(args.out), "launch": launch_overhead()}
     (args.out / "latency.json").write_text(json.dumps(result, indent=1))
-    print("\n| what | N | causal | eager ms | graph ms |\n|---|---|---|---|---|")
+    print("\n| what | N | causal | eager ms | graph ms | host µs |\n|---|---|---|---|---|---|")
     for row in result["launch"]:
-        print(f"| {row['what']} | {row['N']} | {row['causal']} | {row['eager_ms']:.3f} | {row['graph_ms']:.3f} |")
+        print(
+            f"| {row['what']} | {row['N']} | {row['causal']} | {row['eager_ms']:.3f} | {row['graph_ms']:.3f} "
+            f"| {row['host_us']:.0f} |"
+        )
     for row in result["first_call"]:
         print(row)
 
