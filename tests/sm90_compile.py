@@ -12,7 +12,8 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
   kernel has; the forward also with paged K/V on top), and the delta kernel of the backward;
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
   ``decode.configs.config``, and its few-programs config of contiguous caches;
-* the Gluon forward of ``forward_sm90`` (its one config), causal and full.
+* the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config), causal
+  and full.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
 on a ``PTXASError`` (or any other compile error) or when its shared memory exceeds the H200's 227 KiB per
@@ -52,7 +53,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from flashtile.ops.attention import backward, forward, forward_sm90  # noqa: E402
+from flashtile.ops.attention import backward, backward_sm90, forward, forward_sm90  # noqa: E402
 from flashtile.ops.attention.configs import _HOPPER, PASSES, with_mask  # noqa: E402
 from flashtile.ops.decode import configs as decode_configs  # noqa: E402
 from flashtile.ops.decode import split_kv  # noqa: E402
@@ -263,35 +264,51 @@ def resources(cubin: bytes) -> dict:
 
 
 GLUON_FORWARD = forward_sm90._attention_forward_sm90_kernel.fn.__name__
+GLUON_BACKWARD = backward_sm90._attention_backward_sm90_kernel.fn.__name__
 
 
-def gluon_forward_source(consts: dict):
-    """What triton.compile takes for the Gluon forward (a GluonASTSource: Gluon kernels need their own
-    source class) with the descriptors ``forward_sm90.attention_forward_sm90`` passes."""
+def gluon_source(kernel_name: str, consts: dict):
+    """What triton.compile takes for a Gluon kernel (a GluonASTSource: Gluon kernels need their own source
+    class) with the descriptors and pointers its launcher passes."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    def descriptor(rows: int) -> str:
-        layout = forward_sm90._shared_layout(rows, torch.bfloat16)
-        return f"tensordesc<{DATA}[{rows},{forward_sm90.HEAD_DIM}],{layout!r}>"
+    head_dim = consts["HEAD_D"]
 
-    sig = {
-        "q_desc": descriptor(consts["M_WG"]), "k_desc": descriptor(consts["BLOCK_N"]),
-        "v_desc": descriptor(consts["BLOCK_N"]), "o_desc": descriptor(consts["M_WG"]), "lse_ptr": "*fp32",
-        "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32",
-    }  # fmt: skip
+    def descriptor(rows: int) -> str:
+        layout = forward_sm90.shared_layout(rows, head_dim, torch.bfloat16)
+        return f"tensordesc<{DATA}[{rows},{head_dim}],{layout!r}>"
+
+    if kernel_name == GLUON_FORWARD:
+        kernel, rows_q, rows_k = forward_sm90._attention_forward_sm90_kernel, consts["M_WG"], consts["BLOCK_N"]
+        sig = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_k), "v_desc": descriptor(rows_k),
+               "o_desc": descriptor(rows_q), "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32",
+               "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
+    else:
+        kernel, rows_q, rows_k = backward_sm90._attention_backward_sm90_kernel, consts["BLOCK_M"], consts["BLOCK_N"]
+        sig = {"q_desc": descriptor(rows_q), "do_desc": descriptor(rows_q), "k_desc": descriptor(rows_k),
+               "v_desc": descriptor(rows_k), "dk_desc": descriptor(rows_k // 2), "dv_desc": descriptor(rows_k // 2),
+               "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
+               "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32"}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
-    kernel = forward_sm90._attention_forward_sm90_kernel
-    attrs = {(kernel.arg_names.index("lse_ptr"),): [["tt.divisibility", 16]]}  # a torch allocation
+    pointers = [name for name, kind in sig.items() if kind == "*fp32"]  # torch allocations: 16-byte aligned
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
     return GluonASTSource(kernel, sig, consts, attrs)
 
 
 def gluon_variants() -> list[Variant]:
+    variants = []
     cfg = forward_sm90.CONFIG
     name = f"forward_sm90 D{forward_sm90.HEAD_DIM} {2 * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
-    return [
-        Variant(GLUON_FORWARD, name, mask, "off", dict(cfg, HEAD_D=forward_sm90.HEAD_DIM, CAUSAL=mask == "causal"))
-        for mask in ("full", "causal")
-    ]
+    for mask in ("full", "causal"):
+        consts = dict(cfg, HEAD_D=forward_sm90.HEAD_DIM, CAUSAL=mask == "causal")
+        variants.append(Variant(GLUON_FORWARD, name, mask, "off", consts))
+    for head_dim, cfg in backward_sm90.CONFIGS.items():
+        name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
+        for mask in ("full", "causal"):
+            variants.append(
+                Variant(GLUON_BACKWARD, name, mask, "off", dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal"))
+            )
+    return variants
 
 
 def compile_variant(v: Variant) -> dict:
@@ -299,8 +316,8 @@ def compile_variant(v: Variant) -> dict:
     row = {"kernel": v.kernel, "config": v.config, "mask": v.mask, "flags": v.flags, "label": v.label}
     start = time.perf_counter()
     try:
-        if v.kernel == GLUON_FORWARD:
-            source = gluon_forward_source(v.consts)
+        if v.kernel in (GLUON_FORWARD, GLUON_BACKWARD):
+            source = gluon_source(v.kernel, v.consts)
         else:
             source = ASTSource(KERNELS[v.kernel], *signature(v.kernel, v.consts))
         compiled = triton.compile(

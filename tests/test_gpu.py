@@ -59,7 +59,9 @@ def test_memory_is_linear(seqlen):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     tensor_bytes = q.numel() * q.element_size()
-    assert extra <= 6 * tensor_bytes, f"{extra / 2**20:.0f} MiB extra for {tensor_bytes / 2**20:.0f} MiB tensors"
+    # out, dq, dk, dv, and on sm_90 the atomic backward's fp32 dQ accumulator (two tensors' worth) while dq
+    # is cast from it; plus the LSE and delta
+    assert extra <= 7 * tensor_bytes, f"{extra / 2**20:.0f} MiB extra for {tensor_bytes / 2**20:.0f} MiB tensors"
 
 
 def test_backward_is_bitwise_repeatable():

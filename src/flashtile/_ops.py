@@ -58,6 +58,7 @@ def _attention_forward(
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), lse (B, H, Sq) fp32.
 
@@ -68,6 +69,7 @@ def _attention_forward(
     probability (keep mask from rng_state, int64 (2,) [seed, offset]) and scales the kept by 1 / (1 - p);
     the LSE is unchanged. attn_mask (SDPA's): 4-D, each dimension 1 or (B, H, Sq, Sk)'s, boolean (True =
     attend) or additive (added to the scaled scores); it is read through a broadcast view, never expanded.
+    deterministic is for the backward (the autograd context keeps it): False allows atomics there.
     """
     path = attention_path(q.device)
     if attn_mask is None:
@@ -113,13 +115,15 @@ def _attention_backward(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse, or None.
 
-    The sink's gradient is ``attention_sink_backward``. dropout_p and rng_state: the forward's."""
+    The sink's gradient is ``attention_sink_backward``. dropout_p and rng_state: the forward's.
+    deterministic: False allows a kernel whose atomics make the bits vary from run to run."""
     return attention_path(q.device).attention_backward(
         dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink,
-        dropout_p, rng_state,
+        dropout_p, rng_state, deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -205,6 +209,7 @@ _VARLEN_OPTION_DEFAULTS = (*_OPTION_DEFAULTS, None)  # and block_table
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, window_left, window_right, *options = inputs
     attn_mask = options[5] if len(options) > 5 else None
+    ctx.deterministic = options[6] if len(options) > 6 else True
     options = options[:5]
     alibi_slopes, softcap, learnable_sink, dropout_p, rng_state = (*options, *_OPTION_DEFAULTS[len(options) :])
     out, lse = output
@@ -234,7 +239,7 @@ def _backward_with(ops, ctx, dout, dlse):
     if attn_mask is None:
         dq, dk, dv = ops.attention_backward(
             dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right,
-            alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state,
+            alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state, ctx.deterministic,
         )  # fmt: skip
     else:  # SDPA's attn_mask: no window, no sink (the public function combines neither with it)
         needs_grad = ctx.needs_input_grad[11] and attn_mask.is_floating_point()
@@ -246,7 +251,7 @@ def _backward_with(ops, ctx, dout, dlse):
     dsink = None
     if learnable_sink is not None and ctx.needs_input_grad[8]:
         dsink = ops.attention_sink_backward(dout, out, lse, dlse, learnable_sink)
-    grads = (dq, dk, dv, None, None, None, None, None, dsink, None, None, dmask)  # alibi slopes get none (flash_attn)
+    grads = (dq, dk, dv, None, None, None, None, None, dsink, None, None, dmask, None)  # alibi: none (flash_attn)
     return grads[: ctx.num_inputs]
 
 
@@ -461,7 +466,7 @@ def _wants_grad(tensors: tuple[torch.Tensor | None, ...]) -> bool:
 
 
 def attention(*args):
-    """``attention_forward(*args)`` (same arguments, 6 to 12 of them), called directly in plain eager mode
+    """``attention_forward(*args)`` (same arguments, 6 to 13 of them), called directly in plain eager mode
     (``_eager``): through ``_EagerAttention`` when a gradient is wanted, else the implementation itself."""
     tensors = (*args[:3], *args[6:7], *args[8:9], *args[10:12])  # q, k, v, alibi_slopes, sink, rng_state, mask
     if not _eager(tensors):

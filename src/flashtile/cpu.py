@@ -375,6 +375,7 @@ def attention_backward(
     _drop: _Dropout | None = None,
     attn_mask: Tensor | None = None,
     dmask: Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention, recomputing P tile by tile from the saved LSE.
 
@@ -390,6 +391,7 @@ def attention_backward(
         attn_mask: as given to ``attention_forward``
         dmask: None, or a (batch, nheads, seqlen_q, seqlen_k) float buffer that receives dS = P (dP - delta),
            the gradient at an additive mask before any reduction over its broadcast dimensions
+        deterministic: unused: this path is always deterministic
 
     Returns:
         dq: (batch, seqlen_q, nheads, headdim) in q.dtype

@@ -250,15 +250,17 @@ def attention(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     attn_mask: torch.Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated entry to the custom op (``_ops.attention``): returns (out, lse) in flash_attn's layouts.
 
     attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
+    deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.attention.backward_sm90``).
     A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
     if padded is not None:
         options = (window_left, window_right, softcap, alibi_slopes, learnable_sink, dropout_p, attn_mask)
-        return sliced(attention(*padded[:4], *options), padded[4])
+        return sliced(attention(*padded[:4], *options, deterministic), padded[4])
     check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -267,20 +269,21 @@ def attention(
         softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
         return _ops.attention(
             q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
-            float(dropout_p), dropout_rng_state(dropout_p, q.device), attn_mask,
+            float(dropout_p), dropout_rng_state(dropout_p, q.device), attn_mask, deterministic,
         )  # fmt: skip
     if softcap == 0.0 and alibi_slopes is None and learnable_sink is None and dropout_p == 0.0:
-        return _ops.attention(q, k, v, float(softmax_scale), window_left, window_right)
+        if deterministic:
+            return _ops.attention(q, k, v, float(softmax_scale), window_left, window_right)
+        return _ops.attention(q, k, v, float(softmax_scale), window_left, window_right, *_NO_OPTIONS, False)
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
-    rng_state = dropout_rng_state(dropout_p, q.device)
-    if rng_state is None:
-        return _ops.attention(
-            q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink
-        )
     return _ops.attention(
         q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
-        float(dropout_p), rng_state,
+        float(dropout_p), dropout_rng_state(dropout_p, q.device), None, deterministic,
     )  # fmt: skip
+
+
+_NO_OPTIONS = (None, 0.0, None, 0.0, None, None)
+"""``_ops.attention``'s alibi_slopes, softcap, learnable_sink, dropout_p, rng_state and attn_mask, all off."""
 
 
 def flash_attn_func(
@@ -357,8 +360,10 @@ def flash_attn_func(
             0.0 turns it off; the gradient flows through the tanh
         alibi_slopes: (nheads,) or (batch_size, nheads), float32, on q's device: the ALiBi bias above,
             for causal and non-causal attention alike; it gets no gradient (as in flash_attn)
-        deterministic: accepted; flashtile's backward never uses atomics (measured slower, see
-            docs/tuning-log.md), so it is always bitwise repeatable
+        deterministic: False (flash_attn's default) lets the backward add dQ with atomics where that is
+            faster (on sm_90: head dim 64/128, no options, lengths multiples of 128, as many K/V heads as
+            query heads), so its bits may vary from run to run; True always gives bitwise repeatable
+            gradients
         return_attn_probs: also return softmax_lse (the attention probabilities themselves are never
             materialised; the third element is None, also with dropout: flash_attn's S_dmask, the
             probabilities with the dropout pattern, is not returned)
@@ -371,7 +376,10 @@ def flash_attn_func(
             float32, the natural-log sum of exp of each row's scores (and of the sink)
     """
     left, right = window_bounds(window_size, causal)
-    out, lse = attention(q, k, v, softmax_scale, left, right, softcap, alibi_slopes, learnable_sink, dropout_p)
+    out, lse = attention(
+        q, k, v, softmax_scale, left, right, softcap, alibi_slopes, learnable_sink, dropout_p,
+        deterministic=deterministic,
+    )  # fmt: skip
     return (out, lse, None) if return_attn_probs else out
 
 

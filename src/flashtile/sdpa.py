@@ -78,8 +78,9 @@ def scaled_dot_product_attention(
     # Top-left causal (j <= i) in the kernels' bottom-right terms: j <= i + (Sk - Sq) + (Sq - Sk).
     right = seqlen_q - seqlen_k if is_causal else None
     out, _ = attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, None, right, dropout_p=dropout_p
-    )
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, None, right, dropout_p=dropout_p,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+    )  # fmt: skip
     return out.transpose(1, 2)
 
 

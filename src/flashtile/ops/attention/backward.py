@@ -1,7 +1,8 @@
 """FlashAttention backward: Triton kernels and their launcher.
 
 Nothing of size seqlen_q x seqlen_k is stored: P is recomputed from Q, K and the saved LSE.
-Three launches, no atomics (so the backward is deterministic):
+Three launches, no atomics (so the backward is deterministic; on sm_90 ``deterministic=False`` backwards
+without options run the atomic-dQ Gluon kernel of ``backward_sm90`` instead):
   1. delta = rowsum(dO * O) - dLSE                                    (B, H, Sq) fp32
   2. per key tile and kv head: dV = sum P^T dO, dK = scale * sum dS^T Q over the tile's query tiles
      and over every query head of the kv head's group (GQA sums happen in registers)
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
+from flashtile.ops.attention import backward_sm90
 from flashtile.ops.attention.configs import cdiv, config
 from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
@@ -627,8 +629,10 @@ def attention_backward(
     rng_state: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     dmask: torch.Tensor | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels.
+    """Launch the backward kernels (on sm_90, without options and with ``deterministic=False``, the Gluon
+    kernel of ``backward_sm90``, whose dQ atomics make the bits vary from run to run).
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim_v), the gradient of out; last dimension contiguous
@@ -640,11 +644,16 @@ def attention_backward(
         attn_mask: as given to the forward: None or a (batch, nheads, seqlen_q, seqlen_k) broadcast view
         dmask: None, or a contiguous (batch, nheads, seqlen_q, seqlen_k) float32 buffer that receives
             dS = P (dP - delta), the gradient at the (additive) mask before any reduction
+        deterministic: bitwise repeatable results (the Triton kernels); False allows the atomic dQ kernel
 
     Returns:
         dq, dk, dv with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group)
     """
     delta = attention_delta(dout, out, dlse)
+    options = (alibi_slopes, attn_mask, window_left)
+    plain = all(x is None for x in options) and dropout_p == 0.0 and softcap == 0.0 and window_right in (None, 0)
+    if plain and not deterministic and backward_sm90.applies(q, k, v, dout):
+        return backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=window_right == 0)
     return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], softmax_scale, window_left,
                    window_right, alibi_slopes, softcap, dropout_p=dropout_p, rng_state=rng_state, attn_mask=attn_mask,
                    dmask=dmask)  # fmt: skip

@@ -64,7 +64,7 @@ ROWS = 2 * CONFIG["M_WG"]
 
 # ------------------------------------------------------------------------------------------------ layouts
 @gluon.constexpr_function
-def _mma_layout(n):
+def mma_layout(n):
     # one warpgroup, wgmma m64nNk16 tiles (bf16/fp16: k = 16), N = the full tile width
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
@@ -174,8 +174,8 @@ def _consumer(
     PINGPONG: gl.constexpr,
 ):
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_D)
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(HEAD_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -413,12 +413,12 @@ def _attention_forward_sm90_kernel(
 
 
 @functools.cache
-def _is_sm90(device_index: int | None) -> bool:
+def is_sm90(device_index: int | None) -> bool:
     """Whether the device is a Hopper GPU (compute capability 9.0), looked up once per device."""
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def _rows_view_ok(x: torch.Tensor) -> bool:
+def rows_view_ok(x: torch.Tensor) -> bool:
     """Whether (batch, seqlen, nheads, headdim) ``x`` reads as the 2-D (batch * seqlen, nheads * headdim) rows
     of a tensor descriptor: heads of a token contiguous, tokens evenly strided across batch entries, and the
     start address and the row stride 16-byte aligned."""
@@ -432,12 +432,12 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a forward of (batch, seqlen, nheads, headdim) q, k, v without options (no dropout, attn_mask,
     ALiBi, softcap, sink, window, packed batch: the caller checks those) runs this kernel: switched on
     (``flashtile._backend.GLUON``), an sm_90 GPU, and ``qualifies``."""
-    return _backend.GLUON and q.device.type == "cuda" and _is_sm90(q.device.index) and qualifies(q, k, v)
+    return _backend.GLUON and q.device.type == "cuda" and is_sm90(q.device.index) and qualifies(q, k, v)
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """The kernel's own conditions on q, k, v (any device): bf16/fp16, head dim HEAD_DIM, both lengths
-    positive multiples of ROWS, and layouts a tensor descriptor can read (``_rows_view_ok``)."""
+    positive multiples of ROWS, and layouts a tensor descriptor can read (``rows_view_ok``)."""
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if q.shape[3] != HEAD_DIM or k.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM:
@@ -445,22 +445,22 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     if seqlen_q % ROWS or seqlen_k % ROWS or seqlen_k == 0:
         return False
-    return _rows_view_ok(q) and _rows_view_ok(k) and _rows_view_ok(v)
+    return rows_view_ok(q) and rows_view_ok(k) and rows_view_ok(v)
 
 
 @functools.cache
-def _shared_layout(rows: int, dtype: torch.dtype):
-    """The swizzled shared-memory layout of a [rows, HEAD_DIM] tile (what TMA writes and wgmma reads)."""
+def shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout of a [rows, head_dim] tile (what TMA writes and wgmma reads)."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
 
 
-def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A tensor descriptor of the (batch * seqlen, nheads * headdim) rows of ``x`` with [rows, HEAD_DIM] tiles."""
+def descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A tensor descriptor of the (batch * seqlen, nheads * headdim) rows of ``x`` (``rows_view_ok``) with
+    [rows, headdim] tiles."""
     batch, seqlen, nheads, head_dim = x.shape
-    return TensorDescriptor(
-        x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], [rows, head_dim], _shared_layout(rows, x.dtype)
-    )
+    layout = shared_layout(rows, head_dim, x.dtype)
+    return TensorDescriptor(x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], [rows, head_dim], layout)
 
 
 def attention_forward_sm90(
@@ -485,7 +485,7 @@ def attention_forward_sm90(
     m_wg, block_n = CONFIG["M_WG"], CONFIG["BLOCK_N"]
     grid = (seqlen_q // (2 * m_wg), batch * nheads)
     _attention_forward_sm90_kernel[grid](
-        _descriptor(q, m_wg), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, m_wg), lse,
+        descriptor(q, m_wg), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, m_wg), lse,
         softmax_scale * LOG2E, seqlen_q, k.shape[1], nheads, nheads // k.shape[2],
         HEAD_D=HEAD_DIM, CAUSAL=causal, num_warps=4, **CONFIG,
     )  # fmt: skip

@@ -1,0 +1,595 @@
+"""FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by atomics.
+
+On an H100/H200 the backwards that qualify (``applies``, and the caller: no dropout, attn_mask, ALiBi,
+softcap, window or packed batch, and ``deterministic=False``, flash_attn's default) run this kernel instead
+of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
+seven, because dQ is added into an fp32 accumulator with atomics, in an order that varies from run to run
+(``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
+64 or 128; as many K/V heads as query heads; bf16/fp16; both lengths multiples of 128; the layouts of
+``forward_sm90.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90
+without a GPU, and the GPU tests run it against the oracle.
+
+Measured on an H200 (bf16, TFLOP/s, backward = 2.5 x the forward's FLOP; benchmarks/results/
+2026-11-30-h200x2-gluonbwd-70b5b21.log, the prototype of this kernel): D=128 N=16k 437 / 443 causal against
+406 / 388 for the Triton kernels (cuDNN 543 / 527), three stages 446 / 445; D=64 N=16k 394 / 405 against
+346 / 296 (cuDNN 451 / 439).
+
+Math (as backward.py): with s = softmax_scale * q k^T, P = exp(s - lse), dP = dO V^T, delta = rowsum(dO * O)
+- dlse (``backward.attention_delta``), dS = P * (dP - delta):
+    dV = P^T dO,   dK = softmax_scale * dS^T Q,   dQ = softmax_scale * dS K.
+softmax_scale is folded into dS (before its cast to the input dtype), so dK and dQ need no final scaling.
+
+Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros; the kernel, grid (Sk / BLOCK_N,
+B * H), adds dQ partials into dq_accum and writes dK and dV; dq = dq_accum cast to the input dtype.
+
+One CTA per (BLOCK_N = 128 key rows, batch * head), 64 key rows per consumer warpgroup:
+  * producer partition, 1 warp: TMA loads of the CTA's K and V tiles (once, kv_bar), then per query tile
+    (BLOCK_M = 64 rows) Q and dO by TMA into a ring of STAGES buffers (q_ready / do_ready, tx-count), and
+    the rows' lse (base 2) and delta by plain loads into shared memory (stat_ready). qdo_empty (count 2,
+    one arrival per consumer warpgroup) frees a slot once both warpgroups' dV and dK products are done.
+  * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1). Per query tile, all
+    products are wgmma with fp32 accumulators:
+        S^T  = K_wg Q^T            (smem, smem)          [64 keys, 64 queries]
+        dP^T = V_wg dO^T           (smem, smem)
+        P^T  = exp2(S^T * scale * log2 e - lse * log2 e)  (causal mask on tiles crossing the diagonal)
+        dS^T = P^T * (dP^T - delta) * scale
+        dV_wg += P^T dO            (registers, smem)
+        dK_wg += dS^T Q            (registers, smem)
+    and dS^T goes to a shared buffer [128 keys, 64 queries] (each warpgroup writes its 64 rows; two
+    buffers, used alternately). Once both halves are there (ds_ready, count 2), dQ partial = dS K
+    (A = the dS^T buffer transposed, from smem; B = K) is added to dq_accum with relaxed fp32 atomics:
+      D=128 (DQ_SPLIT): each warpgroup computes half of the columns, dQ[:, wg*64 : (wg+1)*64];
+      D=64: warpgroup (i % 2) computes all of it for query tile i (a 32-column slice of K would cut the
+      128-byte swizzle atom, which a wgmma operand can not start inside).
+    ds_free (count 2) tells the warpgroups that a dS buffer has been read, before it is written again.
+  * epilogue: dV_wg goes to this warpgroup's rows of the V tile in shared memory (only it reads them);
+    dK_wg to its rows of the K tile once both warpgroups have left the loop (kv_done, count 2: the dQ
+    products read all of K); then TMA stores.
+  Causal: a key tile visits only the query tiles from the one holding row kv_start - (Sk - Sq) (clipped
+  at 0); only tiles crossing the diagonal apply the mask. Rows with lse = -inf (they see no key) get
+  lse = +inf, so exp2 gives exactly 0 there, not NaN.
+
+Register-pressure notes (what keeps D=128 from spilling; keep them in mind when editing):
+  * LLVM hoists loop-invariant address arithmetic out of the query-tile loop and ptxas then spills it.
+    The wgmma descriptors of the K and V tiles are kept in the loop by indexing the (single-slot) K/V
+    buffers with an opaque zero from inline asm; lse/delta come from shared memory (no pointer tensors in
+    the consumers); dK/dV leave through TMA, not pointer tensors.
+  * P^T and dS^T are both computed before the dV and dK products are issued (issuing dV first kept one
+    more [64, 64] fp32 tile live).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashtile import _backend
+from flashtile.ops._alloc import empty_output
+from flashtile.ops.attention.forward_sm90 import LOG2E, ROWS, descriptor, is_sm90, mma_layout, rows_view_ok
+
+_LOG2E = gl.constexpr(LOG2E)  # the same, readable from jitted code
+# Triton 3.6: gl.thread_barrier(); 3.7: gl.barrier() (both: a barrier among the warps of the calling partition).
+_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+CONFIGS = {
+    # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (198 KiB of shared
+    # memory); a fourth at D=64 gained nothing
+    128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+}
+"""Per head dim: query rows per tile, key rows per CTA (two warpgroups), Q/dO ring depth, dQ columns split
+between the warpgroups (needs 64-column halves: head dim 128), registers per thread of consumers / producer."""
+
+
+# ------------------------------------------------------------------------------------------------ producer
+@gluon.jit
+def _producer(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    do_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    delta_smem,
+    kv_bar,
+    q_ready,
+    do_ready,
+    stat_ready,
+    qdo_empty,
+    lse_ptr,
+    delta_ptr,
+    q_row0,
+    m_start,
+    kv_row,
+    col,
+    n_iters,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """K and V once, then per query tile i (rows m_start + i * BLOCK_M; q_row0 = its row in the 2-D view):
+    Q and dO by TMA, and the rows' lse (in base 2, +inf where it is -inf) and delta by plain loads into
+    shared memory, so that the consumers read them with shared-memory loads (no pointer tensors there).
+    lse_ptr / delta_ptr point at this (batch, head)'s rows."""
+    stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, col], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kv_row, col], kv_bar, v_smem.index(0))
+    for i in range(n_iters):
+        s = i % STAGES
+        # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
+        ph = ((i // STAGES) & 1) ^ 1
+        row = q_row0 + i * BLOCK_M
+        # the row statistics are loaded before waiting for the slot, so their latency overlaps the wait
+        offs = m_start + i * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_layout)
+        lse = gl.load(lse_ptr + offs)
+        delta = gl.load(delta_ptr + offs)
+        mbarrier.wait(qdo_empty.index(s), ph)
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(s), do_smem.index(s))
+        # rows that see no key (lse = -inf): +inf makes exp2(s - lse) exactly 0 instead of NaN
+        lse_smem.index(s).store(gl.where(lse == float("-inf"), gl.full_like(lse, float("inf")), lse * _LOG2E))
+        delta_smem.index(s).store(delta)
+        _partition_barrier()  # all 32 lanes have stored before the (single-thread) arrive
+        mbarrier.arrive(stat_ready.index(s), count=1)
+
+
+# ------------------------------------------------------------------------------------------------ consumer
+@gluon.jit
+def _probs(
+    s_acc,
+    lse2,
+    qk_scale,
+    key0,
+    q0,
+    diag_off,
+    N_WG: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    """P^T (fp32, mma layout) of a [N_WG keys, BLOCK_M queries] tile from S^T and the queries' lse in base 2
+    (lse2, +inf for rows that see no key, so that exp2 gives 0). Keys key0.., queries q0..; the causal
+    mask (key j visible to query i iff j <= i + diag_off) only on tiles that cross the diagonal."""
+    s_layout: gl.constexpr = s_acc.type.layout
+    p = gl.exp2(s_acc * qk_scale - lse2[None, :])
+    if CAUSAL:
+        if key0 + N_WG - 1 > q0 + diag_off:
+            # (written so that no loop-invariant [BLOCK_M] tensor is formed, which LLVM would hoist out of the
+            # loop into registers)
+            keys = key0 - diag_off + gl.arange(0, N_WG, layout=gl.SliceLayout(1, s_layout))
+            queries = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            keep = keys[:, None] <= queries[None, :]
+            p = gl.where(keep, p, gl.zeros_like(p))
+    return p
+
+
+@gluon.jit
+def _dq_step(
+    dv_tok,
+    dk_tok,
+    ds_buf,
+    k_cols,
+    q_tile,
+    do_tile,
+    ds_ready,
+    ds_phase,
+    qdo_empty,
+    ds_free,
+    dq_ptr,
+    q0,
+    col0,
+    row_stride,
+    BLOCK_M: gl.constexpr,
+    DQ_COLS: gl.constexpr,
+):
+    """Once both warpgroups' dS^T halves are in ds_buf [BLOCK_N keys, BLOCK_M queries]: dQ[:, col0 : col0 +
+    DQ_COLS] of query rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq (rows of
+    row_stride floats) with relaxed fp32 atomics. Also retires this iteration's dV and dK products (issued
+    before, so they complete first) and releases the Q/dO slot and the dS buffer. Returns dv, dk."""
+    dq_layout: gl.constexpr = mma_layout(DQ_COLS)
+    mbarrier.wait(ds_ready, ds_phase)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+    dv, dk = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
+    mbarrier.arrive(qdo_empty, count=1)
+    dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_cols))[0]
+    mbarrier.arrive(ds_free, count=1)
+    rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    ptrs = dq_ptr + rows[:, None] * row_stride + cols[None, :]
+    gl.atomic_add(ptrs, dq, sem="relaxed")
+    return dv, dk
+
+
+@gluon.jit
+def _consumer(
+    WG: gl.constexpr,
+    q_smem,
+    do_smem,
+    k_smem,
+    v_smem,
+    ds_smem,
+    lse_smem,
+    delta_smem,
+    kv_bar,
+    q_ready,
+    do_ready,
+    stat_ready,
+    qdo_empty,
+    ds_ready,
+    ds_free,
+    kv_done,
+    dk_desc,
+    dv_desc,
+    dq_ptr,
+    kv_row,
+    col,
+    row_stride,
+    m_start,
+    kv_start,
+    diag_off,
+    n_iters,
+    qk_scale,
+    sm_scale,
+    HEAD_D: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    N_WG: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
+):
+    """One consumer warpgroup (WG 0 or 1): key rows kv_start + WG * N_WG .. + N_WG of the CTA's tile, all
+    n_iters query tiles; accumulates dK_wg and dV_wg in registers, adds dQ partials to dq (see _dq_step),
+    stores dK_wg and dV_wg at the end."""
+    dtype: gl.constexpr = q_smem.dtype
+    DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
+    s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, dP^T: [N_WG keys, BLOCK_M queries]
+    kv_layout: gl.constexpr = mma_layout(HEAD_D)  # dK, dV: [N_WG keys, HEAD_D]
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    key0 = kv_start + WG * N_WG
+
+    s_zero = gl.zeros([N_WG, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_iters):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        b = i % 2
+        bph = (i // 2) & 1
+        q0 = m_start + i * BLOCK_M
+        q_tile = q_smem.index(s)
+        do_tile = do_smem.index(s)
+        ds_buf = ds_smem.index(b)
+        # an opaque 0 (side-effecting inline asm, so not hoisted): the K/V wgmma descriptors are computed
+        # in the loop instead of being hoisted out of it into ~48 registers that ptxas would spill
+        zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
+        k_it = k_smem.index(zero)
+        v_it = v_smem.index(zero)
+        k_wg = k_it.slice(WG * N_WG, N_WG)
+        v_wg = v_it.slice(WG * N_WG, N_WG)
+
+        # ---- S^T and dP^T in flight together; the row statistics come from shared memory meanwhile
+        mbarrier.wait(q_ready.index(s), ph)
+        s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(s), ph)
+        dp_tok = warpgroup_mma(v_wg, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(stat_ready.index(s), ph)
+        lse2 = lse_smem.index(s).load(col_s)
+        delta = delta_smem.index(s).load(col_s)
+
+        # ---- P^T and dS^T, then dV += P^T dO and dK += dS^T Q (A from registers)
+        s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
+        p = _probs(s_acc, lse2, qk_scale, key0, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
+        dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, k_wg, v_wg))[0]
+        ds16 = (p * (dp_acc - delta[None, :]) * sm_scale).to(dtype)
+        dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
+        dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
+
+        # ---- dS^T to shared memory (both warpgroups' halves), then dQ += dS K (A = the dS^T buffer transposed)
+        mbarrier.wait(ds_free.index(b), bph ^ 1)  # the dQ product(s) of iteration i - 2 have read ds_buf
+        ds_buf.slice(WG * N_WG, N_WG).store(ds16)
+        fence_async_shared()
+        _partition_barrier()  # every thread of this warpgroup has written (and fenced) its part
+        mbarrier.arrive(ds_ready.index(b), count=1)
+        if DQ_SPLIT:
+            # each warpgroup: columns [WG * D/2, (WG + 1) * D/2) of the dQ partial
+            dv, dk = _dq_step(
+                dv_tok, dk_tok, ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1), q_tile, do_tile,
+                ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
+                dq_ptr, q0, WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
+            )  # fmt: skip
+        elif b == WG:
+            # warpgroup (i % 2) computes the whole dQ partial of iteration i
+            dv, dk = _dq_step(
+                dv_tok, dk_tok, ds_buf, k_it, q_tile, do_tile,
+                ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
+                dq_ptr, q0, 0, row_stride, BLOCK_M, DQ_COLS,
+            )  # fmt: skip
+        else:
+            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
+            mbarrier.arrive(qdo_empty.index(s), count=1)
+            mbarrier.arrive(ds_free.index(b), count=1)  # this warpgroup does not read ds_buf
+
+    # ---- epilogue: dV and dK (softmax_scale is already in dS) in the input dtype, through shared memory and
+    # TMA stores. V_wg is read only by this warpgroup, so it can take dV at once; K is read by both
+    # warpgroups' dQ products, so dK waits until both have left the loop (kv_done, count 2).
+    mbarrier.arrive(kv_done, count=1)
+    dv_tile = v_smem.index(0).slice(WG * N_WG, N_WG)
+    dv_tile.store(dv.to(dtype))
+    dk_tile = k_smem.index(0).slice(WG * N_WG, N_WG)
+    mbarrier.wait(kv_done, 0)
+    dk_tile.store(dk.to(dtype))
+    fence_async_shared()
+    _partition_barrier()
+    tma.async_copy_shared_to_global(dv_desc, [kv_row + WG * N_WG, col], dv_tile)
+    tma.async_copy_shared_to_global(dk_desc, [kv_row + WG * N_WG, col], dk_tile)
+    tma.store_wait(0)
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+@gluon.jit
+def _attention_backward_sm90_kernel(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    dk_desc,
+    dv_desc,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    qk_scale,
+    sm_scale,
+    seqlen_q,
+    seqlen_k,
+    nheads,
+    HEAD_D: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    N_WG: gl.constexpr = BLOCK_N // 2
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    kv_start = pid_n * BLOCK_N
+    diag_off = seqlen_k - seqlen_q
+    if CAUSAL:
+        # the first query row that sees key kv_start is kv_start - diag_off
+        m_start = (gl.maximum(kv_start - diag_off, 0) // BLOCK_M) * BLOCK_M
+        m_start = gl.minimum(m_start, seqlen_q)
+    else:
+        m_start = 0
+    n_iters = (seqlen_q - m_start) // BLOCK_M
+
+    row_stride = nheads * HEAD_D
+    col = h * HEAD_D
+    stat_off = bh.to(gl.int64) * seqlen_q
+    stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    dq_off = b.to(gl.int64) * seqlen_q * row_stride + col
+    kv_row = b * seqlen_k + kv_start
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
+
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    stat_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_done, count=2)  # one arrival per consumer warpgroup
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(stat_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=2)  # one arrival per consumer warpgroup
+    for j in gl.static_range(2):
+        mbarrier.init(ds_ready.index(j), count=2)
+        mbarrier.init(ds_free.index(j), count=2)
+
+    # (tuples can not be concatenated here: `(0, ) + common` breaks the constexprs, so spell the args out)
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    0,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    ds_smem,
+                    lse_smem,
+                    delta_smem,
+                    kv_bar,
+                    q_ready,
+                    do_ready,
+                    stat_ready,
+                    qdo_empty,
+                    ds_ready,
+                    ds_free,
+                    kv_done,
+                    dk_desc,
+                    dv_desc,
+                    dq_ptr + dq_off,
+                    kv_row,
+                    col,
+                    row_stride,
+                    m_start,
+                    kv_start,
+                    diag_off,
+                    n_iters,
+                    qk_scale,
+                    sm_scale,
+                    HEAD_D,
+                    BLOCK_M,
+                    N_WG,
+                    STAGES,
+                    CAUSAL,
+                    DQ_SPLIT,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    1,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    ds_smem,
+                    lse_smem,
+                    delta_smem,
+                    kv_bar,
+                    q_ready,
+                    do_ready,
+                    stat_ready,
+                    qdo_empty,
+                    ds_ready,
+                    ds_free,
+                    kv_done,
+                    dk_desc,
+                    dv_desc,
+                    dq_ptr + dq_off,
+                    kv_row,
+                    col,
+                    row_stride,
+                    m_start,
+                    kv_start,
+                    diag_off,
+                    n_iters,
+                    qk_scale,
+                    sm_scale,
+                    HEAD_D,
+                    BLOCK_M,
+                    N_WG,
+                    STAGES,
+                    CAUSAL,
+                    DQ_SPLIT,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    q_desc,
+                    do_desc,
+                    k_desc,
+                    v_desc,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    kv_bar,
+                    q_ready,
+                    do_ready,
+                    stat_ready,
+                    qdo_empty,
+                    lse_ptr + stat_off,
+                    delta_ptr + stat_off,
+                    b * seqlen_q + m_start,
+                    m_start,
+                    kv_row,
+                    col,
+                    n_iters,
+                    BLOCK_M,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> bool:
+    """Whether a backward without options (the caller checks those and ``deterministic``) runs this kernel:
+    switched on (``flashtile._backend.GLUON``), an sm_90 GPU, and ``qualifies``."""
+    return _backend.GLUON and q.device.type == "cuda" and is_sm90(q.device.index) and qualifies(q, k, v, dout)
+
+
+def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> bool:
+    """The kernel's own conditions (any device): bf16/fp16; one head dim in CONFIGS for q, k, v; as many K/V
+    heads as query heads; both lengths positive multiples of ROWS; dQ offsets within a batch entry below
+    2**31; descriptor-ready layouts of q, k, v and dout (``rows_view_ok``)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if q.dtype not in (torch.bfloat16, torch.float16) or head_dim not in CONFIGS:
+        return False
+    if k.shape[2:] != (nheads, head_dim) or v.shape[2:] != (nheads, head_dim):
+        return False
+    seqlen_k = k.shape[1]
+    if seqlen_q % ROWS or seqlen_k % ROWS or seqlen_k == 0 or seqlen_q * nheads * head_dim >= 2**31:
+        return False
+    return all(rows_view_ok(x) for x in (q, k, v, dout))
+
+
+def attention_backward_sm90(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the kernel; ``applies(q, k, v, dout)`` must hold.
+
+    Args:
+        dout: (batch, seqlen_q, nheads, headdim), the gradient of out
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads, headdim)
+        lse: (batch, nheads, seqlen_q) float32, contiguous, the forward's (natural log)
+        delta: (batch, nheads, seqlen_q) float32, contiguous: rowsum(dout * out) - dlse
+        softmax_scale: as given to the forward
+        causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
+
+    Returns:
+        dq, dk, dv shaped like q, k, v in their dtype (contiguous)
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    cfg = CONFIGS[head_dim]
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
+    dk = empty_output(k.shape, k.dtype, k.device)
+    dv = empty_output(v.shape, v.dtype, v.device)
+    _attention_backward_sm90_kernel[(seqlen_k // block_n, batch * nheads)](
+        descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
+        descriptor(dk, block_n // 2), descriptor(dv, block_n // 2), lse, delta, dq_accum,
+        softmax_scale * LOG2E, softmax_scale, seqlen_q, seqlen_k, nheads,
+        HEAD_D=head_dim, CAUSAL=causal, num_warps=4, **cfg,
+    )  # fmt: skip
+    return dq_accum.to(q.dtype), dk, dv

@@ -1,0 +1,195 @@
+"""The Gluon kernels of sm_90 (``ops.attention.forward_sm90``, ``backward_sm90``): which calls take them,
+and their results.
+
+Which calls qualify is checked on any machine; the kernels themselves only run on a Hopper GPU (Gluon has
+no CPU interpreter; tests/sm90_compile.py compiles them for sm_90 without one).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import _backend
+from flashtile.ops.attention import backward_sm90, forward_sm90
+from test_attention import check, make_inputs, run_flashtile
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (sm_90)")
+
+
+def qkv(batch=2, seqlen_q=256, seqlen_k=384, nheads=4, nheads_k=2, head_dim=128, dtype=torch.bfloat16):
+    q = torch.empty(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k = torch.empty(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
+    return q, k, torch.empty_like(k)
+
+
+def test_qualifies_plain_layouts():
+    assert forward_sm90.qualifies(*qkv())
+    assert forward_sm90.qualifies(*qkv(dtype=torch.float16))
+    assert forward_sm90.qualifies(*qkv(batch=1, seqlen_q=128, seqlen_k=128, nheads=1, nheads_k=1))
+    packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.bfloat16)  # q, k, v sliced from a packed qkv
+    assert forward_sm90.qualifies(*packed.unbind(2))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(head_dim=64),
+        dict(head_dim=256),
+        dict(seqlen_q=1000),
+        dict(seqlen_k=1000),
+        dict(seqlen_q=64),
+        dict(dtype=torch.float32),
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_qualifies_rejects(case):
+    assert not forward_sm90.qualifies(*qkv(**case))
+
+
+def test_qualifies_rejects_layouts_a_descriptor_cannot_read():
+    q, k, v = qkv()
+    heads_strided = torch.empty(2, 384, 128, 2, dtype=torch.bfloat16).transpose(2, 3)  # (B, S, H, D), D strided
+    assert not forward_sm90.qualifies(q, heads_strided, v)
+    batch_strided = torch.empty(2, 512, 4, 128, dtype=torch.bfloat16)[:, :256]  # rows not evenly strided
+    assert not forward_sm90.qualifies(batch_strided, k, v)
+    head_major = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, S, D) memory
+    assert not forward_sm90.qualifies(head_major, k, v)
+    misaligned = torch.empty(2 * 256 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 256, 4, 128)
+    assert not forward_sm90.qualifies(misaligned, k, v)
+
+
+def test_cpu_tensors_never_take_it():
+    assert not forward_sm90.applies(*qkv())
+
+
+def test_backward_qualifies():
+    q, k, v = qkv(nheads_k=4)
+    dout = torch.empty_like(q)
+    assert backward_sm90.qualifies(q, k, v, dout)
+    assert backward_sm90.qualifies(*qkv(nheads_k=4, head_dim=64), torch.empty(2, 256, 4, 64, dtype=torch.bfloat16))
+    packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.float16)
+    assert backward_sm90.qualifies(*packed.unbind(2), torch.empty(2, 256, 4, 128, dtype=torch.float16))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [dict(nheads_k=2), dict(nheads_k=4, head_dim=96), dict(nheads_k=4, seqlen_q=200), dict(nheads_k=4, seqlen_k=200)],
+    ids=["gqa", "D96", "Sq200", "Sk200"],
+)
+def test_backward_rejects(case):
+    q, k, v = qkv(**case)
+    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q))
+
+
+def test_backward_rejects_broadcast_dout_and_huge_offsets():
+    q, k, v = qkv(nheads_k=4)
+    ones = torch.ones(1, 1, 1, 1, dtype=q.dtype).expand(q.shape)  # the dout of out.sum().backward()
+    assert not backward_sm90.qualifies(q, k, v, ones)
+    huge = torch.empty(1, 2**20, 16, 128, dtype=torch.bfloat16, device="meta")  # 2**31 elements per batch entry
+    assert not backward_sm90.qualifies(huge, huge, huge, huge)
+
+
+def _recorded(launch, tag, calls):
+    def recorded(*args, **kwargs):
+        calls.append((tag, kwargs["causal"]))
+        return launch(*args, **kwargs)
+
+    return recorded
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records the launches of the Gluon kernels: ("fwd" or "bwd", causal)."""
+    calls = []
+    monkeypatch.setattr(
+        forward_sm90, "attention_forward_sm90", _recorded(forward_sm90.attention_forward_sm90, "fwd", calls)
+    )
+    monkeypatch.setattr(
+        backward_sm90, "attention_backward_sm90", _recorded(backward_sm90.attention_backward_sm90, "bwd", calls)
+    )
+    return calls
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 128, 128, 4, 4), (1, 256, 512, 4, 2), (2, 512, 256, 4, 4), (1, 384, 1152, 2, 1), (1, 1024, 1024, 8, 8)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_against_oracle(launches, dtype, causal, shape):
+    """Forward and backward against the oracle; the backward is the Gluon one when K/V have as many heads as
+    q (the Triton one otherwise); Sq > Sk causal has query rows that see no key."""
+    check(*make_inputs(*shape, 128, dtype=dtype), causal=causal)
+    mha = shape[3] == shape[4]
+    assert launches == ([("fwd", causal), ("bwd", causal)] if mha else [("fwd", causal)])
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 256, 384, 4), (1, 512, 256, 2), (2, 1024, 1024, 8)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_backward_head_dim_64(launches, dtype, causal, shape):
+    """Head dim 64: only the backward is Gluon (the forward keeps the Triton kernel); with a gradient at the
+    LSE too (delta = rowsum(dout * out) - dlse)."""
+    batch, seqlen_q, seqlen_k, nheads = shape
+    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 64, dtype=dtype)
+    dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
+    check(q, k, v, dout, dlse=dlse, causal=causal)
+    assert launches == [("bwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+def test_deterministic_keeps_the_triton_backward(launches):
+    """deterministic=True: the Triton backward, bitwise repeatable; the default (False) takes the atomic one."""
+    q, k, v, dout = make_inputs(1, 512, 512, 4, 4, 128, dtype=torch.bfloat16)
+    first = run_flashtile(q, k, v, dout, causal=True, deterministic=True)
+    again = run_flashtile(q, k, v, dout, causal=True, deterministic=True)
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert launches == [("fwd", True), ("fwd", True)]
+    check(q, k, v, dout, causal=True)
+    assert launches[-1] == ("bwd", True)
+
+
+@hopper
+@pytest.mark.gpu
+def test_packed_qkv_and_softmax_scale(launches):
+    packed = torch.randn(2, 256, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = packed.unbind(2)
+    check(q, k, v, dout, causal=True, softmax_scale=0.3)
+    assert launches == [("fwd", True), ("bwd", True)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_switched_off_runs_the_triton_kernel(monkeypatch, launches, causal):
+    """The same call with FLASHTILE_GLUON=0 (``_backend.GLUON``) runs the Triton kernels; both pass the rule."""
+    inputs = make_inputs(2, 512, 768, 8, 8, 128, dtype=torch.bfloat16)
+    check(*inputs, causal=causal)
+    monkeypatch.setattr(_backend, "GLUON", False)
+    check(*inputs, causal=causal)
+    assert launches == [("fwd", causal), ("bwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+def test_cuda_graph_replay(launches):
+    from conftest import capture
+
+    q, k, v, _ = make_inputs(2, 256, 256, 4, 4, 128, dtype=torch.bfloat16)
+    expected = flashtile.flash_attn_func(q, k, v, causal=True)
+    graph, out = capture(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert launches and set(launches) == {("fwd", True)}
