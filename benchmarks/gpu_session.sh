@@ -13,8 +13,7 @@
 #   bench    the full standard table (bf16) against every peer
 #   memory   fwd+bwd peak extra memory against SDPA flash
 #   sanitize compute-sanitizer memcheck of one forward + backward
-#   gluon    the Gluon sm_90 forward prototype: checks, then its timing table (benchmarks/experiments/)
-#   gluonbwd the Gluon sm_90 backward prototype (atomic dQ): checks, then its timing table
+#   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
 # Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
 set -uo pipefail
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps a path set before (fa4_setup.sh)
@@ -35,7 +34,7 @@ for step in "$@"; do
               "tests/test_dropout.py tests/test_varlen.py tests/test_varlen_paged.py"
               "tests/test_kvcache.py"
               "tests/test_compile.py tests/test_validation.py tests/test_cli.py tests/test_distributed.py"
-              "tests/test_check_values.py tests/test_flash_attn_api.py tests/test_host_path.py tests/test_bench_decode.py")
+              "tests/test_check_values.py tests/test_flash_attn_api.py tests/test_host_path.py tests/test_bench_decode.py tests/test_gluon_sm90.py")
       for i in "${!groups[@]}"; do
         timeout ${PTEST_TIMEOUT:-300} python3 -m pytest ${groups[$i]} -q -p no:cacheprovider --durations=3 > "/tmp/ptest$i.log" 2>&1 &
       done
@@ -60,8 +59,7 @@ import torch, flashtile
 q, k, v = (torch.randn(2, 300, 4, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 flashtile.flash_attn_func(q, k[:, :211], v[:, :211], causal=True).sum().backward()
 torch.cuda.synchronize(); print('sanitized fwd+bwd ok')" 2>&1 | tail -8 ;;
-    gluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/experiments/gluon_forward_sm90.py 2>&1 | tee "$OUT/gluon.log" | tail -60 ;;
-    gluonbwd) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/experiments/gluon_backward_sm90.py 2>&1 | tee "$OUT/gluonbwd.log" | grep -v "^ok " | tail -60 ;;
+    tunegluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/tune_gluon.py --out "$OUT" ${TUNEGLUON_ARGS:-} 2>&1 | tail -80 ;;
     *) echo "unknown step $step" ;;
   esac
 done

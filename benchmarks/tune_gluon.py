@@ -1,0 +1,113 @@
+"""Config variants of the sm_90 Gluon kernels (ops/attention/forward_sm90.py, backward_sm90.py) on a Hopper GPU.
+
+    PYTHONPATH=src python3 benchmarks/tune_gluon.py [--variant NAME:KEY=VALUE,...] [--out DIR]
+
+Times flashtile's forward and backward (TFLOP/s, do_bench median; backward 2.5 x the forward's FLOP, both
+halved when causal) at D = 64 / 128 (H = 32 / 16), N = 1k / 4k / 16k with B = 16384 / N, bf16, causal and
+not: the shipped configs ("default"), each ``--variant`` (its KEY=VALUE pairs replace entries of
+``forward_sm90.CONFIG`` and every ``backward_sm90.CONFIGS`` entry that has the key), and the Triton kernels
+(``flashtile._backend.GLUON`` off). Beside each time: the max abs difference of that run's out, dq, dk, dv
+from the shipped config's (bf16 rounding and the atomic dQ's order make it nonzero). Example:
+
+    --variant fwd-3-stages:STAGES=3 --variant no-pingpong:PINGPONG=0 --variant bwd-2-stages:STAGES=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import torch
+from triton.testing import do_bench
+
+import flashtile
+from flashtile import _backend
+from flashtile.ops.attention import backward_sm90, forward_sm90
+
+
+@contextlib.contextmanager
+def configured(changes: dict[str, int]) -> Iterator[None]:
+    """The Gluon kernels' configs with ``changes`` applied inside the block."""
+    forward, backward = dict(forward_sm90.CONFIG), {d: dict(c) for d, c in backward_sm90.CONFIGS.items()}
+    forward_sm90.CONFIG.update({k: v for k, v in changes.items() if k in forward})
+    for cfg in backward_sm90.CONFIGS.values():
+        cfg.update({k: v for k, v in changes.items() if k in cfg})
+    try:
+        yield
+    finally:
+        forward_sm90.CONFIG.clear()
+        forward_sm90.CONFIG.update(forward)
+        for d, cfg in backward_sm90.CONFIGS.items():
+            cfg.clear()
+            cfg.update(backward[d])
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, int]]:
+    name, _, pairs = text.partition(":")
+    return name, {k: int(v) for k, v in (p.split("=") for p in pairs.split(",") if p)}
+
+
+def measure(q, k, v, dout, causal: bool) -> tuple[float, float, list[torch.Tensor]]:
+    """(forward ms, backward ms, [out, dq, dk, dv])."""
+    for t in (q, k, v):
+        t.grad = None
+    out = flashtile.flash_attn_func(q, k, v, causal=causal)
+    out.backward(dout)
+    results = [out.detach(), q.grad, k.grad, v.grad]
+    fwd = do_bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal), return_mode="median")
+
+    def backward():
+        for t in (q, k, v):
+            t.grad = None
+        out.backward(dout, retain_graph=True)
+
+    return fwd, do_bench(backward, return_mode="median"), results
+
+
+def shape_rows(head_dim: int, nheads: int, seqlen: int, causal: bool, variants) -> list[dict]:
+    """One row per variant (and the Triton kernels) at B = 16384 / seqlen, bf16."""
+    batch = 16384 // seqlen
+    shape = (batch, seqlen, nheads, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    flops = 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    rows, reference = [], None
+    for name, changes in [*variants, ("triton", None)]:
+        switch = mock.patch.object(_backend, "GLUON", False) if changes is None else contextlib.nullcontext()
+        with configured(changes or {}), switch:
+            fwd, bwd, results = measure(q, k, v, dout, causal)
+        reference = reference or results
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results, reference, strict=True))
+        rows.append(dict(D=head_dim, N=seqlen, causal=causal, variant=name, changes=changes, fwd_ms=fwd, bwd_ms=bwd,
+                         fwd_tflops=flops / fwd * 1e-9, bwd_tflops=2.5 * flops / bwd * 1e-9,
+                         max_abs_diff=diff))  # fmt: skip
+        print(
+            f"D={head_dim:3d} N={seqlen:5d} causal={int(causal)} {name:>14}: fwd {rows[-1]['fwd_tflops']:6.1f} "
+            f"bwd {rows[-1]['bwd_tflops']:6.1f} TFLOP/s  (max diff vs default {diff:.2e})",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", action="append", default=[], type=parse_variant)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    variants = [("default", {}), *args.variant]
+    rows = []
+    for head_dim, nheads in ((128, 16), (64, 32)):
+        for seqlen in (1024, 4096, 16384):
+            for causal in (False, True):
+                rows += shape_rows(head_dim, nheads, seqlen, causal, variants)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tune-gluon.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
