@@ -17,8 +17,14 @@ from flashtile.reference import within_tolerance
 def test_info(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
-    for expected in (flashtile.__version__, torch.__version__, "CUDA tensors", "CPU tensors"):
+    for expected in (flashtile.__version__, torch.__version__, "CUDA tensors", "CPU tensors", "sm_90 Gluon kernels"):
         assert expected in out
+
+
+def test_info_gluon_switched_off(capsys, monkeypatch):
+    monkeypatch.setattr(_backend, "GLUON", False)
+    assert cli.main(["info"]) == 0
+    assert "off (FLASHTILE_GLUON=0)" in capsys.readouterr().out
 
 
 def test_python_m_flashtile_info():

@@ -75,6 +75,13 @@ def _path_description(device: torch.device) -> str:
     return f"{name} ({PATH_DESCRIPTIONS[name]})"
 
 
+def _gluon_description() -> str:
+    """Whether the sm_90 Gluon kernels are switched on, and whether this machine's GPU would run them."""
+    state = "on" if _backend.GLUON else "off (FLASHTILE_GLUON=0)"
+    here = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    return f"{state}; {'this GPU is sm_90' if here else 'they run on sm_90 GPUs only'}"
+
+
 def _format_config(cfg: configs.TileConfig) -> str:
     """'128×64 w8 s3': block_m × block_n, warps, pipeline stages."""
     return f"{cfg.block_m}×{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
@@ -93,6 +100,7 @@ def info(console: Console) -> int:
         ("device", _device_description()),
         ("CUDA tensors", _path_description(torch.device("cuda"))),
         ("CPU tensors", _path_description(torch.device("cpu"))),
+        ("sm_90 Gluon kernels", _gluon_description()),
     ):
         table.add_row(name, value)
     console.print(table)
