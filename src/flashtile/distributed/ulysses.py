@@ -115,7 +115,8 @@ def ulysses_flash_attn_func(
         softmax_scale, causal, window_size, softcap: as ``flash_attn_func``, over the global positions
         alibi_slopes: (nheads,) or (batch_size, nheads) float32, as ``flash_attn_func``, over the global
             positions; the same on every rank
-        deterministic: accepted, as in flash_attn_func (the result is bitwise repeatable)
+        deterministic: as in flash_attn_func: True gives bitwise repeatable gradients; False (the default)
+            lets the backward add dQ with atomics where that is faster (sm_90)
         return_attn_probs: also return softmax_lse (the third element is None, as in flash_attn_func)
         group: the process group the sequence is split over; None is the default group
         learnable_sink: keyword only, (nheads,) float32, the same on every rank; differentiable with the
@@ -158,7 +159,7 @@ def ulysses_flash_attn_func(
         heads = slice(comm.rank * nheads // world, (comm.rank + 1) * nheads // world)
         out, lse, _ = flash_attn_func(
             q, k, v, 0.0, setup.softmax_scale, False, (-1 if left is None else left, -1 if right is None else right),
-            softcap, None if alibi_slopes is None else alibi_slopes[..., heads], False, True,
+            softcap, None if alibi_slopes is None else alibi_slopes[..., heads], deterministic, True,
             learnable_sink=None if learnable_sink is None else learnable_sink[heads],
         )  # fmt: skip
         out = _AllToAll.apply(out, 1, 2, comm)  # (B, N, H / W, Dv) -> (B, S, H, Dv)
