@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flashtile
+from conftest import DEVICE
 from flashtile import _backend
 from flashtile.ops.attention import backward_sm90, forward_sm90
 from test_attention import check, make_inputs, run_flashtile
@@ -193,3 +194,84 @@ def test_cuda_graph_replay(launches):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert launches and set(launches) == {("fwd", True)}
+
+
+class _Routed:
+    """Stands in for the Gluon launchers on any device: records each call's ``causal`` and gives zeros, so
+    that which calls reach them is checked without an sm_90 GPU (``applies`` is patched to say yes)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(forward_sm90, "applies", lambda q, k, v: True)
+        monkeypatch.setattr(backward_sm90, "applies", lambda q, k, v, dout: True)
+        monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
+        monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)
+
+    def forward(self, q, k, v, out, lse, softmax_scale, causal):
+        self.calls.append(("fwd", causal))
+        out.zero_()
+        lse.zero_()
+
+    def backward(self, dout, q, k, v, lse, delta, softmax_scale, causal):
+        self.calls.append(("bwd", causal))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _forward_backward(q, k, v, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flashtile.flash_attn_func(*leaves, **kwargs)
+    out.backward(torch.ones_like(out))
+
+
+@pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (dict(), [("fwd", False), ("bwd", False)]),
+        (dict(causal=True), [("fwd", True), ("bwd", True)]),
+        (dict(window_size=(-1, 0)), [("fwd", True), ("bwd", True)]),
+        (dict(causal=True, deterministic=True), [("fwd", True)]),
+        (dict(window_size=(8, 0)), []),
+        (dict(softcap=5.0), []),
+        (dict(dropout_p=0.1), []),
+        (dict(alibi_slopes=torch.ones(2)), []),
+        (dict(learnable_sink=torch.zeros(2)), [("bwd", False)]),
+    ],
+    ids=["full", "causal", "window-causal", "deterministic", "window", "softcap", "dropout", "alibi", "sink"],
+)
+def test_which_calls_take_the_gluon_kernels(monkeypatch, options, expected):
+    """The launchers route calls without options (a sink changes nothing in the backward: the LSE holds it)
+    and, for the backward, only with deterministic=False, through the autograd context."""
+    routed = _Routed(monkeypatch)
+    q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 128, dtype=torch.bfloat16)
+    options = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
+    _forward_backward(q, k, v, **options)
+    assert routed.calls == expected
+
+
+@pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")
+def test_sdpa_backward_follows_torch_deterministic_setting(monkeypatch):
+    routed = _Routed(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 128, 128, dtype=torch.bfloat16, device=DEVICE, requires_grad=True) for _ in range(3))
+    flashtile.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    assert [tag for tag, _ in routed.calls] == ["fwd", "bwd"]
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    flashtile.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    assert [tag for tag, _ in routed.calls] == ["fwd", "bwd", "fwd"]
+
+
+@pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")
+def test_compiled_calls_keep_deterministic(monkeypatch):
+    """Under torch.compile the flag travels through the custom op's arguments."""
+    routed = _Routed(monkeypatch)
+    q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 128, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    for deterministic in (False, True):
+        compiled = torch.compile(
+            lambda q, k, v, d=deterministic: flashtile.flash_attn_func(q, k, v, causal=True, deterministic=d),
+            fullgraph=True,
+            backend="eager",
+        )
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        compiled(*leaves).sum().backward()
+    assert routed.calls == [("fwd", True), ("bwd", True), ("fwd", True)]
