@@ -13,6 +13,7 @@ import torch
 
 import flashtile
 from conftest import DEVICE
+from flashtile import _backend
 from flashtile.ops.attention import backward as attention_backward_module
 from flashtile.ops.attention import configs
 from flashtile.ops.attention import forward as attention_forward_module
@@ -256,3 +257,18 @@ def test_default_scale_matches_explicit(path):
         flashtile.flash_attn_func(q, k, v),
         flashtile.flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(40)),
     )
+
+
+class _NoLaunch:
+    """Stands in for a kernel: launching it fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"a kernel was launched with grid {grid}")
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not _backend.TRITON_INTERPRET, reason="the CPU path has no grid")
+def test_too_many_batch_entries_for_the_kernels_raise_before_launch(monkeypatch):
+    monkeypatch.setattr(attention_forward_module, "_attention_forward_kernel", _NoLaunch())
+    q = torch.randn(configs.MAX_GRID_YZ + 1, 1, 1, 8, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 65535 batch entries"):
+        flashtile.flash_attn_func(q, q, q)

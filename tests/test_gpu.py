@@ -25,6 +25,11 @@ def test_large_odd_head_dims(head_dim):
     check(*make_inputs(2, 1500, 1100, 4, 4, head_dim, dtype=torch.bfloat16), causal=True)
 
 
+def test_more_batch_heads_than_a_grid_dimension():
+    """batch * nheads above 65535 (the y limit of a CUDA grid): the grid is (tiles, nheads, batch)."""
+    check(*make_inputs(2049, 16, 16, 32, 8, 64, dtype=torch.bfloat16), causal=True)
+
+
 def test_batch_offsets_past_int32():
     """q, k, v of more than 2**31 elements each: batch offsets need 64-bit arithmetic."""
     batch, seqlen, nheads, head_dim = 1040, 1024, 16, 128  # 2.18e9 elements per tensor

@@ -9,6 +9,7 @@ import flashtile
 from conftest import DEVICE
 from flashtile.interface import varlen_attention
 from flashtile.ops import attention as triton_attention
+from flashtile.ops.attention import configs
 
 
 @pytest.fixture(autouse=True)
@@ -156,3 +157,12 @@ def test_sdpa_errors():
         flashtile.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 16, dtype=torch.bool))
     with pytest.raises(ValueError, match="dropout_p must be"):
         flashtile.scaled_dot_product_attention(q, k, v, dropout_p=1.0, enable_gqa=True)
+
+
+def test_grid_limits():
+    most = configs.MAX_GRID_YZ
+    assert configs.head_grid(7, most, most) == (7, most, most)
+    with pytest.raises(ValueError, match="at most 65535 batch entries"):
+        configs.head_grid(1, configs.MAX_GRID_YZ + 1, 1)
+    with pytest.raises(ValueError, match="split the batch"):
+        configs.head_grid(1, 1, configs.MAX_GRID_YZ + 1)

@@ -35,12 +35,13 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention import backward_sm90
-from flashtile.ops.attention.configs import cdiv, config
+from flashtile.ops.attention.configs import cdiv, config, head_grid
 from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
     LOG2E,
     alibi_batch_stride,
     alibi_slope,
+    batch_head,
     dropout_keep,
     dropout_rows,
     head_base,
@@ -85,9 +86,7 @@ def _delta_kernel(
 ):
     """Delta (B, H, Sq) = rowsum(dO * O) - dLse, in fp32."""
     start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
-    off_b = off_bh // nheads
-    off_h = off_bh % nheads
+    off_b, off_h, off_bh = batch_head(nheads)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     o_ptrs = rows_at(head_base(Out, off_b, off_h, stride_ob, stride_oh), start_m, stride_om, offs_dv, BLOCK_M)
@@ -276,9 +275,7 @@ def _attention_dkdv_kernel(
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
     start_n = tl.program_id(0) * BLOCK_N
-    off_bhk = tl.program_id(1)
-    off_b = off_bhk // nheads_k
-    off_hk = off_bhk % nheads_k
+    off_b, off_hk, _ = batch_head(nheads_k)
     off_qb, off_kb = off_b, off_b  # batch entries; first tokens of the sequence if IS_VARLEN
     lse_stride = seqlen_q  # between the LSE rows of two heads: seqlen_q, or total_q if IS_VARLEN
     rng_stride = seqlen_k  # dropout counters per query row, as in the forward
@@ -513,9 +510,7 @@ def _attention_dq_kernel(
     tile_m = tl.program_id(0)
     if HEAVY_FIRST:
         tile_m = tl.num_programs(0) - 1 - tile_m
-    off_bh = tl.program_id(1)
-    off_b = off_bh // nheads
-    off_h = off_bh % nheads
+    off_b, off_h, off_bh = batch_head(nheads)
     off_hk = off_h // group
     start_m = tile_m * BLOCK_M
     off_qb, off_kb = off_b, off_b  # batch entries; first tokens of the sequence if IS_VARLEN
@@ -600,7 +595,7 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | 
     batch, seqlen_q, nheads, head_dim_v = out.shape
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=out.device)
     block_rows = 64
-    _delta_kernel[(cdiv(seqlen_q, block_rows), batch * nheads)](
+    _delta_kernel[head_grid(cdiv(seqlen_q, block_rows), batch, nheads)](
         out, dout, dlse, delta,
         *out.stride()[:3],
         *dout.stride()[:3],
@@ -737,7 +732,7 @@ def _launch(
         tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dk, bn, block_d),
         (dv, bn, block_dv),
     )  # fmt: skip
-    _attention_dkdv_kernel[(cdiv(seqlen_k, cfg.block_n), batch * nheads_k)](
+    _attention_dkdv_kernel[head_grid(cdiv(seqlen_k, cfg.block_n), batch, nheads_k)](
         q_src, k_src, v_src, do_src, lse, delta, dk_dst, dv_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dk),
         *token_strides(dv),
@@ -756,7 +751,7 @@ def _launch(
     q_src, k_src, v_src, do_src, dq_dst = tile_sources(
         tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dq, bm, block_d)
     )
-    _attention_dq_kernel[(cdiv(seqlen_q, cfg.block_m), batch * nheads)](
+    _attention_dq_kernel[head_grid(cdiv(seqlen_q, cfg.block_m), batch, nheads)](
         q_src, k_src, v_src, do_src, lse, delta, dq_dst, dmask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dq),
         alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),

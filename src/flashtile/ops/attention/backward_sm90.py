@@ -73,6 +73,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtile import _backend
 from flashtile.ops._alloc import empty_output
+from flashtile.ops.attention.configs import head_grid
 from flashtile.ops.attention.forward_sm90 import LOG2E, ROWS, descriptor, is_sm90, mma_layout, rows_view_ok
 
 _LOG2E = gl.constexpr(LOG2E)  # the same, readable from jitted code
@@ -370,9 +371,9 @@ def _attention_backward_sm90_kernel(
 ):
     N_WG: gl.constexpr = BLOCK_N // 2
     pid_n = gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // nheads
-    h = bh % nheads
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    bh = b * nheads + h
     kv_start = pid_n * BLOCK_N
     diag_off = seqlen_k - seqlen_q
     if CAUSAL:
@@ -586,7 +587,7 @@ def attention_backward_sm90(
     dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
-    _attention_backward_sm90_kernel[(seqlen_k // block_n, batch * nheads)](
+    _attention_backward_sm90_kernel[head_grid(seqlen_k // block_n, batch, nheads)](
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, block_n // 2), descriptor(dv, block_n // 2), lse, delta, dq_accum,
         softmax_scale * LOG2E, softmax_scale, seqlen_q, seqlen_k, nheads,

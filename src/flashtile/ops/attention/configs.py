@@ -98,6 +98,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+MAX_GRID_YZ = 65535
+"""The largest y and z of a CUDA grid."""
+
+
+def head_grid(tiles: int, batch: int, nheads: int) -> tuple[int, int, int]:
+    """The grid (tiles, nheads, batch) of an attention kernel (``tiles.batch_head`` reads it back); a clear
+    error, before any launch, for more batch entries or heads than a grid holds."""
+    if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
+        raise ValueError(
+            f"flashtile's CUDA kernels take at most {MAX_GRID_YZ} batch entries (sequences) and {MAX_GRID_YZ} heads "
+            f"per call, got batch {batch} and nheads {nheads}: split the batch into several calls."
+        )
+    return tiles, nheads, batch
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The power-of-two tile width (at least 16, the smallest matrix-product width) for a head dim (plain
     Python: it runs on every launch, and triton.next_power_of_2 costs ~2 µs a call)."""

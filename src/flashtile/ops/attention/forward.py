@@ -45,12 +45,13 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention import forward_sm90
-from flashtile.ops.attention.configs import SHORT_SEQLEN, cdiv, config, padded_head_dim
+from flashtile.ops.attention.configs import SHORT_SEQLEN, cdiv, config, head_grid, padded_head_dim
 from flashtile.ops.attention.tiles import (
     LN2,
     LOG2E,
     alibi_batch_stride,
     alibi_slope,
+    batch_head,
     dropout_keep,
     dropout_rows,
     head_base,
@@ -259,9 +260,7 @@ def _attention_forward_kernel(
     tile_m = tl.program_id(0)
     if HEAVY_FIRST:
         tile_m = tl.num_programs(0) - 1 - tile_m
-    off_bh = tl.program_id(1)
-    off_b = off_bh // nheads
-    off_h = off_bh % nheads
+    off_b, off_h, off_bh = batch_head(nheads)
     off_hk = off_h // group
     start_m = tile_m * BLOCK_M
     off_qb, off_kb = off_b, off_b  # batch entries; first tokens of the sequence if IS_VARLEN
@@ -269,7 +268,7 @@ def _attention_forward_kernel(
     if IS_VARLEN:
         off_qb, seqlen_q, lse_base = seq_bounds(CuSeqlensQ, off_b, off_h, seqlen_q)
         if PAGE_SIZE > 0:  # off_kb stays the batch entry: the block-table row
-            seqlen_k, rng_stride = paged_seq_bounds(CuSeqlensK, off_b, tl.num_programs(1) // nheads, seqlen_k)
+            seqlen_k, rng_stride = paged_seq_bounds(CuSeqlensK, off_b, tl.num_programs(2), seqlen_k)
         else:
             off_kb, seqlen_k, _ = seq_bounds(CuSeqlensK, off_b, off_h, seqlen_k)
         if start_m >= seqlen_q:  # a tile past this sequence's end: nothing to write
@@ -480,7 +479,7 @@ def _launch(
     sources = tile_sources(
         tma, (q, rows_q, block_d), (k, rows_k, block_d), (v, rows_k, block_dv), (out, rows_q, block_dv)
     )
-    grid = (cdiv(seqlen_q, cfg.block_m), batch * nheads)
+    grid = head_grid(cdiv(seqlen_q, cfg.block_m), batch, nheads)
     _attention_forward_kernel[grid](
         *sources, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
         rng_state if has_dropout else None, mask_for_kernel(attn_mask), block_table,

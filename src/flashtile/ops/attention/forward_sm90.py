@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile import _backend
+from flashtile.ops.attention.configs import head_grid
 
 LOG2E = 1.4426950408889634
 HEAD_DIM = 128
@@ -278,12 +279,12 @@ def _attention_forward_sm90_kernel(
 ):
     BLOCK_M: gl.constexpr = 2 * M_WG
     pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    bh = b * nheads + h
     if CAUSAL:
         # heaviest query tiles first
         pid_m = gl.num_programs(0) - 1 - pid_m
-    b = bh // nheads
-    h = bh % nheads
     m0 = pid_m * BLOCK_M
     diag_off = seqlen_k - seqlen_q
     if CAUSAL:
@@ -483,7 +484,7 @@ def attention_forward_sm90(
     """
     batch, seqlen_q, nheads, _ = q.shape
     m_wg, block_n = CONFIG["M_WG"], CONFIG["BLOCK_N"]
-    grid = (seqlen_q // (2 * m_wg), batch * nheads)
+    grid = head_grid(seqlen_q // (2 * m_wg), batch, nheads)
     _attention_forward_sm90_kernel[grid](
         descriptor(q, m_wg), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, m_wg), lse,
         softmax_scale * LOG2E, seqlen_q, k.shape[1], nheads, nheads // k.shape[2],

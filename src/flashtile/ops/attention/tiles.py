@@ -50,6 +50,15 @@ def alibi_batch_stride(alibi_slopes: torch.Tensor | None) -> int:
 
 
 @triton.jit
+def batch_head(nheads):
+    """(batch entry, head, batch entry * nheads + head) of this program: the launchers' grids are (tiles,
+    nheads, batch) (``configs.head_grid``), so neither count meets the 65535 limit of a grid's y and z."""
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    return off_b, off_h, off_b * nheads + off_h
+
+
+@triton.jit
 def head_base(ptr, off_b, off_h, stride_b, stride_h):
     """Pointer to row 0 of head ``off_h`` of batch entry ``off_b`` of a (B, S, H, D) tensor (64-bit offsets)."""
     return ptr + tl.cast(off_b, tl.int64) * stride_b + tl.cast(off_h, tl.int64) * stride_h
