@@ -11,16 +11,21 @@
    first forward+backward pays compilation; a second fresh process with the same cache does not.
    Two shapes: (3, 1000, 12, 96) runs the Triton kernels, (2, 1024, 16, 128) the Gluon forward on sm_90.
    Each first call runs under cProfile (first-call-profile-*.txt) to show where the time goes.
+``--host-profile`` instead profiles the host path of eager forward + backward steps (host-profile-*.txt).
 Writes ``latency.json`` and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import functools
+import io
 import itertools
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -70,17 +75,34 @@ def _forward_backward(attention, q, k, v, dout, causal):
     attention(q, k, v, causal).backward(dout)
 
 
-def host_time(fn, calls: int = 50) -> float:
-    """Seconds of Python per call of ``fn``, queued behind a GPU sleep long enough that no call waits."""
+def host_time(fn, calls: int = 50, profile: cProfile.Profile | None = None) -> float:
+    """Seconds of Python per call of ``fn``, queued behind a GPU sleep long enough that no call waits
+    (under ``profile`` if given)."""
     fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles
     start = time.perf_counter()
-    for _ in range(calls):
-        fn()
+    with profile or contextlib.nullcontext():
+        for _ in range(calls):
+            fn()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls
+
+
+def host_profile(out: Path) -> None:
+    """cProfile (by own time) of eager forward + backward steps queued behind a GPU sleep, at B=32, N=512,
+    H=16, causal, bf16: head dim 128 (the Gluon kernels on sm_90) and 96 (the Triton kernels)."""
+    for head_dim in (128, 96):
+        q, k, v, dout = (torch.randn(32, 512, 16, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        profile = cProfile.Profile()
+        seconds = host_time(functools.partial(_forward_backward, _flashtile, q, k, v, dout, True), profile=profile)
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(45)
+        header = f"{seconds * 1e6:.0f} us of host time per step (profiled)\n"
+        (out / f"host-profile-D{head_dim}.txt").write_text(header + text.getvalue())
+        print(f"D={head_dim}: {seconds * 1e6:.0f} us of host time per forward + backward step (profiled)", flush=True)
 
 
 def launch_overhead() -> list[dict]:
@@ -129,8 +151,12 @@ def first_call(out: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--host-profile", action="store_true", help="only profile the host path (host-profile-*.txt)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.host_profile:
+        host_profile(args.out)
+        return
     result = {"gpu": torch.cuda.get_device_name(), "first_call": first_call(args.out), "launch": launch_overhead()}
     (args.out / "latency.json").write_text(json.dumps(result, indent=1))
     print("\n| what | N | causal | eager ms | graph ms | host µs |\n|---|---|---|---|---|---|")
