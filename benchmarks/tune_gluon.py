@@ -34,19 +34,11 @@ from flashtile.ops.attention import backward_sm90, forward_sm90
 
 @contextlib.contextmanager
 def configured(changes: dict[str, int]) -> Iterator[None]:
-    """The Gluon kernels' configs with ``changes`` applied inside the block."""
-    forward, backward = dict(forward_sm90.CONFIG), {d: dict(c) for d, c in backward_sm90.CONFIGS.items()}
-    forward_sm90.CONFIG.update({k: v for k, v in changes.items() if k in forward})
-    for cfg in backward_sm90.CONFIGS.values():
-        cfg.update({k: v for k, v in changes.items() if k in cfg})
-    try:
+    """The Gluon kernels' configs with ``changes`` applied (to each config that has the key) inside the block."""
+    with contextlib.ExitStack() as stack:
+        for cfg in (forward_sm90.CONFIG, *backward_sm90.CONFIGS.values()):
+            stack.enter_context(mock.patch.dict(cfg, {k: v for k, v in changes.items() if k in cfg}))
         yield
-    finally:
-        forward_sm90.CONFIG.clear()
-        forward_sm90.CONFIG.update(forward)
-        for d, cfg in backward_sm90.CONFIGS.items():
-            cfg.clear()
-            cfg.update(backward[d])
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:

@@ -7,7 +7,9 @@ truncates where GPUs round to nearest even. Both patches make the interpreter do
 """
 
 import os
+import sys
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,9 @@ import pytest  # noqa: E402
 import flashtile  # noqa: E402, F401
 from flashtile import _backend  # noqa: E402
 from flashtile.ops import _alloc  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the benchmarks' helpers
+from bench_decode import capture  # noqa: E402, F401  (a CUDA-graph capture, for the tests too)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -88,17 +93,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def capture(step):
-    """``step`` captured in a CUDA graph after one warm-up call on a side stream (as torch's docs ask):
-    returns (graph, the graph's output tensor, which each replay overwrites)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out

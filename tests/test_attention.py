@@ -177,7 +177,7 @@ def test_tensor_descriptor_path_falls_back_to_pointers(path, monkeypatch):
 @pytest.mark.parametrize("major", [8, 9, 10], ids=lambda m: f"sm{m}x")
 def test_every_pass_has_a_config_on_every_gpu_generation(monkeypatch, major):
     """Each pass the launchers ask for has a tile config on Hopper and on the table for other GPUs."""
-    monkeypatch.setattr(configs, "_compute_capability_major", lambda index: major)
+    monkeypatch.setattr(configs, "compute_capability", lambda index: (major, 0))
     for pass_name in configs.PASSES:
         for head_dim in (8, 64, 128, 256):
             cfg = configs.config(pass_name, torch.device("cuda", 0), head_dim, head_dim)

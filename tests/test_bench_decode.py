@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_decode  # noqa: E402
+import bench_decode  # benchmarks/, on the path from conftest
 
 
 def test_arguments():

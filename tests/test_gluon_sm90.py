@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashtile
-from conftest import DEVICE
+from conftest import DEVICE, capture
 from flashtile import _backend
 from flashtile.ops.attention import backward_sm90, forward_sm90
 from test_attention import check, make_inputs, run_flashtile
@@ -62,8 +62,17 @@ def test_qualifies_rejects_layouts_a_descriptor_cannot_read():
     assert not forward_sm90.qualifies(misaligned, k, v)
 
 
-def test_cpu_tensors_never_take_it():
-    assert not forward_sm90.applies(*qkv())
+def test_gluon_device(monkeypatch):
+    """An sm_90 GPU with the switch on; not a CPU, another GPU generation, or FLASHTILE_GLUON=0."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(forward_sm90, "compute_capability", lambda index: (9, 0))
+    assert forward_sm90.gluon_device(cuda)
+    assert not forward_sm90.gluon_device(torch.device("cpu"))
+    monkeypatch.setattr(_backend, "GLUON", False)
+    assert not forward_sm90.gluon_device(cuda)
+    monkeypatch.setattr(_backend, "GLUON", True)
+    monkeypatch.setattr(forward_sm90, "compute_capability", lambda index: (8, 0))
+    assert not forward_sm90.gluon_device(cuda)
 
 
 def test_backward_qualifies():
@@ -184,8 +193,6 @@ def test_switched_off_runs_the_triton_kernel(monkeypatch, launches, causal):
 @hopper
 @pytest.mark.gpu
 def test_cuda_graph_replay(launches):
-    from conftest import capture
-
     q, k, v, _ = make_inputs(2, 256, 256, 4, 4, 128, dtype=torch.bfloat16)
     expected = flashtile.flash_attn_func(q, k, v, causal=True)
     graph, out = capture(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
@@ -198,12 +205,14 @@ def test_cuda_graph_replay(launches):
 
 class _Routed:
     """Stands in for the Gluon launchers on any device: records each call's ``causal`` and gives zeros, so
-    that which calls reach them is checked without an sm_90 GPU (``applies`` is patched to say yes)."""
+    that which calls reach them is checked without an sm_90 GPU (the device and shape checks are patched to
+    say yes)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
-        monkeypatch.setattr(forward_sm90, "applies", lambda q, k, v: True)
-        monkeypatch.setattr(backward_sm90, "applies", lambda q, k, v, dout: True)
+        monkeypatch.setattr(forward_sm90, "gluon_device", lambda device: True)
+        monkeypatch.setattr(forward_sm90, "qualifies", lambda q, k, v: True)
+        monkeypatch.setattr(backward_sm90, "qualifies", lambda q, k, v, dout: True)
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
         monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)
 

@@ -6,9 +6,9 @@
 | CPU tensor and ``TRITON_INTERPRET=1`` set before import      | the same Triton kernels, interpreted |
 | CPU tensor otherwise                                         | ``flashtile.cpu``: PyTorch, tiled  |
 
-Nothing else in flashtile reads the environment. On a Hopper GPU (sm_90) the forwards that qualify run a
-Gluon kernel instead of the Triton one (``ops.attention.forward_sm90``; ``FLASHTILE_GLUON=0`` turns it
-off). It also holds the value-check switch: whether checks
+Nothing else in flashtile reads the environment. On a Hopper GPU (sm_90) the forwards and backwards that
+qualify run Gluon kernels instead of the Triton ones (``ops.attention.forward_sm90``, ``backward_sm90``;
+``FLASHTILE_GLUON=0`` turns them off). It also holds the value-check switch: whether checks
 that need the *values* of index tensors (``cache_seqlens``, ``block_table``, ``cu_seqlens``, ...) run
 (``values_checked``); see docs/validation.md. Each path module provides
 ``attention_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap,
@@ -41,8 +41,8 @@ def _env_flag(name: str, default: str) -> bool:
 
 
 GLUON = _env_flag("FLASHTILE_GLUON", "1")
-"""Whether forwards that qualify run the Gluon kernel on sm_90 (``ops.attention.forward_sm90``):
-``FLASHTILE_GLUON=0`` keeps every launch on the portable Triton kernels."""
+"""Whether the calls that qualify run the Gluon kernels on sm_90 (``ops.attention.forward_sm90``,
+``backward_sm90``): ``FLASHTILE_GLUON=0`` keeps every launch on the portable Triton kernels."""
 
 CHECK_VALUES = _env_flag("FLASHTILE_CHECK_VALUES", "1")
 """The process-wide default of the value checks on CUDA tensors: ``FLASHTILE_CHECK_VALUES=0`` turns them off."""

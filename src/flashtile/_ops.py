@@ -202,22 +202,24 @@ def _(dout, q, k, v, out, lse, dlse, softmax_scale, alibi_slopes, softcap, dropo
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
-_OPTION_DEFAULTS = (None, 0.0, None, 0.0, None)  # alibi_slopes, softcap, learnable_sink, dropout_p, rng_state
-_VARLEN_OPTION_DEFAULTS = (*_OPTION_DEFAULTS, None)  # and block_table
+OPTION_DEFAULTS = (None, 0.0, None, 0.0, None, None, True)
+"""``attention_forward``'s trailing arguments when not given: alibi_slopes, softcap, learnable_sink, dropout_p,
+rng_state, attn_mask, deterministic."""
+_VARLEN_OPTION_DEFAULTS = (*OPTION_DEFAULTS[:5], None)  # the varlen op's: the first five, then block_table
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, window_left, window_right, *options = inputs
-    attn_mask = options[5] if len(options) > 5 else None
-    ctx.deterministic = options[6] if len(options) > 6 else True
-    options = options[:5]
-    alibi_slopes, softcap, learnable_sink, dropout_p, rng_state = (*options, *_OPTION_DEFAULTS[len(options) :])
+    alibi_slopes, softcap, learnable_sink, dropout_p, rng_state, attn_mask, deterministic = (
+        *options, *OPTION_DEFAULTS[len(options) :]
+    )  # fmt: skip
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state, attn_mask)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
     ctx.dropout_p = dropout_p
+    ctx.deterministic = deterministic
     ctx.num_inputs = len(inputs)
     # An output the loss does not use (lse, usually) gets None, not a zero tensor: no (B, H, Sq) fill and
     # no dlse read per backward. Same results: delta = rowsum(dout * out) - 0 is rowsum(dout * out).

@@ -78,7 +78,7 @@ def _path_description(device: torch.device) -> str:
 def _gluon_description() -> str:
     """Whether the sm_90 Gluon kernels are switched on, and whether this machine's GPU would run them."""
     state = "on" if _backend.GLUON else "off (FLASHTILE_GLUON=0)"
-    here = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    here = torch.cuda.is_available() and configs.compute_capability(None) == (9, 0)
     return f"{state}; {'this GPU is sm_90' if here else 'they run on sm_90 GPUs only'}"
 
 

@@ -274,16 +274,13 @@ def attention(
     if softcap == 0.0 and alibi_slopes is None and learnable_sink is None and dropout_p == 0.0:
         if deterministic:
             return _ops.attention(q, k, v, float(softmax_scale), window_left, window_right)
-        return _ops.attention(q, k, v, float(softmax_scale), window_left, window_right, *_NO_OPTIONS, False)
+        options = _ops.OPTION_DEFAULTS[:-1]  # every option off, then deterministic=False
+        return _ops.attention(q, k, v, float(softmax_scale), window_left, window_right, *options, False)
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
     return _ops.attention(
         q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
         float(dropout_p), dropout_rng_state(dropout_p, q.device), None, deterministic,
     )  # fmt: skip
-
-
-_NO_OPTIONS = (None, 0.0, None, 0.0, None, None)
-"""``_ops.attention``'s alibi_slopes, softcap, learnable_sink, dropout_p, rng_state and attn_mask, all off."""
 
 
 def flash_attn_func(

@@ -1,7 +1,8 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by atomics.
 
-On an H100/H200 the backwards that qualify (``applies``, and the caller: no dropout, attn_mask, ALiBi,
-softcap, window or packed batch, and ``deterministic=False``, flash_attn's default) run this kernel instead
+On an H100/H200 (``forward_sm90.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
+dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's
+default) run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
 seven, because dQ is added into an fp32 accumulator with atomics, in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
@@ -71,12 +72,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile import _backend
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import head_grid
-from flashtile.ops.attention.forward_sm90 import LOG2E, ROWS, descriptor, is_sm90, mma_layout, rows_view_ok
+from flashtile.ops.attention.forward_sm90 import ROWS, descriptor, mma_layout, rows_view_ok
+from flashtile.ops.attention.tiles import LOG2E
 
-_LOG2E = gl.constexpr(LOG2E)  # the same, readable from jitted code
 # Triton 3.6: gl.thread_barrier(); 3.7: gl.barrier() (both: a barrier among the warps of the calling partition).
 _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
@@ -141,7 +141,7 @@ def _producer(
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(s), do_smem.index(s))
         # rows that see no key (lse = -inf): +inf makes exp2(s - lse) exactly 0 instead of NaN
-        lse_smem.index(s).store(gl.where(lse == float("-inf"), gl.full_like(lse, float("inf")), lse * _LOG2E))
+        lse_smem.index(s).store(gl.where(lse == float("-inf"), gl.full_like(lse, float("inf")), lse * LOG2E))
         delta_smem.index(s).store(delta)
         _partition_barrier()  # all 32 lanes have stored before the (single-thread) arrive
         mbarrier.arrive(stat_ready.index(s), count=1)
@@ -536,12 +536,6 @@ def _attention_backward_sm90_kernel(
     )
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> bool:
-    """Whether a backward without options (the caller checks those and ``deterministic``) runs this kernel:
-    switched on (``flashtile._backend.GLUON``), an sm_90 GPU, and ``qualifies``."""
-    return _backend.GLUON and q.device.type == "cuda" and is_sm90(q.device.index) and qualifies(q, k, v, dout)
-
-
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> bool:
     """The kernel's own conditions (any device): bf16/fp16; one head dim in CONFIGS for q, k, v; as many K/V
     heads as query heads; both lengths positive multiples of ROWS; dQ offsets within a batch entry below
@@ -567,7 +561,7 @@ def attention_backward_sm90(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the kernel; ``applies(q, k, v, dout)`` must hold.
+    """Launch the kernel; ``forward_sm90.gluon_device(q.device)`` and ``qualifies(q, k, v, dout)`` must hold.
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim), the gradient of out
@@ -590,7 +584,7 @@ def attention_backward_sm90(
     _attention_backward_sm90_kernel[head_grid(seqlen_k // block_n, batch, nheads)](
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, block_n // 2), descriptor(dv, block_n // 2), lse, delta, dq_accum,
-        softmax_scale * LOG2E, softmax_scale, seqlen_q, seqlen_k, nheads,
+        softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads,
         HEAD_D=head_dim, CAUSAL=causal, num_warps=4, **cfg,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv

@@ -120,9 +120,10 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 @functools.cache
-def _compute_capability_major(device_index: int | None) -> int:
-    """The GPU generation (9 for Hopper), looked up once per device: config() runs on every launch."""
-    return torch.cuda.get_device_capability(device_index)[0]
+def compute_capability(device_index: int | None) -> tuple[int, int]:
+    """(major, minor) of a CUDA device ((9, 0) for Hopper), looked up once per device: the launchers ask on
+    every call."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 MASK_MAX_STAGES = 2
@@ -145,7 +146,7 @@ def config(pass_name: str, device: torch.device, head_dim: int, head_dim_v: int,
         return _overrides[pass_name]
     if device.type != "cuda":
         return INTERPRETER
-    table = _HOPPER if _compute_capability_major(device.index) == 9 else _OTHER
+    table = _HOPPER if compute_capability(device.index)[0] == 9 else _OTHER
     width = padded_head_dim(max(head_dim, head_dim_v))
     cfg = next(cfg for largest, cfg in table[pass_name] if width <= largest)
     return with_mask(cfg, width) if has_mask else cfg

@@ -464,9 +464,12 @@ def _launch(
     is_varlen = cu_seqlens_q is not None
     paged = block_table is not None
     has_dropout = dropout_p > 0.0
-    options = (alibi_slopes, learnable_sink, attn_mask, cu_seqlens_q, window_left)
-    plain = all(x is None for x in options) and not has_dropout and softcap == 0.0 and window_right in (None, 0)
-    if plain and forward_sm90.applies(q, k, v):
+    if (
+        forward_sm90.gluon_device(q.device)  # first: elsewhere nothing below runs
+        and window_left is None and window_right in (None, 0) and softcap == 0.0 and not (is_varlen or has_dropout)
+        and alibi_slopes is None and learnable_sink is None and attn_mask is None
+        and forward_sm90.qualifies(q, k, v)
+    ):  # fmt: skip
         forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=window_right == 0)
         return
     pass_name = "forward"

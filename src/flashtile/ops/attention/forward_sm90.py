@@ -1,7 +1,8 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
 
-On an H100/H200 the forwards that qualify (``applies``) run this kernel instead of the portable Triton one
-(``forward.py``, which every other GPU and the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap,
+On an H100/H200 (``gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
+no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
+interpreter run): no dropout, attn_mask, ALiBi, softcap,
 sink, window or packed batch; causal or not; head dim 128 for q, k and v (at 64 the Triton kernel was as
 fast); bf16/fp16; seqlen_q and seqlen_k multiples of 128; heads of a token contiguous and tokens of a batch
 entry evenly strided (a contiguous tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns
@@ -48,9 +49,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile import _backend
-from flashtile.ops.attention.configs import head_grid
+from flashtile.ops.attention.configs import compute_capability, head_grid
+from flashtile.ops.attention.tiles import LN2, LOG2E
 
-LOG2E = 1.4426950408889634
 HEAD_DIM = 128
 """The one head dim this path serves."""
 CONFIG = {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24}
@@ -249,7 +250,7 @@ def _consumer(
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [q_row + WG * M_WG, col], q_tile)
 
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # l_i == 0 (no key seen) gives -inf
+    lse = (m_i + gl.log2(l_i)) * LN2  # l_i == 0 (no key seen) gives -inf
     offs = lse_off + q_pos0 + gl.arange(0, M_WG, layout=row_s)
     gl.store(lse_ptr + offs, lse)
     tma.store_wait(0)
@@ -413,10 +414,10 @@ def _attention_forward_sm90_kernel(
     )
 
 
-@functools.cache
-def is_sm90(device_index: int | None) -> bool:
-    """Whether the device is a Hopper GPU (compute capability 9.0), looked up once per device."""
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+def gluon_device(device: torch.device) -> bool:
+    """Whether calls on ``device`` may take the Gluon kernels: switched on (``flashtile._backend.GLUON``) and
+    an sm_90 GPU. The launchers ask this first, so other devices pay for nothing else."""
+    return _backend.GLUON and device.type == "cuda" and compute_capability(device.index) == (9, 0)
 
 
 def rows_view_ok(x: torch.Tensor) -> bool:
@@ -427,13 +428,6 @@ def rows_view_ok(x: torch.Tensor) -> bool:
     s_b, s_s, s_h, s_d = x.stride()
     evenly = batch == 1 or s_b == seqlen * s_s
     return s_d == 1 and s_h == head_dim and evenly and (s_s * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
-
-
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a forward of (batch, seqlen, nheads, headdim) q, k, v without options (no dropout, attn_mask,
-    ALiBi, softcap, sink, window, packed batch: the caller checks those) runs this kernel: switched on
-    (``flashtile._backend.GLUON``), an sm_90 GPU, and ``qualifies``."""
-    return _backend.GLUON and q.device.type == "cuda" and is_sm90(q.device.index) and qualifies(q, k, v)
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -473,7 +467,7 @@ def attention_forward_sm90(
     softmax_scale: float,
     causal: bool,
 ) -> None:
-    """Launch the kernel; ``applies(q, k, v)`` must hold.
+    """Launch the kernel; ``gluon_device(q.device)`` and ``qualifies(q, k, v)`` must hold.
 
     Args:
         q: (batch, seqlen_q, nheads, 128); k, v: (batch, seqlen_k, nheads_k, 128), nheads a multiple of nheads_k
@@ -487,6 +481,6 @@ def attention_forward_sm90(
     grid = head_grid(seqlen_q // (2 * m_wg), batch, nheads)
     _attention_forward_sm90_kernel[grid](
         descriptor(q, m_wg), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, m_wg), lse,
-        softmax_scale * LOG2E, seqlen_q, k.shape[1], nheads, nheads // k.shape[2],
+        softmax_scale * LOG2E.value, seqlen_q, k.shape[1], nheads, nheads // k.shape[2],
         HEAD_D=HEAD_DIM, CAUSAL=causal, num_warps=4, **CONFIG,
     )  # fmt: skip
