@@ -97,12 +97,12 @@ def _bench(fn: Callable[[], Any], args: argparse.Namespace) -> float:
     return 1000.0 * float(do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median"))
 
 
-def _chosen_splits(batch: int, nheads_q: int, context: int) -> int:
+def _chosen_splits(batch: int, nheads_q: int, context: int, paged: bool) -> int:
     """The split count num_splits=0 picks for this row."""
     group = nheads_q // NHEADS_KV
     programs = batch * NHEADS_KV * triton.cdiv(group, configs.block_m(group))
-    block_n = configs.config(torch.device("cuda"), HEAD_DIM).block_n
-    return configs.num_splits(0, torch.device("cuda", 0), programs, context, block_n)
+    cfg = configs.config(torch.device("cuda"), HEAD_DIM, programs, paged)
+    return configs.num_splits(0, torch.device("cuda", 0), programs, context, cfg)
 
 
 class Caches:
@@ -419,11 +419,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     row: dict[str, Any] = dict(
                         layout=layout, page_size=args.page_size if layout == "paged" else None, batch=batch,
                         context=context, nheads_q=nheads_q, nheads_kv=NHEADS_KV, head_dim=HEAD_DIM,
-                        num_splits=_chosen_splits(batch, nheads_q, context), graph_us=None, kv_tbps=None,
-                        pct_of_copy=None, eager_us=None, eager_unchecked_us=None, sdpa_us=None, cudnn_us=None,
-                        cudnn_variant=None, cudnn_error=None, gather_us=None, speedup=None, vs_cudnn=None,
-                        max_abs_diff=None, cudnn_max_abs_diff=None, graph_max_abs_diff=None, flagged=False,
-                        error=None,
+                        num_splits=_chosen_splits(batch, nheads_q, context, layout == "paged"), graph_us=None,
+                        kv_tbps=None, pct_of_copy=None, eager_us=None, eager_unchecked_us=None, sdpa_us=None,
+                        cudnn_us=None, cudnn_variant=None, cudnn_error=None, gather_us=None, speedup=None,
+                        vs_cudnn=None, max_abs_diff=None, cudnn_max_abs_diff=None, graph_max_abs_diff=None,
+                        flagged=False, error=None,
                     )  # fmt: skip
                     data["rows"].append(row)
                     try:

@@ -112,7 +112,7 @@ def main() -> None:
         for paged in (False, True):
             row = {"batch": batch, "context": context, "layout": "paged" if paged else "contiguous", "grid": {}}
             for cfg in candidates:
-                with mock.patch.object(configs, "config", lambda device, head_dim, cfg=cfg: cfg):
+                with mock.patch.object(configs, "config", lambda *args, cfg=cfg: cfg):
                     for s in splits:
                         row["grid"][f"{cfg.block_n}.{cfg.num_warps}.{cfg.num_stages}/{s}"] = graph_us(
                             stepper(caches, q, paged, s)

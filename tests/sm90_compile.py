@@ -11,7 +11,7 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
   with every feature off and with every feature on (softcap, ALiBi, sink, dropout, varlen: those the
   kernel has; the forward also with paged K/V on top), and the delta kernel of the backward;
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
-  ``decode.configs.config``;
+  ``decode.configs.config``, and its few-programs config of contiguous caches;
 * the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config), causal
   and full.
 
@@ -413,6 +413,13 @@ def decode_variants() -> list[Variant]:
                 variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                         dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **consts),
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip
+            few = decode_configs.config(_CUDA, head_dim, programs=1, paged=False)  # contiguous caches only
+            if few != cfg:
+                name = f"split_kv D{head_dim} {bm}x{few.block_n}/w{few.num_warps}/s{few.num_stages}"
+                for flags, consts in (("off", off), ("seqlens,causal,new,split", step)):
+                    variants.append(Variant("_split_kv_kernel", name, "-", flags,
+                                            dict(dims, BLOCK_M=bm, BLOCK_N=few.block_n, **consts),
+                                            few.num_warps, few.num_stages))  # fmt: skip
     return variants
 
 

@@ -433,6 +433,19 @@ def test_num_splits_heuristic():
     assert configs.choose_num_splits(programs=8, n_blocks=16, num_sms=132) == 8  # >= 2 key tiles per split
     assert configs.choose_num_splits(programs=1, n_blocks=100_000, num_sms=132) == configs.MAX_SPLITS
     assert configs.choose_num_splits(programs=8, n_blocks=2, num_sms=132) == 1
+    assert configs.choose_num_splits(programs=8, n_blocks=2048, num_sms=132, programs_per_sm=1) == 16
+
+
+def test_few_programs_config():
+    """B=1 with 8 kv heads on a contiguous cache: one program per SM with deeper pipelining; paged caches,
+    more programs and head dims above 128 keep their configs (CUDA only: the interpreter has its own)."""
+    cuda = torch.device("cuda", 0)
+    assert configs.config(cuda, 128, programs=8, paged=False) == configs.CUDA_FEW_PROGRAMS
+    assert configs.config(cuda, 64, programs=1, paged=False) == configs.CUDA_FEW_PROGRAMS
+    assert configs.config(cuda, 128, programs=8, paged=True) == configs.CUDA_HEAD_DIM_128
+    assert configs.config(cuda, 128, programs=16, paged=False) == configs.CUDA_HEAD_DIM_128
+    assert configs.config(cuda, 256, programs=8, paged=False) == configs.CUDA_HEAD_DIM_256
+    assert configs.config(torch.device("cpu"), 128, programs=8, paged=False) == configs.INTERPRETER
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -715,8 +728,8 @@ def test_heuristic_splits_on_long_cache(monkeypatch):
     """num_splits=0 with an H200's 132 SMs: one program would split into every second key tile."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     case = Case(batch=1, nheads=8, nheads_k=1, seqlen_cache=1024, cache_seqlens=(1000,), num_splits=0)
-    block_n = configs.config(torch.device(DEVICE), case.head_dim).block_n
-    assert configs.num_splits(0, torch.device(DEVICE), 1, case.seqlen_cache, block_n) == 1024 // block_n // 2
+    cfg = configs.config(torch.device(DEVICE), case.head_dim)
+    assert configs.num_splits(0, torch.device(DEVICE), 1, case.seqlen_cache, cfg) == 1024 // cfg.block_n // 2
     check(case)
 
 

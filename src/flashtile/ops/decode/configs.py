@@ -24,16 +24,25 @@ MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per progr
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """block_n: key rows per tile; num_warps, num_stages: as in Triton."""
+    """block_n: key rows per tile; num_warps, num_stages: as in Triton; programs_per_sm: how many programs
+    (batch x nheads_k x query tiles x splits) the split heuristic aims at per SM."""
 
     block_n: int
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 2
 
 
 INTERPRETER = DecodeConfig(32, 4, 1)
 CUDA_HEAD_DIM_128 = DecodeConfig(128, 4, 2)  # head dims <= 128
 CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
+FEW_PROGRAMS = 8
+CUDA_FEW_PROGRAMS = DecodeConfig(128, 8, 3, programs_per_sm=1)
+"""Head dims <= 128, a contiguous cache and at most FEW_PROGRAMS programs before splitting (B=1 with 8 kv
+heads): one program per SM with three key tiles in flight. On the H200 at B=1, Hkv=8, D=128, contexts 16k /
+64k / 128k it took 36.5 / 83.2 / 139.8 µs against 40.6 / 88.8 / 147.5 for (128, 4, 2) with two programs per
+SM (results/2026-11-30-h200x2-tune-decode-b1-86281f1.json); a paged cache was slower with it (92.7 -> 112.9
+µs at 64k), so paged caches keep the general config."""
 
 
 # A host helper in plain Python (as ``cdiv``): it runs on every decode step, and Triton's own
@@ -43,11 +52,15 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def config(device: torch.device, head_dim: int) -> DecodeConfig:
-    """The tile config of the split-KV kernel for ``head_dim`` (the larger of headdim and headdim_v)."""
+def config(device: torch.device, head_dim: int, programs: int = FEW_PROGRAMS + 1, paged: bool = True) -> DecodeConfig:
+    """The tile config of the split-KV kernel for ``head_dim`` (the larger of headdim and headdim_v),
+    ``programs`` = batch x nheads_k x query tiles, and a ``paged`` cache or not (the defaults: the general
+    config)."""
     if device.type != "cuda":
         return INTERPRETER
-    return CUDA_HEAD_DIM_128 if head_dim <= 128 else CUDA_HEAD_DIM_256
+    if head_dim > 128:
+        return CUDA_HEAD_DIM_256
+    return CUDA_FEW_PROGRAMS if programs <= FEW_PROGRAMS and not paged else CUDA_HEAD_DIM_128
 
 
 def block_m(packed_rows: int) -> int:
@@ -64,22 +77,22 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(programs: int, n_blocks: int, num_sms: int) -> int:
+def choose_num_splits(programs: int, n_blocks: int, num_sms: int, programs_per_sm: int = 2) -> int:
     """How many splits of the keys, for ``programs`` = batch x nheads_k x query tiles reading up to
     ``n_blocks`` key tiles each, on ``num_sms`` SMs.
 
-    About two programs per SM in all (rounded down: on the H200 two splits of 128 programs beat three,
-    and 256 or more programs want no split), with every split reading at least MIN_BLOCKS_PER_SPLIT
-    tiles and at most MAX_SPLITS splits.
+    About ``programs_per_sm`` programs per SM in all (rounded down: on the H200 with two per SM, two splits
+    of 128 programs beat three, and 256 or more programs want no split), with every split reading at least
+    MIN_BLOCKS_PER_SPLIT tiles and at most MAX_SPLITS splits.
     """
-    wanted = 2 * num_sms // programs
+    wanted = programs_per_sm * num_sms // programs
     return max(1, min(wanted, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
-def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache: int, block_n: int) -> int:
-    """The split count to launch: ``requested``, or the heuristic's choice when it is 0, capped at the
-    number of key tiles of the cache and at MAX_SPLITS. ``programs`` = batch x nheads_k x query tiles."""
-    n_blocks = cdiv(seqlen_cache, block_n)
+def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache: int, cfg: DecodeConfig) -> int:
+    """The split count to launch: ``requested``, or the heuristic's choice for ``cfg`` when it is 0, capped at
+    the number of key tiles of the cache and at MAX_SPLITS. ``programs`` = batch x nheads_k x query tiles."""
+    n_blocks = cdiv(seqlen_cache, cfg.block_n)
     if requested == 0:
-        requested = choose_num_splits(programs, n_blocks, sm_count(device))
+        requested = choose_num_splits(programs, n_blocks, sm_count(device), cfg.programs_per_sm)
     return max(1, min(requested, n_blocks, MAX_SPLITS))

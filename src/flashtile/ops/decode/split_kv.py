@@ -508,10 +508,11 @@ def decode_attention(
     group = nheads // nheads_k
     paged = block_table is not None
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    cfg = configs.config(q.device, max(head_dim, head_dim_v))
     block_m = configs.block_m(seqlen_q * group)
     m_tiles = max(1, cdiv(seqlen_q * group, block_m))  # one tile without queries: it appends k, v
-    num_splits = configs.num_splits(num_splits, q.device, batch * nheads_k * m_tiles, seqlen_cache, cfg.block_n)
+    programs = batch * nheads_k * m_tiles
+    cfg = configs.config(q.device, max(head_dim, head_dim_v), programs, paged)
+    num_splits = configs.num_splits(num_splits, q.device, programs, seqlen_cache, cfg)
 
     out_part = lse_part = counters = None
     stride_ps = stride_ls = 0
