@@ -3,7 +3,7 @@
 #   test     the whole test suite on the GPU (larger shapes, int64 offsets, races)
 #   ptest    the GPU-relevant test files as nine pytest processes side by side (kernel compiles are CPU-bound)
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
-#   decode   the decode (KV cache) benchmark
+#   decode   the decode (KV cache) benchmark (DECODE_ARGS="--batches 1" for a subset)
 #   tunedecode  decode tile-config and split-count sweep, host profile (benchmarks/tune_decode.py)
 #   kvtests  tests/test_kvcache.py on the GPU
 #   varlen   packed against padded batches
@@ -43,7 +43,7 @@ for step in "$@"; do
       for i in "${!groups[@]}"; do echo "=== ${groups[$i]}"; cat "/tmp/ptest$i.log"; done > "$OUT/ptest.log"
       for i in "${!groups[@]}"; do echo "--- ${groups[$i]}"; grep -E "passed|failed|error|FAILED|Timeout" "/tmp/ptest$i.log" | tail -6; done ;;
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
-    decode) timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$OUT/decode" --commit "$commit" 2>&1 | tail -40 ;;
+    decode) timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$OUT/decode" --commit "$commit" ${DECODE_ARGS:-} 2>&1 | tail -40 ;;
     varlen) timeout ${VARLEN_TIMEOUT:-300} python3 benchmarks/bench_varlen.py --out "$OUT/varlen" 2>&1 | tail -12 ;;
     tunedecode) timeout ${TUNEDECODE_TIMEOUT:-300} python3 benchmarks/tune_decode.py --out "$OUT" ${TUNEDECODE_ARGS:-} 2>&1 | tee "$OUT/tunedecode.log" | grep -v '^ *[0-9]' | tail -40 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
