@@ -13,7 +13,8 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
   ``decode.configs.config``, and its few-programs config of contiguous caches;
 * the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config), causal
-  and full.
+  and full; the forward also with its lengths multiples of 16 (flags "len16": Triton compiles such launches
+  apart, with the lengths' divisibility known; "off" is any length).
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
 on a ``PTXASError`` (or any other compile error) or when its shared memory exceeds the H200's 227 KiB per
@@ -199,13 +200,14 @@ class Variant:
     consts: dict = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 3
+    divisible: tuple[str, ...] = ()  # integer parameters compiled as multiples of 16 (Gluon kernels)
 
     @property
     def label(self) -> str:
         return f"{self.kernel} {self.config} {self.mask} {self.flags}"
 
     def key(self) -> tuple:
-        return (self.kernel, tuple(sorted(self.consts.items())), self.num_warps, self.num_stages)
+        return (self.kernel, tuple(sorted(self.consts.items())), self.num_warps, self.num_stages, self.divisible)
 
 
 def signature(kernel_name: str, consts: dict) -> tuple[dict, dict, dict]:
@@ -267,31 +269,35 @@ GLUON_FORWARD = forward_sm90._attention_forward_sm90_kernel.fn.__name__
 GLUON_BACKWARD = backward_sm90._attention_backward_sm90_kernel.fn.__name__
 
 
-def gluon_source(kernel_name: str, consts: dict):
+def gluon_source(kernel_name: str, consts: dict, divisible: tuple[str, ...] = ()):
     """What triton.compile takes for a Gluon kernel (a GluonASTSource: Gluon kernels need their own source
-    class) with the descriptors and pointers its launcher passes."""
+    class) with the descriptors and pointers its launcher passes; ``divisible``: integer parameters known to be
+    multiples of 16."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     head_dim = consts["HEAD_D"]
 
-    def descriptor(rows: int) -> str:
-        layout = forward_sm90.shared_layout(rows, head_dim, torch.bfloat16)
-        return f"tensordesc<{DATA}[{rows},{head_dim}],{layout!r}>"
+    def descriptor(*block: int) -> str:
+        """A descriptor with this block: [rows, head_dim] (2-D rows view) or [1, rows, head_dim] (rank 3)."""
+        layout = forward_sm90.shared_layout(block, torch.bfloat16)
+        return f"tensordesc<{DATA}[{','.join(map(str, block))}],{layout!r}>"
 
     if kernel_name == GLUON_FORWARD:
         kernel, rows_q, rows_k = forward_sm90._attention_forward_sm90_kernel, consts["M_WG"], consts["BLOCK_N"]
-        sig = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_k), "v_desc": descriptor(rows_k),
-               "o_desc": descriptor(rows_q), "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32",
-               "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
+        sig = {"q_desc": descriptor(1, rows_q, head_dim), "k_desc": descriptor(1, rows_k, head_dim),
+               "v_desc": descriptor(1, rows_k, head_dim), "o_desc": descriptor(1, rows_q, head_dim),
+               "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32",
+               "group": "i32"}  # fmt: skip
     else:
         kernel, rows_q, rows_k = backward_sm90._attention_backward_sm90_kernel, consts["BLOCK_M"], consts["BLOCK_N"]
-        sig = {"q_desc": descriptor(rows_q), "do_desc": descriptor(rows_q), "k_desc": descriptor(rows_k),
-               "v_desc": descriptor(rows_k), "dk_desc": descriptor(rows_k // 2), "dv_desc": descriptor(rows_k // 2),
+        sig = {"q_desc": descriptor(rows_q, head_dim), "do_desc": descriptor(rows_q, head_dim),
+               "k_desc": descriptor(rows_k, head_dim), "v_desc": descriptor(rows_k, head_dim),
+               "dk_desc": descriptor(rows_k // 2, head_dim), "dv_desc": descriptor(rows_k // 2, head_dim),
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32"}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     pointers = [name for name, kind in sig.items() if kind == "*fp32"]  # torch allocations: 16-byte aligned
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *divisible)}
     return GluonASTSource(kernel, sig, consts, attrs)
 
 
@@ -301,7 +307,8 @@ def gluon_variants() -> list[Variant]:
     name = f"forward_sm90 D{forward_sm90.HEAD_DIM} {2 * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
     for mask in ("full", "causal"):
         consts = dict(cfg, HEAD_D=forward_sm90.HEAD_DIM, CAUSAL=mask == "causal")
-        variants.append(Variant(GLUON_FORWARD, name, mask, "off", consts))
+        for flags, divisible in (("off", ()), ("len16", ("seqlen_q", "seqlen_k"))):
+            variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, divisible=divisible))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
         for mask in ("full", "causal"):
@@ -317,7 +324,7 @@ def compile_variant(v: Variant) -> dict:
     start = time.perf_counter()
     try:
         if v.kernel in (GLUON_FORWARD, GLUON_BACKWARD):
-            source = gluon_source(v.kernel, v.consts)
+            source = gluon_source(v.kernel, v.consts, v.divisible)
         else:
             source = ASTSource(KERNELS[v.kernel], *signature(v.kernel, v.consts))
         compiled = triton.compile(

@@ -4,8 +4,8 @@ On an H100/H200 (``gluon_device``) the forwards that qualify (``qualifies``, and
 no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
 interpreter run): no dropout, attn_mask, ALiBi, softcap,
 sink, window or packed batch; causal or not; head dim 128 for q, k and v (at 64 the Triton kernel was as
-fast); bf16/fp16; seqlen_q and seqlen_k multiples of 128; heads of a token contiguous and tokens of a batch
-entry evenly strided (a contiguous tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns
+fast); bf16/fp16; any seqlen_q and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry
+evenly strided (a contiguous tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns
 it off (``flashtile._backend.GLUON``). Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
 sm_90 without a GPU, and the GPU tests run it against the oracle.
 
@@ -13,14 +13,17 @@ Measured on an H200 (D=128, bf16, TFLOP/s; benchmarks/results/2026-11-30-h200x2-
 555 / 389 causal against 393 / 316 for the Triton kernel, N=4k 642 / 530 against 536 / 478, N=16k 646 / 586
 against 548 / 541 (cuDNN in the same session's table: 565 / 437, 605 / 541, 630 / 577).
 
-Inputs are read through 2-D tensor descriptors of the (batch * seqlen, nheads * headdim) view, so a tile
-never crosses a batch entry when both lengths are multiples of the tiles. Outputs: out (B, Sq, H, D) and
-lse (B, H, Sq) fp32, natural log; a query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and
-lse -inf, as the Triton kernel.
+q, k, v and out are read and written through rank-3 tensor descriptors of the (batch, seqlen, nheads *
+headdim) view with [1, rows, headdim] boxes (``batch_descriptor``), so a tile never crosses a batch entry:
+the copy engine fills a box's rows past seqlen with zeros on loads and drops them on stores. Keys past
+seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q (zeros) compute rows that the
+O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq) fp32, natural log; a
+query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton kernel.
 
 One CTA per (2 * M_WG query rows, batch * head):
   * producer partition, 1 warp: TMA loads of the two Q tiles, then K and V tiles into a ring of STAGES
-    shared-memory buffers; k_ready/v_ready (tx-count) barriers signal the consumers, k_empty/v_empty
+    shared-memory buffers (each a [1, rows, headdim] box, which ``_tile`` views as the [rows, headdim] tile
+    wgmma reads); k_ready/v_ready (tx-count) barriers signal the consumers, k_empty/v_empty
     (count 2, one arrival per consumer warpgroup) signal the producer that a slot is free.
   * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1), M_WG query rows each:
     S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V (wgmma, P from
@@ -28,7 +31,7 @@ One CTA per (2 * M_WG query rows, batch * head):
     does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG two mbarriers
     hand a "turn" between the warpgroups so one issues its two products while the other does its softmax
     (FA-3's warp scheduler barriers).
-  * epilogue: O / l cast to the input dtype, written to the (now free) Q tile, TMA store; lse by plain stores.
+  * epilogue: O / l cast to the input dtype, written to the (now free) Q tile, TMA store; lse by masked stores.
 Causal launches take the heaviest query tiles first.
 """
 
@@ -49,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile import _backend
-from flashtile.ops.attention.configs import compute_capability, head_grid
+from flashtile.ops.attention.configs import cdiv, compute_capability, head_grid
 from flashtile.ops.attention.tiles import LN2, LOG2E
 
 HEAD_DIM = 128
@@ -58,7 +61,7 @@ CONFIG = {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "CONSUMER_R
 """Query rows per consumer warpgroup, key rows per tile, K/V ring depth, ping-pong, registers per thread of
 the consumers and the producer (setmaxnreg). 164 KiB of shared memory; no spills (tests/sm90_compile.py)."""
 ROWS = 2 * CONFIG["M_WG"]
-"""seqlen_q and seqlen_k must be multiples of this (BLOCK_N = 2 * M_WG)."""
+"""Query rows per CTA (= BLOCK_N); the Gluon backward's lengths must be multiples of this (``descriptor``)."""
 
 # Triton 3.6 and 3.7 differ in mbarrier.expect's byte-count keyword (bytes / bytes_per_cta): it is always
 # passed positionally here.
@@ -69,6 +72,15 @@ ROWS = 2 * CONFIG["M_WG"]
 def mma_layout(n):
     # one warpgroup, wgmma m64nNk16 tiles (bf16/fp16: k = 16), N = the full tile width
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _tile(boxes, i):
+    """Buffer i of ``boxes`` ([n, 1, rows, D] shared memory in a rank-3 descriptor's layout, what its TMA copies
+    write and read) as the [rows, D] tile of wgmma and local stores: the same bytes in the same 128-byte
+    swizzle (a [1, rows, D] box lands as rows x D)."""
+    box = boxes.index(i)
+    return box.reshape([box.shape[1], box.shape[2]])
 
 
 # ------------------------------------------------------------------------------------------------ producer
@@ -85,8 +97,8 @@ def _producer(
     v_ready,
     k_empty,
     v_empty,
-    q_row,
-    kv_row,
+    b,
+    m0,
     q_col,
     kv_col,
     n_blocks,
@@ -94,21 +106,24 @@ def _producer(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
 ):
+    # Coordinates are (batch entry, row, column) of the (batch, seqlen, nheads * headdim) view. A box that
+    # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
+    # count on the barrier, so the expected bytes are always the box's.
     # Q tiles of both consumer warpgroups
     for w in gl.static_range(2):
         mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + w * M_WG, q_col], q_bar.index(w), q_smem.index(w))
+        tma.async_copy_global_to_shared(q_desc, [b, m0 + w * M_WG, q_col], q_bar.index(w), q_smem.index(w))
     for i in range(n_blocks):
         s = i % STAGES
         # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
         ph = ((i // STAGES) & 1) ^ 1
-        row = kv_row + i * BLOCK_N
+        row = i * BLOCK_N
         mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(k_desc, [b, row, kv_col], k_ready.index(s), k_smem.index(s))
         mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
 
 
 # ------------------------------------------------------------------------------------------------ consumer
@@ -121,20 +136,30 @@ def _softmax_step(
     kv_start,
     q_pos0,
     diag_off,
+    seqlen_k,
     M_WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
-    """One online-softmax step on the raw scores tile s_acc (fp32, mma layout). m_i is kept in
-    scaled log2 units (max of s * softmax_scale * log2(e)). Returns p (fp32), alpha, m_new, l_new."""
+    """One online-softmax step on the raw scores tile s_acc [M_WG, BLOCK_N] (fp32, mma layout) of keys
+    kv_start.. and query rows q_pos0.. . m_i is kept in scaled log2 units (max of s * softmax_scale *
+    log2(e)). Returns p (fp32), alpha, m_new, l_new."""
     s_layout: gl.constexpr = s_acc.type.layout
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     if CAUSAL:
-        # only tiles that cross the diagonal of this warpgroup's rows need the mask
+        # Only tiles that cross the diagonal of this warpgroup's rows need the mask. It also hides the keys
+        # past seqlen_k from every query row below seqlen_q (cols <= row + seqlen_k - seqlen_q < seqlen_k),
+        # and a tile with such keys crosses the diagonal of any warpgroup that has such a row.
         if kv_start + BLOCK_N > q_pos0 + diag_off + 1:
             rows = q_pos0 + gl.arange(0, M_WG, layout=gl.SliceLayout(1, s_layout))
-            cols = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            cols = kv_start + gl.arange(0, BLOCK_N, layout=col_layout)
             keep = cols[None, :] <= (rows + diag_off)[:, None]
             s_acc = gl.where(keep, s_acc, gl.full(s_acc.shape, float("-inf"), gl.float32, s_layout))
+    elif kv_start + BLOCK_N > seqlen_k:
+        # the last tile, when seqlen_k is not a multiple of BLOCK_N: its keys past seqlen_k are zeros
+        cols = kv_start + gl.arange(0, BLOCK_N, layout=col_layout)
+        keep = cols[None, :] < seqlen_k
+        s_acc = gl.where(keep, s_acc, gl.full(s_acc.shape, float("-inf"), gl.float32, s_layout))
     m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
     if CAUSAL:
         # rows that have seen no key yet (only when seqlen_q > seqlen_k): keep exp2 finite
@@ -162,10 +187,12 @@ def _consumer(
     turn,
     lse_ptr,
     lse_off,
-    q_row,
+    b,
     col,
     q_pos0,
     diag_off,
+    seqlen_q,
+    seqlen_k,
     n_blocks,
     qk_scale,
     M_WG: gl.constexpr,
@@ -183,7 +210,7 @@ def _consumer(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     q_pos0 = q_pos0 + WG * M_WG
-    q_tile = q_smem.index(WG)
+    q_tile = _tile(q_smem, WG)
     my_turn = turn.index(WG)
     other_turn = turn.index(1 - WG)
     # WG 0 starts with the turn (parity 1 on a fresh barrier passes), WG 1 waits for WG 0's first hand-off
@@ -201,12 +228,15 @@ def _consumer(
     if PINGPONG:
         mbarrier.wait(my_turn, turn_ph)
         turn_ph ^= 1
-    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    k_tile = _tile(k_smem, 0)
+    s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(other_turn, count=1)
-    s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_smem.index(0)))
+    s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
     mbarrier.arrive(k_empty.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, M_WG, BLOCK_N, CAUSAL)
+    p, alpha, m_i, l_i = _softmax_step(
+        s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL
+    )
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     # ---- steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together
@@ -219,18 +249,20 @@ def _consumer(
         if PINGPONG:
             mbarrier.wait(my_turn, turn_ph)
             turn_ph ^= 1
-        s_tok = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        k_tile = _tile(k_smem, s)
+        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(sp), php)
-        acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        v_tile = _tile(v_smem, sp)
+        acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn, count=1)
         # wgmma groups retire in order: <= 1 outstanding means S_i is done
-        s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_smem.index(s)))
+        s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
         mbarrier.arrive(k_empty.index(s), count=1)
         p, alpha, m_i, l_i = _softmax_step(
-            s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, M_WG, BLOCK_N, CAUSAL
+            s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL
         )
-        acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_smem.index(sp)))
+        acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
         mbarrier.arrive(v_empty.index(sp), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -239,20 +271,21 @@ def _consumer(
     sl = (n_blocks - 1) % STAGES
     phl = ((n_blocks - 1) // STAGES) & 1
     mbarrier.wait(v_ready.index(sl), phl)
-    acc_tok = warpgroup_mma(p_op, v_smem.index(sl), acc, is_async=True)
-    acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_smem.index(sl)))
+    v_tile = _tile(v_smem, sl)
+    acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
     mbarrier.arrive(v_empty.index(sl), count=1)
 
-    # ---- normalize, store O through the Q tile's shared memory, store lse
+    # ---- normalize, store O through the Q tile's shared memory (rows past seqlen_q are dropped), store lse
     l_safe = gl.where(l_i == 0.0, gl.full_like(l_i, 1.0), l_i)
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
     q_tile.store(o.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row + WG * M_WG, col], q_tile)
+    tma.async_copy_shared_to_global(o_desc, [b, q_pos0, col], q_smem.index(WG))
 
     lse = (m_i + gl.log2(l_i)) * LN2  # l_i == 0 (no key seen) gives -inf
-    offs = lse_off + q_pos0 + gl.arange(0, M_WG, layout=row_s)
-    gl.store(lse_ptr + offs, lse)
+    rows = q_pos0 + gl.arange(0, M_WG, layout=row_s)
+    gl.store(lse_ptr + lse_off + rows, lse, mask=rows < seqlen_q)
     tma.store_wait(0)
 
 
@@ -295,16 +328,15 @@ def _attention_forward_sm90_kernel(
         kv_end = seqlen_k
     n_blocks = gl.cdiv(kv_end, BLOCK_N)
 
-    q_row = b * seqlen_q + m0
-    kv_row = b * seqlen_k
     col = h * HEAD_D
     kv_col = (h // group) * HEAD_D
     lse_off = bh.to(gl.int64) * seqlen_q
 
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, M_WG, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    # [1, rows, HEAD_D] boxes of the descriptors, viewed as [rows, HEAD_D] tiles by the consumers (_tile)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, M_WG, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], v_desc.layout)
 
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -340,10 +372,12 @@ def _attention_forward_sm90_kernel(
                     turn,
                     lse_ptr,
                     lse_off,
-                    q_row,
+                    b,
                     col,
                     m0,
                     diag_off,
+                    seqlen_q,
+                    seqlen_k,
                     n_blocks,
                     qk_scale,
                     M_WG,
@@ -370,10 +404,12 @@ def _attention_forward_sm90_kernel(
                     turn,
                     lse_ptr,
                     lse_off,
-                    q_row,
+                    b,
                     col,
                     m0,
                     diag_off,
+                    seqlen_q,
+                    seqlen_k,
                     n_blocks,
                     qk_scale,
                     M_WG,
@@ -398,8 +434,8 @@ def _attention_forward_sm90_kernel(
                     v_ready,
                     k_empty,
                     v_empty,
-                    q_row,
-                    kv_row,
+                    b,
+                    m0,
                     col,
                     kv_col,
                     n_blocks,
@@ -431,31 +467,44 @@ def rows_view_ok(x: torch.Tensor) -> bool:
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The kernel's own conditions on q, k, v (any device): bf16/fp16, head dim HEAD_DIM, both lengths
-    positive multiples of ROWS, and layouts a tensor descriptor can read (``rows_view_ok``)."""
+    """The kernel's own conditions on q, k, v (any device): bf16/fp16, head dim HEAD_DIM, any lengths but
+    neither q nor k empty (a descriptor's dimensions are positive; no key would leave out and lse to fill), and
+    layouts a tensor descriptor can read (``rows_view_ok``)."""
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if q.shape[3] != HEAD_DIM or k.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM:
         return False
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    if seqlen_q % ROWS or seqlen_k % ROWS or seqlen_k == 0:
+    if q.numel() == 0 or k.numel() == 0:
         return False
     return rows_view_ok(q) and rows_view_ok(k) and rows_view_ok(v)
 
 
 @functools.cache
-def shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    """The swizzled shared-memory layout of a [rows, head_dim] tile (what TMA writes and wgmma reads)."""
+def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The swizzled shared-memory layout of a TMA block: [rows, head_dim] or [1, rows, head_dim], both with the
+    128-byte swizzle of head_dim 64 and above (what TMA writes and wgmma reads)."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
 def descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """A tensor descriptor of the (batch * seqlen, nheads * headdim) rows of ``x`` (``rows_view_ok``) with
-    [rows, headdim] tiles."""
+    [rows, headdim] tiles: a tile never crosses a batch entry when seqlen is a multiple of rows (the Gluon
+    backward's)."""
     batch, seqlen, nheads, head_dim = x.shape
-    layout = shared_layout(rows, head_dim, x.dtype)
+    layout = shared_layout((rows, head_dim), x.dtype)
     return TensorDescriptor(x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], [rows, head_dim], layout)
+
+
+def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A rank-3 tensor descriptor of the (batch, seqlen, nheads * headdim) view of ``x`` (``rows_view_ok``) with
+    [1, rows, headdim] boxes: the copy engine zero-fills a box's rows past seqlen on loads and drops them on
+    stores, so any seqlen works."""
+    batch, seqlen, nheads, head_dim = x.shape
+    layout = shared_layout((1, rows, head_dim), x.dtype)
+    # seqlen * stride(1) is stride(0) when batch > 1 (rows_view_ok), and 16-byte aligned when batch == 1 too
+    strides = [seqlen * x.stride(1), x.stride(1), 1]
+    return TensorDescriptor(x, [batch, seqlen, nheads * head_dim], strides, [1, rows, head_dim], layout)
 
 
 def attention_forward_sm90(
@@ -478,9 +527,10 @@ def attention_forward_sm90(
     """
     batch, seqlen_q, nheads, _ = q.shape
     m_wg, block_n = CONFIG["M_WG"], CONFIG["BLOCK_N"]
-    grid = head_grid(seqlen_q // (2 * m_wg), batch, nheads)
+    grid = head_grid(cdiv(seqlen_q, 2 * m_wg), batch, nheads)
     _attention_forward_sm90_kernel[grid](
-        descriptor(q, m_wg), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, m_wg), lse,
+        batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
+        batch_descriptor(out, m_wg), lse,
         softmax_scale * LOG2E.value, seqlen_q, k.shape[1], nheads, nheads // k.shape[2],
         HEAD_D=HEAD_DIM, CAUSAL=causal, num_warps=4, **CONFIG,
     )  # fmt: skip
