@@ -12,7 +12,8 @@ from the shipped config's (bf16 rounding and the atomic dQ's order make it nonze
     --variant fwd-3-stages:STAGES=3 --variant no-pingpong:PINGPONG=0 --variant bwd-2-stages:STAGES=2
 
 Tile heights and widths (M_WG, BLOCK_M, BLOCK_N) other than 64 / 64 / 128 also change which lengths the
-kernels accept (``forward_sm90.ROWS``, fixed at import): vary them only with lengths they divide.
+backward accepts (``forward_sm90.ROWS``, fixed at import): vary them only with lengths they divide (the
+forward takes any length).
 """
 
 from __future__ import annotations

@@ -34,15 +34,26 @@ def test_qualifies_plain_layouts():
     assert forward_sm90.qualifies(*packed.unbind(2))
 
 
+@pytest.mark.parametrize("seqlens", [(1, 1), (17, 113), (113, 17), (64, 1000), (1000, 1000), (257, 1023)], ids=str)
+def test_qualifies_any_lengths(seqlens):
+    """Rank-3 descriptors zero-fill and clip at a batch entry's end: no length rule (the backward keeps its
+    multiples of 128: test_backward_rejects)."""
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = qkv(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    assert forward_sm90.qualifies(q, k, v)
+    packed = torch.empty(2, seqlen_q, 3, 4, 128, dtype=torch.float16)
+    assert forward_sm90.qualifies(*packed.unbind(2))
+
+
 @pytest.mark.parametrize(
     "case",
     [
         dict(head_dim=64),
         dict(head_dim=256),
-        dict(seqlen_q=1000),
-        dict(seqlen_k=1000),
-        dict(seqlen_q=64),
         dict(dtype=torch.float32),
+        dict(seqlen_k=0),
+        dict(seqlen_q=0),
+        dict(batch=0),
     ],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
 )
@@ -138,6 +149,47 @@ def test_against_oracle(launches, dtype, causal, shape):
     check(*make_inputs(*shape, 128, dtype=dtype), causal=causal)
     mha = shape[3] == shape[4]
     assert launches == ([("fwd", causal), ("bwd", causal)] if mha else [("fwd", causal)])
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1, 1, 4, 4), (1, 17, 113, 4, 2), (2, 113, 17, 2, 2), (1, 1000, 1000, 8, 8), (2, 257, 1023, 4, 1),
+     (3, 130, 250, 2, 2)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_any_lengths_against_oracle(launches, dtype, causal, shape):
+    """Lengths that are not multiples of 128: the last query tile's rows past seqlen_q (zeros) are neither
+    stored to out nor to lse, the last key tile's keys past seqlen_k (zeros) get no weight, and no tile reads
+    or writes the next batch entry's rows; Sq > Sk causal has query rows that see no key. The backward is the
+    Triton one (the Gluon backward takes multiples of 128 only)."""
+    check(*make_inputs(*shape, 128, dtype=dtype), causal=causal)
+    assert launches == [("fwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_any_lengths_stay_in_their_batch_entry(causal):
+    """Each batch entry's out and lse, written over NaN, equal bit for bit a launch on that entry alone: the
+    clipped last tiles write every row of their entry and nothing of the next one (whose rows follow in
+    memory), and the zero-filled loads read nothing of it."""
+    batch, seqlen_q, seqlen_k, nheads = 3, 77, 200, 2
+    q, k, v, _ = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 128, dtype=torch.bfloat16)
+
+    def forward(q, k, v):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], nheads, seqlen_q), float("nan"), device=q.device)
+        forward_sm90.attention_forward_sm90(q, k, v, out, lse, 128**-0.5, causal)
+        return out, lse
+
+    out, lse = forward(q, k, v)
+    for b in range(batch):
+        out_b, lse_b = forward(q[b : b + 1], k[b : b + 1], v[b : b + 1])
+        assert torch.equal(out[b : b + 1], out_b) and torch.equal(lse[b : b + 1], lse_b)  # NaN != NaN
 
 
 @hopper

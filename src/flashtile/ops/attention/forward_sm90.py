@@ -11,7 +11,9 @@ sm_90 without a GPU, and the GPU tests run it against the oracle.
 
 Measured on an H200 (D=128, bf16, TFLOP/s; benchmarks/results/2026-11-30-h200x2-gluon-3a0d6e0.log): N=1k
 555 / 389 causal against 393 / 316 for the Triton kernel, N=4k 642 / 530 against 536 / 478, N=16k 646 / 586
-against 548 / 541 (cuDNN in the same session's table: 565 / 437, 605 / 541, 630 / 577).
+against 548 / 541 (cuDNN in the same session's table: 565 / 437, 605 / 541, 630 / 577). Those runs read
+through 2-D (batch * seqlen, nheads * headdim) descriptors (lengths multiples of 128 only); the rank-3 ones
+below have not been timed yet.
 
 q, k, v and out are read and written through rank-3 tensor descriptors of the (batch, seqlen, nheads *
 headdim) view with [1, rows, headdim] boxes (``batch_descriptor``), so a tile never crosses a batch entry:
@@ -234,9 +236,7 @@ def _consumer(
         mbarrier.arrive(other_turn, count=1)
     s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
     mbarrier.arrive(k_empty.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_step(
-        s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL
-    )
+    p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     # ---- steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together
