@@ -294,7 +294,7 @@ def gluon_source(kernel_name: str, consts: dict, divisible: tuple[str, ...] = ()
                "k_desc": descriptor(rows_k, head_dim), "v_desc": descriptor(rows_k, head_dim),
                "dk_desc": descriptor(rows_k // 2, head_dim), "dv_desc": descriptor(rows_k // 2, head_dim),
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
-               "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32"}  # fmt: skip
+               "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     pointers = [name for name, kind in sig.items() if kind == "*fp32"]  # torch allocations: 16-byte aligned
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *divisible)}

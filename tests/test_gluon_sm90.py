@@ -96,12 +96,34 @@ def test_backward_qualifies():
 
 
 @pytest.mark.parametrize(
+    "nheads, nheads_k, head_dim",
+    [(4, 2, 128), (8, 2, 64), (8, 1, 128), (8, 1, 64)],
+    ids=["gqa", "gqa-D64", "mqa", "mqa-D64"],
+)
+def test_backward_qualifies_gqa(nheads, nheads_k, head_dim):
+    q, k, v = qkv(nheads=nheads, nheads_k=nheads_k, head_dim=head_dim)
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q))
+
+
+@pytest.mark.parametrize(
     "case",
-    [dict(nheads_k=2), dict(nheads_k=4, head_dim=96), dict(nheads_k=4, seqlen_q=200), dict(nheads_k=4, seqlen_k=200)],
-    ids=["gqa", "D96", "Sq200", "Sk200"],
+    [
+        dict(nheads=4, nheads_k=3),
+        dict(nheads=2, nheads_k=4),
+        dict(nheads_k=4, head_dim=96),
+        dict(nheads_k=4, seqlen_q=200),
+        dict(nheads_k=4, seqlen_k=200),
+    ],
+    ids=["H4_3", "H2_4", "D96", "Sq200", "Sk200"],
 )
 def test_backward_rejects(case):
     q, k, v = qkv(**case)
+    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q))
+
+
+def test_backward_rejects_k_and_v_with_different_heads():
+    q, k, _ = qkv(nheads=4, nheads_k=2)
+    v = torch.empty(2, 384, 4, 128, dtype=torch.bfloat16)
     assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q))
 
 
@@ -144,11 +166,10 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_against_oracle(launches, dtype, causal, shape):
-    """Forward and backward against the oracle; the backward is the Gluon one when K/V have as many heads as
-    q (the Triton one otherwise); Sq > Sk causal has query rows that see no key."""
+    """Forward and backward against the oracle, both Gluon (MHA, GQA and MQA); Sq > Sk causal has query rows
+    that see no key."""
     check(*make_inputs(*shape, 128, dtype=dtype), causal=causal)
-    mha = shape[3] == shape[4]
-    assert launches == ([("fwd", causal), ("bwd", causal)] if mha else [("fwd", causal)])
+    assert launches == [("fwd", causal), ("bwd", causal)]
 
 
 @hopper
@@ -205,6 +226,27 @@ def test_backward_head_dim_64(launches, dtype, causal, shape):
     dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
     check(q, k, v, dout, dlse=dlse, causal=causal)
     assert launches == [("bwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 256, 384, 8, 2), (1, 512, 512, 8, 1), (2, 1024, 1024, 16, 4)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_backward_gqa(launches, dtype, causal, head_dim, shape):
+    """GQA / MQA: one CTA per K/V head walks every query head of its group, summing dK and dV over them and
+    adding each head's dQ into that head's slice; with a gradient at the LSE (a delta that differs per head)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
+    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype=dtype)
+    dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
+    check(q, k, v, dout, dlse=dlse, causal=causal)
+    gluon_forward = [("fwd", causal)] if head_dim == forward_sm90.HEAD_DIM else []
+    assert launches == [*gluon_forward, ("bwd", causal)]
 
 
 @hopper

@@ -6,9 +6,9 @@ default) run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
 seven, because dQ is added into an fp32 accumulator with atomics, in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
-64 or 128; as many K/V heads as query heads; bf16/fp16; both lengths multiples of 128; the layouts of
-``forward_sm90.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90
-without a GPU, and the GPU tests run it against the oracle.
+64 or 128; MHA, GQA or MQA (nheads a multiple of nheads_k); bf16/fp16; both lengths multiples of 128; the
+layouts of ``forward_sm90.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
+sm_90 without a GPU, and the GPU tests run it against the oracle.
 
 Measured on an H200 (bf16, TFLOP/s, backward = 2.5 x the forward's FLOP; benchmarks/results/
 2026-11-30-h200x2-gluonbwd-70b5b21.log, the prototype of this kernel): D=128 N=16k 437 / 443 causal against
@@ -21,14 +21,21 @@ Math (as backward.py): with s = softmax_scale * q k^T, P = exp(s - lse), dP = dO
 softmax_scale is folded into dS (before its cast to the input dtype), so dK and dQ need no final scaling.
 
 Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros; the kernel, grid (Sk / BLOCK_N,
-B * H), adds dQ partials into dq_accum and writes dK and dV; dq = dq_accum cast to the input dtype.
+Hk, B), adds dQ partials into dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input
+dtype.
 
-One CTA per (BLOCK_N = 128 key rows, batch * head), 64 key rows per consumer warpgroup:
-  * producer partition, 1 warp: TMA loads of the CTA's K and V tiles (once, kv_bar), then per query tile
-    (BLOCK_M = 64 rows) Q and dO by TMA into a ring of STAGES buffers (q_ready / do_ready, tx-count), and
-    the rows' lse (base 2) and delta by plain loads into shared memory (stat_ready). qdo_empty (count 2,
-    one arrival per consumer warpgroup) frees a slot once both warpgroups' dV and dK products are done.
-  * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1). Per query tile, all
+One CTA per (BLOCK_N = 128 key rows, K/V head hk, batch entry), 64 key rows per consumer warpgroup. GQA: the
+CTA serves the group = H / Hk query heads h = hk * group + g that read its K/V head, in one flat loop of
+n_iters = group * n_tiles iterations over (g, query tile) pairs (``_pair``: iteration i is head g = i //
+n_tiles, tile i % n_tiles; n_tiles, the query tiles per head, is the same for every head, causal or not).
+Every barrier phase and ring slot below is a function of the flat i alone, so moving from one head to the
+next changes nothing in the pipeline; dK and dV simply keep accumulating (that is the sum over the group).
+  * producer partition, 1 warp: TMA loads of the CTA's K and V tiles (once, kv_bar), then per iteration
+    (BLOCK_M = 64 query rows of head g) Q and dO by TMA into a ring of STAGES buffers (q_ready / do_ready,
+    tx-count), and the rows' lse (base 2) and delta by plain loads into shared memory (stat_ready).
+    qdo_empty (count 2, one arrival per consumer warpgroup) frees a slot once both warpgroups' dV and dK
+    products are done.
+  * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1). Per iteration, all
     products are wgmma with fp32 accumulators:
         S^T  = K_wg Q^T            (smem, smem)          [64 keys, 64 queries]
         dP^T = V_wg dO^T           (smem, smem)
@@ -38,17 +45,18 @@ One CTA per (BLOCK_N = 128 key rows, batch * head), 64 key rows per consumer war
         dK_wg += dS^T Q            (registers, smem)
     and dS^T goes to a shared buffer [128 keys, 64 queries] (each warpgroup writes its 64 rows; two
     buffers, used alternately). Once both halves are there (ds_ready, count 2), dQ partial = dS K
-    (A = the dS^T buffer transposed, from smem; B = K) is added to dq_accum with relaxed fp32 atomics:
+    (A = the dS^T buffer transposed, from smem; B = K) is added to head g's columns of dq_accum with relaxed
+    fp32 atomics:
       D=128 (DQ_SPLIT): each warpgroup computes half of the columns, dQ[:, wg*64 : (wg+1)*64];
-      D=64: warpgroup (i % 2) computes all of it for query tile i (a 32-column slice of K would cut the
+      D=64: warpgroup (i % 2) computes all of it for iteration i (a 32-column slice of K would cut the
       128-byte swizzle atom, which a wgmma operand can not start inside).
     ds_free (count 2) tells the warpgroups that a dS buffer has been read, before it is written again.
   * epilogue: dV_wg goes to this warpgroup's rows of the V tile in shared memory (only it reads them);
     dK_wg to its rows of the K tile once both warpgroups have left the loop (kv_done, count 2: the dQ
     products read all of K); then TMA stores.
-  Causal: a key tile visits only the query tiles from the one holding row kv_start - (Sk - Sq) (clipped
-  at 0); only tiles crossing the diagonal apply the mask. Rows with lse = -inf (they see no key) get
-  lse = +inf, so exp2 gives exactly 0 there, not NaN.
+  Causal: a key tile visits only the query tiles (of each head) from the one holding row kv_start - (Sk -
+  Sq) (clipped at 0); only tiles crossing the diagonal apply the mask. Rows with lse = -inf (they see no
+  key) get lse = +inf, so exp2 gives exactly 0 there, not NaN.
 
 Register-pressure notes (what keeps D=128 from spilling; keep them in mind when editing):
   * LLVM hoists loop-invariant address arithmetic out of the query-tile loop and ptxas then spills it.
@@ -90,6 +98,15 @@ CONFIGS = {
 between the warpgroups (needs 64-column halves: head dim 128), registers per thread of consumers / producer."""
 
 
+# ------------------------------------------------------------------------------------------------ loop
+@gluon.jit
+def _pair(i, n_tiles, m_start, BLOCK_M: gl.constexpr):
+    """Iteration i of the CTA's flat loop over (query head of the group, query tile) pairs, n_tiles tiles per
+    head: (g, q0), the head's index in the group and the tile's first query row (m_start + t * BLOCK_M)."""
+    g = i // n_tiles
+    return g, m_start + (i - g * n_tiles) * BLOCK_M
+
+
 # ------------------------------------------------------------------------------------------------ producer
 @gluon.jit
 def _producer(
@@ -111,28 +128,35 @@ def _producer(
     lse_ptr,
     delta_ptr,
     q_row0,
+    q_col0,
     m_start,
+    n_tiles,
+    seqlen_q,
     kv_row,
-    col,
+    kv_col,
     n_iters,
+    HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """K and V once, then per query tile i (rows m_start + i * BLOCK_M; q_row0 = its row in the 2-D view):
-    Q and dO by TMA, and the rows' lse (in base 2, +inf where it is -inf) and delta by plain loads into
-    shared memory, so that the consumers read them with shared-memory loads (no pointer tensors there).
-    lse_ptr / delta_ptr point at this (batch, head)'s rows."""
+    """K and V once, then per iteration i (``_pair``: query head g of the group, query rows q0..): Q and dO
+    by TMA (2-D views: row q_row0 + q0, the batch entry's row 0, column q_col0 + g * HEAD_D, the group's
+    first head), and the rows' lse (in base 2, +inf where it is -inf) and delta by plain loads into shared
+    memory, so that the consumers read them with shared-memory loads (no pointer tensors there).
+    lse_ptr / delta_ptr point at the rows of (batch, the group's first head); head g's follow seqlen_q later."""
     stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, col], kv_bar, k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kv_row, col], kv_bar, v_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem.index(0))
     for i in range(n_iters):
         s = i % STAGES
         # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
         ph = ((i // STAGES) & 1) ^ 1
-        row = q_row0 + i * BLOCK_M
+        g, q0 = _pair(i, n_tiles, m_start, BLOCK_M)
+        row = q_row0 + q0
+        col = q_col0 + g * HEAD_D
         # the row statistics are loaded before waiting for the slot, so their latency overlaps the wait
-        offs = m_start + i * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_layout)
+        offs = g * seqlen_q + q0 + gl.arange(0, BLOCK_M, layout=stat_layout)
         lse = gl.load(lse_ptr + offs)
         delta = gl.load(delta_ptr + offs)
         mbarrier.wait(qdo_empty.index(s), ph)
@@ -236,9 +260,10 @@ def _consumer(
     dv_desc,
     dq_ptr,
     kv_row,
-    col,
+    kv_col,
     row_stride,
     m_start,
+    n_tiles,
     kv_start,
     diag_off,
     n_iters,
@@ -252,8 +277,9 @@ def _consumer(
     DQ_SPLIT: gl.constexpr,
 ):
     """One consumer warpgroup (WG 0 or 1): key rows kv_start + WG * N_WG .. + N_WG of the CTA's tile, all
-    n_iters query tiles; accumulates dK_wg and dV_wg in registers, adds dQ partials to dq (see _dq_step),
-    stores dK_wg and dV_wg at the end."""
+    n_iters (query head, query tile) pairs (``_pair``); accumulates dK_wg and dV_wg over them in registers
+    (summed over the group's heads), adds each pair's dQ partial to its head's columns of dq (see _dq_step;
+    dq_ptr: the batch entry's row 0, the group's first head), stores dK_wg and dV_wg at the end."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
     s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, dP^T: [N_WG keys, BLOCK_M queries]
@@ -273,7 +299,8 @@ def _consumer(
         ph = (i // STAGES) & 1
         b = i % 2
         bph = (i // 2) & 1
-        q0 = m_start + i * BLOCK_M
+        g, q0 = _pair(i, n_tiles, m_start, BLOCK_M)
+        dq_col0 = g * HEAD_D
         q_tile = q_smem.index(s)
         do_tile = do_smem.index(s)
         ds_buf = ds_smem.index(b)
@@ -313,14 +340,14 @@ def _consumer(
             dv, dk = _dq_step(
                 dv_tok, dk_tok, ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1), q_tile, do_tile,
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_ptr, q0, WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
+                dq_ptr, q0, dq_col0 + WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
             )  # fmt: skip
         elif b == WG:
             # warpgroup (i % 2) computes the whole dQ partial of iteration i
             dv, dk = _dq_step(
                 dv_tok, dk_tok, ds_buf, k_it, q_tile, do_tile,
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_ptr, q0, 0, row_stride, BLOCK_M, DQ_COLS,
+                dq_ptr, q0, dq_col0, row_stride, BLOCK_M, DQ_COLS,
             )  # fmt: skip
         else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
@@ -338,8 +365,8 @@ def _consumer(
     dk_tile.store(dk.to(dtype))
     fence_async_shared()
     _partition_barrier()
-    tma.async_copy_shared_to_global(dv_desc, [kv_row + WG * N_WG, col], dv_tile)
-    tma.async_copy_shared_to_global(dk_desc, [kv_row + WG * N_WG, col], dk_tile)
+    tma.async_copy_shared_to_global(dv_desc, [kv_row + WG * N_WG, kv_col], dv_tile)
+    tma.async_copy_shared_to_global(dk_desc, [kv_row + WG * N_WG, kv_col], dk_tile)
     tma.store_wait(0)
 
 
@@ -360,6 +387,7 @@ def _attention_backward_sm90_kernel(
     seqlen_q,
     seqlen_k,
     nheads,
+    group,
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -371,9 +399,9 @@ def _attention_backward_sm90_kernel(
 ):
     N_WG: gl.constexpr = BLOCK_N // 2
     pid_n = gl.program_id(0)
-    h = gl.program_id(1)
+    hk = gl.program_id(1)  # K/V head; query heads hk * group .. (hk + 1) * group - 1 read it
     b = gl.program_id(2)
-    bh = b * nheads + h
+    h0 = hk * group
     kv_start = pid_n * BLOCK_N
     diag_off = seqlen_k - seqlen_q
     if CAUSAL:
@@ -382,14 +410,16 @@ def _attention_backward_sm90_kernel(
         m_start = gl.minimum(m_start, seqlen_q)
     else:
         m_start = 0
-    n_iters = (seqlen_q - m_start) // BLOCK_M
+    n_tiles = (seqlen_q - m_start) // BLOCK_M  # query tiles per head
+    n_iters = group * n_tiles
 
     row_stride = nheads * HEAD_D
-    col = h * HEAD_D
-    stat_off = bh.to(gl.int64) * seqlen_q
+    q_col0 = h0 * HEAD_D
+    stat_off = (b.to(gl.int64) * nheads + h0) * seqlen_q
     stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    dq_off = b.to(gl.int64) * seqlen_q * row_stride + col
+    dq_off = b.to(gl.int64) * seqlen_q * row_stride + q_col0
     kv_row = b * seqlen_k + kv_start
+    kv_col = hk * HEAD_D
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
@@ -446,9 +476,10 @@ def _attention_backward_sm90_kernel(
                     dv_desc,
                     dq_ptr + dq_off,
                     kv_row,
-                    col,
+                    kv_col,
                     row_stride,
                     m_start,
+                    n_tiles,
                     kv_start,
                     diag_off,
                     n_iters,
@@ -485,9 +516,10 @@ def _attention_backward_sm90_kernel(
                     dv_desc,
                     dq_ptr + dq_off,
                     kv_row,
-                    col,
+                    kv_col,
                     row_stride,
                     m_start,
+                    n_tiles,
                     kv_start,
                     diag_off,
                     n_iters,
@@ -521,11 +553,15 @@ def _attention_backward_sm90_kernel(
                     qdo_empty,
                     lse_ptr + stat_off,
                     delta_ptr + stat_off,
-                    b * seqlen_q + m_start,
+                    b * seqlen_q,
+                    q_col0,
                     m_start,
+                    n_tiles,
+                    seqlen_q,
                     kv_row,
-                    col,
+                    kv_col,
                     n_iters,
+                    HEAD_D,
                     BLOCK_M,
                     STAGES,
                 ),
@@ -537,13 +573,14 @@ def _attention_backward_sm90_kernel(
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> bool:
-    """The kernel's own conditions (any device): bf16/fp16; one head dim in CONFIGS for q, k, v; as many K/V
-    heads as query heads; both lengths positive multiples of ROWS; dQ offsets within a batch entry below
-    2**31; descriptor-ready layouts of q, k, v and dout (``rows_view_ok``)."""
+    """The kernel's own conditions (any device): bf16/fp16; one head dim in CONFIGS for q, k, v; the query
+    heads a multiple of the K/V heads (MHA, GQA, MQA); both lengths positive multiples of ROWS; dQ offsets
+    within a batch entry below 2**31; descriptor-ready layouts of q, k, v and dout (``rows_view_ok``)."""
     batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16) or head_dim not in CONFIGS:
         return False
-    if k.shape[2:] != (nheads, head_dim) or v.shape[2:] != (nheads, head_dim):
+    if k.shape[3] != head_dim or v.shape[2:] != k.shape[2:] or nheads_k == 0 or nheads % nheads_k:
         return False
     seqlen_k = k.shape[1]
     if seqlen_q % ROWS or seqlen_k % ROWS or seqlen_k == 0 or seqlen_q * nheads * head_dim >= 2**31:
@@ -565,7 +602,8 @@ def attention_backward_sm90(
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim), the gradient of out
-        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads, headdim)
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), nheads a multiple
+            of nheads_k
         lse: (batch, nheads, seqlen_q) float32, contiguous, the forward's (natural log)
         delta: (batch, nheads, seqlen_q) float32, contiguous: rowsum(dout * out) - dlse
         softmax_scale: as given to the forward
@@ -575,16 +613,16 @@ def attention_backward_sm90(
         dq, dk, dv shaped like q, k, v in their dtype (contiguous)
     """
     batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k = k.shape[1]
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
     cfg = CONFIGS[head_dim]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
-    _attention_backward_sm90_kernel[head_grid(seqlen_k // block_n, batch, nheads)](
+    _attention_backward_sm90_kernel[head_grid(seqlen_k // block_n, batch, nheads_k)](
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, block_n // 2), descriptor(dv, block_n // 2), lse, delta, dq_accum,
-        softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads,
+        softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
         HEAD_D=head_dim, CAUSAL=causal, num_warps=4, **cfg,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv
