@@ -140,10 +140,11 @@ def _producer(
     STAGES: gl.constexpr,
 ):
     """K and V once, then per iteration i (``_pair``: query head g of the group, query rows q0..): Q and dO
-    by TMA (2-D views: row q_row0 + q0, the batch entry's row 0, column q_col0 + g * HEAD_D, the group's
-    first head), and the rows' lse (in base 2, +inf where it is -inf) and delta by plain loads into shared
-    memory, so that the consumers read them with shared-memory loads (no pointer tensors there).
-    lse_ptr / delta_ptr point at the rows of (batch, the group's first head); head g's follow seqlen_q later."""
+    by TMA at row q_row0 + q0 and column q_col0 + g * HEAD_D of the 2-D views (q_row0: the batch entry's
+    first row; q_col0: the group's first query head), and the rows' lse (in base 2, +inf where it is -inf)
+    and delta by plain loads into shared memory, so that the consumers read them with shared-memory loads
+    (no pointer tensors there). lse_ptr / delta_ptr point at the rows of (batch entry, the group's first
+    head); head g's start g * seqlen_q later."""
     stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
