@@ -35,6 +35,7 @@ not set fails loudly: update ``ARGS`` (and the variants below) together with the
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -311,10 +312,9 @@ def gluon_variants() -> list[Variant]:
             variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, divisible=divisible))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
-        for mask in ("full", "causal"):
-            variants.append(
-                Variant(GLUON_BACKWARD, name, mask, "off", dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal"))
-            )
+        for mask, (flags, grouped) in itertools.product(("full", "causal"), (("off", False), ("gqa", True))):
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
+            variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts))
     return variants
 
 

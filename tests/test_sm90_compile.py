@@ -64,7 +64,7 @@ EXPECTED_STACK = {
     "_attention_forward_sm90_kernel forward_sm90 D128 128x128/s2 full off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D128 128x128/s2 causal off": 0,
     "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 full off": 16,
-    "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 causal off": 8,  # 16 before GQA (3.6: 24)
+    "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 causal off": 24,  # MHA (GROUPED off); 16 before GQA
     "_attention_backward_sm90_kernel backward_sm90 D64 64x128/s3 full off": 0,
     "_attention_backward_sm90_kernel backward_sm90 D64 64x128/s3 causal off": 0,
 }

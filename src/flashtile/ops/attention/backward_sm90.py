@@ -100,11 +100,18 @@ between the warpgroups (needs 64-column halves: head dim 128), registers per thr
 
 # ------------------------------------------------------------------------------------------------ loop
 @gluon.jit
-def _pair(i, n_tiles, m_start, BLOCK_M: gl.constexpr):
+def _pair(i, n_tiles, m_start, BLOCK_M: gl.constexpr, GROUPED: gl.constexpr):
     """Iteration i of the CTA's flat loop over (query head of the group, query tile) pairs, n_tiles tiles per
-    head: (g, q0), the head's index in the group and the tile's first query row (m_start + t * BLOCK_M)."""
-    g = i // n_tiles
-    return g, m_start + (i - g * n_tiles) * BLOCK_M
+    head: (g, q0), the head's index in the group and the tile's first query row (m_start + t * BLOCK_M).
+    Without GROUPED (MHA: one head per group) g is 0 and no integer division is emitted (with it, MHA ran
+    2-5% slower on the H200)."""
+    if GROUPED:
+        g = i // n_tiles
+        t = i - g * n_tiles
+    else:
+        g = 0
+        t = i
+    return g, m_start + t * BLOCK_M
 
 
 # ------------------------------------------------------------------------------------------------ producer
@@ -138,6 +145,7 @@ def _producer(
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
+    GROUPED: gl.constexpr,
 ):
     """K and V once, then per iteration i (``_pair``: query head g of the group, query rows q0..): Q and dO
     by TMA at row q_row0 + q0 and column q_col0 + g * HEAD_D of the 2-D views (q_row0: the batch entry's
@@ -153,7 +161,7 @@ def _producer(
         s = i % STAGES
         # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
         ph = ((i // STAGES) & 1) ^ 1
-        g, q0 = _pair(i, n_tiles, m_start, BLOCK_M)
+        g, q0 = _pair(i, n_tiles, m_start, BLOCK_M, GROUPED)
         row = q_row0 + q0
         col = q_col0 + g * HEAD_D
         # the row statistics are loaded before waiting for the slot, so their latency overlaps the wait
@@ -276,6 +284,7 @@ def _consumer(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
+    GROUPED: gl.constexpr,
 ):
     """One consumer warpgroup (WG 0 or 1): key rows kv_start + WG * N_WG .. + N_WG of the CTA's tile, all
     n_iters (query head, query tile) pairs (``_pair``); accumulates dK_wg and dV_wg over them in registers
@@ -300,7 +309,7 @@ def _consumer(
         ph = (i // STAGES) & 1
         b = i % 2
         bph = (i // 2) & 1
-        g, q0 = _pair(i, n_tiles, m_start, BLOCK_M)
+        g, q0 = _pair(i, n_tiles, m_start, BLOCK_M, GROUPED)
         dq_col0 = g * HEAD_D
         q_tile = q_smem.index(s)
         do_tile = do_smem.index(s)
@@ -395,6 +404,7 @@ def _attention_backward_sm90_kernel(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
+    GROUPED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -492,6 +502,7 @@ def _attention_backward_sm90_kernel(
                     STAGES,
                     CAUSAL,
                     DQ_SPLIT,
+                    GROUPED,
                 ),
             ),
             (
@@ -532,6 +543,7 @@ def _attention_backward_sm90_kernel(
                     STAGES,
                     CAUSAL,
                     DQ_SPLIT,
+                    GROUPED,
                 ),
             ),
             (
@@ -565,6 +577,7 @@ def _attention_backward_sm90_kernel(
                     HEAD_D,
                     BLOCK_M,
                     STAGES,
+                    GROUPED,
                 ),
             ),
         ],
@@ -624,6 +637,6 @@ def attention_backward_sm90(
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, block_n // 2), descriptor(dv, block_n // 2), lse, delta, dq_accum,
         softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
-        HEAD_D=head_dim, CAUSAL=causal, num_warps=4, **cfg,
+        HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, num_warps=4, **cfg,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv
