@@ -307,8 +307,8 @@ def gluon_variants() -> list[Variant]:
     cfg = forward_sm90.CONFIG
     name = f"forward_sm90 D{forward_sm90.HEAD_DIM} {2 * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
     for mask in ("full", "causal"):
-        consts = dict(cfg, HEAD_D=forward_sm90.HEAD_DIM, CAUSAL=mask == "causal")
-        for flags, divisible in (("off", ()), ("len16", ("seqlen_q", "seqlen_k"))):
+        for flags, divisible, even_k in (("off", (), True), ("len16", ("seqlen_q", "seqlen_k"), False)):
+            consts = dict(cfg, HEAD_D=forward_sm90.HEAD_DIM, CAUSAL=mask == "causal", EVEN_K=even_k)
             variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, divisible=divisible))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"

@@ -89,10 +89,12 @@ def test_gluon_device(monkeypatch):
 def test_backward_qualifies():
     q, k, v = qkv(nheads_k=4)
     dout = torch.empty_like(q)
-    assert backward_sm90.qualifies(q, k, v, dout)
-    assert backward_sm90.qualifies(*qkv(nheads_k=4, head_dim=64), torch.empty(2, 256, 4, 64, dtype=torch.bfloat16))
+    assert backward_sm90.qualifies(q, k, v, dout, causal=False)
+    assert backward_sm90.qualifies(
+        *qkv(nheads_k=4, head_dim=64), torch.empty(2, 256, 4, 64, dtype=torch.bfloat16), True
+    )
     packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.float16)
-    assert backward_sm90.qualifies(*packed.unbind(2), torch.empty(2, 256, 4, 128, dtype=torch.float16))
+    assert backward_sm90.qualifies(*packed.unbind(2), torch.empty(2, 256, 4, 128, dtype=torch.float16), True)
 
 
 @pytest.mark.parametrize(
@@ -102,7 +104,16 @@ def test_backward_qualifies():
 )
 def test_backward_qualifies_gqa(nheads, nheads_k, head_dim):
     q, k, v = qkv(nheads=nheads, nheads_k=nheads_k, head_dim=head_dim)
-    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q))
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False)
+
+
+def test_backward_causal_group_limit():
+    """Causal: up to MAX_CAUSAL_GROUP query heads per K/V head (larger groups measured faster in Triton);
+    without causal any group."""
+    limit = backward_sm90.MAX_CAUSAL_GROUP
+    for nheads_k, causal, expected in ((1, True, False), (1, False, True), (2, True, True), (2, False, True)):
+        q, k, v = qkv(nheads=2 * limit, nheads_k=nheads_k)  # 16 or 8 query heads per K/V head
+        assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal) == expected, (nheads_k, causal)
 
 
 @pytest.mark.parametrize(
@@ -118,21 +129,21 @@ def test_backward_qualifies_gqa(nheads, nheads_k, head_dim):
 )
 def test_backward_rejects(case):
     q, k, v = qkv(**case)
-    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q))
+    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False)
 
 
 def test_backward_rejects_k_and_v_with_different_heads():
     q, k, _ = qkv(nheads=4, nheads_k=2)
     v = torch.empty(2, 384, 4, 128, dtype=torch.bfloat16)
-    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q))
+    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False)
 
 
 def test_backward_rejects_broadcast_dout_and_huge_offsets():
     q, k, v = qkv(nheads_k=4)
     ones = torch.ones(1, 1, 1, 1, dtype=q.dtype).expand(q.shape)  # the dout of out.sum().backward()
-    assert not backward_sm90.qualifies(q, k, v, ones)
+    assert not backward_sm90.qualifies(q, k, v, ones, causal=False)
     huge = torch.empty(1, 2**20, 16, 128, dtype=torch.bfloat16, device="meta")  # 2**31 elements per batch entry
-    assert not backward_sm90.qualifies(huge, huge, huge, huge)
+    assert not backward_sm90.qualifies(huge, huge, huge, huge, causal=False)
 
 
 def _recorded(launch, tag, calls):

@@ -649,7 +649,7 @@ def attention_backward(
         not deterministic and forward_sm90.gluon_device(q.device)  # first: elsewhere nothing below runs
         and window_left is None and window_right in (None, 0) and softcap == 0.0 and dropout_p == 0.0
         and alibi_slopes is None and attn_mask is None
-        and backward_sm90.qualifies(q, k, v, dout)
+        and backward_sm90.qualifies(q, k, v, dout, causal=window_right == 0)
     ):  # fmt: skip
         return backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=window_right == 0)
     return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], softmax_scale, window_left,

@@ -586,15 +586,26 @@ def _attention_backward_sm90_kernel(
     )
 
 
-def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> bool:
+MAX_CAUSAL_GROUP = 8
+"""Query heads per K/V head up to which a causal backward takes this kernel. One CTA walks its key tile's
+query tiles for every head of the group, so with large groups there are few CTAs with long, uneven (causal)
+walks; on the H200 (B=4, N=4k, D=128, bf16) the Triton kernels were faster at 16 and 32 query heads per K/V
+head (273 / 229 TFLOP/s against 256 / 212), this kernel at 4 and 8 (361 / 347 against 341 / 332) and at
+every group size without causal."""
+
+
+def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool) -> bool:
     """The kernel's own conditions (any device): bf16/fp16; one head dim in CONFIGS for q, k, v; the query
-    heads a multiple of the K/V heads (MHA, GQA, MQA); both lengths positive multiples of ROWS; dQ offsets
-    within a batch entry below 2**31; descriptor-ready layouts of q, k, v and dout (``rows_view_ok``)."""
+    heads a multiple of the K/V heads (MHA, GQA, MQA; causal: at most MAX_CAUSAL_GROUP per K/V head); both
+    lengths positive multiples of ROWS; dQ offsets within a batch entry below 2**31; descriptor-ready
+    layouts of q, k, v and dout (``rows_view_ok``)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16) or head_dim not in CONFIGS:
         return False
     if k.shape[3] != head_dim or v.shape[2:] != k.shape[2:] or nheads_k == 0 or nheads % nheads_k:
+        return False
+    if causal and nheads // nheads_k > MAX_CAUSAL_GROUP:
         return False
     seqlen_k = k.shape[1]
     if seqlen_q % ROWS or seqlen_k % ROWS or seqlen_k == 0 or seqlen_q * nheads * head_dim >= 2**31:
