@@ -317,7 +317,7 @@ class _Routed:
         self.calls = []
         monkeypatch.setattr(forward_sm90, "gluon_device", lambda device: True)
         monkeypatch.setattr(forward_sm90, "qualifies", lambda q, k, v: True)
-        monkeypatch.setattr(backward_sm90, "qualifies", lambda q, k, v, dout: True)
+        monkeypatch.setattr(backward_sm90, "qualifies", lambda q, k, v, dout, causal: True)
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
         monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)
 
