@@ -9,7 +9,7 @@
 #   kvtests  tests/test_kvcache.py on the GPU
 #   varlen   packed against padded batches
 #   latency  launch overhead (eager vs CUDA graph) and first-call compile time
-#   hostprofile  cProfile of eager forward + backward steps' host path (benchmarks/latency.py --host-profile)
+#   hosttrace  where the host time of eager forward (+ backward) steps goes, per function (latency.py --host-trace)
 #   gputests tests/test_gpu.py and the deterministic backward test
 #   quick    the benchmark's quick table against every peer
 #   bench    the full standard table (bf16) against every peer
@@ -51,7 +51,7 @@ for step in "$@"; do
     tunedecode) timeout ${TUNEDECODE_TIMEOUT:-300} python3 benchmarks/tune_decode.py --out "$OUT" ${TUNEDECODE_ARGS:-} 2>&1 | tee "$OUT/tunedecode.log" | grep -v '^ *[0-9]' | tail -40 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
     latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
-    hostprofile) timeout 120 python3 benchmarks/latency.py --out "$OUT" --host-profile 2>&1 | tail -4 ;;
+    hosttrace) timeout 120 python3 benchmarks/latency.py --out "$OUT" --host-trace 2>&1 | tail -8 ;;
     firstcall) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import latency; print(latency.first_call(Path('$OUT')))" 2>&1 | tail -4 ;;
     gputests) timeout 240 python3 -m pytest tests/test_gpu.py tests/test_attention.py -k "gpu or determin" -q -p no:cacheprovider 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;
     ring) mkdir -p "$OUT/ring"; timeout 270 python3 -m pytest tests/test_distributed.py -k nccl -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/ring/test.log" | tail -8; timeout ${RING_TIMEOUT:-300} python3 benchmarks/bench_ring.py --out "$OUT/ring" --time-budget ${RING_BUDGET:-240} --commit "$commit" 2>&1 | tee "$OUT/ring/bench.log" | tail -45 ;;

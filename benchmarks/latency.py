@@ -11,26 +11,25 @@
    first forward+backward pays compilation; a second fresh process with the same cache does not.
    Two shapes: (3, 1000, 12, 96) runs the Triton kernels, (2, 1024, 16, 128) the Gluon forward on sm_90.
    Each first call runs under cProfile (first-call-profile-*.txt) to show where the time goes.
-``--host-profile`` instead profiles the host path of eager forward + backward steps (host-profile-*.txt).
+``--host-trace`` instead reports where the host time of eager steps goes, function by function (host-trace.txt).
 Writes ``latency.json`` and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
-import cProfile
 import functools
-import io
 import itertools
 import json
 import os
-import pstats
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -75,14 +74,14 @@ def _forward_backward(attention, q, k, v, dout, causal):
     attention(q, k, v, causal).backward(dout)
 
 
-def host_time(fn, calls: int = 50, profile: cProfile.Profile | None = None) -> float:
+def host_time(fn, calls: int = 50, during: contextlib.AbstractContextManager | None = None) -> float:
     """Seconds of Python per call of ``fn``, queued behind a GPU sleep long enough that no call waits
-    (under ``profile`` if given)."""
+    (the timed calls inside ``during`` if given; the warm-up call before it outside)."""
     fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles
     start = time.perf_counter()
-    with profile or contextlib.nullcontext():
+    with during or contextlib.nullcontext():
         for _ in range(calls):
             fn()
     elapsed = time.perf_counter() - start
@@ -90,19 +89,84 @@ def host_time(fn, calls: int = 50, profile: cProfile.Profile | None = None) -> f
     return elapsed / calls
 
 
-def host_profile(out: Path) -> None:
-    """cProfile (by own time) of eager forward + backward steps queued behind a GPU sleep, at B=32, N=512,
-    H=16, causal, bf16: head dim 128 (the Gluon kernels on sm_90) and 96 (the Triton kernels)."""
-    for head_dim in (128, 96):
+TRACED = (
+    ("flashtile._ops", "attention"), ("flashtile.ops.attention.forward", "attention_forward"),
+    ("flashtile.ops.attention.backward", "attention_backward"), ("flashtile.ops.attention.backward", "attention_delta"),
+    ("flashtile.ops.attention.forward_sm90", "attention_forward_sm90"),
+    ("flashtile.ops.attention.backward_sm90", "attention_backward_sm90"),
+    ("flashtile.ops.attention.forward_sm90", "descriptor"), ("flashtile.ops.attention.forward_sm90", "qualifies"),
+    ("flashtile.ops.attention.backward_sm90", "qualifies"), ("torch", "empty"), ("torch", "zeros"),
+)  # fmt: skip
+"""(module, function) pairs whose inclusive host time ``host_trace`` reports (each also where imported by name)."""
+
+
+def _timed(totals: collections.Counter, label, fn):
+    """``fn`` adding its inclusive seconds to totals[label(args)] per call."""
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[label(args)] += time.perf_counter() - start
+
+    return timed
+
+
+@contextlib.contextmanager
+def _traced(totals: collections.Counter):
+    """Inside the block: TRACED's functions (in every flashtile module that binds them), Triton's JIT launch
+    (per kernel), its CUDA launcher and the eager autograd Function's forward and backward add their inclusive
+    host seconds to ``totals``."""
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.runtime.jit import JITFunction
+
+    from flashtile import _ops
+
+    with contextlib.ExitStack() as stack:
+        for module_name, name in TRACED:
+            fn = getattr(sys.modules[module_name], name)
+            label = f"{module_name.rsplit('.', 1)[-1]}.{name}"
+            wrapper = _timed(totals, lambda args, label=label: label, fn)
+            for module in [m for n, m in sys.modules.items() if n.startswith("flashtile") or n == module_name]:
+                if getattr(module, name, None) is fn:
+                    stack.enter_context(mock.patch.object(module, name, wrapper))
+        stack.enter_context(
+            mock.patch.object(JITFunction, "run", _timed(totals, lambda args: f"JITFunction.run {args[0].fn.__name__}",
+                                                          JITFunction.run))
+        )  # fmt: skip
+        stack.enter_context(
+            mock.patch.object(CudaLauncher, "__call__", _timed(totals, lambda args: "CudaLauncher.__call__",
+                                                                CudaLauncher.__call__))
+        )  # fmt: skip
+        for attr in ("forward", "backward"):
+            fn = getattr(_ops._EagerAttention, attr)
+            wrapper = staticmethod(_timed(totals, lambda args, n=f"_EagerAttention.{attr}": n, fn))
+            stack.enter_context(mock.patch.object(_ops._EagerAttention, attr, wrapper))
+        yield
+
+
+def host_trace(out: Path, steps: int = 60) -> None:
+    """Where the host time of eager steps goes: inclusive µs per step of each traced function (``_traced``),
+    the steps queued behind a GPU sleep so that none waits for the GPU, at B=32, N=512, H=16, causal, bf16:
+    head dim 128 with the Gluon kernels on sm_90 and with the Triton ones, head dim 96 (Triton). Forward
+    alone and forward + backward (out.backward, gradients accumulating). Writes host-trace.txt."""
+    from flashtile import _backend
+
+    lines = []
+    for head_dim, gluon in ((128, True), (128, False), (96, True)):
         q, k, v, dout = (torch.randn(32, 512, 16, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        profile = cProfile.Profile()
-        seconds = host_time(functools.partial(_forward_backward, _flashtile, q, k, v, dout, True), profile=profile)
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(45)
-        header = f"{seconds * 1e6:.0f} us of host time per step (profiled)\n"
-        (out / f"host-profile-D{head_dim}.txt").write_text(header + text.getvalue())
-        print(f"D={head_dim}: {seconds * 1e6:.0f} us of host time per forward + backward step (profiled)", flush=True)
+        for name, run in (("fwd", _forward), ("fwd+bwd", _forward_backward)):
+            totals: collections.Counter = collections.Counter()
+            with mock.patch.object(_backend, "GLUON", gluon):
+                fn = functools.partial(run, _flashtile, q, k, v, dout, True)
+                seconds = host_time(fn, calls=steps, during=_traced(totals))
+            lines.append(f"== D={head_dim} gluon={gluon} {name}: {seconds * 1e6:.0f} us per step (traced)")
+            lines += [f"   {sec / steps * 1e6:8.1f} us  {label}" for label, sec in totals.most_common()]
+            print(lines[-len(totals) - 1], flush=True)
+    (out / "host-trace.txt").write_text("\n".join(lines) + "\n")
 
 
 def launch_overhead() -> list[dict]:
@@ -151,11 +215,11 @@ def first_call(out: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--host-profile", action="store_true", help="only profile the host path (host-profile-*.txt)")
+    parser.add_argument("--host-trace", action="store_true", help="only trace the host path (host-trace.txt)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.host_profile:
-        host_profile(args.out)
+    if args.host_trace:
+        host_trace(args.out)
         return
     result = {"gpu": torch.cuda.get_device_name(), "first_call": first_call(args.out), "launch": launch_overhead()}
     (args.out / "latency.json").write_text(json.dumps(result, indent=1))

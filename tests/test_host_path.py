@@ -150,3 +150,23 @@ def test_cuda_graph_capture_of_forward_and_backward():
     assert torch.equal(out, expected)
     for t, grad in zip(leaves, grads, strict=True):
         assert torch.equal(t.grad, grad)
+
+
+def test_latency_host_tracer_records_and_restores():
+    """benchmarks/latency.py's host tracer: inside the block the traced functions add their inclusive time
+    (on any device: here the public path's entry and the eager Function); after it, every patched name is the
+    original again."""
+    import collections
+
+    import latency
+
+    entry, forward = _ops.attention, _ops._EagerAttention.forward
+    totals = collections.Counter()
+    q, k, v = (torch.randn(1, 40, 2, 16, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    with latency._traced(totals):
+        assert _ops.attention is not entry
+        flashtile.flash_attn_func(q, k, v, causal=True)
+    assert totals["_ops.attention"] > 0 and totals["_EagerAttention.forward"] > 0
+    assert totals["_ops.attention"] >= totals["_EagerAttention.forward"]  # inclusive: the entry calls the Function
+    assert _ops.attention is entry and _ops._EagerAttention.forward is forward
+    assert torch.empty is latency.torch.empty and "timed" not in torch.empty.__qualname__

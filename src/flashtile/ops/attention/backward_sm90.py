@@ -13,7 +13,10 @@ sm_90 without a GPU, and the GPU tests run it against the oracle.
 Measured on an H200 (bf16, TFLOP/s, backward = 2.5 x the forward's FLOP; benchmarks/results/
 2026-11-30-h200x2-gluonbwd-70b5b21.log, the prototype of this kernel): D=128 N=16k 437 / 443 causal against
 406 / 388 for the Triton kernels (cuDNN 543 / 527), three stages 446 / 445; D=64 N=16k 394 / 405 against
-346 / 296 (cuDNN 451 / 439).
+346 / 296 (cuDNN 451 / 439). GQA (results/2026-11-30-h200x2-branchcmp-be635c4.log, B=4 N=4k causal unless
+said, against the Triton kernels): D=128 4 and 8 query heads per K/V head 361 / 347 against 341 / 332, D=64 2
+and 8 (B=2 N=8k) 331 / 309 against 271 / 259; at 16 and 32 causal the Triton kernels were faster (see
+MAX_CAUSAL_GROUP), without causal this kernel at every group size (415-420 against 404-407).
 
 Math (as backward.py): with s = softmax_scale * q k^T, P = exp(s - lse), dP = dO V^T, delta = rowsum(dO * O)
 - dlse (``backward.attention_delta``), dS = P * (dP - delta):

@@ -12,8 +12,10 @@ sm_90 without a GPU, and the GPU tests run it against the oracle.
 Measured on an H200 (D=128, bf16, TFLOP/s; benchmarks/results/2026-11-30-h200x2-gluon-3a0d6e0.log): N=1k
 555 / 389 causal against 393 / 316 for the Triton kernel, N=4k 642 / 530 against 536 / 478, N=16k 646 / 586
 against 548 / 541 (cuDNN in the same session's table: 565 / 437, 605 / 541, 630 / 577). Those runs read
-through 2-D (batch * seqlen, nheads * headdim) descriptors (lengths multiples of 128 only); the rank-3 ones
-below have not been timed yet.
+through 2-D (batch * seqlen, nheads * headdim) descriptors (lengths multiples of 128 only). With the rank-3
+ones below (benchmarks/results/2026-11-30-h200x2-quick-af06b80.md): N=1k 553 / 389, N=4k 655 / 537, N=16k
+647 / 615; lengths that are not multiples of 128, which took the Triton kernel before, B=4 N=4000 624 / 521
+against 543 / 463 and B=8 N=1000 causal 340 against 273 (results/2026-11-30-h200x2-branchcmp-04d26b7.log).
 
 q, k, v and out are read and written through rank-3 tensor descriptors of the (batch, seqlen, nheads *
 headdim) view with [1, rows, headdim] boxes (``batch_descriptor``), so a tile never crosses a batch entry:
