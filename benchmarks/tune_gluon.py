@@ -1,13 +1,15 @@
 """Config variants of the sm_90 Gluon kernels (ops/attention/forward_sm90.py, backward_sm90.py) on a Hopper GPU.
 
-    PYTHONPATH=src python3 benchmarks/tune_gluon.py [--variant NAME:KEY=VALUE,...] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/tune_gluon.py [--variant NAME:KEY=VALUE,...] [--shape B,Sq,Sk,H,Hk,D,causal]
+        [--out DIR]
 
 Times flashtile's forward and backward (TFLOP/s, do_bench median; backward 2.5 x the forward's FLOP, both
-halved when causal) at D = 64 / 128 (H = 32 / 16), N = 1k / 4k / 16k with B = 16384 / N, bf16, causal and
-not: the shipped configs ("default"), each ``--variant`` (its KEY=VALUE pairs replace entries of
-``forward_sm90.CONFIG`` and every ``backward_sm90.CONFIGS`` entry that has the key), and the Triton kernels
-(``flashtile._backend.GLUON`` off). Beside each time: the max abs difference of that run's out, dq, dk, dv
-from the shipped config's (bf16 rounding and the atomic dQ's order make it nonzero). Example:
+halved when causal), bf16, at each ``--shape`` or by default at D = 64 / 128 (H = 32 / 16), N = 1k / 4k / 16k
+with B = 16384 / N, causal and not (``DEFAULT_SHAPES``): the shipped configs ("default"), each ``--variant``
+(its KEY=VALUE pairs replace entries of ``forward_sm90.CONFIG`` and every ``backward_sm90.CONFIGS`` entry
+that has the key), and the Triton kernels (``flashtile._backend.GLUON`` off). Beside each time: the max abs
+difference of that run's out, dq, dk, dv from the shipped config's (bf16 rounding and the atomic dQ's order
+make it nonzero). Example:
 
     --variant fwd-3-stages:STAGES=3 --variant no-pingpong:PINGPONG=0 --variant bwd-2-stages:STAGES=2
 
@@ -64,13 +66,32 @@ def measure(q, k, v, dout, causal: bool) -> tuple[float, float, list[torch.Tenso
     return fwd, do_bench(backward, return_mode="median"), results
 
 
-def shape_rows(head_dim: int, nheads: int, seqlen: int, causal: bool, variants) -> list[dict]:
-    """One row per variant (and the Triton kernels) at B = 16384 / seqlen, bf16."""
-    batch = 16384 // seqlen
-    shape = (batch, seqlen, nheads, head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+def parse_shape(text: str) -> tuple[int, int, int, int, int, int, bool]:
+    """ "B,Sq,Sk,H,Hk,D,causal" (causal 0 or 1)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal = map(int, text.split(","))
+    return batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, bool(causal)
+
+
+DEFAULT_SHAPES = [
+    (16384 // n, n, n, nheads, nheads, head_dim, causal)
+    for head_dim, nheads in ((128, 16), (64, 32))
+    for n in (1024, 4096, 16384)
+    for causal in (False, True)
+]
+"""B * N = 16384 tokens, hidden 2048, MHA: the quick table's shapes."""
+
+
+def shape_rows(shape: tuple[int, int, int, int, int, int, bool], variants) -> list[dict]:
+    """One row per variant (and the Triton kernels) at ``shape`` (B, Sq, Sk, H, Hk, D, causal), bf16; FLOP
+    4 * B * H * Sq * Sk * D, halved when causal."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal = shape
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
     dout = torch.randn_like(q)
-    flops = 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    flops = 4 * batch * nheads * seqlen_q * seqlen_k * head_dim / (2 if causal else 1)
     rows, reference = [], None
     for name, changes in [*variants, ("triton", None)]:
         switch = mock.patch.object(_backend, "GLUON", False) if changes is None else contextlib.nullcontext()
@@ -78,12 +99,13 @@ def shape_rows(head_dim: int, nheads: int, seqlen: int, causal: bool, variants) 
             fwd, bwd, results = measure(q, k, v, dout, causal)
         reference = reference or results
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results, reference, strict=True))
-        rows.append(dict(D=head_dim, N=seqlen, causal=causal, variant=name, changes=changes, fwd_ms=fwd, bwd_ms=bwd,
+        rows.append(dict(shape=shape, variant=name, changes=changes, fwd_ms=fwd, bwd_ms=bwd,
                          fwd_tflops=flops / fwd * 1e-9, bwd_tflops=2.5 * flops / bwd * 1e-9,
                          max_abs_diff=diff))  # fmt: skip
         print(
-            f"D={head_dim:3d} N={seqlen:5d} causal={int(causal)} {name:>14}: fwd {rows[-1]['fwd_tflops']:6.1f} "
-            f"bwd {rows[-1]['bwd_tflops']:6.1f} TFLOP/s  (max diff vs default {diff:.2e})",
+            f"B={batch} Sq={seqlen_q:5d} Sk={seqlen_k:5d} H={nheads}/{nheads_k} D={head_dim:3d} causal={int(causal)} "
+            f"{name:>14}: fwd {rows[-1]['fwd_tflops']:6.1f} bwd {rows[-1]['bwd_tflops']:6.1f} TFLOP/s  "
+            f"(max diff vs default {diff:.2e})",
             flush=True,
         )
     return rows
@@ -92,14 +114,11 @@ def shape_rows(head_dim: int, nheads: int, seqlen: int, causal: bool, variants) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", default=[], type=parse_variant)
+    parser.add_argument("--shape", action="append", type=parse_shape, help="B,Sq,Sk,H,Hk,D,causal (repeatable)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     variants = [("default", {}), *args.variant]
-    rows = []
-    for head_dim, nheads in ((128, 16), (64, 32)):
-        for seqlen in (1024, 4096, 16384):
-            for causal in (False, True):
-                rows += shape_rows(head_dim, nheads, seqlen, causal, variants)
+    rows = [row for shape in args.shape or DEFAULT_SHAPES for row in shape_rows(shape, variants)]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tune-gluon.json").write_text(json.dumps(rows, indent=1))
