@@ -16,6 +16,11 @@
 #   memory   fwd+bwd peak extra memory against SDPA flash
 #   sanitize compute-sanitizer memcheck of one forward + backward
 #   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
+#   branches    (2 GPUs) unmerged branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
+#            tests/test_gluon_sm90.py) one after another on GPU 1, while GPU 0 times this tree and then each
+#            branch with tune_gluon.py $TUNEGLUON_ARGS (branches.log). BRANCH_DIRS: their folders, made here
+#            beforehand with `git archive BRANCH pyproject.toml src tests benchmarks | tar -x -C .branches/BRANCH`
+#            (.branches/ in .git/info/exclude; carry it)
 # Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
 set -uo pipefail
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps a path set before (fa4_setup.sh)
@@ -65,6 +70,19 @@ q, k, v = (torch.randn(2, 300, 4, 64, device='cuda', dtype=torch.bfloat16, requi
 flashtile.flash_attn_func(q, k[:, :211], v[:, :211], causal=True).sum().backward()
 torch.cuda.synchronize(); print('sanitized fwd+bwd ok')" 2>&1 | tail -8 ;;
     tunegluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/tune_gluon.py --out "$OUT" ${TUNEGLUON_ARGS:-} 2>&1 | tail -80 ;;
+    branches)
+      (for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
+         (cd "$dir" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-240} python3 -m pytest \
+            ${BRANCH_TESTS:-tests/test_gluon_sm90.py} -q -p no:cacheprovider > "$OUT/tests-$(basename "$dir").log" 2>&1)
+       done) &
+      tests=$!
+      for tree in . ${BRANCH_DIRS}; do
+        echo "### $tree" >> "$OUT/branches.log"
+        CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$tree/src timeout ${GLUON_TIMEOUT:-150} \
+          python3 "$tree/benchmarks/tune_gluon.py" ${TUNEGLUON_ARGS:-} >> "$OUT/branches.log" 2>&1
+      done
+      wait $tests
+      tail -n 2 "$OUT"/tests-*.log; grep -v "^ " "$OUT/branches.log" | tail -60 ;;
     *) echo "unknown step $step" ;;
   esac
 done
