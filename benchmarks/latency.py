@@ -21,6 +21,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import importlib
 import itertools
 import json
 import os
@@ -126,7 +127,7 @@ def _traced(totals: collections.Counter):
 
     with contextlib.ExitStack() as stack:
         for module_name, name in TRACED:
-            fn = getattr(sys.modules[module_name], name)
+            fn = getattr(importlib.import_module(module_name), name)
             label = f"{module_name.rsplit('.', 1)[-1]}.{name}"
             wrapper = _timed(totals, lambda args, label=label: label, fn)
             for module in [m for n, m in sys.modules.items() if n.startswith("flashtile") or n == module_name]:

@@ -7,13 +7,17 @@ no CPU interpreter; tests/sm90_compile.py compiles them for sm_90 without one).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import flashtile
 from conftest import DEVICE, capture
 from flashtile import _backend
-from flashtile.ops.attention import backward_sm90, forward_sm90
+from flashtile.ops.attention import backward, backward_sm90, configs, forward, forward_sm90
 from test_attention import check, make_inputs, run_flashtile
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -76,14 +80,14 @@ def test_qualifies_rejects_layouts_a_descriptor_cannot_read():
 def test_gluon_device(monkeypatch):
     """An sm_90 GPU with the switch on; not a CPU, another GPU generation, or FLASHTILE_GLUON=0."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(forward_sm90, "compute_capability", lambda index: (9, 0))
-    assert forward_sm90.gluon_device(cuda)
-    assert not forward_sm90.gluon_device(torch.device("cpu"))
+    monkeypatch.setattr(configs, "compute_capability", lambda index: (9, 0))
+    assert configs.gluon_device(cuda)
+    assert not configs.gluon_device(torch.device("cpu"))
     monkeypatch.setattr(_backend, "GLUON", False)
-    assert not forward_sm90.gluon_device(cuda)
+    assert not configs.gluon_device(cuda)
     monkeypatch.setattr(_backend, "GLUON", True)
-    monkeypatch.setattr(forward_sm90, "compute_capability", lambda index: (8, 0))
-    assert not forward_sm90.gluon_device(cuda)
+    monkeypatch.setattr(configs, "compute_capability", lambda index: (8, 0))
+    assert not configs.gluon_device(cuda)
 
 
 def test_backward_qualifies():
@@ -315,7 +319,8 @@ class _Routed:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        monkeypatch.setattr(forward_sm90, "gluon_device", lambda device: True)
+        monkeypatch.setattr(forward, "gluon_device", lambda device: True)
+        monkeypatch.setattr(backward, "gluon_device", lambda device: True)
         monkeypatch.setattr(forward_sm90, "qualifies", lambda q, k, v: True)
         monkeypatch.setattr(backward_sm90, "qualifies", lambda q, k, v, dout, causal: True)
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
@@ -389,3 +394,15 @@ def test_compiled_calls_keep_deterministic(monkeypatch):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         compiled(*leaves).sum().backward()
     assert routed.calls == [("fwd", True), ("bwd", True), ("fwd", True)]
+
+
+def test_launchers_import_gluon_on_sm90_only():
+    """Importing the Triton launchers (and running them anywhere but on an sm_90 GPU) leaves Gluon unimported:
+    its modules cost ~50 ms at import."""
+    code = (
+        "import sys, flashtile.ops.attention.forward, flashtile.ops.attention.backward\n"
+        "print(sorted(m for m in sys.modules if m.startswith('triton.experimental.gluon') or m.endswith('_sm90')))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert result.stdout.strip() == "[]", result.stdout

@@ -34,8 +34,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops.attention import backward_sm90, forward_sm90
-from flashtile.ops.attention.configs import cdiv, config, head_grid
+from flashtile.ops.attention.configs import cdiv, config, gluon_device, head_grid
 from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
     LOG2E,
@@ -646,12 +645,15 @@ def attention_backward(
     """
     delta = attention_delta(dout, out, dlse)
     if (
-        not deterministic and forward_sm90.gluon_device(q.device)  # first: elsewhere nothing below runs
+        not deterministic and gluon_device(q.device)  # first: elsewhere nothing below runs
         and window_left is None and window_right in (None, 0) and softcap == 0.0 and dropout_p == 0.0
         and alibi_slopes is None and attn_mask is None
-        and backward_sm90.qualifies(q, k, v, dout, causal=window_right == 0)
     ):  # fmt: skip
-        return backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=window_right == 0)
+        from flashtile.ops.attention import backward_sm90  # Gluon is imported on sm_90 GPUs only
+
+        causal = window_right == 0
+        if backward_sm90.qualifies(q, k, v, dout, causal):
+            return backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=causal)
     return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], softmax_scale, window_left,
                    window_right, alibi_slopes, softcap, dropout_p=dropout_p, rng_state=rng_state, attn_mask=attn_mask,
                    dmask=dmask)  # fmt: skip

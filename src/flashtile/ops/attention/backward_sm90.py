@@ -1,12 +1,13 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by atomics.
 
-On an H100/H200 (``forward_sm90.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
+On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
 dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's
 default) run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
 seven, because dQ is added into an fp32 accumulator with atomics, in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
-64 or 128; MHA, GQA or MQA (nheads a multiple of nheads_k); bf16/fp16; both lengths multiples of 128; the
+64 or 128; MHA, GQA or MQA (nheads a multiple of nheads_k; causal: at most MAX_CAUSAL_GROUP query heads per
+K/V head); bf16/fp16; both lengths multiples of 128; the
 layouts of ``forward_sm90.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
 sm_90 without a GPU, and the GPU tests run it against the oracle.
 
@@ -581,7 +582,7 @@ def attention_backward_sm90(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the kernel; ``forward_sm90.gluon_device(q.device)`` and ``qualifies(q, k, v, dout)`` must hold.
+    """Launch the kernel; ``configs.gluon_device(q.device)`` and ``qualifies(q, k, v, dout, causal)`` must hold.
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim), the gradient of out

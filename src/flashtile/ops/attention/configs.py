@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtile import _backend
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -124,6 +126,13 @@ def compute_capability(device_index: int | None) -> tuple[int, int]:
     """(major, minor) of a CUDA device ((9, 0) for Hopper), looked up once per device: the launchers ask on
     every call."""
     return torch.cuda.get_device_capability(device_index)
+
+
+def gluon_device(device: torch.device) -> bool:
+    """Whether calls on ``device`` may take the sm_90 Gluon kernels (``forward_sm90``, ``backward_sm90``):
+    switched on (``flashtile._backend.GLUON``) and an sm_90 GPU. The launchers ask this first, so other
+    devices pay for nothing else and never import Gluon."""
+    return _backend.GLUON and device.type == "cuda" and compute_capability(device.index) == (9, 0)
 
 
 MASK_MAX_STAGES = 2

@@ -33,8 +33,8 @@ memory); MASK_IS_BOOL picks a boolean mask (uint8, hides keys) or an additive on
 A row that the mask hides entirely behaves as a row that sees no key: output 0, LSE -inf. Off, the kernel's
 signature and SASS are those without it (sm_90 SASS of every features-off variant compared).
 
-On sm_90 the launcher hands the forwards without options (causal or not, head dim 128, lengths multiples of
-128) to the warp-specialized Gluon kernel of ``forward_sm90``.
+On sm_90 the launcher hands the forwards without options (causal or not, head dim 128, any lengths; see
+``forward_sm90.qualifies``) to the warp-specialized Gluon kernel of ``forward_sm90``.
 """
 
 import functools
@@ -44,8 +44,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops.attention import forward_sm90
-from flashtile.ops.attention.configs import SHORT_SEQLEN, cdiv, config, head_grid, padded_head_dim
+from flashtile.ops.attention.configs import SHORT_SEQLEN, cdiv, config, gluon_device, head_grid, padded_head_dim
 from flashtile.ops.attention.tiles import (
     LN2,
     LOG2E,
@@ -465,13 +464,15 @@ def _launch(
     paged = block_table is not None
     has_dropout = dropout_p > 0.0
     if (
-        forward_sm90.gluon_device(q.device)  # first: elsewhere nothing below runs
+        gluon_device(q.device)  # first: elsewhere nothing below runs
         and window_left is None and window_right in (None, 0) and softcap == 0.0 and not (is_varlen or has_dropout)
         and alibi_slopes is None and learnable_sink is None and attn_mask is None
-        and forward_sm90.qualifies(q, k, v)
     ):  # fmt: skip
-        forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=window_right == 0)
-        return
+        from flashtile.ops.attention import forward_sm90  # Gluon is imported on sm_90 GPUs only
+
+        if forward_sm90.qualifies(q, k, v):
+            forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=window_right == 0)
+            return
     pass_name = "forward"
     if seqlen_k <= SHORT_SEQLEN:
         pass_name = "forward_banded_short" if window_right is not None else "forward_short"

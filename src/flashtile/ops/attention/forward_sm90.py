@@ -1,6 +1,6 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
 
-On an H100/H200 (``gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
+On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
 no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
 interpreter run): no dropout, attn_mask, ALiBi, softcap,
 sink, window or packed batch; causal or not; head dim 128 for q, k and v (at 64 the Triton kernel was as
@@ -55,8 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile import _backend
-from flashtile.ops.attention.configs import cdiv, compute_capability, head_grid
+from flashtile.ops.attention.configs import cdiv, head_grid
 from flashtile.ops.attention.tiles import LN2, LOG2E
 
 HEAD_DIM = 128
@@ -426,12 +425,6 @@ def _attention_forward_sm90_kernel(
     )
 
 
-def gluon_device(device: torch.device) -> bool:
-    """Whether calls on ``device`` may take the Gluon kernels: switched on (``flashtile._backend.GLUON``) and
-    an sm_90 GPU. The launchers ask this first, so other devices pay for nothing else."""
-    return _backend.GLUON and device.type == "cuda" and compute_capability(device.index) == (9, 0)
-
-
 def rows_view_ok(x: torch.Tensor) -> bool:
     """Whether (batch, seqlen, nheads, headdim) ``x`` reads as the 2-D (batch * seqlen, nheads * headdim) rows
     of a tensor descriptor: heads of a token contiguous, tokens evenly strided across batch entries, and the
@@ -492,7 +485,7 @@ def attention_forward_sm90(
     softmax_scale: float,
     causal: bool,
 ) -> None:
-    """Launch the kernel; ``gluon_device(q.device)`` and ``qualifies(q, k, v)`` must hold.
+    """Launch the kernel; ``configs.gluon_device(q.device)`` and ``qualifies(q, k, v)`` must hold.
 
     Args:
         q: (batch, seqlen_q, nheads, 128); k, v: (batch, seqlen_k, nheads_k, 128), nheads a multiple of nheads_k
