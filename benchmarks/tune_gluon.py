@@ -6,7 +6,7 @@
 Times flashtile's forward and backward (TFLOP/s, do_bench median; backward 2.5 x the forward's FLOP, both
 halved when causal), bf16, at each ``--shape`` or by default at D = 64 / 128 (H = 32 / 16), N = 1k / 4k / 16k
 with B = 16384 / N, causal and not (``DEFAULT_SHAPES``): the shipped configs ("default"), each ``--variant``
-(its KEY=VALUE pairs replace entries of ``forward_sm90.CONFIG`` and every ``backward_sm90.CONFIGS`` entry
+(its KEY=VALUE pairs replace entries of every ``forward_sm90.CONFIGS`` and ``backward_sm90.CONFIGS`` entry
 that has the key), and the Triton kernels (``flashtile._backend.GLUON`` off). Beside each time: the max abs
 difference of that run's out, dq, dk, dv from the shipped config's (bf16 rounding and the atomic dQ's order
 make it nonzero). Example:
@@ -39,7 +39,7 @@ from flashtile.ops.attention import backward_sm90, forward_sm90
 def configured(changes: dict[str, int]) -> Iterator[None]:
     """The Gluon kernels' configs with ``changes`` applied (to each config that has the key) inside the block."""
     with contextlib.ExitStack() as stack:
-        for cfg in (forward_sm90.CONFIG, *backward_sm90.CONFIGS.values()):
+        for cfg in (*forward_sm90.CONFIGS.values(), *backward_sm90.CONFIGS.values()):
             stack.enter_context(mock.patch.dict(cfg, {k: v for k, v in changes.items() if k in cfg}))
         yield
 

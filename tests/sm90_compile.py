@@ -304,12 +304,12 @@ def gluon_source(kernel_name: str, consts: dict, divisible: tuple[str, ...] = ()
 
 def gluon_variants() -> list[Variant]:
     variants = []
-    cfg = forward_sm90.CONFIG
-    name = f"forward_sm90 D{forward_sm90.HEAD_DIM} {2 * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
-    for mask in ("full", "causal"):
-        for flags, divisible, even_k in (("off", (), True), ("len16", ("seqlen_q", "seqlen_k"), False)):
-            consts = dict(cfg, HEAD_D=forward_sm90.HEAD_DIM, CAUSAL=mask == "causal", EVEN_K=even_k)
-            variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, divisible=divisible))
+    for head_dim, cfg in forward_sm90.CONFIGS.items():
+        name = f"forward_sm90 D{head_dim} {2 * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
+        for mask in ("full", "causal"):
+            for flags, divisible, even_k in (("off", (), True), ("len16", ("seqlen_q", "seqlen_k"), False)):
+                consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
+                variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, divisible=divisible))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
         for mask, (flags, grouped) in itertools.product(("full", "causal"), (("off", False), ("gqa", True))):

@@ -53,7 +53,7 @@ def test_qualifies_any_lengths(seqlens):
     "case",
     [
         dict(head_dim=64),
-        dict(head_dim=256),
+        dict(head_dim=192),
         dict(dtype=torch.float32),
         dict(seqlen_k=0),
         dict(seqlen_q=0),
@@ -63,6 +63,12 @@ def test_qualifies_any_lengths(seqlens):
 )
 def test_qualifies_rejects(case):
     assert not forward_sm90.qualifies(*qkv(**case))
+
+
+def test_qualifies_head_dim_256_and_rejects_mixed_head_dims():
+    assert forward_sm90.qualifies(*qkv(head_dim=256))
+    q, k, _ = qkv(head_dim=256)
+    assert not forward_sm90.qualifies(q, k, torch.empty(2, 384, 2, 128, dtype=torch.bfloat16))  # headdim_v 128
 
 
 def test_qualifies_rejects_layouts_a_descriptor_cannot_read():
@@ -191,6 +197,22 @@ def test_against_oracle(launches, dtype, causal, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "shape",
+    [(2, 128, 128, 4, 4), (1, 256, 512, 4, 2), (2, 512, 256, 2, 2), (1, 1000, 1000, 4, 4), (2, 17, 113, 4, 1)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_head_dim_256_against_oracle(launches, dtype, causal, shape):
+    """Head dim 256 (64-key tiles): the forward is Gluon, aligned and odd lengths, GQA and MQA, Sq > Sk causal
+    with query rows that see no key; the backward stays Triton (the Gluon backward serves 64 and 128)."""
+    check(*make_inputs(*shape, 256, dtype=dtype), causal=causal)
+    assert launches == [("fwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
     [(2, 1, 1, 4, 4), (1, 17, 113, 4, 2), (2, 113, 17, 2, 2), (1, 1000, 1000, 8, 8), (2, 257, 1023, 4, 1),
      (3, 130, 250, 2, 2)],
     ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
@@ -260,7 +282,7 @@ def test_backward_gqa(launches, dtype, causal, head_dim, shape):
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype=dtype)
     dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
     check(q, k, v, dout, dlse=dlse, causal=causal)
-    gluon_forward = [("fwd", causal)] if head_dim == forward_sm90.HEAD_DIM else []
+    gluon_forward = [("fwd", causal)] if head_dim in forward_sm90.CONFIGS else []
     assert launches == [*gluon_forward, ("bwd", causal)]
 
 

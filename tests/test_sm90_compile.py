@@ -63,6 +63,8 @@ EXPECTED_STACK = {
     "_split_kv_kernel split_kv D128 64x128/w8/s3 - off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D128 128x128/s2 full off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D128 128x128/s2 causal off": 0,
+    "_attention_forward_sm90_kernel forward_sm90 D256 128x64/s2 full off": 0,
+    "_attention_forward_sm90_kernel forward_sm90 D256 128x64/s2 causal off": 0,
     "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 full off": 16,
     "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 causal off": 24,  # MHA (GROUPED off); 16 before GQA
     "_attention_backward_sm90_kernel backward_sm90 D64 64x128/s3 full off": 0,

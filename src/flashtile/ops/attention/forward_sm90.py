@@ -2,9 +2,9 @@
 
 On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
 no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
-interpreter run): no dropout, attn_mask, ALiBi, softcap,
-sink, window or packed batch; causal or not; head dim 128 for q, k and v (at 64 the Triton kernel was as
-fast); bf16/fp16; any seqlen_q and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry
+interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; causal or not; head
+dim 128 or 256 for q, k and v (``CONFIGS``; at 64 the Triton kernel was as fast; 256 compiled, not yet run on
+a GPU); bf16/fp16; any seqlen_q and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry
 evenly strided (a contiguous tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns
 it off (``flashtile._backend.GLUON``). Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
 sm_90 without a GPU, and the GPU tests run it against the oracle.
@@ -58,12 +58,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashtile.ops.attention.configs import cdiv, head_grid
 from flashtile.ops.attention.tiles import LN2, LOG2E
 
-HEAD_DIM = 128
-"""The one head dim this path serves."""
-CONFIG = {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24}
-"""Query rows per consumer warpgroup, key rows per tile, K/V ring depth, ping-pong, registers per thread of
-the consumers and the producer (setmaxnreg). 164 KiB of shared memory; no spills (tests/sm90_compile.py)."""
-ROWS = 2 * CONFIG["M_WG"]
+CONFIGS = {
+    128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); two stages fill 197 KiB
+    256: {"M_WG": 64, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+}
+"""Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
+ping-pong, registers per thread of the consumers and the producer (setmaxnreg). D=128: 164 KiB of shared
+memory, D=256: 197 KiB; no spills (tests/sm90_compile.py). At D=64 the Triton kernel was as fast."""
+ROWS = 2 * CONFIGS[128]["M_WG"]
 """Query rows per CTA (= BLOCK_N); the Gluon backward's lengths must be multiples of this (``descriptor``)."""
 
 # Triton 3.6 and 3.7 differ in mbarrier.expect's byte-count keyword (bytes / bytes_per_cta): it is always
@@ -436,12 +439,13 @@ def rows_view_ok(x: torch.Tensor) -> bool:
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The kernel's own conditions on q, k, v (any device): bf16/fp16, head dim HEAD_DIM, any lengths but
-    neither q nor k empty (a descriptor's dimensions are positive; no key would leave out and lse to fill), and
-    layouts a tensor descriptor can read (``rows_view_ok``)."""
+    """The kernel's own conditions on q, k, v (any device): bf16/fp16, one head dim of CONFIGS for q, k and v,
+    any lengths but neither q nor k empty (a descriptor's dimensions are positive; no key would leave out and
+    lse to fill), and layouts a tensor descriptor can read (``rows_view_ok``)."""
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if q.shape[3] != HEAD_DIM or k.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM:
+    head_dim = q.shape[3]
+    if head_dim not in CONFIGS or k.shape[3] != head_dim or v.shape[3] != head_dim:
         return False
     if q.numel() == 0 or k.numel() == 0:
         return False
@@ -488,18 +492,20 @@ def attention_forward_sm90(
     """Launch the kernel; ``configs.gluon_device(q.device)`` and ``qualifies(q, k, v)`` must hold.
 
     Args:
-        q: (batch, seqlen_q, nheads, 128); k, v: (batch, seqlen_k, nheads_k, 128), nheads a multiple of nheads_k
-        out: (batch, seqlen_q, nheads, 128) in q's dtype, contiguous; written
+        q: (batch, seqlen_q, nheads, D); k, v: (batch, seqlen_k, nheads_k, D), D in CONFIGS, nheads a multiple
+            of nheads_k
+        out: (batch, seqlen_q, nheads, D) in q's dtype, contiguous; written
         lse: (batch, nheads, seqlen_q) float32, contiguous; written (natural log)
         softmax_scale: multiplies q @ k^T before the softmax
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
     """
-    batch, seqlen_q, nheads, _ = q.shape
-    m_wg, block_n = CONFIG["M_WG"], CONFIG["BLOCK_N"]
+    batch, seqlen_q, nheads, head_dim = q.shape
+    cfg = CONFIGS[head_dim]
+    m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
     grid = head_grid(cdiv(seqlen_q, 2 * m_wg), batch, nheads)
     _attention_forward_sm90_kernel[grid](
         batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
         batch_descriptor(out, m_wg), lse,
         softmax_scale * LOG2E.value, seqlen_q, k.shape[1], nheads, nheads // k.shape[2],
-        HEAD_D=HEAD_DIM, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, num_warps=4, **CONFIG,
+        HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, num_warps=4, **cfg,
     )  # fmt: skip
