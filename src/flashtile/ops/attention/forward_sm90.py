@@ -3,8 +3,7 @@
 On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
 no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
 interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; causal or not; head
-dim 128 or 256 for q, k and v (``CONFIGS``; at 64 the Triton kernel was as fast; 256 compiled, not yet run on
-a GPU); bf16/fp16; any seqlen_q and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry
+dim 128 or 256 for q, k and v (``CONFIGS``; at 64 the Triton kernel was as fast); bf16/fp16; any seqlen_q and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry
 evenly strided (a contiguous tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns
 it off (``flashtile._backend.GLUON``). Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
 sm_90 without a GPU, and the GPU tests run it against the oracle.
