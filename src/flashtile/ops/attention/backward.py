@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
+from flashtile.ops._device import on_input_device
 from flashtile.ops.attention.configs import cdiv, config, gluon_device, head_grid
 from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
@@ -581,6 +582,7 @@ def _attention_dq_kernel(
     )  # fmt: skip
 
 
+@on_input_device
 def attention_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the delta kernel: rowsum(dout * out) - dlse.
 
@@ -605,6 +607,7 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | 
     return delta
 
 
+@on_input_device
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -659,6 +662,7 @@ def attention_backward(
                    dmask=dmask)  # fmt: skip
 
 
+@on_input_device
 def varlen_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
+from flashtile.ops._device import on_input_device
 from flashtile.ops.attention.configs import SHORT_SEQLEN, cdiv, config, gluon_device, head_grid, padded_head_dim
 from flashtile.ops.attention.tiles import (
     LN2,
@@ -353,6 +354,7 @@ def _attention_forward_kernel(
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
+@on_input_device
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -395,6 +397,7 @@ def attention_forward(
     return out, lse
 
 
+@on_input_device
 def varlen_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,

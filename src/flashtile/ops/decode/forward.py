@@ -2,9 +2,11 @@
 
 import torch
 
+from flashtile.ops._device import on_input_device
 from flashtile.ops.decode.split_kv import decode_attention
 
 
+@on_input_device
 def kvcache_forward(
     q: torch.Tensor,
     k_cache: torch.Tensor,
