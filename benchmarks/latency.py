@@ -25,6 +25,7 @@ import importlib
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,18 +77,22 @@ def _forward_backward(attention, q, k, v, dout, causal):
 
 
 def host_time(fn, calls: int = 50, during: contextlib.AbstractContextManager | None = None) -> float:
-    """Seconds of Python per call of ``fn``, queued behind a GPU sleep long enough that no call waits
-    (the timed calls inside ``during`` if given; the warm-up call before it outside)."""
+    """Median seconds of Python per call of ``fn``, queued behind a GPU sleep long enough that no call waits
+    for a result (the timed calls inside ``during`` if given; the warm-up call before it outside). The median,
+    not the mean: 60 traced fwd+bwd steps once averaged 18 ms while their traced functions summed to ~1 ms
+    (results/2026-11-30-h200x2-hosttrace-17afec5.txt); the likely cause, a launch that finds the launch queue
+    full waiting for the sleep to end, stalls a few calls, not the median."""
     fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles
-    start = time.perf_counter()
+    seconds = []
     with during or contextlib.nullcontext():
         for _ in range(calls):
+            start = time.perf_counter()
             fn()
-    elapsed = time.perf_counter() - start
+            seconds.append(time.perf_counter() - start)
     torch.cuda.synchronize()
-    return elapsed / calls
+    return statistics.median(seconds)
 
 
 TRACED = (
@@ -148,7 +153,7 @@ def _traced(totals: collections.Counter):
         yield
 
 
-def host_trace(out: Path, steps: int = 60) -> None:
+def host_trace(out: Path, steps: int = 20) -> None:
     """Where the host time of eager steps goes: inclusive µs per step of each traced function (``_traced``),
     the steps queued behind a GPU sleep so that none waits for the GPU, at B=32, N=512, H=16, causal, bf16:
     head dim 128 with the Gluon kernels on sm_90 and with the Triton ones, head dim 96 (Triton). Forward
@@ -164,7 +169,7 @@ def host_trace(out: Path, steps: int = 60) -> None:
             with mock.patch.object(_backend, "GLUON", gluon):
                 fn = functools.partial(run, _flashtile, q, k, v, dout, True)
                 seconds = host_time(fn, calls=steps, during=_traced(totals))
-            lines.append(f"== D={head_dim} gluon={gluon} {name}: {seconds * 1e6:.0f} us per step (traced)")
+            lines.append(f"== D={head_dim} gluon={gluon} {name}: {seconds * 1e6:.0f} us per step (traced, median)")
             lines += [f"   {sec / steps * 1e6:8.1f} us  {label}" for label, sec in totals.most_common()]
             print(lines[-len(totals) - 1], flush=True)
     (out / "host-trace.txt").write_text("\n".join(lines) + "\n")

@@ -13,8 +13,8 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
   ``decode.configs.config``, and its few-programs config of contiguous caches;
 * the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config), causal
-  and full; the forward also with its lengths multiples of 16 (flags "len16": Triton compiles such launches
-  apart, with the lengths' divisibility known; "off" is any length).
+  and full; the forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off).
+  Their int parameters are not specialized (``forward_sm90.launch``): one compile serves every length.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
 on a ``PTXASError`` (or any other compile error) or when its shared memory exceeds the H200's 227 KiB per
@@ -201,14 +201,13 @@ class Variant:
     consts: dict = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 3
-    divisible: tuple[str, ...] = ()  # integer parameters compiled as multiples of 16 (Gluon kernels)
 
     @property
     def label(self) -> str:
         return f"{self.kernel} {self.config} {self.mask} {self.flags}"
 
     def key(self) -> tuple:
-        return (self.kernel, tuple(sorted(self.consts.items())), self.num_warps, self.num_stages, self.divisible)
+        return (self.kernel, tuple(sorted(self.consts.items())), self.num_warps, self.num_stages)
 
 
 def signature(kernel_name: str, consts: dict) -> tuple[dict, dict, dict]:
@@ -270,10 +269,9 @@ GLUON_FORWARD = forward_sm90._attention_forward_sm90_kernel.fn.__name__
 GLUON_BACKWARD = backward_sm90._attention_backward_sm90_kernel.fn.__name__
 
 
-def gluon_source(kernel_name: str, consts: dict, divisible: tuple[str, ...] = ()):
+def gluon_source(kernel_name: str, consts: dict):
     """What triton.compile takes for a Gluon kernel (a GluonASTSource: Gluon kernels need their own source
-    class) with the descriptors and pointers its launcher passes; ``divisible``: integer parameters known to be
-    multiples of 16."""
+    class) with the descriptors and pointers its launcher passes."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     head_dim = consts["HEAD_D"]
@@ -298,7 +296,7 @@ def gluon_source(kernel_name: str, consts: dict, divisible: tuple[str, ...] = ()
                "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     pointers = [name for name, kind in sig.items() if kind == "*fp32"]  # torch allocations: 16-byte aligned
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *divisible)}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
     return GluonASTSource(kernel, sig, consts, attrs)
 
 
@@ -307,9 +305,9 @@ def gluon_variants() -> list[Variant]:
     for head_dim, cfg in forward_sm90.CONFIGS.items():
         name = f"forward_sm90 D{head_dim} {2 * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
         for mask in ("full", "causal"):
-            for flags, divisible, even_k in (("off", (), True), ("len16", ("seqlen_q", "seqlen_k"), False)):
+            for flags, even_k in (("off", True), ("ragged-k", False)):
                 consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
-                variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, divisible=divisible))
+                variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
         for mask, (flags, grouped) in itertools.product(("full", "causal"), (("off", False), ("gqa", True))):
@@ -324,7 +322,7 @@ def compile_variant(v: Variant) -> dict:
     start = time.perf_counter()
     try:
         if v.kernel in (GLUON_FORWARD, GLUON_BACKWARD):
-            source = gluon_source(v.kernel, v.consts, v.divisible)
+            source = gluon_source(v.kernel, v.consts)
         else:
             source = ASTSource(KERNELS[v.kernel], *signature(v.kernel, v.consts))
         compiled = triton.compile(

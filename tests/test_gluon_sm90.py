@@ -428,3 +428,89 @@ def test_launchers_import_gluon_on_sm90_only():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+@hopper
+@pytest.mark.gpu
+def test_one_compiled_kernel_serves_every_length(monkeypatch, launches):
+    """Lengths 128 to 1024 and 1, 4 and 8 heads share one compiled forward and one backward (``launch``: the
+    ints are not specialized), which the oracle checks at each; the first launch of each went through Triton."""
+    monkeypatch.setattr(forward_sm90, "_COMPILED", {})
+    for seqlen, nheads in ((128, 1), (384, 4), (1024, 8), (256, 8)):
+        check(*make_inputs(2, seqlen, seqlen, nheads, nheads, 128, dtype=torch.bfloat16), causal=False)
+    kernels = [key[0] for key in forward_sm90._COMPILED]
+    assert sorted(kernel.fn.__name__ for kernel in kernels) == [
+        "_attention_backward_sm90_kernel",
+        "_attention_forward_sm90_kernel",
+    ]
+    assert len(launches) == 8
+
+
+class _FakeCompiled:
+    """What ``launch`` keeps from a first launch: records the later direct launches."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append(("direct", grid, args))
+
+
+class _FakeKernel:
+    """A kernel with parameters a, b (runtime) and X, Y (constexprs): records launches through the binder."""
+
+    arg_names = ["a", "b", "X", "Y"]
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def bind(*args, **kwargs):
+            self.calls.append(("bound", grid, args, kwargs))
+            return _FakeCompiled(self.calls)
+
+        return bind
+
+
+def test_launch_binds_each_key_once_then_launches_directly(monkeypatch):
+    """The first launch of a key goes through the kernel's binder (with num_warps); the next ones hand the kept
+    compiled kernel every argument in parameter order, constexprs after the runtime ones, whatever the order of
+    the constexprs dict; another constexpr value is another key."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward_sm90, "_COMPILED", {})
+    kernel = _FakeKernel()
+    forward_sm90.launch(kernel, (1, 2, 3), (5, 0.5), {"Y": True, "X": 7})
+    forward_sm90.launch(kernel, (4, 2, 3), (6, 0.25), {"Y": True, "X": 7})
+    forward_sm90.launch(kernel, (4, 2, 3), (6, 0.25), {"Y": False, "X": 7})
+    assert kernel.calls == [
+        ("bound", (1, 2, 3), (5, 0.5), {"Y": True, "X": 7, "num_warps": 4}),
+        ("direct", (4, 2, 3), (6, 0.25, 7, True)),
+        ("bound", (4, 2, 3), (6, 0.25), {"Y": False, "X": 7, "num_warps": 4}),
+    ]
+
+
+def test_launch_key_follows_triton_specialization(monkeypatch):
+    """Arguments Triton compiles alike share a key (other int values below 2**31, other floats, other tensors
+    of one dtype and alignment, descriptors of one dtype and box over other shapes); what it compiles apart
+    does not (an int of 2**31, an unaligned tensor, another dtype or box, another constexpr, another device)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16)
+    lse = torch.empty(64)
+    consts = {"CAUSAL": True}
+
+    def key(desc=None, tensor=lse, n=300, scale=0.5, **constexprs):
+        args = (desc or forward_sm90.batch_descriptor(x, 64), tensor, scale, n)
+        return forward_sm90.launch_key("kernel", args, constexprs or consts)
+
+    base = key()
+    other_x = torch.empty(1, 17, 2, 128, dtype=torch.bfloat16)
+    assert key(n=1) == key(n=16) == key(n=2**31 - 1) == key(scale=3.0) == key(tensor=torch.empty(8)) == base
+    assert key(desc=forward_sm90.batch_descriptor(other_x, 64)) == base
+    assert key(n=2**31) != base
+    assert key(tensor=lse[1:]) != base
+    assert key(tensor=lse.double()) != base
+    assert key(desc=forward_sm90.batch_descriptor(x.half(), 64)) != base
+    assert key(desc=forward_sm90.batch_descriptor(x, 128)) != base
+    assert key(CAUSAL=False) != base
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert key() != base

@@ -86,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import head_grid
-from flashtile.ops.attention.forward_sm90 import ROWS, descriptor, mma_layout, rows_view_ok
+from flashtile.ops.attention.forward_sm90 import ROWS, descriptor, launch, mma_layout, rows_view_ok
 from flashtile.ops.attention.tiles import LOG2E
 
 # Triton 3.6: gl.thread_barrier(); 3.7: gl.barrier() (both: a barrier among the warps of the calling partition).
@@ -389,7 +389,7 @@ def _consumer(
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-@gluon.jit
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "group"])  # forward_sm90.launch
 def _attention_backward_sm90_kernel(
     q_desc,
     do_desc,
@@ -603,10 +603,11 @@ def attention_backward_sm90(
     dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
-    _attention_backward_sm90_kernel[head_grid(seqlen_k // block_n, batch, nheads_k)](
+    args = (
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, block_n // 2), descriptor(dv, block_n // 2), lse, delta, dq_accum,
         softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
-        HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, num_warps=4, **cfg,
     )  # fmt: skip
+    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, **cfg)
+    launch(_attention_backward_sm90_kernel, head_grid(seqlen_k // block_n, batch, nheads_k), args, constexprs)
     return dq_accum.to(q.dtype), dk, dv

@@ -3,10 +3,11 @@
 On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
 no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
 interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; causal or not; head
-dim 128 or 256 for q, k and v (``CONFIGS``; at 64 the Triton kernel was as fast); bf16/fp16; any seqlen_q and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry
-evenly strided (a contiguous tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns
-it off (``flashtile._backend.GLUON``). Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
-sm_90 without a GPU, and the GPU tests run it against the oracle.
+dim 128 or 256 for q, k and v (``CONFIGS``; at 64 the Triton kernel was as fast); bf16/fp16; any seqlen_q
+and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous
+tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
+Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
+it against the oracle.
 
 Measured on an H200 (D=128, bf16, TFLOP/s; benchmarks/results/2026-11-30-h200x2-gluon-3a0d6e0.log): N=1k
 555 / 389 causal against 393 / 316 for the Triton kernel, N=4k 642 / 530 against 536 / 478, N=16k 646 / 586
@@ -305,7 +306,7 @@ def _consumer(
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-@gluon.jit
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "group"])  # ``launch``
 def _attention_forward_sm90_kernel(
     q_desc,
     k_desc,
@@ -479,6 +480,45 @@ def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(x, [batch, seqlen, nheads * head_dim], strides, [1, rows, head_dim], layout)
 
 
+_COMPILED: dict[tuple, object] = {}
+"""The compiled kernels ``launch`` has seen, by ``launch_key``."""
+
+
+def launch_key(kernel, args: tuple, constexprs: dict) -> tuple:
+    """What Triton specializes a compiled Gluon kernel of this module on, for these arguments: the device, every
+    constexpr, each tensor's dtype and 16-byte alignment, each descriptor's dtype and box (its swizzle follows
+    from them, ``shared_layout``), and whether each int fits in 32 bits. The kernels list their int parameters
+    in ``do_not_specialize``, so no other property of an int (1, or a multiple of 16) changes the compiled code;
+    floats compile as fp32 whatever their value."""
+    parts = []
+    for a in args:
+        if isinstance(a, TensorDescriptor):
+            parts.append((a.base.dtype, tuple(a.block_shape)))
+        elif isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int):
+            parts.append(-(2**31) <= a < 2**31)
+    return (kernel, torch.cuda.current_device(), *constexprs.items(), *parts)
+
+
+def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) -> None:
+    """``kernel[grid](*args, **constexprs, num_warps=4)`` on the current device and stream, past Triton's
+    per-call binding after the first launch of a ``launch_key``.
+
+    ``JITFunction.run`` binds, specializes and hashes every argument on each call, about 40 µs of the Gluon
+    forward's host path on the H200 machine (docs/tuning-log.md, "Direct launches"). The first launch of a key
+    goes through it (compiling, or loading from Triton's disk cache) and keeps the compiled kernel it returns;
+    later launches of the key hand that kernel the same arguments directly: ``args`` are the kernel's leading
+    non-constexpr parameters in order, ``constexprs`` name all the rest.
+    """
+    key = launch_key(kernel, args, constexprs)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=4)
+        return
+    compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args) :]))
+
+
 def attention_forward_sm90(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -502,9 +542,10 @@ def attention_forward_sm90(
     cfg = CONFIGS[head_dim]
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
     grid = head_grid(cdiv(seqlen_q, 2 * m_wg), batch, nheads)
-    _attention_forward_sm90_kernel[grid](
+    args = (
         batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
         batch_descriptor(out, m_wg), lse,
         softmax_scale * LOG2E.value, seqlen_q, k.shape[1], nheads, nheads // k.shape[2],
-        HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, num_warps=4, **cfg,
     )  # fmt: skip
+    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
+    launch(_attention_forward_sm90_kernel, grid, args, constexprs)
