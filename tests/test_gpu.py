@@ -86,7 +86,7 @@ def test_inputs_on_a_gpu_that_is_not_the_current_one(head_dim):
     cuda:1 (flash_attn's device guard) and give the bits of the same calls made with cuda:1 current."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(2, 256, 4, head_dim, generator=gen).to("cuda:1", torch.bfloat16) for _ in range(4))
-    cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda:1")
+    cu = torch.tensor([0, 100, 512], dtype=torch.int32, device="cuda:1")
     k_cache, v_cache = (torch.randn(2, 512, 4, head_dim, generator=gen).to("cuda:1", torch.bfloat16) for _ in range(2))
     seqlens = torch.tensor([300, 17], dtype=torch.int32, device="cuda:1")
 
@@ -95,7 +95,7 @@ def test_inputs_on_a_gpu_that_is_not_the_current_one(head_dim):
         out = flashtile.flash_attn_func(*leaves, causal=True)
         out.backward(dout)
         packed = [t.flatten(0, 1) for t in (q, k, v)]
-        varlen = flashtile.flash_attn_varlen_func(*packed, cu, cu, 156, 156, causal=True)
+        varlen = flashtile.flash_attn_varlen_func(*packed, cu, cu, 412, 412, causal=True)
         decode = flashtile.flash_attn_with_kvcache(
             q[:, :1], k_cache.clone(), v_cache.clone(), k[:, :1], v[:, :1], cache_seqlens=seqlens
         )
