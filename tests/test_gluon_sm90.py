@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -457,12 +458,15 @@ class _FakeCompiled:
 
 
 class _FakeKernel:
-    """A kernel with parameters a, b (runtime) and X, Y (constexprs): records launches through the binder."""
+    """A kernel with parameters a, b (runtime; a int, not specialized) and X, Y (constexprs): records launches
+    through the binder."""
 
     arg_names = ["a", "b", "X", "Y"]
 
-    def __init__(self):
+    def __init__(self, specialize_a=False):
         self.calls = []
+        self.params = [SimpleNamespace(name=name, do_not_specialize=name != "a" or not specialize_a) for name in "ab"]
+        self.fn = SimpleNamespace(__name__="fake_kernel")
 
     def __getitem__(self, grid):
         def bind(*args, **kwargs):
@@ -487,6 +491,17 @@ def test_launch_binds_each_key_once_then_launches_directly(monkeypatch):
         ("direct", (4, 2, 3), (6, 0.25, 7, True)),
         ("bound", (4, 2, 3), (6, 0.25), {"Y": False, "X": 7, "num_warps": 4}),
     ]
+
+
+def test_launch_refuses_a_specialized_int_parameter(monkeypatch):
+    """An int parameter outside do_not_specialize would compile as the constant 1 (or as a multiple of 16) for
+    its first value and serve every later value from that compile: the first launch raises instead."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward_sm90, "_COMPILED", {})
+    kernel = _FakeKernel(specialize_a=True)
+    with pytest.raises(TypeError, match=r"add the int parameters \['a'\] to do_not_specialize"):
+        forward_sm90.launch(kernel, (1, 1, 1), (1, 0.5), {"X": 7, "Y": True})
+    assert kernel.calls == []
 
 
 def test_launch_key_follows_triton_specialization(monkeypatch):
