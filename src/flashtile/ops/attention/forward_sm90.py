@@ -514,8 +514,8 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
     key = launch_key(kernel, args, constexprs)
     compiled = _COMPILED.get(key)
     if compiled is None:
-        params = kernel.params[: len(args)]
-        specialized = [p.name for p, a in zip(params, args, strict=True) if isinstance(a, int) and not p.do_not_specialize]
+        params = zip(kernel.params[: len(args)], args, strict=True)
+        specialized = [p.name for p, a in params if isinstance(a, int) and not p.do_not_specialize]
         if specialized:
             raise TypeError(f"{kernel.fn.__name__}: add the int parameters {specialized} to do_not_specialize")
         _COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=4)
