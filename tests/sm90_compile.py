@@ -285,8 +285,8 @@ def gluon_source(kernel_name: str, consts: dict):
         kernel, rows_q, rows_k = forward_sm90._attention_forward_sm90_kernel, consts["M_WG"], consts["BLOCK_N"]
         sig = {"q_desc": descriptor(1, rows_q, head_dim), "k_desc": descriptor(1, rows_k, head_dim),
                "v_desc": descriptor(1, rows_k, head_dim), "o_desc": descriptor(1, rows_q, head_dim),
-               "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32",
-               "group": "i32"}  # fmt: skip
+               "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "batch": "i32",
+               "nheads": "i32", "group": "i32"}  # fmt: skip
     else:
         kernel, rows_q, rows_k = backward_sm90._attention_backward_sm90_kernel, consts["BLOCK_M"], consts["BLOCK_N"]
         sig = {"q_desc": descriptor(rows_q, head_dim), "do_desc": descriptor(rows_q, head_dim),

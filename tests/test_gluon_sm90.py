@@ -97,6 +97,30 @@ def test_gluon_device(monkeypatch):
     assert not configs.gluon_device(cuda)
 
 
+@pytest.mark.parametrize(
+    "head_dim, causal, persistent",
+    [(128, False, True), (128, True, False), (256, False, False), (256, True, False)],
+    ids=["D128-full", "D128-causal", "D256-full", "D256-causal"],
+)
+def test_launch_is_persistent_at_head_dim_128_without_causal(monkeypatch, head_dim, causal, persistent):
+    """A one-dimensional grid of min(work items, SMs) CTAs at D=128 without causal (O through its own tile), one
+    CTA per work item (query tiles x heads x batch entries) otherwise; the constexprs of the head dim's config."""
+    launches = []
+    monkeypatch.setattr(
+        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, constexprs))
+    )
+    monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
+    for batch, seqlen_q, nheads, items in ((4, 1024, 16, 512), (3, 200, 2, 12)):
+        q, k, v = qkv(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads, head_dim=head_dim)
+        out = torch.empty_like(q)
+        lse = torch.empty(batch, nheads, seqlen_q)
+        forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, causal)
+        grid, constexprs = launches[-1]
+        assert grid == (min(items, 132) if persistent else items, 1, 1)
+        assert constexprs["O_TILE"] == forward_sm90.CONFIGS[head_dim]["O_TILE"] == (head_dim == 128)
+        assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
+
+
 def test_backward_qualifies():
     q, k, v = qkv(nheads_k=4)
     dout = torch.empty_like(q)
@@ -231,13 +255,38 @@ def test_any_lengths_against_oracle(launches, dtype, causal, shape):
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(4, 1024, 1024, 16, 4), (3, 1000, 1100, 16, 16), (2, 2048, 1536, 32, 8)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_any_lengths_stay_in_their_batch_entry(causal):
+@pytest.mark.parametrize("head_dim", [128, 256], ids=lambda d: f"D{d}")
+def test_persistent_programs_take_several_work_items(monkeypatch, launches, head_dim, causal, shape):
+    """More query tiles x heads x batch entries than SMs, min(items, SMs) CTAs: each walks several work items,
+    so the K/V ring, the Q hand-over, the ping-pong turns and the O staging carry on from one item to the next.
+    D=128 without causal launches so; the other variants launch one CTA per item and are made persistent here
+    (the kernel takes any CTA count): causal's heaviest-first order, and at D=256 (no O tile) the Q tile that O
+    leaves through, handed to the next item once the store has read it."""
+    batch, seqlen_q, _, nheads, _ = shape
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert -(-seqlen_q // 128) * nheads * batch > 2 * sms
+    if head_dim == 256 or causal:
+        monkeypatch.setattr(forward_sm90, "programs", lambda items, *rest: min(items, sms))
+    check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=causal)
+    assert launches[0] == ("fwd", causal)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [128, 256], ids=lambda d: f"D{d}")
+def test_any_lengths_stay_in_their_batch_entry(head_dim, causal):
     """Each batch entry's out and lse, written over NaN, equal bit for bit a launch on that entry alone: the
     clipped last tiles write every row of their entry and nothing of the next one (whose rows follow in
     memory), and the zero-filled loads read nothing of it."""
     batch, seqlen_q, seqlen_k, nheads = 3, 77, 200, 2
-    q, k, v, _ = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 128, dtype=torch.bfloat16)
+    q, k, v, _ = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype=torch.bfloat16)
 
     def forward(q, k, v):
         out = torch.full_like(q, float("nan"))

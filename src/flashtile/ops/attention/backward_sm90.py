@@ -86,11 +86,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import head_grid
-from flashtile.ops.attention.forward_sm90 import ROWS, descriptor, launch, mma_layout, rows_view_ok
+from flashtile.ops.attention.forward_sm90 import ROWS, descriptor, launch, mma_layout, partition_barrier, rows_view_ok
 from flashtile.ops.attention.tiles import LOG2E
-
-# Triton 3.6: gl.thread_barrier(); 3.7: gl.barrier() (both: a barrier among the warps of the calling partition).
-_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (198 KiB of shared
@@ -180,7 +177,7 @@ def _producer(
         # rows that see no key (lse = -inf): +inf makes exp2(s - lse) exactly 0 instead of NaN
         lse_smem.index(s).store(gl.where(lse == float("-inf"), gl.full_like(lse, float("inf")), lse * LOG2E))
         delta_smem.index(s).store(delta)
-        _partition_barrier()  # all 32 lanes have stored before the (single-thread) arrive
+        partition_barrier()  # all 32 lanes have stored before the (single-thread) arrive
         mbarrier.arrive(stat_ready.index(s), count=1)
 
 
@@ -351,7 +348,7 @@ def _consumer(
         mbarrier.wait(ds_free.index(b), bph ^ 1)  # the dQ product(s) of iteration i - 2 have read ds_buf
         ds_buf.slice(WG * N_WG, N_WG).store(ds16)
         fence_async_shared()
-        _partition_barrier()  # every thread of this warpgroup has written (and fenced) its part
+        partition_barrier()  # every thread of this warpgroup has written (and fenced) its part
         mbarrier.arrive(ds_ready.index(b), count=1)
         if DQ_SPLIT:
             # each warpgroup: columns [WG * D/2, (WG + 1) * D/2) of the dQ partial
@@ -382,7 +379,7 @@ def _consumer(
     mbarrier.wait(kv_done, 0)
     dk_tile.store(dk.to(dtype))
     fence_async_shared()
-    _partition_barrier()
+    partition_barrier()
     tma.async_copy_shared_to_global(dv_desc, [kv_row + WG * N_WG, kv_col], dv_tile)
     tma.async_copy_shared_to_global(dk_desc, [kv_row + WG * N_WG, kv_col], dk_tile)
     tma.store_wait(0)

@@ -1,7 +1,7 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
 
-On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
-no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
+On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in
+forward.py: no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
 interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; causal or not; head
 dim 128 or 256 for q, k and v (``CONFIGS``; at 64 the Triton kernel was as fast); bf16/fp16; any seqlen_q
 and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous
@@ -24,19 +24,26 @@ seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q (
 O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq) fp32, natural log; a
 query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton kernel.
 
-One CTA per (2 * M_WG query rows, batch * head):
-  * producer partition, 1 warp: TMA loads of the two Q tiles, then K and V tiles into a ring of STAGES
-    shared-memory buffers (each a [1, rows, headdim] box, which ``_tile`` views as the [rows, headdim] tile
-    wgmma reads); k_ready/v_ready (tx-count) barriers signal the consumers, k_empty/v_empty
-    (count 2, one arrival per consumer warpgroup) signal the producer that a slot is free.
+Work items: a 2 * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads,
+then batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items
+t = program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, at D=128
+without causal; one per item, as a plain grid, otherwise). Ring positions, barrier parities and the ping-pong
+turn carry on from one item to the next, so a persistent CTA's next item starts loading while it finishes
+the last one. Per CTA:
+  * producer partition, 1 warp: per item the two Q tiles (once the consumers are done with the previous
+    ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
+    box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
+    signal the consumers, k_empty/v_empty (count 2, one arrival per consumer warpgroup) signal the producer
+    that a slot is free.
   * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1), M_WG query rows each:
     S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V (wgmma, P from
     registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits only for S_i,
     does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG two mbarriers
     hand a "turn" between the warpgroups so one issues its two products while the other does its softmax
     (FA-3's warp scheduler barriers).
-  * epilogue: O / l cast to the input dtype, written to the (now free) Q tile, TMA store; lse by masked stores.
-Causal launches take the heaviest query tiles first.
+  * epilogue per item: O / l cast to the input dtype, TMA store from shared memory; lse by masked stores. With
+    O_TILE the warpgroup's own O tile (once its previous store has read it), and the Q tile is handed back
+    after the item's last S product; without, the (then free) Q tile, handed back once the store has read it.
 """
 
 from __future__ import annotations
@@ -55,22 +62,38 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.ops.attention.configs import cdiv, head_grid
+from flashtile.ops.attention.configs import cdiv
 from flashtile.ops.attention.tiles import LN2, LOG2E
+from flashtile.ops.decode.configs import sm_count
 
 CONFIGS = {
-    128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-    # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); two stages fill 197 KiB
-    256: {"M_WG": 64, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-}
+    128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True, "CONSUMER_REGS": 240,
+          "PRODUCER_REGS": 24},
+    # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
+    # 192 KiB, so O leaves through the Q tile
+    256: {"M_WG": 64, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False, "CONSUMER_REGS": 240,
+          "PRODUCER_REGS": 24},
+}  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
-ping-pong, registers per thread of the consumers and the producer (setmaxnreg). D=128: 164 KiB of shared
-memory, D=256: 197 KiB; no spills (tests/sm90_compile.py). At D=64 the Triton kernel was as fast."""
+ping-pong, O through its own shared-memory tile (O_TILE), registers per thread of the consumers and the
+producer (setmaxnreg). At D=64 the Triton kernel was as fast.
+
+O_TILE: O leaves through a [2, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
+item's Q while its epilogue stores O; without it O leaves through the Q tile, which goes to the next item once
+the store has read it. Launches with O_TILE and without causal are persistent (``programs``). Measured on an
+H200 (bf16, D=128, TFLOP/s, one CTA per item -> persistent with the O tile; branch 815003a before the D=256
+merge): N=1k 553.8 -> 594.8, N=4k 625 -> 638; causal lost (N=1k 389 -> 369, N=16k 587 -> 565, with all
+heads' heaviest tiles first), so causal launches stay one CTA per item, each head's heaviest tile first. At
+D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA. Shared memory (bytes,
+tests/sm90_compile.py): D=128 197016 (164200 before the O tile), D=256 196984; no spills."""
 ROWS = 2 * CONFIGS[128]["M_WG"]
 """Query rows per CTA (= BLOCK_N); the Gluon backward's lengths must be multiples of this (``descriptor``)."""
 
 # Triton 3.6 and 3.7 differ in mbarrier.expect's byte-count keyword (bytes / bytes_per_cta): it is always
 # passed positionally here.
+
+# Triton 3.6: gl.thread_barrier(); 3.7: gl.barrier() (both: a barrier among the warps of the calling partition).
+partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 # ------------------------------------------------------------------------------------------------ layouts
@@ -89,6 +112,28 @@ def _tile(boxes, i):
     return box.reshape([box.shape[1], box.shape[2]])
 
 
+# ------------------------------------------------------------------------------------------------ schedule
+@gluon.jit
+def _work(t, n_m, nheads, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item t: (b, h, m0, n_blocks), the batch entry, query head, first query row and key tiles to visit.
+    Query tiles vary fastest, then heads, then batch entries, as the blocks of a (query tiles, heads, batch)
+    grid: CTAs side by side read the same head's K and V (L2 hits). Causal: each head's heaviest (last) query
+    tile first, so the long walks start first and the short ones fill in at the end."""
+    bh = t // n_m
+    m = t - bh * n_m
+    if CAUSAL:
+        m = n_m - 1 - m
+    b = bh // nheads
+    h = bh - b * nheads
+    m0 = m * BLOCK_M
+    if CAUSAL:
+        kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M + seqlen_k - seqlen_q)
+        kv_end = gl.maximum(kv_end, 1)  # a tile that sees no key still runs one (fully masked) block
+    else:
+        kv_end = seqlen_k
+    return b, h, m0, gl.cdiv(kv_end, BLOCK_N)
+
+
 # ------------------------------------------------------------------------------------------------ producer
 @gluon.jit
 def _producer(
@@ -99,37 +144,52 @@ def _producer(
     k_smem,
     v_smem,
     q_bar,
+    q_empty,
     k_ready,
     v_ready,
     k_empty,
     v_empty,
-    b,
-    m0,
-    q_col,
-    kv_col,
-    n_blocks,
+    n_m,
+    n_items,
+    nheads,
+    group,
+    seqlen_q,
+    seqlen_k,
+    HEAD_D: gl.constexpr,
     M_WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
 ):
+    """Per work item of this CTA (``_work``): the two Q tiles, once the consumers are done with the previous
+    ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs on across items, so
+    the next item's first tiles load while the consumers finish the last one."""
     # Coordinates are (batch entry, row, column) of the (batch, seqlen, nheads * headdim) view. A box that
     # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
     # count on the barrier, so the expected bytes are always the box's.
-    # Q tiles of both consumer warpgroups
-    for w in gl.static_range(2):
-        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, m0 + w * M_WG, q_col], q_bar.index(w), q_smem.index(w))
-    for i in range(n_blocks):
-        s = i % STAGES
-        # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
-        ph = ((i // STAGES) & 1) ^ 1
-        row = i * BLOCK_N
-        mbarrier.wait(k_empty.index(s), ph)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, row, kv_col], k_ready.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), ph)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
+    it = 0
+    item = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m0, n_blocks = _work(t, n_m, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL)
+        kv_col = (h // group) * HEAD_D
+        for w in gl.static_range(2):
+            # a fresh barrier passes a wait on parity 1, so the first item (and the first round through the
+            # ring below) does not block
+            mbarrier.wait(q_empty.index(w), (item & 1) ^ 1)
+            mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, m0 + w * M_WG, h * HEAD_D], q_bar.index(w), q_smem.index(w))
+        for i in range(n_blocks):
+            s = it % STAGES
+            ph = ((it // STAGES) & 1) ^ 1
+            row = i * BLOCK_N
+            mbarrier.wait(k_empty.index(s), ph)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, row, kv_col], k_ready.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), ph)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
+            it += 1
+        item += 1
 
 
 # ------------------------------------------------------------------------------------------------ consumer
@@ -193,29 +253,30 @@ def _consumer(
     CAUSAL: gl.constexpr,
     EVEN_K: gl.constexpr,
     PINGPONG: gl.constexpr,
+    O_TILE: gl.constexpr,
 ):
-    """One consumer warpgroup (WG 0 or 1): query rows q_pos0 + WG * M_WG.. of the CTA's tile; ``args``: the
-    kernel's consumer_args (its runtime values, the same for both warpgroups)."""
+    """Consumer warpgroup WG (0 or 1): rows WG * M_WG.. of each work item's query tile (``_work``); the ring
+    position (it), the item count and the ping-pong parity run on across items as the producer's do. ``args``:
+    the kernel's consumer_args (its runtime values, the same for both warpgroups)."""
     (
         o_desc,
         q_smem,
+        o_smem,
         k_smem,
         v_smem,
         q_bar,
+        q_empty,
         k_ready,
         v_ready,
         k_empty,
         v_empty,
         turn,
         lse_ptr,
-        lse_off,
-        b,
-        col,
-        q_pos0,
-        diag_off,
+        n_m,
+        n_items,
+        nheads,
         seqlen_q,
         seqlen_k,
-        n_blocks,
         qk_scale,
     ) = args
     dtype: gl.constexpr = q_smem.dtype
@@ -225,88 +286,111 @@ def _consumer(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_pos0 = q_pos0 + WG * M_WG
     q_tile = _tile(q_smem, WG)
+    o_tile = _tile(o_smem, WG)  # the Q tile itself without O_TILE
     my_turn = turn.index(WG)
     other_turn = turn.index(1 - WG)
     # WG 0 starts with the turn (parity 1 on a fresh barrier passes), WG 1 waits for WG 0's first hand-off
     turn_ph = 1 - WG
-
     s_zero = gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
-    m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
-    l_i = gl.full([M_WG], 0.0, gl.float32, row_s)
+    diag_off = seqlen_k - seqlen_q
 
-    mbarrier.wait(q_bar.index(WG), 0)
+    it = 0
+    item = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m0, n_blocks = _work(t, n_m, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL)
+        q_pos0 = m0 + WG * M_WG
+        acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
+        m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
+        l_i = gl.full([M_WG], 0.0, gl.float32, row_s)
 
-    # ---- prologue: S_0 and softmax_0
-    mbarrier.wait(k_ready.index(0), 0)
-    if PINGPONG:
-        mbarrier.wait(my_turn, turn_ph)
-        turn_ph ^= 1
-    k_tile = _tile(k_smem, 0)
-    s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(other_turn, count=1)
-    s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_step(
-        s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
-    )
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(q_bar.index(WG), item & 1)
 
-    # ---- steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together
-    for i in range(1, n_blocks):
-        s = i % STAGES
-        ph = (i // STAGES) & 1
-        sp = (i - 1) % STAGES
-        php = ((i - 1) // STAGES) & 1
-        mbarrier.wait(k_ready.index(s), ph)
+        # ---- prologue: S_0 and softmax_0
+        s0 = it % STAGES
+        mbarrier.wait(k_ready.index(s0), (it // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(my_turn, turn_ph)
             turn_ph ^= 1
-        k_tile = _tile(k_smem, s)
+        k_tile = _tile(k_smem, s0)
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(sp), php)
-        v_tile = _tile(v_smem, sp)
-        acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn, count=1)
-        # wgmma groups retire in order: <= 1 outstanding means S_i is done
-        s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
-        mbarrier.arrive(k_empty.index(s), count=1)
+        s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
+        mbarrier.arrive(k_empty.index(s0), count=1)
         p, alpha, m_i, l_i = _softmax_step(
-            s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
+            s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
         )
-        acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
-        mbarrier.arrive(v_empty.index(sp), count=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    # ---- epilogue: O += P_{n-1} V_{n-1}
-    sl = (n_blocks - 1) % STAGES
-    phl = ((n_blocks - 1) // STAGES) & 1
-    mbarrier.wait(v_ready.index(sl), phl)
-    v_tile = _tile(v_smem, sl)
-    acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-    acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
-    mbarrier.arrive(v_empty.index(sl), count=1)
+        # ---- steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together
+        for i in range(1, n_blocks):
+            j = it + i
+            s = j % STAGES
+            ph = (j // STAGES) & 1
+            sp = (j - 1) % STAGES
+            php = ((j - 1) // STAGES) & 1
+            mbarrier.wait(k_ready.index(s), ph)
+            if PINGPONG:
+                mbarrier.wait(my_turn, turn_ph)
+                turn_ph ^= 1
+            k_tile = _tile(k_smem, s)
+            s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(sp), php)
+            v_tile = _tile(v_smem, sp)
+            acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(other_turn, count=1)
+            # wgmma groups retire in order: <= 1 outstanding means S_i is done
+            s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
+            mbarrier.arrive(k_empty.index(s), count=1)
+            p, alpha, m_i, l_i = _softmax_step(
+                s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
+            )
+            acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
+            mbarrier.arrive(v_empty.index(sp), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if O_TILE:
+            # every S product of this item is done: the producer may load the next item's Q tile
+            mbarrier.arrive(q_empty.index(WG), count=1)
 
-    # ---- normalize, store O through the Q tile's shared memory (rows past seqlen_q are dropped), store lse
-    l_safe = gl.where(l_i == 0.0, gl.full_like(l_i, 1.0), l_i)
-    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    q_tile.store(o.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, q_pos0, col], q_smem.index(WG))
+        # ---- epilogue: O += P_{n-1} V_{n-1}
+        jl = it + n_blocks - 1
+        sl = jl % STAGES
+        mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
+        v_tile = _tile(v_smem, sl)
+        acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
+        mbarrier.arrive(v_empty.index(sl), count=1)
 
-    lse = (m_i + gl.log2(l_i)) * LN2  # l_i == 0 (no key seen) gives -inf
-    rows = q_pos0 + gl.arange(0, M_WG, layout=row_s)
-    gl.store(lse_ptr + lse_off + rows, lse, mask=rows < seqlen_q)
+        # ---- normalize, store O through shared memory (rows past seqlen_q are dropped), store lse
+        l_safe = gl.where(l_i == 0.0, gl.full_like(l_i, 1.0), l_i)
+        o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        if O_TILE:
+            # the previous item's store has read the O tile (the issuing thread waits, the barrier holds the
+            # others)
+            tma.store_wait(0)
+            partition_barrier()
+        o_tile.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, q_pos0, h * HEAD_D], o_smem.index(WG))
+
+        lse = (m_i + gl.log2(l_i)) * LN2  # l_i == 0 (no key seen) gives -inf
+        rows = q_pos0 + gl.arange(0, M_WG, layout=row_s)
+        gl.store(lse_ptr + (b * nheads + h).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        if not O_TILE:
+            # O went out through the Q tile: the next item's Q may load into it once the store has read it
+            tma.store_wait(0)
+            partition_barrier()
+            mbarrier.arrive(q_empty.index(WG), count=1)
+        it += n_blocks
+        item += 1
     tma.store_wait(0)
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "group"])  # ``launch``
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "batch", "nheads", "group"])  # ``launch``
 def _attention_forward_sm90_kernel(
     q_desc,
     k_desc,
@@ -316,6 +400,7 @@ def _attention_forward_sm90_kernel(
     qk_scale,
     seqlen_q,
     seqlen_k,
+    batch,
     nheads,
     group,
     HEAD_D: gl.constexpr,
@@ -325,37 +410,25 @@ def _attention_forward_sm90_kernel(
     CAUSAL: gl.constexpr,
     EVEN_K: gl.constexpr,
     PINGPONG: gl.constexpr,
+    O_TILE: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = 2 * M_WG
-    pid_m = gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    bh = b * nheads + h
-    if CAUSAL:
-        # heaviest query tiles first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    m0 = pid_m * BLOCK_M
-    diag_off = seqlen_k - seqlen_q
-    if CAUSAL:
-        kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M + diag_off)
-        kv_end = gl.maximum(kv_end, 1)  # a tile that sees no key still runs one (fully masked) block
-    else:
-        kv_end = seqlen_k
-    n_blocks = gl.cdiv(kv_end, BLOCK_N)
-
-    col = h * HEAD_D
-    kv_col = (h // group) * HEAD_D
-    lse_off = bh.to(gl.int64) * seqlen_q
+    n_m = gl.cdiv(seqlen_q, 2 * M_WG)
+    n_items = n_m * batch * nheads
 
     dtype: gl.constexpr = q_desc.dtype
     # [1, rows, HEAD_D] boxes of the descriptors, viewed as [rows, HEAD_D] tiles by the consumers (_tile)
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, M_WG, HEAD_D], q_desc.layout)
+    if O_TILE:
+        o_smem = gl.allocate_shared_memory(dtype, [2, 1, M_WG, HEAD_D], o_desc.layout)
+    else:
+        o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], v_desc.layout)
 
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -363,6 +436,7 @@ def _attention_forward_sm90_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(2):
         mbarrier.init(q_bar.index(w), count=1)
+        mbarrier.init(q_empty.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
@@ -375,29 +449,28 @@ def _attention_forward_sm90_kernel(
     consumer_args = (
         o_desc,
         q_smem,
+        o_smem,
         k_smem,
         v_smem,
         q_bar,
+        q_empty,
         k_ready,
         v_ready,
         k_empty,
         v_empty,
         turn,
         lse_ptr,
-        lse_off,
-        b,
-        col,
-        m0,
-        diag_off,
+        n_m,
+        n_items,
+        nheads,
         seqlen_q,
         seqlen_k,
-        n_blocks,
         qk_scale,
     )
     gl.warp_specialize(
         [
-            (_consumer, (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG)),
-            (_consumer, (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG)),
+            (_consumer, (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE)),
+            (_consumer, (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE)),
             (
                 _producer,
                 (
@@ -408,18 +481,22 @@ def _attention_forward_sm90_kernel(
                     k_smem,
                     v_smem,
                     q_bar,
+                    q_empty,
                     k_ready,
                     v_ready,
                     k_empty,
                     v_empty,
-                    b,
-                    m0,
-                    col,
-                    kv_col,
-                    n_blocks,
+                    n_m,
+                    n_items,
+                    nheads,
+                    group,
+                    seqlen_q,
+                    seqlen_k,
+                    HEAD_D,
                     M_WG,
                     BLOCK_N,
                     STAGES,
+                    CAUSAL,
                 ),
             ),
         ],
@@ -523,6 +600,16 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
     compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args) :]))
 
 
+def programs(items: int, cfg: dict, causal: bool, device: torch.device) -> int:
+    """CTAs to launch for ``items`` work items (query tiles x heads x batch entries) with config ``cfg``: at
+    most one per SM (persistent, each walking several items) where O has its own tile (O_TILE) and the launch
+    is not causal, else one per item (each CTA's loop runs once; the hardware starts them in ``_work``'s
+    order). The kernel is correct with any count from 1 to ``items``; CONFIGS says why this one."""
+    if cfg["O_TILE"] and not causal:
+        return min(items, sm_count(device))
+    return items
+
+
 def attention_forward_sm90(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -545,11 +632,11 @@ def attention_forward_sm90(
     batch, seqlen_q, nheads, head_dim = q.shape
     cfg = CONFIGS[head_dim]
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
-    grid = head_grid(cdiv(seqlen_q, 2 * m_wg), batch, nheads)
+    items = cdiv(seqlen_q, 2 * m_wg) * batch * nheads
     args = (
         batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
         batch_descriptor(out, m_wg), lse,
-        softmax_scale * LOG2E.value, seqlen_q, k.shape[1], nheads, nheads // k.shape[2],
+        softmax_scale * LOG2E.value, seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2],
     )  # fmt: skip
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
-    launch(_attention_forward_sm90_kernel, grid, args, constexprs)
+    launch(_attention_forward_sm90_kernel, (programs(items, cfg, causal, q.device), 1, 1), args, constexprs)
