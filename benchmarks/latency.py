@@ -4,7 +4,9 @@
 
 1. Launch overhead: at N = 512 and 1024 (B*N = 16384, D = 128, bf16, causal and not) the median time
    of flashtile's forward and forward+backward, called eagerly and replayed from a captured CUDA
-   graph, next to SDPA flash (FA2). The gap between eager and graph is the Python launch path.
+   graph, next to SDPA flash (FA2) and to flashtile with its Gluon kernels launched through Triton's
+   binder on every call ("flashtile-binder", the A/B of ``forward_sm90.launch``). The gap between eager
+   and graph is the Python launch path.
    host_us is the Python time per call alone: the calls are queued behind a long GPU sleep, so none
    waits for the GPU.
 2. First call of a new shape: in a fresh process with an empty Triton cache (TRITON_CACHE_DIR) the
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -175,7 +178,27 @@ def host_trace(out: Path, steps: int = 20) -> None:
     (out / "host-trace.txt").write_text("\n".join(lines) + "\n")
 
 
+def _through_binder(kernel, grid, args, constexprs) -> None:
+    """``forward_sm90.launch`` without its compiled-kernel cache: every launch through JITFunction.run."""
+    kernel[grid](*args, **constexprs, num_warps=4)
+
+
+@contextlib.contextmanager
+def _binder_launches() -> Iterator[None]:
+    """The Gluon kernels launched through Triton's binder on every call inside the block (the A/B of
+    ``forward_sm90.launch``)."""
+    from flashtile.ops.attention import backward_sm90, forward_sm90
+
+    with (
+        mock.patch.object(forward_sm90, "launch", _through_binder),
+        mock.patch.object(backward_sm90, "launch", _through_binder),
+    ):
+        yield
+
+
 def launch_overhead() -> list[dict]:
+    """Rows of eager / graph / host time per (N, causal, provider, pass); "flashtile-binder" is flashtile with the
+    Gluon kernels launched through Triton's binder each call (on sm_90: the direct launches' A/B)."""
     rows = []
     for seqlen in (512, 1024):
         batch, nheads, head_dim = 16384 // seqlen, 16, 128
@@ -183,16 +206,19 @@ def launch_overhead() -> list[dict]:
             torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
         )
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        for causal, (name, attention), (pass_name, run) in itertools.product(
+        for causal, (name, attention, during), (pass_name, run) in itertools.product(
             (False, True),
-            (("flashtile", _flashtile), ("fa2", _sdpa_flash)),
+            (("flashtile", _flashtile, contextlib.nullcontext), ("flashtile-binder", _flashtile, _binder_launches),
+             ("fa2", _sdpa_flash, contextlib.nullcontext)),
             (("fwd", _forward), ("fwd+bwd", _forward_backward)),
-        ):
+        ):  # fmt: skip
             fn = functools.partial(run, attention, q, k, v, dout, causal)
-            eager = triton.testing.do_bench(fn, return_mode="median")
-            graph = triton.testing.do_bench(capture(fn)[0].replay, return_mode="median")
+            with during():
+                eager = triton.testing.do_bench(fn, return_mode="median")
+                graph = triton.testing.do_bench(capture(fn)[0].replay, return_mode="median")
+                host_us = host_time(fn) * 1e6
             row = {"what": f"{name} {pass_name}", "N": seqlen, "causal": causal, "eager_ms": eager, "graph_ms": graph,
-                   "host_us": host_time(fn) * 1e6}  # fmt: skip
+                   "host_us": host_us}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

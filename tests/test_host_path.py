@@ -170,3 +170,23 @@ def test_latency_host_tracer_records_and_restores():
     assert totals["_ops.attention"] >= totals["_EagerAttention.forward"]  # inclusive: the entry calls the Function
     assert _ops.attention is entry and _ops._EagerAttention.forward is forward
     assert torch.empty is latency.torch.empty and "timed" not in torch.empty.__qualname__
+
+
+def test_latency_binder_launches_swap_both_gluon_launchers():
+    """latency.py's A/B of the direct launches: inside the block the Gluon forward and backward launch through
+    the kernel's binder (kernel[grid](..., num_warps=4)) on every call; after it, ``launch`` is back."""
+    import latency
+    from flashtile.ops.attention import backward_sm90, forward_sm90
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    launch = forward_sm90.launch
+    with latency._binder_launches():
+        forward_sm90.launch(Kernel(), (1, 1, 1), (3,), {"X": 1})
+        backward_sm90.launch(Kernel(), (2, 1, 1), (4,), {"X": 2})
+    assert calls == [((1, 1, 1), (3,), {"X": 1, "num_warps": 4}), ((2, 1, 1), (4,), {"X": 2, "num_warps": 4})]
+    assert forward_sm90.launch is launch and backward_sm90.launch is launch
