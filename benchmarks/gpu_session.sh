@@ -14,7 +14,7 @@
 #   quick    the benchmark's quick table against every peer
 #   bench    the full standard table (bf16) against every peer
 #   memory   fwd+bwd peak extra memory against SDPA flash
-#   sanitize compute-sanitizer memcheck of one forward + backward
+#   sanitize compute-sanitizer memcheck of forward + backward cases (benchmarks/sanitize_cases.py)
 #   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
 #   branches    (2 GPUs) unmerged branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
 #            tests/test_gluon_sm90.py) one after another on GPU 1, while GPU 0 times this tree and then each
@@ -64,11 +64,7 @@ for step in "$@"; do
     bench) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
     memory) timeout 80 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
     variants) timeout 300 python3 benchmarks/bench_attention.py --out "$OUT/variants" --shapes variants --commit "$commit" 2>&1 | tail -40 ;;
-    sanitize) timeout 90 compute-sanitizer --tool memcheck python3 -c "
-import torch, flashtile
-q, k, v = (torch.randn(2, 300, 4, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-flashtile.flash_attn_func(q, k[:, :211], v[:, :211], causal=True).sum().backward()
-torch.cuda.synchronize(); print('sanitized fwd+bwd ok')" 2>&1 | tail -8 ;;
+    sanitize) timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py 2>&1 | tee "$OUT/sanitize.log" | tail -8 ;;
     tunegluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/tune_gluon.py --out "$OUT" ${TUNEGLUON_ARGS:-} 2>&1 | tail -80 ;;
     branches)
       (for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
