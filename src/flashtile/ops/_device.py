@@ -1,10 +1,18 @@
-"""Kernel launches on their inputs' GPU."""
+"""The GPU a launch runs on: its inputs' device, and that device's size."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs one program at a time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def on_input_device(launcher):

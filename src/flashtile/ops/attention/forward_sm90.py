@@ -62,9 +62,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile.ops._device import sm_count
 from flashtile.ops.attention.configs import cdiv
 from flashtile.ops.attention.tiles import LN2, LOG2E
-from flashtile.ops.decode.configs import sm_count
 
 CONFIGS = {
     128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True, "CONSUMER_REGS": 240,

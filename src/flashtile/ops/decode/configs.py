@@ -10,11 +10,11 @@ first choice, not measured. The Triton interpreter gets small tiles so the tests
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from flashtile.ops._device import sm_count
 from flashtile.ops.attention.configs import cdiv
 
 MAX_SPLITS = 128
@@ -68,14 +68,6 @@ def block_m(packed_rows: int) -> int:
     """Query rows per program for ``packed_rows`` = seqlen_q x (nheads // nheads_k): a power of two in
     [16, MAX_BLOCK_M] (16 is the smallest matrix-product height)."""
     return max(16, min(MAX_BLOCK_M, next_power_of_2(packed_rows)))
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs one program at a time)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_num_splits(programs: int, n_blocks: int, num_sms: int, programs_per_sm: int = 2) -> int:
