@@ -1,0 +1,94 @@
+"""Random combinations of flash_attn_func's options against the oracle (hypothesis, derandomized: the same
+examples on every run).
+
+Each example draws a shape (batch 1-3, lengths 1-80 with Sq != Sk, MHA / GQA / MQA, head dims that run as they
+are or get padded to a multiple of 8) and options (causal, a sliding window, softcap, ALiBi per head or per batch
+entry, softmax_scale, a gradient at the LSE), runs the forward and the backward through the public API and
+checks out, lse, dq, dk, dv with the tolerance rule of shared DESIGN.md (``oracle.check_against_oracle``). The
+combinations are what the parametrized tests of test_attention.py cover one option at a time.
+
+On a CPU-only machine the CPU path (``flashtile.cpu``) takes every example and the Triton interpreter (the real
+kernels, one program at a time) a smaller set; with CUDA both run on the GPU kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import DEVICE
+from flashtile import _backend
+from oracle import check_against_oracle
+from test_attention import make_inputs, run_flashtile
+
+HEAD_DIMS = [8, 12, 16, 20, 32, 40, 64, 72, 96, 128]
+"""Multiples of 8 run as they are; 12 and 20 are zero-padded to 16 and 24 (flash_attn's rule)."""
+
+
+@st.composite
+def cases(draw) -> dict:
+    """One example: make_inputs' arguments, flash_attn_func's keyword options, and an optional dlse flag."""
+    nheads_k = draw(st.integers(1, 3))
+    shape = dict(
+        batch=draw(st.integers(1, 3)),
+        seqlen_q=draw(st.integers(1, 80)),
+        seqlen_k=draw(st.integers(1, 80)),
+        nheads=nheads_k * draw(st.integers(1, 3)),
+        nheads_k=nheads_k,
+        head_dim=draw(st.sampled_from(HEAD_DIMS)),
+        dtype=draw(st.sampled_from([torch.float16, torch.bfloat16])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    options = {"causal": draw(st.booleans())}
+    if draw(st.booleans()):
+        side = st.integers(-1, 40)
+        options["window_size"] = (draw(side), draw(side))
+    if draw(st.booleans()):
+        options["softcap"] = draw(st.floats(1.0, 30.0))
+    alibi = draw(st.sampled_from([None, "per head", "per batch entry"]))
+    if alibi is not None:
+        slopes_shape = (shape["nheads"],) if alibi == "per head" else (shape["batch"], shape["nheads"])
+        gen = torch.Generator().manual_seed(shape["seed"])
+        options["alibi_slopes"] = torch.rand(slopes_shape, generator=gen).to(DEVICE)
+    if draw(st.booleans()):
+        options["softmax_scale"] = draw(st.floats(0.05, 1.0))
+    return {"shape": shape, "options": options, "dlse": draw(st.booleans())}
+
+
+def check_case(case: dict) -> None:
+    shape, options = case["shape"], case["options"]
+    q, k, v, dout = make_inputs(**shape)
+    dlse = None
+    if case["dlse"]:
+        gen = torch.Generator().manual_seed(shape["seed"] + 1)
+        lse_shape = (shape["batch"], shape["nheads"], shape["seqlen_q"])
+        dlse = torch.randn(lse_shape, generator=gen).to(DEVICE)
+    results = run_flashtile(q, k, v, dout, dlse=dlse, **options)
+    check_against_oracle(results, q, k, v, dout, dlse=dlse, **options)
+
+
+def cpu_path():
+    """The CPU path on a CPU-only machine (else nothing changes)."""
+    if DEVICE == "cpu":
+        return mock.patch.object(_backend, "TRITON_INTERPRET", False)
+    return contextlib.nullcontext()
+
+
+EXAMPLE_SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(max_examples=80, **EXAMPLE_SETTINGS)
+@given(case=cases())
+def test_option_combinations_cpu_path(case):
+    with cpu_path():
+        check_case(case)
+
+
+@settings(max_examples=25, **EXAMPLE_SETTINGS)
+@given(case=cases())
+def test_option_combinations_kernels(case):
+    check_case(case)
