@@ -1,11 +1,18 @@
-"""Random combinations of flash_attn_func's options against the oracle (hypothesis, derandomized: the same
-examples on every run).
+"""Random combinations of options against the oracle (hypothesis, derandomized: the same examples on every run).
 
-Each example draws a shape (batch 1-3, lengths 1-80 with Sq != Sk, MHA / GQA / MQA, head dims that run as they
-are or get padded to a multiple of 8) and options (causal, a sliding window, softcap, ALiBi per head or per batch
-entry, softmax_scale, a gradient at the LSE), runs the forward and the backward through the public API and
-checks out, lse, dq, dk, dv with the tolerance rule of shared DESIGN.md (``oracle.check_against_oracle``). The
-combinations are what the parametrized tests of test_attention.py cover one option at a time.
+flash_attn_func: each example draws a shape (batch 1-3, lengths 1-80 with Sq != Sk, MHA / GQA / MQA, head dims
+that run as they are or get padded to a multiple of 8) and options (causal, a sliding window, softcap, ALiBi per
+head or per batch entry, softmax_scale, a gradient at the LSE), runs the forward and the backward through the
+public API and checks out, lse, dq, dk, dv with the tolerance rule of shared DESIGN.md
+(``oracle.check_against_oracle``).
+
+flash_attn_with_kvcache: each example draws a ``test_kvcache.Case`` (contiguous or paged cache with a page size
+that is a multiple of 16, new tokens or none, rotary of either layout on part or all of the head dim,
+cache_batch_idx, cache_leftpad, causal, windows, softcap, ALiBi, seqlen_q > 1, split counts) and checks out, lse
+and the cache (new rows where they belong, every other element bitwise unchanged) with ``test_kvcache.check``.
+
+The parametrized tests of test_attention.py and test_kvcache.py cover the options one at a time; these cover
+their combinations.
 
 On a CPU-only machine the CPU path (``flashtile.cpu``) takes every example and the Triton interpreter (the real
 kernels, one program at a time) a smaller set; with CUDA both run on the GPU kernels.
@@ -20,6 +27,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import test_kvcache
 from conftest import DEVICE
 from flashtile import _backend
 from oracle import check_against_oracle
@@ -92,3 +100,58 @@ def test_option_combinations_cpu_path(case):
 @given(case=cases())
 def test_option_combinations_kernels(case):
     check_case(case)
+
+
+@st.composite
+def kvcache_cases(draw) -> test_kvcache.Case:
+    """One flash_attn_with_kvcache call (``test_kvcache.Case``) within flash_attn's rules: rotary needs new
+    tokens and a rotary_dim that is a multiple of 16 up to the head dim, and the tables (one row per cache
+    position) must cover q's positions; cache_batch_idx needs a contiguous cache; the cache holds every new
+    token."""
+    nheads_k = draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from([32, 64, 40]))
+    page_size = draw(st.sampled_from([0, 16, 32, 48]))
+    seqlen_new = draw(st.integers(0, 3))
+    seqlen_cache = draw(st.integers(max(seqlen_new, 1), 120))
+    if page_size:
+        seqlen_cache = -(-seqlen_cache // page_size) * page_size
+    rotary_dim = 0
+    seqlen_q = draw(st.integers(1, 4))
+    if seqlen_new and draw(st.booleans()):
+        rotary_dim = draw(st.sampled_from([d for d in (16, 32, 48, 64) if d <= head_dim]))
+        seqlen_q = min(seqlen_q, seqlen_new)  # q's positions stay inside the cache's (and the tables') rows
+    side = st.integers(-1, 30)
+    return test_kvcache.Case(
+        batch=draw(st.integers(1, 3)),
+        seqlen_q=seqlen_q,
+        seqlen_new=seqlen_new,
+        nheads=nheads_k * draw(st.integers(1, 4)),
+        nheads_k=nheads_k,
+        head_dim=head_dim,
+        seqlen_cache=seqlen_cache,
+        page_size=page_size,
+        dtype=draw(st.sampled_from([torch.float16, torch.bfloat16])),
+        batch_idx=not page_size and draw(st.booleans()),
+        leftpad=draw(st.booleans()),
+        rotary_dim=rotary_dim,
+        rotary_interleaved=draw(st.booleans()),
+        causal=draw(st.booleans()),
+        window_size=(draw(side), draw(side)) if draw(st.booleans()) else (-1, -1),
+        softcap=draw(st.sampled_from([0.0, 0.0, 3.0, 25.0])),
+        alibi=draw(st.sampled_from(["", "", "heads", "batch"])),
+        num_splits=draw(st.sampled_from([0, 1, 2, 3, 5])),
+        softmax_scale=draw(st.sampled_from([None, 0.3])),
+    )
+
+
+@settings(max_examples=80, **EXAMPLE_SETTINGS)
+@given(case=kvcache_cases())
+def test_kvcache_option_combinations_cpu_path(case):
+    with cpu_path():
+        test_kvcache.check(case)
+
+
+@settings(max_examples=25, **EXAMPLE_SETTINGS)
+@given(case=kvcache_cases())
+def test_kvcache_option_combinations_kernels(case):
+    test_kvcache.check(case)
