@@ -11,8 +11,11 @@ that is a multiple of 16, new tokens or none, rotary of either layout on part or
 cache_batch_idx, cache_leftpad, causal, windows, softcap, ALiBi, seqlen_q > 1, split counts) and checks out, lse
 and the cache (new rows where they belong, every other element bitwise unchanged) with ``test_kvcache.check``.
 
-The parametrized tests of test_attention.py and test_kvcache.py cover the options one at a time; these cover
-their combinations.
+flash_attn_varlen_func: each example draws 1-4 sequences with independent query and key lengths 0-60 (empty
+sequences included), heads, head dim, dtype and the attention options above, checked by ``test_varlen.check``.
+
+The parametrized tests of test_attention.py, test_varlen.py and test_kvcache.py cover the options one at a time;
+these cover their combinations.
 
 On a CPU-only machine the CPU path (``flashtile.cpu``) takes every example and the Triton interpreter (the real
 kernels, one program at a time) a smaller set; with CUDA both run on the GPU kernels.
@@ -28,10 +31,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import test_kvcache
+import test_varlen
 from conftest import DEVICE
 from flashtile import _backend
 from oracle import check_against_oracle
 from test_attention import make_inputs, run_flashtile
+from test_variants import slopes_like
 
 HEAD_DIMS = [8, 12, 16, 20, 32, 40, 64, 72, 96, 128]
 """Multiples of 8 run as they are; 12 and 20 are zero-padded to 16 and 24 (flash_attn's rule)."""
@@ -155,3 +160,39 @@ def test_kvcache_option_combinations_cpu_path(case):
 @given(case=kvcache_cases())
 def test_kvcache_option_combinations_kernels(case):
     test_kvcache.check(case)
+
+
+@st.composite
+def varlen_cases(draw) -> dict:
+    """test_varlen.check's arguments: per-sequence query and key lengths, heads, head dim, dtype, options."""
+    n = draw(st.integers(1, 4))
+    lengths = st.lists(st.integers(0, 60), min_size=n, max_size=n)
+    nheads_k = draw(st.integers(1, 2))
+    nheads = nheads_k * draw(st.integers(1, 3))
+    options = {"causal": draw(st.booleans())}
+    if draw(st.booleans()):
+        side = st.integers(-1, 30)
+        options["window_size"] = (draw(side), draw(side))
+    if draw(st.booleans()):
+        options["softcap"] = draw(st.floats(1.0, 30.0))
+    alibi = draw(st.sampled_from([None, (nheads,), (n, nheads)]))
+    if alibi is not None:
+        options["alibi_slopes"] = slopes_like(alibi)
+    return dict(
+        seqlens_q=draw(lengths), seqlens_k=draw(lengths), nheads=nheads, nheads_k=nheads_k,
+        head_dim=draw(st.sampled_from([16, 32, 40, 64])), dtype=draw(st.sampled_from([torch.float16, torch.bfloat16])),
+        dlse=draw(st.booleans()), **options,
+    )  # fmt: skip
+
+
+@settings(max_examples=60, **EXAMPLE_SETTINGS)
+@given(case=varlen_cases())
+def test_varlen_option_combinations_cpu_path(case):
+    with cpu_path():
+        test_varlen.check(**case)
+
+
+@settings(max_examples=20, **EXAMPLE_SETTINGS)
+@given(case=varlen_cases())
+def test_varlen_option_combinations_kernels(case):
+    test_varlen.check(**case)
