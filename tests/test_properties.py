@@ -14,8 +14,13 @@ and the cache (new rows where they belong, every other element bitwise unchanged
 flash_attn_varlen_func: each example draws 1-4 sequences with independent query and key lengths 0-60 (empty
 sequences included), heads, head dim, dtype and the attention options above, checked by ``test_varlen.check``.
 
-The parametrized tests of test_attention.py, test_varlen.py and test_kvcache.py cover the options one at a time;
-these cover their combinations.
+scaled_dot_product_attention: torch's own SDPA is the oracle (float64 for ref, the input dtype for base): random
+lengths, heads (enable_gqa), head dims, is_causal (top-left) or a boolean / additive attn_mask of a random
+broadcast shape (every query row keeps key 0 visible: torch gives NaN for a row that sees nothing), and scale;
+out and the gradients of q, k, v.
+
+The parametrized tests of test_attention.py, test_varlen.py, test_kvcache.py and test_sdpa.py cover the options
+one at a time; these cover their combinations.
 
 On a CPU-only machine the CPU path (``flashtile.cpu``) takes every example and the Triton interpreter (the real
 kernels, one program at a time) a smaller set; with CUDA both run on the GPU kernels.
@@ -30,11 +35,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import flashtile
 import test_kvcache
 import test_varlen
 from conftest import DEVICE
 from flashtile import _backend
-from oracle import check_against_oracle
+from oracle import assert_within_rule, check_against_oracle
 from test_attention import make_inputs, run_flashtile
 from test_variants import slopes_like
 
@@ -196,3 +202,75 @@ def test_varlen_option_combinations_cpu_path(case):
 @given(case=varlen_cases())
 def test_varlen_option_combinations_kernels(case):
     test_varlen.check(**case)
+
+
+@st.composite
+def sdpa_cases(draw) -> dict:
+    """Inputs of scaled_dot_product_attention in torch's layout (B, H, S, D) and its options."""
+    batch, seqlen_q, seqlen_k = draw(st.integers(1, 2)), draw(st.integers(1, 50)), draw(st.integers(1, 50))
+    nheads_k = draw(st.integers(1, 2))
+    nheads = nheads_k * draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([16, 32, 40, 64]))
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q, dout = randn(batch, nheads, seqlen_q, head_dim), randn(batch, nheads, seqlen_q, head_dim)
+    k, v = randn(batch, nheads_k, seqlen_k, head_dim), randn(batch, nheads_k, seqlen_k, head_dim)
+    options = {"scale": draw(st.sampled_from([None, 0.1, 0.5])), "enable_gqa": nheads != nheads_k}
+    mask_kind = draw(st.sampled_from([None, "causal", "bool", "additive"]))
+    if mask_kind == "causal":
+        options["is_causal"] = True
+    elif mask_kind is not None:
+        full = (batch, nheads, seqlen_q, seqlen_k)
+        kept = draw(st.lists(st.booleans(), min_size=4, max_size=4))  # which dimensions the mask spans
+        shape = tuple(n if keep or i >= 2 else 1 for i, (n, keep) in enumerate(zip(full, kept, strict=True)))
+        shape = shape[draw(st.integers(0, 2)) :] if shape[0] == 1 else shape  # leading 1s may be left out
+        if mask_kind == "bool":
+            mask = torch.rand(shape, generator=gen) > 0.3
+            mask[..., 0] = True
+        else:
+            mask = torch.randn(shape, generator=gen).to(dtype)
+        options["attn_mask"] = mask
+    return {"inputs": [t.to(DEVICE) for t in (q, k, v, dout)], "options": options}
+
+
+def sdpa_results(sdpa, inputs, options, dtype=None) -> dict[str, torch.Tensor]:
+    """out and the gradients of q, k, v of ``sdpa`` (computed in ``dtype`` if given, cast back)."""
+    q, k, v, dout = inputs
+    cast = dtype or q.dtype
+    leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+    mask = options.get("attn_mask")
+    options = dict(
+        options, attn_mask=None if mask is None else mask.to(DEVICE, cast if mask.is_floating_point() else mask.dtype)
+    )
+    out = sdpa(*leaves, **options)
+    out.backward(dout.to(cast))
+    return {
+        name: t.to(q.dtype) for name, t in zip(("out", "dq", "dk", "dv"), (out, *(x.grad for x in leaves)), strict=True)
+    }
+
+
+def check_sdpa_case(case: dict) -> None:
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention
+    precise = torch.float64 if DEVICE == "cpu" else torch.float32
+    got = sdpa_results(flashtile.scaled_dot_product_attention, case["inputs"], case["options"])
+    ref = sdpa_results(torch_sdpa, case["inputs"], case["options"], precise)
+    base = sdpa_results(torch_sdpa, case["inputs"], case["options"])
+    for name, x in got.items():
+        assert_within_rule(name, x, ref[name], base[name])
+
+
+@settings(max_examples=60, **EXAMPLE_SETTINGS)
+@given(case=sdpa_cases())
+def test_sdpa_option_combinations_cpu_path(case):
+    with cpu_path():
+        check_sdpa_case(case)
+
+
+@settings(max_examples=20, **EXAMPLE_SETTINGS)
+@given(case=sdpa_cases())
+def test_sdpa_option_combinations_kernels(case):
+    check_sdpa_case(case)
