@@ -19,8 +19,8 @@ import torch
 
 import flashtile
 from conftest import DEVICE
-from flashtile.reference import visibility_mask
-from oracle import check_against_oracle
+from flashtile.reference import attention_probs, visibility_mask
+from oracle import assert_within_rule, check_against_oracle
 from test_attention import make_inputs
 from test_variants import sinks_like, slopes_like
 
@@ -52,7 +52,7 @@ def run_dropout(seed, q, k, v, dout, learnable_sink=None, **kwargs):
     sink = None if learnable_sink is None else learnable_sink.detach().clone().requires_grad_()
     torch.manual_seed(seed)
     out, lse, probs = flashtile.flash_attn_func(*leaves, return_attn_probs=True, learnable_sink=sink, **kwargs)
-    assert probs is None
+    assert (probs is None) == (kwargs.get("dropout_p", 0.0) == 0.0)  # flash_attn's S_dmask, with dropout only
     out.backward(dout)
     results = {"out": out, "lse": lse, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     if sink is not None:
@@ -84,6 +84,38 @@ def test_against_oracle_with_the_same_mask(path, case):
     assert abs(dropped - P) < 0.05, f"dropped fraction {dropped:.3f} of the visible entries, expected {P}"
     results = run_dropout(11, q, k, v, dout, dropout_p=P, **options)
     check_against_oracle(results, q, k, v, dout, dropout_p=P, dropout_mask=mask, **options)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_attn_probs_carry_the_dropout_pattern(path, case):
+    """return_attn_probs with dropout gives flash_attn's S_dmask (batch, nheads, seqlen_q, seqlen_k): the
+    probabilities (the oracle's, within the tolerance rule) with the forward's own mask as their sign, negative
+    where dropped (flash_attn_func's docstring); the mask read back from S_dmask >= 0 reproduces out and the
+    gradients through the oracle, as flash_attn's tests use it."""
+    shape, dtype, options = case
+    q, k, v, dout = make_inputs(*shape, dtype=dtype, seed=5)
+    options = dict(options)
+    if options.pop("sink", False):
+        options["alibi_slopes"] = slopes_like((shape[3],))
+        options["learnable_sink"] = sinks_like(shape[3])
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(13)
+    out, lse, s_dmask = flashtile.flash_attn_func(*leaves, dropout_p=P, return_attn_probs=True, **options)
+    batch, seqlen_q, seqlen_k, nheads = shape[:4]
+    assert s_dmask.shape == (batch, nheads, seqlen_q, seqlen_k) and s_dmask.dtype == dtype
+    mask_options = {key: options[key] for key in ("causal", "window_size") if key in options}
+    probs = s_dmask.abs()
+    shown = probs > 0
+    assert torch.equal((s_dmask >= 0)[shown], extract_mask(13, q, k, **mask_options)[shown])
+    oracle_options = {key: options[key] for key in ("softcap", "alibi_slopes", "learnable_sink") if key in options}
+    ref, _ = attention_probs(q.double(), k.double(), causal=options.get("causal", False),
+                             window_size=options.get("window_size", (-1, -1)), **oracle_options)  # fmt: skip
+    base, _ = attention_probs(q, k, causal=options.get("causal", False),
+                              window_size=options.get("window_size", (-1, -1)), **oracle_options)  # fmt: skip
+    assert_within_rule("out", probs, ref.to(dtype), base.to(dtype))
+    out.backward(dout)
+    results = {"out": out, "lse": lse, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    check_against_oracle(results, q, k, v, dout, dropout_p=P, dropout_mask=s_dmask >= 0, **options)
 
 
 def test_same_seed_same_results_other_seed_different(path):

@@ -13,6 +13,7 @@ import operator
 import torch
 
 from flashtile import _backend, _ops
+from flashtile.reference import attention_probs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -251,16 +252,20 @@ def attention(
     dropout_p: float = 0.0,
     attn_mask: torch.Tensor | None = None,
     deterministic: bool = True,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated entry to the custom op (``_ops.attention``): returns (out, lse) in flash_attn's layouts.
 
     attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
     deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.attention.backward_sm90``).
+    rng_state: the dropout's randomness (``dropout_rng_state``), drawn here when None and dropout_p > 0.
     A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
     if padded is not None:
         options = (window_left, window_right, softcap, alibi_slopes, learnable_sink, dropout_p, attn_mask)
-        return sliced(attention(*padded[:4], *options, deterministic), padded[4])
+        return sliced(attention(*padded[:4], *options, deterministic, rng_state), padded[4])
+    if rng_state is None:
+        rng_state = dropout_rng_state(dropout_p, q.device)
     check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -269,7 +274,7 @@ def attention(
         softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
         return _ops.attention(
             q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
-            float(dropout_p), dropout_rng_state(dropout_p, q.device), attn_mask, deterministic,
+            float(dropout_p), rng_state, attn_mask, deterministic,
         )  # fmt: skip
     if softcap == 0.0 and alibi_slopes is None and learnable_sink is None and dropout_p == 0.0:
         if deterministic:
@@ -279,7 +284,7 @@ def attention(
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
     return _ops.attention(
         q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
-        float(dropout_p), dropout_rng_state(dropout_p, q.device), None, deterministic,
+        float(dropout_p), rng_state, None, deterministic,
     )  # fmt: skip
 
 
@@ -361,23 +366,66 @@ def flash_attn_func(
             faster (on sm_90: head dim 64/128, no options, lengths multiples of 128; MHA, GQA or MQA, causal
             with at most 8 query heads per K/V head), so its bits may vary from run to run; True always
             gives bitwise repeatable gradients
-        return_attn_probs: also return softmax_lse (the attention probabilities themselves are never
-            materialised; the third element is None, also with dropout: flash_attn's S_dmask, the
-            probabilities with the dropout pattern, is not returned)
+        return_attn_probs: also return softmax_lse and, with dropout, flash_attn's S_dmask (for tests: the
+            probabilities with the dropout pattern, ``dropout_probabilities``, O(seqlen_q * seqlen_k) memory);
+            without dropout the third element is None, as in flash_attn
         learnable_sink: keyword only, (nheads,) float32 on q's device, one logit per query head that
             joins the softmax denominator (as in gpt-oss and FlashAttention-4); differentiable
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim_v)
-        if return_attn_probs: (out, softmax_lse, None) with softmax_lse (batch_size, nheads, seqlen_q),
-            float32, the natural-log sum of exp of each row's scores (and of the sink)
+        if return_attn_probs: (out, softmax_lse, S_dmask) with softmax_lse (batch_size, nheads, seqlen_q),
+            float32, the natural-log sum of exp of each row's scores (and of the sink), and S_dmask (batch_size,
+            nheads, seqlen_q, seqlen_k) in q's dtype with dropout (negative where dropped), else None
     """
     left, right = window_bounds(window_size, causal)
+    rng_state = dropout_rng_state(dropout_p, q.device) if return_attn_probs and isinstance(q, torch.Tensor) else None
     out, lse = attention(
         q, k, v, softmax_scale, left, right, softcap, alibi_slopes, learnable_sink, dropout_p,
-        deterministic=deterministic,
+        deterministic=deterministic, rng_state=rng_state,
     )  # fmt: skip
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if rng_state is None:
+        return out, lse, None
+    options = dict(softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    return out, lse, dropout_probabilities(q, k, softmax_scale, left, right, dropout_p, rng_state, **options)
+
+
+def dropout_probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    softmax_scale: float | None,
+    window_left: int | None,
+    window_right: int | None,
+    dropout_p: float,
+    rng_state: torch.Tensor,
+    **options,
+) -> torch.Tensor:
+    """flash_attn's S_dmask for a forward with dropout: (batch, nheads, seqlen_q, seqlen_k) in q's dtype, the
+    attention probabilities P, negated where the dropout dropped them (flash_attn's encoding: negative means
+    dropped; a key that is hidden from a row has P = 0). For tests: it takes O(seqlen_q * seqlen_k) memory.
+
+    P comes from ``reference.attention_probs`` in float32 (``options``: softcap, alibi_slopes, learnable_sink).
+    The keep mask is the forward's own: the kernels draw it from ``rng_state`` and the (batch, head, row, key)
+    position alone (not the values or the head dims), so the forward runs again here on the same rng_state with
+    q = k = 0 (each visible key then has probability 1 / (visible keys), never 0) and one-hot values (v[j] = e_j)
+    for up to MAX_HEAD_DIM keys at a time: out[i, j] > 0 exactly where key j is kept for row i."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    kept = torch.empty(batch, nheads, seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    with torch.no_grad():
+        zero_q, zero_k = q.new_zeros(batch, seqlen_q, nheads, 8), k.new_zeros(batch, seqlen_k, nheads_k, 8)
+        for start in range(0, seqlen_k, MAX_HEAD_DIM):
+            width = min(MAX_HEAD_DIM, seqlen_k - start)
+            one_hot = q.new_zeros(batch, seqlen_k, nheads_k, -(-width // 8) * 8)
+            one_hot[:, start + torch.arange(width), :, torch.arange(width)] = 1.0
+            out, _ = attention(zero_q, zero_k, one_hot, 1.0, window_left, window_right, dropout_p=dropout_p,
+                               rng_state=rng_state)  # fmt: skip
+            kept[..., start : start + width] = (out[..., :width] > 0).permute(0, 2, 1, 3)
+        window = (-1 if window_left is None else window_left, -1 if window_right is None else window_right)
+        probs, _ = attention_probs(q.float(), k.float(), softmax_scale, window_size=window, **options)
+    return torch.where(kept, probs, -probs).to(q.dtype)
 
 
 def flash_attn_qkvpacked_func(
@@ -400,7 +448,8 @@ def flash_attn_qkvpacked_func(
         the rest: as ``flash_attn_func``
 
     Returns:
-        out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, None) if return_attn_probs
+        out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask) if
+            return_attn_probs (as flash_attn_func)
     """
     require(
         isinstance(qkv, torch.Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3,
@@ -435,7 +484,8 @@ def flash_attn_kvpacked_func(
         the rest: as ``flash_attn_func``
 
     Returns:
-        out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse, None) if return_attn_probs
+        out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) if
+            return_attn_probs (as flash_attn_func)
     """
     require(
         isinstance(kv, torch.Tensor) and kv.dim() == 5 and kv.shape[2] == 2,

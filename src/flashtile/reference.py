@@ -49,6 +49,47 @@ def alibi_distance(seqlen_q: int, seqlen_k: int, device: torch.device | str = "c
     return (i + seqlen_k - seqlen_q - j).abs()
 
 
+def attention_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    mask: torch.Tensor | None = None,
+    *,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention probabilities P (batch, nheads, seqlen_q, seqlen_k) and the lse (batch, nheads, seqlen_q) of
+    ``attention_reference`` (same arguments and score; P is 0 where a key is hidden and in a row that sees no
+    key), in the inputs' dtype."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    group = nheads // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype).expand(batch, nheads)[:, :, None, None]
+        scores = scores - slopes * alibi_distance(seqlen_q, seqlen_k, q.device).to(scores.dtype)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    if mask is None:
+        mask = visibility_mask(seqlen_q, seqlen_k, causal, window_size, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if learnable_sink is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    else:
+        sink = learnable_sink.to(scores.dtype)[None, :, None, None].expand(batch, nheads, seqlen_q, 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+    probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0.0))
+    return probs, lse
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -98,29 +139,11 @@ def attention_reference(
         lse: (batch, nheads, seqlen_q), natural-log sum of exp of the scores (and the sink); -inf for a
             row that sees no key and has no sink, the sink's value if it has one
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k = k.shape[1]
-    group = nheads // k.shape[2]
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if softcap > 0.0:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.to(scores.dtype).expand(batch, nheads)[:, :, None, None]
-        scores = scores - slopes * alibi_distance(seqlen_q, seqlen_k, q.device).to(scores.dtype)
-    if bias is not None:
-        scores = scores + bias.to(scores.dtype)
-    if mask is None:
-        mask = visibility_mask(seqlen_q, seqlen_k, causal, window_size, q.device)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if learnable_sink is None:
-        lse = torch.logsumexp(scores, dim=-1)
-    else:
-        sink = learnable_sink.to(scores.dtype)[None, :, None, None].expand(batch, nheads, seqlen_q, 1)
-        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
-    probs = torch.exp(scores - lse[..., None].masked_fill(lse[..., None] == float("-inf"), 0.0))
+    probs, lse = attention_probs(
+        q, k, softmax_scale, causal, window_size, mask,
+        softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, bias=bias,
+    )  # fmt: skip
+    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     if dropout_mask is not None:
         probs = probs * dropout_mask.to(probs.dtype) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
