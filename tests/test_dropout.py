@@ -222,7 +222,7 @@ def test_varlen_against_oracle_with_the_same_mask(path):
     def varlen(q, k, v):  # causal: window (None, 0)
         return flashtile.flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k), dropout_p=P, causal=True, return_attn_probs=True
-        )[:2]
+        )
 
     torch.manual_seed(21)
     onehot = varlen(q * 0.01, k, one_hot_values(1, total_k, nheads_k, q.dtype)[0])[0]
@@ -231,7 +231,15 @@ def test_varlen_against_oracle_with_the_same_mask(path):
     assert abs(dropped - P) < 0.05, f"dropped fraction {dropped:.3f}"
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(21)
-    out, lse = varlen(*leaves)
+    out, lse, s_dmask = varlen(*leaves)
+    # S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k): each sequence's probabilities, negative where dropped
+    assert s_dmask.shape == (len(seqlens_q), nheads, max(seqlens_q), max(seqlens_k))
+    for b in range(len(seqlens_q)):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        block = s_dmask[b, :, : q1 - q0, : k1 - k0]
+        assert torch.equal((block != 0), blocks[None, q0:q1, k0:k1].expand_as(block))
+        assert torch.equal((block > 0)[block != 0], mask[0, :, q0:q1, k0:k1][block != 0])
+        assert not s_dmask[b, :, q1 - q0 :].any() and not s_dmask[b, :, :, k1 - k0 :].any()
     out.backward(dout)
     results = {
         "out": out[None],

@@ -39,16 +39,19 @@ def make_varlen(seqlens_q, seqlens_k, nheads, nheads_k, head_dim, dtype=torch.fl
 
 
 def run_varlen(q, k, v, dout, cu_q, cu_k, dlse=None, learnable_sink=None, **kwargs):
-    """flash_attn_varlen_func forward (return_attn_probs) and backward of (out * dout).sum() (+ lse * dlse)."""
+    """flash_attn_varlen_func forward (return_attn_probs) and backward of (out * dout).sum() (+ lse * dlse);
+    with dropout also its S_dmask ("s_dmask")."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     sink = None if learnable_sink is None else learnable_sink.detach().clone().requires_grad_()
     max_q, max_k = int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
     out, lse, probs = flashtile.flash_attn_varlen_func(
         *leaves, cu_q, cu_k, max_q, max_k, return_attn_probs=True, learnable_sink=sink, **kwargs
     )
-    assert probs is None
+    assert (probs is None) == (kwargs.get("dropout_p", 0.0) == 0.0)  # flash_attn's S_dmask, with dropout only
     torch.autograd.backward([out, lse] if dlse is not None else [out], [dout, dlse] if dlse is not None else [dout])
     results = {"out": out, "lse": lse, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    if probs is not None:
+        results["s_dmask"] = probs
     if sink is not None:
         results["dsink"] = sink.grad
     return results

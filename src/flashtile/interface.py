@@ -12,7 +12,7 @@ import operator
 
 import torch
 
-from flashtile import _backend, _ops
+from flashtile import _backend, _ops, paged
 from flashtile.reference import attention_probs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -655,10 +655,12 @@ def varlen_attention(
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     block_table: torch.Tensor | None = None,
+    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated entry to the varlen custom op: returns (out (total_q, H, Dv), lse (H, total_q)).
 
     With a block_table, k and v are pages (num_blocks, page_block_size, nheads_k, headdim[_v]).
+    rng_state: the dropout's randomness (``dropout_rng_state``), drawn here when None and dropout_p > 0.
     A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
     if padded is not None:
@@ -666,7 +668,7 @@ def varlen_attention(
         return sliced(
             varlen_attention(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                window_right, softcap, alibi_slopes, learnable_sink, dropout_p, block_table,
+                window_right, softcap, alibi_slopes, learnable_sink, dropout_p, block_table, rng_state,
             ),
             head_dim,
         )  # fmt: skip
@@ -716,7 +718,8 @@ def varlen_attention(
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
-    rng_state = dropout_rng_state(dropout_p, q.device)
+    if rng_state is None:
+        rng_state = dropout_rng_state(dropout_p, q.device)
     args = (
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), window_left,
         window_right, alibi_slopes, softcap, learnable_sink,
@@ -832,15 +835,76 @@ def flash_attn_varlen_func(
 
     Returns:
         out: (total_q, nheads, headdim_v)
-        if return_attn_probs: (out, softmax_lse, None) with softmax_lse (nheads, total_q), float32 (flash_attn
-            2.x's varlen layout), differentiable
+        if return_attn_probs: (out, softmax_lse, S_dmask) with softmax_lse (nheads, total_q), float32 (flash_attn
+            2.x's varlen layout), differentiable, and with dropout S_dmask (batch_size, nheads, max_seqlen_q,
+            max_seqlen_k) (``varlen_dropout_probabilities``; None without dropout)
     """
     left, right = window_bounds(window_size, causal)
+    rng_state = dropout_rng_state(dropout_p, q.device) if return_attn_probs and isinstance(q, torch.Tensor) else None
     out, lse = varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap,
-        alibi_slopes, learnable_sink, dropout_p, block_table,
+        alibi_slopes, learnable_sink, dropout_p, block_table, rng_state,
     )  # fmt: skip
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if rng_state is None:
+        return out, lse, None
+    if block_table is not None:  # the keys of the call without pages (the same mask and probabilities)
+        slots = paged.packed_slots(block_table, cu_seqlens_k, k)
+        k = k[slots]
+    s_dmask = varlen_dropout_probabilities(
+        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, dropout_p,
+        rng_state, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+    )  # fmt: skip
+    return out, lse, s_dmask
+
+
+def varlen_dropout_probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None,
+    window_left: int | None,
+    window_right: int | None,
+    dropout_p: float,
+    rng_state: torch.Tensor,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    **options,
+) -> torch.Tensor:
+    """flash_attn's S_dmask of a varlen forward with dropout: (batch, nheads, max_seqlen_q, max_seqlen_k) in q's
+    dtype, entry [b, h, i, j] for query i and key j of sequence b (0 past the sequence's lengths), as
+    ``dropout_probabilities``: the probabilities, negated where dropped. q (total_q, H, D), k (total_k, Hk, D)
+    packed. The keep mask is read back as there, through the varlen forward (its mask is keyed by head and
+    packed token indices) with one-hot values over packed keys; the lengths are read on the host."""
+    total_q, nheads, _ = q.shape
+    total_k, nheads_k = k.shape[0], k.shape[1]
+    kept = torch.empty(nheads, total_q, total_k, dtype=torch.bool, device=q.device)
+    with torch.no_grad():
+        zero_q, zero_k = q.new_zeros(total_q, nheads, 8), k.new_zeros(total_k, nheads_k, 8)
+        for start in range(0, total_k, MAX_HEAD_DIM):
+            width = min(MAX_HEAD_DIM, total_k - start)
+            one_hot = q.new_zeros(total_k, nheads_k, -(-width // 8) * 8)
+            one_hot[start + torch.arange(width), :, torch.arange(width)] = 1.0
+            out, _ = varlen_attention(
+                zero_q, zero_k, one_hot, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 1.0, window_left,
+                window_right, dropout_p=dropout_p, rng_state=rng_state,
+            )  # fmt: skip
+            kept[..., start : start + width] = (out[..., :width] > 0).permute(1, 0, 2)
+        s_dmask = q.new_zeros(len(cu_seqlens_q) - 1, nheads, max_seqlen_q, max_seqlen_k)
+        window = (-1 if window_left is None else window_left, -1 if window_right is None else window_right)
+        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):  # noqa: B905 (one shorter)
+            slopes = None if alibi_slopes is None else alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+            probs, _ = attention_probs(
+                q[None, q0:q1].float(), k[None, k0:k1].float(), softmax_scale, window_size=window,
+                alibi_slopes=slopes, **options,
+            )  # fmt: skip
+            s_dmask[b, :, : q1 - q0, : k1 - k0] = torch.where(kept[:, q0:q1, k0:k1], probs[0], -probs[0])
+    return s_dmask
 
 
 def flash_attn_varlen_qkvpacked_func(
