@@ -69,14 +69,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_against_oracle_with_the_same_mask(path, case):
+def case_inputs(case, seed):
+    """q, k, v, dout of a CASES entry and its flash_attn_func options ("sink": ALiBi slopes and a sink)."""
     shape, dtype, options = case
-    q, k, v, dout = make_inputs(*shape, dtype=dtype, seed=3)
     options = dict(options)
     if options.pop("sink", False):
         options["alibi_slopes"] = slopes_like((shape[3],))
         options["learnable_sink"] = sinks_like(shape[3])
+    return (*make_inputs(*shape, dtype=dtype, seed=seed), options)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_against_oracle_with_the_same_mask(path, case):
+    shape = case[0]
+    q, k, v, dout, options = case_inputs(case, seed=3)
     mask_options = {key: options[key] for key in ("causal", "window_size") if key in options}
     mask = extract_mask(11, q, k, **mask_options)
     visible = visibility_mask(shape[1], shape[2], **mask_options).to(DEVICE)
@@ -92,12 +98,8 @@ def test_attn_probs_carry_the_dropout_pattern(path, case):
     probabilities (the oracle's, within the tolerance rule) with the forward's own mask as their sign, negative
     where dropped (flash_attn_func's docstring); the mask read back from S_dmask >= 0 reproduces out and the
     gradients through the oracle, as flash_attn's tests use it."""
-    shape, dtype, options = case
-    q, k, v, dout = make_inputs(*shape, dtype=dtype, seed=5)
-    options = dict(options)
-    if options.pop("sink", False):
-        options["alibi_slopes"] = slopes_like((shape[3],))
-        options["learnable_sink"] = sinks_like(shape[3])
+    shape, dtype, _ = case
+    q, k, v, dout, options = case_inputs(case, seed=5)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(13)
     out, lse, s_dmask = flashtile.flash_attn_func(*leaves, dropout_p=P, return_attn_probs=True, **options)
