@@ -103,7 +103,9 @@ TRACED = (
     ("flashtile.ops.attention.backward", "attention_backward"), ("flashtile.ops.attention.backward", "attention_delta"),
     ("flashtile.ops.attention.forward_sm90", "attention_forward_sm90"),
     ("flashtile.ops.attention.backward_sm90", "attention_backward_sm90"),
-    ("flashtile.ops.attention.forward_sm90", "descriptor"), ("flashtile.ops.attention.forward_sm90", "qualifies"),
+    ("flashtile.ops.attention.forward_sm90", "descriptor"),
+    ("flashtile.ops.attention.forward_sm90", "batch_descriptor"), ("flashtile.ops.attention.forward_sm90", "launch"),
+    ("flashtile.ops.attention.forward_sm90", "qualifies"),
     ("flashtile.ops.attention.backward_sm90", "qualifies"), ("torch", "empty"), ("torch", "zeros"),
 )  # fmt: skip
 """(module, function) pairs whose inclusive host time ``host_trace`` reports (each also where imported by name)."""

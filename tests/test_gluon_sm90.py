@@ -202,36 +202,31 @@ def launches(monkeypatch):
     return calls
 
 
-@hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "shape",
-    [(2, 128, 128, 4, 4), (1, 256, 512, 4, 2), (2, 512, 256, 4, 4), (1, 384, 1152, 2, 1), (1, 1024, 1024, 8, 8)],
-    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
-)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_against_oracle(launches, dtype, causal, shape):
-    """Forward and backward against the oracle, both Gluon (MHA, GQA and MQA); Sq > Sk causal has query rows
-    that see no key."""
-    check(*make_inputs(*shape, 128, dtype=dtype), causal=causal)
-    assert launches == [("fwd", causal), ("bwd", causal)]
+ORACLE_CASES = {
+    **{f"D128-B{b}-Sq{sq}-Sk{sk}-H{h}_{hk}": (128, (b, sq, sk, h, hk))
+       for b, sq, sk, h, hk in [(2, 128, 128, 4, 4), (1, 256, 512, 4, 2), (2, 512, 256, 4, 4), (1, 384, 1152, 2, 1),
+                                (1, 1024, 1024, 8, 8)]},
+    **{f"D256-B{b}-Sq{sq}-Sk{sk}-H{h}_{hk}": (256, (b, sq, sk, h, hk))
+       for b, sq, sk, h, hk in [(2, 128, 128, 4, 4), (1, 256, 512, 4, 2), (2, 512, 256, 2, 2), (1, 1000, 1000, 4, 4),
+                                (2, 17, 113, 4, 1)]},
+}  # fmt: skip
+"""(head dim, (B, Sq, Sk, H, Hk)): MHA, GQA and MQA; Sq > Sk (causal: query rows that see no key); at D=256 odd
+lengths too."""
 
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "shape",
-    [(2, 128, 128, 4, 4), (1, 256, 512, 4, 2), (2, 512, 256, 2, 2), (1, 1000, 1000, 4, 4), (2, 17, 113, 4, 1)],
-    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
-)
+@pytest.mark.parametrize("case", ORACLE_CASES.values(), ids=ORACLE_CASES.keys())
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_head_dim_256_against_oracle(launches, dtype, causal, shape):
-    """Head dim 256 (64-key tiles): the forward is Gluon, aligned and odd lengths, GQA and MQA, Sq > Sk causal
-    with query rows that see no key; the backward stays Triton (the Gluon backward serves 64 and 128)."""
-    check(*make_inputs(*shape, 256, dtype=dtype), causal=causal)
-    assert launches == [("fwd", causal)]
+def test_against_oracle(launches, dtype, causal, case):
+    """Forward and backward against the oracle. The forward is Gluon at both head dims; the backward is Gluon
+    where backward_sm90 serves the head dim (its CONFIGS: 64 and 128, not 256) and both lengths are multiples
+    of 128, the Triton one otherwise."""
+    head_dim, shape = case
+    check(*make_inputs(*shape, head_dim, dtype=dtype), causal=causal)
+    gluon_backward = head_dim in backward_sm90.CONFIGS and shape[1] % 128 == 0 and shape[2] % 128 == 0
+    assert launches == [("fwd", causal)] + ([("bwd", causal)] if gluon_backward else [])
 
 
 @hopper

@@ -406,26 +406,37 @@ def dropout_probabilities(
     attention probabilities P, negated where the dropout dropped them (flash_attn's encoding: negative means
     dropped; a key that is hidden from a row has P = 0). For tests: it takes O(seqlen_q * seqlen_k) memory.
 
-    P comes from ``reference.attention_probs`` in float32 (``options``: softcap, alibi_slopes, learnable_sink).
-    The keep mask is the forward's own: the kernels draw it from ``rng_state`` and the (batch, head, row, key)
-    position alone (not the values or the head dims), so the forward runs again here on the same rng_state with
-    q = k = 0 (each visible key then has probability 1 / (visible keys), never 0) and one-hot values (v[j] = e_j)
-    for up to MAX_HEAD_DIM keys at a time: out[i, j] > 0 exactly where key j is kept for row i."""
+    P comes from ``reference.attention_probs`` in float32 (``options``: softcap, alibi_slopes, learnable_sink);
+    the keep mask is the forward's own, read back by ``_dropout_keep_mask``."""
     batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    kept = torch.empty(batch, nheads, seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    window = tuple(-1 if w is None else w for w in (window_left, window_right))
     with torch.no_grad():
-        zero_q, zero_k = q.new_zeros(batch, seqlen_q, nheads, 8), k.new_zeros(batch, seqlen_k, nheads_k, 8)
-        for start in range(0, seqlen_k, MAX_HEAD_DIM):
-            width = min(MAX_HEAD_DIM, seqlen_k - start)
-            one_hot = q.new_zeros(batch, seqlen_k, nheads_k, -(-width // 8) * 8)
-            one_hot[:, start + torch.arange(width), :, torch.arange(width)] = 1.0
-            out, _ = attention(zero_q, zero_k, one_hot, 1.0, window_left, window_right, dropout_p=dropout_p,
-                               rng_state=rng_state)  # fmt: skip
-            kept[..., start : start + width] = (out[..., :width] > 0).permute(0, 2, 1, 3)
-        window = (-1 if window_left is None else window_left, -1 if window_right is None else window_right)
+        zero_q, zero_k = q.new_zeros(batch, seqlen_q, nheads, 8), k.new_zeros(*k.shape[:3], 8)
+
+        def forward(v: torch.Tensor) -> torch.Tensor:
+            return attention(zero_q, zero_k, v, 1.0, window_left, window_right, dropout_p=dropout_p,
+                             rng_state=rng_state)[0]  # fmt: skip
+
+        kept = _dropout_keep_mask(forward, (batch,), k.shape[1], k.shape[2], q)
         probs, _ = attention_probs(q.float(), k.float(), softmax_scale, window_size=window, **options)
     return torch.where(kept, probs, -probs).to(q.dtype)
+
+
+def _dropout_keep_mask(forward, leading: tuple[int, ...], seqlen_k: int, nheads_k: int, like: torch.Tensor):
+    """The keep mask (*leading, nheads, seqlen_q, seqlen_k) bool of a forward with dropout, read back through
+    ``forward(v)``: that forward again (same rng_state, same visibility) with q = k = 0, so that each visible key
+    has probability 1 / (visible keys), never 0, on one-hot values v (*leading, seqlen_k, nheads_k, width),
+    v[..., start + j, :, j] = 1 for up to MAX_HEAD_DIM keys at a time; it returns out (*leading, seqlen_q,
+    nheads, width), and out[..., i, h, j] > 0 exactly where key start + j is kept for row i of head h. The
+    kernels draw the mask from rng_state and the position alone (not the values or the head dims), so it is
+    the mask of the call being reproduced. ``like``: a tensor of the values' dtype and device."""
+    kept = []
+    for start in range(0, seqlen_k, MAX_HEAD_DIM):
+        width = min(MAX_HEAD_DIM, seqlen_k - start)
+        one_hot = like.new_zeros(*leading, seqlen_k, nheads_k, -(-width // 8) * 8)
+        one_hot[..., start + torch.arange(width), :, torch.arange(width)] = 1.0
+        kept.append((forward(one_hot)[..., :width] > 0).movedim(-2, -3))
+    return torch.cat(kept, dim=-1)
 
 
 def flash_attn_qkvpacked_func(
@@ -878,27 +889,23 @@ def varlen_dropout_probabilities(
     """flash_attn's S_dmask of a varlen forward with dropout: (batch, nheads, max_seqlen_q, max_seqlen_k) in q's
     dtype, entry [b, h, i, j] for query i and key j of sequence b (0 past the sequence's lengths), as
     ``dropout_probabilities``: the probabilities, negated where dropped. q (total_q, H, D), k (total_k, Hk, D)
-    packed. The keep mask is read back as there, through the varlen forward (its mask is keyed by head and
-    packed token indices) with one-hot values over packed keys; the lengths are read on the host."""
-    total_q, nheads, _ = q.shape
-    total_k, nheads_k = k.shape[0], k.shape[1]
-    kept = torch.empty(nheads, total_q, total_k, dtype=torch.bool, device=q.device)
+    packed. The keep mask is read back through the varlen forward (its mask is keyed by head and packed token
+    indices: ``_dropout_keep_mask`` over the packed keys); the lengths are read on the host."""
+    window = tuple(-1 if w is None else w for w in (window_left, window_right))
     with torch.no_grad():
-        zero_q, zero_k = q.new_zeros(total_q, nheads, 8), k.new_zeros(total_k, nheads_k, 8)
-        for start in range(0, total_k, MAX_HEAD_DIM):
-            width = min(MAX_HEAD_DIM, total_k - start)
-            one_hot = q.new_zeros(total_k, nheads_k, -(-width // 8) * 8)
-            one_hot[start + torch.arange(width), :, torch.arange(width)] = 1.0
-            out, _ = varlen_attention(
-                zero_q, zero_k, one_hot, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 1.0, window_left,
+        zero_q, zero_k = q.new_zeros(*q.shape[:2], 8), k.new_zeros(*k.shape[:2], 8)
+
+        def forward(v: torch.Tensor) -> torch.Tensor:
+            return varlen_attention(
+                zero_q, zero_k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 1.0, window_left,
                 window_right, dropout_p=dropout_p, rng_state=rng_state,
-            )  # fmt: skip
-            kept[..., start : start + width] = (out[..., :width] > 0).permute(1, 0, 2)
-        s_dmask = q.new_zeros(len(cu_seqlens_q) - 1, nheads, max_seqlen_q, max_seqlen_k)
-        window = (-1 if window_left is None else window_left, -1 if window_right is None else window_right)
+            )[0]  # fmt: skip
+
+        kept = _dropout_keep_mask(forward, (), k.shape[0], k.shape[1], q)  # (nheads, total_q, total_k)
+        s_dmask = q.new_zeros(len(cu_seqlens_q) - 1, q.shape[1], max_seqlen_q, max_seqlen_k)
         cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for b, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):  # noqa: B905 (one shorter)
-            slopes = None if alibi_slopes is None else alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+        for b, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False)):
+            slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
             probs, _ = attention_probs(
                 q[None, q0:q1].float(), k[None, k0:k1].float(), softmax_scale, window_size=window,
                 alibi_slopes=slopes, **options,

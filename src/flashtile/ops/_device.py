@@ -24,8 +24,9 @@ def on_input_device(launcher):
 
     @functools.wraps(launcher)
     def on_device(x: torch.Tensor, *args, **kwargs):
-        if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
-            with torch.cuda.device(x.device):
+        device = x.device
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
                 return launcher(x, *args, **kwargs)
         return launcher(x, *args, **kwargs)
 

@@ -582,8 +582,10 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
     """``kernel[grid](*args, **constexprs, num_warps=4)`` on the current device and stream, past Triton's
     per-call binding after the first launch of a ``launch_key``.
 
-    ``JITFunction.run`` binds, specializes and hashes every argument on each call, about 40 µs of the Gluon
-    forward's host path on the H200 machine (docs/tuning-log.md, "Direct launches"). The first launch of a key
+    ``JITFunction.run`` binds, specializes and hashes every argument on each call: in the traced host path of
+    the H200 machine (results/2026-11-30-h200x2-hosttrace-be635c4.log) the forward's JITFunction.run took
+    50.5 µs per call, 19.9 of them in the launcher that still runs here; the saving itself is not measured
+    yet (latency.py's flashtile-binder rows; docs/tuning-log.md, session 6 item 4). The first launch of a key
     goes through it (compiling, or loading from Triton's disk cache) and keeps the compiled kernel it returns;
     later launches of the key hand that kernel the same arguments directly: ``args`` are the kernel's leading
     non-constexpr parameters in order, ``constexprs`` name all the rest.
