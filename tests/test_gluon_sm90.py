@@ -130,12 +130,14 @@ def test_backward_qualifies():
     )
     packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.float16)
     assert backward_sm90.qualifies(*packed.unbind(2), torch.empty(2, 256, 4, 128, dtype=torch.float16), True)
+    q, k, v = qkv(nheads_k=4, head_dim=256)  # the OUTPUT_SPLIT config
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=True)
 
 
 @pytest.mark.parametrize(
     "nheads, nheads_k, head_dim",
-    [(4, 2, 128), (8, 2, 64), (8, 1, 128), (8, 1, 64)],
-    ids=["gqa", "gqa-D64", "mqa", "mqa-D64"],
+    [(4, 2, 128), (8, 2, 64), (8, 2, 256), (8, 1, 128), (8, 1, 64), (8, 1, 256)],
+    ids=["gqa", "gqa-D64", "gqa-D256", "mqa", "mqa-D64", "mqa-D256"],
 )
 def test_backward_qualifies_gqa(nheads, nheads_k, head_dim):
     q, k, v = qkv(nheads=nheads, nheads_k=nheads_k, head_dim=head_dim)
@@ -159,8 +161,10 @@ def test_backward_causal_group_limit():
         dict(nheads_k=4, head_dim=96),
         dict(nheads_k=4, seqlen_q=200),
         dict(nheads_k=4, seqlen_k=200),
+        dict(nheads_k=4, head_dim=256, seqlen_q=192),
+        dict(nheads_k=4, head_dim=192),
     ],
-    ids=["H4_3", "H2_4", "D96", "Sq200", "Sk200"],
+    ids=["H4_3", "H2_4", "D96", "Sq200", "Sk200", "D256-Sq192", "D192"],
 )
 def test_backward_rejects(case):
     q, k, v = qkv(**case)
@@ -229,9 +233,11 @@ def test_against_oracle(launches, dtype, causal, shape):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_head_dim_256_against_oracle(launches, dtype, causal, shape):
     """Head dim 256 (64-key tiles): the forward is Gluon, aligned and odd lengths, GQA and MQA, Sq > Sk causal
-    with query rows that see no key; the backward stays Triton (the Gluon backward serves 64 and 128)."""
+    with query rows that see no key; the backward is Gluon too (its OUTPUT_SPLIT kernel) where both lengths
+    are multiples of 128, else Triton."""
     check(*make_inputs(*shape, 256, dtype=dtype), causal=causal)
-    assert launches == [("fwd", causal)]
+    aligned = shape[1] % 128 == 0 and shape[2] % 128 == 0
+    assert launches == [("fwd", causal), ("bwd", causal)] if aligned else [("fwd", causal)]
 
 
 @hopper
@@ -319,10 +325,43 @@ def test_backward_head_dim_64(launches, dtype, causal, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "shape",
+    [(2, 128, 128, 4), (1, 256, 640, 2), (2, 640, 256, 4), (1, 2048, 1024, 4), (1, 1024, 2048, 2)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}".format(*s),
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_backward_head_dim_256(launches, dtype, causal, shape):
+    """Head dim 256, the OUTPUT_SPLIT kernel (64-key CTAs; WG 0: S, P and dV, WG 1: dP, dS and dK, dQ split by
+    columns): one key tile and many, Sq != Sk both ways (Sq > Sk causal: query rows that see no key; Sq < Sk
+    causal: key tiles past the last query's diagonal), with a gradient at the LSE too; dq, dk and dv against
+    the oracle through ``check``."""
+    batch, seqlen_q, seqlen_k, nheads = shape
+    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 256, dtype=dtype)
+    dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
+    check(q, k, v, dout, dlse=dlse, causal=causal)
+    assert launches == [("fwd", causal), ("bwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_head_dim_256_many_ctas(launches, causal):
+    """Head dim 256 with more CTAs (64-key tiles x K/V heads x batch entries) than SMs and long query walks:
+    the Q/dO ring, the P^T hand-over and the two dS^T buffers carry on over many iterations and query heads
+    (GQA 4:1)."""
+    q, k, v, dout = make_inputs(2, 4096, 4096, 8, 2, 256, dtype=torch.bfloat16)
+    check(q, k, v, dout, causal=causal)
+    assert launches == [("fwd", causal), ("bwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
     [(2, 256, 384, 8, 2), (1, 512, 512, 8, 1), (2, 1024, 1024, 16, 4)],
     ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
 )
-@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_backward_gqa(launches, dtype, causal, head_dim, shape):
