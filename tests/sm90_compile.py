@@ -289,9 +289,10 @@ def gluon_source(kernel_name: str, consts: dict):
                "nheads": "i32", "group": "i32"}  # fmt: skip
     else:
         kernel, rows_q, rows_k = backward_sm90._attention_backward_sm90_kernel, consts["BLOCK_M"], consts["BLOCK_N"]
+        rows_out = rows_k if consts["OUTPUT_SPLIT"] else rows_k // 2  # dK / dV rows per warpgroup
         sig = {"q_desc": descriptor(rows_q, head_dim), "do_desc": descriptor(rows_q, head_dim),
                "k_desc": descriptor(rows_k, head_dim), "v_desc": descriptor(rows_k, head_dim),
-               "dk_desc": descriptor(rows_k // 2, head_dim), "dv_desc": descriptor(rows_k // 2, head_dim),
+               "dk_desc": descriptor(rows_out, head_dim), "dv_desc": descriptor(rows_out, head_dim),
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))

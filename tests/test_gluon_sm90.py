@@ -53,7 +53,7 @@ def test_qualifies_any_lengths(seqlens):
 @pytest.mark.parametrize(
     "case",
     [
-        dict(head_dim=64),
+        dict(head_dim=96),
         dict(head_dim=192),
         dict(dtype=torch.float32),
         dict(seqlen_k=0),
@@ -98,16 +98,19 @@ def test_gluon_device(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, persistent",
-    [(128, False, True), (128, True, False), (256, False, False), (256, True, False)],
+    "head_dim, causal, persistent, schedule",
+    [(128, False, True, "static"), (128, True, True, "dynamic"), (256, False, False, "static"),
+     (256, True, False, "static")],
     ids=["D128-full", "D128-causal", "D256-full", "D256-causal"],
-)
-def test_launch_is_persistent_at_head_dim_128_without_causal(monkeypatch, head_dim, causal, persistent):
-    """A one-dimensional grid of min(work items, SMs) CTAs at D=128 without causal (O through its own tile), one
-    CTA per work item (query tiles x heads x batch entries) otherwise; the constexprs of the head dim's config."""
+)  # fmt: skip
+def test_launch_is_persistent_at_head_dim_128(monkeypatch, head_dim, causal, persistent, schedule):
+    """A one-dimensional grid of min(work items, SMs) CTAs at D=128 (O through its own tile), the static walk
+    without causal and the dynamic one (tickets, heaviest first over all heads) with causal; one CTA per work
+    item (query tiles x heads x batch entries), static, at D=256; the constexprs of the head dim's config.
+    Every launch passes the device's counters (zero between launches: ``forward_sm90.schedule_counters``)."""
     launches = []
     monkeypatch.setattr(
-        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, constexprs))
+        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, args, constexprs))
     )
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
     for batch, seqlen_q, nheads, items in ((4, 1024, 16, 512), (3, 200, 2, 12)):
@@ -115,10 +118,12 @@ def test_launch_is_persistent_at_head_dim_128_without_causal(monkeypatch, head_d
         out = torch.empty_like(q)
         lse = torch.empty(batch, nheads, seqlen_q)
         forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, causal)
-        grid, constexprs = launches[-1]
+        grid, args, constexprs = launches[-1]
         assert grid == (min(items, 132) if persistent else items, 1, 1)
         assert constexprs["O_TILE"] == forward_sm90.CONFIGS[head_dim]["O_TILE"] == (head_dim == 128)
         assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
+        assert constexprs["SCHEDULE"] == schedule
+        assert args[5] is forward_sm90.schedule_counters(q.device)
 
 
 def test_backward_qualifies():
@@ -130,12 +135,14 @@ def test_backward_qualifies():
     )
     packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.float16)
     assert backward_sm90.qualifies(*packed.unbind(2), torch.empty(2, 256, 4, 128, dtype=torch.float16), True)
+    q, k, v = qkv(nheads_k=4, head_dim=256)  # the OUTPUT_SPLIT config
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=True)
 
 
 @pytest.mark.parametrize(
     "nheads, nheads_k, head_dim",
-    [(4, 2, 128), (8, 2, 64), (8, 1, 128), (8, 1, 64)],
-    ids=["gqa", "gqa-D64", "mqa", "mqa-D64"],
+    [(4, 2, 128), (8, 2, 64), (8, 2, 256), (8, 1, 128), (8, 1, 64), (8, 1, 256)],
+    ids=["gqa", "gqa-D64", "gqa-D256", "mqa", "mqa-D64", "mqa-D256"],
 )
 def test_backward_qualifies_gqa(nheads, nheads_k, head_dim):
     q, k, v = qkv(nheads=nheads, nheads_k=nheads_k, head_dim=head_dim)
@@ -159,8 +166,10 @@ def test_backward_causal_group_limit():
         dict(nheads_k=4, head_dim=96),
         dict(nheads_k=4, seqlen_q=200),
         dict(nheads_k=4, seqlen_k=200),
+        dict(nheads_k=4, head_dim=256, seqlen_q=192),
+        dict(nheads_k=4, head_dim=192),
     ],
-    ids=["H4_3", "H2_4", "D96", "Sq200", "Sk200"],
+    ids=["H4_3", "H2_4", "D96", "Sq200", "Sk200", "D256-Sq192", "D192"],
 )
 def test_backward_rejects(case):
     q, k, v = qkv(**case)
@@ -221,7 +230,7 @@ lengths too."""
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_against_oracle(launches, dtype, causal, case):
     """Forward and backward against the oracle. The forward is Gluon at both head dims; the backward is Gluon
-    where backward_sm90 serves the head dim (its CONFIGS: 64 and 128, not 256) and both lengths are multiples
+    where backward_sm90 serves the head dim (its CONFIGS) and both lengths are multiples
     of 128, the Triton one otherwise."""
     head_dim, shape = case
     check(*make_inputs(*shape, head_dim, dtype=dtype), causal=causal)
@@ -260,16 +269,66 @@ def test_any_lengths_against_oracle(launches, dtype, causal, shape):
 def test_persistent_programs_take_several_work_items(monkeypatch, launches, head_dim, causal, shape):
     """More query tiles x heads x batch entries than SMs, min(items, SMs) CTAs: each walks several work items,
     so the K/V ring, the Q hand-over, the ping-pong turns and the O staging carry on from one item to the next.
-    D=128 without causal launches so; the other variants launch one CTA per item and are made persistent here
-    (the kernel takes any CTA count): causal's heaviest-first order, and at D=256 (no O tile) the Q tile that O
-    leaves through, handed to the next item once the store has read it."""
+    D=128 without causal launches so; the others are made persistent with the static walk here (the kernel takes
+    any CTA count and either schedule): causal's heaviest-first order per head (D=128 causal launches the
+    dynamic schedule: test_dynamic_schedule_back_to_back), and at D=256 (no O tile) the Q tile that O leaves
+    through, handed to the next item once the store has read it."""
     batch, seqlen_q, _, nheads, _ = shape
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert -(-seqlen_q // 128) * nheads * batch > 2 * sms
     if head_dim == 256 or causal:
-        monkeypatch.setattr(forward_sm90, "programs", lambda items, *rest: min(items, sms))
+        monkeypatch.setattr(forward_sm90, "programs", lambda items, *rest: (min(items, sms), "static"))
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=causal)
     assert launches[0] == ("fwd", causal)
+
+
+def _counters_are_zero(device) -> bool:
+    """Whether the dynamic schedule's counters (and the rest of the device's buffer) are back to zero."""
+    torch.cuda.synchronize()
+    return not forward_sm90.schedule_counters(device).any()
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(4, 2048, 2048, 16, 16), (3, 1999, 2301, 16, 4), (2, 2301, 1999, 16, 16), (1, 77, 4095, 8, 8)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)
+def test_dynamic_schedule_back_to_back(launches, shape):
+    """D=128 causal launches the dynamic schedule (persistent CTAs drawing tickets, heaviest first over all
+    heads); with many more items than SMs (but the last shape, 8 items), GQA, odd lengths, Sq < Sk and Sq > Sk
+    (rows that see no key): against the oracle, then three more forwards back to back, each equal bit for bit
+    to the first (an item's result does not depend on which CTA drew it) and each leaving the counters zero for
+    the next launch."""
+    q, k, v, dout = make_inputs(*shape, 128, dtype=torch.bfloat16)
+    check(q, k, v, dout, causal=True)
+    assert _counters_are_zero(q.device)
+    expected = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2]
+    assert _counters_are_zero(q.device)
+    for _ in range(3):
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        assert _counters_are_zero(q.device)
+        assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+    assert launches[0] == ("fwd", True) and set(launches) <= {("fwd", True), ("bwd", True)}  # bwd: multiples of 128
+
+
+@hopper
+@pytest.mark.gpu
+def test_dynamic_schedule_cuda_graph_replay(launches):
+    """The dynamic schedule captured in a CUDA graph (after eager launches on a side stream, ``capture``, so the
+    device's counters exist and are zero): each replay draws from them and leaves them zero, and equals the eager
+    forward bit for bit; 512 items, several per CTA."""
+    q, k, v, _ = make_inputs(4, 1024, 1024, 16, 16, 128, dtype=torch.bfloat16)
+    expected = flashtile.flash_attn_func(q, k, v, causal=True)
+    graph, out = capture(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
+    assert _counters_are_zero(q.device)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert _counters_are_zero(q.device)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert launches and set(launches) == {("fwd", True)}
 
 
 @hopper
@@ -301,13 +360,46 @@ def test_any_lengths_stay_in_their_batch_entry(head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_backward_head_dim_64(launches, dtype, causal, shape):
-    """Head dim 64: only the backward is Gluon (the forward keeps the Triton kernel); with a gradient at the
-    LSE too (delta = rowsum(dout * out) - dlse)."""
+    """Head dim 64: forward and backward Gluon; with a gradient at the LSE too (delta = rowsum(dout * out) -
+    dlse)."""
     batch, seqlen_q, seqlen_k, nheads = shape
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 64, dtype=dtype)
     dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
     check(q, k, v, dout, dlse=dlse, causal=causal)
-    assert launches == [("bwd", causal)]
+    assert launches == [("fwd", causal), ("bwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 128, 128, 4), (1, 256, 640, 2), (2, 640, 256, 4), (1, 2048, 1024, 4), (1, 1024, 2048, 2)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}".format(*s),
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_backward_head_dim_256(launches, dtype, causal, shape):
+    """Head dim 256, the OUTPUT_SPLIT kernel (64-key CTAs; WG 0: S, P and dV, WG 1: dP, dS and dK, dQ split by
+    columns): one key tile and many, Sq != Sk both ways (Sq > Sk causal: query rows that see no key; Sq < Sk
+    causal: key tiles past the last query's diagonal), with a gradient at the LSE too; dq, dk and dv against
+    the oracle through ``check``."""
+    batch, seqlen_q, seqlen_k, nheads = shape
+    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 256, dtype=dtype)
+    dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
+    check(q, k, v, dout, dlse=dlse, causal=causal)
+    assert launches == [("fwd", causal), ("bwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_head_dim_256_many_ctas(launches, causal):
+    """Head dim 256 with more CTAs (64-key tiles x K/V heads x batch entries) than SMs and long query walks:
+    the Q/dO ring, the P^T hand-over and the two dS^T buffers carry on over many iterations and query heads
+    (GQA 4:1)."""
+    q, k, v, dout = make_inputs(2, 4096, 4096, 8, 2, 256, dtype=torch.bfloat16)
+    check(q, k, v, dout, causal=causal)
+    assert launches == [("fwd", causal), ("bwd", causal)]
 
 
 @hopper
@@ -317,7 +409,7 @@ def test_backward_head_dim_64(launches, dtype, causal, shape):
     [(2, 256, 384, 8, 2), (1, 512, 512, 8, 1), (2, 1024, 1024, 16, 4)],
     ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
 )
-@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_backward_gqa(launches, dtype, causal, head_dim, shape):
@@ -573,3 +665,15 @@ def test_launch_key_follows_triton_specialization(monkeypatch):
     assert key(CAUSAL=False) != base
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert key() != base
+
+
+def test_schedule_counters_are_the_forwards_own():
+    """The dynamic schedule's two counters: zero, kept per device, and not the split-KV decode's buffer (two
+    users of one counter on two streams would draw each other's tickets)."""
+    from flashtile.ops.decode import split_kv
+
+    device = torch.device("cpu")
+    counters = forward_sm90.schedule_counters(device)
+    assert counters.dtype == torch.int32 and counters.numel() == 2 and not counters.any()
+    assert forward_sm90.schedule_counters(device) is counters
+    assert split_kv.split_counters(device, 2) is not counters

@@ -69,6 +69,8 @@ EXPECTED_STACK = {
     "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 causal off": 24,  # MHA (GROUPED off); 16 before GQA
     "_attention_backward_sm90_kernel backward_sm90 D64 64x128/s3 full off": 0,
     "_attention_backward_sm90_kernel backward_sm90 D64 64x128/s3 causal off": 0,
+    "_attention_backward_sm90_kernel backward_sm90 D256 64x64/s2 full off": 0,
+    "_attention_backward_sm90_kernel backward_sm90 D256 64x64/s2 causal off": 0,
 }
 
 

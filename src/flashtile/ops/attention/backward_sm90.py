@@ -6,9 +6,9 @@ default) run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
 seven, because dQ is added into an fp32 accumulator with atomics, in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
-64 or 128; MHA, GQA or MQA (nheads a multiple of nheads_k; causal: at most MAX_CAUSAL_GROUP query heads per
-K/V head); bf16/fp16; both lengths multiples of 128; the
-layouts of ``forward_sm90.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
+64, 128 or 256 (256: the OUTPUT_SPLIT variant below); MHA, GQA or MQA (nheads a multiple of nheads_k; causal:
+at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; the layouts of
+``forward_sm90.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
 sm_90 without a GPU, and the GPU tests run it against the oracle.
 
 Measured on an H200 (bf16, TFLOP/s, backward = 2.5 x the forward's FLOP; benchmarks/results/
@@ -28,7 +28,8 @@ Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros; the 
 Hk, B), adds dQ partials into dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input
 dtype.
 
-One CTA per (BLOCK_N = 128 key rows, K/V head hk, batch entry), 64 key rows per consumer warpgroup. GQA: the
+Head dims 64 and 128 (the key split, ``_consumer``): one CTA per (BLOCK_N = 128 key rows, K/V head hk, batch
+entry), 64 key rows per consumer warpgroup. GQA: the
 CTA serves the group = H / Hk query heads h = hk * group + g that read its K/V head, in one flat loop of
 n_iters = group * n_tiles iterations over (g, query tile) pairs (``_pair``: iteration i is head g = i //
 n_tiles, tile i % n_tiles; n_tiles, the query tiles per head, is the same for every head, causal or not).
@@ -62,6 +63,33 @@ next changes nothing in the pipeline; dK and dV simply keep accumulating (that i
   Sq) (clipped at 0); only tiles crossing the diagonal apply the mask. Rows with lse = -inf (they see no
   key) get lse = +inf, so exp2 gives exactly 0 there, not NaN.
 
+Head dim 256 (OUTPUT_SPLIT, ``_consumer_by_output``): dK_wg and dV_wg of the key split would be 2 x [64, 256]
+fp32 = 2 x 128 registers per thread, beyond the 240 a consumer gets. Instead one CTA per (BLOCK_N = 64 key rows,
+K/V head, batch entry), and both consumer warpgroups see all 64 keys but split the work by output (the
+producer, the flat (g, query tile) loop, _probs, _dq_step and the TMA epilogue are shared with the key split):
+  * WG 0:  S^T = K Q^T [64 keys, 64 queries] (K-dim 256), P^T = exp2(...) (the causal mask as above), P^T
+           (fp32) to p_smem for WG 1, then dV += P^T dO (A from registers) [64 keys, 256], 128 registers;
+  * WG 1:  dP^T = V dO^T (in flight together with WG 0's S^T), then with WG 0's P^T:
+           dS^T = P^T * (dP^T - delta) * scale, dK += dS^T Q [64 keys, 256], 128 registers, and dS^T (the
+           input dtype) to the dS^T buffer [64 keys, 64 queries];
+  * both:  dQ[:, WG * 128 : (WG + 1) * 128] = dS K[:, those columns] (_dq_step, as DQ_SPLIT at D=128), added
+           to dq_accum with the same relaxed fp32 atomics.
+  Per iteration each warpgroup issues 2.5 of the 5 [64 x 64 x 256]-sized products. WG 0's dV product runs
+  while WG 1 computes dS^T, but WG 1 waits while WG 0 computes P^T (a bubble the key split does not have:
+  there each warpgroup's exponentials overlap the other's products).
+  Barriers (besides the shared ones): p_ready / p_free (count 1 each, one P^T buffer: WG 0 writes it once WG 1
+  has read the previous one); ds_ready has count 1 here (only WG 1 writes dS^T), ds_free keeps count 2 (both
+  dQ products read it); qdo_empty (count 2): WG 0 releases a slot once its dV product (Q: S^T, dO) has
+  retired, WG 1 once its dK product (dO: dP^T, Q) has; kv_done (count 2): V is read by WG 1's dP^T and K by
+  both dQ products, so dV (WG 0, through the V tile) and dK (WG 1, through the K tile) wait for both.
+  Registers per thread (240 per consumer): the accumulator 128, plus at most (during _dq_step) the dQ half
+  [64, 128] fp32 64 and the accumulating product's A operand 16; S^T / dP^T / P^T [64, 64] fp32 are 32 each
+  and dead by then. ptxas: no spill (stack 0; 8 bytes causal GQA, as at D=128). Shared memory: Q and dO
+  rings of STAGES = 2 x 32 KiB each (128 KiB), K and V 32 KiB each, two dS^T buffers 2 x 8 KiB, P^T 16 KiB,
+  lse/delta 1 KiB: 230,944-230,960 bytes of the 232,448 (227 KiB) of a CTA (tests/sm90_compile.py); a third stage
+  does not fit. P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T would
+  save 8 KiB).
+
 Register-pressure notes (what keeps D=128 from spilling; keep them in mind when editing):
   * LLVM hoists loop-invariant address arithmetic out of the query-tile loop and ptxas then spills it.
     The wgmma descriptors of the K and V tiles are kept in the loop by indexing the (single-slot) K/V
@@ -92,11 +120,19 @@ from flashtile.ops.attention.tiles import LOG2E
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (198 KiB of shared
     # memory); a fourth at D=64 gained nothing
-    128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-}
-"""Per head dim: query rows per tile, key rows per CTA (two warpgroups), Q/dO ring depth, dQ columns split
-between the warpgroups (needs 64-column halves: head dim 128), registers per thread of consumers / producer."""
+    128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False, "CONSUMER_REGS": 240,
+          "PRODUCER_REGS": 24},
+    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": False, "OUTPUT_SPLIT": False, "CONSUMER_REGS": 240,
+         "PRODUCER_REGS": 24},
+    # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two stages fill
+    # 230,944-230,960 bytes of shared memory (a third does not fit); not yet measured on a GPU
+    256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DQ_SPLIT": True, "OUTPUT_SPLIT": True, "CONSUMER_REGS": 240,
+          "PRODUCER_REGS": 24},
+}  # fmt: skip
+"""Per head dim: query rows per tile, key rows per CTA, Q/dO ring depth, dQ columns split between the warpgroups
+(needs 64-column halves: head dims 128 and 256), the warpgroups split the work by output (OUTPUT_SPLIT, both
+see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), registers per thread of consumers /
+producer."""
 
 
 # ------------------------------------------------------------------------------------------------ loop
@@ -211,13 +247,39 @@ def _probs(
 
 
 @gluon.jit
+def _iteration(
+    i,
+    q_smem,
+    do_smem,
+    ds_smem,
+    k_smem,
+    v_smem,
+    n_tiles,
+    m_start,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUPED: gl.constexpr,
+):
+    """A consumer's view of iteration i: (s, ph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it), the Q/dO
+    ring slot and its barrier parity, the dS^T buffer (two, used alternately) and its parity, the query head
+    of the group and first query row (``_pair``), the Q, dO and dS^T tiles, and the K and V tiles indexed by
+    an opaque 0 (side-effecting inline asm, so not hoisted): the K/V wgmma descriptors are computed in the
+    loop instead of being hoisted out of it into ~48 registers that ptxas would spill."""
+    s = i % STAGES
+    b = i % 2
+    g, q0 = _pair(i, n_tiles, m_start, BLOCK_M, GROUPED)
+    zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
+    return (
+        s, (i // STAGES) & 1, b, (i // 2) & 1, g, q0,
+        q_smem.index(s), do_smem.index(s), ds_smem.index(b), k_smem.index(zero), v_smem.index(zero),
+    )  # fmt: skip
+
+
+@gluon.jit
 def _dq_step(
-    dv_tok,
-    dk_tok,
+    pending,
     ds_buf,
     k_cols,
-    q_tile,
-    do_tile,
     ds_ready,
     ds_phase,
     qdo_empty,
@@ -229,15 +291,16 @@ def _dq_step(
     BLOCK_M: gl.constexpr,
     DQ_COLS: gl.constexpr,
 ):
-    """Once both warpgroups' dS^T halves are in ds_buf [BLOCK_N keys, BLOCK_M queries]: dQ[:, col0 : col0 +
-    DQ_COLS] of query rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq (rows of
-    row_stride floats) with relaxed fp32 atomics. Also retires this iteration's dV and dK products (issued
-    before, so they complete first) and releases the Q/dO slot and the dS buffer. Returns dv, dk."""
+    """Once dS^T is complete in ds_buf [keys, BLOCK_M queries] (ds_ready): dQ[:, col0 : col0 + DQ_COLS] of query
+    rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq (rows of row_stride floats) with relaxed
+    fp32 atomics. Also retires this iteration's accumulating products (issued before, so they complete first)
+    and releases the Q/dO slot and the dS buffer. ``pending``: those products' wgmma tokens followed by the
+    Q and dO tiles they read; returns ``warpgroup_mma_wait``'s tuple of them (the accumulators first)."""
     dq_layout: gl.constexpr = mma_layout(DQ_COLS)
     mbarrier.wait(ds_ready, ds_phase)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-    dv, dk = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
+    done = warpgroup_mma_wait(1, deps=pending)
     mbarrier.arrive(qdo_empty, count=1)
     dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_cols))[0]
     mbarrier.arrive(ds_free, count=1)
@@ -245,7 +308,17 @@ def _dq_step(
     cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
     ptrs = dq_ptr + rows[:, None] * row_stride + cols[None, :]
     gl.atomic_add(ptrs, dq, sem="relaxed")
-    return dv, dk
+    return done
+
+
+@gluon.jit
+def _write_back(acc, tile, desc, row, col):
+    """acc (fp32 registers) in the input dtype into ``tile`` (shared memory no product reads any more), then a
+    TMA store of the tile at [row, col] of ``desc`` (the caller waits for it with tma.store_wait)."""
+    tile.store(acc.to(tile.dtype))
+    fence_async_shared()
+    partition_barrier()  # every thread of the warpgroup has written (and fenced) its part
+    tma.async_copy_shared_to_global(desc, [row, col], tile)
 
 
 @gluon.jit
@@ -260,7 +333,8 @@ def _consumer(
     DQ_SPLIT: gl.constexpr,
     GROUPED: gl.constexpr,
 ):
-    """One consumer warpgroup (WG 0 or 1): key rows kv_start + WG * N_WG .. + N_WG of the CTA's tile, all
+    """One consumer warpgroup (WG 0 or 1) of the key split (head dims 64 and 128; OUTPUT_SPLIT off): key rows
+    kv_start + WG * N_WG .. + N_WG of the CTA's tile, all
     n_iters (query head, query tile) pairs (``_pair``); accumulates dK_wg and dV_wg over them in registers
     (summed over the group's heads), adds each pair's dQ partial to its head's columns of dq (see _dq_step;
     dq_ptr: the batch entry's row 0, the group's first head), stores dK_wg and dV_wg at the end. ``args``: the
@@ -310,20 +384,10 @@ def _consumer(
 
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iters):
-        s = i % STAGES
-        ph = (i // STAGES) & 1
-        b = i % 2
-        bph = (i // 2) & 1
-        g, q0 = _pair(i, n_tiles, m_start, BLOCK_M, GROUPED)
+        s, ph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
+            i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, GROUPED
+        )
         dq_col0 = g * HEAD_D
-        q_tile = q_smem.index(s)
-        do_tile = do_smem.index(s)
-        ds_buf = ds_smem.index(b)
-        # an opaque 0 (side-effecting inline asm, so not hoisted): the K/V wgmma descriptors are computed
-        # in the loop instead of being hoisted out of it into ~48 registers that ptxas would spill
-        zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
-        k_it = k_smem.index(zero)
-        v_it = v_smem.index(zero)
         k_wg = k_it.slice(WG * N_WG, N_WG)
         v_wg = v_it.slice(WG * N_WG, N_WG)
 
@@ -353,17 +417,17 @@ def _consumer(
         if DQ_SPLIT:
             # each warpgroup: columns [WG * D/2, (WG + 1) * D/2) of the dQ partial
             dv, dk = _dq_step(
-                dv_tok, dk_tok, ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1), q_tile, do_tile,
+                (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
                 dq_ptr, q0, dq_col0 + WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
-            )  # fmt: skip
+            )[:2]  # fmt: skip
         elif b == WG:
             # warpgroup (i % 2) computes the whole dQ partial of iteration i
             dv, dk = _dq_step(
-                dv_tok, dk_tok, ds_buf, k_it, q_tile, do_tile,
+                (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it,
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
                 dq_ptr, q0, dq_col0, row_stride, BLOCK_M, DQ_COLS,
-            )  # fmt: skip
+            )[:2]  # fmt: skip
         else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
             mbarrier.arrive(qdo_empty.index(s), count=1)
@@ -373,15 +437,126 @@ def _consumer(
     # TMA stores. V_wg is read only by this warpgroup, so it can take dV at once; K is read by both
     # warpgroups' dQ products, so dK waits until both have left the loop (kv_done, count 2).
     mbarrier.arrive(kv_done, count=1)
-    dv_tile = v_smem.index(0).slice(WG * N_WG, N_WG)
-    dv_tile.store(dv.to(dtype))
-    dk_tile = k_smem.index(0).slice(WG * N_WG, N_WG)
+    _write_back(dv, v_smem.index(0).slice(WG * N_WG, N_WG), dv_desc, kv_row + WG * N_WG, kv_col)
     mbarrier.wait(kv_done, 0)
-    dk_tile.store(dk.to(dtype))
-    fence_async_shared()
-    partition_barrier()
-    tma.async_copy_shared_to_global(dv_desc, [kv_row + WG * N_WG, kv_col], dv_tile)
-    tma.async_copy_shared_to_global(dk_desc, [kv_row + WG * N_WG, kv_col], dk_tile)
+    _write_back(dk, k_smem.index(0).slice(WG * N_WG, N_WG), dk_desc, kv_row + WG * N_WG, kv_col)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_by_output(
+    WG: gl.constexpr,
+    args,
+    HEAD_D: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    N_WG: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
+    GROUPED: gl.constexpr,
+):
+    """One consumer warpgroup of the OUTPUT_SPLIT kernel (head dim 256): both warpgroups see all N_WG keys of
+    the CTA's tile and split the work by output. WG 0: S^T = K Q^T, P^T (to p_smem for WG 1), dV += P^T dO;
+    WG 1: dP^T = V dO^T, dS^T = P^T * (dP^T - delta) * scale (to the dS^T buffer), dK += dS^T Q; each then
+    dQ[:, WG * D/2 : (WG + 1) * D/2] = dS K (``_dq_step``, DQ_SPLIT must hold). Its accumulator (WG 0: dV,
+    WG 1: dK, [N_WG, HEAD_D] fp32) is stored at the end. ``args``: the kernel's consumer_args followed by the
+    P^T exchange (p_smem [N_WG, BLOCK_M] fp32, p_ready, p_free)."""
+    (
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        ds_smem,
+        lse_smem,
+        delta_smem,
+        kv_bar,
+        q_ready,
+        do_ready,
+        stat_ready,
+        qdo_empty,
+        ds_ready,
+        ds_free,
+        kv_done,
+        dk_desc,
+        dv_desc,
+        dq_ptr,
+        kv_row,
+        kv_col,
+        row_stride,
+        m_start,
+        n_tiles,
+        kv_start,
+        diag_off,
+        n_iters,
+        qk_scale,
+        sm_scale,
+        p_smem,
+        p_ready,
+        p_free,
+    ) = args
+    gl.static_assert(DQ_SPLIT, "each warpgroup computes half of the dQ columns")
+    dtype: gl.constexpr = q_smem.dtype
+    DQ_COLS: gl.constexpr = HEAD_D // 2
+    s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, P^T, dP^T: [N_WG keys, BLOCK_M queries]
+    acc_layout: gl.constexpr = mma_layout(HEAD_D)  # dV (WG 0) or dK (WG 1): [N_WG keys, HEAD_D]
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    s_zero = gl.zeros([N_WG, BLOCK_M], gl.float32, s_layout)
+    acc = gl.zeros([N_WG, HEAD_D], gl.float32, acc_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_iters):
+        s, ph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
+            i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, GROUPED
+        )
+        if WG == 0:
+            # ---- S^T, P^T to WG 1 (once it has read the previous one), then dV += P^T dO (A from registers)
+            mbarrier.wait(q_ready.index(s), ph)
+            s_tok = warpgroup_mma(k_it, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(stat_ready.index(s), ph)
+            lse2 = lse_smem.index(s).load(col_s)
+            s_acc = warpgroup_mma_wait(0, deps=(s_tok, k_it))[0]
+            p = _probs(s_acc, lse2, qk_scale, kv_start, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
+            mbarrier.wait(p_free, (i & 1) ^ 1)
+            p_smem.store(p)
+            partition_barrier()  # every thread has written its part before the (single-thread) arrive
+            mbarrier.arrive(p_ready, count=1)
+            mbarrier.wait(do_ready.index(s), ph)
+            acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, acc, is_async=True)
+        else:
+            # ---- dP^T, then with WG 0's P^T: dS^T, dK += dS^T Q (A from registers), dS^T to shared memory
+            mbarrier.wait(do_ready.index(s), ph)
+            dp_tok = warpgroup_mma(v_it, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(stat_ready.index(s), ph)
+            delta = delta_smem.index(s).load(col_s)
+            dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, v_it))[0]
+            mbarrier.wait(p_ready, i & 1)
+            p = p_smem.load(s_layout)
+            partition_barrier()  # every thread has read P^T before the (single-thread) arrive
+            mbarrier.arrive(p_free, count=1)
+            ds16 = (p * (dp_acc - delta[None, :]) * sm_scale).to(dtype)
+            mbarrier.wait(q_ready.index(s), ph)
+            acc_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, acc, is_async=True)
+            mbarrier.wait(ds_free.index(b), bph ^ 1)  # both dQ products of iteration i - 2 have read ds_buf
+            ds_buf.store(ds16)
+            fence_async_shared()
+            partition_barrier()
+            mbarrier.arrive(ds_ready.index(b), count=1)
+        acc = _dq_step(
+            (acc_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
+            ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
+            dq_ptr, q0, g * HEAD_D + WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
+        )[0]  # fmt: skip
+
+    # ---- epilogue: K is read by both warpgroups' dQ products and V by WG 1's dP^T, so both tiles wait until
+    # both warpgroups have left the loop (kv_done, count 2); dV goes out through the V tile, dK through K
+    mbarrier.arrive(kv_done, count=1)
+    mbarrier.wait(kv_done, 0)
+    if WG == 0:
+        _write_back(acc, v_smem.index(0), dv_desc, kv_row, kv_col)
+    else:
+        _write_back(acc, k_smem.index(0), dk_desc, kv_row, kv_col)
     tma.store_wait(0)
 
 
@@ -409,11 +584,13 @@ def _attention_backward_sm90_kernel(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
+    OUTPUT_SPLIT: gl.constexpr,
     GROUPED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
-    N_WG: gl.constexpr = BLOCK_N // 2
+    # key rows per consumer warpgroup: half of the tile each (_consumer), or all of it (_consumer_by_output)
+    N_WG: gl.constexpr = BLOCK_N if OUTPUT_SPLIT else BLOCK_N // 2
     pid_n = gl.program_id(0)
     hk = gl.program_id(1)  # K/V head; query heads hk * group .. (hk + 1) * group - 1 read it
     b = gl.program_id(2)
@@ -462,8 +639,9 @@ def _attention_backward_sm90_kernel(
         mbarrier.init(do_ready.index(s), count=1)
         mbarrier.init(stat_ready.index(s), count=1)
         mbarrier.init(qdo_empty.index(s), count=2)  # one arrival per consumer warpgroup
+    DS_WRITERS: gl.constexpr = 1 if OUTPUT_SPLIT else 2  # warpgroups that write a dS^T buffer
     for j in gl.static_range(2):
-        mbarrier.init(ds_ready.index(j), count=2)
+        mbarrier.init(ds_ready.index(j), count=DS_WRITERS)
         mbarrier.init(ds_free.index(j), count=2)
 
     # constexprs travel as separate arguments (inside a tuple they would arrive as tensors); the runtime
@@ -498,10 +676,25 @@ def _attention_backward_sm90_kernel(
         qk_scale,
         sm_scale,
     )
+    if OUTPUT_SPLIT:
+        # P^T from WG 0 to WG 1, fp32 (dS is computed from the same P as the Triton kernels), one buffer
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N_WG, BLOCK_M], gl.float32)
+        p_smem = gl.allocate_shared_memory(gl.float32, [N_WG, BLOCK_M], p_layout)
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        consumer_args = consumer_args + (p_smem, p_ready, p_free)
     gl.warp_specialize(
         [
-            (_consumer, (0, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, GROUPED)),
-            (_consumer, (1, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, GROUPED)),
+            (
+                _consumer_by_output if OUTPUT_SPLIT else _consumer,
+                (0, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, GROUPED),
+            ),
+            (
+                _consumer_by_output if OUTPUT_SPLIT else _consumer,
+                (1, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, GROUPED),
+            ),
             (
                 _producer,
                 (
@@ -597,12 +790,13 @@ def attention_backward_sm90(
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     cfg = CONFIGS[head_dim]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    rows_out = block_n if cfg["OUTPUT_SPLIT"] else block_n // 2  # the dK / dV rows one warpgroup stores
     dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     args = (
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
-        descriptor(dk, block_n // 2), descriptor(dv, block_n // 2), lse, delta, dq_accum,
+        descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum,
         softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
     )  # fmt: skip
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, **cfg)
