@@ -53,7 +53,7 @@ def test_qualifies_any_lengths(seqlens):
 @pytest.mark.parametrize(
     "case",
     [
-        dict(head_dim=64),
+        dict(head_dim=96),
         dict(head_dim=192),
         dict(dtype=torch.float32),
         dict(seqlen_k=0),
@@ -306,13 +306,13 @@ def test_any_lengths_stay_in_their_batch_entry(head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_backward_head_dim_64(launches, dtype, causal, shape):
-    """Head dim 64: only the backward is Gluon (the forward keeps the Triton kernel); with a gradient at the
-    LSE too (delta = rowsum(dout * out) - dlse)."""
+    """Head dim 64: forward and backward Gluon; with a gradient at the LSE too (delta = rowsum(dout * out) -
+    dlse)."""
     batch, seqlen_q, seqlen_k, nheads = shape
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 64, dtype=dtype)
     dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
     check(q, k, v, dout, dlse=dlse, causal=causal)
-    assert launches == [("bwd", causal)]
+    assert launches == [("fwd", causal), ("bwd", causal)]
 
 
 @hopper
