@@ -61,6 +61,8 @@ EXPECTED_STACK = {
     "_split_kv_kernel split_kv D128 16x128/w8/s3 - off": 0,
     "_split_kv_kernel split_kv D128 32x128/w8/s3 - off": 24,
     "_split_kv_kernel split_kv D128 64x128/w8/s3 - off": 0,
+    "_attention_forward_sm90_kernel forward_sm90 D64 128x128/s3 full off": 0,
+    "_attention_forward_sm90_kernel forward_sm90 D64 128x128/s3 causal off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D128 128x128/s2 full off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D128 128x128/s2 causal off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D256 128x64/s2 full off": 0,

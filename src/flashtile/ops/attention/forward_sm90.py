@@ -3,7 +3,7 @@
 On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in
 forward.py: no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
 interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; causal or not; head
-dim 128 or 256 for q, k and v (``CONFIGS``; at 64 the Triton kernel was as fast); bf16/fp16; any seqlen_q
+dim 64, 128 or 256 for q, k and v (``CONFIGS``); bf16/fp16; any seqlen_q
 and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous
 tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
@@ -67,6 +67,9 @@ from flashtile.ops.attention.configs import cdiv
 from flashtile.ops.attention.tiles import LN2, LOG2E
 
 CONFIGS = {
+    # three stages of 128-key tiles: 16 KiB of Q, 96 KiB of K and V, 16 KiB of O
+    64: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True, "CONSUMER_REGS": 240,
+         "PRODUCER_REGS": 24},
     128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True, "CONSUMER_REGS": 240,
           "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
@@ -76,7 +79,8 @@ CONFIGS = {
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), registers per thread of the consumers and the
-producer (setmaxnreg). At D=64 the Triton kernel was as fast.
+producer (setmaxnreg). D=64: not yet run on a GPU (before persistence and the direct launches, the Gluon
+forward was no faster than the Triton kernel there).
 
 O_TILE: O leaves through a [2, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
 item's Q while its epilogue stores O; without it O leaves through the Q tile, which goes to the next item once
