@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, in steps: bash benchmarks/gpu_session.sh STEP [STEP ...]
 #   test     the whole test suite on the GPU (larger shapes, int64 offsets, races)
-#   ptest    the GPU-relevant test files as nine pytest processes side by side (kernel compiles are CPU-bound;
+#   ptest    the GPU-relevant test files as ten pytest processes side by side (kernel compiles are CPU-bound;
 #            PTEST_GPUS=2 spreads them over two GPUs)
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
 #   decode   the decode (KV cache) benchmark (DECODE_ARGS="--batches 1" for a subset)
@@ -41,7 +41,8 @@ for step in "$@"; do
               "tests/test_dropout.py tests/test_varlen.py tests/test_varlen_paged.py"
               "tests/test_kvcache.py"
               "tests/test_compile.py tests/test_validation.py tests/test_cli.py tests/test_distributed.py"
-              "tests/test_check_values.py tests/test_flash_attn_api.py tests/test_host_path.py tests/test_bench_decode.py tests/test_gluon_sm90.py")
+              "tests/test_check_values.py tests/test_flash_attn_api.py tests/test_host_path.py tests/test_bench_decode.py"
+              "tests/test_gluon_sm90.py")
       for i in "${!groups[@]}"; do
         gpu=${PTEST_GPUS:+$((i % PTEST_GPUS))}  # PTEST_GPUS=2: groups alternate between GPU 0 and 1
         CUDA_VISIBLE_DEVICES=${gpu:-${CUDA_VISIBLE_DEVICES:-0}} timeout ${PTEST_TIMEOUT:-300} \

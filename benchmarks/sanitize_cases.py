@@ -3,9 +3,10 @@ path's edges on the GPU it runs on, small enough for the sanitizer's slowdown.
 
     PYTHONPATH=src compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py
 
-On sm_90 the cases cover the Gluon forward at D=128 and 256 with odd lengths and Sq != Sk, the persistent
-forward with several work items per CTA (D=128 without causal, B=2 N=1024 H=16: 256 items), the Gluon
-backward with GQA at D=64 and 128, and the Triton kernels (D=64 odd lengths, a decode query of one row)."""
+On sm_90 the cases cover the Gluon forward at D=64, 128 and 256 with odd lengths and Sq != Sk, the persistent
+forward with several work items per CTA (B=2 N=1024: 256 items at H=16, 512 at H=32), static (without causal)
+and dynamic (causal), the Gluon backward with GQA at D=64, 128 and 256, and the Triton kernels (odd lengths, a
+decode query of one row)."""
 
 import torch
 
@@ -20,6 +21,9 @@ CASES = [
     ((2, 1024, 16, 128), (2, 1024, 16, 128), False),
     ((2, 256, 8, 128), (2, 384, 2, 128), True),
     ((2, 256, 8, 64), (2, 128, 4, 64), False),
+    ((2, 1024, 32, 64), (2, 1024, 32, 64), False),
+    ((2, 1024, 32, 64), (2, 1024, 8, 64), True),
+    ((1, 256, 4, 256), (1, 384, 2, 256), True),
     ((1, 17, 4, 128), (1, 1, 4, 128), False),
 ]
 """(q shape, k / v shape, causal), flash_attn layout, bf16."""
