@@ -143,9 +143,11 @@ def record_tma(monkeypatch) -> list[bool]:
 )
 def test_tensor_descriptor_path(path, monkeypatch, seqlens, heads, head_dim, options):
     """The copy-engine (TMA) loads of the forward, dK/dV and dQ kernels, forced with small tiles, against the
-    oracle; the launchers must really take that path (their tile_sources calls are recorded)."""
+    oracle; the launchers must really take that path (their tile_sources calls are recorded). The sm_90 Gluon
+    kernels are switched off: they would serve D=64 in place of the Triton kernels this test forces."""
     if path != "triton":
         pytest.skip("tile configs only steer the Triton kernels")
+    monkeypatch.setattr(_backend, "GLUON", False)
     taken = record_tma(monkeypatch)
     q, k, v, dout = make_inputs(2, *seqlens, *heads, head_dim, dtype=torch.bfloat16)
     if options.get("alibi_slopes"):
