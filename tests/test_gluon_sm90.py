@@ -98,19 +98,16 @@ def test_gluon_device(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, persistent, schedule",
-    [(128, False, True, "static"), (128, True, True, "dynamic"), (256, False, False, "static"),
-     (256, True, False, "static")],
+    "head_dim, causal, persistent",
+    [(128, False, True), (128, True, False), (256, False, False), (256, True, False)],
     ids=["D128-full", "D128-causal", "D256-full", "D256-causal"],
-)  # fmt: skip
-def test_launch_is_persistent_at_head_dim_128(monkeypatch, head_dim, causal, persistent, schedule):
-    """A one-dimensional grid of min(work items, SMs) CTAs at D=128 (O through its own tile), the static walk
-    without causal and the dynamic one (tickets, heaviest first over all heads) with causal; one CTA per work
-    item (query tiles x heads x batch entries), static, at D=256; the constexprs of the head dim's config.
-    Every launch passes the device's counters (zero between launches: ``forward_sm90.schedule_counters``)."""
+)
+def test_launch_is_persistent_at_head_dim_128_without_causal(monkeypatch, head_dim, causal, persistent):
+    """A one-dimensional grid of min(work items, SMs) CTAs at D=128 without causal (O through its own tile), one
+    CTA per work item (query tiles x heads x batch entries) otherwise; the constexprs of the head dim's config."""
     launches = []
     monkeypatch.setattr(
-        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, args, constexprs))
+        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, constexprs))
     )
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
     for batch, seqlen_q, nheads, items in ((4, 1024, 16, 512), (3, 200, 2, 12)):
@@ -118,12 +115,10 @@ def test_launch_is_persistent_at_head_dim_128(monkeypatch, head_dim, causal, per
         out = torch.empty_like(q)
         lse = torch.empty(batch, nheads, seqlen_q)
         forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, causal)
-        grid, args, constexprs = launches[-1]
+        grid, constexprs = launches[-1]
         assert grid == (min(items, 132) if persistent else items, 1, 1)
         assert constexprs["O_TILE"] == forward_sm90.CONFIGS[head_dim]["O_TILE"] == (head_dim == 128)
         assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
-        assert constexprs["SCHEDULE"] == schedule
-        assert args[5] is forward_sm90.schedule_counters(q.device)
 
 
 def test_backward_qualifies():
@@ -269,66 +264,16 @@ def test_any_lengths_against_oracle(launches, dtype, causal, shape):
 def test_persistent_programs_take_several_work_items(monkeypatch, launches, head_dim, causal, shape):
     """More query tiles x heads x batch entries than SMs, min(items, SMs) CTAs: each walks several work items,
     so the K/V ring, the Q hand-over, the ping-pong turns and the O staging carry on from one item to the next.
-    D=128 without causal launches so; the others are made persistent with the static walk here (the kernel takes
-    any CTA count and either schedule): causal's heaviest-first order per head (D=128 causal launches the
-    dynamic schedule: test_dynamic_schedule_back_to_back), and at D=256 (no O tile) the Q tile that O leaves
-    through, handed to the next item once the store has read it."""
+    D=128 without causal launches so; the other variants launch one CTA per item and are made persistent here
+    (the kernel takes any CTA count): causal's heaviest-first order, and at D=256 (no O tile) the Q tile that O
+    leaves through, handed to the next item once the store has read it."""
     batch, seqlen_q, _, nheads, _ = shape
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert -(-seqlen_q // 128) * nheads * batch > 2 * sms
     if head_dim == 256 or causal:
-        monkeypatch.setattr(forward_sm90, "programs", lambda items, *rest: (min(items, sms), "static"))
+        monkeypatch.setattr(forward_sm90, "programs", lambda items, *rest: min(items, sms))
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=causal)
     assert launches[0] == ("fwd", causal)
-
-
-def _counters_are_zero(device) -> bool:
-    """Whether the dynamic schedule's counters (and the rest of the device's buffer) are back to zero."""
-    torch.cuda.synchronize()
-    return not forward_sm90.schedule_counters(device).any()
-
-
-@hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "shape",
-    [(4, 2048, 2048, 16, 16), (3, 1999, 2301, 16, 4), (2, 2301, 1999, 16, 16), (1, 77, 4095, 8, 8)],
-    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
-)
-def test_dynamic_schedule_back_to_back(launches, shape):
-    """D=128 causal launches the dynamic schedule (persistent CTAs drawing tickets, heaviest first over all
-    heads); with many more items than SMs (but the last shape, 8 items), GQA, odd lengths, Sq < Sk and Sq > Sk
-    (rows that see no key): against the oracle, then three more forwards back to back, each equal bit for bit
-    to the first (an item's result does not depend on which CTA drew it) and each leaving the counters zero for
-    the next launch."""
-    q, k, v, dout = make_inputs(*shape, 128, dtype=torch.bfloat16)
-    check(q, k, v, dout, causal=True)
-    assert _counters_are_zero(q.device)
-    expected = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2]
-    assert _counters_are_zero(q.device)
-    for _ in range(3):
-        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-        assert _counters_are_zero(q.device)
-        assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
-    assert launches[0] == ("fwd", True) and set(launches) <= {("fwd", True), ("bwd", True)}  # bwd: multiples of 128
-
-
-@hopper
-@pytest.mark.gpu
-def test_dynamic_schedule_cuda_graph_replay(launches):
-    """The dynamic schedule captured in a CUDA graph (after eager launches on a side stream, ``capture``, so the
-    device's counters exist and are zero): each replay draws from them and leaves them zero, and equals the eager
-    forward bit for bit; 512 items, several per CTA."""
-    q, k, v, _ = make_inputs(4, 1024, 1024, 16, 16, 128, dtype=torch.bfloat16)
-    expected = flashtile.flash_attn_func(q, k, v, causal=True)
-    graph, out = capture(lambda: flashtile.flash_attn_func(q, k, v, causal=True))
-    assert _counters_are_zero(q.device)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        assert _counters_are_zero(q.device)
-        torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    assert launches and set(launches) == {("fwd", True)}
 
 
 @hopper
@@ -665,15 +610,3 @@ def test_launch_key_follows_triton_specialization(monkeypatch):
     assert key(CAUSAL=False) != base
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert key() != base
-
-
-def test_schedule_counters_are_the_forwards_own():
-    """The dynamic schedule's two counters: zero, kept per device, and not the split-KV decode's buffer (two
-    users of one counter on two streams would draw each other's tickets)."""
-    from flashtile.ops.decode import split_kv
-
-    device = torch.device("cpu")
-    counters = forward_sm90.schedule_counters(device)
-    assert counters.dtype == torch.int32 and counters.numel() == 2 and not counters.any()
-    assert forward_sm90.schedule_counters(device) is counters
-    assert split_kv.split_counters(device, 2) is not counters
