@@ -4,9 +4,8 @@ path's edges on the GPU it runs on, small enough for the sanitizer's slowdown.
     PYTHONPATH=src compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py
 
 On sm_90 the cases cover the Gluon forward at D=64, 128 and 256 with odd lengths and Sq != Sk, the persistent
-forward with several work items per CTA (B=2 N=1024: 256 items at H=16, 512 at H=32), static (without causal)
-and one CTA per work item (causal), the Gluon backward with GQA at D=64, 128 and 256, and the Triton kernels (odd lengths, a
-decode query of one row)."""
+forward with several work items per CTA (B=2 N=1024 without causal: 256 items at H=16, 512 at H=32), the
+Gluon backward with GQA at D=64, 128 and 256, and the Triton kernels (odd lengths, a decode query of one row)."""
 
 import torch
 
