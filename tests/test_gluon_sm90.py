@@ -32,11 +32,11 @@ def qkv(batch=2, seqlen_q=256, seqlen_k=384, nheads=4, nheads_k=2, head_dim=128,
 
 
 def test_qualifies_plain_layouts():
-    assert forward_sm90.qualifies(*qkv())
-    assert forward_sm90.qualifies(*qkv(dtype=torch.float16))
-    assert forward_sm90.qualifies(*qkv(batch=1, seqlen_q=128, seqlen_k=128, nheads=1, nheads_k=1))
+    assert forward_sm90.qualifies(*qkv(), causal=False)
+    assert forward_sm90.qualifies(*qkv(dtype=torch.float16), causal=False)
+    assert forward_sm90.qualifies(*qkv(batch=1, seqlen_q=128, seqlen_k=128, nheads=1, nheads_k=1), causal=False)
     packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.bfloat16)  # q, k, v sliced from a packed qkv
-    assert forward_sm90.qualifies(*packed.unbind(2))
+    assert forward_sm90.qualifies(*packed.unbind(2), causal=False)
 
 
 @pytest.mark.parametrize("seqlens", [(1, 1), (17, 113), (113, 17), (64, 1000), (1000, 1000), (257, 1023)], ids=str)
@@ -45,9 +45,9 @@ def test_qualifies_any_lengths(seqlens):
     multiples of 128: test_backward_rejects)."""
     seqlen_q, seqlen_k = seqlens
     q, k, v = qkv(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    assert forward_sm90.qualifies(q, k, v)
+    assert forward_sm90.qualifies(q, k, v, causal=False)
     packed = torch.empty(2, seqlen_q, 3, 4, 128, dtype=torch.float16)
-    assert forward_sm90.qualifies(*packed.unbind(2))
+    assert forward_sm90.qualifies(*packed.unbind(2), causal=False)
 
 
 @pytest.mark.parametrize(
@@ -63,25 +63,33 @@ def test_qualifies_any_lengths(seqlens):
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
 )
 def test_qualifies_rejects(case):
-    assert not forward_sm90.qualifies(*qkv(**case))
+    assert not forward_sm90.qualifies(*qkv(**case), causal=False)
 
 
 def test_qualifies_head_dim_256_and_rejects_mixed_head_dims():
-    assert forward_sm90.qualifies(*qkv(head_dim=256))
+    assert forward_sm90.qualifies(*qkv(head_dim=256), causal=False)
     q, k, _ = qkv(head_dim=256)
-    assert not forward_sm90.qualifies(q, k, torch.empty(2, 384, 2, 128, dtype=torch.bfloat16))  # headdim_v 128
+    headdim_v_128 = torch.empty(2, 384, 2, 128, dtype=torch.bfloat16)
+    assert not forward_sm90.qualifies(q, k, headdim_v_128, causal=False)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_qualifies_causal_at_head_dims_128_and_256(head_dim):
+    """Causal forwards at D=64 stay on the Triton kernel (faster there up to N=4k: CAUSAL_HEAD_DIMS)."""
+    assert forward_sm90.qualifies(*qkv(head_dim=head_dim), causal=False)
+    assert forward_sm90.qualifies(*qkv(head_dim=head_dim), causal=True) == (head_dim != 64)
 
 
 def test_qualifies_rejects_layouts_a_descriptor_cannot_read():
     q, k, v = qkv()
     heads_strided = torch.empty(2, 384, 128, 2, dtype=torch.bfloat16).transpose(2, 3)  # (B, S, H, D), D strided
-    assert not forward_sm90.qualifies(q, heads_strided, v)
+    assert not forward_sm90.qualifies(q, heads_strided, v, causal=False)
     batch_strided = torch.empty(2, 512, 4, 128, dtype=torch.bfloat16)[:, :256]  # rows not evenly strided
-    assert not forward_sm90.qualifies(batch_strided, k, v)
+    assert not forward_sm90.qualifies(batch_strided, k, v, causal=False)
     head_major = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, S, D) memory
-    assert not forward_sm90.qualifies(head_major, k, v)
+    assert not forward_sm90.qualifies(head_major, k, v, causal=False)
     misaligned = torch.empty(2 * 256 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 256, 4, 128)
-    assert not forward_sm90.qualifies(misaligned, k, v)
+    assert not forward_sm90.qualifies(misaligned, k, v, causal=False)
 
 
 def test_gluon_device(monkeypatch):
@@ -259,12 +267,15 @@ def test_any_lengths_against_oracle(launches, dtype, causal, shape):
     [(4, 1024, 1024, 16, 4), (3, 1000, 1100, 16, 16), (2, 2048, 1536, 32, 8)],
     ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
 )
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize(
+    "head_dim, causal",
+    [(64, False), (128, False), (128, True), (256, False), (256, True)],
+    ids=["D64-full", "D128-full", "D128-causal", "D256-full", "D256-causal"],
+)  # causal D=64 runs the Triton kernel (CAUSAL_HEAD_DIMS)
 def test_persistent_programs_take_several_work_items(monkeypatch, launches, head_dim, causal, shape):
     """More query tiles x heads x batch entries than SMs, min(items, SMs) CTAs: each walks several work items,
     so the K/V ring, the Q hand-over, the ping-pong turns and the O staging carry on from one item to the next.
-    D=128 without causal launches so; the other variants launch one CTA per item and are made persistent here
+    D=64 and 128 without causal launch so; the other variants launch one CTA per item and are made persistent here
     (the kernel takes any CTA count): causal's heaviest-first order, and at D=256 (no O tile) the Q tile that O
     leaves through, handed to the next item once the store has read it."""
     batch, seqlen_q, _, nheads, _ = shape
@@ -305,13 +316,13 @@ def test_any_lengths_stay_in_their_batch_entry(head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_backward_head_dim_64(launches, dtype, causal, shape):
-    """Head dim 64: forward and backward Gluon; with a gradient at the LSE too (delta = rowsum(dout * out) -
-    dlse)."""
+    """Head dim 64: the backward Gluon, the forward too without causal (causal: the Triton one,
+    CAUSAL_HEAD_DIMS); with a gradient at the LSE too (delta = rowsum(dout * out) - dlse)."""
     batch, seqlen_q, seqlen_k, nheads = shape
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 64, dtype=dtype)
     dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
     check(q, k, v, dout, dlse=dlse, causal=causal)
-    assert launches == [("fwd", causal), ("bwd", causal)]
+    assert launches == ([] if causal else [("fwd", False)]) + [("bwd", causal)]
 
 
 @hopper
@@ -364,7 +375,7 @@ def test_backward_gqa(launches, dtype, causal, head_dim, shape):
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype=dtype)
     dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
     check(q, k, v, dout, dlse=dlse, causal=causal)
-    gluon_forward = [("fwd", causal)] if head_dim in forward_sm90.CONFIGS else []
+    gluon_forward = [("fwd", causal)] if forward_sm90.qualifies(q, k, v, causal) else []
     assert launches == [*gluon_forward, ("bwd", causal)]
 
 
@@ -425,7 +436,7 @@ class _Routed:
         self.calls = []
         monkeypatch.setattr(forward, "gluon_device", lambda device: True)
         monkeypatch.setattr(backward, "gluon_device", lambda device: True)
-        monkeypatch.setattr(forward_sm90, "qualifies", lambda q, k, v: True)
+        monkeypatch.setattr(forward_sm90, "qualifies", lambda q, k, v, causal: True)
         monkeypatch.setattr(backward_sm90, "qualifies", lambda q, k, v, dout, causal: True)
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
         monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)

@@ -2,8 +2,8 @@
 
 On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in
 forward.py: no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
-interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; causal or not; head
-dim 64, 128 or 256 for q, k and v (``CONFIGS``); bf16/fp16; any seqlen_q
+interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or
+256 for q, k and v (``CONFIGS``), causal or not (causal: 128 or 256, ``CAUSAL_HEAD_DIMS``); bf16/fp16; any seqlen_q
 and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous
 tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
@@ -79,8 +79,8 @@ CONFIGS = {
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), registers per thread of the consumers and the
-producer (setmaxnreg). D=64: not yet run on a GPU (before persistence and the direct launches, the Gluon
-forward was no faster than the Triton kernel there).
+producer (setmaxnreg). D=64 without causal, persistent with its O tile, against the Triton kernel: see
+CAUSAL_HEAD_DIMS.
 
 O_TILE: O leaves through a [2, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
 item's Q while its epilogue stores O; without it O leaves through the Q tile, which goes to the next item once
@@ -89,7 +89,14 @@ H200 (bf16, D=128, TFLOP/s, one CTA per item -> persistent with the O tile; bran
 merge): N=1k 553.8 -> 594.8, N=4k 625 -> 638; causal lost (N=1k 389 -> 369, N=16k 587 -> 565, with all
 heads' heaviest tiles first), so causal launches stay one CTA per item, each head's heaviest tile first. At
 D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA. Shared memory (bytes,
-tests/sm90_compile.py): D=128 197016 (164200 before the O tile), D=256 196984; no spills."""
+tests/sm90_compile.py): D=64 131544, D=128 197016 (164200 before the O tile), D=256 196984; no spills."""
+CAUSAL_HEAD_DIMS = (128, 256)
+"""Head dims whose causal forwards run here. At D=64 with causal the Triton kernel was faster up to N=4k and
+2% slower at 16k (H200, bf16, B*N = 16k, H = 32, TFLOP/s, Gluon one CTA per item against Triton, two runs each,
+results/2026-11-30-h200x2-s7-call3-timing-f38e70e.log): N=1k 255 / 252 against 287 / 288, 4k 378 / 377
+against 388 / 386, 16k 442 / 442 against 435 / 432; the dynamic persistent schedule did no better (call 1 and
+2 logs). Without causal the Gluon forward won there: 1k 420 / 412 against 403 / 383, 4k 450 / 451 against
+432 / 433, 16k 455 / 451 against 428 / 440."""
 ROWS = 2 * CONFIGS[128]["M_WG"]
 """Query rows per CTA (= BLOCK_N); the Gluon backward's lengths must be multiples of this (``descriptor``)."""
 
@@ -519,14 +526,17 @@ def rows_view_ok(x: torch.Tensor) -> bool:
     return s_d == 1 and s_h == head_dim and evenly and (s_s * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
-def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The kernel's own conditions on q, k, v (any device): bf16/fp16, one head dim of CONFIGS for q, k and v,
-    any lengths but neither q nor k empty (a descriptor's dimensions are positive; no key would leave out and
-    lse to fill), and layouts a tensor descriptor can read (``rows_view_ok``)."""
+def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    """The kernel's own conditions on q, k, v (any device): bf16/fp16, one head dim of CONFIGS for q, k and v
+    (with causal, one of CAUSAL_HEAD_DIMS), any lengths but neither q nor k empty (a descriptor's dimensions are
+    positive; no key would leave out and lse to fill), and layouts a tensor descriptor can read
+    (``rows_view_ok``)."""
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False
     head_dim = q.shape[3]
     if head_dim not in CONFIGS or k.shape[3] != head_dim or v.shape[3] != head_dim:
+        return False
+    if causal and head_dim not in CAUSAL_HEAD_DIMS:
         return False
     if q.numel() == 0 or k.numel() == 0:
         return False
