@@ -106,6 +106,7 @@ def main() -> None:
     splits = [int(s) for s in args.splits.split(",")]
     table = configs.config(torch.device("cuda"), 128)
     results: dict = {"table_config": list(table.__dict__.values()), "rows": [], "device": torch.cuda.get_device_name()}
+    path = args.out / f"tune-decode-{args.tag}.json"
     for batch, context in rows:
         caches = Caches(batch, context, args.page_size)
         q = torch.randn(batch, 1, NHEADS_Q, 128, device="cuda", dtype=caches.k.dtype)
@@ -127,12 +128,12 @@ def main() -> None:
                 flush=True,
             )
             results["rows"].append(row)
+            path.write_text(json.dumps(results, indent=1))  # after every row: a run cut short keeps its rows
         if args.host and (batch, context) == rows[0]:
             results["host"] = host_profile(caches, q, args.host_calls)
+            path.write_text(json.dumps(results, indent=1))
         del caches, q
         torch.cuda.empty_cache()
-    path = args.out / f"tune-decode-{args.tag}.json"
-    path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
 
 
