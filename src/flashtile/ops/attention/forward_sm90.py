@@ -92,11 +92,11 @@ D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA.
 tests/sm90_compile.py): D=64 131544, D=128 197016 (164200 before the O tile), D=256 196984; no spills."""
 CAUSAL_HEAD_DIMS = (128, 256)
 """Head dims whose causal forwards run here. At D=64 with causal the Triton kernel was faster up to N=4k and
-2% slower at 16k (H200, bf16, B*N = 16k, H = 32, TFLOP/s, Gluon one CTA per item against Triton, two runs each,
-results/2026-11-30-h200x2-s7-call3-timing-f38e70e.log): N=1k 255 / 252 against 287 / 288, 4k 378 / 377
-against 388 / 386, 16k 442 / 442 against 435 / 432; the dynamic persistent schedule did no better (call 1 and
-2 logs). Without causal the Gluon forward won there: 1k 420 / 412 against 403 / 383, 4k 450 / 451 against
-432 / 433, 16k 455 / 451 against 428 / 440."""
+2% slower at 16k (H200, bf16, B*N = 16k, H = 32, TFLOP/s, Gluon one CTA per item against the Triton kernel in
+the same two runs, results/2026-11-30-h200x2-s7-call3-timing-f38e70e.log): N=1k 255 / 252 against 287 / 287,
+4k 378 / 377 against 388 / 391, 16k 442 / 442 against 435 / 430; the dynamic persistent schedule did no better
+(call 1 and 2 logs). Without causal the Gluon forward won there: 1k 420 / 412 against 403 / 401, 4k 450 / 451
+against 432 / 436, 16k 455 / 451 against 428 / 439."""
 ROWS = 2 * CONFIGS[128]["M_WG"]
 """Query rows per CTA (= BLOCK_N); the Gluon backward's lengths must be multiples of this (``descriptor``)."""
 
