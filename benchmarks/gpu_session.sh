@@ -15,6 +15,9 @@
 #   bench    the full standard table (bf16) against every peer
 #   memory   fwd+bwd peak extra memory against SDPA flash
 #   sanitize compute-sanitizer memcheck of forward + backward cases (benchmarks/sanitize_cases.py)
+#   ncubwd   Nsight Compute on one D=128 backward, full and causal (benchmarks/ncu_backward.py; NCU_ARGS to change
+#            it): the details page, the raw metrics (every stall reason) and the source page (SASS with its stall
+#            samples) as text in $OUT
 #   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
 #   branches    (2 GPUs) unmerged branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
 #            tests/test_gluon_sm90.py) one after another on GPU 1, while GPU 0 times this tree and then each
@@ -66,6 +69,17 @@ for step in "$@"; do
     memory) timeout 80 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
     variants) timeout 300 python3 benchmarks/bench_attention.py --out "$OUT/variants" --shapes variants --commit "$commit" 2>&1 | tail -40 ;;
     sanitize) timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py 2>&1 | tee "$OUT/sanitize.log" | tail -8 ;;
+    ncubwd)
+      for causal in "" --causal; do
+        name=bwd${causal:+-causal}
+        timeout 150 ncu --set full --import-source yes -k regex:_attention_backward_sm90 -s 1 -c 1 -o "/tmp/$name" -f \
+          python3 benchmarks/ncu_backward.py $causal ${NCU_ARGS:-} 2>&1 | tail -2
+        for page in details raw; do
+          ncu --import "/tmp/$name.ncu-rep" --page $page --csv > "$OUT/ncu-$name-$page.csv" 2>&1
+        done
+        ncu --import "/tmp/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu-$name-source.csv" 2>&1
+        grep -E '"(Duration|Issue Slots Busy|No Eligible)"' "$OUT/ncu-$name-details.csv" | cut -d, -f13-15
+      done ;;
     tunegluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/tune_gluon.py --out "$OUT" ${TUNEGLUON_ARGS:-} 2>&1 | tail -80 ;;
     branches)
       (for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
