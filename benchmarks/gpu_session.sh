@@ -20,7 +20,8 @@
 #            samples) as text in $OUT
 #   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
 #   branches    (2 GPUs) unmerged branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
-#            tests/test_gluon_sm90.py) one after another on GPU 1, while GPU 0 times this tree and then each
+#            tests/test_gluon_sm90.py) side by side on GPU 1 (compiles are CPU-bound), while GPU 0 times this tree
+#            and then each
 #            branch with tune_gluon.py $TUNEGLUON_ARGS (branches.log). BRANCH_DIRS: their folders, made here
 #            beforehand with `git archive BRANCH pyproject.toml src tests benchmarks | tar -x -C .branches/BRANCH`
 #            (.branches/ in .git/info/exclude; carry it)
@@ -82,17 +83,16 @@ for step in "$@"; do
       done ;;
     tunegluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/tune_gluon.py --out "$OUT" ${TUNEGLUON_ARGS:-} 2>&1 | tail -80 ;;
     branches)
-      (for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
-         (cd "$dir" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-240} python3 -m pytest \
-            ${BRANCH_TESTS:-tests/test_gluon_sm90.py} -q -p no:cacheprovider > "$OUT/tests-$(basename "$dir").log" 2>&1)
-       done) &
-      tests=$!
+      for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-330} python3 -m pytest \
+           ${BRANCH_TESTS:-tests/test_gluon_sm90.py} -q -p no:cacheprovider > "$OUT/tests-$(basename "$dir").log" 2>&1) &
+      done
       for tree in . ${BRANCH_DIRS}; do
         echo "### $tree" >> "$OUT/branches.log"
         CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$tree/src timeout ${GLUON_TIMEOUT:-150} \
           python3 "$tree/benchmarks/tune_gluon.py" ${TUNEGLUON_ARGS:-} >> "$OUT/branches.log" 2>&1
       done
-      wait $tests
+      wait
       tail -n 2 "$OUT"/tests-*.log; grep -v "^ " "$OUT/branches.log" | tail -60 ;;
     *) echo "unknown step $step" ;;
   esac
