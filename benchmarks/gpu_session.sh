@@ -21,8 +21,7 @@
 #   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
 #   branches    (2 GPUs) unmerged branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
 #            tests/test_gluon_sm90.py) side by side on GPU 1 (compiles are CPU-bound), while GPU 0 times this tree
-#            and then each
-#            branch with tune_gluon.py $TUNEGLUON_ARGS (branches.log). BRANCH_DIRS: their folders, made here
+#            and then each branch with tune_gluon.py $TUNEGLUON_ARGS (branches.log). BRANCH_DIRS: their folders, made here
 #            beforehand with `git archive BRANCH pyproject.toml src tests benchmarks | tar -x -C .branches/BRANCH`
 #            (.branches/ in .git/info/exclude; carry it)
 # Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
