@@ -180,11 +180,6 @@ def host_trace(out: Path, steps: int = 20) -> None:
     (out / "host-trace.txt").write_text("\n".join(lines) + "\n")
 
 
-def _through_binder(kernel, grid, args, constexprs) -> None:
-    """``forward_sm90.launch`` without its compiled-kernel cache: every launch through JITFunction.run."""
-    kernel[grid](*args, **constexprs, num_warps=4)
-
-
 @contextlib.contextmanager
 def _binder_launches() -> Iterator[None]:
     """The Gluon kernels launched through Triton's binder on every call inside the block (the A/B of
@@ -192,8 +187,8 @@ def _binder_launches() -> Iterator[None]:
     from flashtile.ops.attention import backward_sm90, forward_sm90
 
     with (
-        mock.patch.object(forward_sm90, "launch", _through_binder),
-        mock.patch.object(backward_sm90, "launch", _through_binder),
+        mock.patch.object(forward_sm90, "launch", forward_sm90.launch_through_binder),
+        mock.patch.object(backward_sm90, "launch", forward_sm90.launch_through_binder),
     ):
         yield
 

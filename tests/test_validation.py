@@ -37,6 +37,7 @@ CASES = {
     "int": (lambda: qkv(torch.int32), TypeError, "dtype torch.int32"),
     "mixed-dtype": (lambda: (qkv()[0], *qkv(torch.bfloat16)[1:]), TypeError, "share one dtype"),
     "not-a-tensor": (lambda: (qkv()[0], [1, 2], qkv()[2]), TypeError, "must be a torch.Tensor"),
+    "q-not-a-tensor": (lambda: ([1, 2], *qkv()[1:]), TypeError, "q must be a torch.Tensor"),
     "rank-3": (lambda: qkv(q_shape=(16, 4, 64)), ValueError, "4 dimensions"),
     "batch-mismatch": (lambda: qkv(k_shape=(2, 16, 4, 64)), ValueError, "batch size"),
     "k-v-seqlen": (lambda: qkv(v_shape=(1, 15, 4, 64)), ValueError, "seqlen_k"),

@@ -225,6 +225,12 @@ def window_bounds(window_size: tuple[int, int], causal: bool) -> tuple[int | Non
     return (None if left < 0 else left), (None if right < 0 else right)
 
 
+def window_size_of(left: int | None, right: int | None) -> tuple[int, int]:
+    """The kernels' (left, right) bounds as flash_attn's window_size, -1 for an unbounded side (``window_bounds``
+    the other way, without causal)."""
+    return (-1 if left is None else left), (-1 if right is None else right)
+
+
 def window_pair(window_size: object) -> tuple[int, int]:
     """window_size as two Python ints, or TypeError."""
     try:
@@ -264,9 +270,9 @@ def attention(
     if padded is not None:
         options = (window_left, window_right, softcap, alibi_slopes, learnable_sink, dropout_p, attn_mask)
         return sliced(attention(*padded[:4], *options, deterministic, rng_state), padded[4])
+    check_qkv(q, k, v)
     if rng_state is None:
         rng_state = dropout_rng_state(dropout_p, q.device)
-    check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
@@ -409,7 +415,7 @@ def dropout_probabilities(
     P comes from ``reference.attention_probs`` in float32 (``options``: softcap, alibi_slopes, learnable_sink);
     the keep mask is the forward's own, read back by ``_dropout_keep_mask``."""
     batch, seqlen_q, nheads, _ = q.shape
-    window = tuple(-1 if w is None else w for w in (window_left, window_right))
+    window = window_size_of(window_left, window_right)
     with torch.no_grad():
         zero_q, zero_k = q.new_zeros(batch, seqlen_q, nheads, 8), k.new_zeros(*k.shape[:3], 8)
 
@@ -891,7 +897,7 @@ def varlen_dropout_probabilities(
     ``dropout_probabilities``: the probabilities, negated where dropped. q (total_q, H, D), k (total_k, Hk, D)
     packed. The keep mask is read back through the varlen forward (its mask is keyed by head and packed token
     indices: ``_dropout_keep_mask`` over the packed keys); the lengths are read on the host."""
-    window = tuple(-1 if w is None else w for w in (window_left, window_right))
+    window = window_size_of(window_left, window_right)
     with torch.no_grad():
         zero_q, zero_k = q.new_zeros(*q.shape[:2], 8), k.new_zeros(*k.shape[:2], 8)
 

@@ -144,6 +144,7 @@ from flashtile.interface import (
     check_unimplemented,
     require,
     window_bounds,
+    window_size_of,
 )
 from flashtile.ops._alloc import empty_output
 
@@ -642,8 +643,7 @@ def _signature(
         k.shape[2],
         v.shape[3],
         SUPPORTED_DTYPES.index(q.dtype),
-        -1 if left is None else left,
-        -1 if right is None else right,
+        *window_size_of(left, right),
         LAYOUTS.index(setup.layout),
         _bits_of(setup.softmax_scale),
         _bits_of(setup.softcap),

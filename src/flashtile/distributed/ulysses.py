@@ -46,6 +46,7 @@ from flashtile.interface import (
     flash_attn_func,
     require,
     window_bounds,
+    window_size_of,
 )
 
 
@@ -158,7 +159,7 @@ def ulysses_flash_attn_func(
         q, k, v = (_AllToAll.apply(t, 2, 1, comm) for t in (q, k, v))  # (B, N, heads / W, d)
         heads = slice(comm.rank * nheads // world, (comm.rank + 1) * nheads // world)
         out, lse, _ = flash_attn_func(
-            q, k, v, 0.0, setup.softmax_scale, False, (-1 if left is None else left, -1 if right is None else right),
+            q, k, v, 0.0, setup.softmax_scale, False, window_size_of(left, right),
             softcap, None if alibi_slopes is None else alibi_slopes[..., heads], deterministic, True,
             learnable_sink=None if learnable_sink is None else learnable_sink[heads],
         )  # fmt: skip

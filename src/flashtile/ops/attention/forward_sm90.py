@@ -24,12 +24,12 @@ seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q (
 O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq) fp32, natural log; a
 query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton kernel.
 
-Work items: a 2 * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads,
-then batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items
-t = program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, at D=128
-without causal; one per item, as a plain grid, otherwise). Ring positions, barrier parities and the ping-pong
-turn carry on from one item to the next, so a persistent CTA's next item starts loading while it finishes
-the last one. Per CTA:
+Work items: a 2 * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
+batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
+program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, where O has its own
+tile (D=64 and 128) without causal; one per item, as a plain grid, otherwise). Ring positions, barrier parities
+and the ping-pong turn carry on from one item to the next, so a persistent CTA's next item starts loading while it
+finishes the last one. Per CTA:
   * producer partition, 1 warp: per item the two Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
     box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
@@ -592,17 +592,25 @@ def launch_key(kernel, args: tuple, constexprs: dict) -> tuple:
     return (kernel, torch.cuda.current_device(), *constexprs.items(), *parts)
 
 
-def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) -> None:
-    """``kernel[grid](*args, **constexprs, num_warps=4)`` on the current device and stream, past Triton's
-    per-call binding after the first launch of a ``launch_key``.
+def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict):
+    """``kernel[grid](*args, **constexprs, num_warps=4)``: a launch through Triton's JITFunction.run (binding,
+    specializing and hashing every argument, compiling on a new key); returns the compiled kernel."""
+    return kernel[grid](*args, **constexprs, num_warps=4)
 
-    ``JITFunction.run`` binds, specializes and hashes every argument on each call: in the traced host path of
-    the H200 machine (results/2026-11-30-h200x2-hosttrace-be635c4.log) the forward's JITFunction.run took
-    50.5 µs per call, 19.9 of them in the launcher that still runs here; the saving itself is not measured
-    yet (latency.py's flashtile-binder rows; docs/tuning-log.md, session 6 item 4). The first launch of a key
-    goes through it (compiling, or loading from Triton's disk cache) and keeps the compiled kernel it returns;
-    later launches of the key hand that kernel the same arguments directly: ``args`` are the kernel's leading
-    non-constexpr parameters in order, ``constexprs`` name all the rest.
+
+def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) -> None:
+    """``launch_through_binder`` on the current device and stream for the first launch of a ``launch_key``,
+    past Triton's per-call binding after it.
+
+    ``JITFunction.run`` binds, specializes and hashes every argument on each call: in the traced host path of the H200
+    machine (results/2026-11-30-h200x2-hosttrace-be635c4.log) the forward's JITFunction.run took 50.5 µs per call,
+    19.9 of them in the launcher that still runs here. Measured against binding every call (latency.py's
+    flashtile-binder rows, results/2026-11-30-h200x2-s7-latency-2e9c128.json, beside another process on the
+    machine): host time per forward call 174 / 219 / 238 / 125 µs against 225 / 281 / 289 / 279 (B*N = 16k, D=128:
+    N=512 full, causal; N=1k full, causal). The first launch of a key goes through the binder (compiling, or
+    loading from Triton's disk cache) and keeps the compiled kernel it returns; later launches of the key hand
+    that kernel the same arguments directly: ``args`` are the kernel's leading non-constexpr parameters in order,
+    ``constexprs`` name all the rest.
     """
     key = launch_key(kernel, args, constexprs)
     compiled = _COMPILED.get(key)
@@ -611,7 +619,7 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
         specialized = [p.name for p, a in params if isinstance(a, int) and not p.do_not_specialize]
         if specialized:
             raise TypeError(f"{kernel.fn.__name__}: add the int parameters {specialized} to do_not_specialize")
-        _COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=4)
+        _COMPILED[key] = launch_through_binder(kernel, grid, args, constexprs)
         return
     compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args) :]))
 
