@@ -102,8 +102,10 @@ Register-pressure notes (what keeps D=128 from spilling; keep them in mind when 
 from __future__ import annotations
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -111,29 +113,62 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import head_grid
-from flashtile.ops.attention.forward_sm90 import ROWS, descriptor, launch, mma_layout, partition_barrier, rows_view_ok
+from flashtile.ops.attention.forward_sm90 import (
+    ROWS,
+    descriptor,
+    launch,
+    mma_layout,
+    partition_barrier,
+    rows_view_ok,
+    shared_layout,
+)
 from flashtile.ops.attention.tiles import LOG2E
 
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (198 KiB of shared
     # memory); a fourth at D=64 gained nothing
-    128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False, "CONSUMER_REGS": 240,
-          "PRODUCER_REGS": 24},
-    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": False, "OUTPUT_SPLIT": False, "CONSUMER_REGS": 240,
-         "PRODUCER_REGS": 24},
+    128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False, "DQ_TMA": True,
+          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": False, "OUTPUT_SPLIT": False, "DQ_TMA": True,
+         "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two stages fill
-    # 230,944-230,960 bytes of shared memory (a third does not fit); H200, B=4 N=4k H=8 bf16: 282 / 278 TFLOP/s
-    # full / causal against 187 / 211 for the Triton kernel (results/2026-11-30-h200x2-s7-call2-timing-2e9c128.log)
-    256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DQ_SPLIT": True, "OUTPUT_SPLIT": True, "CONSUMER_REGS": 240,
-          "PRODUCER_REGS": 24},
+    # 230,944-230,960 bytes of shared memory (a third does not fit, nor do DQ_TMA's staging tiles); H200, B=4 N=4k
+    # H=8 bf16: 282 / 278 TFLOP/s full / causal against 187 / 211 for the Triton kernel
+    # (results/2026-11-30-h200x2-s7-call2-timing-2e9c128.log)
+    256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DQ_SPLIT": True, "OUTPUT_SPLIT": True, "DQ_TMA": False,
+          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim: query rows per tile, key rows per CTA, Q/dO ring depth, dQ columns split between the warpgroups
 (needs 64-column halves: head dims 128 and 256), the warpgroups split the work by output (OUTPUT_SPLIT, both
-see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), registers per thread of consumers /
-producer."""
+see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), dQ partials added by one TMA
+reduce per (warpgroup, iteration) rather than by per-thread atomics (DQ_TMA), registers per thread of
+consumers / producer.
+
+DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]
+(DQ_SPLIT) or [BLOCK_M, D] in a shared-memory tile of its own and one thread adds the tile to dq_accum with a
+bulk tensor reduce (``async_reduce_add``, cp.reduce.async.bulk.tensor .add) instead of each thread issuing
+16 atom.global.add.v2.f32 (D=128) per iteration. 2 x 16 KiB of shared memory: D=128 231,472 bytes of 232,448
+(198,704 with atomics), D=64 149,552 (116,784); none left at D=256 (no staging tiles: atomics, the code of
+before). Predicted +5-10% backward TFLOP/s at D=128 (the kernel is bound by its own issue and latency, not
+memory: tensor pipe 45%, issue slots 16% in the H200 profile; a reducer-warp variant gained +5% at D=64).
+NOT yet run on a GPU: compiled for sm_90 only (tests/sm90_compile.py); ``DQ_TMA=0`` in tune_gluon.py's
+``--variant`` compiles the atomic path (main's code) for an A/B in one process."""
+
+
+# ------------------------------------------------------------------------------------------------ dQ reduce
+@builtin
+def async_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of the shared-memory tile ``src`` (in ``tensor_desc``'s layout) into the global block of
+    ``tensor_desc`` at ``coord``: cp.reduce.async.bulk.tensor .add, issued by one thread; each element's add is
+    a relaxed atomic, the tile is read asynchronously, ``tma.store_wait`` waits for that read as for a TMA store.
+    Gluon 3.6 and 3.7 have no wrapper for it; this is ``tma.async_copy_shared_to_global`` (same coordinate
+    conversion in both versions) on the IR builder's ``create_async_tma_reduce``."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 # ------------------------------------------------------------------------------------------------ loop
@@ -285,18 +320,33 @@ def _dq_step(
     ds_phase,
     qdo_empty,
     ds_free,
-    dq_ptr,
+    dq_dst,
     q0,
     col0,
-    row_stride,
     BLOCK_M: gl.constexpr,
     DQ_COLS: gl.constexpr,
+    DQ_TMA: gl.constexpr,
 ):
     """Once dS^T is complete in ds_buf [keys, BLOCK_M queries] (ds_ready): dQ[:, col0 : col0 + DQ_COLS] of query
-    rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq (rows of row_stride floats) with relaxed
-    fp32 atomics. Also retires this iteration's accumulating products (issued before, so they complete first)
-    and releases the Q/dO slot and the dS buffer. ``pending``: those products' wgmma tokens followed by the
-    Q and dO tiles they read; returns ``warpgroup_mma_wait``'s tuple of them (the accumulators first)."""
+    rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq_accum. Also retires this iteration's
+    accumulating products (issued before, so they complete first) and releases the Q/dO slot and the dS buffer.
+    ``pending``: those products' wgmma tokens followed by the Q and dO tiles they read; returns
+    ``warpgroup_mma_wait``'s tuple of them (the accumulators first).
+
+    ``dq_dst``, where the partial goes (rows q0.. and columns col0.. are counted from its origin):
+      * atomics (DQ_TMA off): (dq_ptr, row_stride), dq_ptr at (the batch entry's row 0, the group's first head)
+        of rows of row_stride floats; every thread adds its fragment with relaxed fp32 atomics;
+      * DQ_TMA: (dq_desc, dq_tile, row0, col_base), the descriptor of dq_accum's 2-D (batch * seqlen_q,
+        nheads * head_dim) view, this warpgroup's [BLOCK_M, DQ_COLS] fp32 staging tile, and the origin's
+        coordinates in the view. The warpgroup writes its fragments into the tile and one thread issues a
+        TMA reduce-add of the tile (``async_reduce_add``). Ordering, per warpgroup (the tile is its own):
+        store_wait(0) makes the thread that issued the previous reduce wait until the copy engine has read the
+        tile, the barrier holds the other threads until then; after the stores, fence_async_shared() makes them
+        visible to the copy engine (async proxy) and the barrier makes every thread's part land before the
+        single-thread issue. The reduce itself runs while the warpgroup goes on with the next iteration; the
+        consumer's final store_wait(0) keeps the CTA (and its shared memory) alive until the last one has read
+        the tile. Nothing in the kernel reads dq_accum, and each element's add is a relaxed atomic as with
+        the per-thread atomics: the result differs from theirs only in the order of the fp32 sums."""
     dq_layout: gl.constexpr = mma_layout(DQ_COLS)
     mbarrier.wait(ds_ready, ds_phase)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
@@ -305,10 +355,20 @@ def _dq_step(
     mbarrier.arrive(qdo_empty, count=1)
     dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_cols))[0]
     mbarrier.arrive(ds_free, count=1)
-    rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-    ptrs = dq_ptr + rows[:, None] * row_stride + cols[None, :]
-    gl.atomic_add(ptrs, dq, sem="relaxed")
+    if DQ_TMA:
+        dq_desc, dq_tile, row0, col_base = dq_dst
+        tma.store_wait(0)  # this warpgroup's previous reduce has read dq_tile (the issuing thread waits)
+        partition_barrier()  # ... and the others with it
+        dq_tile.store(dq)
+        fence_async_shared()
+        partition_barrier()  # every thread has written (and fenced) its part before the single-thread issue
+        async_reduce_add(dq_desc, [row0 + q0, col_base + col0], dq_tile)
+    else:
+        dq_ptr, row_stride = dq_dst
+        rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+        ptrs = dq_ptr + rows[:, None] * row_stride + cols[None, :]
+        gl.atomic_add(ptrs, dq, sem="relaxed")
     return done
 
 
@@ -332,6 +392,7 @@ def _consumer(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
+    DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
 ):
     """One consumer warpgroup (WG 0 or 1) of the key split (head dims 64 and 128; OUTPUT_SPLIT off): key rows
@@ -339,7 +400,8 @@ def _consumer(
     n_iters (query head, query tile) pairs (``_pair``); accumulates dK_wg and dV_wg over them in registers
     (summed over the group's heads), adds each pair's dQ partial to its head's columns of dq (see _dq_step;
     dq_ptr: the batch entry's row 0, the group's first head), stores dK_wg and dV_wg at the end. ``args``: the
-    kernel's consumer_args (its runtime values, the same for both warpgroups)."""
+    kernel's consumer_args (its runtime values, the same for both warpgroups), with DQ_TMA followed by dQ's
+    descriptor, the two warpgroups' staging tiles and the coordinates of dq_ptr's element in the descriptor."""
     (
         q_smem,
         do_smem,
@@ -369,7 +431,12 @@ def _consumer(
         n_iters,
         qk_scale,
         sm_scale,
-    ) = args
+    ) = args[:28]
+    if DQ_TMA:
+        dq_desc, dq_smem, dq_row0, dq_col0 = args[28:]
+        dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col0)  # this warpgroup's staging tile
+    else:
+        dq_dst = (dq_ptr, row_stride)
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
     s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, dP^T: [N_WG keys, BLOCK_M queries]
@@ -388,7 +455,6 @@ def _consumer(
         s, ph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
             i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, GROUPED
         )
-        dq_col0 = g * HEAD_D
         k_wg = k_it.slice(WG * N_WG, N_WG)
         v_wg = v_it.slice(WG * N_WG, N_WG)
 
@@ -420,14 +486,14 @@ def _consumer(
             dv, dk = _dq_step(
                 (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_ptr, q0, dq_col0 + WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
+                dq_dst, q0, g * HEAD_D + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
             )[:2]  # fmt: skip
         elif b == WG:
             # warpgroup (i % 2) computes the whole dQ partial of iteration i
             dv, dk = _dq_step(
                 (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it,
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_ptr, q0, dq_col0, row_stride, BLOCK_M, DQ_COLS,
+                dq_dst, q0, g * HEAD_D, BLOCK_M, DQ_COLS, DQ_TMA,
             )[:2]  # fmt: skip
         else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
@@ -454,6 +520,7 @@ def _consumer_by_output(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
+    DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
 ):
     """One consumer warpgroup of the OUTPUT_SPLIT kernel (head dim 256): both warpgroups see all N_WG keys of
@@ -496,6 +563,7 @@ def _consumer_by_output(
         p_free,
     ) = args
     gl.static_assert(DQ_SPLIT, "each warpgroup computes half of the dQ columns")
+    gl.static_assert(not DQ_TMA, "no shared memory left for dQ staging tiles: atomics")
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2
     s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, P^T, dP^T: [N_WG keys, BLOCK_M queries]
@@ -547,7 +615,7 @@ def _consumer_by_output(
         acc = _dq_step(
             (acc_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
             ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-            dq_ptr, q0, g * HEAD_D + WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
+            (dq_ptr, row_stride), q0, g * HEAD_D + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
         )[0]  # fmt: skip
 
     # ---- epilogue: K is read by both warpgroups' dQ products and V by WG 1's dP^T, so both tiles wait until
@@ -573,6 +641,7 @@ def _attention_backward_sm90_kernel(
     lse_ptr,
     delta_ptr,
     dq_ptr,
+    dq_desc,
     qk_scale,
     sm_scale,
     seqlen_q,
@@ -586,6 +655,7 @@ def _attention_backward_sm90_kernel(
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
     OUTPUT_SPLIT: gl.constexpr,
+    DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -686,15 +756,20 @@ def _attention_backward_sm90_kernel(
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
         consumer_args = consumer_args + (p_smem, p_ready, p_free)
+    if DQ_TMA:
+        # one fp32 staging tile per consumer warpgroup for its dQ partials (_dq_step), in dq_desc's layout; the
+        # tile's origin, dq_ptr + dq_off, is at (b * seqlen_q, q_col0) of dq_desc's 2-D view
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_desc.block_shape[1]], dq_desc.layout)
+        consumer_args = consumer_args + (dq_desc, dq_smem, b * seqlen_q, q_col0)
     gl.warp_specialize(
         [
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (0, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, GROUPED),
+                (0, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
             ),
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (1, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, GROUPED),
+                (1, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
             ),
             (
                 _producer,
@@ -763,6 +838,16 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     return all(rows_view_ok(x) for x in (q, k, v, dout))
 
 
+def dq_descriptor(dq_accum: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """The TMA descriptor DQ_TMA reduces into: the 2-D (batch * seqlen_q, nheads * head_dim) fp32 rows of
+    ``dq_accum`` (batch, seqlen_q, nheads, head_dim), contiguous, with [rows, cols] blocks in the 128-byte
+    swizzle of the kernel's staging tiles. A block never crosses a batch entry (seqlen_q is a multiple of ROWS,
+    ``qualifies``) nor a head (cols divides head_dim)."""
+    batch, seqlen_q, nheads, head_dim = dq_accum.shape
+    layout = shared_layout((rows, cols), dq_accum.dtype)
+    return TensorDescriptor(dq_accum, [batch * seqlen_q, nheads * head_dim], [nheads * head_dim, 1], [rows, cols], layout)
+
+
 def attention_backward_sm90(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -795,9 +880,11 @@ def attention_backward_sm90(
     dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
+    # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
+    dq_desc = dq_descriptor(dq_accum, block_m, head_dim // 2 if cfg["DQ_SPLIT"] else head_dim) if cfg["DQ_TMA"] else None
     args = (
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
-        descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum,
+        descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum, dq_desc,
         softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
     )  # fmt: skip
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, **cfg)
