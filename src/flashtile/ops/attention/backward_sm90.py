@@ -433,8 +433,8 @@ def _consumer(
         sm_scale,
     ) = args[:28]
     if DQ_TMA:
-        dq_desc, dq_smem, dq_row0, dq_col0 = args[28:]
-        dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col0)  # this warpgroup's staging tile
+        dq_desc, dq_smem, dq_row0, dq_col_base = args[28:]
+        dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col_base)  # this warpgroup's staging tile
     else:
         dq_dst = (dq_ptr, row_stride)
     dtype: gl.constexpr = q_smem.dtype
@@ -455,6 +455,7 @@ def _consumer(
         s, ph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
             i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, GROUPED
         )
+        dq_col0 = g * HEAD_D
         k_wg = k_it.slice(WG * N_WG, N_WG)
         v_wg = v_it.slice(WG * N_WG, N_WG)
 
@@ -486,14 +487,14 @@ def _consumer(
             dv, dk = _dq_step(
                 (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_dst, q0, g * HEAD_D + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
+                dq_dst, q0, dq_col0 + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
             )[:2]  # fmt: skip
         elif b == WG:
             # warpgroup (i % 2) computes the whole dQ partial of iteration i
             dv, dk = _dq_step(
                 (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it,
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_dst, q0, g * HEAD_D, BLOCK_M, DQ_COLS, DQ_TMA,
+                dq_dst, q0, dq_col0, BLOCK_M, DQ_COLS, DQ_TMA,
             )[:2]  # fmt: skip
         else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
