@@ -1,10 +1,11 @@
-"""FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by atomics.
+"""FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by atomic adds.
 
 On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
 dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's
 default) run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
-seven, because dQ is added into an fp32 accumulator with atomics, in an order that varies from run to run
+seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory at head
+dims 64 and 128, per-thread atomics at 256: ``CONFIGS``' DQ_TMA), in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
 64, 128 or 256 (256: the OUTPUT_SPLIT variant below); MHA, GQA or MQA (nheads a multiple of nheads_k; causal:
 at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; the layouts of
@@ -24,9 +25,9 @@ Math (as backward.py): with s = softmax_scale * q k^T, P = exp(s - lse), dP = dO
     dV = P^T dO,   dK = softmax_scale * dS^T Q,   dQ = softmax_scale * dS K.
 softmax_scale is folded into dS (before its cast to the input dtype), so dK and dQ need no final scaling.
 
-Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros; the kernel, grid (Sk / BLOCK_N,
-Hk, B), adds dQ partials into dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input
-dtype.
+Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros (with DQ_TMA also a TMA descriptor of
+its 2-D (B * Sq, H * D) view, ``dq_descriptor``); the kernel, grid (Sk / BLOCK_N, Hk, B), adds dQ partials into
+dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input dtype.
 
 Head dims 64 and 128 (the key split, ``_consumer``): one CTA per (BLOCK_N = 128 key rows, K/V head hk, batch
 entry), 64 key rows per consumer warpgroup. GQA: the
@@ -50,15 +51,23 @@ next changes nothing in the pipeline; dK and dV simply keep accumulating (that i
         dK_wg += dS^T Q            (registers, smem)
     and dS^T goes to a shared buffer [128 keys, 64 queries] (each warpgroup writes its 64 rows; two
     buffers, used alternately). Once both halves are there (ds_ready, count 2), dQ partial = dS K
-    (A = the dS^T buffer transposed, from smem; B = K) is added to head g's columns of dq_accum with relaxed
-    fp32 atomics:
+    (A = the dS^T buffer transposed, from smem; B = K) is added to head g's columns of dq_accum:
       D=128 (DQ_SPLIT): each warpgroup computes half of the columns, dQ[:, wg*64 : (wg+1)*64];
       D=64: warpgroup (i % 2) computes all of it for iteration i (a 32-column slice of K would cut the
       128-byte swizzle atom, which a wgmma operand can not start inside).
+    DQ_TMA (both head dims; FA-3's dQ path): the warpgroup stores its [64, 64] fp32 partial into its own
+    staging tile in shared memory (once its previous reduce has read the tile: tma.store_wait), fences, and
+    one TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32, ``async_reduce_add``) adds the tile to dq_accum
+    while the warpgroup goes on (ordering: ``_dq_step``). Without it, each thread adds its fragment with
+    relaxed fp32 atomics (16 atom.global.add.v2.f32 per thread per iteration at D=128).
     ds_free (count 2) tells the warpgroups that a dS buffer has been read, before it is written again.
   * epilogue: dV_wg goes to this warpgroup's rows of the V tile in shared memory (only it reads them);
     dK_wg to its rows of the K tile once both warpgroups have left the loop (kv_done, count 2: the dQ
-    products read all of K); then TMA stores.
+    products read all of K); then TMA stores, and tma.store_wait(0), which also waits for the last dQ reduces
+    to have read their staging tiles.
+  Shared memory (bytes of the 232,448 of a CTA, tests/sm90_compile.py): D=128 231,488-231,504 (198,704-198,720
+  with atomics): Q and dO rings 3 x 16 KiB each, K and V 32 KiB each, two dS^T buffers 2 x 16 KiB, two dQ staging
+  tiles 2 x 16 KiB, lse/delta 1.5 KiB; D=64 149,568-149,584 (116,784-116,800 with atomics).
   Causal: a key tile visits only the query tiles (of each head) from the one holding row kv_start - (Sk -
   Sq) (clipped at 0); only tiles crossing the diagonal apply the mask. Rows with lse = -inf (they see no
   key) get lse = +inf, so exp2 gives exactly 0 there, not NaN.
@@ -97,6 +106,15 @@ Register-pressure notes (what keeps D=128 from spilling; keep them in mind when 
     the consumers); dK/dV leave through TMA, not pointer tensors.
   * P^T and dS^T are both computed before the dV and dK products are issued (issuing dV first kept one
     more [64, 64] fp32 tile live).
+  * DQ_TMA at D=128: the staging tile's stores keep four per-thread swizzled offsets live through the loop,
+    which ptxas partly keeps on the stack (32 bytes against 16 / 24 with atomics; per iteration 0 and 5 local
+    loads in the two warpgroups without causal, against 2 and 1). Indexing the staging tile with the opaque
+    zero above did not lower it; an unswizzled staging tile (8-way bank conflicts on its stores) gave 16-40
+    bytes depending on the variant.
+
+DQ_TMA has NOT run on a GPU yet: it compiles for sm_90 (Triton 3.6 and 3.7) and its tests are written
+(test_gluon_sm90.py: test_backward_dq_tma_matches_the_atomics and the oracle tests); its speed is a prediction
+(``CONFIGS``).
 """
 
 from __future__ import annotations
@@ -149,22 +167,25 @@ reduce per (warpgroup, iteration) rather than by per-thread atomics (DQ_TMA), re
 consumers / producer.
 
 DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]
-(DQ_SPLIT) or [BLOCK_M, D] in a shared-memory tile of its own and one thread adds the tile to dq_accum with a
-bulk tensor reduce (``async_reduce_add``, cp.reduce.async.bulk.tensor .add) instead of each thread issuing
-16 atom.global.add.v2.f32 (D=128) per iteration. 2 x 16 KiB of shared memory: D=128 231,472 bytes of 232,448
-(198,704 with atomics), D=64 149,552 (116,784); none left at D=256 (no staging tiles: atomics, the code of
-before). Predicted +5-10% backward TFLOP/s at D=128 (the kernel is bound by its own issue and latency, not
-memory: tensor pipe 45%, issue slots 16% in the H200 profile; a reducer-warp variant gained +5% at D=64).
-NOT yet run on a GPU: compiled for sm_90 only (tests/sm90_compile.py); ``DQ_TMA=0`` in tune_gluon.py's
-``--variant`` compiles the atomic path (main's code) for an A/B in one process."""
+(DQ_SPLIT) or [BLOCK_M, D], [64, 64] at both head dims, in a shared-memory tile of its own and adds the tile to
+dq_accum with one bulk tensor reduce (``async_reduce_add``: cp.reduce.async.bulk.tensor.2d .add, which Triton
+issues as two [64, 32] boxes, one per 128-byte swizzle width, from one elected thread of each of two warps)
+instead of each thread issuing 16 atom.global.add.v2.f32 (D=128) per iteration. 2 x 16 KiB of shared memory:
+D=128 231,488-231,504 bytes of 232,448 (198,704-198,720 with atomics), D=64 149,568-149,584 (116,784-116,800);
+none left at D=256 (no staging tiles: atomics, the code of before). Predicted +5-10% backward TFLOP/s at D=128
+(the kernel is bound by its own issue and latency, not memory: tensor pipe 45%, issue slots 16% in the H200
+profile; a reducer-warp variant gained +5% at D=64). NOT yet run on a GPU: compiled for sm_90 only
+(tests/sm90_compile.py); ``DQ_TMA=0`` in tune_gluon.py's ``--variant`` compiles the atomic path (main's code,
+SASS identical) for an A/B in one process."""
 
 
 # ------------------------------------------------------------------------------------------------ dQ reduce
 @builtin
 def async_reduce_add(tensor_desc, coord, src, _semantic=None):
     """TMA reduce-add of the shared-memory tile ``src`` (in ``tensor_desc``'s layout) into the global block of
-    ``tensor_desc`` at ``coord``: cp.reduce.async.bulk.tensor .add, issued by one thread; each element's add is
-    a relaxed atomic, the tile is read asynchronously, ``tma.store_wait`` waits for that read as for a TMA store.
+    ``tensor_desc`` at ``coord``: cp.reduce.async.bulk.tensor .add, issued (like a TMA store) by one elected
+    thread per box message; each element's add is atomic, relaxed; the tile is read asynchronously, and
+    ``tma.store_wait`` waits for that read as for a TMA store (both are bulk async-groups).
     Gluon 3.6 and 3.7 have no wrapper for it; this is ``tma.async_copy_shared_to_global`` (same coordinate
     conversion in both versions) on the IR builder's ``create_async_tma_reduce``."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
@@ -338,15 +359,17 @@ def _dq_step(
         of rows of row_stride floats; every thread adds its fragment with relaxed fp32 atomics;
       * DQ_TMA: (dq_desc, dq_tile, row0, col_base), the descriptor of dq_accum's 2-D (batch * seqlen_q,
         nheads * head_dim) view, this warpgroup's [BLOCK_M, DQ_COLS] fp32 staging tile, and the origin's
-        coordinates in the view. The warpgroup writes its fragments into the tile and one thread issues a
-        TMA reduce-add of the tile (``async_reduce_add``). Ordering, per warpgroup (the tile is its own):
-        store_wait(0) makes the thread that issued the previous reduce wait until the copy engine has read the
-        tile, the barrier holds the other threads until then; after the stores, fence_async_shared() makes them
-        visible to the copy engine (async proxy) and the barrier makes every thread's part land before the
-        single-thread issue. The reduce itself runs while the warpgroup goes on with the next iteration; the
-        consumer's final store_wait(0) keeps the CTA (and its shared memory) alive until the last one has read
-        the tile. Nothing in the kernel reads dq_accum, and each element's add is a relaxed atomic as with
-        the per-thread atomics: the result differs from theirs only in the order of the fp32 sums."""
+        coordinates in the view. The warpgroup writes its fragments into the tile and issues a TMA reduce-add
+        of it (``async_reduce_add``: one elected thread in each of two warps, a [64, 32] box each). Ordering,
+        per warpgroup (the tile is its own): store_wait(0) makes the threads that issued the previous reduce
+        wait until the copy engine has read the tile (every thread runs it; bulk groups are per thread), the
+        barrier holds the other threads until then; after the stores, fence_async_shared() makes them visible
+        to the copy engine (async proxy) and the barrier makes every thread's part land before the issue. The
+        reduce runs while the warpgroup goes on with the next iteration; the consumer's final store_wait(0)
+        keeps the issuing threads (so the CTA and its shared memory) alive until the last reduce has read the
+        tile; its adds complete by the end of the grid, like a TMA store's writes. Nothing in the kernel reads
+        dq_accum, and each element's add is atomic and relaxed as with the per-thread atomics: the result
+        differs from theirs only in the order of the fp32 sums."""
     dq_layout: gl.constexpr = mma_layout(DQ_COLS)
     mbarrier.wait(ds_ready, ds_phase)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
@@ -361,7 +384,7 @@ def _dq_step(
         partition_barrier()  # ... and the others with it
         dq_tile.store(dq)
         fence_async_shared()
-        partition_barrier()  # every thread has written (and fenced) its part before the single-thread issue
+        partition_barrier()  # every thread has written (and fenced) its part before the (elected-thread) issue
         async_reduce_add(dq_desc, [row0 + q0, col_base + col0], dq_tile)
     else:
         dq_ptr, row_stride = dq_dst
@@ -846,7 +869,8 @@ def dq_descriptor(dq_accum: torch.Tensor, rows: int, cols: int) -> TensorDescrip
     ``qualifies``) nor a head (cols divides head_dim)."""
     batch, seqlen_q, nheads, head_dim = dq_accum.shape
     layout = shared_layout((rows, cols), dq_accum.dtype)
-    return TensorDescriptor(dq_accum, [batch * seqlen_q, nheads * head_dim], [nheads * head_dim, 1], [rows, cols], layout)
+    row_stride = nheads * head_dim
+    return TensorDescriptor(dq_accum, [batch * seqlen_q, row_stride], [row_stride, 1], [rows, cols], layout)
 
 
 def attention_backward_sm90(
@@ -882,7 +906,8 @@ def attention_backward_sm90(
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
-    dq_desc = dq_descriptor(dq_accum, block_m, head_dim // 2 if cfg["DQ_SPLIT"] else head_dim) if cfg["DQ_TMA"] else None
+    dq_cols = head_dim // 2 if cfg["DQ_SPLIT"] else head_dim  # the dQ columns one warpgroup computes
+    dq_desc = dq_descriptor(dq_accum, block_m, dq_cols) if cfg["DQ_TMA"] else None
     args = (
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum, dq_desc,
