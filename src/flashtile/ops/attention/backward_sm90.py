@@ -380,7 +380,7 @@ def _dq_step(
     mbarrier.arrive(ds_free, count=1)
     if DQ_TMA:
         dq_desc, dq_tile, row0, col_base = dq_dst
-        tma.store_wait(0)  # this warpgroup's previous reduce has read dq_tile (the issuing thread waits)
+        tma.store_wait(0)  # this warpgroup's previous reduce has read dq_tile (its issuing threads wait)
         partition_barrier()  # ... and the others with it
         dq_tile.store(dq)
         fence_async_shared()
@@ -454,7 +454,7 @@ def _consumer(
         n_iters,
         qk_scale,
         sm_scale,
-    ) = args[:28]
+    ) = args[:28]  # the kernel's consumer_args; with DQ_TMA four more follow
     if DQ_TMA:
         dq_desc, dq_smem, dq_row0, dq_col_base = args[28:]
         dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col_base)  # this warpgroup's staging tile
