@@ -276,10 +276,12 @@ def gluon_source(kernel_name: str, consts: dict):
 
     head_dim = consts["HEAD_D"]
 
-    def descriptor(*block: int) -> str:
-        """A descriptor with this block: [rows, head_dim] (2-D rows view) or [1, rows, head_dim] (rank 3)."""
-        layout = forward_sm90.shared_layout(block, torch.bfloat16)
-        return f"tensordesc<{DATA}[{','.join(map(str, block))}],{layout!r}>"
+    def descriptor(*block: int, dtype: torch.dtype = torch.bfloat16) -> str:
+        """A descriptor with this block: [rows, head_dim] (2-D rows view) or [1, rows, head_dim] (rank 3) of the
+        q/k/v dtype, or of float32 (the backward's dq_accum)."""
+        layout = forward_sm90.shared_layout(block, dtype)
+        element = "fp32" if dtype == torch.float32 else DATA
+        return f"tensordesc<{element}[{','.join(map(str, block))}],{layout!r}>"
 
     if kernel_name == GLUON_FORWARD:
         kernel, rows_q, rows_k = forward_sm90._attention_forward_sm90_kernel, consts["M_WG"], consts["BLOCK_N"]
@@ -295,6 +297,11 @@ def gluon_source(kernel_name: str, consts: dict):
                "dk_desc": descriptor(rows_out, head_dim), "dv_desc": descriptor(rows_out, head_dim),
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
+        if consts["DQ_TMA"]:  # dq_accum's descriptor, [BLOCK_M, dQ columns per warpgroup] fp32 blocks
+            dq_cols = head_dim // 2 if consts["DQ_SPLIT"] else head_dim
+            sig["dq_desc"] = descriptor(rows_q, dq_cols, dtype=torch.float32)
+        else:  # the launcher passes None: a constexpr
+            consts = dict(consts, dq_desc=None)
     sig.update(dict.fromkeys(consts, "constexpr"))
     pointers = [name for name, kind in sig.items() if kind == "*fp32"]  # torch allocations: 16-byte aligned
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}

@@ -195,6 +195,32 @@ def test_backward_rejects_broadcast_dout_and_huge_offsets():
     assert not backward_sm90.qualifies(huge, huge, huge, huge, causal=False)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_dim):
+    """DQ_TMA (head dims 64 and 128): the launch passes a descriptor of dq_accum's 2-D (batch * seqlen_q,
+    nheads * head_dim) fp32 rows with [BLOCK_M, the columns one warpgroup computes] blocks in the 128-byte
+    swizzle of the kernel's staging tiles; at 256 (no shared memory left for them) None, which compiles the
+    atomic path. The descriptor's dims and strides are those of dq_accum, the tensor the kernel's atomics use."""
+    calls = []
+    monkeypatch.setattr(backward_sm90, "launch", lambda kernel, grid, args, cx: calls.append((args, cx)))
+    q, k, v = qkv(batch=2, seqlen_q=256, seqlen_k=384, nheads=4, nheads_k=2, head_dim=head_dim)
+    stats = torch.zeros(2, 4, 256)
+    backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=False)
+    ((args, constexprs),) = calls
+    names = backward_sm90._attention_backward_sm90_kernel.arg_names
+    dq_accum, dq_desc = args[names.index("dq_ptr")], args[names.index("dq_desc")]
+    cfg = backward_sm90.CONFIGS[head_dim]
+    assert constexprs["DQ_TMA"] == cfg["DQ_TMA"] == (head_dim != 256)
+    if head_dim == 256:
+        assert dq_desc is None
+        return
+    assert dq_desc.base is dq_accum and dq_accum.shape == (2, 256, 4, head_dim) and dq_accum.is_contiguous()
+    assert list(dq_desc.shape) == [2 * 256, 4 * head_dim] and list(dq_desc.strides) == [4 * head_dim, 1]
+    cols = head_dim // 2 if cfg["DQ_SPLIT"] else head_dim
+    assert list(dq_desc.block_shape) == [cfg["BLOCK_M"], cols] == [64, 64]
+    assert (dq_desc.layout.swizzle_byte_width, dq_desc.layout.element_bitwidth) == (128, 32)
+
+
 def _recorded(launch, tag, calls):
     def recorded(*args, **kwargs):
         calls.append((tag, kwargs["causal"]))
@@ -379,6 +405,28 @@ def test_backward_gqa(launches, dtype, causal, head_dim, shape):
     check(q, k, v, dout, dlse=dlse, causal=causal)
     gluon_forward = [("fwd", causal)] if forward_sm90.qualifies(q, k, v, causal) else []
     assert launches == [*gluon_forward, ("bwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_dq_tma_matches_the_atomics(monkeypatch, launches, causal, head_dim):
+    """DQ_TMA (each warpgroup's dQ partial staged in shared memory, added by one TMA reduce per iteration) on long
+    walks, GQA 4:1 with 32 query tiles per head: 128 iterations per CTA, each warpgroup's staging tile reused
+    across query heads (D=64: warpgroups taking turns). Against the oracle, and against the per-thread atomics
+    it replaces (DQ_TMA off, the same inputs): their dq differ only in the order of the fp32 sums, so by at most
+    about one rounding of the input dtype at dq's largest magnitude; dk and dv do not depend on the switch."""
+    inputs = make_inputs(2, 2048, 2048, 8, 2, head_dim, dtype=torch.bfloat16)
+    check(*inputs, causal=causal)
+    tma = run_flashtile(*inputs, causal=causal)
+    monkeypatch.setitem(backward_sm90.CONFIGS[head_dim], "DQ_TMA", False)
+    check(*inputs, causal=causal)
+    atomics = run_flashtile(*inputs, causal=causal)
+    assert torch.equal(tma["dk"], atomics["dk"]) and torch.equal(tma["dv"], atomics["dv"])
+    scale = atomics["dq"].float().abs().max().item()
+    assert (tma["dq"].float() - atomics["dq"].float()).abs().max().item() <= 2**-7 * scale
+    assert [call for call in launches if call[0] == "bwd"] == [("bwd", causal)] * 4
 
 
 @hopper

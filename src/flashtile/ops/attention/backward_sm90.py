@@ -1,10 +1,11 @@
-"""FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by atomics.
+"""FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by atomic adds.
 
 On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
 dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's
 default) run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
-seven, because dQ is added into an fp32 accumulator with atomics, in an order that varies from run to run
+seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory at head
+dims 64 and 128, per-thread atomics at 256: ``CONFIGS``' DQ_TMA), in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
 64, 128 or 256 (256: the OUTPUT_SPLIT variant below); MHA, GQA or MQA (nheads a multiple of nheads_k; causal:
 at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; the layouts of
@@ -24,9 +25,9 @@ Math (as backward.py): with s = softmax_scale * q k^T, P = exp(s - lse), dP = dO
     dV = P^T dO,   dK = softmax_scale * dS^T Q,   dQ = softmax_scale * dS K.
 softmax_scale is folded into dS (before its cast to the input dtype), so dK and dQ need no final scaling.
 
-Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros; the kernel, grid (Sk / BLOCK_N,
-Hk, B), adds dQ partials into dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input
-dtype.
+Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros (with DQ_TMA also a TMA descriptor of
+its 2-D (B * Sq, H * D) view, ``dq_descriptor``); the kernel, grid (Sk / BLOCK_N, Hk, B), adds dQ partials into
+dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input dtype.
 
 Head dims 64 and 128 (the key split, ``_consumer``): one CTA per (BLOCK_N = 128 key rows, K/V head hk, batch
 entry), 64 key rows per consumer warpgroup. GQA: the
@@ -50,15 +51,23 @@ next changes nothing in the pipeline; dK and dV simply keep accumulating (that i
         dK_wg += dS^T Q            (registers, smem)
     and dS^T goes to a shared buffer [128 keys, 64 queries] (each warpgroup writes its 64 rows; two
     buffers, used alternately). Once both halves are there (ds_ready, count 2), dQ partial = dS K
-    (A = the dS^T buffer transposed, from smem; B = K) is added to head g's columns of dq_accum with relaxed
-    fp32 atomics:
+    (A = the dS^T buffer transposed, from smem; B = K) is added to head g's columns of dq_accum:
       D=128 (DQ_SPLIT): each warpgroup computes half of the columns, dQ[:, wg*64 : (wg+1)*64];
       D=64: warpgroup (i % 2) computes all of it for iteration i (a 32-column slice of K would cut the
       128-byte swizzle atom, which a wgmma operand can not start inside).
+    DQ_TMA (both head dims; FA-3's dQ path): the warpgroup stores its [64, 64] fp32 partial into its own
+    staging tile in shared memory (once its previous reduce has read the tile: tma.store_wait), fences, and
+    one TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32, ``async_reduce_add``) adds the tile to dq_accum
+    while the warpgroup goes on (ordering: ``_dq_step``). Without it, each thread adds its fragment with
+    relaxed fp32 atomics (16 atom.global.add.v2.f32 per thread per iteration at D=128).
     ds_free (count 2) tells the warpgroups that a dS buffer has been read, before it is written again.
   * epilogue: dV_wg goes to this warpgroup's rows of the V tile in shared memory (only it reads them);
     dK_wg to its rows of the K tile once both warpgroups have left the loop (kv_done, count 2: the dQ
-    products read all of K); then TMA stores.
+    products read all of K); then TMA stores, and tma.store_wait(0), which also waits for the last dQ reduces
+    to have read their staging tiles.
+  Shared memory (bytes of the 232,448 of a CTA, tests/sm90_compile.py): D=128 231,488-231,504 (198,704-198,720
+  with atomics): Q and dO rings 3 x 16 KiB each, K and V 32 KiB each, two dS^T buffers 2 x 16 KiB, two dQ staging
+  tiles 2 x 16 KiB, lse/delta 1.5 KiB; D=64 149,568-149,584 (116,784-116,800 with atomics).
   Causal: a key tile visits only the query tiles (of each head) from the one holding row kv_start - (Sk -
   Sq) (clipped at 0); only tiles crossing the diagonal apply the mask. Rows with lse = -inf (they see no
   key) get lse = +inf, so exp2 gives exactly 0 there, not NaN.
@@ -97,13 +106,24 @@ Register-pressure notes (what keeps D=128 from spilling; keep them in mind when 
     the consumers); dK/dV leave through TMA, not pointer tensors.
   * P^T and dS^T are both computed before the dV and dK products are issued (issuing dV first kept one
     more [64, 64] fp32 tile live).
+  * DQ_TMA at D=128: the staging tile's stores keep four per-thread swizzled offsets live through the loop,
+    which ptxas partly keeps on the stack (32 bytes against 16 / 24 with atomics; per iteration 0 and 5 local
+    loads in the two warpgroups without causal, against 2 and 1). Indexing the staging tile with the opaque
+    zero above did not lower it; an unswizzled staging tile (8-way bank conflicts on its stores) gave 16-40
+    bytes depending on the variant.
+
+DQ_TMA on the H200 (session 8, results/2026-11-30-h200x2-s8-call1-branches-a21fbac.log): the GPU tests pass
+(test_gluon_sm90.py, with test_backward_dq_tma_matches_the_atomics), and the backward gains 18-30% at D=128 and
+3-10% at D=64 over the atomics (``CONFIGS``).
 """
 
 from __future__ import annotations
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -111,29 +131,65 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import head_grid
-from flashtile.ops.attention.forward_sm90 import ROWS, descriptor, launch, mma_layout, partition_barrier, rows_view_ok
+from flashtile.ops.attention.forward_sm90 import (
+    ROWS,
+    descriptor,
+    launch,
+    mma_layout,
+    partition_barrier,
+    rows_view_ok,
+    shared_layout,
+)
 from flashtile.ops.attention.tiles import LOG2E
 
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (198 KiB of shared
     # memory); a fourth at D=64 gained nothing
-    128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False, "CONSUMER_REGS": 240,
-          "PRODUCER_REGS": 24},
-    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": False, "OUTPUT_SPLIT": False, "CONSUMER_REGS": 240,
-         "PRODUCER_REGS": 24},
+    128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False, "DQ_TMA": True,
+          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": False, "OUTPUT_SPLIT": False, "DQ_TMA": True,
+         "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two stages fill
-    # 230,944-230,960 bytes of shared memory (a third does not fit); H200, B=4 N=4k H=8 bf16: 282 / 278 TFLOP/s
-    # full / causal against 187 / 211 for the Triton kernel (results/2026-11-30-h200x2-s7-call2-timing-2e9c128.log)
-    256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DQ_SPLIT": True, "OUTPUT_SPLIT": True, "CONSUMER_REGS": 240,
-          "PRODUCER_REGS": 24},
+    # 230,944-230,960 bytes of shared memory (a third does not fit, nor do DQ_TMA's staging tiles); H200, B=4 N=4k
+    # H=8 bf16: 282 / 278 TFLOP/s full / causal against 187 / 211 for the Triton kernel
+    # (results/2026-11-30-h200x2-s7-call2-timing-2e9c128.log)
+    256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DQ_SPLIT": True, "OUTPUT_SPLIT": True, "DQ_TMA": False,
+          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim: query rows per tile, key rows per CTA, Q/dO ring depth, dQ columns split between the warpgroups
 (needs 64-column halves: head dims 128 and 256), the warpgroups split the work by output (OUTPUT_SPLIT, both
-see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), registers per thread of consumers /
-producer."""
+see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), dQ partials added by one TMA
+reduce per (warpgroup, iteration) rather than by per-thread atomics (DQ_TMA), registers per thread of
+consumers / producer.
+
+DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]
+(DQ_SPLIT) or [BLOCK_M, D], [64, 64] at both head dims, in a shared-memory tile of its own and adds the tile to
+dq_accum with one bulk tensor reduce (``async_reduce_add``: cp.reduce.async.bulk.tensor.2d .add, which Triton
+issues as two [64, 32] boxes, one per 128-byte swizzle width, from one elected thread of each of two warps)
+instead of each thread issuing 16 atom.global.add.v2.f32 (D=128) per iteration. 2 x 16 KiB of shared memory:
+D=128 231,488-231,504 bytes of 232,448 (198,704-198,720 with atomics), D=64 149,568-149,584 (116,784-116,800);
+none left at D=256 (no staging tiles: atomics). H200, bf16, B * N = 16k tokens, backward TFLOP/s with DQ_TMA
+against the atomics in one process (``--variant dq-atomics:DQ_TMA=0``; s8-call1-branches-a21fbac.log): D=128
+N=4k 533 / 459 full / causal against 411 / 387, N=16k 552 / 535 against 432 / 448; D=64 N=4k 421 / 368 against
+387 / 358, N=16k 444 / 423 against 403 / 398 (predicted +5-10% at D=128: the atomics cost far more than the
+profile's issue-slot share suggested; a reducer warp at D=64 gained less, 414 / 422 full)."""
+
+
+# ------------------------------------------------------------------------------------------------ dQ reduce
+@builtin
+def async_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of the shared-memory tile ``src`` (in ``tensor_desc``'s layout) into the global block of
+    ``tensor_desc`` at ``coord``: cp.reduce.async.bulk.tensor .add, issued (like a TMA store) by one elected
+    thread per box message; each element's add is atomic, relaxed; the tile is read asynchronously, and
+    ``tma.store_wait`` waits for that read as for a TMA store (both are bulk async-groups).
+    Gluon 3.6 and 3.7 have no wrapper for it; this is ``tma.async_copy_shared_to_global`` (same coordinate
+    conversion in both versions) on the IR builder's ``create_async_tma_reduce``."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 # ------------------------------------------------------------------------------------------------ loop
@@ -285,18 +341,35 @@ def _dq_step(
     ds_phase,
     qdo_empty,
     ds_free,
-    dq_ptr,
+    dq_dst,
     q0,
     col0,
-    row_stride,
     BLOCK_M: gl.constexpr,
     DQ_COLS: gl.constexpr,
+    DQ_TMA: gl.constexpr,
 ):
     """Once dS^T is complete in ds_buf [keys, BLOCK_M queries] (ds_ready): dQ[:, col0 : col0 + DQ_COLS] of query
-    rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq (rows of row_stride floats) with relaxed
-    fp32 atomics. Also retires this iteration's accumulating products (issued before, so they complete first)
-    and releases the Q/dO slot and the dS buffer. ``pending``: those products' wgmma tokens followed by the
-    Q and dO tiles they read; returns ``warpgroup_mma_wait``'s tuple of them (the accumulators first)."""
+    rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq_accum. Also retires this iteration's
+    accumulating products (issued before, so they complete first) and releases the Q/dO slot and the dS buffer.
+    ``pending``: those products' wgmma tokens followed by the Q and dO tiles they read; returns
+    ``warpgroup_mma_wait``'s tuple of them (the accumulators first).
+
+    ``dq_dst``, where the partial goes (rows q0.. and columns col0.. are counted from its origin):
+      * atomics (DQ_TMA off): (dq_ptr, row_stride), dq_ptr at (the batch entry's row 0, the group's first head)
+        of rows of row_stride floats; every thread adds its fragment with relaxed fp32 atomics;
+      * DQ_TMA: (dq_desc, dq_tile, row0, col_base), the descriptor of dq_accum's 2-D (batch * seqlen_q,
+        nheads * head_dim) view, this warpgroup's [BLOCK_M, DQ_COLS] fp32 staging tile, and the origin's
+        coordinates in the view. The warpgroup writes its fragments into the tile and issues a TMA reduce-add
+        of it (``async_reduce_add``: one elected thread in each of two warps, a [64, 32] box each). Ordering,
+        per warpgroup (the tile is its own): store_wait(0) makes the threads that issued the previous reduce
+        wait until the copy engine has read the tile (every thread runs it; bulk groups are per thread), the
+        barrier holds the other threads until then; after the stores, fence_async_shared() makes them visible
+        to the copy engine (async proxy) and the barrier makes every thread's part land before the issue. The
+        reduce runs while the warpgroup goes on with the next iteration; the consumer's final store_wait(0)
+        keeps the issuing threads (so the CTA and its shared memory) alive until the last reduce has read the
+        tile; its adds complete by the end of the grid, like a TMA store's writes. Nothing in the kernel reads
+        dq_accum, and each element's add is atomic and relaxed as with the per-thread atomics: the result
+        differs from theirs only in the order of the fp32 sums."""
     dq_layout: gl.constexpr = mma_layout(DQ_COLS)
     mbarrier.wait(ds_ready, ds_phase)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
@@ -305,10 +378,20 @@ def _dq_step(
     mbarrier.arrive(qdo_empty, count=1)
     dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_cols))[0]
     mbarrier.arrive(ds_free, count=1)
-    rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-    ptrs = dq_ptr + rows[:, None] * row_stride + cols[None, :]
-    gl.atomic_add(ptrs, dq, sem="relaxed")
+    if DQ_TMA:
+        dq_desc, dq_tile, row0, col_base = dq_dst
+        tma.store_wait(0)  # this warpgroup's previous reduce has read dq_tile (its issuing threads wait)
+        partition_barrier()  # ... and the others with it
+        dq_tile.store(dq)
+        fence_async_shared()
+        partition_barrier()  # every thread has written (and fenced) its part before the (elected-thread) issue
+        async_reduce_add(dq_desc, [row0 + q0, col_base + col0], dq_tile)
+    else:
+        dq_ptr, row_stride = dq_dst
+        rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+        ptrs = dq_ptr + rows[:, None] * row_stride + cols[None, :]
+        gl.atomic_add(ptrs, dq, sem="relaxed")
     return done
 
 
@@ -332,6 +415,7 @@ def _consumer(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
+    DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
 ):
     """One consumer warpgroup (WG 0 or 1) of the key split (head dims 64 and 128; OUTPUT_SPLIT off): key rows
@@ -339,7 +423,8 @@ def _consumer(
     n_iters (query head, query tile) pairs (``_pair``); accumulates dK_wg and dV_wg over them in registers
     (summed over the group's heads), adds each pair's dQ partial to its head's columns of dq (see _dq_step;
     dq_ptr: the batch entry's row 0, the group's first head), stores dK_wg and dV_wg at the end. ``args``: the
-    kernel's consumer_args (its runtime values, the same for both warpgroups)."""
+    kernel's consumer_args (its runtime values, the same for both warpgroups), with DQ_TMA followed by dQ's
+    descriptor, the two warpgroups' staging tiles and the coordinates of dq_ptr's element in the descriptor."""
     (
         q_smem,
         do_smem,
@@ -369,7 +454,12 @@ def _consumer(
         n_iters,
         qk_scale,
         sm_scale,
-    ) = args
+    ) = args[:28]  # the kernel's consumer_args; with DQ_TMA four more follow
+    if DQ_TMA:
+        dq_desc, dq_smem, dq_row0, dq_col_base = args[28:]
+        dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col_base)  # this warpgroup's staging tile
+    else:
+        dq_dst = (dq_ptr, row_stride)
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
     s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, dP^T: [N_WG keys, BLOCK_M queries]
@@ -420,14 +510,14 @@ def _consumer(
             dv, dk = _dq_step(
                 (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_ptr, q0, dq_col0 + WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
+                dq_dst, q0, dq_col0 + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
             )[:2]  # fmt: skip
         elif b == WG:
             # warpgroup (i % 2) computes the whole dQ partial of iteration i
             dv, dk = _dq_step(
                 (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it,
                 ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-                dq_ptr, q0, dq_col0, row_stride, BLOCK_M, DQ_COLS,
+                dq_dst, q0, dq_col0, BLOCK_M, DQ_COLS, DQ_TMA,
             )[:2]  # fmt: skip
         else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
@@ -454,6 +544,7 @@ def _consumer_by_output(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
+    DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
 ):
     """One consumer warpgroup of the OUTPUT_SPLIT kernel (head dim 256): both warpgroups see all N_WG keys of
@@ -496,6 +587,7 @@ def _consumer_by_output(
         p_free,
     ) = args
     gl.static_assert(DQ_SPLIT, "each warpgroup computes half of the dQ columns")
+    gl.static_assert(not DQ_TMA, "no shared memory left for dQ staging tiles: atomics")
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2
     s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, P^T, dP^T: [N_WG keys, BLOCK_M queries]
@@ -547,7 +639,7 @@ def _consumer_by_output(
         acc = _dq_step(
             (acc_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
             ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-            dq_ptr, q0, g * HEAD_D + WG * DQ_COLS, row_stride, BLOCK_M, DQ_COLS,
+            (dq_ptr, row_stride), q0, g * HEAD_D + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
         )[0]  # fmt: skip
 
     # ---- epilogue: K is read by both warpgroups' dQ products and V by WG 1's dP^T, so both tiles wait until
@@ -573,6 +665,7 @@ def _attention_backward_sm90_kernel(
     lse_ptr,
     delta_ptr,
     dq_ptr,
+    dq_desc,
     qk_scale,
     sm_scale,
     seqlen_q,
@@ -586,6 +679,7 @@ def _attention_backward_sm90_kernel(
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
     OUTPUT_SPLIT: gl.constexpr,
+    DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -686,15 +780,20 @@ def _attention_backward_sm90_kernel(
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
         consumer_args = consumer_args + (p_smem, p_ready, p_free)
+    if DQ_TMA:
+        # one fp32 staging tile per consumer warpgroup for its dQ partials (_dq_step), in dq_desc's layout; the
+        # tile's origin, dq_ptr + dq_off, is at (b * seqlen_q, q_col0) of dq_desc's 2-D view
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_desc.block_shape[1]], dq_desc.layout)
+        consumer_args = consumer_args + (dq_desc, dq_smem, b * seqlen_q, q_col0)
     gl.warp_specialize(
         [
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (0, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, GROUPED),
+                (0, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
             ),
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (1, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, GROUPED),
+                (1, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
             ),
             (
                 _producer,
@@ -763,6 +862,17 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     return all(rows_view_ok(x) for x in (q, k, v, dout))
 
 
+def dq_descriptor(dq_accum: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """The TMA descriptor DQ_TMA reduces into: the 2-D (batch * seqlen_q, nheads * head_dim) fp32 rows of
+    ``dq_accum`` (batch, seqlen_q, nheads, head_dim), contiguous, with [rows, cols] blocks in the 128-byte
+    swizzle of the kernel's staging tiles. A block never crosses a batch entry (seqlen_q is a multiple of ROWS,
+    ``qualifies``) nor a head (cols divides head_dim)."""
+    batch, seqlen_q, nheads, head_dim = dq_accum.shape
+    layout = shared_layout((rows, cols), dq_accum.dtype)
+    row_stride = nheads * head_dim
+    return TensorDescriptor(dq_accum, [batch * seqlen_q, row_stride], [row_stride, 1], [rows, cols], layout)
+
+
 def attention_backward_sm90(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -795,9 +905,12 @@ def attention_backward_sm90(
     dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
+    # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
+    dq_cols = head_dim // 2 if cfg["DQ_SPLIT"] else head_dim  # the dQ columns one warpgroup computes
+    dq_desc = dq_descriptor(dq_accum, block_m, dq_cols) if cfg["DQ_TMA"] else None
     args = (
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
-        descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum,
+        descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum, dq_desc,
         softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
     )  # fmt: skip
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, **cfg)

@@ -546,8 +546,9 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
 @functools.cache
 def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     """The swizzled shared-memory layout of a TMA block: [rows, head_dim] or [1, rows, head_dim], both with the
-    128-byte swizzle of head_dim 64 and above (what TMA writes and wgmma reads)."""
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    128-byte swizzle of head_dim 64 and above (what TMA writes and wgmma reads); float32 for the backward's dQ
+    reduce (``backward_sm90.dq_descriptor``), 128-byte swizzle from 32 columns on."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
