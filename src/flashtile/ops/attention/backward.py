@@ -2,7 +2,7 @@
 
 Nothing of size seqlen_q x seqlen_k is stored: P is recomputed from Q, K and the saved LSE.
 Three launches, no atomics (so the backward is deterministic; on sm_90 ``deterministic=False`` backwards
-without options run the atomic-dQ Gluon kernel of ``backward_sm90`` instead):
+without options run the Gluon kernel of ``backward_sm90`` instead, whose dQ sums are unordered):
   1. delta = rowsum(dO * O) - dLSE                                    (B, H, Sq) fp32
   2. per key tile and kv head: dV = sum P^T dO, dK = scale * sum dS^T Q over the tile's query tiles
      and over every query head of the kv head's group (GQA sums happen in registers)
@@ -641,7 +641,7 @@ def attention_backward(
         attn_mask: as given to the forward: None or a (batch, nheads, seqlen_q, seqlen_k) broadcast view
         dmask: None, or a contiguous (batch, nheads, seqlen_q, seqlen_k) float32 buffer that receives
             dS = P (dP - delta), the gradient at the (additive) mask before any reduction
-        deterministic: bitwise repeatable results (the Triton kernels); False allows the atomic dQ kernel
+        deterministic: bitwise repeatable results (the Triton kernels); False allows unordered dQ sums (Gluon)
 
     Returns:
         dq, dk, dv with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group)
