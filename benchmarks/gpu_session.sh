@@ -6,6 +6,8 @@
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
 #   decode   the decode (KV cache) benchmark (DECODE_ARGS="--batches 1" for a subset)
 #   tunedecode  decode tile-config and split-count sweep, host profile (benchmarks/tune_decode.py)
+#   profdecode  the kernels of one decode step and their device times against SDPA's (benchmarks/profile_decode.py;
+#            PROFDECODE_ARGS, e.g. "--paged")
 #   kvtests  tests/test_kvcache.py on the GPU
 #   varlen   packed against padded batches
 #   latency  launch overhead (eager vs CUDA graph) and first-call compile time
@@ -58,6 +60,7 @@ for step in "$@"; do
     decode) timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$OUT/decode" --commit "$commit" ${DECODE_ARGS:-} 2>&1 | tail -40 ;;
     varlen) timeout ${VARLEN_TIMEOUT:-300} python3 benchmarks/bench_varlen.py --out "$OUT/varlen" 2>&1 | tail -12 ;;
     tunedecode) timeout ${TUNEDECODE_TIMEOUT:-300} python3 benchmarks/tune_decode.py --out "$OUT" ${TUNEDECODE_ARGS:-} 2>&1 | tee "$OUT/tunedecode.log" | grep -v '^ *[0-9]' | tail -40 ;;
+    profdecode) timeout ${PROFDECODE_TIMEOUT:-150} python3 benchmarks/profile_decode.py --out "$OUT" ${PROFDECODE_ARGS:-} 2>&1 | tee "$OUT/profdecode.log" | tail -60 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
     latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
     hosttrace) timeout 120 python3 benchmarks/latency.py --out "$OUT" --host-trace 2>&1 | tail -8 ;;
