@@ -2,12 +2,13 @@
 SDPA on the same contiguous cache, under torch.profiler.
 
     PYTHONPATH=src python3 benchmarks/profile_decode.py [--contexts 1024,4096,16384] [--batch 1] [--nheads-q 32]
-        [--paged] [--out DIR]
+        [--paged] [--splits 0,8,16] [--out DIR]
 
 Shapes as bench_decode.py (Hkv 8, D 128, bf16, one new token appended at context - 1). Per row and provider:
 every kernel of the step with its mean device time (µs per step), the step's summed kernel time, and the
 wall time of the profiled loop per step (host launch + GPU, no L2 flush): bench_decode's do_bench times
-include launch gaps when the GPU waits on the host, which this separates from kernel time.
+include launch gaps when the GPU waits on the host, which this separates from kernel time. ``--splits``: the
+graph replay once per num_splits value (0: the heuristic's choice), "flashtile-graph-sN".
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--nheads-q", type=int, default=32)
     parser.add_argument("--paged", action="store_true")
     parser.add_argument("--page-size", type=int, default=256)
+    parser.add_argument("--splits", default="0", help="num_splits values of the graph replays (0: the heuristic)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
@@ -62,16 +65,18 @@ def main() -> None:
         k_cache, v_cache = (caches.k_paged, caches.v_paged) if args.paged else (caches.k, caches.v)
         table = caches.block_table if args.paged else None
 
-        def step(q=q, k_cache=k_cache, v_cache=v_cache, caches=caches, table=table):
+        def step(q=q, k_cache=k_cache, v_cache=v_cache, caches=caches, table=table, num_splits=0):
             return flash_attn_with_kvcache(
                 q, k_cache, v_cache, caches.k_new, caches.v_new, cache_seqlens=caches.seqlens, block_table=table,
-                causal=True,
+                causal=True, num_splits=num_splits,
             )  # fmt: skip
 
-        graph, _ = capture(step)
+        graphs = {
+            f"flashtile-graph-s{n}": capture(partial(step, num_splits=n))[0] for n in map(int, args.splits.split(","))
+        }
         q_sdpa, k_sdpa, v_sdpa = q.transpose(1, 2), caches.k.transpose(1, 2), caches.v.transpose(1, 2)
         providers = {
-            "flashtile-graph": graph.replay,
+            **{name: graph.replay for name, graph in graphs.items()},
             "flashtile-eager": step,
             "sdpa": lambda q=q_sdpa, k=k_sdpa, v=v_sdpa: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         }
@@ -84,7 +89,7 @@ def main() -> None:
                   f"kernels {row['kernel_us']:7.1f} µs/step, wall {wall:7.1f} µs/step", flush=True)  # fmt: skip
             for kernel, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
                 print(f"    {us:7.2f}  {kernel}")
-        del graph
+        del graphs
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "profile-decode.json").write_text(json.dumps(rows, indent=1))
