@@ -20,7 +20,6 @@ from flashtile.ops.attention.configs import cdiv
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many key tiles, so the merge stays cheap
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
-MERGE_ROWS = 64  # partial rows the merge loads at once (``merge_chunk``)
 
 
 @dataclass(frozen=True)
@@ -69,12 +68,6 @@ def block_m(packed_rows: int) -> int:
     """Query rows per program for ``packed_rows`` = seqlen_q x (nheads // nheads_k): a power of two in
     [16, MAX_BLOCK_M] (16 is the smallest matrix-product height)."""
     return max(16, min(MAX_BLOCK_M, next_power_of_2(packed_rows)))
-
-
-def merge_chunk(block_m: int) -> int:
-    """Splits whose partials the merging program loads at once: MERGE_ROWS rows of BLOCK_M each time (at most
-    MERGE_ROWS x DV fp32 values in flight per program)."""
-    return max(1, MERGE_ROWS // block_m)
 
 
 def choose_num_splits(programs: int, n_blocks: int, num_sms: int, programs_per_sm: int = 2) -> int:

@@ -214,41 +214,22 @@ def _merge_splits(
     num_splits,
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
 ):
     """The splits' partials of BLOCK_M rows merged by an online log-sum-exp: OPart [BLOCK_M, BLOCK_DV]
     pointers to split 0's out_s, LsePart [BLOCK_M] to its lse_s; split s is stride_ps / stride_ls further.
-    MERGE_CHUNK splits are loaded at once, [MERGE_CHUNK, BLOCK_M, BLOCK_DV], so the merge waits for one
-    round trip to L2 per MERGE_CHUNK splits rather than one per split.
     Returns the online-softmax state acc, m, l of ``_normalize``; masked-out elements read as an empty split."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    chunk = tl.arange(0, MERGE_CHUNK)
-    for first in range(0, num_splits, MERGE_CHUNK):
-        splits = first + chunk
-        s64 = splits.to(tl.int64)
-        s_ok = splits < num_splits
+    for split in range(num_splits):
+        s64 = tl.cast(split, tl.int64)
         # .cg: read from L2, where the other programs' stores are (not a line this SM cached earlier)
-        lse_s = (
-            tl.load(
-                LsePart[None, :] + s64[:, None] * stride_ls,
-                mask=s_ok[:, None] & row_ok[None, :],
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            * LOG2E
-        )  # [MERGE_CHUNK, BLOCK_M]
-        o_s = tl.load(
-            OPart[None, :, :] + s64[:, None, None] * stride_ps,
-            mask=s_ok[:, None, None] & o_mask[None, :, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [MERGE_CHUNK, BLOCK_M, BLOCK_DV]
-        m_i, m_shift, alpha = _raise_max(m_i, tl.max(lse_s, axis=0))
-        weight = tl.math.exp2(lse_s - m_shift[None, :])  # l_s exp2(m_s - shift): each split's softmax sum
-        l_i = l_i * alpha + tl.sum(weight, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * o_s, axis=0)
+        lse_s = tl.load(LsePart + s64 * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg") * LOG2E
+        o_s = tl.load(OPart + s64 * stride_ps, mask=o_mask, other=0.0, cache_modifier=".cg")  # [BLOCK_M, DV]
+        m_i, m_shift, alpha = _raise_max(m_i, lse_s)
+        weight = tl.math.exp2(lse_s - m_shift)  # l_s exp2(m_s - shift): split s's softmax sum
+        l_i = l_i * alpha + weight
+        acc = acc * alpha[:, None] + weight[:, None] * o_s
     return acc, m_i, l_i
 
 
@@ -327,7 +308,6 @@ def _split_kv_kernel(
     ROTARY_PER_TOKEN: tl.constexpr,
     HAS_NEW: tl.constexpr,
     IS_SPLIT: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
 ):
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
 
@@ -448,9 +428,8 @@ def _split_kv_kernel(
         counter = Counters + off_bhk * tl.num_programs(2) + tile_m
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:  # the other splits have stored theirs
             acc, m_i, l_i = _merge_splits(
-                OutPart + o_ptrs, LsePart + l_rows, stride_ps, stride_ls, row_ok, o_mask, num_splits, BLOCK_M, BLOCK_DV,
-                MERGE_CHUNK,
-            )  # fmt: skip
+                OutPart + o_ptrs, LsePart + l_rows, stride_ps, stride_ls, row_ok, o_mask, num_splits, BLOCK_M, BLOCK_DV
+            )
             out, lse = _normalize(acc, m_i, l_i)
             tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
             tl.store(Lse + l_rows, lse, mask=row_ok)
@@ -580,7 +559,6 @@ def decode_attention(
         ROTARY_PER_TOKEN=rotary_per_token,
         HAS_NEW=has_new,
         IS_SPLIT=num_splits > 1,
-        MERGE_CHUNK=configs.merge_chunk(block_m),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
