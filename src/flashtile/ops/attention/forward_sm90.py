@@ -608,10 +608,12 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
     19.9 of them in the launcher that still runs here. Measured against binding every call (latency.py's
     flashtile-binder rows, results/2026-11-30-h200x2-s7-latency-2e9c128.json, beside another process on the
     machine): host time per forward call 174 / 219 / 238 / 125 µs against 225 / 281 / 289 / 279 (B*N = 16k, D=128:
-    N=512 full, causal; N=1k full, causal). The first launch of a key goes through the binder (compiling, or
-    loading from Triton's disk cache) and keeps the compiled kernel it returns; later launches of the key hand
-    that kernel the same arguments directly: ``args`` are the kernel's leading non-constexpr parameters in order,
-    ``constexprs`` name all the rest.
+    N=512 full, causal; N=1k full, causal); alone on the machine (session 8, results/2026-11-30-h200-s8-latency-
+    dd47731.json) 113 / 183 / 239 / 162 against 135 / 127 / 143 / 134: the saving did not reproduce, so it is
+    unproven (the two runs disagree by more than the effect). The first launch of a key goes through the binder
+    (compiling, or loading from Triton's disk cache) and keeps the compiled kernel it returns; later launches of
+    the key hand that kernel the same arguments directly: ``args`` are the kernel's leading non-constexpr
+    parameters in order, ``constexprs`` name all the rest.
     """
     key = launch_key(kernel, args, constexprs)
     compiled = _COMPILED.get(key)
