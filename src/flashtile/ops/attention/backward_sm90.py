@@ -4,8 +4,8 @@ On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifi
 dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's
 default) run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
-seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory at head
-dims 64 and 128, per-thread atomics at 256: ``CONFIGS``' DQ_TMA), in an order that varies from run to run
+seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory,
+``CONFIGS``' DQ_TMA, at every head dim; per-thread atomics with it off), in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
 64, 128 or 256 (256: the OUTPUT_SPLIT variant below); MHA, GQA or MQA (nheads a multiple of nheads_k; causal:
 at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; the layouts of
@@ -37,10 +37,14 @@ n_tiles, tile i % n_tiles; n_tiles, the query tiles per head, is the same for ev
 Every barrier phase and ring slot below is a function of the flat i alone, so moving from one head to the
 next changes nothing in the pipeline; dK and dV simply keep accumulating (that is the sum over the group).
   * producer partition, 1 warp: TMA loads of the CTA's K and V tiles (once, kv_bar), then per iteration
-    (BLOCK_M = 64 query rows of head g) Q and dO by TMA into a ring of STAGES buffers (q_ready / do_ready,
-    tx-count), and the rows' lse (base 2) and delta by plain loads into shared memory (stat_ready).
-    qdo_empty (count 2, one arrival per consumer warpgroup) frees a slot once both warpgroups' dV and dK
-    products are done.
+    (BLOCK_M = 64 query rows of head g) Q by TMA into a ring of STAGES buffers (q_ready, tx-count) with the
+    rows' lse (base 2) and delta by plain loads into shared memory (stat_ready, same slot), and dO by TMA
+    into a ring of DO_STAGES buffers (do_ready; DO_STAGES <= STAGES): slot i % STAGES, parity
+    (i // STAGES) & 1 and slot i % DO_STAGES, parity (i // DO_STAGES) & 1. q_empty (count 2, one arrival
+    per consumer warpgroup) frees a Q slot (and its lse/delta) once both warpgroups are done with it; with
+    DO_STAGES == STAGES (D=64/128) it frees the dO slot of the same index too (one barrier per slot, as
+    before DO_STAGES existed), otherwise do_empty (count 2) frees dO slots. Key split: each warpgroup
+    releases both slots once its dV and dK products have retired.
   * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1). Per iteration, all
     products are wgmma with fp32 accumulators:
         S^T  = K_wg Q^T            (smem, smem)          [64 keys, 64 queries]
@@ -55,11 +59,12 @@ next changes nothing in the pipeline; dK and dV simply keep accumulating (that i
       D=128 (DQ_SPLIT): each warpgroup computes half of the columns, dQ[:, wg*64 : (wg+1)*64];
       D=64: warpgroup (i % 2) computes all of it for iteration i (a 32-column slice of K would cut the
       128-byte swizzle atom, which a wgmma operand can not start inside).
-    DQ_TMA (both head dims; FA-3's dQ path): the warpgroup stores its [64, 64] fp32 partial into its own
-    staging tile in shared memory (once its previous reduce has read the tile: tma.store_wait), fences, and
-    one TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32, ``async_reduce_add``) adds the tile to dq_accum
-    while the warpgroup goes on (ordering: ``_dq_step``). Without it, each thread adds its fragment with
-    relaxed fp32 atomics (16 atom.global.add.v2.f32 per thread per iteration at D=128).
+    DQ_TMA (FA-3's dQ path): the warpgroup stores its [64, 64] fp32 partial into its own staging tile in
+    shared memory (once its previous reduce has read the tile: tma.store_wait), fences, and one TMA
+    reduce-add (cp.reduce.async.bulk.tensor .add.f32, ``async_reduce_add``) adds the tile to dq_accum while
+    the warpgroup goes on (ordering: ``_dq_step``; D=256's [64, 128] partials go through the tile in two
+    [64, 64] chunks). Without it, each thread adds its fragment with relaxed fp32 atomics (16
+    atom.global.add.v2.f32 per thread per iteration at D=128, 32 at D=256).
     ds_free (count 2) tells the warpgroups that a dS buffer has been read, before it is written again.
   * epilogue: dV_wg goes to this warpgroup's rows of the V tile in shared memory (only it reads them);
     dK_wg to its rows of the K tile once both warpgroups have left the loop (kv_done, count 2: the dQ
@@ -82,22 +87,35 @@ producer, the flat (g, query tile) loop, _probs, _dq_step and the TMA epilogue a
            dS^T = P^T * (dP^T - delta) * scale, dK += dS^T Q [64 keys, 256], 128 registers, and dS^T (the
            input dtype) to the dS^T buffer [64 keys, 64 queries];
   * both:  dQ[:, WG * 128 : (WG + 1) * 128] = dS K[:, those columns] (_dq_step, as DQ_SPLIT at D=128), added
-           to dq_accum with the same relaxed fp32 atomics.
+           to dq_accum. DQ_TMA: through the warpgroup's [64, 64] staging tile in two column chunks, each its
+           own [64, 64] product: chunk 0's product, its store into the tile and reduce, then chunk 1's product
+           (which runs while the copy engine reads chunk 0), tma.store_wait, its store and reduce; 32 dQ
+           registers live instead of 64. Without DQ_TMA: one [64, 128] product and per-thread atomics.
   Per iteration each warpgroup issues 2.5 of the 5 [64 x 64 x 256]-sized products. WG 0's dV product runs
   while WG 1 computes dS^T, but WG 1 waits while WG 0 computes P^T (a bubble the key split does not have:
   there each warpgroup's exponentials overlap the other's products).
   Barriers (besides the shared ones): p_ready / p_free (count 1 each, one P^T buffer: WG 0 writes it once WG 1
   has read the previous one); ds_ready has count 1 here (only WG 1 writes dS^T), ds_free keeps count 2 (both
-  dQ products read it); qdo_empty (count 2): WG 0 releases a slot once its dV product (Q: S^T, dO) has
-  retired, WG 1 once its dK product (dO: dP^T, Q) has; kv_done (count 2): V is read by WG 1's dP^T and K by
-  both dQ products, so dV (WG 0, through the V tile) and dK (WG 1, through the K tile) wait for both.
-  Registers per thread (240 per consumer): the accumulator 128, plus at most (during _dq_step) the dQ half
-  [64, 128] fp32 64 and the accumulating product's A operand 16; S^T / dP^T / P^T [64, 64] fp32 are 32 each
-  and dead by then. ptxas: no spill (stack 0; 8 bytes causal GQA, as at D=128). Shared memory: Q and dO
-  rings of STAGES = 2 x 32 KiB each (128 KiB), K and V 32 KiB each, two dS^T buffers 2 x 8 KiB, P^T 16 KiB,
-  lse/delta 1 KiB: 230,944-230,960 bytes of the 232,448 (227 KiB) of a CTA (tests/sm90_compile.py); a third stage
-  does not fit. P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T would
-  save 8 KiB).
+  dQ products read it); kv_done (count 2): V is read by WG 1's dP^T and K by both dQ products, so dV (WG 0,
+  through the V tile) and dK (WG 1, through the K tile) wait for both. Ring slots (FA-3 at hdim 256 too: two
+  Q stages, one dO stage; DO_STAGES = 1, STAGES = 2): each warpgroup releases a slot as soon as its last
+  reader of it has retired: q_empty (count 2) gets WG 0's arrival once S^T has retired and WG 1's once dK
+  += dS^T Q has (in _dq_step); do_empty (count 2) WG 1's once dP^T has retired and WG 0's once dV += P^T dO
+  has (in _dq_step). lse/delta ride the Q ring: WG 0 may arrive on q_empty before all its threads have read
+  lse, but the slot frees only with WG 1's arrival, which follows (p_ready) every WG 0 thread's P^T and so
+  its lse; WG 1 reads delta before its dK. The producer stores lse/delta and arrives on stat_ready before it
+  waits for the dO slot (which frees last: after WG 0's dV). With DO_STAGES == STAGES (the A/B against the
+  atomics of main, ``DQ_TMA=0,DO_STAGES=2``) one barrier per slot, released by each warpgroup in _dq_step
+  (WG 0 once dV has retired, WG 1 once dK has), as before DO_STAGES existed.
+  Registers per thread (240 per consumer): the accumulator 128, plus at most (during _dq_step) the dQ chunk
+  [64, 64] fp32 32 (atomics: the half [64, 128], 64) and the accumulating product's A operand 16; S^T / dP^T
+  / P^T [64, 64] fp32 are 32 each and dead by then. ptxas: no spill (stack 0 in all four variants; 0 / 8
+  bytes causal GQA with the atomics and two dO stages). Shared memory: Q ring of STAGES = 2 x 32 KiB, dO
+  ring of DO_STAGES = 1 x 32 KiB, K and V 32 KiB each, two dS^T buffers 2 x 8 KiB, P^T 16 KiB, two dQ
+  staging tiles 2 x 16 KiB, lse/delta 1 KiB: 230,992-231,008 bytes of the 232,448 (227 KiB) of a CTA
+  (tests/sm90_compile.py; 230,944-230,960 with two dO stages and the atomics, 198,208-198,224 with one dO
+  stage and the atomics). P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T
+  would save 8 KiB).
 
 Register-pressure notes (what keeps D=128 from spilling; keep them in mind when editing):
   * LLVM hoists loop-invariant address arithmetic out of the query-tile loop and ptxas then spills it.
@@ -114,7 +132,8 @@ Register-pressure notes (what keeps D=128 from spilling; keep them in mind when 
 
 DQ_TMA on the H200 (session 8, results/2026-11-30-h200x2-s8-call1-branches-a21fbac.log): the GPU tests pass
 (test_gluon_sm90.py, with test_backward_dq_tma_matches_the_atomics), and the backward gains 18-30% at D=128 and
-3-10% at D=64 over the atomics (``CONFIGS``).
+3-10% at D=64 over the atomics (``CONFIGS``). D=256 (DQ_TMA with one dO stage, branch gluon-bwd-d256-tma):
+compiled for sm_90 only, NOT yet run or timed on a GPU; predicted +10-20% (docs/tuning-log.md).
 """
 
 from __future__ import annotations
@@ -153,26 +172,33 @@ CONFIGS = {
           "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": False, "OUTPUT_SPLIT": False,
          "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-    # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two stages fill
-    # 230,944-230,960 bytes of shared memory (a third does not fit, nor do DQ_TMA's staging tiles); H200, B=4 N=4k
-    # H=8 bf16: 282 / 278 TFLOP/s full / causal against 187 / 211 for the Triton kernel
-    # (results/2026-11-30-h200x2-s7-call2-timing-2e9c128.log)
+    # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two Q stages and
+    # one dO stage (FA-3's hdim-256 choice) leave room for DQ_TMA's staging tiles: 230,992-231,008 bytes of
+    # shared memory. Main's config (two dO stages, atomics: --variant DQ_TMA=0,DO_STAGES=2, the same SASS),
+    # H200, B=4 N=4k H=8 bf16: 282 / 278 TFLOP/s full / causal against 187 / 211 for the Triton kernel
+    # (results/2026-11-30-h200x2-s7-call2-timing-2e9c128.log); this one NOT yet timed (predicted +10-20%)
     256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DO_STAGES": 1, "DQ_SPLIT": True, "OUTPUT_SPLIT": True,
           "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
-"""Per head dim: query rows per tile, key rows per CTA, Q/dO ring depth, dQ columns split between the warpgroups
-(needs 64-column halves: head dims 128 and 256), the warpgroups split the work by output (OUTPUT_SPLIT, both
-see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), dQ partials added by one TMA
-reduce per (warpgroup, iteration) rather than by per-thread atomics (DQ_TMA), registers per thread of
-consumers / producer.
+"""Per head dim: query rows per tile, key rows per CTA, Q (and lse/delta) ring depth, dO ring depth (DO_STAGES, at
+most STAGES; equal: one empty barrier per slot frees both rings, otherwise each ring has its own), dQ columns
+split between the warpgroups (needs 64-column halves: head dims 128 and 256), the warpgroups split the work by
+output (OUTPUT_SPLIT, both see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), dQ
+partials added by TMA reduces from shared memory rather than by per-thread atomics (DQ_TMA), registers per
+thread of consumers / producer. tune_gluon.py's ``--variant NAME:KEY=VALUE`` sets a key in every entry that
+has it: DO_STAGES=2 makes D=64/128 STAGES=3 / DO_STAGES=2 (compiles; stack at D=128 32-40 bytes with DQ_TMA,
+16-32 with the atomics, 72-104 with DO_STAGES=1; test_backward_key_split_with_a_shallower_do_ring covers it on
+the GPU), so time such variants at D=256 only.
 
 DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]
-(DQ_SPLIT) or [BLOCK_M, D], [64, 64] at both head dims, in a shared-memory tile of its own and adds the tile to
+(DQ_SPLIT) or [BLOCK_M, D], [64, 64] at D=64/128, in a shared-memory tile of its own and adds the tile to
 dq_accum with one bulk tensor reduce (``async_reduce_add``: cp.reduce.async.bulk.tensor.2d .add, which Triton
 issues as two [64, 32] boxes, one per 128-byte swizzle width, from one elected thread of each of two warps)
-instead of each thread issuing 16 atom.global.add.v2.f32 (D=128) per iteration. 2 x 16 KiB of shared memory:
-D=128 231,488-231,504 bytes of 232,448 (198,704-198,720 with atomics), D=64 149,568-149,584 (116,784-116,800);
-none left at D=256 (no staging tiles: atomics). H200, bf16, B * N = 16k tokens, backward TFLOP/s with DQ_TMA
+instead of each thread issuing 16 atom.global.add.v2.f32 (D=128) per iteration; at D=256 the [64, 128] partial
+goes through the [64, 64] tile in two chunks (two reduces per warpgroup and iteration instead of 32 atomics
+per thread). 2 x 16 KiB of shared memory: D=128 231,488-231,504 bytes of 232,448 (198,704-198,720 with
+atomics), D=64 149,568-149,584 (116,784-116,800), D=256 230,992-231,008 with one dO stage (the 32 KiB of the
+second). H200, bf16, B * N = 16k tokens, backward TFLOP/s with DQ_TMA
 against the atomics in one process (``--variant dq-atomics:DQ_TMA=0``; s8-call1-branches-a21fbac.log): D=128
 N=4k 533 / 459 full / causal against 411 / 387, N=16k 552 / 535 against 432 / 448; D=64 N=4k 421 / 368 against
 387 / 358, N=16k 444 / 423 against 403 / 398 (predicted +5-10% at D=128: the atomics cost far more than the
@@ -664,7 +690,9 @@ def _consumer_by_output(
             lse2 = lse_smem.index(s).load(col_s)
             s_acc = warpgroup_mma_wait(0, deps=(s_tok, k_it))[0]
             if DO_STAGES != STAGES:
-                mbarrier.arrive(q_empty.index(s), count=1)  # S^T, this warpgroup's only reader of Q, has retired
+                # S^T, this warpgroup's only reader of Q, has retired (lse's slot frees with WG 1's arrival, which
+                # follows every thread's P^T: module docstring)
+                mbarrier.arrive(q_empty.index(s), count=1)
             p = _probs(s_acc, lse2, qk_scale, kv_start, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
             mbarrier.wait(p_free, (i & 1) ^ 1)
             p_smem.store(p)
