@@ -405,15 +405,16 @@ def _dq_step(
 ):
     """Once dS^T is complete in ds_buf [keys, BLOCK_M queries] (ds_ready): dQ[:, col0 : col0 + DQ_COLS] of query
     rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq_accum. Also retires this iteration's
-    accumulating products (issued before, so they complete first) and releases the Q/dO slot and the dS buffer.
-    ``pending``: those products' wgmma tokens followed by the Q and dO tiles they read; returns
-    ``warpgroup_mma_wait``'s tuple of them (the accumulators first).
+    accumulating products (issued before, so they complete first), then arrives once on each barrier of the
+    tuple ``empties`` (the ring slots those products were the last to read), and releases the dS buffer once
+    the dQ product has read it. ``pending``: those products' wgmma tokens followed by the Q and dO tiles they
+    read; returns ``warpgroup_mma_wait``'s tuple of them (the accumulators first).
 
     ``dq_dst``, where the partial goes (rows q0.. and columns col0.. are counted from its origin):
       * atomics (DQ_TMA off): (dq_ptr, row_stride), dq_ptr at (the batch entry's row 0, the group's first head)
         of rows of row_stride floats; every thread adds its fragment with relaxed fp32 atomics;
       * DQ_TMA: (dq_desc, dq_tile, row0, col_base), the descriptor of dq_accum's 2-D (batch * seqlen_q,
-        nheads * head_dim) view, this warpgroup's [BLOCK_M, DQ_COLS] fp32 staging tile, and the origin's
+        nheads * head_dim) view, this warpgroup's [BLOCK_M, DQ_TILE_COLS] fp32 staging tile, and the origin's
         coordinates in the view. The warpgroup writes its fragments into the tile and issues a TMA reduce-add
         of it (``async_reduce_add``: one elected thread in each of two warps, a [64, 32] box each). Ordering,
         per warpgroup (the tile is its own): store_wait(0) makes the threads that issued the previous reduce
@@ -424,7 +425,10 @@ def _dq_step(
         keeps the issuing threads (so the CTA and its shared memory) alive until the last reduce has read the
         tile; its adds complete by the end of the grid, like a TMA store's writes. Nothing in the kernel reads
         dq_accum, and each element's add is atomic and relaxed as with the per-thread atomics: the result
-        differs from theirs only in the order of the fp32 sums."""
+        differs from theirs only in the order of the fp32 sums. A partial wider than the tile (D=256: 128
+        columns, tile 64) goes through it in column chunks, each its own product, issued after the previous
+        chunk's reduce so that it runs while the copy engine reads that chunk; store_wait(0) before each
+        chunk's stores keeps the tile from being overwritten before the previous reduce has read it."""
     if DQ_TMA:
         dq_desc, dq_tile, row0, col_base = dq_dst
         CHUNK: gl.constexpr = dq_tile.shape[1]
