@@ -297,9 +297,8 @@ def gluon_source(kernel_name: str, consts: dict):
                "dk_desc": descriptor(rows_out, head_dim), "dv_desc": descriptor(rows_out, head_dim),
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
-        if consts["DQ_TMA"]:  # dq_accum's descriptor, [BLOCK_M, dQ columns per warpgroup] fp32 blocks
-            dq_cols = head_dim // 2 if consts["DQ_SPLIT"] else head_dim
-            sig["dq_desc"] = descriptor(rows_q, dq_cols, dtype=torch.float32)
+        if consts["DQ_TMA"]:  # dq_accum's descriptor, [BLOCK_M, the staging tile's columns] fp32 blocks
+            sig["dq_desc"] = descriptor(rows_q, backward_sm90.DQ_TILE_COLS, dtype=torch.float32)
         else:  # the launcher passes None: a constexpr
             consts = dict(consts, dq_desc=None)
     sig.update(dict.fromkeys(consts, "constexpr"))
@@ -317,7 +316,8 @@ def gluon_variants() -> list[Variant]:
                 consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
                 variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
-        name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
+        stages = f"s{cfg['STAGES']}" + (f"/do{cfg['DO_STAGES']}" if cfg["DO_STAGES"] != cfg["STAGES"] else "")
+        name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/{stages}"
         for mask, (flags, grouped) in itertools.product(("full", "causal"), (("off", False), ("gqa", True))):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
             variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts))

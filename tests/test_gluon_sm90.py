@@ -197,10 +197,11 @@ def test_backward_rejects_broadcast_dout_and_huge_offsets():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_dim):
-    """DQ_TMA (head dims 64 and 128): the launch passes a descriptor of dq_accum's 2-D (batch * seqlen_q,
-    nheads * head_dim) fp32 rows with [BLOCK_M, the columns one warpgroup computes] blocks in the 128-byte
-    swizzle of the kernel's staging tiles; at 256 (no shared memory left for them) None, which compiles the
-    atomic path. The descriptor's dims and strides are those of dq_accum, the tensor the kernel's atomics use."""
+    """DQ_TMA (every head dim): the launch passes a descriptor of dq_accum's 2-D (batch * seqlen_q, nheads *
+    head_dim) fp32 rows with [BLOCK_M, 64] blocks (the staging tile; head dim 256's 128-column halves go
+    through it in two chunks) in the 128-byte swizzle of the kernel's staging tiles; with DQ_TMA off None, which
+    compiles the atomic path. The descriptor's dims and strides are those of dq_accum, the tensor the kernel's
+    atomics use. Head dim 256 keeps one dO stage (DO_STAGES: the staging tiles take the second's memory)."""
     calls = []
     monkeypatch.setattr(backward_sm90, "launch", lambda kernel, grid, args, cx: calls.append((args, cx)))
     q, k, v = qkv(batch=2, seqlen_q=256, seqlen_k=384, nheads=4, nheads_k=2, head_dim=head_dim)
@@ -210,15 +211,15 @@ def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_
     names = backward_sm90._attention_backward_sm90_kernel.arg_names
     dq_accum, dq_desc = args[names.index("dq_ptr")], args[names.index("dq_desc")]
     cfg = backward_sm90.CONFIGS[head_dim]
-    assert constexprs["DQ_TMA"] == cfg["DQ_TMA"] == (head_dim != 256)
-    if head_dim == 256:
-        assert dq_desc is None
-        return
+    assert constexprs["DQ_TMA"] == cfg["DQ_TMA"]
+    assert (constexprs["STAGES"], constexprs["DO_STAGES"]) == ((2, 1) if head_dim == 256 else (3, 3))
     assert dq_desc.base is dq_accum and dq_accum.shape == (2, 256, 4, head_dim) and dq_accum.is_contiguous()
     assert list(dq_desc.shape) == [2 * 256, 4 * head_dim] and list(dq_desc.strides) == [4 * head_dim, 1]
-    cols = head_dim // 2 if cfg["DQ_SPLIT"] else head_dim
-    assert list(dq_desc.block_shape) == [cfg["BLOCK_M"], cols] == [64, 64]
+    assert list(dq_desc.block_shape) == [cfg["BLOCK_M"], backward_sm90.DQ_TILE_COLS] == [64, 64]
     assert (dq_desc.layout.swizzle_byte_width, dq_desc.layout.element_bitwidth) == (128, 32)
+    monkeypatch.setitem(cfg, "DQ_TMA", False)
+    backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=False)
+    assert calls[-1][0][names.index("dq_desc")] is None and calls[-1][1]["DQ_TMA"] is False
 
 
 def _recorded(launch, tag, calls):
@@ -407,25 +408,72 @@ def test_backward_gqa(launches, dtype, causal, head_dim, shape):
     assert launches == [*gluon_forward, ("bwd", causal)]
 
 
+def _matches_other_config(monkeypatch, inputs, causal, head_dim, changes):
+    """The default config's backward against the oracle and against the same inputs' backward under
+    ``changes`` to CONFIGS[head_dim] (also against the oracle): dk and dv bit for bit (their sums run in the
+    same order whatever the dQ path or ring depths), dq up to the order of its fp32 sums, so by at most about one
+    rounding of the input dtype at dq's largest magnitude."""
+    check(*inputs, causal=causal)
+    default = run_flashtile(*inputs, causal=causal)
+    for key, value in changes.items():
+        monkeypatch.setitem(backward_sm90.CONFIGS[head_dim], key, value)
+    check(*inputs, causal=causal)
+    other = run_flashtile(*inputs, causal=causal)
+    assert torch.equal(default["dk"], other["dk"]) and torch.equal(default["dv"], other["dv"])
+    scale = other["dq"].float().abs().max().item()
+    assert (default["dq"].float() - other["dq"].float()).abs().max().item() <= 2**-7 * scale
+
+
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "head_dim, atomics",
+    [(64, dict(DQ_TMA=False)), (128, dict(DQ_TMA=False)), (256, dict(DQ_TMA=False, DO_STAGES=2)),
+     (256, dict(DQ_TMA=False))],
+    ids=["D64", "D128", "D256", "D256-one-dO-stage"],
+)  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_dq_tma_matches_the_atomics(monkeypatch, launches, causal, head_dim, atomics):
+    """DQ_TMA (each warpgroup's dQ partial staged in shared memory, added by TMA reduces: one per iteration at
+    D=64/128, two [64, 64] chunks through the one staging tile at D=256) on long walks, GQA 4:1 with 32 query
+    tiles per head: 128 iterations per CTA, each warpgroup's staging tile reused across query heads (D=64:
+    warpgroups taking turns). Against the oracle and against the per-thread atomics it replaces: at D=256 main's
+    kernel (two dO stages, DQ_TMA=0,DO_STAGES=2) and the atomics with the one dO stage."""
+    inputs = make_inputs(2, 2048, 2048, 8, 2, head_dim, dtype=torch.bfloat16)
+    _matches_other_config(monkeypatch, inputs, causal, head_dim, atomics)
+    assert [call for call in launches if call[0] == "bwd"] == [("bwd", causal)] * 4
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 384, 640, 6, 3), (1, 1024, 512, 5, 1), (5, 256, 256, 3, 3), (1, 4096, 1024, 2, 1)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_head_dim_256_dq_tma_odd_shapes(monkeypatch, launches, causal, shape):
+    """D=256 with DQ_TMA and one dO stage at odd batch and head counts, GQA / MQA, Sq != Sk both ways (Sq > Sk
+    causal: rows that see no key) and a long walk (64 query tiles per head, MQA 2:1: 128 iterations, the
+    one-slot dO ring turning every iteration): against the oracle and against main's kernel (atomics, two dO
+    stages)."""
+    inputs = make_inputs(*shape, 256, dtype=torch.bfloat16)
+    _matches_other_config(monkeypatch, inputs, causal, 256, dict(DQ_TMA=False, DO_STAGES=2))
+    assert [call for call in launches if call[0] == "bwd"] == [("bwd", causal)] * 4
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("do_stages", [1, 2], ids=lambda n: f"dO{n}")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_dq_tma_matches_the_atomics(monkeypatch, launches, causal, head_dim):
-    """DQ_TMA (each warpgroup's dQ partial staged in shared memory, added by one TMA reduce per iteration) on long
-    walks, GQA 4:1 with 32 query tiles per head: 128 iterations per CTA, each warpgroup's staging tile reused
-    across query heads (D=64: warpgroups taking turns). Against the oracle, and against the per-thread atomics
-    it replaces (DQ_TMA off, the same inputs): their dq differ only in the order of the fp32 sums, so by at most
-    about one rounding of the input dtype at dq's largest magnitude; dk and dv do not depend on the switch."""
+def test_backward_key_split_with_a_shallower_do_ring(monkeypatch, launches, causal, head_dim, do_stages):
+    """The key split (D=64/128) with DO_STAGES below STAGES (3), a tuning option (tune_gluon.py's DO_STAGES
+    variants reach it): separate empty barriers for the Q and dO rings, both released by each warpgroup once
+    its dV and dK products have retired. GQA 4:1, 32 query tiles per head, against the oracle and the
+    default config."""
     inputs = make_inputs(2, 2048, 2048, 8, 2, head_dim, dtype=torch.bfloat16)
-    check(*inputs, causal=causal)
-    tma = run_flashtile(*inputs, causal=causal)
-    monkeypatch.setitem(backward_sm90.CONFIGS[head_dim], "DQ_TMA", False)
-    check(*inputs, causal=causal)
-    atomics = run_flashtile(*inputs, causal=causal)
-    assert torch.equal(tma["dk"], atomics["dk"]) and torch.equal(tma["dv"], atomics["dv"])
-    scale = atomics["dq"].float().abs().max().item()
-    assert (tma["dq"].float() - atomics["dq"].float()).abs().max().item() <= 2**-7 * scale
+    _matches_other_config(monkeypatch, inputs, causal, head_dim, dict(DO_STAGES=do_stages))
     assert [call for call in launches if call[0] == "bwd"] == [("bwd", causal)] * 4
 
 

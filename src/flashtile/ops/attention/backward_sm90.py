@@ -1,11 +1,11 @@
-"""FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by atomic adds.
+"""FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by TMA reduce-adds.
 
 On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
 dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's
 default) run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
-seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory at head
-dims 64 and 128, per-thread atomics at 256: ``CONFIGS``' DQ_TMA), in an order that varies from run to run
+seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory,
+``CONFIGS``' DQ_TMA, at every head dim; per-thread atomics with it off), in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
 64, 128 or 256 (256: the OUTPUT_SPLIT variant below); MHA, GQA or MQA (nheads a multiple of nheads_k; causal:
 at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; the layouts of
@@ -37,10 +37,14 @@ n_tiles, tile i % n_tiles; n_tiles, the query tiles per head, is the same for ev
 Every barrier phase and ring slot below is a function of the flat i alone, so moving from one head to the
 next changes nothing in the pipeline; dK and dV simply keep accumulating (that is the sum over the group).
   * producer partition, 1 warp: TMA loads of the CTA's K and V tiles (once, kv_bar), then per iteration
-    (BLOCK_M = 64 query rows of head g) Q and dO by TMA into a ring of STAGES buffers (q_ready / do_ready,
-    tx-count), and the rows' lse (base 2) and delta by plain loads into shared memory (stat_ready).
-    qdo_empty (count 2, one arrival per consumer warpgroup) frees a slot once both warpgroups' dV and dK
-    products are done.
+    (BLOCK_M = 64 query rows of head g) Q by TMA into a ring of STAGES buffers (q_ready, tx-count) with the
+    rows' lse (base 2) and delta by plain loads into shared memory (stat_ready, same slot), and dO by TMA
+    into a ring of DO_STAGES buffers (do_ready; DO_STAGES <= STAGES): slot i % STAGES, parity
+    (i // STAGES) & 1 and slot i % DO_STAGES, parity (i // DO_STAGES) & 1. q_empty (count 2, one arrival
+    per consumer warpgroup) frees a Q slot (and its lse/delta) once both warpgroups are done with it; with
+    DO_STAGES == STAGES (D=64/128) it frees the dO slot of the same index too (one barrier per slot, as
+    before DO_STAGES existed), otherwise do_empty (count 2) frees dO slots. Key split: each warpgroup
+    releases both slots once its dV and dK products have retired.
   * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1). Per iteration, all
     products are wgmma with fp32 accumulators:
         S^T  = K_wg Q^T            (smem, smem)          [64 keys, 64 queries]
@@ -55,11 +59,12 @@ next changes nothing in the pipeline; dK and dV simply keep accumulating (that i
       D=128 (DQ_SPLIT): each warpgroup computes half of the columns, dQ[:, wg*64 : (wg+1)*64];
       D=64: warpgroup (i % 2) computes all of it for iteration i (a 32-column slice of K would cut the
       128-byte swizzle atom, which a wgmma operand can not start inside).
-    DQ_TMA (both head dims; FA-3's dQ path): the warpgroup stores its [64, 64] fp32 partial into its own
-    staging tile in shared memory (once its previous reduce has read the tile: tma.store_wait), fences, and
-    one TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32, ``async_reduce_add``) adds the tile to dq_accum
-    while the warpgroup goes on (ordering: ``_dq_step``). Without it, each thread adds its fragment with
-    relaxed fp32 atomics (16 atom.global.add.v2.f32 per thread per iteration at D=128).
+    DQ_TMA (FA-3's dQ path): the warpgroup stores its [64, 64] fp32 partial into its own staging tile in
+    shared memory (once its previous reduce has read the tile: tma.store_wait), fences, and one TMA
+    reduce-add (cp.reduce.async.bulk.tensor .add.f32, ``async_reduce_add``) adds the tile to dq_accum while
+    the warpgroup goes on (ordering: ``_dq_step``; D=256's [64, 128] partials go through the tile in two
+    [64, 64] chunks). Without it, each thread adds its fragment with relaxed fp32 atomics (16
+    atom.global.add.v2.f32 per thread per iteration at D=128, 32 at D=256).
     ds_free (count 2) tells the warpgroups that a dS buffer has been read, before it is written again.
   * epilogue: dV_wg goes to this warpgroup's rows of the V tile in shared memory (only it reads them);
     dK_wg to its rows of the K tile once both warpgroups have left the loop (kv_done, count 2: the dQ
@@ -82,22 +87,35 @@ producer, the flat (g, query tile) loop, _probs, _dq_step and the TMA epilogue a
            dS^T = P^T * (dP^T - delta) * scale, dK += dS^T Q [64 keys, 256], 128 registers, and dS^T (the
            input dtype) to the dS^T buffer [64 keys, 64 queries];
   * both:  dQ[:, WG * 128 : (WG + 1) * 128] = dS K[:, those columns] (_dq_step, as DQ_SPLIT at D=128), added
-           to dq_accum with the same relaxed fp32 atomics.
+           to dq_accum. DQ_TMA: through the warpgroup's [64, 64] staging tile in two column chunks, each its
+           own [64, 64] product: chunk 0's product, its store into the tile and reduce, then chunk 1's product
+           (which runs while the copy engine reads chunk 0), tma.store_wait, its store and reduce; 32 dQ
+           registers live instead of 64. Without DQ_TMA: one [64, 128] product and per-thread atomics.
   Per iteration each warpgroup issues 2.5 of the 5 [64 x 64 x 256]-sized products. WG 0's dV product runs
   while WG 1 computes dS^T, but WG 1 waits while WG 0 computes P^T (a bubble the key split does not have:
   there each warpgroup's exponentials overlap the other's products).
   Barriers (besides the shared ones): p_ready / p_free (count 1 each, one P^T buffer: WG 0 writes it once WG 1
   has read the previous one); ds_ready has count 1 here (only WG 1 writes dS^T), ds_free keeps count 2 (both
-  dQ products read it); qdo_empty (count 2): WG 0 releases a slot once its dV product (Q: S^T, dO) has
-  retired, WG 1 once its dK product (dO: dP^T, Q) has; kv_done (count 2): V is read by WG 1's dP^T and K by
-  both dQ products, so dV (WG 0, through the V tile) and dK (WG 1, through the K tile) wait for both.
-  Registers per thread (240 per consumer): the accumulator 128, plus at most (during _dq_step) the dQ half
-  [64, 128] fp32 64 and the accumulating product's A operand 16; S^T / dP^T / P^T [64, 64] fp32 are 32 each
-  and dead by then. ptxas: no spill (stack 0; 8 bytes causal GQA, as at D=128). Shared memory: Q and dO
-  rings of STAGES = 2 x 32 KiB each (128 KiB), K and V 32 KiB each, two dS^T buffers 2 x 8 KiB, P^T 16 KiB,
-  lse/delta 1 KiB: 230,944-230,960 bytes of the 232,448 (227 KiB) of a CTA (tests/sm90_compile.py); a third stage
-  does not fit. P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T would
-  save 8 KiB).
+  dQ products read it); kv_done (count 2): V is read by WG 1's dP^T and K by both dQ products, so dV (WG 0,
+  through the V tile) and dK (WG 1, through the K tile) wait for both. Ring slots (FA-3 at hdim 256 too: two
+  Q stages, one dO stage; DO_STAGES = 1, STAGES = 2): each warpgroup releases a slot as soon as its last
+  reader of it has retired: q_empty (count 2) gets WG 0's arrival once S^T has retired and WG 1's once dK
+  += dS^T Q has (in _dq_step); do_empty (count 2) WG 1's once dP^T has retired and WG 0's once dV += P^T dO
+  has (in _dq_step). lse/delta ride the Q ring: WG 0 may arrive on q_empty before all its threads have read
+  lse, but the slot frees only with WG 1's arrival, which follows (p_ready) every WG 0 thread's P^T and so
+  its lse; WG 1 reads delta before its dK. The producer stores lse/delta and arrives on stat_ready before it
+  waits for the dO slot (which frees last: after WG 0's dV). With DO_STAGES == STAGES (the A/B against the
+  atomics of main, ``DQ_TMA=0,DO_STAGES=2``) one barrier per slot, released by each warpgroup in _dq_step
+  (WG 0 once dV has retired, WG 1 once dK has), as before DO_STAGES existed.
+  Registers per thread (240 per consumer): the accumulator 128, plus at most (during _dq_step) the dQ chunk
+  [64, 64] fp32 32 (atomics: the half [64, 128], 64) and the accumulating product's A operand 16; S^T / dP^T
+  / P^T [64, 64] fp32 are 32 each and dead by then. ptxas: no spill (stack 0 in all four variants; 0 / 8
+  bytes causal GQA with the atomics and two dO stages). Shared memory: Q ring of STAGES = 2 x 32 KiB, dO
+  ring of DO_STAGES = 1 x 32 KiB, K and V 32 KiB each, two dS^T buffers 2 x 8 KiB, P^T 16 KiB, two dQ
+  staging tiles 2 x 16 KiB, lse/delta 1 KiB: 230,992-231,008 bytes of the 232,448 (227 KiB) of a CTA
+  (tests/sm90_compile.py; 230,944-230,960 with two dO stages and the atomics, 198,208-198,224 with one dO
+  stage and the atomics). P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T
+  would save 8 KiB).
 
 Register-pressure notes (what keeps D=128 from spilling; keep them in mind when editing):
   * LLVM hoists loop-invariant address arithmetic out of the query-tile loop and ptxas then spills it.
@@ -114,7 +132,8 @@ Register-pressure notes (what keeps D=128 from spilling; keep them in mind when 
 
 DQ_TMA on the H200 (session 8, results/2026-11-30-h200x2-s8-call1-branches-a21fbac.log): the GPU tests pass
 (test_gluon_sm90.py, with test_backward_dq_tma_matches_the_atomics), and the backward gains 18-30% at D=128 and
-3-10% at D=64 over the atomics (``CONFIGS``).
+3-10% at D=64 over the atomics (``CONFIGS``); at D=256 (with one dO stage) the GPU tests and a compute-sanitizer
+memcheck pass and the backward gains 30-44% (results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log).
 """
 
 from __future__ import annotations
@@ -149,34 +168,46 @@ from flashtile.ops.attention.tiles import LOG2E
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (198 KiB of shared
     # memory); a fourth at D=64 gained nothing
-    128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False, "DQ_TMA": True,
-          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DQ_SPLIT": False, "OUTPUT_SPLIT": False, "DQ_TMA": True,
-         "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-    # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two stages fill
-    # 230,944-230,960 bytes of shared memory (a third does not fit, nor do DQ_TMA's staging tiles); H200, B=4 N=4k
-    # H=8 bf16: 282 / 278 TFLOP/s full / causal against 187 / 211 for the Triton kernel
-    # (results/2026-11-30-h200x2-s7-call2-timing-2e9c128.log)
-    256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DQ_SPLIT": True, "OUTPUT_SPLIT": True, "DQ_TMA": False,
-          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False,
+          "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": False, "OUTPUT_SPLIT": False,
+         "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two Q stages and
+    # one dO stage (FA-3's hdim-256 choice) leave room for DQ_TMA's staging tiles: 230,992-231,008 bytes of
+    # shared memory. Main's config (two dO stages, atomics: --variant DQ_TMA=0,DO_STAGES=2, the same SASS),
+    # H200, B=4 N=4k H=8 bf16: 281 / 271 TFLOP/s full / causal, this one 405 / 355 (N=16k 302 / 308 -> 422 / 407;
+    # GQA 4:1 causal 240 -> 317; the Triton kernel 189 / 212; results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
+    256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DO_STAGES": 1, "DQ_SPLIT": True, "OUTPUT_SPLIT": True,
+          "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
-"""Per head dim: query rows per tile, key rows per CTA, Q/dO ring depth, dQ columns split between the warpgroups
-(needs 64-column halves: head dims 128 and 256), the warpgroups split the work by output (OUTPUT_SPLIT, both
-see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), dQ partials added by one TMA
-reduce per (warpgroup, iteration) rather than by per-thread atomics (DQ_TMA), registers per thread of
-consumers / producer.
+"""Per head dim: query rows per tile, key rows per CTA, Q (and lse/delta) ring depth, dO ring depth (DO_STAGES, at
+most STAGES; equal: one empty barrier per slot frees both rings, otherwise each ring has its own), dQ columns
+split between the warpgroups (needs 64-column halves: head dims 128 and 256), the warpgroups split the work by
+output (OUTPUT_SPLIT, both see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), dQ
+partials added by TMA reduces from shared memory rather than by per-thread atomics (DQ_TMA), registers per
+thread of consumers / producer. tune_gluon.py's ``--variant NAME:KEY=VALUE`` sets a key in every entry that
+has it: DO_STAGES=2 makes D=64/128 STAGES=3 / DO_STAGES=2 (compiles; stack at D=128 32-40 bytes with DQ_TMA,
+16-32 with the atomics, 72-104 with DO_STAGES=1; test_backward_key_split_with_a_shallower_do_ring covers it on
+the GPU), so time such variants at D=256 only.
 
 DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]
-(DQ_SPLIT) or [BLOCK_M, D], [64, 64] at both head dims, in a shared-memory tile of its own and adds the tile to
+(DQ_SPLIT) or [BLOCK_M, D], [64, 64] at D=64/128, in a shared-memory tile of its own and adds the tile to
 dq_accum with one bulk tensor reduce (``async_reduce_add``: cp.reduce.async.bulk.tensor.2d .add, which Triton
 issues as two [64, 32] boxes, one per 128-byte swizzle width, from one elected thread of each of two warps)
-instead of each thread issuing 16 atom.global.add.v2.f32 (D=128) per iteration. 2 x 16 KiB of shared memory:
-D=128 231,488-231,504 bytes of 232,448 (198,704-198,720 with atomics), D=64 149,568-149,584 (116,784-116,800);
-none left at D=256 (no staging tiles: atomics). H200, bf16, B * N = 16k tokens, backward TFLOP/s with DQ_TMA
+instead of each thread issuing 16 atom.global.add.v2.f32 (D=128) per iteration; at D=256 the [64, 128] partial
+goes through the [64, 64] tile in two chunks (two reduces per warpgroup and iteration instead of 32 atomics
+per thread). 2 x 16 KiB of shared memory: D=128 231,488-231,504 bytes of 232,448 (198,704-198,720 with
+atomics), D=64 149,568-149,584 (116,784-116,800), D=256 230,992-231,008 with one dO stage (the 32 KiB of the
+second). H200, bf16, B * N = 16k tokens, backward TFLOP/s with DQ_TMA
 against the atomics in one process (``--variant dq-atomics:DQ_TMA=0``; s8-call1-branches-a21fbac.log): D=128
 N=4k 533 / 459 full / causal against 411 / 387, N=16k 552 / 535 against 432 / 448; D=64 N=4k 421 / 368 against
 387 / 358, N=16k 444 / 423 against 403 / 398 (predicted +5-10% at D=128: the atomics cost far more than the
 profile's issue-slot share suggested; a reducer warp at D=64 gained less, 414 / 422 full)."""
+
+DQ_TILE_COLS = 64
+"""Columns of a DQ_TMA staging tile ([BLOCK_M, 64] fp32, 16 KiB, one per consumer warpgroup), and of the blocks of
+``dq_descriptor``: a warpgroup's dQ partial of 64 columns (head dims 64 and 128) goes through it at once, one of
+128 (head dim 256) in two chunks (``_dq_step``)."""
 
 
 # ------------------------------------------------------------------------------------------------ dQ reduce
@@ -225,7 +256,8 @@ def _producer(
     q_ready,
     do_ready,
     stat_ready,
-    qdo_empty,
+    q_empty,
+    do_empty,
     lse_ptr,
     delta_ptr,
     q_row0,
@@ -239,6 +271,7 @@ def _producer(
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
+    DO_STAGES: gl.constexpr,
     GROUPED: gl.constexpr,
 ):
     """K and V once, then per iteration i (``_pair``: query head g of the group, query rows q0..): Q and dO
@@ -262,16 +295,28 @@ def _producer(
         offs = g * seqlen_q + q0 + gl.arange(0, BLOCK_M, layout=stat_layout)
         lse = gl.load(lse_ptr + offs)
         delta = gl.load(delta_ptr + offs)
-        mbarrier.wait(qdo_empty.index(s), ph)
+        mbarrier.wait(q_empty.index(s), ph)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
-        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(s), do_smem.index(s))
-        # rows that see no key (lse = -inf): +inf makes exp2(s - lse) exactly 0 instead of NaN
-        lse_smem.index(s).store(gl.where(lse == float("-inf"), gl.full_like(lse, float("inf")), lse * LOG2E))
-        delta_smem.index(s).store(delta)
-        partition_barrier()  # all 32 lanes have stored before the (single-thread) arrive
-        mbarrier.arrive(stat_ready.index(s), count=1)
+        sd = i % DO_STAGES
+        if DO_STAGES != STAGES:
+            # lse/delta ride Q's ring: out before the wait for dO's slot, which frees later (_consumer_by_output)
+            _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
+            mbarrier.wait(do_empty.index(sd), ((i // DO_STAGES) & 1) ^ 1)
+        mbarrier.expect(do_ready.index(sd), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(sd), do_smem.index(sd))
+        if DO_STAGES == STAGES:
+            _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
+
+
+@gluon.jit
+def _put_stats(lse, delta, lse_slot, delta_slot, stat_ready):
+    """The producer's lse (natural log) and delta of one query tile into their ring slots: lse in base 2, and
+    +inf for rows that see no key (lse = -inf), which makes exp2(s - lse) exactly 0 instead of NaN."""
+    lse_slot.store(gl.where(lse == float("-inf"), gl.full_like(lse, float("inf")), lse * LOG2E))
+    delta_slot.store(delta)
+    partition_barrier()  # all 32 lanes have stored before the (single-thread) arrive
+    mbarrier.arrive(stat_ready, count=1)
 
 
 # ------------------------------------------------------------------------------------------------ consumer
@@ -315,21 +360,31 @@ def _iteration(
     m_start,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
+    DO_STAGES: gl.constexpr,
     GROUPED: gl.constexpr,
 ):
-    """A consumer's view of iteration i: (s, ph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it), the Q/dO
-    ring slot and its barrier parity, the dS^T buffer (two, used alternately) and its parity, the query head
-    of the group and first query row (``_pair``), the Q, dO and dS^T tiles, and the K and V tiles indexed by
-    an opaque 0 (side-effecting inline asm, so not hoisted): the K/V wgmma descriptors are computed in the
-    loop instead of being hoisted out of it into ~48 registers that ptxas would spill."""
+    """A consumer's view of iteration i: (s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it),
+    the Q ring's slot (also lse/delta's) and its barrier parity, the dO ring's, the dS^T buffer (two, used
+    alternately) and its parity, the query head of the group and first query row (``_pair``), the Q, dO and
+    dS^T tiles, and the K and V tiles indexed by an opaque 0 (side-effecting inline asm, so not hoisted): the
+    K/V wgmma descriptors are computed in the loop instead of being hoisted out of it into ~48 registers that
+    ptxas would spill."""
     s = i % STAGES
+    sd = i % DO_STAGES
     b = i % 2
     g, q0 = _pair(i, n_tiles, m_start, BLOCK_M, GROUPED)
     zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
     return (
-        s, (i // STAGES) & 1, b, (i // 2) & 1, g, q0,
-        q_smem.index(s), do_smem.index(s), ds_smem.index(b), k_smem.index(zero), v_smem.index(zero),
+        s, (i // STAGES) & 1, sd, (i // DO_STAGES) & 1, b, (i // 2) & 1, g, q0,
+        q_smem.index(s), do_smem.index(sd), ds_smem.index(b), k_smem.index(zero), v_smem.index(zero),
     )  # fmt: skip
+
+
+@gluon.jit
+def _arrive_each(barriers):
+    """One arrival on each barrier of the tuple."""
+    for j in gl.static_range(len(barriers)):
+        mbarrier.arrive(barriers[j], count=1)
 
 
 @gluon.jit
@@ -339,7 +394,7 @@ def _dq_step(
     k_cols,
     ds_ready,
     ds_phase,
-    qdo_empty,
+    empties,
     ds_free,
     dq_dst,
     q0,
@@ -350,15 +405,16 @@ def _dq_step(
 ):
     """Once dS^T is complete in ds_buf [keys, BLOCK_M queries] (ds_ready): dQ[:, col0 : col0 + DQ_COLS] of query
     rows q0.. = dS K[:, cols] (k_cols: those columns of K), added to dq_accum. Also retires this iteration's
-    accumulating products (issued before, so they complete first) and releases the Q/dO slot and the dS buffer.
-    ``pending``: those products' wgmma tokens followed by the Q and dO tiles they read; returns
-    ``warpgroup_mma_wait``'s tuple of them (the accumulators first).
+    accumulating products (issued before, so they complete first), then arrives once on each barrier of the
+    tuple ``empties`` (the ring slots those products were the last to read), and releases the dS buffer once
+    the dQ product has read it. ``pending``: those products' wgmma tokens followed by the Q and dO tiles they
+    read; returns ``warpgroup_mma_wait``'s tuple of them (the accumulators first).
 
     ``dq_dst``, where the partial goes (rows q0.. and columns col0.. are counted from its origin):
       * atomics (DQ_TMA off): (dq_ptr, row_stride), dq_ptr at (the batch entry's row 0, the group's first head)
         of rows of row_stride floats; every thread adds its fragment with relaxed fp32 atomics;
       * DQ_TMA: (dq_desc, dq_tile, row0, col_base), the descriptor of dq_accum's 2-D (batch * seqlen_q,
-        nheads * head_dim) view, this warpgroup's [BLOCK_M, DQ_COLS] fp32 staging tile, and the origin's
+        nheads * head_dim) view, this warpgroup's [BLOCK_M, DQ_TILE_COLS] fp32 staging tile, and the origin's
         coordinates in the view. The warpgroup writes its fragments into the tile and issues a TMA reduce-add
         of it (``async_reduce_add``: one elected thread in each of two warps, a [64, 32] box each). Ordering,
         per warpgroup (the tile is its own): store_wait(0) makes the threads that issued the previous reduce
@@ -369,29 +425,40 @@ def _dq_step(
         keeps the issuing threads (so the CTA and its shared memory) alive until the last reduce has read the
         tile; its adds complete by the end of the grid, like a TMA store's writes. Nothing in the kernel reads
         dq_accum, and each element's add is atomic and relaxed as with the per-thread atomics: the result
-        differs from theirs only in the order of the fp32 sums."""
-    dq_layout: gl.constexpr = mma_layout(DQ_COLS)
-    mbarrier.wait(ds_ready, ds_phase)
-    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-    done = warpgroup_mma_wait(1, deps=pending)
-    mbarrier.arrive(qdo_empty, count=1)
-    dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_cols))[0]
-    mbarrier.arrive(ds_free, count=1)
+        differs from theirs only in the order of the fp32 sums. A partial wider than the tile (D=256: 128
+        columns, tile 64) goes through it in column chunks, each its own product, issued after the previous
+        chunk's reduce so that it runs while the copy engine reads that chunk; store_wait(0) before each
+        chunk's stores keeps the tile from being overwritten before the previous reduce has read it."""
     if DQ_TMA:
         dq_desc, dq_tile, row0, col_base = dq_dst
-        tma.store_wait(0)  # this warpgroup's previous reduce has read dq_tile (its issuing threads wait)
-        partition_barrier()  # ... and the others with it
-        dq_tile.store(dq)
-        fence_async_shared()
-        partition_barrier()  # every thread has written (and fenced) its part before the (elected-thread) issue
-        async_reduce_add(dq_desc, [row0 + q0, col_base + col0], dq_tile)
+        CHUNK: gl.constexpr = dq_tile.shape[1]
     else:
-        dq_ptr, row_stride = dq_dst
-        rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-        ptrs = dq_ptr + rows[:, None] * row_stride + cols[None, :]
-        gl.atomic_add(ptrs, dq, sem="relaxed")
+        CHUNK: gl.constexpr = DQ_COLS
+    dq_layout: gl.constexpr = mma_layout(CHUNK)
+    mbarrier.wait(ds_ready, ds_phase)
+    dq_zero = gl.zeros([BLOCK_M, CHUNK], gl.float32, dq_layout)
+    for c in gl.static_range(DQ_COLS // CHUNK):
+        k_chunk = k_cols.slice(c * CHUNK, CHUNK, dim=1)
+        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_chunk, dq_zero, use_acc=False, is_async=True)
+        if c == 0:
+            done = warpgroup_mma_wait(1, deps=pending)
+            _arrive_each(empties)
+        dq = warpgroup_mma_wait(0, deps=(dq_tok, ds_buf, k_chunk))[0]
+        if c == DQ_COLS // CHUNK - 1:
+            mbarrier.arrive(ds_free, count=1)
+        if DQ_TMA:
+            tma.store_wait(0)  # this warpgroup's previous reduce has read dq_tile (its issuing threads wait)
+            partition_barrier()  # ... and the others with it
+            dq_tile.store(dq)
+            fence_async_shared()
+            partition_barrier()  # every thread has written (and fenced) its part before the (elected-thread) issue
+            async_reduce_add(dq_desc, [row0 + q0, col_base + col0 + c * CHUNK], dq_tile)
+        else:
+            dq_ptr, row_stride = dq_dst
+            rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            cols = col0 + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+            ptrs = dq_ptr + rows[:, None] * row_stride + cols[None, :]
+            gl.atomic_add(ptrs, dq, sem="relaxed")
     return done
 
 
@@ -413,6 +480,7 @@ def _consumer(
     BLOCK_M: gl.constexpr,
     N_WG: gl.constexpr,
     STAGES: gl.constexpr,
+    DO_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr,
@@ -437,7 +505,8 @@ def _consumer(
         q_ready,
         do_ready,
         stat_ready,
-        qdo_empty,
+        q_empty,
+        do_empty,
         ds_ready,
         ds_free,
         kv_done,
@@ -454,9 +523,9 @@ def _consumer(
         n_iters,
         qk_scale,
         sm_scale,
-    ) = args[:28]  # the kernel's consumer_args; with DQ_TMA four more follow
+    ) = args[:29]  # the kernel's consumer_args; with DQ_TMA four more follow
     if DQ_TMA:
-        dq_desc, dq_smem, dq_row0, dq_col_base = args[28:]
+        dq_desc, dq_smem, dq_row0, dq_col_base = args[29:]
         dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col_base)  # this warpgroup's staging tile
     else:
         dq_dst = (dq_ptr, row_stride)
@@ -475,8 +544,8 @@ def _consumer(
 
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iters):
-        s, ph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
-            i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, GROUPED
+        s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
+            i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, DO_STAGES, GROUPED
         )
         dq_col0 = g * HEAD_D
         k_wg = k_it.slice(WG * N_WG, N_WG)
@@ -485,7 +554,7 @@ def _consumer(
         # ---- S^T and dP^T in flight together; the row statistics come from shared memory meanwhile
         mbarrier.wait(q_ready.index(s), ph)
         s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(s), ph)
+        mbarrier.wait(do_ready.index(sd), dph)
         dp_tok = warpgroup_mma(v_wg, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(stat_ready.index(s), ph)
         lse2 = lse_smem.index(s).load(col_s)
@@ -505,23 +574,28 @@ def _consumer(
         fence_async_shared()
         partition_barrier()  # every thread of this warpgroup has written (and fenced) its part
         mbarrier.arrive(ds_ready.index(b), count=1)
+        # this warpgroup's reads of the Q and dO slots are over once dV and dK have retired
+        if DO_STAGES == STAGES:
+            empties = (q_empty.index(s),)  # one barrier for both rings
+        else:
+            empties = (q_empty.index(s), do_empty.index(sd))
         if DQ_SPLIT:
             # each warpgroup: columns [WG * D/2, (WG + 1) * D/2) of the dQ partial
             dv, dk = _dq_step(
                 (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
-                ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
+                ds_ready.index(b), bph, empties, ds_free.index(b),
                 dq_dst, q0, dq_col0 + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
             )[:2]  # fmt: skip
         elif b == WG:
             # warpgroup (i % 2) computes the whole dQ partial of iteration i
             dv, dk = _dq_step(
                 (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it,
-                ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
+                ds_ready.index(b), bph, empties, ds_free.index(b),
                 dq_dst, q0, dq_col0, BLOCK_M, DQ_COLS, DQ_TMA,
             )[:2]  # fmt: skip
         else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
-            mbarrier.arrive(qdo_empty.index(s), count=1)
+            _arrive_each(empties)
             mbarrier.arrive(ds_free.index(b), count=1)  # this warpgroup does not read ds_buf
 
     # ---- epilogue: dV and dK (softmax_scale is already in dS) in the input dtype, through shared memory and
@@ -542,6 +616,7 @@ def _consumer_by_output(
     BLOCK_M: gl.constexpr,
     N_WG: gl.constexpr,
     STAGES: gl.constexpr,
+    DO_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr,
@@ -552,7 +627,10 @@ def _consumer_by_output(
     WG 1: dP^T = V dO^T, dS^T = P^T * (dP^T - delta) * scale (to the dS^T buffer), dK += dS^T Q; each then
     dQ[:, WG * D/2 : (WG + 1) * D/2] = dS K (``_dq_step``, DQ_SPLIT must hold). Its accumulator (WG 0: dV,
     WG 1: dK, [N_WG, HEAD_D] fp32) is stored at the end. ``args``: the kernel's consumer_args followed by the
-    P^T exchange (p_smem [N_WG, BLOCK_M] fp32, p_ready, p_free)."""
+    P^T exchange (p_smem [N_WG, BLOCK_M] fp32, p_ready, p_free), then with DQ_TMA the four values of
+    ``_consumer``'s. Q and dO slots: with rings of different depths (DO_STAGES < STAGES) each warpgroup releases
+    a slot once its last reader of it has retired: WG 0 Q's after S^T, dO's after dV (in _dq_step); WG 1 dO's
+    after dP^T, Q's after dK (in _dq_step); with equal depths one barrier frees both, as in ``_consumer``."""
     (
         q_smem,
         do_smem,
@@ -565,7 +643,8 @@ def _consumer_by_output(
         q_ready,
         do_ready,
         stat_ready,
-        qdo_empty,
+        q_empty,
+        do_empty,
         ds_ready,
         ds_free,
         kv_done,
@@ -585,9 +664,13 @@ def _consumer_by_output(
         p_smem,
         p_ready,
         p_free,
-    ) = args
+    ) = args[:32]
+    if DQ_TMA:
+        dq_desc, dq_smem, dq_row0, dq_col_base = args[32:]
+        dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col_base)  # this warpgroup's staging tile
+    else:
+        dq_dst = (dq_ptr, row_stride)
     gl.static_assert(DQ_SPLIT, "each warpgroup computes half of the dQ columns")
-    gl.static_assert(not DQ_TMA, "no shared memory left for dQ staging tiles: atomics")
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2
     s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, P^T, dP^T: [N_WG keys, BLOCK_M queries]
@@ -600,8 +683,8 @@ def _consumer_by_output(
 
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iters):
-        s, ph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
-            i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, GROUPED
+        s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
+            i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, DO_STAGES, GROUPED
         )
         if WG == 0:
             # ---- S^T, P^T to WG 1 (once it has read the previous one), then dV += P^T dO (A from registers)
@@ -610,20 +693,27 @@ def _consumer_by_output(
             mbarrier.wait(stat_ready.index(s), ph)
             lse2 = lse_smem.index(s).load(col_s)
             s_acc = warpgroup_mma_wait(0, deps=(s_tok, k_it))[0]
+            if DO_STAGES != STAGES:
+                # S^T, this warpgroup's only reader of Q, has retired (lse's slot frees with WG 1's arrival, which
+                # follows every thread's P^T: module docstring)
+                mbarrier.arrive(q_empty.index(s), count=1)
             p = _probs(s_acc, lse2, qk_scale, kv_start, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
             mbarrier.wait(p_free, (i & 1) ^ 1)
             p_smem.store(p)
             partition_barrier()  # every thread has written its part before the (single-thread) arrive
             mbarrier.arrive(p_ready, count=1)
-            mbarrier.wait(do_ready.index(s), ph)
+            mbarrier.wait(do_ready.index(sd), dph)
             acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, acc, is_async=True)
+            empty = do_empty.index(sd)  # released once dV has retired (with equal depths: q_empty.index(s))
         else:
             # ---- dP^T, then with WG 0's P^T: dS^T, dK += dS^T Q (A from registers), dS^T to shared memory
-            mbarrier.wait(do_ready.index(s), ph)
+            mbarrier.wait(do_ready.index(sd), dph)
             dp_tok = warpgroup_mma(v_it, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(stat_ready.index(s), ph)
             delta = delta_smem.index(s).load(col_s)
             dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, v_it))[0]
+            if DO_STAGES != STAGES:
+                mbarrier.arrive(do_empty.index(sd), count=1)  # dP^T, this warpgroup's only reader of dO, has retired
             mbarrier.wait(p_ready, i & 1)
             p = p_smem.load(s_layout)
             partition_barrier()  # every thread has read P^T before the (single-thread) arrive
@@ -636,10 +726,11 @@ def _consumer_by_output(
             fence_async_shared()
             partition_barrier()
             mbarrier.arrive(ds_ready.index(b), count=1)
+            empty = q_empty.index(s)  # released once dK has retired
         acc = _dq_step(
             (acc_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
-            ds_ready.index(b), bph, qdo_empty.index(s), ds_free.index(b),
-            (dq_ptr, row_stride), q0, g * HEAD_D + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
+            ds_ready.index(b), bph, (empty,), ds_free.index(b),
+            dq_dst, q0, g * HEAD_D + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
         )[0]  # fmt: skip
 
     # ---- epilogue: K is read by both warpgroups' dQ products and V by WG 1's dP^T, so both tiles wait until
@@ -676,6 +767,7 @@ def _attention_backward_sm90_kernel(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    DO_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     DQ_SPLIT: gl.constexpr,
     OUTPUT_SPLIT: gl.constexpr,
@@ -711,7 +803,7 @@ def _attention_backward_sm90_kernel(
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -721,19 +813,27 @@ def _attention_backward_sm90_kernel(
 
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     stat_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(kv_done, count=2)  # one arrival per consumer warpgroup
+    gl.static_assert(DO_STAGES <= STAGES, "dO's ring is at most as deep as Q's")
     for s in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(do_ready.index(s), count=1)
+        if s < DO_STAGES:
+            mbarrier.init(do_ready.index(s), count=1)
         mbarrier.init(stat_ready.index(s), count=1)
-        mbarrier.init(qdo_empty.index(s), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(q_empty.index(s), count=2)  # one arrival per consumer warpgroup
+    if DO_STAGES == STAGES:
+        do_empty = q_empty  # one barrier per slot frees Q's and dO's (and lse/delta's)
+    else:
+        do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(DO_STAGES):
+            mbarrier.init(do_empty.index(s), count=2)  # one arrival per consumer warpgroup
     DS_WRITERS: gl.constexpr = 1 if OUTPUT_SPLIT else 2  # warpgroups that write a dS^T buffer
     for j in gl.static_range(2):
         mbarrier.init(ds_ready.index(j), count=DS_WRITERS)
@@ -753,7 +853,8 @@ def _attention_backward_sm90_kernel(
         q_ready,
         do_ready,
         stat_ready,
-        qdo_empty,
+        q_empty,
+        do_empty,
         ds_ready,
         ds_free,
         kv_done,
@@ -789,11 +890,11 @@ def _attention_backward_sm90_kernel(
         [
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (0, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
+                (0, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
             ),
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (1, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
+                (1, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
             ),
             (
                 _producer,
@@ -812,7 +913,8 @@ def _attention_backward_sm90_kernel(
                     q_ready,
                     do_ready,
                     stat_ready,
-                    qdo_empty,
+                    q_empty,
+                    do_empty,
                     lse_ptr + stat_off,
                     delta_ptr + stat_off,
                     b * seqlen_q,
@@ -826,6 +928,7 @@ def _attention_backward_sm90_kernel(
                     HEAD_D,
                     BLOCK_M,
                     STAGES,
+                    DO_STAGES,
                     GROUPED,
                 ),
             ),
@@ -906,8 +1009,7 @@ def attention_backward_sm90(
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
-    dq_cols = head_dim // 2 if cfg["DQ_SPLIT"] else head_dim  # the dQ columns one warpgroup computes
-    dq_desc = dq_descriptor(dq_accum, block_m, dq_cols) if cfg["DQ_TMA"] else None
+    dq_desc = dq_descriptor(dq_accum, block_m, DQ_TILE_COLS) if cfg["DQ_TMA"] else None
     args = (
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum, dq_desc,
