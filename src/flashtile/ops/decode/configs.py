@@ -20,6 +20,7 @@ from flashtile.ops.attention.configs import cdiv
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many key tiles, so the merge stays cheap
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
+MERGE_CHUNK = 4  # splits per unrolled step of the merge (split_kv._merge_splits)
 
 
 @dataclass(frozen=True)

@@ -214,22 +214,30 @@ def _merge_splits(
     num_splits,
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
     """The splits' partials of BLOCK_M rows merged by an online log-sum-exp: OPart [BLOCK_M, BLOCK_DV]
     pointers to split 0's out_s, LsePart [BLOCK_M] to its lse_s; split s is stride_ps / stride_ls further.
+    The loop is unrolled by MERGE_CHUNK splits whose loads do not depend on each other, so the merge waits
+    for about one round trip to L2 per MERGE_CHUNK splits rather than one per split.
     Returns the online-softmax state acc, m, l of ``_normalize``; masked-out elements read as an empty split."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for split in range(num_splits):
-        s64 = tl.cast(split, tl.int64)
-        # .cg: read from L2, where the other programs' stores are (not a line this SM cached earlier)
-        lse_s = tl.load(LsePart + s64 * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg") * LOG2E
-        o_s = tl.load(OPart + s64 * stride_ps, mask=o_mask, other=0.0, cache_modifier=".cg")  # [BLOCK_M, DV]
-        m_i, m_shift, alpha = _raise_max(m_i, lse_s)
-        weight = tl.math.exp2(lse_s - m_shift)  # l_s exp2(m_s - shift): split s's softmax sum
-        l_i = l_i * alpha + weight
-        acc = acc * alpha[:, None] + weight[:, None] * o_s
+    for first in range(0, num_splits, MERGE_CHUNK):
+        for offset in tl.static_range(MERGE_CHUNK):
+            split = first + offset
+            s64 = tl.cast(split, tl.int64)
+            s_ok = split < num_splits
+            # .cg: read from L2, where the other programs' stores are (not a line this SM cached earlier)
+            lse_s = tl.load(
+                LsePart + s64 * stride_ls, mask=row_ok & s_ok, other=float("-inf"), cache_modifier=".cg"
+            ) * LOG2E  # fmt: skip
+            o_s = tl.load(OPart + s64 * stride_ps, mask=o_mask & s_ok, other=0.0, cache_modifier=".cg")
+            m_i, m_shift, alpha = _raise_max(m_i, lse_s)
+            weight = tl.math.exp2(lse_s - m_shift)  # l_s exp2(m_s - shift): split s's softmax sum
+            l_i = l_i * alpha + weight
+            acc = acc * alpha[:, None] + weight[:, None] * o_s
     return acc, m_i, l_i
 
 
@@ -308,6 +316,7 @@ def _split_kv_kernel(
     ROTARY_PER_TOKEN: tl.constexpr,
     HAS_NEW: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
 
@@ -428,8 +437,9 @@ def _split_kv_kernel(
         counter = Counters + off_bhk * tl.num_programs(2) + tile_m
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:  # the other splits have stored theirs
             acc, m_i, l_i = _merge_splits(
-                OutPart + o_ptrs, LsePart + l_rows, stride_ps, stride_ls, row_ok, o_mask, num_splits, BLOCK_M, BLOCK_DV
-            )
+                OutPart + o_ptrs, LsePart + l_rows, stride_ps, stride_ls, row_ok, o_mask, num_splits, BLOCK_M, BLOCK_DV,
+                MERGE_CHUNK,
+            )  # fmt: skip
             out, lse = _normalize(acc, m_i, l_i)
             tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
             tl.store(Lse + l_rows, lse, mask=row_ok)
@@ -559,6 +569,7 @@ def decode_attention(
         ROTARY_PER_TOKEN=rotary_per_token,
         HAS_NEW=has_new,
         IS_SPLIT=num_splits > 1,
+        MERGE_CHUNK=configs.MERGE_CHUNK,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
