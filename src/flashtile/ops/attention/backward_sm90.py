@@ -170,7 +170,7 @@ CONFIGS = {
     # memory); a fourth at D=64 gained nothing
     128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False,
           "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-    64: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": False, "OUTPUT_SPLIT": False,
+    64: {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "DO_STAGES": 2, "DQ_SPLIT": False, "OUTPUT_SPLIT": False,
          "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two Q stages and
     # one dO stage (FA-3's hdim-256 choice) leave room for DQ_TMA's staging tiles: 230,992-231,008 bytes of
@@ -205,9 +205,17 @@ N=4k 533 / 459 full / causal against 411 / 387, N=16k 552 / 535 against 432 / 44
 profile's issue-slot share suggested; a reducer warp at D=64 gained less, 414 / 422 full)."""
 
 DQ_TILE_COLS = 64
-"""Columns of a DQ_TMA staging tile ([BLOCK_M, 64] fp32, 16 KiB, one per consumer warpgroup), and of the blocks of
+"""Columns of a DQ_TMA staging tile ([dq_rows, 64] fp32, 16 KiB, one per consumer warpgroup), and of the blocks of
 ``dq_descriptor``: a warpgroup's dQ partial of 64 columns (head dims 64 and 128) goes through it at once, one of
 128 (head dim 256) in two chunks (``_dq_step``)."""
+
+
+@gluon.constexpr_function
+def dq_rows(block_m, dq_split):
+    """Query rows of one warpgroup's dQ partial, and of a DQ_TMA staging tile (``dq_descriptor``'s blocks): BLOCK_M,
+    except in the key split without DQ_SPLIT (D=64) at BLOCK_M = 128, where the two warpgroups split the rows
+    (64 each, ``_consumer``); at BLOCK_M = 64 they alternate instead (one computes all 64 rows)."""
+    return block_m // 2 if block_m == 128 and not dq_split else block_m
 
 
 # ------------------------------------------------------------------------------------------------ dQ reduce
@@ -336,7 +344,10 @@ def _probs(
     (lse2, +inf for rows that see no key, so that exp2 gives 0). Keys key0.., queries q0..; the causal
     mask (key j visible to query i iff j <= i + diag_off) only on tiles that cross the diagonal."""
     s_layout: gl.constexpr = s_acc.type.layout
-    p = gl.exp2(s_acc * qk_scale - lse2[None, :])
+    if lse2 is None:  # S^T's accumulator started at -lse / qk_scale (``_consumer``'s STATS_IN_ACC)
+        p = gl.exp2(s_acc * qk_scale)
+    else:
+        p = gl.exp2(s_acc * qk_scale - lse2[None, :])
     if CAUSAL:
         if key0 + N_WG - 1 > q0 + diag_off:
             # (written so that no loop-invariant [BLOCK_M] tensor is formed, which LLVM would hoist out of the
@@ -531,12 +542,18 @@ def _consumer(
         dq_dst = (dq_ptr, row_stride)
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
+    DQ_ROWS: gl.constexpr = dq_rows(BLOCK_M, DQ_SPLIT)
     s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, dP^T: [N_WG keys, BLOCK_M queries]
     kv_layout: gl.constexpr = mma_layout(HEAD_D)  # dK, dV: [N_WG keys, HEAD_D]
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     key0 = kv_start + WG * N_WG
+    # 128-query S^T tiles: the [BLOCK_M] lse and delta slices of s_layout take BLOCK_M / 4 registers per thread
+    # each, too many to hold beside both products (module docstring); they start the accumulators instead
+    STATS_IN_ACC: gl.constexpr = BLOCK_M > 64
+    if STATS_IN_ACC:
+        inv_qk_scale = 1.0 / qk_scale
 
     s_zero = gl.zeros([N_WG, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
@@ -551,20 +568,32 @@ def _consumer(
         k_wg = k_it.slice(WG * N_WG, N_WG)
         v_wg = v_it.slice(WG * N_WG, N_WG)
 
-        # ---- S^T and dP^T in flight together; the row statistics come from shared memory meanwhile
+        # ---- S^T and dP^T in flight together; the row statistics come from shared memory (STATS_IN_ACC: first,
+        # as the products' initial values S^T = -lse / qk_scale, dP^T = -delta; otherwise meanwhile)
+        if STATS_IN_ACC:
+            mbarrier.wait(stat_ready.index(s), ph)
+            s_init = s_zero - lse_smem.index(s).load(col_s)[None, :] * inv_qk_scale
+            dp_init = s_zero - delta_smem.index(s).load(col_s)[None, :]
+            lse2 = None
+        else:
+            s_init = s_zero
+            dp_init = s_zero
         mbarrier.wait(q_ready.index(s), ph)
-        s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), s_init, use_acc=STATS_IN_ACC, is_async=True)
         mbarrier.wait(do_ready.index(sd), dph)
-        dp_tok = warpgroup_mma(v_wg, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(stat_ready.index(s), ph)
-        lse2 = lse_smem.index(s).load(col_s)
-        delta = delta_smem.index(s).load(col_s)
+        dp_tok = warpgroup_mma(v_wg, do_tile.permute((1, 0)), dp_init, use_acc=STATS_IN_ACC, is_async=True)
+        if not STATS_IN_ACC:
+            mbarrier.wait(stat_ready.index(s), ph)
+            lse2 = lse_smem.index(s).load(col_s)
+            delta = delta_smem.index(s).load(col_s)
 
         # ---- P^T and dS^T, then dV += P^T dO and dK += dS^T Q (A from registers)
         s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
         p = _probs(s_acc, lse2, qk_scale, key0, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
         dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, k_wg, v_wg))[0]
-        ds16 = (p * (dp_acc - delta[None, :]) * sm_scale).to(dtype)
+        if not STATS_IN_ACC:
+            dp_acc = dp_acc - delta[None, :]
+        ds16 = (p * dp_acc * sm_scale).to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
         dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
 
@@ -585,6 +614,13 @@ def _consumer(
                 (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
                 ds_ready.index(b), bph, empties, ds_free.index(b),
                 dq_dst, q0, dq_col0 + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
+            )[:2]  # fmt: skip
+        elif DQ_ROWS < BLOCK_M:
+            # each warpgroup: query rows [WG * DQ_ROWS, (WG + 1) * DQ_ROWS) of the dQ partial, over all keys
+            dv, dk = _dq_step(
+                (dv_tok, dk_tok, q_tile, do_tile), ds_buf.slice(WG * DQ_ROWS, DQ_ROWS, dim=1), k_it,
+                ds_ready.index(b), bph, empties, ds_free.index(b),
+                dq_dst, q0 + WG * DQ_ROWS, dq_col0, DQ_ROWS, DQ_COLS, DQ_TMA,
             )[:2]  # fmt: skip
         elif b == WG:
             # warpgroup (i % 2) computes the whole dQ partial of iteration i
@@ -884,7 +920,8 @@ def _attention_backward_sm90_kernel(
     if DQ_TMA:
         # one fp32 staging tile per consumer warpgroup for its dQ partials (_dq_step), in dq_desc's layout; the
         # tile's origin, dq_ptr + dq_off, is at (b * seqlen_q, q_col0) of dq_desc's 2-D view
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_desc.block_shape[1]], dq_desc.layout)
+        dq_block: gl.constexpr = dq_desc.block_shape  # [dq_rows(BLOCK_M, DQ_SPLIT), DQ_TILE_COLS]
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, dq_block[0], dq_block[1]], dq_desc.layout)
         consumer_args = consumer_args + (dq_desc, dq_smem, b * seqlen_q, q_col0)
     gl.warp_specialize(
         [
@@ -1009,7 +1046,7 @@ def attention_backward_sm90(
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
-    dq_desc = dq_descriptor(dq_accum, block_m, DQ_TILE_COLS) if cfg["DQ_TMA"] else None
+    dq_desc = dq_descriptor(dq_accum, dq_rows(block_m, cfg["DQ_SPLIT"]), DQ_TILE_COLS) if cfg["DQ_TMA"] else None
     args = (
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum, dq_desc,
