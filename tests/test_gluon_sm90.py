@@ -181,6 +181,26 @@ def test_backward_rejects(case):
     assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False)
 
 
+@pytest.mark.parametrize("block_m", [64, 128], ids=lambda m: f"BLOCK_M{m}")
+def test_backward_length_rule_at_head_dim_64(monkeypatch, block_m):
+    """D=64's two tile heights (BLOCK_M 128, the default, and 64, tune_gluon.py's A/B) take the same lengths:
+    both positive multiples of ROWS = 128 (a 128-row query tile never crosses a batch entry or, causal, the
+    first visited tile of a 128-key CTA)."""
+    monkeypatch.setitem(backward_sm90.CONFIGS[64], "BLOCK_M", block_m)
+    for seqlen_q, seqlen_k, expected in ((128, 128, True), (384, 640, True), (192, 256, False), (256, 192, False)):
+        q, k, v = qkv(seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=64)
+        for causal in (False, True):
+            assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal) == expected, (seqlen_q, seqlen_k)
+
+
+def test_dq_rows():
+    """One warpgroup's dQ rows: D=64 at BLOCK_M = 128 splits them (64 each); BLOCK_M = 64 (the warpgroups take
+    turns) and DQ_SPLIT (D=128/256: the columns are split) keep all."""
+    assert backward_sm90.dq_rows(128, False) == 64
+    assert backward_sm90.dq_rows(64, False) == 64
+    assert backward_sm90.dq_rows(64, True) == 64
+
+
 def test_backward_rejects_k_and_v_with_different_heads():
     q, k, _ = qkv(nheads=4, nheads_k=2)
     v = torch.empty(2, 384, 4, 128, dtype=torch.bfloat16)
@@ -198,10 +218,12 @@ def test_backward_rejects_broadcast_dout_and_huge_offsets():
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_dim):
     """DQ_TMA (every head dim): the launch passes a descriptor of dq_accum's 2-D (batch * seqlen_q, nheads *
-    head_dim) fp32 rows with [BLOCK_M, 64] blocks (the staging tile; head dim 256's 128-column halves go
-    through it in two chunks) in the 128-byte swizzle of the kernel's staging tiles; with DQ_TMA off None, which
-    compiles the atomic path. The descriptor's dims and strides are those of dq_accum, the tensor the kernel's
-    atomics use. Head dim 256 keeps one dO stage (DO_STAGES: the staging tiles take the second's memory)."""
+    head_dim) fp32 rows with [64, 64] blocks, one warpgroup's dQ partial (``dq_rows``: D=64 splits its 128-row
+    tiles' dQ by rows; head dim 256's 128-column halves go through the tile in two chunks) in the 128-byte
+    swizzle of the kernel's staging tiles; with DQ_TMA off None, which compiles the atomic path. The
+    descriptor's dims and strides are those of dq_accum, the tensor the kernel's atomics use. Stages: D=64 two
+    (its 128-row tiles), D=128 three, D=256 two Q and one dO stage (the staging tiles take the second's
+    memory)."""
     calls = []
     monkeypatch.setattr(backward_sm90, "launch", lambda kernel, grid, args, cx: calls.append((args, cx)))
     q, k, v = qkv(batch=2, seqlen_q=256, seqlen_k=384, nheads=4, nheads_k=2, head_dim=head_dim)
@@ -212,10 +234,13 @@ def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_
     dq_accum, dq_desc = args[names.index("dq_ptr")], args[names.index("dq_desc")]
     cfg = backward_sm90.CONFIGS[head_dim]
     assert constexprs["DQ_TMA"] == cfg["DQ_TMA"]
-    assert (constexprs["STAGES"], constexprs["DO_STAGES"]) == ((2, 1) if head_dim == 256 else (3, 3))
+    assert (constexprs["STAGES"], constexprs["DO_STAGES"]) == {64: (2, 2), 128: (3, 3), 256: (2, 1)}[head_dim]
+    assert constexprs["BLOCK_M"] == (128 if head_dim == 64 else 64)
+    assert list(args[names.index("q_desc")].block_shape) == [constexprs["BLOCK_M"], head_dim]
     assert dq_desc.base is dq_accum and dq_accum.shape == (2, 256, 4, head_dim) and dq_accum.is_contiguous()
     assert list(dq_desc.shape) == [2 * 256, 4 * head_dim] and list(dq_desc.strides) == [4 * head_dim, 1]
-    assert list(dq_desc.block_shape) == [cfg["BLOCK_M"], backward_sm90.DQ_TILE_COLS] == [64, 64]
+    rows = backward_sm90.dq_rows(cfg["BLOCK_M"], cfg["DQ_SPLIT"])
+    assert list(dq_desc.block_shape) == [rows, backward_sm90.DQ_TILE_COLS] == [64, 64]
     assert (dq_desc.layout.swizzle_byte_width, dq_desc.layout.element_bitwidth) == (128, 32)
     monkeypatch.setitem(cfg, "DQ_TMA", False)
     backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=False)
@@ -408,20 +433,24 @@ def test_backward_gqa(launches, dtype, causal, head_dim, shape):
     assert launches == [*gluon_forward, ("bwd", causal)]
 
 
-def _matches_other_config(monkeypatch, inputs, causal, head_dim, changes):
+def _matches_other_config(monkeypatch, inputs, causal, head_dim, changes, same_probs=True):
     """The default config's backward against the oracle and against the same inputs' backward under
-    ``changes`` to CONFIGS[head_dim] (also against the oracle): dk and dv bit for bit (their sums run in the
-    same order whatever the dQ path or ring depths), dq up to the order of its fp32 sums, so by at most about one
-    rounding of the input dtype at dq's largest magnitude."""
+    ``changes`` to CONFIGS[head_dim] (also against the oracle): with ``same_probs`` dk and dv bit for bit (their
+    sums run in the same order whatever the dQ path or ring depths), dq up to the order of its fp32 sums, so by
+    at most about one rounding of the input dtype at the largest magnitude; without it (the configs compute P
+    and dS with different fp32 roundings: D=64's BLOCK_M) dk and dv by that rule too."""
     check(*inputs, causal=causal)
     default = run_flashtile(*inputs, causal=causal)
     for key, value in changes.items():
         monkeypatch.setitem(backward_sm90.CONFIGS[head_dim], key, value)
     check(*inputs, causal=causal)
     other = run_flashtile(*inputs, causal=causal)
-    assert torch.equal(default["dk"], other["dk"]) and torch.equal(default["dv"], other["dv"])
-    scale = other["dq"].float().abs().max().item()
-    assert (default["dq"].float() - other["dq"].float()).abs().max().item() <= 2**-7 * scale
+    close = ("dq",) if same_probs else ("dq", "dk", "dv")
+    if same_probs:
+        assert torch.equal(default["dk"], other["dk"]) and torch.equal(default["dv"], other["dv"])
+    for name in close:
+        scale = other[name].float().abs().max().item()
+        assert (default[name].float() - other[name].float()).abs().max().item() <= 2**-7 * scale, name
 
 
 @hopper
@@ -436,9 +465,10 @@ def _matches_other_config(monkeypatch, inputs, causal, head_dim, changes):
 def test_backward_dq_tma_matches_the_atomics(monkeypatch, launches, causal, head_dim, atomics):
     """DQ_TMA (each warpgroup's dQ partial staged in shared memory, added by TMA reduces: one per iteration at
     D=64/128, two [64, 64] chunks through the one staging tile at D=256) on long walks, GQA 4:1 with 32 query
-    tiles per head: 128 iterations per CTA, each warpgroup's staging tile reused across query heads (D=64:
-    warpgroups taking turns). Against the oracle and against the per-thread atomics it replaces: at D=256 main's
-    kernel (two dO stages, DQ_TMA=0,DO_STAGES=2) and the atomics with the one dO stage."""
+    tiles per head (D=64: 16 of 128 rows, each warpgroup reducing its 64 rows): 128 (64) iterations per CTA,
+    each warpgroup's staging tile reused across query heads. Against the oracle and against the per-thread
+    atomics it replaces: at D=256 main's kernel (two dO stages, DQ_TMA=0,DO_STAGES=2) and the atomics with the
+    one dO stage."""
     inputs = make_inputs(2, 2048, 2048, 8, 2, head_dim, dtype=torch.bfloat16)
     _matches_other_config(monkeypatch, inputs, causal, head_dim, atomics)
     assert [call for call in launches if call[0] == "bwd"] == [("bwd", causal)] * 4
@@ -468,13 +498,49 @@ def test_backward_head_dim_256_dq_tma_odd_shapes(monkeypatch, launches, causal, 
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_backward_key_split_with_a_shallower_do_ring(monkeypatch, launches, causal, head_dim, do_stages):
-    """The key split (D=64/128) with DO_STAGES below STAGES (3), a tuning option (tune_gluon.py's DO_STAGES
-    variants reach it): separate empty barriers for the Q and dO rings, both released by each warpgroup once
-    its dV and dK products have retired. GQA 4:1, 32 query tiles per head, against the oracle and the
-    default config."""
+    """The key split (D=64/128) with DO_STAGES below STAGES = 3 (D=64's 128-row tiles: 216,656 bytes of shared
+    memory with two dO stages), a tuning option (tune_gluon.py's DO_STAGES variants reach it): separate empty
+    barriers for the Q and dO rings, both released by each warpgroup once its dV and dK products have retired.
+    GQA 4:1, 32 (D=64: 16) query tiles per head, against the oracle and the default config."""
     inputs = make_inputs(2, 2048, 2048, 8, 2, head_dim, dtype=torch.bfloat16)
-    _matches_other_config(monkeypatch, inputs, causal, head_dim, dict(DO_STAGES=do_stages))
+    _matches_other_config(monkeypatch, inputs, causal, head_dim, dict(STAGES=3, DO_STAGES=do_stages))
     assert [call for call in launches if call[0] == "bwd"] == [("bwd", causal)] * 4
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 384, 640, 6, 3), (1, 1024, 512, 5, 1), (5, 256, 256, 3, 3), (1, 4096, 1024, 2, 1), (2, 2048, 2048, 8, 2),
+     (1, 128, 128, 1, 1)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)  # fmt: skip
+@pytest.mark.parametrize("changes", [dict(), dict(DQ_TMA=False)], ids=["dq-tma", "atomics"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_head_dim_64_tiles_of_128_rows(monkeypatch, launches, causal, changes, shape):
+    """D=64's 128-row query tiles (BLOCK_M = 128: S^T and dP^T [64 keys, 128 queries] per warpgroup, started at
+    -lse / scale and -delta; dQ split by rows, each warpgroup its 64 rows over all 128 keys) against the oracle
+    and against main's config (BLOCK_M = 64, three stages: the warpgroups take turns with the whole dQ), with
+    DQ_TMA and with the atomics: odd batch and head counts, GQA / MQA, Sq != Sk both ways (Sq > Sk causal: rows
+    that see no key; Sq < Sk causal: key tiles past the last query's diagonal), long walks (MQA 2:1 with 32
+    query tiles per head: 64 iterations; GQA 4:1, 16 per head) and a single tile."""
+    for key, value in changes.items():
+        monkeypatch.setitem(backward_sm90.CONFIGS[64], key, value)
+    inputs = make_inputs(*shape, 64, dtype=torch.bfloat16)
+    main_config = dict(BLOCK_M=64, STAGES=3, DO_STAGES=3)
+    _matches_other_config(monkeypatch, inputs, causal, 64, main_config, same_probs=False)
+    assert [call for call in launches if call[0] == "bwd"] == [("bwd", causal)] * 4
+
+
+@hopper
+@pytest.mark.gpu
+def test_backward_head_dim_64_fp16_and_softmax_scale(launches):
+    """fp16 and an explicit softmax_scale at D=64's 128-row tiles (the S^T accumulator starts at -lse / scale),
+    causal, Sq > Sk, with a gradient at the LSE."""
+    q, k, v, dout = make_inputs(2, 768, 512, 4, 2, 64, dtype=torch.float16)
+    dlse = torch.randn(2, 4, 768, device="cuda")
+    check(q, k, v, dout, dlse=dlse, causal=True, softmax_scale=0.3)
+    assert launches[-1] == ("bwd", True)
 
 
 @hopper
@@ -568,8 +634,9 @@ def _forward_backward(q, k, v, **kwargs):
         (dict(dropout_p=0.1), []),
         (dict(alibi_slopes=torch.ones(2)), []),
         (dict(learnable_sink=torch.zeros(2)), [("bwd", False)]),
+        (dict(softmax_scale=-0.1), [("fwd", False)]),  # "scale0": a softmax_scale not above 0
     ],
-    ids=["full", "causal", "window-causal", "deterministic", "window", "softcap", "dropout", "alibi", "sink"],
+    ids=["full", "causal", "window-causal", "deterministic", "window", "softcap", "dropout", "alibi", "sink", "scale0"],
 )
 def test_which_calls_take_the_gluon_kernels(monkeypatch, options, expected):
     """The launchers route calls without options (a sink changes nothing in the backward: the LSE holds it)

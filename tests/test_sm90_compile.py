@@ -73,8 +73,12 @@ EXPECTED_STACK = {
     # 3+3 (1+1 and 1+1), reloads of loop invariants (L1 hits)
     "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 full off": 32,
     "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 causal off": 32,  # MHA (GROUPED off)
-    "_attention_backward_sm90_kernel backward_sm90 D64 64x128/s3 full off": 0,
-    "_attention_backward_sm90_kernel backward_sm90 D64 64x128/s3 causal off": 0,
+    # 128-row query tiles, two stages (BLOCK_M=64,STAGES=3,DO_STAGES=3, main's config before: 0 / 0). Causal: one
+    # register spilled around the diagonal tiles' mask (1 local store + 1 load per such tile and warpgroup; none
+    # on the other tiles), the rest before or after the loop; GQA causal: 48, also a few per iteration in the
+    # producer warp (24 registers: its 8 scalar lse/delta loads)
+    "_attention_backward_sm90_kernel backward_sm90 D64 128x128/s2 full off": 0,
+    "_attention_backward_sm90_kernel backward_sm90 D64 128x128/s2 causal off": 24,
     # DQ_TMA with one dO stage (/do1); 0 / 0 (8 causal GQA) with two and the atomics (DQ_TMA=0,DO_STAGES=2)
     "_attention_backward_sm90_kernel backward_sm90 D256 64x64/s2/do1 full off": 0,
     "_attention_backward_sm90_kernel backward_sm90 D256 64x64/s2/do1 causal off": 0,

@@ -651,6 +651,7 @@ def attention_backward(
         not deterministic and gluon_device(q.device)  # first: elsewhere nothing below runs
         and window_left is None and window_right in (None, 0) and softcap == 0.0 and dropout_p == 0.0
         and alibi_slopes is None and attn_mask is None
+        and softmax_scale > 0  # D=64's 128-row tiles start S^T at -lse / scale (backward_sm90._consumer)
     ):  # fmt: skip
         from flashtile.ops.attention import backward_sm90  # Gluon is imported on sm_90 GPUs only
 
