@@ -13,9 +13,11 @@ make it nonzero). Example:
 
     --variant fwd-3-stages:STAGES=3 --variant no-pingpong:PINGPONG=0 --variant bwd-2-stages:STAGES=2
 
-Tile heights and widths (M_WG, BLOCK_M, BLOCK_N) other than 64 / 64 / 128 also change which lengths the
-backward accepts (``forward_sm90.ROWS``, fixed at import): vary them only with lengths they divide (the
-forward takes any length).
+The backward takes lengths that are multiples of ``forward_sm90.ROWS`` (128, fixed at import); its BLOCK_M, 128
+at D=64 and 64 elsewhere, may be either value with that rule (``--variant d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3``
+is main's D=64 backward before the 128-row tiles: the same SASS; STAGES / DO_STAGES also change the D=256
+backward, so time such variants at D=64 only). Other tile heights and widths (M_WG, BLOCK_N) also change which
+lengths the backward accepts: vary them only with lengths they divide (the forward takes any length).
 """
 
 from __future__ import annotations

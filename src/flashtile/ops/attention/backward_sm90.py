@@ -1,8 +1,8 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by TMA reduce-adds.
 
 On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
-dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's
-default) run this kernel instead
+dropout, attn_mask, ALiBi, softcap, window or packed batch, a positive softmax_scale, and ``deterministic=False``,
+flash_attn's default) run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
 seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory,
 ``CONFIGS``' DQ_TMA, at every head dim; per-thread atomics with it off), in an order that varies from run to run
@@ -37,9 +37,9 @@ n_tiles, tile i % n_tiles; n_tiles, the query tiles per head, is the same for ev
 Every barrier phase and ring slot below is a function of the flat i alone, so moving from one head to the
 next changes nothing in the pipeline; dK and dV simply keep accumulating (that is the sum over the group).
   * producer partition, 1 warp: TMA loads of the CTA's K and V tiles (once, kv_bar), then per iteration
-    (BLOCK_M = 64 query rows of head g) Q by TMA into a ring of STAGES buffers (q_ready, tx-count) with the
-    rows' lse (base 2) and delta by plain loads into shared memory (stat_ready, same slot), and dO by TMA
-    into a ring of DO_STAGES buffers (do_ready; DO_STAGES <= STAGES): slot i % STAGES, parity
+    (BLOCK_M query rows of head g: 64 at D=128, 128 at D=64) Q by TMA into a ring of STAGES buffers (q_ready,
+    tx-count) with the rows' lse (base 2) and delta by plain loads into shared memory (stat_ready, same slot),
+    and dO by TMA into a ring of DO_STAGES buffers (do_ready; DO_STAGES <= STAGES): slot i % STAGES, parity
     (i // STAGES) & 1 and slot i % DO_STAGES, parity (i // DO_STAGES) & 1. q_empty (count 2, one arrival
     per consumer warpgroup) frees a Q slot (and its lse/delta) once both warpgroups are done with it; with
     DO_STAGES == STAGES (D=64/128) it frees the dO slot of the same index too (one barrier per slot, as
@@ -47,18 +47,23 @@ next changes nothing in the pipeline; dK and dV simply keep accumulating (that i
     releases both slots once its dV and dK products have retired.
   * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1). Per iteration, all
     products are wgmma with fp32 accumulators:
-        S^T  = K_wg Q^T            (smem, smem)          [64 keys, 64 queries]
+        S^T  = K_wg Q^T            (smem, smem)          [64 keys, BLOCK_M queries]
         dP^T = V_wg dO^T           (smem, smem)
         P^T  = exp2(S^T * scale * log2 e - lse * log2 e)  (causal mask on tiles crossing the diagonal)
         dS^T = P^T * (dP^T - delta) * scale
-        dV_wg += P^T dO            (registers, smem)
+        dV_wg += P^T dO            (registers, smem)     [64 keys, D], K-dim BLOCK_M
         dK_wg += dS^T Q            (registers, smem)
-    and dS^T goes to a shared buffer [128 keys, 64 queries] (each warpgroup writes its 64 rows; two
-    buffers, used alternately). Once both halves are there (ds_ready, count 2), dQ partial = dS K
-    (A = the dS^T buffer transposed, from smem; B = K) is added to head g's columns of dq_accum:
-      D=128 (DQ_SPLIT): each warpgroup computes half of the columns, dQ[:, wg*64 : (wg+1)*64];
-      D=64: warpgroup (i % 2) computes all of it for iteration i (a 32-column slice of K would cut the
-      128-byte swizzle atom, which a wgmma operand can not start inside).
+    and dS^T goes to a shared buffer [128 keys, BLOCK_M queries] (each warpgroup writes its 64 rows; two
+    buffers, used alternately). At BLOCK_M = 128 (STATS_IN_ACC) the row statistics start the accumulators
+    (use_acc): S^T's at -lse / (scale * log2 e), dP^T's at -delta, so P^T = exp2(acc * scale * log2 e) and
+    dS^T = P^T * acc * scale, the same values up to fp32 rounding. Once both halves are there (ds_ready,
+    count 2), dQ partial = dS K (A = the dS^T buffer transposed, from smem; B = K) is added to head g's
+    columns of dq_accum; each warpgroup's share is a [64, 64] fp32 product (32 registers), by:
+      D=128 (DQ_SPLIT): columns, dQ[:, wg*64 : (wg+1)*64] = dS K[:, those columns];
+      D=64, BLOCK_M = 128: rows (``dq_rows``), dQ[wg*64 : (wg+1)*64, :] = dS[those rows] K over all 128 keys
+      (A = the buffer's columns wg*64.. transposed); the count-2 ds_ready / ds_free above order it as at D=128;
+      D=64, BLOCK_M = 64: turns, warpgroup (i % 2) computes all of it for iteration i (a 32-column slice of K
+      would cut the 128-byte swizzle atom, which a wgmma operand can not start inside).
     DQ_TMA (FA-3's dQ path): the warpgroup stores its [64, 64] fp32 partial into its own staging tile in
     shared memory (once its previous reduce has read the tile: tma.store_wait), fences, and one TMA
     reduce-add (cp.reduce.async.bulk.tensor .add.f32, ``async_reduce_add``) adds the tile to dq_accum while
@@ -72,7 +77,11 @@ next changes nothing in the pipeline; dK and dV simply keep accumulating (that i
     to have read their staging tiles.
   Shared memory (bytes of the 232,448 of a CTA, tests/sm90_compile.py): D=128 231,488-231,504 (198,704-198,720
   with atomics): Q and dO rings 3 x 16 KiB each, K and V 32 KiB each, two dS^T buffers 2 x 16 KiB, two dQ staging
-  tiles 2 x 16 KiB, lse/delta 1.5 KiB; D=64 149,568-149,584 (116,784-116,800 with atomics).
+  tiles 2 x 16 KiB, lse/delta 1.5 KiB; D=64 (BLOCK_M = 128, two stages) 199,168-199,184 (166,384-166,400 with
+  atomics): Q and dO rings 2 x 16 KiB each ([128, 64] tiles), K and V 16 KiB each, two dS^T buffers 2 x 32 KiB
+  ([128 keys, 128 queries]), two [64, 64] dQ staging tiles 2 x 16 KiB, lse/delta 2 KiB (a third stage would need
+  232,960: over by 512; three Q stages and two dO stages fit, 216,656); BLOCK_M = 64 with three stages (main's
+  config) 149,568-149,584 (116,784-116,800 with atomics).
   Causal: a key tile visits only the query tiles (of each head) from the one holding row kv_start - (Sk -
   Sq) (clipped at 0); only tiles crossing the diagonal apply the mask. Rows with lse = -inf (they see no
   key) get lse = +inf, so exp2 gives exactly 0 there, not NaN.
@@ -117,13 +126,24 @@ producer, the flat (g, query tile) loop, _probs, _dq_step and the TMA epilogue a
   stage and the atomics). P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T
   would save 8 KiB).
 
-Register-pressure notes (what keeps D=128 from spilling; keep them in mind when editing):
+Register-pressure notes (what keeps D=128 and D=64 from spilling; keep them in mind when editing):
   * LLVM hoists loop-invariant address arithmetic out of the query-tile loop and ptxas then spills it.
     The wgmma descriptors of the K and V tiles are kept in the loop by indexing the (single-slot) K/V
     buffers with an opaque zero from inline asm; lse/delta come from shared memory (no pointer tensors in
     the consumers); dK/dV leave through TMA, not pointer tensors.
   * P^T and dS^T are both computed before the dV and dK products are issued (issuing dV first kept one
     more [64, 64] fp32 tile live).
+  * D=64 with BLOCK_M = 128: S^T and dP^T are [64, 128] fp32, 64 registers each, dK_wg and dV_wg 32 each: 192 of
+    the 240, and a [128] vector in the query axis of s_layout (lse, delta) is 32 registers per thread (2 per
+    8-column group). Loaded beside both products in flight (as at BLOCK_M = 64) they spilled 312-376 bytes
+    (~200 local loads and stores per consumer thread in the SASS, most in the loop); starting dP^T's
+    accumulator at -delta left 48-64, starting S^T's too (STATS_IN_ACC) 0 without causal and 24 / 48 with
+    causal (MHA / GQA): per warpgroup one register spilled around the diagonal tiles' mask (1 local store and
+    1 load per diagonal tile, none on the others), the rest outside the loop, and in the GQA producer warp (24
+    registers, 8 scalar lse/delta loads at 128 rows) 4 local loads and 1 store per iteration. ptxas issues WG
+    0's dP^T only once S^T has retired (WARPGROUP.DEPBAR before it) and computes P^T while dP^T runs; WG 1 keeps
+    both in flight. A lse/delta fold needs qk_scale > 0: the caller (backward.py) sends other scales to the
+    Triton kernels.
   * DQ_TMA at D=128: the staging tile's stores keep four per-thread swizzled offsets live through the loop,
     which ptxas partly keeps on the stack (32 bytes against 16 / 24 with atomics; per iteration 0 and 5 local
     loads in the two warpgroups without causal, against 2 and 1). Indexing the staging tile with the opaque
@@ -134,6 +154,9 @@ DQ_TMA on the H200 (session 8, results/2026-11-30-h200x2-s8-call1-branches-a21fb
 (test_gluon_sm90.py, with test_backward_dq_tma_matches_the_atomics), and the backward gains 18-30% at D=128 and
 3-10% at D=64 over the atomics (``CONFIGS``); at D=256 (with one dO stage) the GPU tests and a compute-sanitizer
 memcheck pass and the backward gains 30-44% (results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log).
+
+D=64 at BLOCK_M = 128 (branch gluon-bwd-d64-m128): compiled for sm_90 only; NOT yet run or timed on a GPU (the
+D=64 numbers above are BLOCK_M = 64's). Prediction and the A/B command: docs/tuning-log.md.
 """
 
 from __future__ import annotations
@@ -167,9 +190,13 @@ from flashtile.ops.attention.tiles import LOG2E
 
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (198 KiB of shared
-    # memory); a fourth at D=64 gained nothing
+    # memory)
     128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False,
           "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    # FA-3's hdim-64 tiles: 128 query rows x 128 keys, dQ split by rows; two stages fill 199,168 bytes (a third
+    # would need 232,960). PREDICTED, not yet measured: +5-15% backward over main's config, BLOCK_M=64 with three
+    # stages (--variant d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3, the same SASS as main; four stages gained
+    # nothing there), which measured 417-444 / 361-423 TFLOP/s full / causal at B * N = 16k, N = 4k-16k
     64: {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "DO_STAGES": 2, "DQ_SPLIT": False, "OUTPUT_SPLIT": False,
          "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two Q stages and
@@ -186,9 +213,13 @@ split between the warpgroups (needs 64-column halves: head dims 128 and 256), th
 output (OUTPUT_SPLIT, both see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), dQ
 partials added by TMA reduces from shared memory rather than by per-thread atomics (DQ_TMA), registers per
 thread of consumers / producer. tune_gluon.py's ``--variant NAME:KEY=VALUE`` sets a key in every entry that
-has it: DO_STAGES=2 makes D=64/128 STAGES=3 / DO_STAGES=2 (compiles; stack at D=128 32-40 bytes with DQ_TMA,
+has it: DO_STAGES=2 makes D=128 STAGES=3 / DO_STAGES=2 (compiles; stack at D=128 32-40 bytes with DQ_TMA,
 16-32 with the atomics, 72-104 with DO_STAGES=1; test_backward_key_split_with_a_shallower_do_ring covers it on
-the GPU), so time such variants at D=256 only.
+the GPU, and D=64 with STAGES=3), so time such variants at D=256 only. BLOCK_M: 128 (D=64's default: 128-query
+S^T / dP^T tiles, the statistics in the accumulators, dQ split by rows) or 64 (the warpgroups take turns with
+dQ); only D=64 takes 128 (at D=128 dK, dV and a [128, 64] dQ half would not fit in 240 registers), and both
+take the same lengths (``qualifies``: multiples of ROWS = 128). The STAGES and DO_STAGES of a D=64 variant also
+land on D=128 and D=256 (BLOCK_M=64,STAGES=3,DO_STAGES=3 leaves D=128 as it is): time it at D=64 only.
 
 DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]
 (DQ_SPLIT) or [BLOCK_M, D], [64, 64] at D=64/128, in a shared-memory tile of its own and adds the tile to
@@ -197,8 +228,9 @@ issues as two [64, 32] boxes, one per 128-byte swizzle width, from one elected t
 instead of each thread issuing 16 atom.global.add.v2.f32 (D=128) per iteration; at D=256 the [64, 128] partial
 goes through the [64, 64] tile in two chunks (two reduces per warpgroup and iteration instead of 32 atomics
 per thread). 2 x 16 KiB of shared memory: D=128 231,488-231,504 bytes of 232,448 (198,704-198,720 with
-atomics), D=64 149,568-149,584 (116,784-116,800), D=256 230,992-231,008 with one dO stage (the 32 KiB of the
-second). H200, bf16, B * N = 16k tokens, backward TFLOP/s with DQ_TMA
+atomics), D=64 199,168-199,184 (166,384-166,400; BLOCK_M = 64 with three stages 149,568-149,584 and
+116,784-116,800), D=256 230,992-231,008 with one dO stage (the 32 KiB of the second). H200, bf16, B * N = 16k
+tokens, D=64 at BLOCK_M = 64, backward TFLOP/s with DQ_TMA
 against the atomics in one process (``--variant dq-atomics:DQ_TMA=0``; s8-call1-branches-a21fbac.log): D=128
 N=4k 533 / 459 full / causal against 411 / 387, N=16k 552 / 535 against 432 / 448; D=64 N=4k 421 / 368 against
 387 / 358, N=16k 444 / 423 against 403 / 398 (predicted +5-10% at D=128: the atomics cost far more than the
@@ -542,6 +574,7 @@ def _consumer(
         dq_dst = (dq_ptr, row_stride)
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
+    gl.static_assert(BLOCK_M == 64 or (BLOCK_M == 128 and not DQ_SPLIT), "128-row tiles at D=64 only (registers)")
     DQ_ROWS: gl.constexpr = dq_rows(BLOCK_M, DQ_SPLIT)
     s_layout: gl.constexpr = mma_layout(BLOCK_M)  # S^T, dP^T: [N_WG keys, BLOCK_M queries]
     kv_layout: gl.constexpr = mma_layout(HEAD_D)  # dK, dV: [N_WG keys, HEAD_D]
