@@ -411,8 +411,7 @@ def decode_variants() -> list[Variant]:
         dims = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_D": head_dim, "BLOCK_DV": head_dim}
         off = {"PAGE_SIZE": 0, "HAS_SEQLENS": False, "HAS_BATCH_IDX": False, "HAS_LEFTPAD": False, "MASK_LEFT": False,
                "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False, "ROTARY_DIM": 0,
-               "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "HAS_NEW": False, "IS_SPLIT": False,
-               "MERGE_CHUNK": decode_configs.MERGE_CHUNK}  # fmt: skip
+               "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "HAS_NEW": False, "IS_SPLIT": False}  # fmt: skip
         # everything on that a launch can combine (cache_batch_idx excludes a paged cache), writing fp32 splits
         paged = dict(off, PAGE_SIZE=256, HAS_SEQLENS=True, HAS_LEFTPAD=True, MASK_LEFT=True, MASK_RIGHT=True,
                      HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True,

@@ -189,8 +189,9 @@ from flashtile.ops.attention.forward_sm90 import (
 from flashtile.ops.attention.tiles import LOG2E
 
 CONFIGS = {
-    # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (198 KiB of shared
-    # memory)
+    # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (measured with the
+    # atomics, 198 KiB of shared memory then); a fourth at D=64 gained nothing with the atomics, and with DQ_TMA
+    # went -8% to +6% by row (session 8, results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
     128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False,
           "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # FA-3's hdim-64 tiles: 128 query rows x 128 keys, dQ split by rows; two stages fill 199,168 bytes (a third
@@ -506,6 +507,19 @@ def _dq_step(
 
 
 @gluon.jit
+def _dq_destination(WG: gl.constexpr, dq_ptr, row_stride, dq_tma_args, DQ_TMA: gl.constexpr):
+    """``_dq_step``'s dq_dst for consumer warpgroup WG: with DQ_TMA, from the kernel's four trailing consumer
+    arguments ``dq_tma_args`` (dq_accum's descriptor, both warpgroups' staging tiles, the origin's coordinates),
+    the descriptor, this warpgroup's staging tile and the coordinates; otherwise (dq_ptr, row_stride)."""
+    if DQ_TMA:
+        dq_desc, dq_smem, dq_row0, dq_col_base = dq_tma_args
+        dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col_base)
+    else:
+        dq_dst = (dq_ptr, row_stride)
+    return dq_dst
+
+
+@gluon.jit
 def _write_back(acc, tile, desc, row, col):
     """acc (fp32 registers) in the input dtype into ``tile`` (shared memory no product reads any more), then a
     TMA store of the tile at [row, col] of ``desc`` (the caller waits for it with tma.store_wait)."""
@@ -567,11 +581,7 @@ def _consumer(
         qk_scale,
         sm_scale,
     ) = args[:29]  # the kernel's consumer_args; with DQ_TMA four more follow
-    if DQ_TMA:
-        dq_desc, dq_smem, dq_row0, dq_col_base = args[29:]
-        dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col_base)  # this warpgroup's staging tile
-    else:
-        dq_dst = (dq_ptr, row_stride)
+    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[29:], DQ_TMA)
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
     gl.static_assert(BLOCK_M == 64 or (BLOCK_M == 128 and not DQ_SPLIT), "128-row tiles at D=64 only (registers)")
@@ -734,11 +744,7 @@ def _consumer_by_output(
         p_ready,
         p_free,
     ) = args[:32]
-    if DQ_TMA:
-        dq_desc, dq_smem, dq_row0, dq_col_base = args[32:]
-        dq_dst = (dq_desc, dq_smem.index(WG), dq_row0, dq_col_base)  # this warpgroup's staging tile
-    else:
-        dq_dst = (dq_ptr, row_stride)
+    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[32:], DQ_TMA)
     gl.static_assert(DQ_SPLIT, "each warpgroup computes half of the dQ columns")
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2

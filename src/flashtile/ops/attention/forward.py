@@ -473,8 +473,9 @@ def _launch(
     ):  # fmt: skip
         from flashtile.ops.attention import forward_sm90  # Gluon is imported on sm_90 GPUs only
 
-        if forward_sm90.qualifies(q, k, v, causal=window_right == 0):
-            forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=window_right == 0)
+        causal = window_right == 0
+        if forward_sm90.qualifies(q, k, v, causal):
+            forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal)
             return
     pass_name = "forward"
     if seqlen_k <= SHORT_SEQLEN:

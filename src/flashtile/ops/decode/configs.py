@@ -20,11 +20,6 @@ from flashtile.ops.attention.configs import cdiv
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 2  # a split reads at least this many key tiles, so the merge stays cheap
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
-MERGE_CHUNK = 4
-"""Splits per unrolled step of the merge (``split_kv._merge_splits``). H200, B=1, Hkv 8, Hq 32, D 128, contiguous:
-kernel 10.9 / 14.3 / 27.7 -> 10.6 / 12.8 / 26.7 µs at contexts 1k / 4k / 16k against one split per step; loading
-the chunk as one [4, BLOCK_M, DV] tensor instead took 16.8 / 34.0 / 47.5 (results/2026-11-30-h200x2-s8-call5-
-profdecode-07485eb.log)."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,11 @@ from flashtile.ops.decode.append import BLOCK_NEW, append_new, load_new
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
+MERGE_CHUNK = tl.constexpr(4)
+"""Splits per unrolled step of the merge (``_merge_splits``). H200, B=1, Hkv 8, Hq 32, D 128, contiguous: kernel
+10.9 / 14.3 / 27.7 -> 10.6 / 12.8 / 26.7 µs at contexts 1k / 4k / 16k against one split per step; loading the
+chunk as one [4, BLOCK_M, DV] tensor instead took 16.8 / 34.0 / 47.5 (results/2026-11-30-h200x2-s8-call5-
+profdecode-07485eb.log)."""
 
 _counters: dict[torch.device, torch.Tensor] = {}  # device -> its ticket counters, int32, zero between launches
 _kept: list[torch.Tensor] = []  # buffers a captured CUDA graph may still use: outgrown, or zeroed in a graph
@@ -214,7 +219,6 @@ def _merge_splits(
     num_splits,
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
 ):
     """The splits' partials of BLOCK_M rows merged by an online log-sum-exp: OPart [BLOCK_M, BLOCK_DV]
     pointers to split 0's out_s, LsePart [BLOCK_M] to its lse_s; split s is stride_ps / stride_ls further.
@@ -316,7 +320,6 @@ def _split_kv_kernel(
     ROTARY_PER_TOKEN: tl.constexpr,
     HAS_NEW: tl.constexpr,
     IS_SPLIT: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
 ):
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
 
@@ -437,9 +440,8 @@ def _split_kv_kernel(
         counter = Counters + off_bhk * tl.num_programs(2) + tile_m
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:  # the other splits have stored theirs
             acc, m_i, l_i = _merge_splits(
-                OutPart + o_ptrs, LsePart + l_rows, stride_ps, stride_ls, row_ok, o_mask, num_splits, BLOCK_M, BLOCK_DV,
-                MERGE_CHUNK,
-            )  # fmt: skip
+                OutPart + o_ptrs, LsePart + l_rows, stride_ps, stride_ls, row_ok, o_mask, num_splits, BLOCK_M, BLOCK_DV
+            )
             out, lse = _normalize(acc, m_i, l_i)
             tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
             tl.store(Lse + l_rows, lse, mask=row_ok)
@@ -569,7 +571,6 @@ def decode_attention(
         ROTARY_PER_TOKEN=rotary_per_token,
         HAS_NEW=has_new,
         IS_SPLIT=num_splits > 1,
-        MERGE_CHUNK=configs.MERGE_CHUNK,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
