@@ -475,7 +475,7 @@ def _launch(
 
         causal = window_right == 0
         if forward_sm90.qualifies(q, k, v, causal):
-            forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal)
+            forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=causal)
             return
     pass_name = "forward"
     if seqlen_k <= SHORT_SEQLEN:
