@@ -430,9 +430,11 @@ def test_num_splits_heuristic():
     assert configs.choose_num_splits(programs=264, n_blocks=2048, num_sms=132) == 1  # two programs per SM
     assert configs.choose_num_splits(programs=128, n_blocks=2048, num_sms=132) == 2  # rounded down
     assert configs.choose_num_splits(programs=8, n_blocks=2048, num_sms=132) == 33
-    assert configs.choose_num_splits(programs=8, n_blocks=16, num_sms=132) == 8  # >= 2 key tiles per split
+    assert configs.choose_num_splits(programs=8, n_blocks=16, num_sms=132) == 16  # one key tile per split at most
+    assert configs.choose_num_splits(programs=8, n_blocks=8, num_sms=132, programs_per_sm=1) == 8  # B=1, 1k
     assert configs.choose_num_splits(programs=1, n_blocks=100_000, num_sms=132) == configs.MAX_SPLITS
-    assert configs.choose_num_splits(programs=8, n_blocks=2, num_sms=132) == 1
+    assert configs.choose_num_splits(programs=8, n_blocks=2, num_sms=132) == 2
+    assert configs.choose_num_splits(programs=8, n_blocks=1, num_sms=132) == 1
     assert configs.choose_num_splits(programs=8, n_blocks=2048, num_sms=132, programs_per_sm=1) == 16
 
 
@@ -725,11 +727,11 @@ def test_many_splits(case):
 
 
 def test_heuristic_splits_on_long_cache(monkeypatch):
-    """num_splits=0 with an H200's 132 SMs: one program would split into every second key tile."""
+    """num_splits=0 with an H200's 132 SMs: one program splits into every key tile."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     case = Case(batch=1, nheads=8, nheads_k=1, seqlen_cache=1024, cache_seqlens=(1000,), num_splits=0)
     cfg = configs.config(torch.device(DEVICE), case.head_dim)
-    assert configs.num_splits(0, torch.device(DEVICE), 1, case.seqlen_cache, cfg) == 1024 // cfg.block_n // 2
+    assert configs.num_splits(0, torch.device(DEVICE), 1, case.seqlen_cache, cfg) == 1024 // cfg.block_n
     check(case)
 
 
