@@ -26,8 +26,8 @@ EXPECTED_STACK = {
     "_attention_forward_kernel forward D256 64x64/w4/s3 full off": 136,
     "_attention_forward_kernel forward D256 64x64/w4/s3 causal off": 136,
     "_attention_forward_kernel forward_short D128 128x64/w8/s3 full off": 0,
-    "_attention_forward_kernel forward_banded_short D64 64x64/w4/s2 causal off": 0,
-    "_attention_forward_kernel forward_banded_short D64 64x64/w4/s2 window off": 0,
+    "_attention_forward_kernel forward_banded_short D64 64x64/w4/s3/tma causal off": 0,
+    "_attention_forward_kernel forward_banded_short D64 64x64/w4/s3/tma window off": 0,
     "_attention_forward_kernel forward_banded_short D128 64x64/w4/s3 causal off": 0,
     "_attention_forward_kernel forward_banded_short D128 64x64/w4/s3 window off": 8,
     "_attention_forward_kernel forward_banded_short D256 64x64/w4/s3 window off": 128,  # 112 before the 3-D grid

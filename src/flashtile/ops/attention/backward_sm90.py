@@ -155,9 +155,11 @@ DQ_TMA on the H200 (session 8, results/2026-11-30-h200x2-s8-call1-branches-a21fb
 3-10% at D=64 over the atomics (``CONFIGS``); at D=256 (with one dO stage) the GPU tests and a compute-sanitizer
 memcheck pass and the backward gains 30-44% (results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log).
 
-D=64 at BLOCK_M = 128 (branch gluon-bwd-d64-m128): compiled for sm_90 only; NOT yet run or timed on a GPU (the
-D=64 numbers above are BLOCK_M = 64's). Prediction and the A/B command: docs/tuning-log.md.
-"""
+D=64 at BLOCK_M = 128 (session 9, results/2026-11-30-h200x2-s9-call1-gluon-d64m128-3727350.log): backward
+TFLOP/s, bf16, against BLOCK_M = 64 with three stages (the config before), each tree's default in one call: B=4
+N=4k 448 / 403 full / causal against 416 / 367, N=16k 460 / 447 against 441 / 407, GQA 4:1 causal 369 against
+353, B=16 N=1k causal 258 against 254 (+2-10%; predicted +5-15%); GPU tests (test_gluon_sm90.py) pass, and a
+compute-sanitizer memcheck of the sanitize cases reports 0 errors."""
 
 from __future__ import annotations
 
@@ -195,9 +197,8 @@ CONFIGS = {
     128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False,
           "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # FA-3's hdim-64 tiles: 128 query rows x 128 keys, dQ split by rows; two stages fill 199,168 bytes (a third
-    # would need 232,960). PREDICTED, not yet measured: +5-15% backward over main's config, BLOCK_M=64 with three
-    # stages (--variant d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3, the same SASS as main; four stages gained
-    # nothing there), which measured 417-444 / 361-423 TFLOP/s full / causal at B * N = 16k, N = 4k-16k
+    # would need 232,960). +2-10% backward over BLOCK_M=64 with three stages (--variant
+    # d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3; four stages gained nothing there): module docstring
     64: {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "DO_STAGES": 2, "DQ_SPLIT": False, "OUTPUT_SPLIT": False,
          "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two Q stages and

@@ -52,7 +52,8 @@ _HOPPER = {
     # diagonal tiles per program (N=1k causal: 286 vs 260 at D=64, 317 vs 287 at D=128). D=64 (the Triton
     # kernel serves its causal forwards on sm_90 too): three stages with tensor descriptors, 336 TFLOP/s
     # against 300 with pointer loads and 284 for (64, 64, 4, 2) in the standard table (session 9 sweep,
-    # results/2026-11-30-h200x2-s9-tune-d64causal-bb16cd4.json).
+    # results/2026-11-30-h200x2-s9-tune-d64causal-bb16cd4.json); 333 in the next table. With softcap, ALiBi, a
+    # sink, dropout and a mask all on it spills 472-544 bytes on Triton 3.7.1 (0 on 3.6; 16-72 before), unmeasured.
     "forward_banded_short": [
         (64, TileConfig(64, 64, 4, 3, tma=True)),
         (128, TileConfig(64, 64, 4, 3)),
