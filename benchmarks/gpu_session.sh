@@ -18,9 +18,10 @@
 #            D=256 rows it has taken over 390 s: give it ~540 and the call 580)
 #   memory   fwd+bwd peak extra memory against SDPA flash
 #   sanitize compute-sanitizer memcheck of forward + backward cases (benchmarks/sanitize_cases.py)
-#   ncubwd   Nsight Compute on one D=128 backward, full and causal (benchmarks/ncu_backward.py; NCU_ARGS to change
-#            it): the details page, the raw metrics (every stall reason) and the source page (SASS with its stall
-#            samples) as text in $OUT
+#   ncubwd   Nsight Compute on one D=128 backward, full and causal (benchmarks/ncu_attention.py; NCU_ARGS to change
+#            it, e.g. "--head-dim 64 --seqlen 1024"): the details page, the raw metrics (every stall reason) and the
+#            source page (SASS with its stall samples) as text in $OUT
+#   ncufwd   the same for one forward (the Gluon kernel; NCU_KERNEL=_attention_forward_kernel for the Triton one)
 #   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
 #   branches    (2 GPUs) unmerged branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
 #            tests/test_gluon_sm90.py) side by side on GPU 1 (compiles are CPU-bound), while GPU 0 times this tree
@@ -73,11 +74,13 @@ for step in "$@"; do
     memory) timeout 80 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
     variants) timeout 300 python3 benchmarks/bench_attention.py --out "$OUT/variants" --shapes variants --commit "$commit" 2>&1 | tail -40 ;;
     sanitize) timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py 2>&1 | tee "$OUT/sanitize.log" | tail -8 ;;
-    ncubwd)
+    ncubwd|ncufwd)
+      pass=backward kernel=_attention_backward_sm90
+      [ "$step" = ncufwd ] && pass=forward kernel=_attention_forward_sm90
       for causal in "" --causal; do
-        name=bwd${causal:+-causal}
-        timeout 150 ncu --set full --import-source yes -k regex:_attention_backward_sm90 -s 1 -c 1 -o "/tmp/$name" -f \
-          python3 benchmarks/ncu_backward.py $causal ${NCU_ARGS:-} 2>&1 | tail -2
+        name=$pass${causal:+-causal}
+        timeout 150 ncu --set full --import-source yes -k "regex:${NCU_KERNEL:-$kernel}" -s 1 -c 1 -o "/tmp/$name" -f \
+          python3 benchmarks/ncu_attention.py --pass $pass $causal ${NCU_ARGS:-} 2>&1 | tail -2
         for page in details raw; do
           ncu --import "/tmp/$name.ncu-rep" --page $page --csv > "$OUT/ncu-$name-$page.csv" 2>&1
         done
