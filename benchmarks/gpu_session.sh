@@ -64,7 +64,7 @@ for step in "$@"; do
     tunedecode) timeout ${TUNEDECODE_TIMEOUT:-300} python3 benchmarks/tune_decode.py --out "$OUT" ${TUNEDECODE_ARGS:-} 2>&1 | tee "$OUT/tunedecode.log" | grep -v '^ *[0-9]' | tail -40 ;;
     profdecode) timeout ${PROFDECODE_TIMEOUT:-150} python3 benchmarks/profile_decode.py --out "$OUT" ${PROFDECODE_ARGS:-} 2>&1 | tee "$OUT/profdecode.log" | tail -60 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
-    latency) timeout 200 python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
+    latency) timeout ${LATENCY_TIMEOUT:-320} python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
     hosttrace) timeout 120 python3 benchmarks/latency.py --out "$OUT" --host-trace 2>&1 | tail -8 ;;
     firstcall) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import latency; print(latency.first_call(Path('$OUT')))" 2>&1 | tail -4 ;;
     gputests) timeout 240 python3 -m pytest tests/test_gpu.py tests/test_attention.py -k "gpu or determin" -q -p no:cacheprovider 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;

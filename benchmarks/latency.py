@@ -8,7 +8,8 @@
    binder on every call ("flashtile-binder", the A/B of ``forward_sm90.launch``). The gap between eager
    and graph is the Python launch path.
    host_us is the Python time per call alone: the calls are queued behind a long GPU sleep, so none
-   waits for the GPU.
+   waits for the GPU; the median of three rounds, the providers' order alternating between rounds (each
+   round costs ~1 s of GPU sleep per row).
 2. First call of a new shape: in a fresh process with an empty Triton cache (TRITON_CACHE_DIR) the
    first forward+backward pays compilation; a second fresh process with the same cache does not.
    Two shapes: (3, 1000, 12, 96) runs the Triton kernels, (2, 1024, 16, 128) the Gluon forward on sm_90.
@@ -193,9 +194,20 @@ def _binder_launches() -> Iterator[None]:
         yield
 
 
-def launch_overhead() -> list[dict]:
+PROVIDERS = (
+    ("flashtile", _flashtile, contextlib.nullcontext),
+    ("flashtile-binder", _flashtile, _binder_launches),
+    ("fa2", _sdpa_flash, contextlib.nullcontext),
+)
+"""(row name, attention function, context of its calls) of ``launch_overhead``."""
+
+
+def launch_overhead(rounds: int = 3) -> list[dict]:
     """Rows of eager / graph / host time per (N, causal, provider, pass); "flashtile-binder" is flashtile with the
-    Gluon kernels launched through Triton's binder each call (on sm_90: the direct launches' A/B)."""
+    Gluon kernels launched through Triton's binder each call (on sm_90: the direct launches' A/B). host_us is the
+    median over ``rounds`` host_time medians taken with the providers in alternating order (forward, then
+    backward through PROVIDERS), so a drift of the host over the run does not favour the provider timed first;
+    host_us_rounds keeps every round's value."""
     rows = []
     for seqlen in (512, 1024):
         batch, nheads, head_dim = 16384 // seqlen, 16, 128
@@ -203,21 +215,22 @@ def launch_overhead() -> list[dict]:
             torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
         )
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        for causal, (name, attention, during), (pass_name, run) in itertools.product(
-            (False, True),
-            (("flashtile", _flashtile, contextlib.nullcontext), ("flashtile-binder", _flashtile, _binder_launches),
-             ("fa2", _sdpa_flash, contextlib.nullcontext)),
-            (("fwd", _forward), ("fwd+bwd", _forward_backward)),
-        ):  # fmt: skip
-            fn = functools.partial(run, attention, q, k, v, dout, causal)
-            with during():
-                eager = triton.testing.do_bench(fn, return_mode="median")
-                graph = triton.testing.do_bench(capture(fn)[0].replay, return_mode="median")
-                host_us = host_time(fn) * 1e6
-            row = {"what": f"{name} {pass_name}", "N": seqlen, "causal": causal, "eager_ms": eager, "graph_ms": graph,
-                   "host_us": host_us}  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        passes = (("fwd", _forward), ("fwd+bwd", _forward_backward))
+        for causal, (pass_name, run) in itertools.product((False, True), passes):
+            calls = {name: functools.partial(run, attention, q, k, v, dout, causal) for name, attention, _ in PROVIDERS}
+            host = {name: [] for name in calls}
+            for round_index in range(rounds):
+                for name, _, during in PROVIDERS if round_index % 2 == 0 else PROVIDERS[::-1]:
+                    with during():
+                        host[name].append(host_time(calls[name]) * 1e6)
+            for name, _, during in PROVIDERS:
+                with during():
+                    eager = triton.testing.do_bench(calls[name], return_mode="median")
+                    graph = triton.testing.do_bench(capture(calls[name])[0].replay, return_mode="median")
+                rows.append({"what": f"{name} {pass_name}", "N": seqlen, "causal": causal, "eager_ms": eager,
+                             "graph_ms": graph, "host_us": statistics.median(host[name]),
+                             "host_us_rounds": host[name]})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

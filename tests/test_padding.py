@@ -9,7 +9,7 @@ import torch
 
 from conftest import DEVICE
 from flashtile import padding
-from flashtile.padding import pad_input, unpad_input
+from flashtile.padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
 
 
 def as_mask(rows, dtype=torch.int64):
@@ -249,6 +249,39 @@ def test_gradient_values():
     assert torch.equal(grad_u, g[mask])
 
 
+def test_index_first_axis_and_put_as_hugging_face_unpads():
+    """Hugging Face's attention layers unpad q with unpad_input and k, v (other heads, other lengths) with
+    index_first_axis on the key mask's indices, then pad the output back with pad_input: the gather and the
+    scatter as flash_attn.bert_padding, with their gradients (each row written once)."""
+    x, mask = gradcheck_inputs()
+    _, indices, *_ = unpad_input(x, mask)
+    rows = x.reshape(15, 2, 3)
+    gathered = index_first_axis(rows, indices)
+    assert torch.equal(gathered, rows[indices])
+    assert torch.autograd.gradcheck(lambda t: index_first_axis(t, indices), (rows.detach().requires_grad_(),))
+    scattered = index_put_first_axis(gathered, indices, 15)
+    assert torch.equal(scattered[indices], gathered) and not scattered[~mask.flatten()].any()
+    u = gathered.detach().requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda t: index_put_first_axis(t, indices, 15), (u,))
+    assert torch.equal(
+        index_put_first_axis(gathered, indices, 15).reshape(3, 5, 2, 3), pad_input(gathered, indices, 3, 5)
+    )
+
+
+def test_flash_attn_module_paths():
+    """flash_attn 2.x's module paths, so imports from flash_attn.bert_padding and flash_attn.flash_attn_interface
+    become imports from flashtile by the package name alone."""
+    import flashtile
+    from flashtile import bert_padding, flash_attn_interface, kvcache
+
+    assert bert_padding.unpad_input is unpad_input and bert_padding.pad_input is pad_input
+    assert bert_padding.index_first_axis is index_first_axis
+    assert bert_padding.index_put_first_axis is index_put_first_axis
+    for name in flash_attn_interface.__all__:
+        assert getattr(flash_attn_interface, name) is getattr(flashtile, name)
+    assert flash_attn_interface.flash_attn_with_kvcache is kvcache.flash_attn_with_kvcache
+
+
 def test_deterministic_mode():
     x, mask = gradcheck_inputs()
     was = torch.are_deterministic_algorithms_enabled()
@@ -324,6 +357,26 @@ def test_pad_errors(case):
     make, error, match = case
     with pytest.raises(error, match=match):
         pad_input(*make(*packed()))
+
+
+INDEX_ERRORS = {
+    "gather-not-tensor": (lambda u, i: index_first_axis([1.0], i), TypeError, "input must be a torch.Tensor"),
+    "gather-0d": (lambda u, i: index_first_axis(u[0, 0], i), ValueError, "input must be .* at least 1 dim"),
+    "gather-int32": (lambda u, i: index_first_axis(u, i.int()), ValueError, r"1-D int64 .* dtype torch.int32"),
+    "gather-device": (lambda u, i: index_first_axis(u, i.to("meta")), ValueError, "but input is on"),
+    "put-length": (lambda u, i: index_put_first_axis(u, i[:4], 8), ValueError, "indices has 4 entries but values"),
+    "put-2d": (lambda u, i: index_put_first_axis(u, i[None], 8), ValueError, r"shape \(1, 5\)"),
+}
+if DEVICE == "cpu":  # index values are only checked on CPU tensors (on CUDA it would synchronise)
+    INDEX_ERRORS["gather-too-big"] = (lambda u, i: index_first_axis(u, i + 1), ValueError, r"\[0, 5\), got .*\[1, 7\]")
+    INDEX_ERRORS["put-too-big"] = (lambda u, i: index_put_first_axis(u, i, 6), ValueError, r"\[0, 6\), got .*6\]")
+
+
+@pytest.mark.parametrize("case", INDEX_ERRORS.values(), ids=INDEX_ERRORS.keys())
+def test_index_errors(case):
+    call, error, match = case
+    with pytest.raises(error, match=match):
+        call(*packed())
 
 
 @pytest.mark.gpu

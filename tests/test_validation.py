@@ -56,7 +56,7 @@ CASES = {
     "headdim-too-big": (
         lambda: qkv(q_shape=(1, 16, 4, 264), k_shape=(1, 16, 4, 264)),
         ValueError,
-        "at most 256|between 8 and 256",
+        "between 1 and 256 .flash_attn.s limit., got 264",
     ),
     "headdim-v-not-mult-8": (lambda: qkv(v_shape=(1, 16, 4, 12)), ValueError, "headdim_v"),
 }

@@ -40,7 +40,11 @@ class UnsupportedHeadDimError(ValueError, RuntimeError):
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
-    if head_dim % 8 != 0 or not 0 < head_dim <= MAX_HEAD_DIM:
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise UnsupportedHeadDimError(
+            f"{name} must be between 1 and {MAX_HEAD_DIM} (flash_attn's limit), got {head_dim}."
+        )
+    if head_dim % 8 != 0:  # q, k and v of one head dim are padded before this check (pad_head_dim)
         raise UnsupportedHeadDimError(
             f"{name} must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}. "
             "Pad the head dimension with zeros up to the next multiple of 8 (and slice the output)."

@@ -3,6 +3,8 @@
 ``unpad_input`` turns a padded batch (batch, seqlen, ...) and its attention mask into the packed
 (total_nnz, ...) layout of the varlen functions, with the ``cu_seqlens`` and ``max_seqlen`` they take;
 ``pad_input`` puts packed rows (e.g. the varlen output) back into a zero-padded batch.
+``index_first_axis`` / ``index_put_first_axis`` are the row gather and scatter under both (code that unpads
+q, k and v with one mask's indices, as Hugging Face's attention layers do, calls them directly).
 
 Both are differentiable in the tensor they move (the gradient of a gather is a scatter and back),
 work for any trailing dims and any dtype, on CPU and CUDA, with no Python loop over the batch.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pad_input", "unpad_input"]
+__all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
 
 INDEX_DTYPE = torch.int64
 """dtype of ``indices``: positions in the flattened (batch * seqlen) order, as ``torch.nonzero`` gives."""
@@ -22,14 +24,68 @@ SEQLEN_DTYPE = torch.int32
 """dtype of ``cu_seqlens`` and ``seqused``, as the varlen kernels take them."""
 
 
-def _gather_rows(rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """rows (n, ...) -> rows[indices] (len(indices), ...); the gradient is scattered back, not accumulated."""
-    return _GatherRows.apply(rows, indices)
+def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Rows ``indices`` of ``input``: flash_attn.bert_padding's gather.
+
+    Args:
+        input: (num_rows, ...), any dtype, any trailing dims
+        indices: (n,), int64, distinct row numbers in [0, num_rows) (``unpad_input``'s indices)
+
+    Returns:
+        (n, ...) = input[indices]; differentiable: the gradient is scattered back into those rows (each written
+        once, as the indices are distinct), and its own gradient gathers again, so double backward works.
+    """
+    _check_indices(indices, input, "input")
+    return _GatherRows.apply(input, indices)
 
 
-def _scatter_rows(values: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """values (len(indices), ...) -> out (num_rows, ...), zeros except out[indices] = values."""
-    return _ScatterRows.apply(values, indices, num_rows)
+def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int) -> torch.Tensor:
+    """A zero (first_axis_dim, ...) tensor with rows ``indices`` set to ``values``: flash_attn.bert_padding's
+    scatter, the inverse of ``index_first_axis``.
+
+    Args:
+        values: (n, ...), any dtype, any trailing dims
+        indices: (n,), int64, distinct row numbers in [0, first_axis_dim)
+        first_axis_dim: int, rows of the result
+
+    Returns:
+        (first_axis_dim, ...), zeros but for rows ``indices``; differentiable in ``values`` (its gradient is
+        the output's gradient at ``indices``).
+    """
+    _check_indices(indices, values, "values", first_axis_dim)
+    return _ScatterRows.apply(values, indices, first_axis_dim)
+
+
+def _check_indices(indices: object, rows: object, rows_name: str, num_rows: int | None = None, hint: str = "") -> None:
+    """Clear errors for the ``indices`` of a gather from ``rows`` (num_rows None) or of a scatter of ``rows``
+    into num_rows rows; ``rows_name``: the caller's name for ``rows``; ``hint`` ends the message of an index out
+    of range. Index values are checked for CPU tensors
+    only (on CUDA that would synchronise with the device; an index out of range fails inside the gather or
+    scatter there)."""
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{rows_name} must be a torch.Tensor, got {type(rows).__name__}.")
+    if rows.dim() < 1:
+        raise ValueError(f"{rows_name} must be (n, ...) with at least 1 dim, got a 0-d tensor.")
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}.")
+    if indices.dim() != 1 or indices.dtype != INDEX_DTYPE:
+        raise ValueError(
+            f"indices must be a 1-D int64 tensor, got shape {tuple(indices.shape)} and dtype {indices.dtype}. "
+            "Pass the indices returned by unpad_input (or indices.flatten().long())."
+        )
+    if indices.device != rows.device:
+        raise ValueError(f"indices is on {indices.device} but {rows_name} is on {rows.device}; move one.")
+    if num_rows is None:
+        num_rows = rows.shape[0]
+    elif indices.shape[0] != rows.shape[0]:
+        raise ValueError(
+            f"indices has {indices.shape[0]} entries but {rows_name} has {rows.shape[0]} rows (shape "
+            f"{tuple(rows.shape)}); they must match: one position per packed row."
+        )
+    if indices.device.type == "cpu" and indices.numel() > 0 and not torch.compiler.is_compiling():
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or high >= num_rows:
+            raise ValueError(f"indices must lie in [0, {num_rows}), got values in [{low}, {high}].{hint}")
 
 
 class _GatherRows(torch.autograd.Function):
@@ -50,7 +106,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (indices,) = ctx.saved_tensors
-        return _scatter_rows(grad, indices, ctx.num_rows), None
+        return _ScatterRows.apply(grad, indices, ctx.num_rows), None
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -67,7 +123,7 @@ class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (indices,) = ctx.saved_tensors
-        return _gather_rows(grad, indices), None, None
+        return _GatherRows.apply(grad, indices), None, None
 
 
 def _check_mask(name: str, mask: object, hidden_states: torch.Tensor) -> None:
@@ -155,7 +211,7 @@ def unpad_input(
     indices = torch.nonzero(selected.flatten(), as_tuple=False).flatten()  # host sync (output size)
     max_seqlen_in_batch = int(seqlens.max().item()) if batch > 0 else 0  # host sync, as flash_attn
     rows = hidden_states.reshape(batch * seqlen, *hidden_states.shape[2:])
-    return _gather_rows(rows, indices), indices, cu_seqlens, max_seqlen_in_batch, seqused
+    return _GatherRows.apply(rows, indices), indices, cu_seqlens, max_seqlen_in_batch, seqused  # valid indices
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -182,36 +238,13 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     Index values are checked for CPU tensors only (on CUDA that would synchronise with the device); an
     index out of range on CUDA fails inside the scatter. Repeated indices give an unspecified winner.
     """
-    if not isinstance(hidden_states, torch.Tensor):
-        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}.")
-    if hidden_states.dim() < 1:
-        raise ValueError("hidden_states must be (total_nnz, ...) with at least 1 dim, got a 0-d tensor.")
     for name, value in (("batch", batch), ("seqlen", seqlen)):
         if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}.")
-    if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}.")
-    if indices.dim() != 1 or indices.dtype != INDEX_DTYPE:
-        raise ValueError(
-            f"indices must be a 1-D int64 tensor (total_nnz,), got shape {tuple(indices.shape)} and dtype "
-            f"{indices.dtype}. Pass the indices returned by unpad_input (or indices.flatten().long())."
-        )
-    if indices.shape[0] != hidden_states.shape[0]:
-        raise ValueError(
-            f"indices has {indices.shape[0]} entries but hidden_states has {hidden_states.shape[0]} rows "
-            f"(shape {tuple(hidden_states.shape)}); they must match: one position per packed token."
-        )
-    if indices.device != hidden_states.device:
-        raise ValueError(f"indices is on {indices.device} but hidden_states is on {hidden_states.device}; move one.")
     num_rows = batch * seqlen
-    if indices.device.type == "cpu" and indices.numel() > 0 and not torch.compiler.is_compiling():
-        low, high = int(indices.min()), int(indices.max())
-        if low < 0 or high >= num_rows:
-            raise ValueError(
-                f"indices must lie in [0, batch * seqlen) = [0, {num_rows}), got values in [{low}, {high}]. "
-                "Check batch and seqlen: they must be those of the tensor given to unpad_input."
-            )
-    out = _scatter_rows(hidden_states, indices, num_rows)
+    hint = " Check batch and seqlen: they must be those of the tensor given to unpad_input."
+    _check_indices(indices, hidden_states, "hidden_states", num_rows, hint)
+    out = _ScatterRows.apply(hidden_states, indices, num_rows)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])
