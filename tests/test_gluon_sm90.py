@@ -134,14 +134,16 @@ def test_launch_is_persistent_with_an_o_tile_without_causal(monkeypatch, head_di
 def test_backward_qualifies():
     q, k, v = qkv(nheads_k=4)
     dout = torch.empty_like(q)
-    assert backward_sm90.qualifies(q, k, v, dout, causal=False)
+    assert backward_sm90.qualifies(q, k, v, dout, causal=False, softmax_scale=0.1)
     assert backward_sm90.qualifies(
-        *qkv(nheads_k=4, head_dim=64), torch.empty(2, 256, 4, 64, dtype=torch.bfloat16), True
+        *qkv(nheads_k=4, head_dim=64), torch.empty(2, 256, 4, 64, dtype=torch.bfloat16), True, softmax_scale=0.1
     )
     packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.float16)
-    assert backward_sm90.qualifies(*packed.unbind(2), torch.empty(2, 256, 4, 128, dtype=torch.float16), True)
+    assert backward_sm90.qualifies(
+        *packed.unbind(2), torch.empty(2, 256, 4, 128, dtype=torch.float16), True, softmax_scale=0.1
+    )
     q, k, v = qkv(nheads_k=4, head_dim=256)  # the OUTPUT_SPLIT config
-    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=True)
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=True, softmax_scale=0.1)
 
 
 @pytest.mark.parametrize(
@@ -151,7 +153,7 @@ def test_backward_qualifies():
 )
 def test_backward_qualifies_gqa(nheads, nheads_k, head_dim):
     q, k, v = qkv(nheads=nheads, nheads_k=nheads_k, head_dim=head_dim)
-    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False)
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False, softmax_scale=0.1)
 
 
 def test_backward_causal_group_limit():
@@ -160,7 +162,10 @@ def test_backward_causal_group_limit():
     limit = backward_sm90.MAX_CAUSAL_GROUP
     for nheads_k, causal, expected in ((1, True, False), (1, False, True), (2, True, True), (2, False, True)):
         q, k, v = qkv(nheads=2 * limit, nheads_k=nheads_k)  # 16 or 8 query heads per K/V head
-        assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal) == expected, (nheads_k, causal)
+        assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal, softmax_scale=0.1) == expected, (
+            nheads_k,
+            causal,
+        )
 
 
 @pytest.mark.parametrize(
@@ -178,7 +183,7 @@ def test_backward_causal_group_limit():
 )
 def test_backward_rejects(case):
     q, k, v = qkv(**case)
-    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False)
+    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False, softmax_scale=0.1)
 
 
 @pytest.mark.parametrize("block_m", [64, 128], ids=lambda m: f"BLOCK_M{m}")
@@ -190,7 +195,10 @@ def test_backward_length_rule_at_head_dim_64(monkeypatch, block_m):
     for seqlen_q, seqlen_k, expected in ((128, 128, True), (384, 640, True), (192, 256, False), (256, 192, False)):
         q, k, v = qkv(seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=64)
         for causal in (False, True):
-            assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal) == expected, (seqlen_q, seqlen_k)
+            assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal, softmax_scale=0.1) == expected, (
+                seqlen_q,
+                seqlen_k,
+            )
 
 
 def test_dq_rows():
@@ -201,18 +209,29 @@ def test_dq_rows():
     assert backward_sm90.dq_rows(64, True) == 64
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_backward_needs_a_positive_softmax_scale(head_dim):
+    """D=64's 128-row tiles start S^T's accumulator at -lse / scale: the kernel takes positive scales only (one
+    rule for every head dim); other scales go to the Triton backward."""
+    q, k, v = qkv(head_dim=head_dim)
+    dout = torch.empty_like(q)
+    assert backward_sm90.qualifies(q, k, v, dout, causal=False, softmax_scale=0.1)
+    for scale in (0.0, -0.1, float("nan")):
+        assert not backward_sm90.qualifies(q, k, v, dout, causal=False, softmax_scale=scale), scale
+
+
 def test_backward_rejects_k_and_v_with_different_heads():
     q, k, _ = qkv(nheads=4, nheads_k=2)
     v = torch.empty(2, 384, 4, 128, dtype=torch.bfloat16)
-    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False)
+    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False, softmax_scale=0.1)
 
 
 def test_backward_rejects_broadcast_dout_and_huge_offsets():
     q, k, v = qkv(nheads_k=4)
     ones = torch.ones(1, 1, 1, 1, dtype=q.dtype).expand(q.shape)  # the dout of out.sum().backward()
-    assert not backward_sm90.qualifies(q, k, v, ones, causal=False)
+    assert not backward_sm90.qualifies(q, k, v, ones, causal=False, softmax_scale=0.1)
     huge = torch.empty(1, 2**20, 16, 128, dtype=torch.bfloat16, device="meta")  # 2**31 elements per batch entry
-    assert not backward_sm90.qualifies(huge, huge, huge, huge, causal=False)
+    assert not backward_sm90.qualifies(huge, huge, huge, huge, causal=False, softmax_scale=0.1)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
@@ -630,9 +649,14 @@ class _Routed:
         monkeypatch.setattr(forward, "gluon_device", lambda device: True)
         monkeypatch.setattr(backward, "gluon_device", lambda device: True)
         monkeypatch.setattr(forward_sm90, "qualifies", lambda q, k, v, causal: True)
-        monkeypatch.setattr(backward_sm90, "qualifies", lambda q, k, v, dout, causal: True)
+        self.backward_scales = []  # the softmax_scale each backward asked backward_sm90.qualifies with
+        monkeypatch.setattr(backward_sm90, "qualifies", self.backward_qualifies)
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
         monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)
+
+    def backward_qualifies(self, q, k, v, dout, causal, softmax_scale):
+        self.backward_scales.append(softmax_scale)
+        return True
 
     def forward(self, q, k, v, out, lse, softmax_scale, causal):
         self.calls.append(("fwd", causal))
@@ -663,9 +687,8 @@ def _forward_backward(q, k, v, **kwargs):
         (dict(dropout_p=0.1), []),
         (dict(alibi_slopes=torch.ones(2)), []),
         (dict(learnable_sink=torch.zeros(2)), [("bwd", False)]),
-        (dict(softmax_scale=-0.1), [("fwd", False)]),  # "scale0": a softmax_scale not above 0
     ],
-    ids=["full", "causal", "window-causal", "deterministic", "window", "softcap", "dropout", "alibi", "sink", "scale0"],
+    ids=["full", "causal", "window-causal", "deterministic", "window", "softcap", "dropout", "alibi", "sink"],
 )
 def test_which_calls_take_the_gluon_kernels(monkeypatch, options, expected):
     """The launchers route calls without options (a sink changes nothing in the backward: the LSE holds it)
@@ -675,6 +698,15 @@ def test_which_calls_take_the_gluon_kernels(monkeypatch, options, expected):
     options = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
     _forward_backward(q, k, v, **options)
     assert routed.calls == expected
+
+
+@pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")
+def test_backward_asks_qualifies_with_the_softmax_scale(monkeypatch):
+    """The backward hands its softmax_scale to backward_sm90.qualifies (which refuses scales not above 0)."""
+    routed = _Routed(monkeypatch)
+    q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 128, dtype=torch.bfloat16)
+    _forward_backward(q, k, v, softmax_scale=-0.1)
+    assert routed.backward_scales == [-0.1]
 
 
 @pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")

@@ -426,16 +426,25 @@ def test_softmax_scale_and_lse_flag(path):
     assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
 
 
-def test_num_splits_heuristic():
-    assert configs.choose_num_splits(programs=264, n_blocks=2048, num_sms=132) == 1  # two programs per SM
-    assert configs.choose_num_splits(programs=128, n_blocks=2048, num_sms=132) == 2  # rounded down
-    assert configs.choose_num_splits(programs=8, n_blocks=2048, num_sms=132) == 33
-    assert configs.choose_num_splits(programs=8, n_blocks=16, num_sms=132) == 16  # one key tile per split at most
-    assert configs.choose_num_splits(programs=8, n_blocks=8, num_sms=132, programs_per_sm=1) == 8  # B=1, 1k
-    assert configs.choose_num_splits(programs=1, n_blocks=100_000, num_sms=132) == configs.MAX_SPLITS
-    assert configs.choose_num_splits(programs=8, n_blocks=2, num_sms=132) == 2
-    assert configs.choose_num_splits(programs=8, n_blocks=1, num_sms=132) == 1
-    assert configs.choose_num_splits(programs=8, n_blocks=2048, num_sms=132, programs_per_sm=1) == 16
+def test_num_splits_heuristic(monkeypatch):
+    """num_splits=0 on an H200's 132 SMs (the config's programs per SM), capped at one split per key tile and at
+    MAX_SPLITS."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    two_per_sm, one_per_sm = configs.DecodeConfig(128, 4, 2), configs.DecodeConfig(128, 8, 3, programs_per_sm=1)
+
+    def splits(programs, n_blocks, cfg=two_per_sm):
+        return configs.num_splits(0, torch.device("cpu"), programs, n_blocks * cfg.block_n, cfg)
+
+    assert splits(programs=264, n_blocks=2048) == 1  # two programs per SM
+    assert splits(programs=128, n_blocks=2048) == 2  # rounded down
+    assert splits(programs=8, n_blocks=2048) == 33
+    assert splits(programs=8, n_blocks=16) == 16  # one key tile per split at most
+    assert splits(programs=8, n_blocks=8, cfg=one_per_sm) == 8  # B=1, 1k
+    assert splits(programs=1, n_blocks=100_000) == configs.MAX_SPLITS
+    assert splits(programs=8, n_blocks=2) == 2
+    assert splits(programs=8, n_blocks=1) == 1
+    assert splits(programs=8, n_blocks=2048, cfg=one_per_sm) == 16
+    assert configs.num_splits(5, torch.device("cpu"), 8, 3 * 128, two_per_sm) == 3  # a request, capped too
 
 
 def test_few_programs_config():

@@ -36,7 +36,7 @@ def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
         once, as the indices are distinct), and its own gradient gathers again, so double backward works.
     """
     _check_indices(indices, input, "input")
-    return _GatherRows.apply(input, indices)
+    return _gather_rows(input, indices)
 
 
 def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int) -> torch.Tensor:
@@ -53,15 +53,14 @@ def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis
         the output's gradient at ``indices``).
     """
     _check_indices(indices, values, "values", first_axis_dim)
-    return _ScatterRows.apply(values, indices, first_axis_dim)
+    return _scatter_rows(values, indices, first_axis_dim)
 
 
 def _check_indices(indices: object, rows: object, rows_name: str, num_rows: int | None = None, hint: str = "") -> None:
     """Clear errors for the ``indices`` of a gather from ``rows`` (num_rows None) or of a scatter of ``rows``
     into num_rows rows; ``rows_name``: the caller's name for ``rows``; ``hint`` ends the message of an index out
-    of range. Index values are checked for CPU tensors
-    only (on CUDA that would synchronise with the device; an index out of range fails inside the gather or
-    scatter there)."""
+    of range. Index values are checked for CPU tensors only (on CUDA that would synchronise with the device; an
+    index out of range fails inside the gather or scatter there)."""
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"{rows_name} must be a torch.Tensor, got {type(rows).__name__}.")
     if rows.dim() < 1:
@@ -88,6 +87,17 @@ def _check_indices(indices: object, rows: object, rows_name: str, num_rows: int 
             raise ValueError(f"indices must lie in [0, {num_rows}), got values in [{low}, {high}].{hint}")
 
 
+def _gather_rows(rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """rows (n, ...) -> rows[indices] (len(indices), ...), unchecked (``index_first_axis`` checks); the gradient
+    is scattered back, not accumulated."""
+    return _GatherRows.apply(rows, indices)
+
+
+def _scatter_rows(values: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """values (len(indices), ...) -> out (num_rows, ...), zeros except out[indices] = values, unchecked."""
+    return _ScatterRows.apply(values, indices, num_rows)
+
+
 class _GatherRows(torch.autograd.Function):
     # The indices are distinct (they come from torch.nonzero), so the backward writes each gradient row
     # once: a plain scatter, cheaper than the accumulating index_put that autograd would use for x[i].
@@ -106,7 +116,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (indices,) = ctx.saved_tensors
-        return _ScatterRows.apply(grad, indices, ctx.num_rows), None
+        return _scatter_rows(grad, indices, ctx.num_rows), None
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -123,7 +133,7 @@ class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (indices,) = ctx.saved_tensors
-        return _GatherRows.apply(grad, indices), None, None
+        return _gather_rows(grad, indices), None, None
 
 
 def _check_mask(name: str, mask: object, hidden_states: torch.Tensor) -> None:
@@ -211,7 +221,7 @@ def unpad_input(
     indices = torch.nonzero(selected.flatten(), as_tuple=False).flatten()  # host sync (output size)
     max_seqlen_in_batch = int(seqlens.max().item()) if batch > 0 else 0  # host sync, as flash_attn
     rows = hidden_states.reshape(batch * seqlen, *hidden_states.shape[2:])
-    return _GatherRows.apply(rows, indices), indices, cu_seqlens, max_seqlen_in_batch, seqused  # valid indices
+    return _gather_rows(rows, indices), indices, cu_seqlens, max_seqlen_in_batch, seqused
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -246,5 +256,5 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     num_rows = batch * seqlen
     hint = " Check batch and seqlen: they must be those of the tensor given to unpad_input."
     _check_indices(indices, hidden_states, "hidden_states", num_rows, hint)
-    out = _ScatterRows.apply(hidden_states, indices, num_rows)
+    out = _scatter_rows(hidden_states, indices, num_rows)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])

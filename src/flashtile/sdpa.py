@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashtile.interface import attention, varlen_attention
-from flashtile.padding import index_first_axis, unpad_input
+from flashtile.padding import _gather_rows, unpad_input
 
 
 def scaled_dot_product_attention(
@@ -126,7 +126,7 @@ def _key_padding_attention(
     seqlen_k = key.shape[2]
     keep = attn_mask.reshape(batch, seqlen_k).to(query.device)
     k, indices, cu_seqlens_k, max_seqlen_k, _ = unpad_input(key.transpose(1, 2), keep)
-    v = index_first_axis(value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], value.shape[3]), indices)
+    v = _gather_rows(value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], value.shape[3]), indices)
     q = query.transpose(1, 2).reshape(batch * seqlen_q, nheads, head_dim)
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=query.device) * seqlen_q
     out, _ = varlen_attention(

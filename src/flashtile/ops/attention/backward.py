@@ -651,12 +651,11 @@ def attention_backward(
         not deterministic and gluon_device(q.device)  # first: elsewhere nothing below runs
         and window_left is None and window_right in (None, 0) and softcap == 0.0 and dropout_p == 0.0
         and alibi_slopes is None and attn_mask is None
-        and softmax_scale > 0  # D=64's 128-row tiles start S^T at -lse / scale (backward_sm90._consumer)
     ):  # fmt: skip
         from flashtile.ops.attention import backward_sm90  # Gluon is imported on sm_90 GPUs only
 
         causal = window_right == 0
-        if backward_sm90.qualifies(q, k, v, dout, causal):
+        if backward_sm90.qualifies(q, k, v, dout, causal, softmax_scale):
             return backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=causal)
     return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], softmax_scale, window_left,
                    window_right, alibi_slopes, softcap, dropout_p=dropout_p, rng_state=rng_state, attn_mask=attn_mask,

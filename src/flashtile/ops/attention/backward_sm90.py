@@ -1,8 +1,8 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by TMA reduce-adds.
 
 On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
-dropout, attn_mask, ALiBi, softcap, window or packed batch, a positive softmax_scale, and ``deterministic=False``,
-flash_attn's default) run this kernel instead
+dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's default)
+run this kernel instead
 of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
 seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory,
 ``CONFIGS``' DQ_TMA, at every head dim; per-thread atomics with it off), in an order that varies from run to run
@@ -26,8 +26,8 @@ Math (as backward.py): with s = softmax_scale * q k^T, P = exp(s - lse), dP = dO
 softmax_scale is folded into dS (before its cast to the input dtype), so dK and dQ need no final scaling.
 
 Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros (with DQ_TMA also a TMA descriptor of
-its 2-D (B * Sq, H * D) view, ``dq_descriptor``); the kernel, grid (Sk / BLOCK_N, Hk, B), adds dQ partials into
-dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input dtype.
+its 2-D (B * Sq, H * D) view, ``forward_sm90.descriptor``); the kernel, grid (Sk / BLOCK_N, Hk, B), adds dQ
+partials into dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input dtype.
 
 Head dims 64 and 128 (the key split, ``_consumer``): one CTA per (BLOCK_N = 128 key rows, K/V head hk, batch
 entry), 64 key rows per consumer warpgroup. GQA: the
@@ -175,7 +175,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops.attention.configs import head_grid
@@ -186,7 +185,6 @@ from flashtile.ops.attention.forward_sm90 import (
     mma_layout,
     partition_barrier,
     rows_view_ok,
-    shared_layout,
 )
 from flashtile.ops.attention.tiles import LOG2E
 
@@ -240,15 +238,16 @@ profile's issue-slot share suggested; a reducer warp at D=64 gained less, 414 / 
 
 DQ_TILE_COLS = 64
 """Columns of a DQ_TMA staging tile ([dq_rows, 64] fp32, 16 KiB, one per consumer warpgroup), and of the blocks of
-``dq_descriptor``: a warpgroup's dQ partial of 64 columns (head dims 64 and 128) goes through it at once, one of
+dq_accum's descriptor: a warpgroup's dQ partial of 64 columns (head dims 64 and 128) goes through it at once, one of
 128 (head dim 256) in two chunks (``_dq_step``)."""
 
 
 @gluon.constexpr_function
 def dq_rows(block_m, dq_split):
-    """Query rows of one warpgroup's dQ partial, and of a DQ_TMA staging tile (``dq_descriptor``'s blocks): BLOCK_M,
-    except in the key split without DQ_SPLIT (D=64) at BLOCK_M = 128, where the two warpgroups split the rows
-    (64 each, ``_consumer``); at BLOCK_M = 64 they alternate instead (one computes all 64 rows)."""
+    """Query rows of one warpgroup's dQ partial, and of a DQ_TMA staging tile (the blocks of dq_accum's
+    descriptor): BLOCK_M, except in the key split without DQ_SPLIT (D=64) at BLOCK_M = 128, where the two
+    warpgroups split the rows (64 each, ``_consumer``); at BLOCK_M = 64 they alternate instead (one computes all
+    64 rows)."""
     return block_m // 2 if block_m == 128 and not dq_split else block_m
 
 
@@ -1023,14 +1022,17 @@ head (273 / 229 TFLOP/s against 256 / 212), this kernel at 4 and 8 (361 / 347 ag
 every group size without causal."""
 
 
-def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool) -> bool:
+def qualifies(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool, softmax_scale: float
+) -> bool:
     """The kernel's own conditions (any device): bf16/fp16; one head dim in CONFIGS for q, k, v; the query
     heads a multiple of the K/V heads (MHA, GQA, MQA; causal: at most MAX_CAUSAL_GROUP per K/V head); both
     lengths positive multiples of ROWS; dQ offsets within a batch entry below 2**31; descriptor-ready
-    layouts of q, k, v and dout (``rows_view_ok``)."""
+    layouts of q, k, v and dout (``rows_view_ok``); softmax_scale > 0 (D=64's 128-row tiles start S^T's
+    accumulator at -lse / scale, ``_consumer``'s STATS_IN_ACC)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k.shape[2]
-    if q.dtype not in (torch.bfloat16, torch.float16) or head_dim not in CONFIGS:
+    if q.dtype not in (torch.bfloat16, torch.float16) or head_dim not in CONFIGS or not softmax_scale > 0:
         return False
     if k.shape[3] != head_dim or v.shape[2:] != k.shape[2:] or nheads_k == 0 or nheads % nheads_k:
         return False
@@ -1040,17 +1042,6 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     if seqlen_q % ROWS or seqlen_k % ROWS or seqlen_k == 0 or seqlen_q * nheads * head_dim >= 2**31:
         return False
     return all(rows_view_ok(x) for x in (q, k, v, dout))
-
-
-def dq_descriptor(dq_accum: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
-    """The TMA descriptor DQ_TMA reduces into: the 2-D (batch * seqlen_q, nheads * head_dim) fp32 rows of
-    ``dq_accum`` (batch, seqlen_q, nheads, head_dim), contiguous, with [rows, cols] blocks in the 128-byte
-    swizzle of the kernel's staging tiles. A block never crosses a batch entry (seqlen_q is a multiple of ROWS,
-    ``qualifies``) nor a head (cols divides head_dim)."""
-    batch, seqlen_q, nheads, head_dim = dq_accum.shape
-    layout = shared_layout((rows, cols), dq_accum.dtype)
-    row_stride = nheads * head_dim
-    return TensorDescriptor(dq_accum, [batch * seqlen_q, row_stride], [row_stride, 1], [rows, cols], layout)
 
 
 def attention_backward_sm90(
@@ -1086,7 +1077,7 @@ def attention_backward_sm90(
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
-    dq_desc = dq_descriptor(dq_accum, dq_rows(block_m, cfg["DQ_SPLIT"]), DQ_TILE_COLS) if cfg["DQ_TMA"] else None
+    dq_desc = descriptor(dq_accum, dq_rows(block_m, cfg["DQ_SPLIT"]), DQ_TILE_COLS) if cfg["DQ_TMA"] else None
     args = (
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum, dq_desc,

@@ -604,18 +604,20 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
 def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     """The swizzled shared-memory layout of a TMA block: [rows, head_dim] or [1, rows, head_dim], both with the
     128-byte swizzle of head_dim 64 and above (what TMA writes and wgmma reads); float32 for the backward's dQ
-    reduce (``backward_sm90.dq_descriptor``), 128-byte swizzle from 32 columns on."""
+    reduce (dq_accum's ``descriptor``), 128-byte swizzle from 32 columns on."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
-def descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+def descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
     """A tensor descriptor of the (batch * seqlen, nheads * headdim) rows of ``x`` (``rows_view_ok``) with
-    [rows, headdim] tiles: a tile never crosses a batch entry when seqlen is a multiple of rows (the Gluon
-    backward's)."""
+    [rows, cols] tiles, cols = headdim by default (the backward's dq_accum takes [rows, DQ_TILE_COLS] blocks): a
+    tile never crosses a batch entry when seqlen is a multiple of rows (the Gluon backward's), nor a head when
+    cols divides headdim."""
     batch, seqlen, nheads, head_dim = x.shape
-    layout = shared_layout((rows, head_dim), x.dtype)
-    return TensorDescriptor(x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], [rows, head_dim], layout)
+    block = [rows, cols or head_dim]
+    layout = shared_layout(tuple(block), x.dtype)
+    return TensorDescriptor(x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], block, layout)
 
 
 def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:

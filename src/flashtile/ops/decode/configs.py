@@ -69,24 +69,22 @@ def block_m(packed_rows: int) -> int:
     return max(16, min(MAX_BLOCK_M, next_power_of_2(packed_rows)))
 
 
-def choose_num_splits(programs: int, n_blocks: int, num_sms: int, programs_per_sm: int = 2) -> int:
-    """How many splits of the keys, for ``programs`` = batch x nheads_k x query tiles reading up to
-    ``n_blocks`` key tiles each, on ``num_sms`` SMs.
-
-    About ``programs_per_sm`` programs per SM in all (rounded down: on the H200 with two per SM, two splits
-    of 128 programs beat three, and 256 or more programs want no split), at most one split per key tile and at
-    most MAX_SPLITS splits. One tile per split is allowed: on the H200 at B=1 (Hkv 8, D 128) a 1k context
-    took 9.3 µs per step with 8 splits of one tile against 10.6 with 4 of two, 2k 10.6 with 16 against 11.2
-    with 8; B=4 at 1k 10.8 with 8 against 10.6 with 4 (results/2026-11-30-h200x2-s9-call4-profdecode-36b94f7.log).
+def choose_num_splits(programs: int, num_sms: int, programs_per_sm: int = 2) -> int:
+    """How many splits of the keys the heuristic wants for ``programs`` = batch x nheads_k x query tiles on
+    ``num_sms`` SMs: about ``programs_per_sm`` programs per SM in all, rounded down (on the H200 with two per SM,
+    two splits of 128 programs beat three, and 256 or more programs want no split); ``num_splits`` caps it.
     """
-    wanted = programs_per_sm * num_sms // programs
-    return max(1, min(wanted, n_blocks, MAX_SPLITS))
+    return max(1, programs_per_sm * num_sms // programs)
 
 
 def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache: int, cfg: DecodeConfig) -> int:
-    """The split count to launch: ``requested``, or the heuristic's choice for ``cfg`` when it is 0, capped at
-    the number of key tiles of the cache and at MAX_SPLITS. ``programs`` = batch x nheads_k x query tiles."""
-    n_blocks = cdiv(seqlen_cache, cfg.block_n)
+    """The split count to launch: ``requested``, or the heuristic's choice for ``cfg`` when it is 0
+    (``choose_num_splits``), capped at the number of key tiles of the cache and at MAX_SPLITS. ``programs`` =
+    batch x nheads_k x query tiles.
+
+    One key tile per split is allowed: on the H200 at B=1 (Hkv 8, D 128) a 1k context took 9.3 µs per step with
+    8 splits of one tile against 10.6 with 4 of two, 2k 10.6 with 16 against 11.2 with 8; B=4 at 1k 10.8 with 8
+    against 10.6 with 4 (results/2026-11-30-h200x2-s9-call4-profdecode-36b94f7.log)."""
     if requested == 0:
-        requested = choose_num_splits(programs, n_blocks, sm_count(device), cfg.programs_per_sm)
-    return max(1, min(requested, n_blocks, MAX_SPLITS))
+        requested = choose_num_splits(programs, sm_count(device), cfg.programs_per_sm)
+    return max(1, min(requested, cdiv(seqlen_cache, cfg.block_n), MAX_SPLITS))
