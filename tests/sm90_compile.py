@@ -316,6 +316,9 @@ def gluon_variants() -> list[Variant]:
             for flags, even_k in (("off", True), ("ragged-k", False)):
                 consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
                 variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts))
+        # the other setting of CAUSAL_PAIRS (causal query tiles walked in pairs, ``_paired_item``)
+        flipped = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_PAIRS=not cfg["CAUSAL_PAIRS"])
+        variants.append(Variant(GLUON_FORWARD, name, "causal", "unpaired" if cfg["CAUSAL_PAIRS"] else "pairs", flipped))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         stages = f"s{cfg['STAGES']}" + (f"/do{cfg['DO_STAGES']}" if cfg["DO_STAGES"] != cfg["STAGES"] else "")
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/{stages}"

@@ -355,9 +355,38 @@ def test_persistent_programs_take_several_work_items(monkeypatch, launches, head
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert -(-seqlen_q // 128) * nheads * batch > 2 * sms
     if head_dim == 256 or causal:
-        monkeypatch.setattr(forward_sm90, "programs", lambda items, *rest: min(items, sms))
+        monkeypatch.setattr(forward_sm90, "programs", lambda n_m, n_bh, *rest: min(n_m * n_bh, sms))
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=causal)
     assert launches[0] == ("fwd", causal)
+
+
+def test_causal_pairs_launch_one_cta_per_pair_of_query_tiles():
+    """CAUSAL_PAIRS: a causal launch gets n_bh * ceil(n_m / 2) CTAs (an odd n_m's middle tile alone); off, or
+    without causal, the launch is as before."""
+    paired = dict(forward_sm90.CONFIGS[128], CAUSAL_PAIRS=True)
+    cpu = torch.device("cpu")
+    assert [forward_sm90.programs(n_m, 6, paired, True, cpu) for n_m in (1, 2, 5, 8)] == [6, 6, 18, 24]
+    unpaired = dict(paired, CAUSAL_PAIRS=False)
+    assert forward_sm90.programs(5, 6, unpaired, True, cpu) == 30
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1024, 1024, 4, 2), (3, 640, 640, 2, 2), (1, 100, 100, 3, 1), (2, 1000, 1500, 4, 4), (2, 1500, 1000, 2, 1),
+     (1, 384, 1280, 2, 2)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)  # fmt: skip
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_causal_pairs_against_oracle(monkeypatch, launches, head_dim, shape):
+    """CAUSAL_PAIRS on (and D=64's causal forward on this kernel): a CTA walks a head's heaviest query tile and
+    then its lightest; even and odd tile counts (the middle tile alone), one tile, seqlen_q != seqlen_k both ways
+    (rows that see no key), GQA, odd lengths; out and lse against the oracle, the backward after it."""
+    monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PAIRS", True)
+    monkeypatch.setattr(forward_sm90, "CAUSAL_HEAD_DIMS", (64, 128, 256))
+    check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
+    assert launches[0] == ("fwd", True)
 
 
 @hopper

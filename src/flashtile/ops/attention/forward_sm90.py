@@ -27,9 +27,9 @@ query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf
 Work items: a 2 * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
 batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
 program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, where O has its own
-tile (D=64 and 128) without causal; one per item, as a plain grid, otherwise). Ring positions, barrier parities
-and the ping-pong turn carry on from one item to the next, so a persistent CTA's next item starts loading while it
-finishes the last one. Per CTA:
+tile (D=64 and 128) without causal; one per pair of query tiles with causal and CAUSAL_PAIRS (D=128); one per
+item, as a plain grid, otherwise). Ring positions, barrier parities and the ping-pong turn carry on from one item
+to the next, so a persistent CTA's next item starts loading while it finishes the last one. Per CTA:
   * producer partition, 1 warp: per item the two Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
     box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
@@ -68,19 +68,26 @@ from flashtile.ops.attention.tiles import LN2, LOG2E
 
 CONFIGS = {
     # three stages of 128-key tiles: 16 KiB of Q, 96 KiB of K and V, 16 KiB of O
-    64: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True, "CONSUMER_REGS": 240,
-         "PRODUCER_REGS": 24},
-    128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True, "CONSUMER_REGS": 240,
-          "PRODUCER_REGS": 24},
+    64: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True, "CAUSAL_PAIRS": False,
+         "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True, "CAUSAL_PAIRS": True,
+          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
     # 192 KiB, so O leaves through the Q tile
-    256: {"M_WG": 64, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False, "CONSUMER_REGS": 240,
-          "PRODUCER_REGS": 24},
+    256: {"M_WG": 64, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False, "CAUSAL_PAIRS": False,
+          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
-ping-pong, O through its own shared-memory tile (O_TILE), registers per thread of the consumers and the
-producer (setmaxnreg). D=64 without causal, persistent with its O tile, against the Triton kernel: see
-CAUSAL_HEAD_DIMS.
+ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
+``_paired_item``), registers per thread of the consumers and the producer (setmaxnreg). D=64 without causal,
+persistent with its O tile, against the Triton kernel: see CAUSAL_HEAD_DIMS.
+
+CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the heaviest with the lightest
+(``_paired_item``), so every CTA walks about n_m + 1 key tiles (N=1k: 1024 CTAs of 9 tiles instead of 2048 of 1-8)
+and its second item's Q and K/V load while the first finishes (the ring and barrier phases carry on, as in the
+persistent launches). Both items read one head's K and V (L2 hits), unlike the global heaviest-first walks that
+lost (CAUSAL_HEAD_DIMS). On the H200 (bf16, docs/tuning-log.md) at D=128 it gave +6% at N=1k, +3-8% at 2k and 4k,
+0-2% at 8k and 16k; at D=256 N=1k -7% (off there). D=64's causal forward is the Triton kernel's.
 
 O_TILE: O leaves through a [2, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
 item's Q while its epilogue stores O; without it O leaves through the Q tile, which goes to the next item once
@@ -125,15 +132,54 @@ def _tile(boxes, i):
 
 # ------------------------------------------------------------------------------------------------ schedule
 @gluon.jit
-def _work(t, n_m, nheads, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work item t: (b, h, m0, n_blocks), the batch entry, query head, first query row and key tiles to visit.
-    Query tiles vary fastest, then heads, then batch entries, as the blocks of a (query tiles, heads, batch)
-    grid: CTAs side by side read the same head's K and V (L2 hits). Causal: each head's heaviest (last) query
-    tile first, so the long walks start first and the short ones fill in at the end."""
-    bh = t // n_m
-    m = t - bh * n_m
-    if CAUSAL:
-        m = n_m - 1 - m
+def _paired_item(t, n_m, n_bh):
+    """Work item t of a causal launch with CAUSAL_PAIRS: (bh, m), the batch entry x head and query tile. CTA p
+    (t = p, then p + num_programs, ``programs``) walks query tile n_m - 1 - j (the heaviest of its pair) and then
+    tile j of the same head, for j < n_m // 2: n_m + 1 key tiles in all (at seqlen_q = seqlen_k) whatever j is,
+    one CTA per pair instead of one per tile, and the pair's second tile loads while the first finishes. An odd
+    n_m's middle tile has a CTA of its own (p >= n_bh * (n_m // 2)). Needs num_programs = n_bh * (n_m - n_m // 2)
+    and the kernel's stride walk."""
+    half = n_m // 2
+    first = n_bh * (n_m - half)  # = num_programs
+    pairs = n_bh * half
+    per_head = gl.maximum(half, 1)  # (half = 0: every t is a middle tile below, and no division runs)
+    if t < pairs:
+        bh = t // per_head
+        m = n_m - 1 - (t - bh * per_head)
+    elif t < first:
+        bh = t - pairs
+        m = half
+    else:
+        bh = (t - first) // per_head
+        m = t - first - bh * per_head
+    return bh, m
+
+
+@gluon.jit
+def _work(
+    t,
+    n_m,
+    n_items,
+    nheads,
+    seqlen_q,
+    seqlen_k,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    CAUSAL_PAIRS: gl.constexpr,
+):
+    """Work item t of n_items: (b, h, m0, n_blocks), the batch entry, query head, first query row and key tiles
+    to visit. Query tiles vary fastest, then heads, then batch entries, as the blocks of a (query tiles, heads,
+    batch) grid: CTAs side by side read the same head's K and V (L2 hits). Causal: each head's heaviest (last)
+    query tile first, so the long walks start first and the short ones fill in at the end; with CAUSAL_PAIRS
+    the heaviest and lightest tiles of a head go to one CTA (``_paired_item``)."""
+    if CAUSAL and CAUSAL_PAIRS:
+        bh, m = _paired_item(t, n_m, n_items // n_m)
+    else:
+        bh = t // n_m
+        m = t - bh * n_m
+        if CAUSAL:
+            m = n_m - 1 - m
     b = bh // nheads
     h = bh - b * nheads
     m0 = m * BLOCK_M
@@ -171,6 +217,7 @@ def _producer(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
+    CAUSAL_PAIRS: gl.constexpr,
 ):
     """Per work item of this CTA (``_work``): the two Q tiles, once the consumers are done with the previous
     ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs on across items, so
@@ -181,7 +228,7 @@ def _producer(
     it = 0
     item = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, n_blocks = _work(t, n_m, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL)
+        b, h, m0, n_blocks = _work(t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS)
         kv_col = (h // group) * HEAD_D
         for w in gl.static_range(2):
             # a fresh barrier passes a wait on parity 1, so the first item (and the first round through the
@@ -265,6 +312,7 @@ def _consumer(
     EVEN_K: gl.constexpr,
     PINGPONG: gl.constexpr,
     O_TILE: gl.constexpr,
+    CAUSAL_PAIRS: gl.constexpr,
 ):
     """Consumer warpgroup WG (0 or 1): rows WG * M_WG.. of each work item's query tile (``_work``); the ring
     position (it), the item count and the ping-pong parity run on across items as the producer's do. ``args``:
@@ -309,7 +357,7 @@ def _consumer(
     it = 0
     item = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, n_blocks = _work(t, n_m, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL)
+        b, h, m0, n_blocks = _work(t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS)
         q_pos0 = m0 + WG * M_WG
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
@@ -422,6 +470,7 @@ def _attention_forward_sm90_kernel(
     EVEN_K: gl.constexpr,
     PINGPONG: gl.constexpr,
     O_TILE: gl.constexpr,
+    CAUSAL_PAIRS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -480,8 +529,14 @@ def _attention_forward_sm90_kernel(
     )
     gl.warp_specialize(
         [
-            (_consumer, (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE)),
-            (_consumer, (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE)),
+            (
+                _consumer,
+                (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS),
+            ),
+            (
+                _consumer,
+                (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS),
+            ),
             (
                 _producer,
                 (
@@ -508,6 +563,7 @@ def _attention_forward_sm90_kernel(
                     BLOCK_N,
                     STAGES,
                     CAUSAL,
+                    CAUSAL_PAIRS,
                 ),
             ),
         ],
@@ -629,11 +685,15 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
     compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args) :]))
 
 
-def programs(items: int, cfg: dict, causal: bool, device: torch.device) -> int:
-    """CTAs to launch for ``items`` work items (query tiles x heads x batch entries) with config ``cfg``: at
-    most one per SM (persistent, each walking several items) where O has its own tile (O_TILE) and the launch
-    is not causal, else one per item (each CTA's loop runs once; the hardware starts them in ``_work``'s
-    order). The kernel is correct with any count from 1 to ``items``; CONFIGS says why this one."""
+def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
+    """CTAs to launch for n_m query tiles x n_bh heads and batch entries with config ``cfg``: at most one per SM
+    (persistent, each walking several items) where O has its own tile (O_TILE) and the launch is not causal;
+    with causal and CAUSAL_PAIRS one per pair of query tiles (``_paired_item``); else one per item (each CTA's
+    loop runs once; the hardware starts them in ``_work``'s order). The kernel is correct with any count from 1
+    to n_m * n_bh; CONFIGS says why this one."""
+    items = n_m * n_bh
+    if causal and cfg["CAUSAL_PAIRS"]:
+        return n_bh * (n_m - n_m // 2)
     if cfg["O_TILE"] and not causal:
         return min(items, sm_count(device))
     return items
@@ -661,11 +721,12 @@ def attention_forward_sm90(
     batch, seqlen_q, nheads, head_dim = q.shape
     cfg = CONFIGS[head_dim]
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
-    items = cdiv(seqlen_q, 2 * m_wg) * batch * nheads
+    n_m = cdiv(seqlen_q, 2 * m_wg)
     args = (
         batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
         batch_descriptor(out, m_wg), lse,
         softmax_scale * LOG2E.value, seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2],
     )  # fmt: skip
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
-    launch(_attention_forward_sm90_kernel, (programs(items, cfg, causal, q.device), 1, 1), args, constexprs)
+    grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
+    launch(_attention_forward_sm90_kernel, grid, args, constexprs)
