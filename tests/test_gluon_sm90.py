@@ -106,28 +106,32 @@ def test_gluon_device(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, persistent",
-    [(64, False, True), (64, True, False), (128, False, True), (128, True, False), (256, False, False),
-     (256, True, False)],
+    "head_dim, causal, launch_kind",
+    [(64, False, "persistent"), (64, True, "items"), (128, False, "persistent"), (128, True, "pairs"),
+     (256, False, "items"), (256, True, "items")],
     ids=["D64-full", "D64-causal", "D128-full", "D128-causal", "D256-full", "D256-causal"],
 )  # fmt: skip
-def test_launch_is_persistent_with_an_o_tile_without_causal(monkeypatch, head_dim, causal, persistent):
-    """A one-dimensional grid of min(work items, SMs) CTAs at D=64 and 128 without causal (O through its own
-    tile), one CTA per work item (query tiles x heads x batch entries) otherwise; the constexprs of the head
-    dim's config. (Causal D=64 forwards do not come here, ``qualifies``; the launcher alone is tested.)"""
+def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch_kind):
+    """A one-dimensional grid of min(work items, SMs) CTAs at D=64 and 128 without causal (persistent, O through
+    its own tile); one CTA per pair of a head's query tiles at D=128 with causal (CAUSAL_PAIRS); one CTA per work
+    item (query tiles x heads x batch entries) otherwise; the constexprs of the head dim's config. (Causal D=64
+    forwards do not come here, ``qualifies``; the launcher alone is tested.)"""
     launches = []
     monkeypatch.setattr(
         forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, constexprs))
     )
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
-    for batch, seqlen_q, nheads, items in ((4, 1024, 16, 512), (3, 200, 2, 12)):
+    # (batch, seqlen_q, heads): 128-row query tiles, work items, pairs of tiles (an odd count's middle one alone)
+    for batch, seqlen_q, nheads, items, pairs in ((4, 1024, 16, 512, 256), (3, 200, 2, 12, 6), (1, 300, 2, 6, 4)):
         q, k, v = qkv(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads, head_dim=head_dim)
         out = torch.empty_like(q)
         lse = torch.empty(batch, nheads, seqlen_q)
         forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, causal)
         grid, constexprs = launches[-1]
-        assert grid == (min(items, 132) if persistent else items, 1, 1)
+        expected = {"persistent": min(items, 132), "pairs": pairs, "items": items}[launch_kind]
+        assert grid == (expected, 1, 1)
         assert constexprs["O_TILE"] == forward_sm90.CONFIGS[head_dim]["O_TILE"] == (head_dim in (64, 128))
+        assert constexprs["CAUSAL_PAIRS"] == (head_dim == 128)
         assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
 
 
