@@ -29,7 +29,8 @@
 #            beforehand with `git archive BRANCH pyproject.toml src tests benchmarks | tar -x -C .branches/BRANCH`
 #            (.branches/ in .git/info/exclude; carry it). The tests' compiles perturb the timing (session 10: +-5%,
 #            some rows 15%); for clean numbers run the two halves in separate calls:
-#   branchtests  the branches' GPU tests alone, spread over both GPUs (BRANCH_K: a pytest -k expression)
+#   branchtests  the branches' GPU tests alone, spread over both GPUs (BRANCH_K: a pytest -k expression;
+#            BRANCH_SHARDS: several processes per branch, see branch_tests)
 #   branchtimes  the timing alone on GPU 0
 # Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
 set -uo pipefail
@@ -38,14 +39,23 @@ OUT=${OUT:-/tmp/flashtile-out}
 mkdir -p "$OUT"
 commit=$(cat benchmarks/.commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-# Each branch's GPU tests side by side, branch i on the i-th GPU of the list given (cycling).
+# Each branch's GPU tests side by side, branch i on the i-th GPU of the list given (cycling). BRANCH_SHARDS: pytest
+# -k expressions separated by ';' (e.g. "D64;D128;D256;not D64 and not D128 and not D256"): each branch's tests then
+# run as one process per shard, the shards cycling over the GPUs too (one process compiles its kernels one by one).
 branch_tests() {
-  local gpus=("$@") i=0
+  local gpus=("$@") i=0 shards shard name
+  IFS=';' read -r -a shards <<< "${BRANCH_SHARDS:-}"
+  [ ${#shards[@]} -eq 0 ] && shards=("")
   for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
-    (cd "$dir" && CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]} PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-330} \
-       python3 -m pytest ${BRANCH_TESTS:-tests/test_gluon_sm90.py} ${BRANCH_K:+-k "$BRANCH_K"} -q -p no:cacheprovider \
-       > "$OUT/tests-$(basename "$dir").log" 2>&1) &
-    i=$((i + 1))
+    for shard in "${shards[@]}"; do
+      local k=${BRANCH_K:-}
+      [ -n "$shard" ] && k="${k:+($k) and }($shard)"
+      name=$(basename "$dir")${shard:+-$((i % 100))}
+      (cd "$dir" && CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]} PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-330} \
+         python3 -m pytest ${BRANCH_TESTS:-tests/test_gluon_sm90.py} ${k:+-k "$k"} -q -p no:cacheprovider \
+         > "$OUT/tests-$name.log" 2>&1) &
+      i=$((i + 1))
+    done
   done
   wait
 }
