@@ -50,7 +50,7 @@ branch_tests() {
     for shard in "${shards[@]}"; do
       local k=${BRANCH_K:-}
       [ -n "$shard" ] && k="${k:+($k) and }($shard)"
-      name=$(basename "$dir")${shard:+-$((i % 100))}
+      name=$(basename "$dir")${shard:+-$i}
       (cd "$dir" && CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]} PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-330} \
          python3 -m pytest ${BRANCH_TESTS:-tests/test_gluon_sm90.py} ${k:+-k "$k"} -q -p no:cacheprovider \
          > "$OUT/tests-$name.log" 2>&1) &

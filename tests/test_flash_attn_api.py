@@ -27,6 +27,19 @@ def int32(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
+def test_flash_attn_module_paths():
+    """flash_attn 2.x's module paths, so imports from flash_attn.bert_padding and flash_attn.flash_attn_interface
+    become imports from flashtile by the package name alone."""
+    from flashtile import bert_padding, flash_attn_interface, kvcache, padding
+
+    assert bert_padding.unpad_input is padding.unpad_input and bert_padding.pad_input is padding.pad_input
+    assert bert_padding.index_first_axis is padding.index_first_axis
+    assert bert_padding.index_put_first_axis is padding.index_put_first_axis
+    for name in flash_attn_interface.__all__:
+        assert getattr(flash_attn_interface, name) is getattr(flashtile, name)
+    assert flash_attn_interface.flash_attn_with_kvcache is kvcache.flash_attn_with_kvcache
+
+
 def test_positional_calls_and_return_shapes():
     """Every argument positionally, in flash_attn's order: dropout_p, softmax_scale, causal, window_size,
     softcap, alibi_slopes, deterministic, return_attn_probs -> (out, softmax_lse, S_dmask)."""

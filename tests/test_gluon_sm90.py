@@ -122,7 +122,8 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
     )
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
     # (batch, seqlen_q, heads): 128-row query tiles, work items, pairs of tiles (an odd count's middle one alone)
-    for batch, seqlen_q, nheads, items, pairs in ((4, 1024, 16, 512, 256), (3, 200, 2, 12, 6), (1, 300, 2, 6, 4)):
+    shapes = ((4, 1024, 16, 512, 256), (3, 200, 2, 12, 6), (1, 300, 2, 6, 4), (1, 100, 2, 2, 2), (1, 600, 3, 15, 9))
+    for batch, seqlen_q, nheads, items, pairs in shapes:
         q, k, v = qkv(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads, head_dim=head_dim)
         out = torch.empty_like(q)
         lse = torch.empty(batch, nheads, seqlen_q)
@@ -364,16 +365,6 @@ def test_persistent_programs_take_several_work_items(monkeypatch, launches, head
     assert launches[0] == ("fwd", causal)
 
 
-def test_causal_pairs_launch_one_cta_per_pair_of_query_tiles():
-    """CAUSAL_PAIRS: a causal launch gets n_bh * ceil(n_m / 2) CTAs (an odd n_m's middle tile alone); off, or
-    without causal, the launch is as before."""
-    paired = dict(forward_sm90.CONFIGS[128], CAUSAL_PAIRS=True)
-    cpu = torch.device("cpu")
-    assert [forward_sm90.programs(n_m, 6, paired, True, cpu) for n_m in (1, 2, 5, 8)] == [6, 6, 18, 24]
-    unpaired = dict(paired, CAUSAL_PAIRS=False)
-    assert forward_sm90.programs(5, 6, unpaired, True, cpu) == 30
-
-
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize(
@@ -497,9 +488,11 @@ def _matches_other_config(monkeypatch, inputs, causal, head_dim, changes, same_p
         monkeypatch.setitem(backward_sm90.CONFIGS[head_dim], key, value)
     check(*inputs, causal=causal)
     other = run_flashtile(*inputs, causal=causal)
-    close = ("dq",) if same_probs else ("dq", "dk", "dv")
     if same_probs:
         assert torch.equal(default["dk"], other["dk"]) and torch.equal(default["dv"], other["dv"])
+        close = ("dq",)
+    else:
+        close = ("dq", "dk", "dv")
     for name in close:
         scale = other[name].float().abs().max().item()
         assert (default[name].float() - other[name].float()).abs().max().item() <= 2**-7 * scale, name

@@ -268,20 +268,6 @@ def test_index_first_axis_and_put_as_hugging_face_unpads():
     )
 
 
-def test_flash_attn_module_paths():
-    """flash_attn 2.x's module paths, so imports from flash_attn.bert_padding and flash_attn.flash_attn_interface
-    become imports from flashtile by the package name alone."""
-    import flashtile
-    from flashtile import bert_padding, flash_attn_interface, kvcache
-
-    assert bert_padding.unpad_input is unpad_input and bert_padding.pad_input is pad_input
-    assert bert_padding.index_first_axis is index_first_axis
-    assert bert_padding.index_put_first_axis is index_put_first_axis
-    for name in flash_attn_interface.__all__:
-        assert getattr(flash_attn_interface, name) is getattr(flashtile, name)
-    assert flash_attn_interface.flash_attn_with_kvcache is kvcache.flash_attn_with_kvcache
-
-
 def test_deterministic_mode():
     x, mask = gradcheck_inputs()
     was = torch.are_deterministic_algorithms_enabled()

@@ -691,12 +691,11 @@ def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device)
     with causal and CAUSAL_PAIRS one per pair of query tiles (``_paired_item``); else one per item (each CTA's
     loop runs once; the hardware starts them in ``_work``'s order). The kernel is correct with any count from 1
     to n_m * n_bh; CONFIGS says why this one."""
-    items = n_m * n_bh
     if causal and cfg["CAUSAL_PAIRS"]:
         return n_bh * (n_m - n_m // 2)
     if cfg["O_TILE"] and not causal:
-        return min(items, sm_count(device))
-    return items
+        return min(n_m * n_bh, sm_count(device))
+    return n_m * n_bh
 
 
 def attention_forward_sm90(
