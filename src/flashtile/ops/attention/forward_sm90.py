@@ -29,9 +29,9 @@ batch entries (``_work``; causal: each head's heaviest, last, query tile first).
 program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, where O has its own
 tile (D=64 and 128) without causal; one per pair of query tiles with causal and CAUSAL_PAIRS (D=128); one per
 item, as a plain grid, otherwise); with causal, CAUSAL_PAIRS and CAUSAL_PERSISTENT (off by default) one CTA per SM
-at most walks pair slots p, p + num_programs, ... (``_pair_slot_item``, its items counted by ``_item_range``).
-Ring positions, barrier parities and the ping-pong turn carry on from one item to the next, so a persistent CTA's
-next item starts loading while it finishes the last one. Per CTA:
+at most, CTA p walking the pairs as slots p, p + num_programs, ... (``_pair_slot_item``). Ring positions, barrier
+parities and the ping-pong turn carry on from one item to the next, so a persistent CTA's next item starts
+loading while it finishes the last one. Per CTA:
   * producer partition, 1 warp: per item the two Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
     box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
@@ -176,7 +176,7 @@ def _pair_slot_item(k, n_m, n_bh):
     u < n_bh * half (half = n_m // 2) the pair (bh, j) = (u // half, u % half), query tile n_m - 1 - j then j; an
     odd n_m's middle tiles after them, slot n_bh * half + bh the tile half of bh. CTA p walks slots p, p +
     num_programs, ...: its pair slots first (two items each), then its middle slots (one each); any number of
-    programs covers every slot once (``_item_range`` counts a CTA's items)."""
+    programs covers every slot once (``_pair_slot_item_count`` counts a CTA's items)."""
     cta = gl.program_id(0)
     n_ctas = gl.num_programs(0)
     half = n_m // 2
@@ -197,19 +197,14 @@ def _pair_slot_item(k, n_m, n_bh):
 
 
 @gluon.jit
-def _item_range(n_m, n_items, PAIR_SLOTS: gl.constexpr):
-    """The t this CTA hands to ``_work``, as range(start, stop, step): items program_id, + num_programs, ... of
-    n_items; with PAIR_SLOTS (causal, CAUSAL_PAIRS and CAUSAL_PERSISTENT) its own items 0, 1, ... of
-    ``_pair_slot_item``, two per pair slot and one per middle slot."""
+def _pair_slot_item_count(n_m, n_items):
+    """How many items this CTA walks with CAUSAL_PERSISTENT (``_pair_slot_item``): two per pair slot p, p +
+    num_programs, ... below n_bh * (n_m // 2), then one per middle slot below n_bh * (n_m - n_m // 2)."""
     cta = gl.program_id(0)
     n_ctas = gl.num_programs(0)
-    if PAIR_SLOTS:
-        half = n_m // 2
-        n_bh = n_items // n_m
-        own_items = gl.cdiv(n_bh * half - cta, n_ctas) + gl.cdiv(n_bh * (n_m - half) - cta, n_ctas)
-        return 0, own_items, 1
-    else:
-        return cta, n_items, n_ctas
+    half = n_m // 2
+    n_bh = n_items // n_m
+    return gl.cdiv(n_bh * half - cta, n_ctas) + gl.cdiv(n_bh * (n_m - half) - cta, n_ctas)
 
 
 @gluon.jit
@@ -231,7 +226,7 @@ def _work(
     batch) grid: CTAs side by side read the same head's K and V (L2 hits). Causal: each head's heaviest (last)
     query tile first, so the long walks start first and the short ones fill in at the end; with CAUSAL_PAIRS
     the heaviest and lightest tiles of a head go to one CTA (``_paired_item``), and with CAUSAL_PERSISTENT too t
-    is the CTA's own item number (``_item_range``) in its walk over pair slots (``_pair_slot_item``)."""
+    is the CTA's own item number (0, 1, ...) in its walk over pair slots (``_pair_slot_item``)."""
     if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
         bh, m = _pair_slot_item(t, n_m, n_items // n_m)
     elif CAUSAL and CAUSAL_PAIRS:
@@ -289,7 +284,10 @@ def _producer(
     # count on the barrier, so the expected bytes are always the box's.
     it = 0
     item = 0
-    start, stop, step = _item_range(n_m, n_items, CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT)
+    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
+        start, stop, step = 0, _pair_slot_item_count(n_m, n_items), 1  # this CTA's items 0, 1, ...
+    else:
+        start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
     for t in range(start, stop, step):
         b, h, m0, n_blocks = _work(
             t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
@@ -422,7 +420,10 @@ def _consumer(
 
     it = 0
     item = 0
-    start, stop, step = _item_range(n_m, n_items, CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT)
+    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
+        start, stop, step = 0, _pair_slot_item_count(n_m, n_items), 1  # this CTA's items 0, 1, ...
+    else:
+        start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
     for t in range(start, stop, step):
         b, h, m0, n_blocks = _work(
             t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
