@@ -319,6 +319,9 @@ def gluon_variants() -> list[Variant]:
         # the other setting of CAUSAL_PAIRS (causal query tiles walked in pairs, ``_paired_item``)
         flipped = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_PAIRS=not cfg["CAUSAL_PAIRS"])
         variants.append(Variant(GLUON_FORWARD, name, "causal", "unpaired" if cfg["CAUSAL_PAIRS"] else "pairs", flipped))
+        # causal pairs in a persistent walk over pair slots (CAUSAL_PERSISTENT, ``_pair_slot_item``)
+        persistent = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_PAIRS=True, CAUSAL_PERSISTENT=True)
+        variants.append(Variant(GLUON_FORWARD, name, "causal", "persistent", persistent))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         stages = f"s{cfg['STAGES']}" + (f"/do{cfg['DO_STAGES']}" if cfg["DO_STAGES"] != cfg["STAGES"] else "")
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/{stages}"

@@ -384,6 +384,43 @@ def test_causal_pairs_against_oracle(monkeypatch, launches, head_dim, shape):
     assert launches[0] == ("fwd", True)
 
 
+def test_causal_persistent_launches_one_cta_per_sm_at_most(monkeypatch):
+    """CAUSAL_PERSISTENT (off in every config): with causal and CAUSAL_PAIRS min(pair slots, SMs) CTAs, n_bh *
+    ceil(n_m / 2) slots (an odd n_m's middle tile one of its own); without CAUSAL_PAIRS one CTA per item."""
+    assert not any(cfg["CAUSAL_PERSISTENT"] for cfg in forward_sm90.CONFIGS.values())
+    monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
+    persistent = dict(forward_sm90.CONFIGS[128], CAUSAL_PAIRS=True, CAUSAL_PERSISTENT=True)
+    cpu = torch.device("cpu")
+    # (n_m, n_bh, CTAs): n_bh * ceil(n_m / 2) slots (n_m = 5: two pairs and a middle tile per head), at most 132
+    for n_m, n_bh, ctas in ((2, 6, 6), (5, 20, 60), (1, 40, 40), (1, 200, 132), (8, 128, 132), (5, 100, 132)):
+        assert forward_sm90.programs(n_m, n_bh, persistent, True, cpu) == ctas, (n_m, n_bh)
+    assert forward_sm90.programs(5, 20, dict(persistent, CAUSAL_PAIRS=False), True, cpu) == 100
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1024, 1024, 4, 2), (3, 640, 640, 2, 2), (1, 100, 100, 3, 1), (2, 1000, 1500, 4, 4), (2, 1500, 1000, 2, 1),
+     (1, 384, 1280, 2, 2), (4, 1152, 1152, 16, 4)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)  # fmt: skip
+@pytest.mark.parametrize("ctas", [3, None], ids=["3-ctas", "sm-count"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_causal_persistent_against_oracle(monkeypatch, launches, head_dim, ctas, shape):
+    """CAUSAL_PERSISTENT with CAUSAL_PAIRS (and D=64's causal forward on this kernel): persistent CTAs walk pair
+    slots, three CTAs (``sm_count`` patched: each walks many slots, pairs and then an odd n_m's middle tiles) or
+    the GPU's SMs (B4-Sq1152: 320 slots, n_m = 9); even and odd tile counts, one tile, seqlen_q != seqlen_k both
+    ways (rows that see no key), GQA / MQA, odd lengths; out and lse against the oracle, the backward after it."""
+    monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PAIRS", True)
+    monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PERSISTENT", True)
+    monkeypatch.setattr(forward_sm90, "CAUSAL_HEAD_DIMS", (64, 128, 256))
+    if ctas is not None:
+        monkeypatch.setattr(forward_sm90, "sm_count", lambda device: ctas)
+    check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
+    assert launches[0] == ("fwd", True)
+
+
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -28,8 +28,10 @@ Work items: a 2 * M_WG-row query tile of one head and batch entry, numbered quer
 batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
 program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, where O has its own
 tile (D=64 and 128) without causal; one per pair of query tiles with causal and CAUSAL_PAIRS (D=128); one per
-item, as a plain grid, otherwise). Ring positions, barrier parities and the ping-pong turn carry on from one item
-to the next, so a persistent CTA's next item starts loading while it finishes the last one. Per CTA:
+item, as a plain grid, otherwise); with causal, CAUSAL_PAIRS and CAUSAL_PERSISTENT (off by default) one CTA per SM
+at most, CTA p walking the pairs as slots p, p + num_programs, ... (``_pair_slot_item``). Ring positions, barrier
+parities and the ping-pong turn carry on from one item to the next, so a persistent CTA's next item starts
+loading while it finishes the last one. Per CTA:
   * producer partition, 1 warp: per item the two Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
     box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
@@ -69,18 +71,19 @@ from flashtile.ops.attention.tiles import LN2, LOG2E
 CONFIGS = {
     # three stages of 128-key tiles: 16 KiB of Q, 96 KiB of K and V, 16 KiB of O
     64: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True, "CAUSAL_PAIRS": False,
-         "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+         "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True, "CAUSAL_PAIRS": True,
-          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
     # 192 KiB, so O leaves through the Q tile
     256: {"M_WG": 64, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False, "CAUSAL_PAIRS": False,
-          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
-``_paired_item``), registers per thread of the consumers and the producer (setmaxnreg). D=64 without causal,
-persistent with its O tile, against the Triton kernel: see CAUSAL_HEAD_DIMS.
+``_paired_item``), those pairs walked by persistent CTAs (CAUSAL_PERSISTENT, ``_pair_slot_item``), registers per
+thread of the consumers and the producer (setmaxnreg). D=64 without causal, persistent with its O tile, against
+the Triton kernel: see CAUSAL_HEAD_DIMS.
 
 CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the heaviest with the lightest
 (``_paired_item``), so every CTA walks about n_m + 1 key tiles (N=1k: 1024 CTAs of 9 tiles instead of 2048 of 1-8)
@@ -88,6 +91,16 @@ and its second item's Q and K/V load while the first finishes (the ring and barr
 persistent launches). Both items read one head's K and V (L2 hits), unlike the global heaviest-first walks that
 lost (CAUSAL_HEAD_DIMS). On the H200 (bf16, docs/tuning-log.md) at D=128 it gave +6% at N=1k, +3-8% at 2k and 4k,
 0-2% at 8k and 16k; at D=256 N=1k -7% (off there). D=64's causal forward is the Triton kernel's.
+
+CAUSAL_PERSISTENT (with causal and CAUSAL_PAIRS; off in every config, which then compiles to the SASS of before):
+the pairs become slots walked by min(slots, SMs) persistent CTAs, CTA p taking slots p, p + num_programs, ...
+(``_pair_slot_item``): neighbouring CTAs still read one head's K and V at a time, and as every slot is about
+n_m + 1 key tiles the static walk stays balanced. Not yet measured on a GPU (branch gluon-fwd-causal-persistent).
+Why: Nsight Compute at D=128 causal N=1k (1024 paired CTAs, one per SM at a time: 7.76 waves) has the tensor pipe
+doing just the expected work in 271k cycles, where the full kernel's efficiency would take ~201k; each CTA's start
+(launch, barrier init, setmaxnreg, its first Q/K/V loads, the pipeline's ramp) is exposed 7.76 times per SM, and a
+persistent CTA pays it once, loading each next slot while it finishes the last. Prediction: +3-10% at D=128 causal
+N=1k-4k, most at 1k (9 key tiles per slot; at 4k 33, so a start weighs a quarter as much).
 
 O_TILE: O leaves through a [2, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
 item's Q while its epilogue stores O; without it O leaves through the Q tile, which goes to the next item once
@@ -137,8 +150,9 @@ def _paired_item(t, n_m, n_bh):
     (t = p, then p + num_programs, ``programs``) walks query tile n_m - 1 - j (the heaviest of its pair) and then
     tile j of the same head, for j < n_m // 2: n_m + 1 key tiles in all (at seqlen_q = seqlen_k) whatever j is,
     one CTA per pair instead of one per tile, and the pair's second tile loads while the first finishes. An odd
-    n_m's middle tile has a CTA of its own (p >= n_bh * (n_m // 2)). Needs num_programs = n_bh * (n_m - n_m // 2)
-    and the kernel's stride walk."""
+    n_m's middle tile has a CTA of its own (p >= n_bh * (n_m // 2)). Pairs need num_programs = n_bh * (n_m -
+    n_m // 2) and the kernel's stride walk (any other count still covers every item once); with CAUSAL_PERSISTENT
+    persistent CTAs walk these pairs as slots instead (``_pair_slot_item``)."""
     half = n_m // 2
     first = n_bh * (n_m - half)  # = num_programs
     pairs = n_bh * half
@@ -156,6 +170,44 @@ def _paired_item(t, n_m, n_bh):
 
 
 @gluon.jit
+def _pair_slot_item(k, n_m, n_bh):
+    """Item k (0, 1, ...) of this CTA in a causal launch with CAUSAL_PAIRS and CAUSAL_PERSISTENT: (bh, m), the
+    batch entry x head and query tile. The n_bh * (n_m - n_m // 2) slots are ``_paired_item``'s CTAs: slot
+    u < n_bh * half (half = n_m // 2) the pair (bh, j) = (u // half, u % half), query tile n_m - 1 - j then j; an
+    odd n_m's middle tiles after them, slot n_bh * half + bh the tile half of bh. CTA p walks slots p, p +
+    num_programs, ...: its pair slots first (two items each), then its middle slots (one each); any number of
+    programs covers every slot once (``_pair_slot_item_count`` counts a CTA's items)."""
+    cta = gl.program_id(0)
+    n_ctas = gl.num_programs(0)
+    half = n_m // 2
+    pairs = n_bh * half
+    own_pairs = gl.cdiv(pairs - cta, n_ctas)  # slots cta, cta + n_ctas, ... below pairs (cta < n_ctas: >= 0)
+    if k < 2 * own_pairs:
+        slot = cta + (k // 2) * n_ctas
+        bh = slot // half  # half >= 1: with half = 0 there are no pair slots
+        j = slot - bh * half
+        if k % 2 == 0:
+            m = n_m - 1 - j
+        else:
+            m = j
+    else:
+        bh = cta + (k - own_pairs) * n_ctas - pairs
+        m = half
+    return bh, m
+
+
+@gluon.jit
+def _pair_slot_item_count(n_m, n_items):
+    """How many items this CTA walks with CAUSAL_PERSISTENT (``_pair_slot_item``): two per pair slot p, p +
+    num_programs, ... below n_bh * (n_m // 2), then one per middle slot below n_bh * (n_m - n_m // 2)."""
+    cta = gl.program_id(0)
+    n_ctas = gl.num_programs(0)
+    half = n_m // 2
+    n_bh = n_items // n_m
+    return gl.cdiv(n_bh * half - cta, n_ctas) + gl.cdiv(n_bh * (n_m - half) - cta, n_ctas)
+
+
+@gluon.jit
 def _work(
     t,
     n_m,
@@ -167,13 +219,17 @@ def _work(
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
+    CAUSAL_PERSISTENT: gl.constexpr,
 ):
     """Work item t of n_items: (b, h, m0, n_blocks), the batch entry, query head, first query row and key tiles
     to visit. Query tiles vary fastest, then heads, then batch entries, as the blocks of a (query tiles, heads,
     batch) grid: CTAs side by side read the same head's K and V (L2 hits). Causal: each head's heaviest (last)
     query tile first, so the long walks start first and the short ones fill in at the end; with CAUSAL_PAIRS
-    the heaviest and lightest tiles of a head go to one CTA (``_paired_item``)."""
-    if CAUSAL and CAUSAL_PAIRS:
+    the heaviest and lightest tiles of a head go to one CTA (``_paired_item``), and with CAUSAL_PERSISTENT too t
+    is the CTA's own item number (0, 1, ...) in its walk over pair slots (``_pair_slot_item``)."""
+    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
+        bh, m = _pair_slot_item(t, n_m, n_items // n_m)
+    elif CAUSAL and CAUSAL_PAIRS:
         bh, m = _paired_item(t, n_m, n_items // n_m)
     else:
         bh = t // n_m
@@ -218,6 +274,7 @@ def _producer(
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
+    CAUSAL_PERSISTENT: gl.constexpr,
 ):
     """Per work item of this CTA (``_work``): the two Q tiles, once the consumers are done with the previous
     ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs on across items, so
@@ -227,8 +284,14 @@ def _producer(
     # count on the barrier, so the expected bytes are always the box's.
     it = 0
     item = 0
-    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, n_blocks = _work(t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS)
+    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
+        start, stop, step = 0, _pair_slot_item_count(n_m, n_items), 1  # this CTA's items 0, 1, ...
+    else:
+        start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
+    for t in range(start, stop, step):
+        b, h, m0, n_blocks = _work(
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
+        )
         kv_col = (h // group) * HEAD_D
         for w in gl.static_range(2):
             # a fresh barrier passes a wait on parity 1, so the first item (and the first round through the
@@ -313,6 +376,7 @@ def _consumer(
     PINGPONG: gl.constexpr,
     O_TILE: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
+    CAUSAL_PERSISTENT: gl.constexpr,
 ):
     """Consumer warpgroup WG (0 or 1): rows WG * M_WG.. of each work item's query tile (``_work``); the ring
     position (it), the item count and the ping-pong parity run on across items as the producer's do. ``args``:
@@ -356,8 +420,14 @@ def _consumer(
 
     it = 0
     item = 0
-    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, n_blocks = _work(t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS)
+    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
+        start, stop, step = 0, _pair_slot_item_count(n_m, n_items), 1  # this CTA's items 0, 1, ...
+    else:
+        start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
+    for t in range(start, stop, step):
+        b, h, m0, n_blocks = _work(
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
+        )
         q_pos0 = m0 + WG * M_WG
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
@@ -471,6 +541,7 @@ def _attention_forward_sm90_kernel(
     PINGPONG: gl.constexpr,
     O_TILE: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
+    CAUSAL_PERSISTENT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -531,11 +602,13 @@ def _attention_forward_sm90_kernel(
         [
             (
                 _consumer,
-                (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS),
+                (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
+                 CAUSAL_PERSISTENT),
             ),
             (
                 _consumer,
-                (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS),
+                (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
+                 CAUSAL_PERSISTENT),
             ),
             (
                 _producer,
@@ -564,12 +637,13 @@ def _attention_forward_sm90_kernel(
                     STAGES,
                     CAUSAL,
                     CAUSAL_PAIRS,
+                    CAUSAL_PERSISTENT,
                 ),
             ),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
-    )
+    )  # fmt: skip
 
 
 def rows_view_ok(x: torch.Tensor) -> bool:
@@ -688,11 +762,13 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
     """CTAs to launch for n_m query tiles x n_bh heads and batch entries with config ``cfg``: at most one per SM
     (persistent, each walking several items) where O has its own tile (O_TILE) and the launch is not causal;
-    with causal and CAUSAL_PAIRS one per pair of query tiles (``_paired_item``); else one per item (each CTA's
-    loop runs once; the hardware starts them in ``_work``'s order). The kernel is correct with any count from 1
-    to n_m * n_bh; CONFIGS says why this one."""
+    with causal and CAUSAL_PAIRS one per pair of query tiles (``_paired_item``), or with CAUSAL_PERSISTENT too
+    min(pair slots, SMs), each walking several slots (``_pair_slot_item``; n_bh * ceil(n_m / 2) slots, an odd
+    n_m's middle tile one of its own); else one per item (each CTA's loop runs once; the hardware starts them in
+    ``_work``'s order). The kernel is correct with any count from 1 to n_m * n_bh; CONFIGS says why this one."""
     if causal and cfg["CAUSAL_PAIRS"]:
-        return n_bh * (n_m - n_m // 2)
+        slots = n_bh * (n_m - n_m // 2)
+        return min(slots, sm_count(device)) if cfg["CAUSAL_PERSISTENT"] else slots
     if cfg["O_TILE"] and not causal:
         return min(n_m * n_bh, sm_count(device))
     return n_m * n_bh
