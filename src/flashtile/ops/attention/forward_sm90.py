@@ -68,14 +68,14 @@ from flashtile.ops.attention.tiles import LN2, LOG2E
 
 CONFIGS = {
     # three stages of 128-key tiles: 16 KiB of Q, 96 KiB of K and V, 16 KiB of O
-    64: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True, "CAUSAL_PAIRS": False,
-         "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-    128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True, "CAUSAL_PAIRS": True,
-          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    64: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
+         "CAUSAL_PAIRS": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    128: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True,
+          "CAUSAL_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
     # 192 KiB, so O leaves through the Q tile
-    256: {"M_WG": 64, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False, "CAUSAL_PAIRS": False,
-          "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    256: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False,
+          "CAUSAL_PAIRS": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
@@ -219,18 +219,21 @@ def _producer(
     CAUSAL: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
 ):
-    """Per work item of this CTA (``_work``): the two Q tiles, once the consumers are done with the previous
-    ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs on across items, so
-    the next item's first tiles load while the consumers finish the last one."""
+    """Per work item of this CTA (``_work``): the NUM_WG Q tiles ([M_WG, HEAD_D] each), once the consumers are
+    done with the previous ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs
+    on across items, so the next item's first tiles load while the consumers finish the last one."""
     # Coordinates are (batch entry, row, column) of the (batch, seqlen, nheads * headdim) view. A box that
     # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
     # count on the barrier, so the expected bytes are always the box's.
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     it = 0
     item = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, n_blocks = _work(t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS)
+        b, h, m0, n_blocks = _work(
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS
+        )
         kv_col = (h // group) * HEAD_D
-        for w in gl.static_range(2):
+        for w in gl.static_range(NUM_WG):
             # a fresh barrier passes a wait on parity 1, so the first item (and the first round through the
             # ring below) does not block
             mbarrier.wait(q_empty.index(w), (item & 1) ^ 1)
@@ -314,9 +317,9 @@ def _consumer(
     O_TILE: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
 ):
-    """Consumer warpgroup WG (0 or 1): rows WG * M_WG.. of each work item's query tile (``_work``); the ring
-    position (it), the item count and the ping-pong parity run on across items as the producer's do. ``args``:
-    the kernel's consumer_args (its runtime values, the same for both warpgroups)."""
+    """Consumer warpgroup WG (0 .. NUM_WG - 1): rows WG * M_WG.. of each work item's query tile (``_work``); the
+    ring position (it), the item count and the ping-pong parity run on across items as the producer's do.
+    ``args``: the kernel's consumer_args (its runtime values, the same for every warpgroup)."""
     (
         o_desc,
         q_smem,
@@ -339,6 +342,7 @@ def _consumer(
         qk_scale,
     ) = args
     dtype: gl.constexpr = q_smem.dtype
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -348,16 +352,18 @@ def _consumer(
     q_tile = _tile(q_smem, WG)
     o_tile = _tile(o_smem, WG)  # the Q tile itself without O_TILE
     my_turn = turn.index(WG)
-    other_turn = turn.index(1 - WG)
-    # WG 0 starts with the turn (parity 1 on a fresh barrier passes), WG 1 waits for WG 0's first hand-off
-    turn_ph = 1 - WG
+    next_turn = turn.index((WG + 1) % NUM_WG)
+    # WG 0 starts with the turn (parity 1 on a fresh barrier passes), WG w > 0 waits for WG w - 1's first hand-off
+    turn_ph = 1 if WG == 0 else 0
     s_zero = gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout)
     diag_off = seqlen_k - seqlen_q
 
     it = 0
     item = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, n_blocks = _work(t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS)
+        b, h, m0, n_blocks = _work(
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS
+        )
         q_pos0 = m0 + WG * M_WG
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
@@ -374,7 +380,7 @@ def _consumer(
         k_tile = _tile(k_smem, s0)
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(other_turn, count=1)
+            mbarrier.arrive(next_turn, count=1)
         s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
         mbarrier.arrive(k_empty.index(s0), count=1)
         p, alpha, m_i, l_i = _softmax_step(
@@ -399,7 +405,7 @@ def _consumer(
             v_tile = _tile(v_smem, sp)
             acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
             if PINGPONG:
-                mbarrier.arrive(other_turn, count=1)
+                mbarrier.arrive(next_turn, count=1)
             # wgmma groups retire in order: <= 1 outstanding means S_i is done
             s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s), count=1)
@@ -464,6 +470,7 @@ def _attention_forward_sm90_kernel(
     group,
     HEAD_D: gl.constexpr,
     M_WG: gl.constexpr,
+    NUM_WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
@@ -474,38 +481,38 @@ def _attention_forward_sm90_kernel(
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
-    n_m = gl.cdiv(seqlen_q, 2 * M_WG)
+    n_m = gl.cdiv(seqlen_q, NUM_WG * M_WG)
     n_items = n_m * batch * nheads
 
     dtype: gl.constexpr = q_desc.dtype
     # [1, rows, HEAD_D] boxes of the descriptors, viewed as [rows, HEAD_D] tiles by the consumers (_tile)
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, M_WG, HEAD_D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], q_desc.layout)
     if O_TILE:
-        o_smem = gl.allocate_shared_memory(dtype, [2, 1, M_WG, HEAD_D], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], o_desc.layout)
     else:
         o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], v_desc.layout)
 
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
+    for w in gl.static_range(NUM_WG):
         mbarrier.init(q_bar.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(s), count=2)
+        mbarrier.init(k_empty.index(s), count=NUM_WG)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(s), count=NUM_WG)
 
     # constexprs travel as separate arguments (inside a tuple they would arrive as tensors); the runtime
-    # arguments of both consumer warpgroups as one tuple
+    # arguments of every consumer warpgroup as one tuple
     consumer_args = (
         o_desc,
         q_smem,
@@ -527,6 +534,9 @@ def _attention_forward_sm90_kernel(
         seqlen_k,
         qk_scale,
     )
+    # Consumer warpgroup 0 is the default partition; the workers are consumer warpgroup 1, the 1-warp producer and,
+    # with NUM_WG = 3, consumer warpgroup 2, which the slices drop at NUM_WG = 2 (after the producer, so that the
+    # two-warpgroup kernel keeps its partitions; tuple + would unwrap the constexpr arguments into ints).
     gl.warp_specialize(
         [
             (
@@ -566,9 +576,13 @@ def _attention_forward_sm90_kernel(
                     CAUSAL_PAIRS,
                 ),
             ),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
+            (
+                _consumer,
+                (2, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS),
+            ),
+        ][: NUM_WG + 1],
+        [4, 1, 4][:NUM_WG],
+        [CONSUMER_REGS, PRODUCER_REGS, CONSUMER_REGS][:NUM_WG],
     )
 
 
@@ -721,7 +735,7 @@ def attention_forward_sm90(
     batch, seqlen_q, nheads, head_dim = q.shape
     cfg = CONFIGS[head_dim]
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
-    n_m = cdiv(seqlen_q, 2 * m_wg)
+    n_m = cdiv(seqlen_q, cfg["NUM_WG"] * m_wg)
     args = (
         batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
         batch_descriptor(out, m_wg), lse,
