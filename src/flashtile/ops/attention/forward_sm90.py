@@ -24,23 +24,24 @@ seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q (
 O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq) fp32, natural log; a
 query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton kernel.
 
-Work items: a 2 * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
+Work items: a NUM_WG * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
 batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
 program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, where O has its own
 tile (D=64 and 128) without causal; one per pair of query tiles with causal and CAUSAL_PAIRS (D=128); one per
 item, as a plain grid, otherwise). Ring positions, barrier parities and the ping-pong turn carry on from one item
 to the next, so a persistent CTA's next item starts loading while it finishes the last one. Per CTA:
-  * producer partition, 1 warp: per item the two Q tiles (once the consumers are done with the previous
+  * producer partition, 1 warp: per item the NUM_WG Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
     box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
-    signal the consumers, k_empty/v_empty (count 2, one arrival per consumer warpgroup) signal the producer
-    that a slot is free.
-  * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1), M_WG query rows each:
-    S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V (wgmma, P from
-    registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits only for S_i,
-    does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG two mbarriers
-    hand a "turn" between the warpgroups so one issues its two products while the other does its softmax
-    (FA-3's warp scheduler barriers).
+    signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup) signal the
+    producer that a slot is free.
+  * NUM_WG consumer warpgroups (two in CONFIGS; the default partition = WG 0, 4-warp workers = WG 1 and 2),
+    M_WG query rows each: S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V
+    (wgmma, P from registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits
+    only for S_i, does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG
+    NUM_WG mbarriers hand a "turn" around the warpgroups (WG 0 -> 1 -> .. -> 0): each waits for its turn,
+    issues its two products and hands the turn on, so one issues while the others do their softmax (FA-3's
+    warp scheduler barriers).
   * epilogue per item: O / l cast to the input dtype, TMA store from shared memory; lse by masked stores. With
     O_TILE the warpgroup's own O tile (once its previous store has read it), and the Q tile is handed back
     after the item's last S product; without, the (then free) Q tile, handed back once the store has read it.
@@ -82,6 +83,11 @@ ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles wal
 ``_paired_item``), registers per thread of the consumers and the producer (setmaxnreg). D=64 without causal,
 persistent with its O tile, against the Triton kernel: see CAUSAL_HEAD_DIMS.
 
+NUM_WG: consumer warpgroups per CTA, 2 (a work item is a 128-row query tile) or, at D=64, 3 (``D64_THREE_WG``,
+192-row items, not shipped). Triton pads the 1-warp producer to a warpgroup of its own and gives the default
+partition (WG 0) what the workers leave of the 65536 registers: 240 per thread with two consumer warpgroups,
+168 with three.
+
 CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the heaviest with the lightest
 (``_paired_item``), so every CTA walks about n_m + 1 key tiles (N=1k: 1024 CTAs of 9 tiles instead of 2048 of 1-8)
 and its second item's Q and K/V load while the first finishes (the ring and barrier phases carry on, as in the
@@ -89,7 +95,7 @@ persistent launches). Both items read one head's K and V (L2 hits), unlike the g
 lost (CAUSAL_HEAD_DIMS). On the H200 (bf16, docs/tuning-log.md) at D=128 it gave +6% at N=1k, +3-8% at 2k and 4k,
 0-2% at 8k and 16k; at D=256 N=1k -7% (off there). D=64's causal forward is the Triton kernel's.
 
-O_TILE: O leaves through a [2, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
+O_TILE: O leaves through a [NUM_WG, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
 item's Q while its epilogue stores O; without it O leaves through the Q tile, which goes to the next item once
 the store has read it. Launches with O_TILE and without causal are persistent (``programs``). Measured on an
 H200 (bf16, D=128, TFLOP/s, one CTA per item -> persistent with the O tile; branch 815003a before the D=256
@@ -97,6 +103,21 @@ merge): N=1k 553.8 -> 594.8, N=4k 625 -> 638; causal lost (N=1k 389 -> 369, N=16
 heads' heaviest tiles first), so causal launches stay one CTA per item, each head's heaviest tile first. At
 D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA. Shared memory (bytes,
 tests/sm90_compile.py): D=64 131544, D=128 197016 (164200 before the O tile), D=256 196984; no spills."""
+D64_THREE_WG = {"NUM_WG": 3, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24}
+"""CONFIGS[64] with three consumer warpgroups (FA-3's hdim-64 forward: 192 x 128 tiles), unmeasured (branch
+gluon-fwd-d64-3wg; the A/B: docs/tuning-log.md). A work item is a 192-row query tile; 160 registers for WG 1
+and 2, 168 for WG 0 (the default partition), 24 for the producer: 168 * 128 + 2 * 160 * 128 + 24 * 128 = 65536.
+Shared memory 147972 bytes (Q and O 24 KiB each, three K/V stages 96 KiB). Compiled (tests/sm90_compile.py,
+Triton 3.6 and 3.7): no spills without causal and with EVEN_K; 8 bytes of stack with a ragged last key tile
+(one value stored at an item's start and loaded in its epilogue), 40 with causal (nine registers stored and
+reloaded around the first key tile's mask, once per item and warpgroup; none in the key loop).
+
+Prediction: the D=64 forward without causal +5-15% (N >= 4k; ~450 TFLOP/s now, FA-4 505-543). At D=64 a
+warpgroup's softmax of its [64, 128] scores (8192 exp2: 512 cycles of the SM's MUFU, plus the max, sum, scale and
+convert instructions) lasts as long as or longer than its two products (~512 tensor cycles), so with two
+warpgroups the tensor pipe idles whenever one softmax outlasts the other's products. With three, the other two
+warpgroups' products (~1024 cycles) cover each softmax. Against it: at N=1k the 192-row tiles pad 1024 query
+rows to 1152 (+12.5% work), and 160 registers leave the compiler less room to schedule."""
 CAUSAL_HEAD_DIMS = (128, 256)
 """Head dims whose causal forwards run here. At D=64 with causal the Triton kernel was faster up to N=4k and
 2% slower at 16k (H200, bf16, B*N = 16k, H = 32, TFLOP/s, Gluon one CTA per item against the Triton kernel in
@@ -104,7 +125,7 @@ the same two runs, results/2026-11-30-h200x2-s7-call3-timing-f38e70e.log): N=1k 
 4k 378 / 377 against 388 / 391, 16k 442 / 442 against 435 / 430; the dynamic persistent schedule did no better
 (call 1 and 2 logs). Without causal the Gluon forward won there: 1k 420 / 412 against 403 / 401, 4k 450 / 451
 against 432 / 436, 16k 455 / 451 against 428 / 439."""
-ROWS = 2 * CONFIGS[128]["M_WG"]
+ROWS = CONFIGS[128]["NUM_WG"] * CONFIGS[128]["M_WG"]
 """Query rows per CTA (= BLOCK_N); the Gluon backward's lengths must be multiples of this (``descriptor``)."""
 
 # Triton 3.6 and 3.7 differ in mbarrier.expect's byte-count keyword (bytes / bytes_per_cta): it is always
