@@ -109,8 +109,9 @@ gluon-fwd-d64-3wg; the A/B: docs/tuning-log.md). A work item is a 192-row query 
 and 2, 168 for WG 0 (the default partition), 24 for the producer: 168 * 128 + 2 * 160 * 128 + 24 * 128 = 65536.
 Shared memory 147972 bytes (Q and O 24 KiB each, three K/V stages 96 KiB). Compiled (tests/sm90_compile.py,
 Triton 3.6 and 3.7): no spills without causal and with EVEN_K; 8 bytes of stack with a ragged last key tile
-(one value stored at an item's start and loaded in its epilogue), 40 with causal (nine registers stored and
-reloaded around the first key tile's mask, once per item and warpgroup; none in the key loop).
+(one value stored at an item's start and loaded in its epilogue), 40 with causal (48 with CAUSAL_PAIRS on 3.7:
+registers stored and reloaded around the first key tile's mask, once per item and warpgroup; none in the key
+loop).
 
 Prediction: the D=64 forward without causal +5-15% (N >= 4k; ~450 TFLOP/s now, FA-4 505-543). At D=64 a
 warpgroup's softmax of its [64, 128] scores (8192 exp2: 512 cycles of the SM's MUFU, plus the max, sum, scale and
