@@ -503,6 +503,7 @@ def _attention_forward_sm90_kernel(
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
+    gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups (the partitions below)")
     n_m = gl.cdiv(seqlen_q, NUM_WG * M_WG)
     n_items = n_m * batch * nheads
 
