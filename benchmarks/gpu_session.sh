@@ -29,7 +29,7 @@
 #            beforehand with `git archive BRANCH pyproject.toml src tests benchmarks | tar -x -C .branches/BRANCH`
 #            (.branches/ in .git/info/exclude; carry it). The tests' compiles perturb the timing (session 10: +-5%,
 #            some rows 15%); for clean numbers run the two halves in separate calls:
-#   branchtests  the branches' GPU tests alone, spread over both GPUs
+#   branchtests  the branches' GPU tests alone, spread over both GPUs (BRANCH_K: a pytest -k expression)
 #   branchtimes  the timing alone on GPU 0
 # Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
 set -uo pipefail
@@ -43,7 +43,7 @@ branch_tests() {
   local gpus=("$@") i=0
   for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
     (cd "$dir" && CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]} PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-330} \
-       python3 -m pytest ${BRANCH_TESTS:-tests/test_gluon_sm90.py} -q -p no:cacheprovider \
+       python3 -m pytest ${BRANCH_TESTS:-tests/test_gluon_sm90.py} ${BRANCH_K:+-k "$BRANCH_K"} -q -p no:cacheprovider \
        > "$OUT/tests-$(basename "$dir").log" 2>&1) &
     i=$((i + 1))
   done

@@ -102,13 +102,15 @@ DEFAULT_SHAPES = [
 """B * N = 16384 tokens, hidden 2048, MHA: the quick table's shapes."""
 
 
-def shape_rows(shape: tuple[int, int, int, int, int, int, bool], variants) -> list[dict]:
-    """One row per variant (and the Triton kernels) at ``shape`` (B, Sq, Sk, H, Hk, D, causal), bf16; FLOP
-    4 * B * H * Sq * Sk * D, halved when causal."""
+def shape_rows(
+    shape: tuple[int, int, int, int, int, int, bool], variants, dtype: torch.dtype = torch.bfloat16
+) -> list[dict]:
+    """One row per variant (and the Triton kernels) at ``shape`` (B, Sq, Sk, H, Hk, D, causal) in ``dtype``;
+    FLOP 4 * B * H * Sq * Sk * D, halved when causal."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal = shape
-    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (
-        torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
         for _ in range(2)
     )
     dout = torch.randn_like(q)
@@ -120,11 +122,12 @@ def shape_rows(shape: tuple[int, int, int, int, int, int, bool], variants) -> li
             fwd, bwd, results = measure(q, k, v, dout, causal)
         reference = reference or results
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results, reference, strict=True))
-        rows.append(dict(shape=shape, variant=name, changes=changes, fwd_ms=fwd, bwd_ms=bwd,
+        rows.append(dict(shape=shape, dtype=str(dtype), variant=name, changes=changes, fwd_ms=fwd, bwd_ms=bwd,
                          fwd_tflops=flops / fwd * 1e-9, bwd_tflops=2.5 * flops / bwd * 1e-9,
                          max_abs_diff=diff))  # fmt: skip
         print(
             f"B={batch} Sq={seqlen_q:5d} Sk={seqlen_k:5d} H={nheads}/{nheads_k} D={head_dim:3d} causal={int(causal)} "
+            f"{dtype} "
             f"{name:>14}: fwd {rows[-1]['fwd_tflops']:6.1f} bwd {rows[-1]['bwd_tflops']:6.1f} TFLOP/s  "
             f"(max diff vs default {diff:.2e})",
             flush=True,
@@ -136,10 +139,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", default=[], type=parse_variant)
     parser.add_argument("--shape", action="append", type=parse_shape, help="B,Sq,Sk,H,Hk,D,causal (repeatable)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     variants = [("default", {}), *args.variant]
-    rows = [row for shape in args.shape or DEFAULT_SHAPES for row in shape_rows(shape, variants)]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    rows = [row for shape in args.shape or DEFAULT_SHAPES for row in shape_rows(shape, variants, dtype)]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tune-gluon.json").write_text(json.dumps(rows, indent=1))

@@ -100,7 +100,7 @@ item's Q while its epilogue stores O; without it O leaves through the Q tile, wh
 the store has read it. Launches with O_TILE and without causal are persistent (``programs``). Measured on an
 H200 (bf16, D=128, TFLOP/s, one CTA per item -> persistent with the O tile; branch 815003a before the D=256
 merge): N=1k 553.8 -> 594.8, N=4k 625 -> 638; causal lost (N=1k 389 -> 369, N=16k 587 -> 565, with all
-heads' heaviest tiles first), so causal launches stay one CTA per item, each head's heaviest tile first. At
+heads' heaviest tiles first), so causal launches stay one CTA per item (per pair with CAUSAL_PAIRS). At
 D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA. Shared memory (bytes,
 tests/sm90_compile.py): D=64 131544, D=128 197016 (164200 before the O tile), D=256 196984; no spills."""
 D64_THREE_WG = {"NUM_WG": 3, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24}
