@@ -7,12 +7,14 @@ Times flashtile's forward and backward (TFLOP/s, do_bench median; backward 2.5 x
 halved when causal), bf16, at each ``--shape`` or by default at D = 64 / 128 (H = 32 / 16), N = 1k / 4k / 16k
 with B = 16384 / N, causal and not (``DEFAULT_SHAPES``): the shipped configs ("default"), each ``--variant``
 (its KEY=VALUE pairs replace entries of every ``forward_sm90.CONFIGS`` and ``backward_sm90.CONFIGS`` entry
-that has the key), and the Triton kernels (``flashtile._backend.GLUON`` off). Beside each time: the max abs
-difference of that run's out, dq, dk, dv from the shipped config's (bf16 rounding and the atomic dQ's order
-make it nonzero). Example:
+that has the key; with FORWARD_D=D of ``forward_sm90.CONFIGS[D]`` alone), and the Triton kernels
+(``flashtile._backend.GLUON`` off). Beside each time: the max abs difference of that run's out, dq, dk, dv from
+the shipped config's (bf16 rounding and the atomic dQ's order make it nonzero). Example:
 
     --variant fwd-3-stages:STAGES=3 --variant no-pingpong:PINGPONG=0 --variant bwd-2-stages:STAGES=2
     --variant gluon-causal:GLUON_CAUSAL_D=64,CAUSAL_PAIRS=1  (D=64 causal forwards on the Gluon kernel, in pairs)
+    --variant d64-3wg:FORWARD_D=64,NUM_WG=3,CONSUMER_REGS=160,PRODUCER_REGS=24  (forward_sm90.D64_THREE_WG: the
+        D=64 forward alone; without FORWARD_D the register split would change every config, the backward's too)
 
 The backward takes lengths that are multiples of ``forward_sm90.ROWS`` (128, fixed at import); its BLOCK_M, 128
 at D=64 and 64 elsewhere, may be either value with that rule (``--variant d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3``
@@ -40,13 +42,22 @@ from flashtile.ops.attention import backward_sm90, forward_sm90
 CAUSAL_HEAD_DIM = "GLUON_CAUSAL_D"
 """A variant key that is no CONFIGS entry: GLUON_CAUSAL_D=64 adds head dim 64 to ``forward_sm90.CAUSAL_HEAD_DIMS``
 inside the variant, so its causal forwards run the Gluon kernel instead of the Triton one."""
+FORWARD_HEAD_DIM = "FORWARD_D"
+"""A variant key that is no CONFIGS entry: FORWARD_D=64 applies the variant's keys to ``forward_sm90.CONFIGS[64]``
+only, not to the other head dims nor to ``backward_sm90.CONFIGS`` (whose CONSUMER_REGS / PRODUCER_REGS a D=64
+forward's register split would otherwise change)."""
 
 
 @contextlib.contextmanager
 def configured(changes: dict[str, int]) -> Iterator[None]:
-    """The Gluon kernels' configs with ``changes`` applied (to each config that has the key) inside the block."""
+    """The Gluon kernels' configs with ``changes`` applied (to each config that has the key, or with FORWARD_D to
+    that head dim's forward config alone) inside the block."""
+    if FORWARD_HEAD_DIM in changes:
+        configs = (forward_sm90.CONFIGS[changes[FORWARD_HEAD_DIM]],)
+    else:
+        configs = (*forward_sm90.CONFIGS.values(), *backward_sm90.CONFIGS.values())
     with contextlib.ExitStack() as stack:
-        for cfg in (*forward_sm90.CONFIGS.values(), *backward_sm90.CONFIGS.values()):
+        for cfg in configs:
             stack.enter_context(mock.patch.dict(cfg, {k: v for k, v in changes.items() if k in cfg}))
         if CAUSAL_HEAD_DIM in changes:
             causal_dims = (*forward_sm90.CAUSAL_HEAD_DIMS, changes[CAUSAL_HEAD_DIM])

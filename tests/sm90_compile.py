@@ -12,8 +12,9 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
   kernel has; the forward also with paged K/V on top), and the delta kernel of the backward;
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
   ``decode.configs.config``, and its few-programs config of contiguous caches;
-* the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config), causal
-  and full; the forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off).
+* the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config, and the
+  forward's D=64 config with three consumer warpgroups, ``forward_sm90.D64_THREE_WG``), causal and full; the
+  forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off).
   Their int parameters are not specialized (``forward_sm90.launch``): one compile serves every length.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
@@ -310,8 +311,9 @@ def gluon_source(kernel_name: str, consts: dict):
 
 def gluon_variants() -> list[Variant]:
     variants = []
-    for head_dim, cfg in forward_sm90.CONFIGS.items():
-        name = f"forward_sm90 D{head_dim} {2 * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
+    d64_three_wg = dict(forward_sm90.CONFIGS[64], **forward_sm90.D64_THREE_WG)  # 192-row items, not shipped
+    for head_dim, cfg in [*forward_sm90.CONFIGS.items(), (64, d64_three_wg)]:
+        name = f"forward_sm90 D{head_dim} {cfg['NUM_WG'] * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
         for mask in ("full", "causal"):
             for flags, even_k in (("off", True), ("ragged-k", False)):
                 consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)

@@ -136,6 +136,38 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
         assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_launch_grid_with_three_warpgroups_at_head_dim_64(monkeypatch, causal):
+    """D64_THREE_WG (with CAUSAL_PAIRS, as the A/B runs it): 192-row query tiles, n_m = cdiv(seqlen_q, 192);
+    min(work items, SMs) CTAs without causal, one per pair of a head's query tiles with causal; the config's
+    constexprs."""
+    launches = []
+    monkeypatch.setattr(
+        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, constexprs))
+    )
+    monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
+    for key, value in {**forward_sm90.D64_THREE_WG, "CAUSAL_PAIRS": True}.items():
+        monkeypatch.setitem(forward_sm90.CONFIGS[64], key, value)
+    # (batch, seqlen_q, heads, 192-row query tiles)
+    for batch, seqlen_q, nheads, n_m in ((4, 1024, 16, 6), (3, 200, 2, 2), (1, 192, 2, 1), (1, 193, 2, 2),
+                                         (2, 1000, 3, 6), (1, 960, 4, 5)):  # fmt: skip
+        q, k, v = qkv(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads, head_dim=64)
+        out = torch.empty_like(q)
+        lse = torch.empty(batch, nheads, seqlen_q)
+        forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, causal)
+        grid, constexprs = launches[-1]
+        n_bh = batch * nheads
+        assert grid == ((n_bh * (n_m - n_m // 2) if causal else min(n_m * n_bh, 132)), 1, 1)
+        assert {key: constexprs[key] for key in forward_sm90.D64_THREE_WG} == forward_sm90.D64_THREE_WG
+
+
+def test_register_split_fits_the_register_file():
+    """Each config's consumer warpgroups and the producer (padded to a warpgroup: its 1 warp's setmaxnreg counts
+    for 128 threads) within the 65536 registers of an SM, D64_THREE_WG's too."""
+    for cfg in (*forward_sm90.CONFIGS.values(), dict(forward_sm90.CONFIGS[64], **forward_sm90.D64_THREE_WG)):
+        assert cfg["NUM_WG"] * 128 * cfg["CONSUMER_REGS"] + 128 * cfg["PRODUCER_REGS"] <= 65536
+
+
 def test_backward_qualifies():
     q, k, v = qkv(nheads_k=4)
     dout = torch.empty_like(q)
@@ -419,6 +451,32 @@ def test_causal_persistent_against_oracle(monkeypatch, launches, head_dim, ctas,
         monkeypatch.setattr(forward_sm90, "sm_count", lambda device: ctas)
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
     assert launches[0] == ("fwd", True)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1024, 1024, 4, 2), (3, 576, 640, 2, 2), (1, 100, 100, 3, 1), (1, 192, 128, 2, 2), (2, 1000, 1500, 4, 4),
+     (2, 1500, 1000, 2, 1)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)  # fmt: skip
+@pytest.mark.parametrize("ctas", ["launched", "three"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_three_warpgroups_at_head_dim_64_against_oracle(monkeypatch, launches, causal, ctas, shape):
+    """D64_THREE_WG: 192-row work items of three consumer warpgroups, the turn going round all three; seqlen_q
+    a multiple of 192 and not, one tile, seqlen_q != seqlen_k both ways (causal: rows that see no key), GQA and
+    MQA, odd and ragged lengths; out and lse against the oracle, the backward after it. "launched": the CTAs
+    ``programs`` picks (causal: one per pair of query tiles, CAUSAL_PAIRS); "three": three CTAs (pairs off), so
+    each walks several items and the ring, the Q hand-over, the turns and the O tile carry on across them."""
+    for key, value in forward_sm90.D64_THREE_WG.items():
+        monkeypatch.setitem(forward_sm90.CONFIGS[64], key, value)
+    monkeypatch.setitem(forward_sm90.CONFIGS[64], "CAUSAL_PAIRS", ctas == "launched")
+    monkeypatch.setattr(forward_sm90, "CAUSAL_HEAD_DIMS", (64, 128, 256))
+    if ctas == "three":
+        monkeypatch.setattr(forward_sm90, "programs", lambda n_m, n_bh, *rest: min(n_m * n_bh, 3))
+    check(*make_inputs(*shape, 64, dtype=torch.bfloat16), causal=causal)
+    assert launches[0] == ("fwd", causal)
 
 
 @hopper

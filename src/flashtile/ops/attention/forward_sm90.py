@@ -24,7 +24,7 @@ seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q (
 O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq) fp32, natural log; a
 query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton kernel.
 
-Work items: a 2 * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
+Work items: a NUM_WG * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
 batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
 program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, where O has its own
 tile (D=64 and 128) without causal; one per pair of query tiles with causal and CAUSAL_PAIRS (D=128); one per
@@ -32,17 +32,18 @@ item, as a plain grid, otherwise); with causal, CAUSAL_PAIRS and CAUSAL_PERSISTE
 at most, CTA p walking the pairs as slots p, p + num_programs, ... (``_pair_slot_item``). Ring positions, barrier
 parities and the ping-pong turn carry on from one item to the next, so a persistent CTA's next item starts
 loading while it finishes the last one. Per CTA:
-  * producer partition, 1 warp: per item the two Q tiles (once the consumers are done with the previous
+  * producer partition, 1 warp: per item the NUM_WG Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
     box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
-    signal the consumers, k_empty/v_empty (count 2, one arrival per consumer warpgroup) signal the producer
-    that a slot is free.
-  * two consumer warpgroups (the default partition = WG 0, one 4-warp worker = WG 1), M_WG query rows each:
-    S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V (wgmma, P from
-    registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits only for S_i,
-    does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG two mbarriers
-    hand a "turn" between the warpgroups so one issues its two products while the other does its softmax
-    (FA-3's warp scheduler barriers).
+    signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup) signal the
+    producer that a slot is free.
+  * NUM_WG consumer warpgroups (two in CONFIGS; the default partition = WG 0, 4-warp workers = WG 1 and 2),
+    M_WG query rows each: S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V
+    (wgmma, P from registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits
+    only for S_i, does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG
+    NUM_WG mbarriers hand a "turn" around the warpgroups (WG 0 -> 1 -> .. -> 0): each waits for its turn,
+    issues its two products and hands the turn on, so one issues while the others do their softmax (FA-3's
+    warp scheduler barriers).
   * epilogue per item: O / l cast to the input dtype, TMA store from shared memory; lse by masked stores. With
     O_TILE the warpgroup's own O tile (once its previous store has read it), and the Q tile is handed back
     after the item's last S product; without, the (then free) Q tile, handed back once the store has read it.
@@ -70,20 +71,25 @@ from flashtile.ops.attention.tiles import LN2, LOG2E
 
 CONFIGS = {
     # three stages of 128-key tiles: 16 KiB of Q, 96 KiB of K and V, 16 KiB of O
-    64: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True, "CAUSAL_PAIRS": False,
-         "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
-    128: {"M_WG": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True, "CAUSAL_PAIRS": True,
-          "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    64: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
+         "CAUSAL_PAIRS": False, "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    128: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True,
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
     # 192 KiB, so O leaves through the Q tile
-    256: {"M_WG": 64, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False, "CAUSAL_PAIRS": False,
-          "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    256: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False,
+          "CAUSAL_PAIRS": False, "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
 ``_paired_item``), those pairs walked by persistent CTAs (CAUSAL_PERSISTENT, ``_pair_slot_item``), registers per
 thread of the consumers and the producer (setmaxnreg). D=64 without causal, persistent with its O tile, against
 the Triton kernel: see CAUSAL_HEAD_DIMS.
+
+NUM_WG: consumer warpgroups per CTA, 2 (a work item is a 128-row query tile) or, at D=64, 3 (``D64_THREE_WG``,
+192-row items, not shipped). Triton pads the 1-warp producer to a warpgroup of its own and gives the default
+partition (WG 0) what the workers leave of the 65536 registers: 240 per thread with two consumer warpgroups,
+168 with three.
 
 CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the heaviest with the lightest
 (``_paired_item``), so every CTA walks about n_m + 1 key tiles (N=1k: 1024 CTAs of 9 tiles instead of 2048 of 1-8)
@@ -102,7 +108,7 @@ doing just the expected work in 271k cycles, where the full kernel's efficiency 
 persistent CTA pays it once, loading each next slot while it finishes the last. Prediction: +3-10% at D=128 causal
 N=1k-4k, most at 1k (9 key tiles per slot; at 4k 33, so a start weighs a quarter as much).
 
-O_TILE: O leaves through a [2, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
+O_TILE: O leaves through a [NUM_WG, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
 item's Q while its epilogue stores O; without it O leaves through the Q tile, which goes to the next item once
 the store has read it. Launches with O_TILE and without causal are persistent (``programs``). Measured on an
 H200 (bf16, D=128, TFLOP/s, one CTA per item -> persistent with the O tile; branch 815003a before the D=256
@@ -110,6 +116,22 @@ merge): N=1k 553.8 -> 594.8, N=4k 625 -> 638; causal lost (N=1k 389 -> 369, N=16
 heads' heaviest tiles first), so causal launches stay one CTA per item (per pair with CAUSAL_PAIRS). At
 D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA. Shared memory (bytes,
 tests/sm90_compile.py): D=64 131544, D=128 197016 (164200 before the O tile), D=256 196984; no spills."""
+D64_THREE_WG = {"NUM_WG": 3, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24}
+"""CONFIGS[64] with three consumer warpgroups (FA-3's hdim-64 forward: 192 x 128 tiles), unmeasured (branch
+gluon-fwd-d64-3wg; the A/B: docs/tuning-log.md). A work item is a 192-row query tile; 160 registers for WG 1
+and 2, 168 for WG 0 (the default partition), 24 for the producer: 168 * 128 + 2 * 160 * 128 + 24 * 128 = 65536.
+Shared memory 147972 bytes (Q and O 24 KiB each, three K/V stages 96 KiB). Compiled (tests/sm90_compile.py,
+Triton 3.6 and 3.7): no spills without causal and with EVEN_K; 8 bytes of stack with a ragged last key tile
+(one value stored at an item's start and loaded in its epilogue), 40 with causal (48 with CAUSAL_PAIRS on 3.7:
+registers stored and reloaded around the first key tile's mask, once per item and warpgroup; none in the key
+loop).
+
+Prediction: the D=64 forward without causal +5-15% (N >= 4k; ~450 TFLOP/s now, FA-4 505-543). At D=64 a
+warpgroup's softmax of its [64, 128] scores (8192 exp2: 512 cycles of the SM's MUFU, plus the max, sum, scale and
+convert instructions) lasts as long as or longer than its two products (~512 tensor cycles), so with two
+warpgroups the tensor pipe idles whenever one softmax outlasts the other's products. With three, the other two
+warpgroups' products (~1024 cycles) cover each softmax. Against it: at N=1k the 192-row tiles pad 1024 query
+rows to 1152 (+12.5% work), and 160 registers leave the compiler less room to schedule."""
 CAUSAL_HEAD_DIMS = (128, 256)
 """Head dims whose causal forwards run here. At D=64 with causal the Triton kernel was faster up to N=4k and
 2% slower at 16k (H200, bf16, B*N = 16k, H = 32, TFLOP/s, Gluon one CTA per item against the Triton kernel in
@@ -117,7 +139,7 @@ the same two runs, results/2026-11-30-h200x2-s7-call3-timing-f38e70e.log): N=1k 
 4k 378 / 377 against 388 / 391, 16k 442 / 442 against 435 / 430; the dynamic persistent schedule did no better
 (call 1 and 2 logs). Without causal the Gluon forward won there: 1k 420 / 412 against 403 / 401, 4k 450 / 451
 against 432 / 436, 16k 455 / 451 against 428 / 439."""
-ROWS = 2 * CONFIGS[128]["M_WG"]
+ROWS = CONFIGS[128]["NUM_WG"] * CONFIGS[128]["M_WG"]
 """Query rows per CTA (= BLOCK_N); the Gluon backward's lengths must be multiples of this (``descriptor``)."""
 
 # Triton 3.6 and 3.7 differ in mbarrier.expect's byte-count keyword (bytes / bytes_per_cta): it is always
@@ -276,12 +298,13 @@ def _producer(
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
 ):
-    """Per work item of this CTA (``_work``): the two Q tiles, once the consumers are done with the previous
-    ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs on across items, so
-    the next item's first tiles load while the consumers finish the last one."""
+    """Per work item of this CTA (``_work``): the NUM_WG Q tiles ([M_WG, HEAD_D] each), once the consumers are
+    done with the previous ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs
+    on across items, so the next item's first tiles load while the consumers finish the last one."""
     # Coordinates are (batch entry, row, column) of the (batch, seqlen, nheads * headdim) view. A box that
     # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
     # count on the barrier, so the expected bytes are always the box's.
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     it = 0
     item = 0
     if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
@@ -290,10 +313,10 @@ def _producer(
         start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
     for t in range(start, stop, step):
         b, h, m0, n_blocks = _work(
-            t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
         )
         kv_col = (h // group) * HEAD_D
-        for w in gl.static_range(2):
+        for w in gl.static_range(NUM_WG):
             # a fresh barrier passes a wait on parity 1, so the first item (and the first round through the
             # ring below) does not block
             mbarrier.wait(q_empty.index(w), (item & 1) ^ 1)
@@ -378,9 +401,9 @@ def _consumer(
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
 ):
-    """Consumer warpgroup WG (0 or 1): rows WG * M_WG.. of each work item's query tile (``_work``); the ring
-    position (it), the item count and the ping-pong parity run on across items as the producer's do. ``args``:
-    the kernel's consumer_args (its runtime values, the same for both warpgroups)."""
+    """Consumer warpgroup WG (0 .. NUM_WG - 1): rows WG * M_WG.. of each work item's query tile (``_work``); the
+    ring position (it), the item count and the ping-pong parity run on across items as the producer's do.
+    ``args``: the kernel's consumer_args (its runtime values, the same for every warpgroup)."""
     (
         o_desc,
         q_smem,
@@ -403,6 +426,7 @@ def _consumer(
         qk_scale,
     ) = args
     dtype: gl.constexpr = q_smem.dtype
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -412,9 +436,9 @@ def _consumer(
     q_tile = _tile(q_smem, WG)
     o_tile = _tile(o_smem, WG)  # the Q tile itself without O_TILE
     my_turn = turn.index(WG)
-    other_turn = turn.index(1 - WG)
-    # WG 0 starts with the turn (parity 1 on a fresh barrier passes), WG 1 waits for WG 0's first hand-off
-    turn_ph = 1 - WG
+    next_turn = turn.index((WG + 1) % NUM_WG)
+    # WG 0 starts with the turn (parity 1 on a fresh barrier passes), WG w > 0 waits for WG w - 1's first hand-off
+    turn_ph = 1 if WG == 0 else 0
     s_zero = gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout)
     diag_off = seqlen_k - seqlen_q
 
@@ -426,7 +450,7 @@ def _consumer(
         start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
     for t in range(start, stop, step):
         b, h, m0, n_blocks = _work(
-            t, n_m, n_items, nheads, seqlen_q, seqlen_k, 2 * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
         )
         q_pos0 = m0 + WG * M_WG
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
@@ -444,7 +468,7 @@ def _consumer(
         k_tile = _tile(k_smem, s0)
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(other_turn, count=1)
+            mbarrier.arrive(next_turn, count=1)
         s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
         mbarrier.arrive(k_empty.index(s0), count=1)
         p, alpha, m_i, l_i = _softmax_step(
@@ -469,7 +493,7 @@ def _consumer(
             v_tile = _tile(v_smem, sp)
             acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
             if PINGPONG:
-                mbarrier.arrive(other_turn, count=1)
+                mbarrier.arrive(next_turn, count=1)
             # wgmma groups retire in order: <= 1 outstanding means S_i is done
             s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s), count=1)
@@ -534,6 +558,7 @@ def _attention_forward_sm90_kernel(
     group,
     HEAD_D: gl.constexpr,
     M_WG: gl.constexpr,
+    NUM_WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
@@ -545,38 +570,39 @@ def _attention_forward_sm90_kernel(
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
-    n_m = gl.cdiv(seqlen_q, 2 * M_WG)
+    gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups (the partitions below)")
+    n_m = gl.cdiv(seqlen_q, NUM_WG * M_WG)
     n_items = n_m * batch * nheads
 
     dtype: gl.constexpr = q_desc.dtype
     # [1, rows, HEAD_D] boxes of the descriptors, viewed as [rows, HEAD_D] tiles by the consumers (_tile)
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, M_WG, HEAD_D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], q_desc.layout)
     if O_TILE:
-        o_smem = gl.allocate_shared_memory(dtype, [2, 1, M_WG, HEAD_D], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], o_desc.layout)
     else:
         o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], v_desc.layout)
 
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
+    for w in gl.static_range(NUM_WG):
         mbarrier.init(q_bar.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(s), count=2)
+        mbarrier.init(k_empty.index(s), count=NUM_WG)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(s), count=NUM_WG)
 
     # constexprs travel as separate arguments (inside a tuple they would arrive as tensors); the runtime
-    # arguments of both consumer warpgroups as one tuple
+    # arguments of every consumer warpgroup as one tuple
     consumer_args = (
         o_desc,
         q_smem,
@@ -598,6 +624,9 @@ def _attention_forward_sm90_kernel(
         seqlen_k,
         qk_scale,
     )
+    # Consumer warpgroup 0 is the default partition; the workers are consumer warpgroup 1, the 1-warp producer and,
+    # with NUM_WG = 3, consumer warpgroup 2, which the slices drop at NUM_WG = 2 (after the producer, so that the
+    # two-warpgroup kernel keeps its partitions; tuple + would unwrap the constexpr arguments into ints).
     gl.warp_specialize(
         [
             (
@@ -640,9 +669,14 @@ def _attention_forward_sm90_kernel(
                     CAUSAL_PERSISTENT,
                 ),
             ),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
+            (
+                _consumer,
+                (2, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
+                 CAUSAL_PERSISTENT),
+            ),
+        ][: NUM_WG + 1],
+        [4, 1, 4][:NUM_WG],
+        [CONSUMER_REGS, PRODUCER_REGS, CONSUMER_REGS][:NUM_WG],
     )  # fmt: skip
 
 
@@ -796,7 +830,7 @@ def attention_forward_sm90(
     batch, seqlen_q, nheads, head_dim = q.shape
     cfg = CONFIGS[head_dim]
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
-    n_m = cdiv(seqlen_q, 2 * m_wg)
+    n_m = cdiv(seqlen_q, cfg["NUM_WG"] * m_wg)
     args = (
         batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
         batch_descriptor(out, m_wg), lse,
