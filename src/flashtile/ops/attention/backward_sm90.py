@@ -281,14 +281,17 @@ def _pair(i, n_tiles, m_start, BLOCK_M: gl.constexpr, GROUPED: gl.constexpr):
 
 
 @gluon.jit
-def _assume_flat_range(it0, n_iters):
-    """KEY_PAIRS: tells LLVM that a work item's flat iterations it0 .. it0 + n_iters - 1 are not negative (with
-    one item per CTA the loop starts at 0, which it knows), so that the ring slots and parities of iteration i
-    (i % STAGES, i // STAGES, ...) compile to masks and shifts. Without it the D=64 consumers' loops computed
-    them by signed division, kept strength-reduced induction variables in registers and spilled: 11 and 8
-    local loads and stores per iteration in the two warpgroups, against 2 and 2 (tests/sm90_compile.py's SASS)."""
-    gl.assume(it0 >= 0)
-    gl.assume(n_iters >= 0)
+def _flat_index(i):
+    """KEY_PAIRS: a consumer's flat iteration index i (in the second work item it runs on from it0, the first
+    item's count) through a side-effecting inline-asm move, which LLVM can neither look through nor hoist, with
+    i >= 0 assumed (ring slots and parities by masks and shifts, not signed division). Read plainly, i made LLVM
+    strength-reduce the ring's shared-memory addresses into per-item values held across the query-tile loop, which
+    ptxas spilled: Triton 3.6, D=128, 41 and 34 local loads and stores per iteration in the two consumers' loops
+    (stack 184 bytes; GQA 240) with it0 and n_iters assumed non-negative; Triton 3.7, D=64, 11 and 8 without
+    (tests/sm90_compile.py's SASS). ptxas sees a plain move."""
+    flat = gl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
+    gl.assume(flat >= 0)
+    return flat
 
 
 @gluon.jit
@@ -364,8 +367,6 @@ def _producer(
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem.index(0))
-        if pairs is not None:
-            _assume_flat_range(it0, n_iters)
         for i in range(it0, it0 + n_iters):
             s = i % STAGES
             # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
@@ -662,12 +663,12 @@ def _consumer(
         dv = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
 
         mbarrier.wait(kv_bar, item & 1)
-        if pairs is not None:
-            _assume_flat_range(it0, n_iters)
         for i in range(it0, it0 + n_iters):
+            flat = i if pairs is None else _flat_index(i)
             s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
-                i, it0, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, DO_STAGES, GROUPED
-            )
+                flat, it0, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start,
+                BLOCK_M, STAGES, DO_STAGES, GROUPED,
+            )  # fmt: skip
             dq_col0 = g * HEAD_D
             k_wg = k_it.slice(WG * N_WG, N_WG)
             v_wg = v_it.slice(WG * N_WG, N_WG)
@@ -826,12 +827,12 @@ def _consumer_by_output(
         acc = gl.zeros([N_WG, HEAD_D], gl.float32, acc_layout)
 
         mbarrier.wait(kv_bar, item & 1)
-        if pairs is not None:
-            _assume_flat_range(it0, n_iters)
         for i in range(it0, it0 + n_iters):
+            flat = i if pairs is None else _flat_index(i)
             s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
-                i, it0, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, DO_STAGES, GROUPED
-            )
+                flat, it0, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start,
+                BLOCK_M, STAGES, DO_STAGES, GROUPED,
+            )  # fmt: skip
             if WG == 0:
                 # ---- S^T, P^T to WG 1 (once it has read the previous one), then dV += P^T dO (A from registers)
                 mbarrier.wait(q_ready.index(s), ph)
