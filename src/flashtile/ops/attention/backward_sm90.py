@@ -74,7 +74,7 @@ next changes nothing in the pipeline; dK and dV simply keep accumulating (that i
   * epilogue: dV_wg goes to this warpgroup's rows of the V tile in shared memory (only it reads them);
     dK_wg to its rows of the K tile once both warpgroups have left the loop (kv_done, count 2: the dQ
     products read all of K); then TMA stores, and tma.store_wait(0), which also waits for the last dQ reduces
-    to have read their staging tiles.
+    to have read their staging tiles (KEY_PAIRS: then an arrival on kv_free, below).
   Shared memory (bytes of the 232,448 of a CTA, tests/sm90_compile.py): D=128 231,488-231,504 (198,704-198,720
   with atomics): Q and dO rings 3 x 16 KiB each, K and V 32 KiB each, two dS^T buffers 2 x 16 KiB, two dQ staging
   tiles 2 x 16 KiB, lse/delta 1.5 KiB; D=64 (BLOCK_M = 128, two stages) 199,168-199,184 (166,384-166,400 with
@@ -126,6 +126,44 @@ producer, the flat (g, query tile) loop, _probs, _dq_step and the TMA epilogue a
   stage and the atomics). P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T
   would save 8 KiB).
 
+Causal key-tile pairs (KEY_PAIRS in ``CONFIGS``: off at every head dim, so the kernel compiles as before; branch
+gluon-bwd-causal-pairs, NOT yet measured on a GPU). With causal, key tile j visits only the query tiles from its
+diagonal on, so the CTAs of a (K/V head, batch entry) have unequal work (N=1k, D=128: 16, 14, ..., 2 query tiles
+of 64 rows per head). With KEY_PAIRS a causal launch gets one CTA per pair of them (``programs``: n_n - n_n // 2
+CTAs for n_n key tiles): CTA p walks key tile p, the heaviest of its pair, then tile n_n - 1 - p, the lightest,
+so at Sq = Sk every CTA walks n_m + BLOCK_N / BLOCK_M query tiles per head (n_m: the query tiles; N=1k, D=128:
+18), half as many CTAs as key tiles; an odd n_n's middle tile has a CTA of its own. The same trick in the forward
+(forward_sm90's CAUSAL_PAIRS) gained +6% at N=1k, +3-8% at 2k and 4k and 0-2% at 8k and 16k on the H200; by
+analogy the prediction here is +3-8% for causal D=128 and D=64 backwards at N=1k-4k and ~0 at 16k (many tiles
+per CTA, so the imbalance is a small share). GQA: each item walks its key tile for every query head of the
+group, as without pairs. The two items run one after the other in the same partitions:
+  * producer (``_producer``): per item, once both consumer warpgroups have finished with the K and V tiles
+    (kv_free), K and V (kv_bar), then the item's Q / dO / lse / delta loads; the second item's iterations
+    continue the flat index (it0 .. it0 + n_iters - 1, it0 = the first item's n_iters; ``_pair`` takes the
+    item's own i - it0), so every ring slot and parity stays a function of one running count.
+  * consumers: per item dK_wg / dV_wg (D=256: each warpgroup's accumulator) from zero, kv_bar, the same loop and
+    epilogue, then (``_item_done``) a partition barrier after the epilogue's tma.store_wait(0), so the TMA
+    stores of dK and dV have read the K and V tiles, and one arrival on kv_free.
+  Barrier phases with two items (item = 0, 1). Per iteration, with the flat i running on across items and so
+  unchanged: q_ready, stat_ready, q_empty (slot i % STAGES, parity (i // STAGES) & 1), do_ready, do_empty (i %
+  DO_STAGES), ds_ready, ds_free (buffer i % 2, parity (i // 2) & 1), p_ready / p_free (D=256, parity i & 1) and
+  the dQ staging tiles (a store_wait before each reuse). Per item: kv_bar completes once per item (its K and V
+  bytes), the consumers wait parity item & 1; kv_done (count 2) completes once per item (each warpgroup
+  arrives as it leaves the loop), waited with parity item & 1; kv_free (count 2, allocated only with
+  KEY_PAIRS) completes once per item (each warpgroup's arrival after its epilogue), the producer waits parity
+  (item & 1) ^ 1 before the item's K and V: item 0 passes on the fresh barrier, item 1 waits for both item-0
+  epilogues, and item 1's arrivals complete a phase nobody waits for. No barrier can get two phases ahead of a
+  waiter: item 1's K and V (so its kv_bar phase, its loop and its kv_done arrivals) wait for both warpgroups'
+  item-0 epilogues.
+  Cost: one K and one V tile, so the second item's loads (K and V, and behind them its first Q / dO) start
+  only once the first item's dK and dV stores have read the tiles: per pair one epilogue plus one K / V load
+  without overlap, as a CTA started for that key tile would pay (without the launch and the prologue). The
+  consumers read the flat index opaquely (``_flat_index``, register-pressure notes). tests/sm90_compile.py
+  (causal MHA / GQA): stack 24 / 32 bytes at D=128 with Triton 3.6 (16 / 32 with 3.7) against 32 / 32 without
+  KEY_PAIRS, D=64 24 / 24 (3.7: 24 / 16) against 24 / 48, D=256 0; per iteration 2 and 2 local loads and stores
+  in the two consumers' loops at D=128 (4 and 6 without KEY_PAIRS, MHA) and D=64 (2 and 2); shared memory
+  +48 bytes (kv_free): D=128 231,536 / 231,552, D=64 199,216 / 199,232, D=256 231,040 / 231,056.
+
 Register-pressure notes (what keeps D=128 and D=64 from spilling; keep them in mind when editing):
   * LLVM hoists loop-invariant address arithmetic out of the query-tile loop and ptxas then spills it.
     The wgmma descriptors of the K and V tiles are kept in the loop by indexing the (single-slot) K/V
@@ -144,6 +182,11 @@ Register-pressure notes (what keeps D=128 and D=64 from spilling; keep them in m
     0's dP^T only once S^T has retired (WARPGROUP.DEPBAR before it) and computes P^T while dP^T runs; WG 1 keeps
     both in flight. A lse/delta fold needs qk_scale > 0: the caller (backward.py) sends other scales to the
     Triton kernels.
+  * KEY_PAIRS: the second item's flat index runs from a runtime it0. Read plainly, LLVM strength-reduced the
+    ring's shared-memory addresses in it into per-item values held across the query-tile loop, and ptxas
+    spilled them (Triton 3.6, D=128: 41 and 34 local loads and stores per iteration); the consumers read i
+    through an opaque inline-asm move with i >= 0 assumed (``_flat_index``), which keeps the slot arithmetic
+    as with one item.
   * DQ_TMA at D=128: the staging tile's stores keep four per-thread swizzled offsets live through the loop,
     which ptxas partly keeps on the stack (32 bytes against 16 / 24 with atomics; per iteration 0 and 5 local
     loads in the two warpgroups without causal, against 2 and 1). Indexing the staging tile with the opaque
@@ -211,15 +254,24 @@ CONFIGS = {
 most STAGES; equal: one empty barrier per slot frees both rings, otherwise each ring has its own), dQ columns
 split between the warpgroups (needs 64-column halves: head dims 128 and 256), the warpgroups split the work by
 output (OUTPUT_SPLIT, both see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), dQ
-partials added by TMA reduces from shared memory rather than by per-thread atomics (DQ_TMA), registers per
-thread of consumers / producer. tune_gluon.py's ``--variant NAME:KEY=VALUE`` sets a key in every entry that
-has it: DO_STAGES=2 makes D=128 STAGES=3 / DO_STAGES=2 (compiles; stack at D=128 32-40 bytes with DQ_TMA,
-16-32 with the atomics, 72-104 with DO_STAGES=1; test_backward_key_split_with_a_shallower_do_ring covers it on
-the GPU, and D=64 with STAGES=3), so time such variants at D=256 only. BLOCK_M: 128 (D=64's default: 128-query
+partials added by TMA reduces from shared memory rather than by per-thread atomics (DQ_TMA), causal key tiles
+walked in pairs (KEY_PAIRS), registers per thread of consumers / producer. tune_gluon.py's ``--variant
+NAME:KEY=VALUE`` sets a key in every entry that has it: DO_STAGES=2 makes D=128 STAGES=3 / DO_STAGES=2 (compiles;
+stack at D=128 32-40 bytes with DQ_TMA, 16-32 with the atomics, 72-104 with DO_STAGES=1;
+test_backward_key_split_with_a_shallower_do_ring covers it on the GPU, and D=64 with STAGES=3), so time such
+variants at D=256 only. BLOCK_M: 128 (D=64's default: 128-query
 S^T / dP^T tiles, the statistics in the accumulators, dQ split by rows) or 64 (the warpgroups take turns with
 dQ); only D=64 takes 128 (at D=128 dK, dV and a [128, 64] dQ half would not fit in 240 registers), and both
 take the same lengths (``qualifies``: multiples of ROWS = 128). The STAGES and DO_STAGES of a D=64 variant also
 land on D=128 and D=256 (BLOCK_M=64,STAGES=3,DO_STAGES=3 leaves D=128 as it is): time it at D=64 only.
+
+KEY_PAIRS (off at every head dim; branch gluon-bwd-causal-pairs, NOT yet measured on a GPU): a causal launch gets
+one CTA per pair of a (K/V head, batch entry)'s key tiles, the heaviest and then the lightest (``programs``;
+module docstring, "Causal key-tile pairs"), as the forward's CAUSAL_PAIRS does with query tiles; no effect
+without causal. Predicted by analogy with the forward's measured gain: +3-8% for causal D=128 and D=64
+backwards at N=1k-4k, ~0 at 16k. It compiles at every head dim (D=256 too) with no more spilling than without
+it. The forward's key is CAUSAL_PAIRS, so this one has its own name: ``--variant bwdpairs:KEY_PAIRS=1`` switches
+the backward alone (docs/tuning-log.md).
 
 DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]
 (DQ_SPLIT) or [BLOCK_M, D], [64, 64] at D=64/128, in a shared-memory tile of its own and adds the tile to
@@ -606,7 +658,10 @@ def _consumer(
     (summed over the group's heads), adds each pair's dQ partial to its head's columns of dq (see _dq_step;
     dq_ptr: the batch entry's row 0, the group's first head), stores dK_wg and dV_wg at the end. ``args``: the
     kernel's consumer_args (its runtime values, the same for both warpgroups), with DQ_TMA followed by dQ's
-    descriptor, the two warpgroups' staging tiles and the coordinates of dq_ptr's element in the descriptor."""
+    descriptor, the two warpgroups' staging tiles and the coordinates of dq_ptr's element in the descriptor.
+    ``pairs`` (``_producer``'s): None, or with KEY_PAIRS the second work item, walked the same way after the
+    first (dK_wg and dV_wg from zero, kv_bar and kv_done with the item's parity, the flat iteration index
+    running on), each item's epilogue ending with an arrival on kv_free (``_item_done``)."""
     (
         q_smem,
         do_smem,
@@ -776,7 +831,8 @@ def _consumer_by_output(
     P^T exchange (p_smem [N_WG, BLOCK_M] fp32, p_ready, p_free), then with DQ_TMA the four values of
     ``_consumer``'s. Q and dO slots: with rings of different depths (DO_STAGES < STAGES) each warpgroup releases
     a slot once its last reader of it has retired: WG 0 Q's after S^T, dO's after dV (in _dq_step); WG 1 dO's
-    after dP^T, Q's after dK (in _dq_step); with equal depths one barrier frees both, as in ``_consumer``."""
+    after dP^T, Q's after dK (in _dq_step); with equal depths one barrier frees both, as in ``_consumer``.
+    ``pairs``: as in ``_consumer`` (each item's accumulator from zero)."""
     (
         q_smem,
         do_smem,
@@ -1018,16 +1074,15 @@ def _attention_backward_sm90_kernel(
         sm_scale,
     )
     if CAUSAL and KEY_PAIRS:
-        # the CTA's second item: key tile n_n - 1 - pid_n, the lightest of the pair (``programs``), unless pid_n is
-        # an odd count's middle tile; its K and V load once both warpgroups have stored pid_n's dK and dV (kv_free)
-        last = seqlen_k // BLOCK_N - 1 - pid_n
+        # the CTA's second work item: key tile n_n - 1 - pid_n, the lightest of the pair (``programs``), unless
+        # pid_n is an odd n_n's middle tile; its K and V load once both warpgroups have stored pid_n's dK and dV
+        # from the K and V tiles (kv_free)
+        mirror = seqlen_k // BLOCK_N - 1 - pid_n
         kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_free, count=2)  # one arrival per consumer warpgroup
-        last_start, last_m_start, last_n_tiles, last_n_iters = _key_tile(
-            last, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL
-        )
-        next_item = (b * seqlen_k + last_start, last_m_start, last_n_tiles, last_start, last_n_iters)
-        pairs = (kv_free, 1 + (last > pid_n).to(gl.int32), next_item)
+        start2, m_start2, n_tiles2, n_iters2 = _key_tile(mirror, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+        next_item = (b * seqlen_k + start2, m_start2, n_tiles2, start2, n_iters2)
+        pairs = (kv_free, 1 + (mirror > pid_n).to(gl.int32), next_item)
     else:
         pairs: gl.constexpr = None  # one work item per CTA
     if OUTPUT_SPLIT:
