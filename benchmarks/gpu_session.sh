@@ -27,7 +27,10 @@
 #            tests/test_gluon_sm90.py) side by side on GPU 1 (compiles are CPU-bound), while GPU 0 times this tree
 #            and then each branch with tune_gluon.py $TUNEGLUON_ARGS (branches.log). BRANCH_DIRS: their folders, made here
 #            beforehand with `git archive BRANCH pyproject.toml src tests benchmarks | tar -x -C .branches/BRANCH`
-#            (.branches/ in .git/info/exclude; carry it)
+#            (.branches/ in .git/info/exclude; carry it). The tests' compiles perturb the timing (session 10: +-5%,
+#            some rows 15%); for clean numbers run the two halves in separate calls:
+#   branchtests  the branches' GPU tests alone, spread over both GPUs
+#   branchtimes  the timing alone on GPU 0
 # Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
 set -uo pipefail
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps a path set before (fa4_setup.sh)
@@ -35,6 +38,25 @@ OUT=${OUT:-/tmp/flashtile-out}
 mkdir -p "$OUT"
 commit=$(cat benchmarks/.commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+# Each branch's GPU tests side by side, branch i on the i-th GPU of the list given (cycling).
+branch_tests() {
+  local gpus=("$@") i=0
+  for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
+    (cd "$dir" && CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]} PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-330} \
+       python3 -m pytest ${BRANCH_TESTS:-tests/test_gluon_sm90.py} -q -p no:cacheprovider \
+       > "$OUT/tests-$(basename "$dir").log" 2>&1) &
+    i=$((i + 1))
+  done
+  wait
+}
+# This tree and then each branch timed with tune_gluon.py on GPU 0, one after the other.
+branch_times() {
+  for tree in . ${BRANCH_DIRS:?set BRANCH_DIRS}; do
+    echo "### $tree" >> "$OUT/branches.log"
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$tree/src timeout ${GLUON_TIMEOUT:-150} \
+      python3 "$tree/benchmarks/tune_gluon.py" ${TUNEGLUON_ARGS:-} >> "$OUT/branches.log" 2>&1
+  done
+}
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -89,17 +111,10 @@ for step in "$@"; do
       done ;;
     tunegluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/tune_gluon.py --out "$OUT" ${TUNEGLUON_ARGS:-} 2>&1 | tail -80 ;;
     branches)
-      for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
-        (cd "$dir" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-330} python3 -m pytest \
-           ${BRANCH_TESTS:-tests/test_gluon_sm90.py} -q -p no:cacheprovider > "$OUT/tests-$(basename "$dir").log" 2>&1) &
-      done
-      for tree in . ${BRANCH_DIRS}; do
-        echo "### $tree" >> "$OUT/branches.log"
-        CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$tree/src timeout ${GLUON_TIMEOUT:-150} \
-          python3 "$tree/benchmarks/tune_gluon.py" ${TUNEGLUON_ARGS:-} >> "$OUT/branches.log" 2>&1
-      done
-      wait
+      branch_tests 1 & branch_times; wait
       tail -n 2 "$OUT"/tests-*.log; grep -v "^ " "$OUT/branches.log" | tail -60 ;;
+    branchtests) branch_tests 1 0; tail -n 2 "$OUT"/tests-*.log ;;
+    branchtimes) branch_times; grep -v "^ " "$OUT/branches.log" | tail -80 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -12,6 +12,7 @@ difference of that run's out, dq, dk, dv from the shipped config's (bf16 roundin
 make it nonzero). Example:
 
     --variant fwd-3-stages:STAGES=3 --variant no-pingpong:PINGPONG=0 --variant bwd-2-stages:STAGES=2
+    --variant gluon-causal:GLUON_CAUSAL_D=64,CAUSAL_PAIRS=1  (D=64 causal forwards on the Gluon kernel, in pairs)
 
 A key in both modules' configs changes both kernels; the causal pairs have a name per kernel (forward
 CAUSAL_PAIRS, backward KEY_PAIRS), so ``--variant bwdpairs:KEY_PAIRS=1`` changes the backward alone.
@@ -39,6 +40,10 @@ import flashtile
 from flashtile import _backend
 from flashtile.ops.attention import backward_sm90, forward_sm90
 
+CAUSAL_HEAD_DIM = "GLUON_CAUSAL_D"
+"""A variant key that is no CONFIGS entry: GLUON_CAUSAL_D=64 adds head dim 64 to ``forward_sm90.CAUSAL_HEAD_DIMS``
+inside the variant, so its causal forwards run the Gluon kernel instead of the Triton one."""
+
 
 @contextlib.contextmanager
 def configured(changes: dict[str, int]) -> Iterator[None]:
@@ -46,6 +51,9 @@ def configured(changes: dict[str, int]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for cfg in (*forward_sm90.CONFIGS.values(), *backward_sm90.CONFIGS.values()):
             stack.enter_context(mock.patch.dict(cfg, {k: v for k, v in changes.items() if k in cfg}))
+        if CAUSAL_HEAD_DIM in changes:
+            causal_dims = (*forward_sm90.CAUSAL_HEAD_DIMS, changes[CAUSAL_HEAD_DIM])
+            stack.enter_context(mock.patch.object(forward_sm90, "CAUSAL_HEAD_DIMS", causal_dims))
         yield
 
 
