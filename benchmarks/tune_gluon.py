@@ -16,6 +16,9 @@ the shipped config's (bf16 rounding and the atomic dQ's order make it nonzero). 
     --variant d64-3wg:FORWARD_D=64,NUM_WG=3,CONSUMER_REGS=160,PRODUCER_REGS=24  (forward_sm90.D64_THREE_WG: the
         D=64 forward alone; without FORWARD_D the register split would change every config, the backward's too)
 
+A key in both modules' configs changes both kernels; the causal pairs have a name per kernel (forward
+CAUSAL_PAIRS, backward KEY_PAIRS), so ``--variant bwdpairs:KEY_PAIRS=1`` changes the backward alone.
+
 The backward takes lengths that are multiples of ``forward_sm90.ROWS`` (128, fixed at import); its BLOCK_M, 128
 at D=64 and 64 elsewhere, may be either value with that rule (``--variant d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3``
 is main's D=64 backward before the 128-row tiles: the same SASS; STAGES / DO_STAGES also change the D=256

@@ -330,6 +330,11 @@ def gluon_variants() -> list[Variant]:
         for mask, (flags, grouped) in itertools.product(("full", "causal"), (("off", False), ("gqa", True))):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
             variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts))
+        # the other setting of KEY_PAIRS (causal key tiles walked in pairs, ``backward_sm90.programs``)
+        paired = "unpaired" if cfg["KEY_PAIRS"] else "pairs"
+        for flags, grouped in ((paired, False), (f"{paired},gqa", True)):
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=True, GROUPED=grouped, KEY_PAIRS=not cfg["KEY_PAIRS"])
+            variants.append(Variant(GLUON_BACKWARD, name, "causal", flags, consts))
     return variants
 
 

@@ -303,6 +303,28 @@ def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_
     assert calls[-1][0][names.index("dq_desc")] is None and calls[-1][1]["DQ_TMA"] is False
 
 
+def test_backward_key_pairs_launch_one_cta_per_pair_of_key_tiles(monkeypatch):
+    """KEY_PAIRS (off by default at every head dim): a causal launch gets n_n - n_n // 2 CTAs per (K/V head,
+    batch entry) for n_n key tiles (an odd n_n's middle tile alone, ``backward_sm90.programs``), a grid
+    (programs, nheads_k, batch); off, or without causal, one CTA per key tile as before."""
+    assert not any(cfg["KEY_PAIRS"] for cfg in backward_sm90.CONFIGS.values())
+    paired = dict(backward_sm90.CONFIGS[128], KEY_PAIRS=True)
+    assert [backward_sm90.programs(n_n, paired, True) for n_n in (1, 2, 5, 8)] == [1, 1, 3, 4]
+    assert backward_sm90.programs(5, paired, False) == 5
+    assert backward_sm90.programs(5, dict(paired, KEY_PAIRS=False), True) == 5
+    grids = []
+    monkeypatch.setattr(backward_sm90, "launch", lambda kernel, grid, args, cx: grids.append((grid, cx["KEY_PAIRS"])))
+    for head_dim in (64, 128, 256):
+        q, k, v = qkv(batch=3, seqlen_q=256, seqlen_k=640, nheads=4, nheads_k=2, head_dim=head_dim)
+        stats = torch.zeros(3, 4, 256)
+        n_n = 640 // backward_sm90.CONFIGS[head_dim]["BLOCK_N"]  # 5 key tiles of 128 rows, 10 of 64 (D=256)
+        backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=True)
+        monkeypatch.setitem(backward_sm90.CONFIGS[head_dim], "KEY_PAIRS", True)
+        for causal in (True, False):
+            backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal)
+        assert grids[-3:] == [((n_n, 2, 3), False), ((n_n - n_n // 2, 2, 3), True), ((n_n, 2, 3), True)]
+
+
 def _recorded(launch, tag, calls):
     def recorded(*args, **kwargs):
         calls.append((tag, kwargs["causal"]))
@@ -645,6 +667,39 @@ def test_backward_key_split_with_a_shallower_do_ring(monkeypatch, launches, caus
     inputs = make_inputs(2, 2048, 2048, 8, 2, head_dim, dtype=torch.bfloat16)
     _matches_other_config(monkeypatch, inputs, causal, head_dim, dict(STAGES=3, DO_STAGES=do_stages))
     assert [call for call in launches if call[0] == "bwd"] == [("bwd", causal)] * 4
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1024, 1024, 4, 2), (3, 640, 640, 2, 2), (2, 128, 128, 4, 4), (2, 1024, 384, 4, 2), (1, 384, 1280, 2, 2),
+     (1, 2048, 2048, 8, 1)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)  # fmt: skip
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_backward_key_pairs_against_oracle(monkeypatch, launches, head_dim, shape):
+    """KEY_PAIRS: one CTA per pair of key tiles, the heaviest and then the lightest, one after the other (the K/V
+    tiles handed from the first item's epilogue to the second's loads, the ring's positions running on). Key
+    tiles of 128 rows (D=64/128): 8, 5 (the middle one alone), 1, 3 (Sq > Sk: rows that see no key), 10 (Sq <
+    Sk: the first tiles see every query), 16 (MQA 8:1, long walks); D=256's 64-row tiles, twice as many, are
+    always even. The forward, dq, dk and dv against the oracle, without and with KEY_PAIRS, and against each
+    other: dk and dv bit for bit (the same sums in the same order), dq up to the order of its fp32 adds; the
+    recorded launches show the paired grid."""
+    grids = []
+    launch = backward_sm90.launch
+
+    def recorded(kernel, grid, args, constexprs):
+        grids.append((grid, constexprs["KEY_PAIRS"]))
+        launch(kernel, grid, args, constexprs)
+
+    monkeypatch.setattr(backward_sm90, "launch", recorded)
+    inputs = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
+    _matches_other_config(monkeypatch, inputs, True, head_dim, dict(KEY_PAIRS=True))
+    assert [call for call in launches if call[0] == "bwd"] == [("bwd", True)] * 4
+    batch, _, seqlen_k, _, nheads_k = shape
+    n_n = seqlen_k // backward_sm90.CONFIGS[head_dim]["BLOCK_N"]
+    assert grids == [((n_n, nheads_k, batch), False)] * 2 + [((n_n - n_n // 2, nheads_k, batch), True)] * 2
 
 
 @hopper

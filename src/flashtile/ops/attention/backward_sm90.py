@@ -74,7 +74,7 @@ next changes nothing in the pipeline; dK and dV simply keep accumulating (that i
   * epilogue: dV_wg goes to this warpgroup's rows of the V tile in shared memory (only it reads them);
     dK_wg to its rows of the K tile once both warpgroups have left the loop (kv_done, count 2: the dQ
     products read all of K); then TMA stores, and tma.store_wait(0), which also waits for the last dQ reduces
-    to have read their staging tiles.
+    to have read their staging tiles (KEY_PAIRS: then an arrival on kv_free, below).
   Shared memory (bytes of the 232,448 of a CTA, tests/sm90_compile.py): D=128 231,488-231,504 (198,704-198,720
   with atomics): Q and dO rings 3 x 16 KiB each, K and V 32 KiB each, two dS^T buffers 2 x 16 KiB, two dQ staging
   tiles 2 x 16 KiB, lse/delta 1.5 KiB; D=64 (BLOCK_M = 128, two stages) 199,168-199,184 (166,384-166,400 with
@@ -126,6 +126,44 @@ producer, the flat (g, query tile) loop, _probs, _dq_step and the TMA epilogue a
   stage and the atomics). P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T
   would save 8 KiB).
 
+Causal key-tile pairs (KEY_PAIRS in ``CONFIGS``: off at every head dim, so the kernel compiles as before; branch
+gluon-bwd-causal-pairs, NOT yet measured on a GPU). With causal, key tile j visits only the query tiles from its
+diagonal on, so the CTAs of a (K/V head, batch entry) have unequal work (N=1k, D=128: 16, 14, ..., 2 query tiles
+of 64 rows per head). With KEY_PAIRS a causal launch gets one CTA per pair of them (``programs``: n_n - n_n // 2
+CTAs for n_n key tiles): CTA p walks key tile p, the heaviest of its pair, then tile n_n - 1 - p, the lightest,
+so at Sq = Sk every CTA walks n_m + BLOCK_N / BLOCK_M query tiles per head (n_m: the query tiles; N=1k, D=128:
+18), half as many CTAs as key tiles; an odd n_n's middle tile has a CTA of its own. The same trick in the forward
+(forward_sm90's CAUSAL_PAIRS) gained +6% at N=1k, +3-8% at 2k and 4k and 0-2% at 8k and 16k on the H200; by
+analogy the prediction here is +3-8% for causal D=128 and D=64 backwards at N=1k-4k and ~0 at 16k (many tiles
+per CTA, so the imbalance is a small share). GQA: each item walks its key tile for every query head of the
+group, as without pairs. The two items run one after the other in the same partitions:
+  * producer (``_producer``): per item, once both consumer warpgroups have finished with the K and V tiles
+    (kv_free), K and V (kv_bar), then the item's Q / dO / lse / delta loads; the second item's iterations
+    continue the flat index (it0 .. it0 + n_iters - 1, it0 = the first item's n_iters; ``_pair`` takes the
+    item's own i - it0), so every ring slot and parity stays a function of one running count.
+  * consumers: per item dK_wg / dV_wg (D=256: each warpgroup's accumulator) from zero, kv_bar, the same loop and
+    epilogue, then (``_item_done``) a partition barrier after the epilogue's tma.store_wait(0), so the TMA
+    stores of dK and dV have read the K and V tiles, and one arrival on kv_free.
+  Barrier phases with two items (item = 0, 1). Per iteration, with the flat i running on across items and so
+  unchanged: q_ready, stat_ready, q_empty (slot i % STAGES, parity (i // STAGES) & 1), do_ready, do_empty (i %
+  DO_STAGES), ds_ready, ds_free (buffer i % 2, parity (i // 2) & 1), p_ready / p_free (D=256, parity i & 1) and
+  the dQ staging tiles (a store_wait before each reuse). Per item: kv_bar completes once per item (its K and V
+  bytes), the consumers wait parity item & 1; kv_done (count 2) completes once per item (each warpgroup
+  arrives as it leaves the loop), waited with parity item & 1; kv_free (count 2, allocated only with
+  KEY_PAIRS) completes once per item (each warpgroup's arrival after its epilogue), the producer waits parity
+  (item & 1) ^ 1 before the item's K and V: item 0 passes on the fresh barrier, item 1 waits for both item-0
+  epilogues, and item 1's arrivals complete a phase nobody waits for. No barrier can get two phases ahead of a
+  waiter: item 1's K and V (so its kv_bar phase, its loop and its kv_done arrivals) wait for both warpgroups'
+  item-0 epilogues.
+  Cost: one K and one V tile, so the second item's loads (K and V, and behind them its first Q / dO) start
+  only once the first item's dK and dV stores have read the tiles: per pair one epilogue plus one K / V load
+  without overlap, as a CTA started for that key tile would pay (without the launch and the prologue). The
+  consumers read the flat index opaquely (``_flat_index``, register-pressure notes). tests/sm90_compile.py
+  (causal MHA / GQA): stack 24 / 32 bytes at D=128 with Triton 3.6 (16 / 32 with 3.7) against 32 / 32 without
+  KEY_PAIRS, D=64 24 / 24 (3.7: 24 / 16) against 24 / 48, D=256 0; per iteration 2 and 2 local loads and stores
+  in the two consumers' loops at D=128 (4 and 6 without KEY_PAIRS, MHA) and D=64 (2 and 2); shared memory
+  +48 bytes (kv_free): D=128 231,536 / 231,552, D=64 199,216 / 199,232, D=256 231,040 / 231,056.
+
 Register-pressure notes (what keeps D=128 and D=64 from spilling; keep them in mind when editing):
   * LLVM hoists loop-invariant address arithmetic out of the query-tile loop and ptxas then spills it.
     The wgmma descriptors of the K and V tiles are kept in the loop by indexing the (single-slot) K/V
@@ -144,6 +182,11 @@ Register-pressure notes (what keeps D=128 and D=64 from spilling; keep them in m
     0's dP^T only once S^T has retired (WARPGROUP.DEPBAR before it) and computes P^T while dP^T runs; WG 1 keeps
     both in flight. A lse/delta fold needs qk_scale > 0: the caller (backward.py) sends other scales to the
     Triton kernels.
+  * KEY_PAIRS: the second item's flat index runs from a runtime it0. Read plainly, LLVM strength-reduced the
+    ring's shared-memory addresses in it into per-item values held across the query-tile loop, and ptxas
+    spilled them (Triton 3.6, D=128: 41 and 34 local loads and stores per iteration); the consumers read i
+    through an opaque inline-asm move with i >= 0 assumed (``_flat_index``), which keeps the slot arithmetic
+    as with one item.
   * DQ_TMA at D=128: the staging tile's stores keep four per-thread swizzled offsets live through the loop,
     which ptxas partly keeps on the stack (32 bytes against 16 / 24 with atomics; per iteration 0 and 5 local
     loads in the two warpgroups without causal, against 2 and 1). Indexing the staging tile with the opaque
@@ -193,33 +236,42 @@ CONFIGS = {
     # atomics, 198 KiB of shared memory then); a fourth at D=64 gained nothing with the atomics, and with DQ_TMA
     # went -8% to +6% by row (session 8, results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
     128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False,
-          "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "DQ_TMA": True, "KEY_PAIRS": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # FA-3's hdim-64 tiles: 128 query rows x 128 keys, dQ split by rows; two stages fill 199,168 bytes (a third
     # would need 232,960). +2-10% backward over BLOCK_M=64 with three stages (--variant
     # d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3; four stages gained nothing there): module docstring
     64: {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "DO_STAGES": 2, "DQ_SPLIT": False, "OUTPUT_SPLIT": False,
-         "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+         "DQ_TMA": True, "KEY_PAIRS": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two Q stages and
     # one dO stage (FA-3's hdim-256 choice) leave room for DQ_TMA's staging tiles: 230,992-231,008 bytes of
     # shared memory. Main's config (two dO stages, atomics: --variant DQ_TMA=0,DO_STAGES=2, the same SASS),
     # H200, B=4 N=4k H=8 bf16: 281 / 271 TFLOP/s full / causal, this one 405 / 355 (N=16k 302 / 308 -> 422 / 407;
     # GQA 4:1 causal 240 -> 317; the Triton kernel 189 / 212; results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
     256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DO_STAGES": 1, "DQ_SPLIT": True, "OUTPUT_SPLIT": True,
-          "DQ_TMA": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "DQ_TMA": True, "KEY_PAIRS": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim: query rows per tile, key rows per CTA, Q (and lse/delta) ring depth, dO ring depth (DO_STAGES, at
 most STAGES; equal: one empty barrier per slot frees both rings, otherwise each ring has its own), dQ columns
 split between the warpgroups (needs 64-column halves: head dims 128 and 256), the warpgroups split the work by
 output (OUTPUT_SPLIT, both see all BLOCK_N keys: head dim 256) rather than by keys (BLOCK_N / 2 each), dQ
-partials added by TMA reduces from shared memory rather than by per-thread atomics (DQ_TMA), registers per
-thread of consumers / producer. tune_gluon.py's ``--variant NAME:KEY=VALUE`` sets a key in every entry that
-has it: DO_STAGES=2 makes D=128 STAGES=3 / DO_STAGES=2 (compiles; stack at D=128 32-40 bytes with DQ_TMA,
-16-32 with the atomics, 72-104 with DO_STAGES=1; test_backward_key_split_with_a_shallower_do_ring covers it on
-the GPU, and D=64 with STAGES=3), so time such variants at D=256 only. BLOCK_M: 128 (D=64's default: 128-query
+partials added by TMA reduces from shared memory rather than by per-thread atomics (DQ_TMA), causal key tiles
+walked in pairs (KEY_PAIRS), registers per thread of consumers / producer. tune_gluon.py's ``--variant
+NAME:KEY=VALUE`` sets a key in every entry that has it: DO_STAGES=2 makes D=128 STAGES=3 / DO_STAGES=2 (compiles;
+stack at D=128 32-40 bytes with DQ_TMA, 16-32 with the atomics, 72-104 with DO_STAGES=1;
+test_backward_key_split_with_a_shallower_do_ring covers it on the GPU, and D=64 with STAGES=3), so time such
+variants at D=256 only. BLOCK_M: 128 (D=64's default: 128-query
 S^T / dP^T tiles, the statistics in the accumulators, dQ split by rows) or 64 (the warpgroups take turns with
 dQ); only D=64 takes 128 (at D=128 dK, dV and a [128, 64] dQ half would not fit in 240 registers), and both
 take the same lengths (``qualifies``: multiples of ROWS = 128). The STAGES and DO_STAGES of a D=64 variant also
 land on D=128 and D=256 (BLOCK_M=64,STAGES=3,DO_STAGES=3 leaves D=128 as it is): time it at D=64 only.
+
+KEY_PAIRS (off at every head dim; branch gluon-bwd-causal-pairs, NOT yet measured on a GPU): a causal launch gets
+one CTA per pair of a (K/V head, batch entry)'s key tiles, the heaviest and then the lightest (``programs``;
+module docstring, "Causal key-tile pairs"), as the forward's CAUSAL_PAIRS does with query tiles; no effect
+without causal. Predicted by analogy with the forward's measured gain: +3-8% for causal D=128 and D=64
+backwards at N=1k-4k, ~0 at 16k. It compiles at every head dim (D=256 too) with no more spilling than without
+it. The forward's key is CAUSAL_PAIRS, so this one has its own name: ``--variant bwdpairs:KEY_PAIRS=1`` switches
+the backward alone (docs/tuning-log.md).
 
 DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]
 (DQ_SPLIT) or [BLOCK_M, D], [64, 64] at D=64/128, in a shared-memory tile of its own and adds the tile to
@@ -280,6 +332,38 @@ def _pair(i, n_tiles, m_start, BLOCK_M: gl.constexpr, GROUPED: gl.constexpr):
     return g, m_start + t * BLOCK_M
 
 
+@gluon.jit
+def _flat_index(i):
+    """KEY_PAIRS: a consumer's flat iteration index i (in the second work item it runs on from it0, the first
+    item's count) through a side-effecting inline-asm move, which LLVM can neither look through nor hoist, with
+    i >= 0 assumed (ring slots and parities by masks and shifts, not signed division). Read plainly, i made LLVM
+    strength-reduce the ring's shared-memory addresses into per-item values held across the query-tile loop, which
+    ptxas spilled: Triton 3.6, D=128, 41 and 34 local loads and stores per iteration in the two consumers' loops
+    (stack 184 bytes; GQA 240) with it0 and n_iters assumed non-negative; Triton 3.7, D=64, 11 and 8 without
+    (tests/sm90_compile.py's SASS). ptxas sees a plain move."""
+    flat = gl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
+    gl.assume(flat >= 0)
+    return flat
+
+
+@gluon.jit
+def _key_tile(n, seqlen_q, seqlen_k, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tile n (of a K/V head and batch entry) as a work item: (kv_start, m_start, n_tiles, n_iters), its
+    first key row n * BLOCK_N, the first query row it sees (causal: the start of the query tile holding row
+    kv_start - (seqlen_k - seqlen_q), clipped to [0, seqlen_q]; else 0), the query tiles per head from there,
+    and its iterations, group * n_tiles (``_pair``)."""
+    kv_start = n * BLOCK_N
+    diag_off = seqlen_k - seqlen_q
+    if CAUSAL:
+        # the first query row that sees key kv_start is kv_start - diag_off
+        m_start = (gl.maximum(kv_start - diag_off, 0) // BLOCK_M) * BLOCK_M
+        m_start = gl.minimum(m_start, seqlen_q)
+    else:
+        m_start = 0
+    n_tiles = (seqlen_q - m_start) // BLOCK_M  # query tiles per head
+    return kv_start, m_start, n_tiles, group * n_tiles
+
+
 # ------------------------------------------------------------------------------------------------ producer
 @gluon.jit
 def _producer(
@@ -309,45 +393,58 @@ def _producer(
     kv_row,
     kv_col,
     n_iters,
+    pairs,
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
     DO_STAGES: gl.constexpr,
     GROUPED: gl.constexpr,
 ):
-    """K and V once, then per iteration i (``_pair``: query head g of the group, query rows q0..): Q and dO
-    by TMA at row q_row0 + q0 and column q_col0 + g * HEAD_D of the 2-D views (q_row0: the batch entry's
-    first row; q_col0: the group's first query head), and the rows' lse (in base 2, +inf where it is -inf)
-    and delta by plain loads into shared memory, so that the consumers read them with shared-memory loads
-    (no pointer tensors there). lse_ptr / delta_ptr point at the rows of (batch entry, the group's first
-    head); head g's start g * seqlen_q later."""
+    """Per work item (a key tile: kv_row, m_start, n_tiles, n_iters), K and V by TMA (kv_bar), then per
+    iteration i (``_pair``: query head g of the group, query rows q0..): Q and dO by TMA at row q_row0 + q0 and
+    column q_col0 + g * HEAD_D of the 2-D views (q_row0: the batch entry's first row; q_col0: the group's first
+    query head), and the rows' lse (in base 2, +inf where it is -inf) and delta by plain loads into shared
+    memory, so that the consumers read them with shared-memory loads (no pointer tensors there). lse_ptr /
+    delta_ptr point at the rows of (batch entry, the group's first head); head g's start g * seqlen_q later.
+    ``pairs``: None (one item), or (kv_free, n_items, the second item's (kv_row, m_start, n_tiles, kv_start,
+    n_iters)) with KEY_PAIRS: the second item's K and V load once both consumer warpgroups have stored the
+    first's dK and dV from the K and V tiles (kv_free), and the flat iteration index, so every ring slot and
+    parity, carries on from the first item's."""
     stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem.index(0))
-    for i in range(n_iters):
-        s = i % STAGES
-        # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
-        ph = ((i // STAGES) & 1) ^ 1
-        g, q0 = _pair(i, n_tiles, m_start, BLOCK_M, GROUPED)
-        row = q_row0 + q0
-        col = q_col0 + g * HEAD_D
-        # the row statistics are loaded before waiting for the slot, so their latency overlaps the wait
-        offs = g * seqlen_q + q0 + gl.arange(0, BLOCK_M, layout=stat_layout)
-        lse = gl.load(lse_ptr + offs)
-        delta = gl.load(delta_ptr + offs)
-        mbarrier.wait(q_empty.index(s), ph)
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
-        sd = i % DO_STAGES
-        if DO_STAGES != STAGES:
-            # lse/delta ride Q's ring: out before the wait for dO's slot, which frees later (_consumer_by_output)
-            _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
-            mbarrier.wait(do_empty.index(sd), ((i // DO_STAGES) & 1) ^ 1)
-        mbarrier.expect(do_ready.index(sd), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(sd), do_smem.index(sd))
-        if DO_STAGES == STAGES:
-            _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
+    n_items = 1 if pairs is None else pairs[1]
+    it0 = 0  # the flat index of the item's first iteration
+    for item in range(n_items):
+        if pairs is not None:
+            mbarrier.wait(pairs[0], (item & 1) ^ 1)  # (the first item passes: a fresh barrier, parity 1)
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem.index(0))
+        for i in range(it0, it0 + n_iters):
+            s = i % STAGES
+            # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
+            ph = ((i // STAGES) & 1) ^ 1
+            g, q0 = _pair(i - it0, n_tiles, m_start, BLOCK_M, GROUPED)
+            row = q_row0 + q0
+            col = q_col0 + g * HEAD_D
+            # the row statistics are loaded before waiting for the slot, so their latency overlaps the wait
+            offs = g * seqlen_q + q0 + gl.arange(0, BLOCK_M, layout=stat_layout)
+            lse = gl.load(lse_ptr + offs)
+            delta = gl.load(delta_ptr + offs)
+            mbarrier.wait(q_empty.index(s), ph)
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
+            sd = i % DO_STAGES
+            if DO_STAGES != STAGES:
+                # lse/delta ride Q's ring: out before the wait for dO's slot, which frees later (_consumer_by_output)
+                _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
+                mbarrier.wait(do_empty.index(sd), ((i // DO_STAGES) & 1) ^ 1)
+            mbarrier.expect(do_ready.index(sd), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(sd), do_smem.index(sd))
+            if DO_STAGES == STAGES:
+                _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
+        if pairs is not None:
+            it0 += n_iters
+            kv_row, m_start, n_tiles, _, n_iters = pairs[2]
 
 
 @gluon.jit
@@ -395,6 +492,7 @@ def _probs(
 @gluon.jit
 def _iteration(
     i,
+    it0,
     q_smem,
     do_smem,
     ds_smem,
@@ -407,16 +505,16 @@ def _iteration(
     DO_STAGES: gl.constexpr,
     GROUPED: gl.constexpr,
 ):
-    """A consumer's view of iteration i: (s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it),
-    the Q ring's slot (also lse/delta's) and its barrier parity, the dO ring's, the dS^T buffer (two, used
-    alternately) and its parity, the query head of the group and first query row (``_pair``), the Q, dO and
-    dS^T tiles, and the K and V tiles indexed by an opaque 0 (side-effecting inline asm, so not hoisted): the
-    K/V wgmma descriptors are computed in the loop instead of being hoisted out of it into ~48 registers that
-    ptxas would spill."""
+    """A consumer's view of iteration i of the CTA's flat count (it0: the work item's first): (s, ph, sd, dph, b,
+    bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it), the Q ring's slot (also lse/delta's) and its barrier
+    parity, the dO ring's, the dS^T buffer (two, used alternately) and its parity, the query head of the group
+    and first query row (``_pair`` of the item's iteration i - it0), the Q, dO and dS^T tiles, and the K and V
+    tiles indexed by an opaque 0 (side-effecting inline asm, so not hoisted): the K/V wgmma descriptors are
+    computed in the loop instead of being hoisted out of it into ~48 registers that ptxas would spill."""
     s = i % STAGES
     sd = i % DO_STAGES
     b = i % 2
-    g, q0 = _pair(i, n_tiles, m_start, BLOCK_M, GROUPED)
+    g, q0 = _pair(i - it0, n_tiles, m_start, BLOCK_M, GROUPED)
     zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
     return (
         s, (i // STAGES) & 1, sd, (i // DO_STAGES) & 1, b, (i // 2) & 1, g, q0,
@@ -530,9 +628,20 @@ def _write_back(acc, tile, desc, row, col):
 
 
 @gluon.jit
+def _item_done(kv_free):
+    """KEY_PAIRS, after a work item's epilogue and its tma.store_wait(0) (the threads that issued this warpgroup's
+    TMA stores of dK and dV waited until the copy engine had read the K and V tiles): once every thread of the
+    warpgroup is past that wait, its arrival on kv_free (count 2), after which the producer loads the next
+    item's K and V into the tiles."""
+    partition_barrier()
+    mbarrier.arrive(kv_free, count=1)
+
+
+@gluon.jit
 def _consumer(
     WG: gl.constexpr,
     args,
+    pairs,
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     N_WG: gl.constexpr,
@@ -549,7 +658,10 @@ def _consumer(
     (summed over the group's heads), adds each pair's dQ partial to its head's columns of dq (see _dq_step;
     dq_ptr: the batch entry's row 0, the group's first head), stores dK_wg and dV_wg at the end. ``args``: the
     kernel's consumer_args (its runtime values, the same for both warpgroups), with DQ_TMA followed by dQ's
-    descriptor, the two warpgroups' staging tiles and the coordinates of dq_ptr's element in the descriptor."""
+    descriptor, the two warpgroups' staging tiles and the coordinates of dq_ptr's element in the descriptor.
+    ``pairs`` (``_producer``'s): None, or with KEY_PAIRS the second work item, walked the same way after the
+    first (dK_wg and dV_wg from zero, kv_bar and kv_done with the item's parity, the flat iteration index
+    running on), each item's epilogue ending with an arrival on kv_free (``_item_done``)."""
     (
         q_smem,
         do_smem,
@@ -591,7 +703,6 @@ def _consumer(
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    key0 = kv_start + WG * N_WG
     # 128-query S^T tiles: the [BLOCK_M] lse and delta slices of s_layout take BLOCK_M / 4 registers per thread
     # each, too many to hold beside both products (module docstring); they start the accumulators instead
     STATS_IN_ACC: gl.constexpr = BLOCK_M > 64
@@ -599,98 +710,109 @@ def _consumer(
         inv_qk_scale = 1.0 / qk_scale
 
     s_zero = gl.zeros([N_WG, BLOCK_M], gl.float32, s_layout)
-    dk = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
-    dv = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
+    n_items = 1 if pairs is None else pairs[1]
+    it0 = 0  # the flat index of the item's first iteration (``_producer``)
+    for item in range(n_items):
+        key0 = kv_start + WG * N_WG
+        dk = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
+        dv = gl.zeros([N_WG, HEAD_D], gl.float32, kv_layout)
 
-    mbarrier.wait(kv_bar, 0)
-    for i in range(n_iters):
-        s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
-            i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, DO_STAGES, GROUPED
-        )
-        dq_col0 = g * HEAD_D
-        k_wg = k_it.slice(WG * N_WG, N_WG)
-        v_wg = v_it.slice(WG * N_WG, N_WG)
+        mbarrier.wait(kv_bar, item & 1)
+        for i in range(it0, it0 + n_iters):
+            flat = i if pairs is None else _flat_index(i)
+            s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
+                flat, it0, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start,
+                BLOCK_M, STAGES, DO_STAGES, GROUPED,
+            )  # fmt: skip
+            dq_col0 = g * HEAD_D
+            k_wg = k_it.slice(WG * N_WG, N_WG)
+            v_wg = v_it.slice(WG * N_WG, N_WG)
 
-        # ---- S^T and dP^T in flight together; the row statistics come from shared memory (STATS_IN_ACC: first,
-        # as the products' initial values S^T = -lse / qk_scale, dP^T = -delta; otherwise meanwhile)
-        if STATS_IN_ACC:
-            mbarrier.wait(stat_ready.index(s), ph)
-            s_init = s_zero - lse_smem.index(s).load(col_s)[None, :] * inv_qk_scale
-            dp_init = s_zero - delta_smem.index(s).load(col_s)[None, :]
-            lse2 = None
-        else:
-            s_init = s_zero
-            dp_init = s_zero
-        mbarrier.wait(q_ready.index(s), ph)
-        s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), s_init, use_acc=STATS_IN_ACC, is_async=True)
-        mbarrier.wait(do_ready.index(sd), dph)
-        dp_tok = warpgroup_mma(v_wg, do_tile.permute((1, 0)), dp_init, use_acc=STATS_IN_ACC, is_async=True)
-        if not STATS_IN_ACC:
-            mbarrier.wait(stat_ready.index(s), ph)
-            lse2 = lse_smem.index(s).load(col_s)
-            delta = delta_smem.index(s).load(col_s)
+            # ---- S^T and dP^T in flight together; the row statistics come from shared memory (STATS_IN_ACC: first,
+            # as the products' initial values S^T = -lse / qk_scale, dP^T = -delta; otherwise meanwhile)
+            if STATS_IN_ACC:
+                mbarrier.wait(stat_ready.index(s), ph)
+                s_init = s_zero - lse_smem.index(s).load(col_s)[None, :] * inv_qk_scale
+                dp_init = s_zero - delta_smem.index(s).load(col_s)[None, :]
+                lse2 = None
+            else:
+                s_init = s_zero
+                dp_init = s_zero
+            mbarrier.wait(q_ready.index(s), ph)
+            s_tok = warpgroup_mma(k_wg, q_tile.permute((1, 0)), s_init, use_acc=STATS_IN_ACC, is_async=True)
+            mbarrier.wait(do_ready.index(sd), dph)
+            dp_tok = warpgroup_mma(v_wg, do_tile.permute((1, 0)), dp_init, use_acc=STATS_IN_ACC, is_async=True)
+            if not STATS_IN_ACC:
+                mbarrier.wait(stat_ready.index(s), ph)
+                lse2 = lse_smem.index(s).load(col_s)
+                delta = delta_smem.index(s).load(col_s)
 
-        # ---- P^T and dS^T, then dV += P^T dO and dK += dS^T Q (A from registers)
-        s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
-        p = _probs(s_acc, lse2, qk_scale, key0, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
-        dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, k_wg, v_wg))[0]
-        if not STATS_IN_ACC:
-            dp_acc = dp_acc - delta[None, :]
-        ds16 = (p * dp_acc * sm_scale).to(dtype)
-        dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
-        dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
+            # ---- P^T and dS^T, then dV += P^T dO and dK += dS^T Q (A from registers)
+            s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
+            p = _probs(s_acc, lse2, qk_scale, key0, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
+            dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, k_wg, v_wg))[0]
+            if not STATS_IN_ACC:
+                dp_acc = dp_acc - delta[None, :]
+            ds16 = (p * dp_acc * sm_scale).to(dtype)
+            dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
+            dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
 
-        # ---- dS^T to shared memory (both warpgroups' halves), then dQ += dS K (A = the dS^T buffer transposed)
-        mbarrier.wait(ds_free.index(b), bph ^ 1)  # the dQ product(s) of iteration i - 2 have read ds_buf
-        ds_buf.slice(WG * N_WG, N_WG).store(ds16)
-        fence_async_shared()
-        partition_barrier()  # every thread of this warpgroup has written (and fenced) its part
-        mbarrier.arrive(ds_ready.index(b), count=1)
-        # this warpgroup's reads of the Q and dO slots are over once dV and dK have retired
-        if DO_STAGES == STAGES:
-            empties = (q_empty.index(s),)  # one barrier for both rings
-        else:
-            empties = (q_empty.index(s), do_empty.index(sd))
-        if DQ_SPLIT:
-            # each warpgroup: columns [WG * D/2, (WG + 1) * D/2) of the dQ partial
-            dv, dk = _dq_step(
-                (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
-                ds_ready.index(b), bph, empties, ds_free.index(b),
-                dq_dst, q0, dq_col0 + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
-            )[:2]  # fmt: skip
-        elif DQ_ROWS < BLOCK_M:
-            # each warpgroup: query rows [WG * DQ_ROWS, (WG + 1) * DQ_ROWS) of the dQ partial, over all keys
-            dv, dk = _dq_step(
-                (dv_tok, dk_tok, q_tile, do_tile), ds_buf.slice(WG * DQ_ROWS, DQ_ROWS, dim=1), k_it,
-                ds_ready.index(b), bph, empties, ds_free.index(b),
-                dq_dst, q0 + WG * DQ_ROWS, dq_col0, DQ_ROWS, DQ_COLS, DQ_TMA,
-            )[:2]  # fmt: skip
-        elif b == WG:
-            # warpgroup (i % 2) computes the whole dQ partial of iteration i
-            dv, dk = _dq_step(
-                (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it,
-                ds_ready.index(b), bph, empties, ds_free.index(b),
-                dq_dst, q0, dq_col0, BLOCK_M, DQ_COLS, DQ_TMA,
-            )[:2]  # fmt: skip
-        else:
-            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
-            _arrive_each(empties)
-            mbarrier.arrive(ds_free.index(b), count=1)  # this warpgroup does not read ds_buf
+            # ---- dS^T to shared memory (both warpgroups' halves), then dQ += dS K (A = the dS^T buffer transposed)
+            mbarrier.wait(ds_free.index(b), bph ^ 1)  # the dQ product(s) of iteration i - 2 have read ds_buf
+            ds_buf.slice(WG * N_WG, N_WG).store(ds16)
+            fence_async_shared()
+            partition_barrier()  # every thread of this warpgroup has written (and fenced) its part
+            mbarrier.arrive(ds_ready.index(b), count=1)
+            # this warpgroup's reads of the Q and dO slots are over once dV and dK have retired
+            if DO_STAGES == STAGES:
+                empties = (q_empty.index(s),)  # one barrier for both rings
+            else:
+                empties = (q_empty.index(s), do_empty.index(sd))
+            if DQ_SPLIT:
+                # each warpgroup: columns [WG * D/2, (WG + 1) * D/2) of the dQ partial
+                dv, dk = _dq_step(
+                    (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
+                    ds_ready.index(b), bph, empties, ds_free.index(b),
+                    dq_dst, q0, dq_col0 + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
+                )[:2]  # fmt: skip
+            elif DQ_ROWS < BLOCK_M:
+                # each warpgroup: query rows [WG * DQ_ROWS, (WG + 1) * DQ_ROWS) of the dQ partial, over all keys
+                dv, dk = _dq_step(
+                    (dv_tok, dk_tok, q_tile, do_tile), ds_buf.slice(WG * DQ_ROWS, DQ_ROWS, dim=1), k_it,
+                    ds_ready.index(b), bph, empties, ds_free.index(b),
+                    dq_dst, q0 + WG * DQ_ROWS, dq_col0, DQ_ROWS, DQ_COLS, DQ_TMA,
+                )[:2]  # fmt: skip
+            elif b == WG:
+                # warpgroup (i % 2) computes the whole dQ partial of iteration i
+                dv, dk = _dq_step(
+                    (dv_tok, dk_tok, q_tile, do_tile), ds_buf, k_it,
+                    ds_ready.index(b), bph, empties, ds_free.index(b),
+                    dq_dst, q0, dq_col0, BLOCK_M, DQ_COLS, DQ_TMA,
+                )[:2]  # fmt: skip
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, q_tile, do_tile))[:2]
+                _arrive_each(empties)
+                mbarrier.arrive(ds_free.index(b), count=1)  # this warpgroup does not read ds_buf
 
-    # ---- epilogue: dV and dK (softmax_scale is already in dS) in the input dtype, through shared memory and
-    # TMA stores. V_wg is read only by this warpgroup, so it can take dV at once; K is read by both
-    # warpgroups' dQ products, so dK waits until both have left the loop (kv_done, count 2).
-    mbarrier.arrive(kv_done, count=1)
-    _write_back(dv, v_smem.index(0).slice(WG * N_WG, N_WG), dv_desc, kv_row + WG * N_WG, kv_col)
-    mbarrier.wait(kv_done, 0)
-    _write_back(dk, k_smem.index(0).slice(WG * N_WG, N_WG), dk_desc, kv_row + WG * N_WG, kv_col)
-    tma.store_wait(0)
+        # ---- epilogue: dV and dK (softmax_scale is already in dS) in the input dtype, through shared memory and
+        # TMA stores. V_wg is read only by this warpgroup, so it can take dV at once; K is read by both
+        # warpgroups' dQ products, so dK waits until both have left the loop (kv_done, count 2).
+        mbarrier.arrive(kv_done, count=1)
+        _write_back(dv, v_smem.index(0).slice(WG * N_WG, N_WG), dv_desc, kv_row + WG * N_WG, kv_col)
+        mbarrier.wait(kv_done, item & 1)
+        _write_back(dk, k_smem.index(0).slice(WG * N_WG, N_WG), dk_desc, kv_row + WG * N_WG, kv_col)
+        tma.store_wait(0)
+        if pairs is not None:
+            _item_done(pairs[0])
+            it0 += n_iters
+            kv_row, m_start, n_tiles, kv_start, n_iters = pairs[2]
 
 
 @gluon.jit
 def _consumer_by_output(
     WG: gl.constexpr,
     args,
+    pairs,
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     N_WG: gl.constexpr,
@@ -709,7 +831,8 @@ def _consumer_by_output(
     P^T exchange (p_smem [N_WG, BLOCK_M] fp32, p_ready, p_free), then with DQ_TMA the four values of
     ``_consumer``'s. Q and dO slots: with rings of different depths (DO_STAGES < STAGES) each warpgroup releases
     a slot once its last reader of it has retired: WG 0 Q's after S^T, dO's after dV (in _dq_step); WG 1 dO's
-    after dP^T, Q's after dK (in _dq_step); with equal depths one barrier frees both, as in ``_consumer``."""
+    after dP^T, Q's after dK (in _dq_step); with equal depths one barrier frees both, as in ``_consumer``.
+    ``pairs``: as in ``_consumer`` (each item's accumulator from zero)."""
     (
         q_smem,
         do_smem,
@@ -754,69 +877,79 @@ def _consumer_by_output(
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     s_zero = gl.zeros([N_WG, BLOCK_M], gl.float32, s_layout)
-    acc = gl.zeros([N_WG, HEAD_D], gl.float32, acc_layout)
+    n_items = 1 if pairs is None else pairs[1]
+    it0 = 0  # the flat index of the item's first iteration (``_producer``)
+    for item in range(n_items):
+        acc = gl.zeros([N_WG, HEAD_D], gl.float32, acc_layout)
 
-    mbarrier.wait(kv_bar, 0)
-    for i in range(n_iters):
-        s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
-            i, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start, BLOCK_M, STAGES, DO_STAGES, GROUPED
-        )
+        mbarrier.wait(kv_bar, item & 1)
+        for i in range(it0, it0 + n_iters):
+            flat = i if pairs is None else _flat_index(i)
+            s, ph, sd, dph, b, bph, g, q0, q_tile, do_tile, ds_buf, k_it, v_it = _iteration(
+                flat, it0, q_smem, do_smem, ds_smem, k_smem, v_smem, n_tiles, m_start,
+                BLOCK_M, STAGES, DO_STAGES, GROUPED,
+            )  # fmt: skip
+            if WG == 0:
+                # ---- S^T, P^T to WG 1 (once it has read the previous one), then dV += P^T dO (A from registers)
+                mbarrier.wait(q_ready.index(s), ph)
+                s_tok = warpgroup_mma(k_it, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(stat_ready.index(s), ph)
+                lse2 = lse_smem.index(s).load(col_s)
+                s_acc = warpgroup_mma_wait(0, deps=(s_tok, k_it))[0]
+                if DO_STAGES != STAGES:
+                    # S^T, this warpgroup's only reader of Q, has retired (lse's slot frees with WG 1's arrival, which
+                    # follows every thread's P^T: module docstring)
+                    mbarrier.arrive(q_empty.index(s), count=1)
+                p = _probs(s_acc, lse2, qk_scale, kv_start, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
+                mbarrier.wait(p_free, (i & 1) ^ 1)
+                p_smem.store(p)
+                partition_barrier()  # every thread has written its part before the (single-thread) arrive
+                mbarrier.arrive(p_ready, count=1)
+                mbarrier.wait(do_ready.index(sd), dph)
+                acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, acc, is_async=True)
+                empty = do_empty.index(sd)  # released once dV has retired (with equal depths: q_empty.index(s))
+            else:
+                # ---- dP^T, then with WG 0's P^T: dS^T, dK += dS^T Q (A from registers), dS^T to shared memory
+                mbarrier.wait(do_ready.index(sd), dph)
+                dp_tok = warpgroup_mma(v_it, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(stat_ready.index(s), ph)
+                delta = delta_smem.index(s).load(col_s)
+                dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, v_it))[0]
+                if DO_STAGES != STAGES:
+                    # dP^T, this warpgroup's only reader of dO, has retired
+                    mbarrier.arrive(do_empty.index(sd), count=1)
+                mbarrier.wait(p_ready, i & 1)
+                p = p_smem.load(s_layout)
+                partition_barrier()  # every thread has read P^T before the (single-thread) arrive
+                mbarrier.arrive(p_free, count=1)
+                ds16 = (p * (dp_acc - delta[None, :]) * sm_scale).to(dtype)
+                mbarrier.wait(q_ready.index(s), ph)
+                acc_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, acc, is_async=True)
+                mbarrier.wait(ds_free.index(b), bph ^ 1)  # both dQ products of iteration i - 2 have read ds_buf
+                ds_buf.store(ds16)
+                fence_async_shared()
+                partition_barrier()
+                mbarrier.arrive(ds_ready.index(b), count=1)
+                empty = q_empty.index(s)  # released once dK has retired
+            acc = _dq_step(
+                (acc_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
+                ds_ready.index(b), bph, (empty,), ds_free.index(b),
+                dq_dst, q0, g * HEAD_D + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
+            )[0]  # fmt: skip
+
+        # ---- epilogue: K is read by both warpgroups' dQ products and V by WG 1's dP^T, so both tiles wait until
+        # both warpgroups have left the loop (kv_done, count 2); dV goes out through the V tile, dK through K
+        mbarrier.arrive(kv_done, count=1)
+        mbarrier.wait(kv_done, item & 1)
         if WG == 0:
-            # ---- S^T, P^T to WG 1 (once it has read the previous one), then dV += P^T dO (A from registers)
-            mbarrier.wait(q_ready.index(s), ph)
-            s_tok = warpgroup_mma(k_it, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(stat_ready.index(s), ph)
-            lse2 = lse_smem.index(s).load(col_s)
-            s_acc = warpgroup_mma_wait(0, deps=(s_tok, k_it))[0]
-            if DO_STAGES != STAGES:
-                # S^T, this warpgroup's only reader of Q, has retired (lse's slot frees with WG 1's arrival, which
-                # follows every thread's P^T: module docstring)
-                mbarrier.arrive(q_empty.index(s), count=1)
-            p = _probs(s_acc, lse2, qk_scale, kv_start, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
-            mbarrier.wait(p_free, (i & 1) ^ 1)
-            p_smem.store(p)
-            partition_barrier()  # every thread has written its part before the (single-thread) arrive
-            mbarrier.arrive(p_ready, count=1)
-            mbarrier.wait(do_ready.index(sd), dph)
-            acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, acc, is_async=True)
-            empty = do_empty.index(sd)  # released once dV has retired (with equal depths: q_empty.index(s))
+            _write_back(acc, v_smem.index(0), dv_desc, kv_row, kv_col)
         else:
-            # ---- dP^T, then with WG 0's P^T: dS^T, dK += dS^T Q (A from registers), dS^T to shared memory
-            mbarrier.wait(do_ready.index(sd), dph)
-            dp_tok = warpgroup_mma(v_it, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(stat_ready.index(s), ph)
-            delta = delta_smem.index(s).load(col_s)
-            dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, v_it))[0]
-            if DO_STAGES != STAGES:
-                mbarrier.arrive(do_empty.index(sd), count=1)  # dP^T, this warpgroup's only reader of dO, has retired
-            mbarrier.wait(p_ready, i & 1)
-            p = p_smem.load(s_layout)
-            partition_barrier()  # every thread has read P^T before the (single-thread) arrive
-            mbarrier.arrive(p_free, count=1)
-            ds16 = (p * (dp_acc - delta[None, :]) * sm_scale).to(dtype)
-            mbarrier.wait(q_ready.index(s), ph)
-            acc_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, acc, is_async=True)
-            mbarrier.wait(ds_free.index(b), bph ^ 1)  # both dQ products of iteration i - 2 have read ds_buf
-            ds_buf.store(ds16)
-            fence_async_shared()
-            partition_barrier()
-            mbarrier.arrive(ds_ready.index(b), count=1)
-            empty = q_empty.index(s)  # released once dK has retired
-        acc = _dq_step(
-            (acc_tok, q_tile, do_tile), ds_buf, k_it.slice(WG * DQ_COLS, DQ_COLS, dim=1),
-            ds_ready.index(b), bph, (empty,), ds_free.index(b),
-            dq_dst, q0, g * HEAD_D + WG * DQ_COLS, BLOCK_M, DQ_COLS, DQ_TMA,
-        )[0]  # fmt: skip
-
-    # ---- epilogue: K is read by both warpgroups' dQ products and V by WG 1's dP^T, so both tiles wait until
-    # both warpgroups have left the loop (kv_done, count 2); dV goes out through the V tile, dK through K
-    mbarrier.arrive(kv_done, count=1)
-    mbarrier.wait(kv_done, 0)
-    if WG == 0:
-        _write_back(acc, v_smem.index(0), dv_desc, kv_row, kv_col)
-    else:
-        _write_back(acc, k_smem.index(0), dk_desc, kv_row, kv_col)
-    tma.store_wait(0)
+            _write_back(acc, k_smem.index(0), dk_desc, kv_row, kv_col)
+        tma.store_wait(0)
+        if pairs is not None:
+            _item_done(pairs[0])
+            it0 += n_iters
+            kv_row, m_start, n_tiles, kv_start, n_iters = pairs[2]
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -847,26 +980,19 @@ def _attention_backward_sm90_kernel(
     DQ_SPLIT: gl.constexpr,
     OUTPUT_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    KEY_PAIRS: gl.constexpr,
     GROUPED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
     # key rows per consumer warpgroup: half of the tile each (_consumer), or all of it (_consumer_by_output)
     N_WG: gl.constexpr = BLOCK_N if OUTPUT_SPLIT else BLOCK_N // 2
-    pid_n = gl.program_id(0)
+    pid_n = gl.program_id(0)  # the key tile (KEY_PAIRS with causal: the first of the CTA's two, ``programs``)
     hk = gl.program_id(1)  # K/V head; query heads hk * group .. (hk + 1) * group - 1 read it
     b = gl.program_id(2)
     h0 = hk * group
-    kv_start = pid_n * BLOCK_N
+    kv_start, m_start, n_tiles, n_iters = _key_tile(pid_n, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
     diag_off = seqlen_k - seqlen_q
-    if CAUSAL:
-        # the first query row that sees key kv_start is kv_start - diag_off
-        m_start = (gl.maximum(kv_start - diag_off, 0) // BLOCK_M) * BLOCK_M
-        m_start = gl.minimum(m_start, seqlen_q)
-    else:
-        m_start = 0
-    n_tiles = (seqlen_q - m_start) // BLOCK_M  # query tiles per head
-    n_iters = group * n_tiles
 
     row_stride = nheads * HEAD_D
     q_col0 = h0 * HEAD_D
@@ -947,6 +1073,18 @@ def _attention_backward_sm90_kernel(
         qk_scale,
         sm_scale,
     )
+    if CAUSAL and KEY_PAIRS:
+        # the CTA's second work item: key tile n_n - 1 - pid_n, the lightest of the pair (``programs``), unless
+        # pid_n is an odd n_n's middle tile; its K and V load once both warpgroups have stored pid_n's dK and dV
+        # from the K and V tiles (kv_free)
+        mirror = seqlen_k // BLOCK_N - 1 - pid_n
+        kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_free, count=2)  # one arrival per consumer warpgroup
+        start2, m_start2, n_tiles2, n_iters2 = _key_tile(mirror, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+        next_item = (b * seqlen_k + start2, m_start2, n_tiles2, start2, n_iters2)
+        pairs = (kv_free, 1 + (mirror > pid_n).to(gl.int32), next_item)
+    else:
+        pairs: gl.constexpr = None  # one work item per CTA
     if OUTPUT_SPLIT:
         # P^T from WG 0 to WG 1, fp32 (dS is computed from the same P as the Triton kernels), one buffer
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N_WG, BLOCK_M], gl.float32)
@@ -966,11 +1104,11 @@ def _attention_backward_sm90_kernel(
         [
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (0, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
+                (0, consumer_args, pairs, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
             ),
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (1, consumer_args, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
+                (1, consumer_args, pairs, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
             ),
             (
                 _producer,
@@ -1001,6 +1139,7 @@ def _attention_backward_sm90_kernel(
                     kv_row,
                     kv_col,
                     n_iters,
+                    pairs,
                     HEAD_D,
                     BLOCK_M,
                     STAGES,
@@ -1044,6 +1183,13 @@ def qualifies(
     return all(rows_view_ok(x) for x in (q, k, v, dout))
 
 
+def programs(n_n: int, cfg: dict, causal: bool) -> int:
+    """CTAs per (K/V head, batch entry), the grid's first dimension, for n_n key tiles with config ``cfg``: one
+    per key tile, or with causal and KEY_PAIRS one per pair of them, n_n - n_n // 2 (CTA p walks tile p, then
+    tile n_n - 1 - p; an odd n_n's middle tile has a CTA of its own)."""
+    return n_n - n_n // 2 if causal and cfg["KEY_PAIRS"] else n_n
+
+
 def attention_backward_sm90(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -1084,5 +1230,6 @@ def attention_backward_sm90(
         softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
     )  # fmt: skip
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, **cfg)
-    launch(_attention_backward_sm90_kernel, head_grid(seqlen_k // block_n, batch, nheads_k), args, constexprs)
+    grid = head_grid(programs(seqlen_k // block_n, cfg, causal), batch, nheads_k)
+    launch(_attention_backward_sm90_kernel, grid, args, constexprs)
     return dq_accum.to(q.dtype), dk, dv
