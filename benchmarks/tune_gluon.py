@@ -1,7 +1,7 @@
 """Config variants of the sm_90 Gluon kernels (ops/attention/forward_sm90.py, backward_sm90.py) on a Hopper GPU.
 
     PYTHONPATH=src python3 benchmarks/tune_gluon.py [--variant NAME:KEY=VALUE,...] [--shape B,Sq,Sk,H,Hk,D,causal]
-        [--out DIR]
+        [--rounds R] [--out DIR]
 
 Times flashtile's forward and backward (TFLOP/s, do_bench median; backward 2.5 x the forward's FLOP, both
 halved when causal), bf16, at each ``--shape`` or by default at D = 64 / 128 (H = 32 / 16), N = 1k / 4k / 16k
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
@@ -106,10 +107,12 @@ DEFAULT_SHAPES = [
 
 
 def shape_rows(
-    shape: tuple[int, int, int, int, int, int, bool], variants, dtype: torch.dtype = torch.bfloat16
+    shape: tuple[int, int, int, int, int, int, bool], variants, dtype: torch.dtype = torch.bfloat16, rounds: int = 1
 ) -> list[dict]:
-    """One row per variant (and the Triton kernels) at ``shape`` (B, Sq, Sk, H, Hk, D, causal) in ``dtype``;
-    FLOP 4 * B * H * Sq * Sk * D, halved when causal."""
+    """One row per variant and round (and the Triton kernels, in the first round) at ``shape`` (B, Sq, Sk, H, Hk,
+    D, causal) in ``dtype``; FLOP 4 * B * H * Sq * Sk * D, halved when causal. The rounds interleave the
+    variants (A, B, .., A, B, ..), so a drift of the GPU's clocks spreads over all of them; with more than one
+    round a summary line per variant gives the median TFLOP/s and the range."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal = shape
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (
@@ -119,14 +122,16 @@ def shape_rows(
     dout = torch.randn_like(q)
     flops = 4 * batch * nheads * seqlen_q * seqlen_k * head_dim / (2 if causal else 1)
     rows, reference = [], None
-    for name, changes in [*variants, ("triton", None)]:
+    runs = [(0, name, changes) for name, changes in [*variants, ("triton", None)]]
+    runs += [(r, name, changes) for r in range(1, rounds) for name, changes in variants]
+    for round_, name, changes in runs:
         switch = mock.patch.object(_backend, "GLUON", False) if changes is None else contextlib.nullcontext()
         with configured(changes or {}), switch:
             fwd, bwd, results = measure(q, k, v, dout, causal)
         reference = reference or results
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results, reference, strict=True))
-        rows.append(dict(shape=shape, dtype=str(dtype), variant=name, changes=changes, fwd_ms=fwd, bwd_ms=bwd,
-                         fwd_tflops=flops / fwd * 1e-9, bwd_tflops=2.5 * flops / bwd * 1e-9,
+        rows.append(dict(shape=shape, dtype=str(dtype), variant=name, round=round_, changes=changes, fwd_ms=fwd,
+                         bwd_ms=bwd, fwd_tflops=flops / fwd * 1e-9, bwd_tflops=2.5 * flops / bwd * 1e-9,
                          max_abs_diff=diff))  # fmt: skip
         print(
             f"B={batch} Sq={seqlen_q:5d} Sk={seqlen_k:5d} H={nheads}/{nheads_k} D={head_dim:3d} causal={int(causal)} "
@@ -135,6 +140,16 @@ def shape_rows(
             f"(max diff vs default {diff:.2e})",
             flush=True,
         )
+    if rounds > 1:
+        for name, _ in variants:
+            mine = [row for row in rows if row["variant"] == name]
+            summary = [
+                f"{key[:3]} {statistics.median(row[key] for row in mine):6.1f} "
+                f"[{min(row[key] for row in mine):5.1f}-{max(row[key] for row in mine):5.1f}]"
+                for key in ("fwd_tflops", "bwd_tflops")
+            ]
+            print(f"  median of {len(mine)} B={batch} Sq={seqlen_q} Sk={seqlen_k} H={nheads}/{nheads_k} D={head_dim} "
+                  f"causal={int(causal)} {name:>14}: {'  '.join(summary)}", flush=True)  # fmt: skip
     return rows
 
 
@@ -143,11 +158,12 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], type=parse_variant)
     parser.add_argument("--shape", action="append", type=parse_shape, help="B,Sq,Sk,H,Hk,D,causal (repeatable)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--rounds", type=int, default=1, help="times each variant runs, interleaved (median)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     variants = [("default", {}), *args.variant]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    rows = [row for shape in args.shape or DEFAULT_SHAPES for row in shape_rows(shape, variants, dtype)]
+    rows = [row for shape in args.shape or DEFAULT_SHAPES for row in shape_rows(shape, variants, dtype, args.rounds)]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tune-gluon.json").write_text(json.dumps(rows, indent=1))
