@@ -13,11 +13,11 @@ the shipped config's (bf16 rounding and the atomic dQ's order make it nonzero). 
 
     --variant fwd-3-stages:STAGES=3 --variant no-pingpong:PINGPONG=0 --variant bwd-2-stages:STAGES=2
     --variant gluon-causal:GLUON_CAUSAL_D=64,CAUSAL_PAIRS=1  (D=64 causal forwards on the Gluon kernel, in pairs)
-    --variant d64-3wg:FORWARD_D=64,NUM_WG=3,CONSUMER_REGS=160,PRODUCER_REGS=24  (forward_sm90.D64_THREE_WG: the
-        D=64 forward alone; without FORWARD_D the register split would change every config, the backward's too)
+    --variant d64-2wg:FORWARD_D=64,NUM_WG=2,CONSUMER_REGS=240  (the D=64 forward with two consumer warpgroups,
+        as before session 11; without FORWARD_D the register split would change every config, the backward's too)
 
 A key in both modules' configs changes both kernels; the causal pairs have a name per kernel (forward
-CAUSAL_PAIRS, backward KEY_PAIRS), so ``--variant bwdpairs:KEY_PAIRS=1`` changes the backward alone.
+CAUSAL_PAIRS, backward KEY_PAIRS), so ``--variant unpaired:KEY_PAIRS=0`` changes the backward alone.
 
 The backward takes lengths that are multiples of ``forward_sm90.ROWS`` (128, fixed at import); its BLOCK_M, 128
 at D=64 and 64 elsewhere, may be either value with that rule (``--variant d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3``

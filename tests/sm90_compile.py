@@ -13,8 +13,9 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
   ``decode.configs.config``, and its few-programs config of contiguous caches;
 * the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config, and the
-  forward's D=64 config with three consumer warpgroups, ``forward_sm90.D64_THREE_WG``), causal and full; the
-  forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off).
+  forward's D=64 config with two consumer warpgroups, 128-row items, as D=128 has), causal and full; the
+  forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off); the other setting
+  of each causal schedule key (the forward's CAUSAL_PAIRS and CAUSAL_PERSISTENT, the backward's KEY_PAIRS).
   Their int parameters are not specialized (``forward_sm90.launch``): one compile serves every length.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
@@ -311,8 +312,8 @@ def gluon_source(kernel_name: str, consts: dict):
 
 def gluon_variants() -> list[Variant]:
     variants = []
-    d64_three_wg = dict(forward_sm90.CONFIGS[64], **forward_sm90.D64_THREE_WG)  # 192-row items, not shipped
-    for head_dim, cfg in [*forward_sm90.CONFIGS.items(), (64, d64_three_wg)]:
+    d64_two_wg = dict(forward_sm90.CONFIGS[64], NUM_WG=2, CONSUMER_REGS=240)  # 128-row items, not shipped
+    for head_dim, cfg in [*forward_sm90.CONFIGS.items(), (64, d64_two_wg)]:
         name = f"forward_sm90 D{head_dim} {cfg['NUM_WG'] * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
         for mask in ("full", "causal"):
             for flags, even_k in (("off", True), ("ragged-k", False)):
@@ -321,9 +322,11 @@ def gluon_variants() -> list[Variant]:
         # the other setting of CAUSAL_PAIRS (causal query tiles walked in pairs, ``_paired_item``)
         flipped = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_PAIRS=not cfg["CAUSAL_PAIRS"])
         variants.append(Variant(GLUON_FORWARD, name, "causal", "unpaired" if cfg["CAUSAL_PAIRS"] else "pairs", flipped))
-        # causal pairs in a persistent walk over pair slots (CAUSAL_PERSISTENT, ``_pair_slot_item``)
-        persistent = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_PAIRS=True, CAUSAL_PERSISTENT=True)
-        variants.append(Variant(GLUON_FORWARD, name, "causal", "persistent", persistent))
+        # causal pairs with the other setting of CAUSAL_PERSISTENT (a persistent walk over pair slots or not)
+        walk = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_PAIRS=True)
+        persistent = cfg["CAUSAL_PAIRS"] and cfg["CAUSAL_PERSISTENT"]
+        walk["CAUSAL_PERSISTENT"] = not persistent
+        variants.append(Variant(GLUON_FORWARD, name, "causal", "pairs" if persistent else "persistent", walk))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         stages = f"s{cfg['STAGES']}" + (f"/do{cfg['DO_STAGES']}" if cfg["DO_STAGES"] != cfg["STAGES"] else "")
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/{stages}"

@@ -107,64 +107,48 @@ def test_gluon_device(monkeypatch):
 
 @pytest.mark.parametrize(
     "head_dim, causal, launch_kind",
-    [(64, False, "persistent"), (64, True, "items"), (128, False, "persistent"), (128, True, "pairs"),
-     (256, False, "items"), (256, True, "items")],
+    [(64, False, "persistent"), (64, True, "items"), (128, False, "persistent"), (128, True, "pair-slots"),
+     (256, False, "items"), (256, True, "pair-slots")],
     ids=["D64-full", "D64-causal", "D128-full", "D128-causal", "D256-full", "D256-causal"],
 )  # fmt: skip
 def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch_kind):
     """A one-dimensional grid of min(work items, SMs) CTAs at D=64 and 128 without causal (persistent, O through
-    its own tile); one CTA per pair of a head's query tiles at D=128 with causal (CAUSAL_PAIRS); one CTA per work
-    item (query tiles x heads x batch entries) otherwise; the constexprs of the head dim's config. (Causal D=64
-    forwards do not come here, ``qualifies``; the launcher alone is tested.)"""
+    its own tile); min(pair slots, SMs) at D=128 and 256 with causal (CAUSAL_PAIRS and CAUSAL_PERSISTENT: a slot
+    per pair of a head's query tiles, an odd count's middle tile one of its own); one CTA per work item (query
+    tiles x heads x batch entries) otherwise. A work item is a 192-row query tile at D=64 (three consumer
+    warpgroups), 128 rows elsewhere. The constexprs of the head dim's config. (Causal D=64 forwards do not come
+    here, ``qualifies``; the launcher alone is tested.)"""
     launches = []
     monkeypatch.setattr(
         forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, constexprs))
     )
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
-    # (batch, seqlen_q, heads): 128-row query tiles, work items, pairs of tiles (an odd count's middle one alone)
-    shapes = ((4, 1024, 16, 512, 256), (3, 200, 2, 12, 6), (1, 300, 2, 6, 4), (1, 100, 2, 2, 2), (1, 600, 3, 15, 9))
-    for batch, seqlen_q, nheads, items, pairs in shapes:
+    # (batch, seqlen_q, heads, {query rows per item: (work items, pair slots)})
+    shapes = ((4, 1024, 16, {128: (512, 256), 192: (384, 192)}), (3, 200, 2, {128: (12, 6), 192: (12, 6)}),
+              (1, 300, 2, {128: (6, 4), 192: (4, 2)}), (1, 100, 2, {128: (2, 2), 192: (2, 2)}),
+              (1, 600, 3, {128: (15, 9), 192: (12, 6)}), (1, 193, 2, {128: (4, 2), 192: (4, 2)}),
+              (1, 960, 4, {128: (32, 16), 192: (20, 12)}))  # fmt: skip
+    rows = 192 if head_dim == 64 else 128
+    for batch, seqlen_q, nheads, counts in shapes:
         q, k, v = qkv(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads, head_dim=head_dim)
         out = torch.empty_like(q)
         lse = torch.empty(batch, nheads, seqlen_q)
         forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, causal)
         grid, constexprs = launches[-1]
-        expected = {"persistent": min(items, 132), "pairs": pairs, "items": items}[launch_kind]
-        assert grid == (expected, 1, 1)
-        assert constexprs["O_TILE"] == forward_sm90.CONFIGS[head_dim]["O_TILE"] == (head_dim in (64, 128))
-        assert constexprs["CAUSAL_PAIRS"] == (head_dim == 128)
+        items, slots = counts[rows]
+        expected = {"persistent": min(items, 132), "pair-slots": min(slots, 132), "items": items}[launch_kind]
+        assert grid == (expected, 1, 1), (batch, seqlen_q, nheads)
+        assert constexprs["NUM_WG"] * constexprs["M_WG"] == rows
+        assert constexprs["O_TILE"] == (head_dim in (64, 128))
+        assert constexprs["CAUSAL_PAIRS"] == constexprs["CAUSAL_PERSISTENT"] == (head_dim in (128, 256))
         assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_launch_grid_with_three_warpgroups_at_head_dim_64(monkeypatch, causal):
-    """D64_THREE_WG (with CAUSAL_PAIRS, as the A/B runs it): 192-row query tiles, n_m = cdiv(seqlen_q, 192);
-    min(work items, SMs) CTAs without causal, one per pair of a head's query tiles with causal; the config's
-    constexprs."""
-    launches = []
-    monkeypatch.setattr(
-        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, constexprs))
-    )
-    monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
-    for key, value in {**forward_sm90.D64_THREE_WG, "CAUSAL_PAIRS": True}.items():
-        monkeypatch.setitem(forward_sm90.CONFIGS[64], key, value)
-    # (batch, seqlen_q, heads, 192-row query tiles)
-    for batch, seqlen_q, nheads, n_m in ((4, 1024, 16, 6), (3, 200, 2, 2), (1, 192, 2, 1), (1, 193, 2, 2),
-                                         (2, 1000, 3, 6), (1, 960, 4, 5)):  # fmt: skip
-        q, k, v = qkv(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads, head_dim=64)
-        out = torch.empty_like(q)
-        lse = torch.empty(batch, nheads, seqlen_q)
-        forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, causal)
-        grid, constexprs = launches[-1]
-        n_bh = batch * nheads
-        assert grid == ((n_bh * (n_m - n_m // 2) if causal else min(n_m * n_bh, 132)), 1, 1)
-        assert {key: constexprs[key] for key in forward_sm90.D64_THREE_WG} == forward_sm90.D64_THREE_WG
 
 
 def test_register_split_fits_the_register_file():
     """Each config's consumer warpgroups and the producer (padded to a warpgroup: its 1 warp's setmaxnreg counts
-    for 128 threads) within the 65536 registers of an SM, D64_THREE_WG's too."""
-    for cfg in (*forward_sm90.CONFIGS.values(), dict(forward_sm90.CONFIGS[64], **forward_sm90.D64_THREE_WG)):
+    for 128 threads) within the 65536 registers of an SM (D=64: three consumer warpgroups)."""
+    assert [cfg["NUM_WG"] for cfg in forward_sm90.CONFIGS.values()] == [3, 2, 2]
+    for cfg in forward_sm90.CONFIGS.values():
         assert cfg["NUM_WG"] * 128 * cfg["CONSUMER_REGS"] + 128 * cfg["PRODUCER_REGS"] <= 65536
 
 
@@ -304,10 +288,10 @@ def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_
 
 
 def test_backward_key_pairs_launch_one_cta_per_pair_of_key_tiles(monkeypatch):
-    """KEY_PAIRS (off by default at every head dim): a causal launch gets n_n - n_n // 2 CTAs per (K/V head,
+    """KEY_PAIRS (on at D=64 and 128, off at 256): a causal launch gets n_n - n_n // 2 CTAs per (K/V head,
     batch entry) for n_n key tiles (an odd n_n's middle tile alone, ``backward_sm90.programs``), a grid
-    (programs, nheads_k, batch); off, or without causal, one CTA per key tile as before."""
-    assert not any(cfg["KEY_PAIRS"] for cfg in backward_sm90.CONFIGS.values())
+    (programs, nheads_k, batch); off, or without causal, one CTA per key tile."""
+    assert {d: cfg["KEY_PAIRS"] for d, cfg in backward_sm90.CONFIGS.items()} == {64: True, 128: True, 256: False}
     paired = dict(backward_sm90.CONFIGS[128], KEY_PAIRS=True)
     assert [backward_sm90.programs(n_n, paired, True) for n_n in (1, 2, 5, 8)] == [1, 1, 3, 4]
     assert backward_sm90.programs(5, paired, False) == 5
@@ -318,6 +302,7 @@ def test_backward_key_pairs_launch_one_cta_per_pair_of_key_tiles(monkeypatch):
         q, k, v = qkv(batch=3, seqlen_q=256, seqlen_k=640, nheads=4, nheads_k=2, head_dim=head_dim)
         stats = torch.zeros(3, 4, 256)
         n_n = 640 // backward_sm90.CONFIGS[head_dim]["BLOCK_N"]  # 5 key tiles of 128 rows, 10 of 64 (D=256)
+        monkeypatch.setitem(backward_sm90.CONFIGS[head_dim], "KEY_PAIRS", False)
         backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=True)
         monkeypatch.setitem(backward_sm90.CONFIGS[head_dim], "KEY_PAIRS", True)
         for causal in (True, False):
@@ -433,15 +418,17 @@ def test_causal_pairs_against_oracle(monkeypatch, launches, head_dim, shape):
     then its lightest; even and odd tile counts (the middle tile alone), one tile, seqlen_q != seqlen_k both ways
     (rows that see no key), GQA, odd lengths; out and lse against the oracle, the backward after it."""
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PAIRS", True)
+    monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PERSISTENT", False)
     monkeypatch.setattr(forward_sm90, "CAUSAL_HEAD_DIMS", (64, 128, 256))
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
     assert launches[0] == ("fwd", True)
 
 
 def test_causal_persistent_launches_one_cta_per_sm_at_most(monkeypatch):
-    """CAUSAL_PERSISTENT (off in every config): with causal and CAUSAL_PAIRS min(pair slots, SMs) CTAs, n_bh *
-    ceil(n_m / 2) slots (an odd n_m's middle tile one of its own); without CAUSAL_PAIRS one CTA per item."""
-    assert not any(cfg["CAUSAL_PERSISTENT"] for cfg in forward_sm90.CONFIGS.values())
+    """CAUSAL_PERSISTENT (on at D=128 and 256, with CAUSAL_PAIRS): with causal and CAUSAL_PAIRS min(pair slots,
+    SMs) CTAs, n_bh * ceil(n_m / 2) slots (an odd n_m's middle tile one of its own); without CAUSAL_PAIRS one CTA
+    per item; without CAUSAL_PERSISTENT one per slot."""
+    assert {d: cfg["CAUSAL_PERSISTENT"] for d, cfg in forward_sm90.CONFIGS.items()} == {64: False, 128: True, 256: True}
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
     persistent = dict(forward_sm90.CONFIGS[128], CAUSAL_PAIRS=True, CAUSAL_PERSISTENT=True)
     cpu = torch.device("cpu")
@@ -449,6 +436,7 @@ def test_causal_persistent_launches_one_cta_per_sm_at_most(monkeypatch):
     for n_m, n_bh, ctas in ((2, 6, 6), (5, 20, 60), (1, 40, 40), (1, 200, 132), (8, 128, 132), (5, 100, 132)):
         assert forward_sm90.programs(n_m, n_bh, persistent, True, cpu) == ctas, (n_m, n_bh)
     assert forward_sm90.programs(5, 20, dict(persistent, CAUSAL_PAIRS=False), True, cpu) == 100
+    assert forward_sm90.programs(5, 100, dict(persistent, CAUSAL_PERSISTENT=False), True, cpu) == 300
 
 
 @hopper
@@ -486,13 +474,12 @@ def test_causal_persistent_against_oracle(monkeypatch, launches, head_dim, ctas,
 @pytest.mark.parametrize("ctas", ["launched", "three"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_three_warpgroups_at_head_dim_64_against_oracle(monkeypatch, launches, causal, ctas, shape):
-    """D64_THREE_WG: 192-row work items of three consumer warpgroups, the turn going round all three; seqlen_q
+    """D=64's config: 192-row work items of three consumer warpgroups, the turn going round all three; seqlen_q
     a multiple of 192 and not, one tile, seqlen_q != seqlen_k both ways (causal: rows that see no key), GQA and
     MQA, odd and ragged lengths; out and lse against the oracle, the backward after it. "launched": the CTAs
     ``programs`` picks (causal: one per pair of query tiles, CAUSAL_PAIRS); "three": three CTAs (pairs off), so
     each walks several items and the ring, the Q hand-over, the turns and the O tile carry on across them."""
-    for key, value in forward_sm90.D64_THREE_WG.items():
-        monkeypatch.setitem(forward_sm90.CONFIGS[64], key, value)
+    assert forward_sm90.CONFIGS[64]["NUM_WG"] == 3
     monkeypatch.setitem(forward_sm90.CONFIGS[64], "CAUSAL_PAIRS", ctas == "launched")
     monkeypatch.setattr(forward_sm90, "CAUSAL_HEAD_DIMS", (64, 128, 256))
     if ctas == "three":
@@ -695,6 +682,7 @@ def test_backward_key_pairs_against_oracle(monkeypatch, launches, head_dim, shap
 
     monkeypatch.setattr(backward_sm90, "launch", recorded)
     inputs = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
+    monkeypatch.setitem(backward_sm90.CONFIGS[head_dim], "KEY_PAIRS", False)
     _matches_other_config(monkeypatch, inputs, True, head_dim, dict(KEY_PAIRS=True))
     assert [call for call in launches if call[0] == "bwd"] == [("bwd", True)] * 4
     batch, _, seqlen_k, _, nheads_k = shape

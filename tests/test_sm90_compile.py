@@ -61,26 +61,28 @@ EXPECTED_STACK = {
     "_split_kv_kernel split_kv D128 16x128/w8/s3 - off": 0,
     "_split_kv_kernel split_kv D128 32x128/w8/s3 - off": 24,
     "_split_kv_kernel split_kv D128 64x128/w8/s3 - off": 0,
+    # D=64: three consumer warpgroups (192-row items, 160 registers). Causal (not shipped: D=64's causal forward is
+    # the Triton kernel's): nine registers stored and reloaded around the first key tile's mask, once per item and
+    # warpgroup, none in the loop. With two warpgroups (128x128) 0 / 0.
+    "_attention_forward_sm90_kernel forward_sm90 D64 192x128/s3 full off": 0,
+    "_attention_forward_sm90_kernel forward_sm90 D64 192x128/s3 causal off": 40,
     "_attention_forward_sm90_kernel forward_sm90 D64 128x128/s3 full off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D64 128x128/s3 causal off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D128 128x128/s2 full off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D128 128x128/s2 causal off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D256 128x64/s2 full off": 0,
     "_attention_forward_sm90_kernel forward_sm90 D256 128x64/s2 causal off": 0,
-    # D=64 with three consumer warpgroups (forward_sm90.D64_THREE_WG, 160 registers; not shipped). Causal: nine
-    # registers stored and reloaded around the first key tile's mask, once per item and warpgroup, none in the loop
-    "_attention_forward_sm90_kernel forward_sm90 D64 192x128/s3 full off": 0,
-    "_attention_forward_sm90_kernel forward_sm90 D64 192x128/s3 causal off": 40,
     # 16 / 24 with the dQ atomics (DQ_TMA off). DQ_TMA's staging-tile stores keep 4 per-thread swizzled offsets
     # (which the dK/dV epilogue uses too) live through the loop; per iteration of the query-tile loop, local
     # loads + stores of the two consumer warpgroups: full 0+0 and 5+1 (2+0 and 1+0 with atomics), causal 2+2 and
     # 3+3 (1+1 and 1+1), reloads of loop invariants (L1 hits)
     "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 full off": 32,
-    "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 causal off": 32,  # MHA (GROUPED off)
+    # causal with KEY_PAIRS (MHA, GROUPED off): 16 (24 on Triton 3.6), 32 without the pairs
+    "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 causal off": 16,
     # 128-row query tiles, two stages (BLOCK_M=64,STAGES=3,DO_STAGES=3, main's config before: 0 / 0). Causal: one
     # register spilled around the diagonal tiles' mask (1 local store + 1 load per such tile and warpgroup; none
-    # on the other tiles), the rest before or after the loop; GQA causal: 48, also a few per iteration in the
-    # producer warp (24 registers: its 8 scalar lse/delta loads)
+    # on the other tiles), the rest before or after the loop; GQA causal: 16 with KEY_PAIRS (24 on Triton 3.6), 48
+    # without, also a few per iteration in the producer warp (24 registers: its 8 scalar lse/delta loads)
     "_attention_backward_sm90_kernel backward_sm90 D64 128x128/s2 full off": 0,
     "_attention_backward_sm90_kernel backward_sm90 D64 128x128/s2 causal off": 24,
     # DQ_TMA with one dO stage (/do1); 0 / 0 (8 causal GQA) with two and the atomics (DQ_TMA=0,DO_STAGES=2)

@@ -126,17 +126,16 @@ producer, the flat (g, query tile) loop, _probs, _dq_step and the TMA epilogue a
   stage and the atomics). P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T
   would save 8 KiB).
 
-Causal key-tile pairs (KEY_PAIRS in ``CONFIGS``: off at every head dim, so the kernel compiles as before; branch
-gluon-bwd-causal-pairs, NOT yet measured on a GPU). With causal, key tile j visits only the query tiles from its
-diagonal on, so the CTAs of a (K/V head, batch entry) have unequal work (N=1k, D=128: 16, 14, ..., 2 query tiles
-of 64 rows per head). With KEY_PAIRS a causal launch gets one CTA per pair of them (``programs``: n_n - n_n // 2
-CTAs for n_n key tiles): CTA p walks key tile p, the heaviest of its pair, then tile n_n - 1 - p, the lightest,
-so at Sq = Sk every CTA walks n_m + BLOCK_N / BLOCK_M query tiles per head (n_m: the query tiles; N=1k, D=128:
-18), half as many CTAs as key tiles; an odd n_n's middle tile has a CTA of its own. The same trick in the forward
-(forward_sm90's CAUSAL_PAIRS) gained +6% at N=1k, +3-8% at 2k and 4k and 0-2% at 8k and 16k on the H200; by
-analogy the prediction here is +3-8% for causal D=128 and D=64 backwards at N=1k-4k and ~0 at 16k (many tiles
-per CTA, so the imbalance is a small share). GQA: each item walks its key tile for every query head of the
-group, as without pairs. The two items run one after the other in the same partitions:
+Causal key-tile pairs (KEY_PAIRS in ``CONFIGS``, on at D=64 and 128: measured there). With causal, key tile j visits
+only the query tiles from its diagonal on, so the CTAs of a (K/V head, batch entry) have unequal work (N=1k, D=128:
+16, 14, ..., 2 query tiles of 64 rows per head). With KEY_PAIRS a causal launch gets one CTA per pair of them
+(``programs``: n_n - n_n // 2 CTAs for n_n key tiles): CTA p walks key tile p, the heaviest of its pair, then tile
+n_n - 1 - p, the lightest, so at Sq = Sk every CTA walks n_m + BLOCK_N / BLOCK_M query tiles per head (n_m: the
+query tiles; N=1k, D=128: 18), half as many CTAs as key tiles; an odd n_n's middle tile has a CTA of its own. The
+same trick in the forward (forward_sm90's CAUSAL_PAIRS) gained +6% at N=1k, +3-8% at 2k and 4k and 0-2% at 8k and
+16k on the H200; by analogy the prediction here was +3-8% for causal D=128 and D=64 backwards at N=1k-4k and ~0 at
+16k; measured +2-5% at D=128 N=1k-8k, +1% at D=64 (``CONFIGS``). GQA: each item walks its key tile for every query
+head of the group, as without pairs. The two items run one after the other in the same partitions:
   * producer (``_producer``): per item, once both consumer warpgroups have finished with the K and V tiles
     (kv_free), K and V (kv_bar), then the item's Q / dO / lse / delta loads; the second item's iterations
     continue the flat index (it0 .. it0 + n_iters - 1, it0 = the first item's n_iters; ``_pair`` takes the
@@ -236,12 +235,12 @@ CONFIGS = {
     # atomics, 198 KiB of shared memory then); a fourth at D=64 gained nothing with the atomics, and with DQ_TMA
     # went -8% to +6% by row (session 8, results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
     128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False,
-          "DQ_TMA": True, "KEY_PAIRS": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "DQ_TMA": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # FA-3's hdim-64 tiles: 128 query rows x 128 keys, dQ split by rows; two stages fill 199,168 bytes (a third
     # would need 232,960). +2-10% backward over BLOCK_M=64 with three stages (--variant
     # d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3; four stages gained nothing there): module docstring
     64: {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "DO_STAGES": 2, "DQ_SPLIT": False, "OUTPUT_SPLIT": False,
-         "DQ_TMA": True, "KEY_PAIRS": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+         "DQ_TMA": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two Q stages and
     # one dO stage (FA-3's hdim-256 choice) leave room for DQ_TMA's staging tiles: 230,992-231,008 bytes of
     # shared memory. Main's config (two dO stages, atomics: --variant DQ_TMA=0,DO_STAGES=2, the same SASS),
@@ -265,13 +264,15 @@ dQ); only D=64 takes 128 (at D=128 dK, dV and a [128, 64] dQ half would not fit 
 take the same lengths (``qualifies``: multiples of ROWS = 128). The STAGES and DO_STAGES of a D=64 variant also
 land on D=128 and D=256 (BLOCK_M=64,STAGES=3,DO_STAGES=3 leaves D=128 as it is): time it at D=64 only.
 
-KEY_PAIRS (off at every head dim; branch gluon-bwd-causal-pairs, NOT yet measured on a GPU): a causal launch gets
-one CTA per pair of a (K/V head, batch entry)'s key tiles, the heaviest and then the lightest (``programs``;
-module docstring, "Causal key-tile pairs"), as the forward's CAUSAL_PAIRS does with query tiles; no effect
-without causal. Predicted by analogy with the forward's measured gain: +3-8% for causal D=128 and D=64
-backwards at N=1k-4k, ~0 at 16k. It compiles at every head dim (D=256 too) with no more spilling than without
-it. The forward's key is CAUSAL_PAIRS, so this one has its own name: ``--variant bwdpairs:KEY_PAIRS=1`` switches
-the backward alone (docs/tuning-log.md).
+KEY_PAIRS (D=64 and 128): a causal launch gets one CTA per pair of a (K/V head, batch entry)'s key tiles, the
+heaviest and then the lightest (``programs``; module docstring, "Causal key-tile pairs"), as the forward's
+CAUSAL_PAIRS does with query tiles; no effect without causal. Predicted +3-8% for causal D=128 and D=64 backwards at
+N=1k-4k, ~0 at 16k; measured on the H200 (bf16, B * N = 16k, H = 16 at D=128 / 32 at D=64, backward TFLOP/s,
+median of three interleaved rounds, docs/tuning-log.md session 11): D=128 N=1k 313.8 -> 321.2, 2k 395.0 -> 408.0,
+4k 448.6 -> 469.5, 8k 483.8 -> 507.6; D=64 1k 263.7 -> 266.6, 2k 344.1 -> 346.0. Off at D=256 (not measured there;
+it compiles with no more spilling than without). The forward's key is CAUSAL_PAIRS, so this one has its own name:
+``--variant unpaired:KEY_PAIRS=0`` switches the backward alone. A persistent walk over the pairs or key tiles
+(KEY_PERSISTENT, branch gluon-bwd-persistent) lost 10-22% at causal N=1k-4k and was dropped.
 
 DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]
 (DQ_SPLIT) or [BLOCK_M, D], [64, 64] at D=64/128, in a shared-memory tile of its own and adds the tile to

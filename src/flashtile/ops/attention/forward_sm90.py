@@ -27,9 +27,9 @@ query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf
 Work items: a NUM_WG * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
 batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
 program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, where O has its own
-tile (D=64 and 128) without causal; one per pair of query tiles with causal and CAUSAL_PAIRS (D=128); one per
-item, as a plain grid, otherwise); with causal, CAUSAL_PAIRS and CAUSAL_PERSISTENT (off by default) one CTA per SM
-at most, CTA p walking the pairs as slots p, p + num_programs, ... (``_pair_slot_item``). Ring positions, barrier
+tile (D=64 and 128) without causal, and with causal, CAUSAL_PAIRS and CAUSAL_PERSISTENT (D=128 and 256), CTA p
+then walking a head's query tiles in pairs as slots p, p + num_programs, ... (``_pair_slot_item``); one per pair
+of query tiles with CAUSAL_PAIRS alone; one per item, as a plain grid, otherwise). Ring positions, barrier
 parities and the ping-pong turn carry on from one item to the next, so a persistent CTA's next item starts
 loading while it finishes the last one. Per CTA:
   * producer partition, 1 warp: per item the NUM_WG Q tiles (once the consumers are done with the previous
@@ -37,7 +37,7 @@ loading while it finishes the last one. Per CTA:
     box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
     signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup) signal the
     producer that a slot is free.
-  * NUM_WG consumer warpgroups (two in CONFIGS; the default partition = WG 0, 4-warp workers = WG 1 and 2),
+  * NUM_WG consumer warpgroups (three at D=64, two at 128 and 256; the default partition = WG 0, 4-warp workers),
     M_WG query rows each: S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V
     (wgmma, P from registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits
     only for S_i, does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG
@@ -70,15 +70,15 @@ from flashtile.ops.attention.configs import cdiv
 from flashtile.ops.attention.tiles import LN2, LOG2E
 
 CONFIGS = {
-    # three stages of 128-key tiles: 16 KiB of Q, 96 KiB of K and V, 16 KiB of O
-    64: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
-         "CAUSAL_PAIRS": False, "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+    # 192-row items of three warpgroups, three stages of 128-key tiles: 24 KiB of Q, 96 KiB of K and V, 24 KiB of O
+    64: {"M_WG": 64, "NUM_WG": 3, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
+         "CAUSAL_PAIRS": False, "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24},
     128: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True,
-          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
     # 192 KiB, so O leaves through the Q tile
     256: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False,
-          "CAUSAL_PAIRS": False, "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
@@ -86,52 +86,50 @@ ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles wal
 thread of the consumers and the producer (setmaxnreg). D=64 without causal, persistent with its O tile, against
 the Triton kernel: see CAUSAL_HEAD_DIMS.
 
-NUM_WG: consumer warpgroups per CTA, 2 (a work item is a 128-row query tile) or, at D=64, 3 (``D64_THREE_WG``,
-192-row items, not shipped). Triton pads the 1-warp producer to a warpgroup of its own and gives the default
-partition (WG 0) what the workers leave of the 65536 registers: 240 per thread with two consumer warpgroups,
-168 with three.
+NUM_WG: consumer warpgroups per CTA, 2 (a work item is a 128-row query tile) or 3 (192-row items: FA-3's hdim-64
+forward, 192 x 128 tiles; D=64). Triton pads the 1-warp producer to a warpgroup of its own and gives the default
+partition (WG 0) what the workers leave of the 65536 registers: 240 per thread with two consumer warpgroups; with
+three 160 for WG 1 and 2, 168 for WG 0 and 24 for the producer (168 * 128 + 2 * 160 * 128 + 24 * 128 = 65536).
+Three at D=64: a warpgroup's softmax of its [64, 128] scores (8192 exp2, 512 cycles of the SM's MUFU, plus the max,
+sum, scale and convert instructions) lasts as long as its two products (~512 tensor cycles) or longer, so with two
+warpgroups the tensor pipe idles whenever one softmax outlasts the other's products; with three the other two
+warpgroups' products cover it. Predicted +5-15% at N >= 4k; measured on the H200 (bf16, H = 32, B * N = 16k,
+TFLOP/s, median of three interleaved rounds, docs/tuning-log.md session 11): N=1k 414.8 -> 416.2 (its 192-row
+tiles pad 1024 rows to 1152), 2k 435.7 -> 476.8, 4k 448.2 -> 497.6, 8k 444.0 -> 513.6. Shared memory 147972 bytes;
+compiled (tests/sm90_compile.py, Triton 3.6 and 3.7) no spills without causal and with EVEN_K, 8 bytes of stack
+with a ragged last key tile (one value stored at an item's start and loaded in its epilogue), 40-48 with causal
+(registers stored and reloaded around the first key tile's mask, once per item; none in the key loop), which
+does not ship: D=64's causal forward is the Triton kernel's (CAUSAL_HEAD_DIMS; on this kernel with three
+warpgroups and pairs it lost, 292.6 against 357.1 at N=2k in session 11's first call).
 
 CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the heaviest with the lightest
 (``_paired_item``), so every CTA walks about n_m + 1 key tiles (N=1k: 1024 CTAs of 9 tiles instead of 2048 of 1-8)
 and its second item's Q and K/V load while the first finishes (the ring and barrier phases carry on, as in the
 persistent launches). Both items read one head's K and V (L2 hits), unlike the global heaviest-first walks that
 lost (CAUSAL_HEAD_DIMS). On the H200 (bf16, docs/tuning-log.md) at D=128 it gave +6% at N=1k, +3-8% at 2k and 4k,
-0-2% at 8k and 16k; at D=256 N=1k -7% (off there). D=64's causal forward is the Triton kernel's.
+0-2% at 8k and 16k. At D=256 one run-off in session 10 gave N=1k -7%, but there the same config spreads from 310 to
+441 TFLOP/s between runs (session 11); the median of three rounds gave N=2k 507.1 -> 543.8, 1k 325.3 -> 394.3.
 
-CAUSAL_PERSISTENT (with causal and CAUSAL_PAIRS; off in every config, which then compiles to the SASS of before):
-the pairs become slots walked by min(slots, SMs) persistent CTAs, CTA p taking slots p, p + num_programs, ...
-(``_pair_slot_item``): neighbouring CTAs still read one head's K and V at a time, and as every slot is about
-n_m + 1 key tiles the static walk stays balanced. Not yet measured on a GPU (branch gluon-fwd-causal-persistent).
-Why: Nsight Compute at D=128 causal N=1k (1024 paired CTAs, one per SM at a time: 7.76 waves) has the tensor pipe
-doing just the expected work in 271k cycles, where the full kernel's efficiency would take ~201k; each CTA's start
-(launch, barrier init, setmaxnreg, its first Q/K/V loads, the pipeline's ramp) is exposed 7.76 times per SM, and a
-persistent CTA pays it once, loading each next slot while it finishes the last. Prediction: +3-10% at D=128 causal
-N=1k-4k, most at 1k (9 key tiles per slot; at 4k 33, so a start weighs a quarter as much).
+CAUSAL_PERSISTENT (with causal and CAUSAL_PAIRS): the pairs become slots walked by min(slots, SMs) persistent CTAs,
+CTA p taking slots p, p + num_programs, ... (``_pair_slot_item``): neighbouring CTAs still read one head's K and V
+at a time, and as every slot is about n_m + 1 key tiles the static walk stays balanced. Why: Nsight Compute at
+D=128 causal N=1k (1024 paired CTAs, one per SM at a time: 7.76 waves) had the tensor pipe doing just the expected
+work in 271k cycles, where the full kernel's efficiency would take ~201k; each CTA's start (launch, barrier init,
+setmaxnreg, its first Q/K/V loads, the pipeline's ramp) is exposed 7.76 times per SM, and a persistent CTA pays it
+once, loading each next slot while it finishes the last. Predicted +3-10% at D=128 causal N=1k-4k; measured (H200,
+bf16, TFLOP/s, median of three interleaved rounds, session 11): D=128 N=1k 402.4 -> 444.7, 2k 501.3 -> 532.1, 4k
+553.0 -> 566.4, 8k 576.4 -> 592.1, GQA 32/8 at 2k 501.7 -> 535.5; D=256 (with CAUSAL_PAIRS, against neither) N=512
+310.7 -> 320.4, 1k 325.3 -> 341.3, 2k 507.1 -> 550.2.
 
 O_TILE: O leaves through a [NUM_WG, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
 item's Q while its epilogue stores O; without it O leaves through the Q tile, which goes to the next item once
 the store has read it. Launches with O_TILE and without causal are persistent (``programs``). Measured on an
 H200 (bf16, D=128, TFLOP/s, one CTA per item -> persistent with the O tile; branch 815003a before the D=256
 merge): N=1k 553.8 -> 594.8, N=4k 625 -> 638; causal lost (N=1k 389 -> 369, N=16k 587 -> 565, with all
-heads' heaviest tiles first), so causal launches stay one CTA per item (per pair with CAUSAL_PAIRS). At
+heads' heaviest tiles first); causal launches are persistent through CAUSAL_PERSISTENT's pair slots instead. At
 D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA. Shared memory (bytes,
-tests/sm90_compile.py): D=64 131544, D=128 197016 (164200 before the O tile), D=256 196984; no spills."""
-D64_THREE_WG = {"NUM_WG": 3, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24}
-"""CONFIGS[64] with three consumer warpgroups (FA-3's hdim-64 forward: 192 x 128 tiles), unmeasured (branch
-gluon-fwd-d64-3wg; the A/B: docs/tuning-log.md). A work item is a 192-row query tile; 160 registers for WG 1
-and 2, 168 for WG 0 (the default partition), 24 for the producer: 168 * 128 + 2 * 160 * 128 + 24 * 128 = 65536.
-Shared memory 147972 bytes (Q and O 24 KiB each, three K/V stages 96 KiB). Compiled (tests/sm90_compile.py,
-Triton 3.6 and 3.7): no spills without causal and with EVEN_K; 8 bytes of stack with a ragged last key tile
-(one value stored at an item's start and loaded in its epilogue), 40 with causal (48 with CAUSAL_PAIRS on 3.7:
-registers stored and reloaded around the first key tile's mask, once per item and warpgroup; none in the key
-loop).
-
-Prediction: the D=64 forward without causal +5-15% (N >= 4k; ~450 TFLOP/s now, FA-4 505-543). At D=64 a
-warpgroup's softmax of its [64, 128] scores (8192 exp2: 512 cycles of the SM's MUFU, plus the max, sum, scale and
-convert instructions) lasts as long as or longer than its two products (~512 tensor cycles), so with two
-warpgroups the tensor pipe idles whenever one softmax outlasts the other's products. With three, the other two
-warpgroups' products (~1024 cycles) cover each softmax. Against it: at N=1k the 192-row tiles pad 1024 query
-rows to 1152 (+12.5% work), and 160 registers leave the compiler less room to schedule."""
+tests/sm90_compile.py): D=64 147972 (131544 with two warpgroups), D=128 197016 (164200 before the O tile), D=256
+196984; no spills."""
 CAUSAL_HEAD_DIMS = (128, 256)
 """Head dims whose causal forwards run here. At D=64 with causal the Triton kernel was faster up to N=4k and
 2% slower at 16k (H200, bf16, B*N = 16k, H = 32, TFLOP/s, Gluon one CTA per item against the Triton kernel in
