@@ -4,8 +4,9 @@ path's edges on the GPU it runs on, small enough for the sanitizer's slowdown.
     PYTHONPATH=src compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py
 
 On sm_90 the cases cover the Gluon forward at D=64, 128 and 256 with odd lengths and Sq != Sk, the persistent
-forward with several work items per CTA (B=2 N=1024 without causal: 256 items at H=16, 512 at H=32), the
-Gluon backward with GQA at D=64, 128 and 256, and the Triton kernels (odd lengths, a decode query of one row)."""
+forward with several work items per CTA (B=2 N=1024 without causal: 256 items at H=16, 384 192-row items at D=64
+H=32; causal B=2 N=2048 H=16: 256 pair slots), the Gluon backward with GQA at D=64, 128 and 256 (causal: key
+tiles in pairs), and the Triton kernels (odd lengths, a decode query of one row)."""
 
 import torch
 
@@ -18,6 +19,7 @@ CASES = [
     ((2, 1024, 16, 128), (2, 1024, 16, 128), True),
     ((2, 1000, 16, 128), (2, 1000, 4, 128), False),
     ((2, 1024, 16, 128), (2, 1024, 16, 128), False),
+    ((2, 2048, 16, 128), (2, 2048, 16, 128), True),
     ((2, 256, 8, 128), (2, 384, 2, 128), True),
     ((2, 256, 8, 64), (2, 128, 4, 64), False),
     ((2, 1024, 32, 64), (2, 1024, 32, 64), False),
