@@ -228,6 +228,18 @@ def _pair_slot_item_count(n_m, n_items):
 
 
 @gluon.jit
+def _walk(n_m, n_items, CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, CAUSAL_PERSISTENT: gl.constexpr):
+    """(start, stop, step) of this CTA's loop over t, the work items it passes to ``_work``: with causal,
+    CAUSAL_PAIRS and CAUSAL_PERSISTENT its own items 0, 1, ... (``_pair_slot_item_count``); otherwise items
+    program_id, + num_programs, ... below n_items."""
+    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
+        start, stop, step = 0, _pair_slot_item_count(n_m, n_items), 1
+    else:
+        start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
+    return start, stop, step
+
+
+@gluon.jit
 def _work(
     t,
     n_m,
@@ -305,10 +317,7 @@ def _producer(
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     it = 0
     item = 0
-    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
-        start, stop, step = 0, _pair_slot_item_count(n_m, n_items), 1  # this CTA's items 0, 1, ...
-    else:
-        start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
+    start, stop, step = _walk(n_m, n_items, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT)
     for t in range(start, stop, step):
         b, h, m0, n_blocks = _work(
             t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
@@ -442,10 +451,7 @@ def _consumer(
 
     it = 0
     item = 0
-    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
-        start, stop, step = 0, _pair_slot_item_count(n_m, n_items), 1  # this CTA's items 0, 1, ...
-    else:
-        start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
+    start, stop, step = _walk(n_m, n_items, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT)
     for t in range(start, stop, step):
         b, h, m0, n_blocks = _work(
             t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
