@@ -44,6 +44,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # run as one process per shard, the shards cycling over the GPUs too (one process compiles its kernels one by one).
 branch_tests() {
   local gpus=("$@") i=0 shards shard name
+  rm -rf /tmp/branchtests && mkdir -p /tmp/branchtests
   IFS=';' read -r -a shards <<< "${BRANCH_SHARDS:-}"
   [ ${#shards[@]} -eq 0 ] && shards=("")
   for dir in ${BRANCH_DIRS:?set BRANCH_DIRS}; do
@@ -53,11 +54,14 @@ branch_tests() {
       name=$(basename "$dir")${shard:+-$i}
       (cd "$dir" && CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]} PYTHONPATH=src timeout ${BRANCH_TEST_TIMEOUT:-330} \
          python3 -m pytest ${BRANCH_TESTS:-tests/test_gluon_sm90.py} ${k:+-k "$k"} -q -p no:cacheprovider \
-         > "$OUT/tests-$name.log" 2>&1) &
+         > "/tmp/branchtests/$name.log" 2>&1) &
       i=$((i + 1))
     done
   done
   wait
+  # one file back: the device tool returns at most 8 (three branches x four shards would be 12)
+  for log in /tmp/branchtests/*.log; do echo "=== $(basename "$log" .log)"; cat "$log"; done > "$OUT/branchtests.log"
+  for log in /tmp/branchtests/*.log; do echo "--- $(basename "$log" .log)"; tail -n 2 "$log"; done
 }
 # This tree and then each branch timed with tune_gluon.py on GPU 0, one after the other.
 branch_times() {
@@ -122,8 +126,8 @@ for step in "$@"; do
     tunegluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/tune_gluon.py --out "$OUT" ${TUNEGLUON_ARGS:-} 2>&1 | tail -80 ;;
     branches)
       branch_tests 1 & branch_times; wait
-      tail -n 2 "$OUT"/tests-*.log; grep -v "^ " "$OUT/branches.log" | tail -60 ;;
-    branchtests) branch_tests 1 0; tail -n 2 "$OUT"/tests-*.log ;;
+      grep -v "^ " "$OUT/branches.log" | tail -60 ;;
+    branchtests) branch_tests 1 0 ;;
     branchtimes) branch_times; grep -v "^ " "$OUT/branches.log" | tail -80 ;;
     *) echo "unknown step $step" ;;
   esac
