@@ -1,0 +1,77 @@
+"""Does a short causal forward's speed follow where its inputs lie in memory? (session 11's per-process spread)
+
+    PYTHONPATH=src python3 benchmarks/spread.py [--copies 6] [--out DIR]
+
+Session 11 saw a short causal forward (D=256 N=512, D=64 N=1k) keep one speed within a process and change it from
+one process to the next (~200 against ~320 TFLOP/s), while D=128 N=1k stayed put. This times, in one process,
+several copies of the same inputs (each a fresh allocation, kept alive, so each lies on other memory), each copy
+three times (do_bench median, L2 flushed), beside the host time of one call (queued behind a GPU sleep, so no
+call waits for the GPU). Speeds that follow the copy point at placement (L2 slices, pages); speeds that stay per
+process and track the host time point at the launch path. Run it in several fresh processes to see both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+import flashtile
+
+SHAPES = [(32, 512, 8, 256), (16, 1024, 32, 64), (16, 1024, 16, 128)]
+"""(batch, seqlen, heads, head dim), causal, bf16: the two that spread and one that did not."""
+
+
+def host_us(fn, calls: int = 30) -> float:
+    """Median host µs of one call of ``fn`` with the GPU busy (behind a sleep), so that no call waits for it."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(seconds) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--copies", type=int, default=6)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    rows, kept = [], []
+    for batch, seqlen, nheads, head_dim in SHAPES:
+        flops = 4 * batch * nheads * seqlen * seqlen * head_dim / 2
+        for copy in range(args.copies):
+            q, k, v = (
+                torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+            )
+            kept.append((q, k, v))
+
+            def forward(q=q, k=k, v=v):
+                return flashtile.flash_attn_func(q, k, v, causal=True)
+
+            out = forward()
+            tflops = [flops / do_bench(forward, return_mode="median") * 1e-9 for _ in range(3)]
+            row = dict(shape=(batch, seqlen, nheads, head_dim), copy=copy, tflops=tflops, host_us=host_us(forward),
+                       offsets_2mib={name: t.data_ptr() % 2**21 for name, t in (("q", q), ("k", k), ("v", v),
+                                                                                 ("out", out))})  # fmt: skip
+            rows.append(row)
+            print(f"B={batch} N={seqlen} H={nheads} D={head_dim} copy {copy}: TFLOP/s "
+                  f"{' '.join(f'{x:.0f}' for x in tflops)}  host {row['host_us']:.0f} us  "
+                  f"ptr % 2 MiB {row['offsets_2mib']}", flush=True)  # fmt: skip
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"spread-{os.getpid()}.json").write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
