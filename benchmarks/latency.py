@@ -301,10 +301,12 @@ def pretend_sm90() -> Iterator[None]:
     """Inside the block, CPU tensors take the launchers' path of an sm_90 GPU with 132 SMs (the Gluon kernels where
     they qualify, the Hopper tile configs otherwise), and every kernel launch runs Triton's Python (binding,
     specialization, cache lookup, ``forward_sm90.launch``'s direct launches) but no compiler and no launcher.
-    The attention kernels' caches and ``forward_sm90._COMPILED`` are set aside and restored afterwards."""
+    The attention kernels' caches and the direct launches' (``forward_sm90._COMPILED``, ``ops._launch._COMPILED``) are
+    set aside and restored afterwards."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
+    from flashtile.ops import _launch
     from flashtile.ops.attention import backward, backward_sm90, configs, forward, forward_sm90
 
     cuda = torch.device("cuda", 0)
@@ -329,16 +331,29 @@ def pretend_sm90() -> Iterator[None]:
         stack.enter_context(mock.patch.object(forward_sm90, "sm_count", lambda device: 132))
         stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
         stack.enter_context(mock.patch.object(JITFunction, "_do_compile", _no_compile))
-        stack.enter_context(mock.patch.dict(forward_sm90._COMPILED, clear=True))
+        for compiled in (forward_sm90._COMPILED, _launch._COMPILED):
+            stack.enter_context(mock.patch.dict(compiled, clear=True))
         for kernel in kernels:
-            stack.enter_context(mock.patch.object(kernel, "device_caches", collections.defaultdict(kernel.create_binder)))
+            if isinstance(kernel, JITFunction):  # not the interpreter's, nor a stand-in
+                caches = collections.defaultdict(kernel.create_binder)
+                stack.enter_context(mock.patch.object(kernel, "device_caches", caches))
         driver.set_active(_Sm90Driver())
         stack.callback(driver.set_active, saved_driver)
         yield
 
 
-HOST_OVERHEAD_SHAPE = (16, 1024, 16)
-"""(batch, seqlen, nheads) of ``cpu_host_overhead``'s calls, bf16."""
+HOST_OVERHEAD_SHAPE = (2, 128, 2)
+"""(batch, seqlen, nheads) of ``cpu_host_overhead``'s calls, bf16: the Python work is that of any size that takes the
+same kernels (B=16 N=1024 H=16 adds ~20 µs per forward of the CPU allocator mapping its 64 MiB outputs, and the
+backward's zero fill of a 128 MiB dq_accum and its conversion, GPU kernels elsewhere, take milliseconds)."""
+
+
+def _fwd(q, k, v, dout):
+    return flashtile.flash_attn_func(q, k, v, causal=True)
+
+
+def _fwd_bwd(q, k, v, dout):
+    torch.autograd.grad(_fwd(q, k, v, dout), (q, k, v), dout)
 
 
 def cpu_host_overhead(repeats: int = 7, calls: int = 200, shape: tuple[int, int, int] = HOST_OVERHEAD_SHAPE) -> list:
@@ -346,25 +361,18 @@ def cpu_host_overhead(repeats: int = 7, calls: int = 200, shape: tuple[int, int,
     forward (q, k, v requiring grad) and forward + backward (``torch.autograd.grad`` with a given dout, nothing
     accumulated) at head dim 128 (the Gluon forward and backward), at head dim 64 (the Triton forward, the delta
     kernel and the Gluon backward) and at head dim 128 with ``FLASHTILE_GLUON=0`` (the Triton kernels alone). Each
-    row: the median over ``repeats`` of the mean of ``calls`` calls, after a warm-up. CPU tensors: torch.empty is
-    the CPU allocator's, and the backward's torch.zeros and dq's conversion do their work on the CPU."""
+    row: the median over ``repeats`` of the mean of ``calls`` calls, after a warm-up."""
     from flashtile import _backend
 
     batch, seqlen, nheads = shape
     rows = []
-    for head_dim, gluon, label in ((128, True, "D=128 gluon"), (64, True, "D=64 triton fwd"),
+    for head_dim, gluon, label in ((128, True, "D=128 gluon"), (64, True, "D=64 triton-fwd"),
                                    (128, False, "D=128 FLASHTILE_GLUON=0")):  # fmt: skip
         q, k, v, dout = (torch.empty(batch, seqlen, nheads, head_dim, dtype=torch.bfloat16) for _ in range(4))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-
-        def fwd():
-            return flashtile.flash_attn_func(q, k, v, causal=True)
-
-        def fwd_bwd():
-            torch.autograd.grad(fwd(), (q, k, v), dout)
-
+        tensors = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout)
         with pretend_sm90(), mock.patch.object(_backend, "GLUON", gluon):
-            for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            for name, step in (("fwd", _fwd), ("fwd+bwd", _fwd_bwd)):
+                fn = functools.partial(step, *tensors)
                 for _ in range(min(calls, 50)):
                     fn()
                 means = []
@@ -385,7 +393,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.host_overhead:
         for row in cpu_host_overhead():
-            print(f"{row['us']:8.1f} us  {row['what']}  (repeats: {', '.join(f'{us:.1f}' for us in row['us_repeats'])})")
+            repeats = ", ".join(f"{us:.1f}" for us in row["us_repeats"])
+            print(f"{row['us']:8.1f} us  {row['what']}  (repeats: {repeats})")
         return
     if args.out is None:
         parser.error("--out is required")
