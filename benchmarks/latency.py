@@ -111,7 +111,8 @@ TRACED = (
     ("flashtile.ops.attention.forward_sm90", "descriptor"),
     ("flashtile.ops.attention.forward_sm90", "batch_descriptor"), ("flashtile.ops.attention.forward_sm90", "launch"),
     ("flashtile.ops.attention.forward_sm90", "qualifies"),
-    ("flashtile.ops.attention.backward_sm90", "qualifies"), ("torch", "empty"), ("torch", "zeros"),
+    ("flashtile.ops.attention.backward_sm90", "qualifies"), ("flashtile.ops._launch", "launch"), ("torch", "empty"),
+    ("torch", "zeros"),
 )  # fmt: skip
 """(module, function) pairs whose inclusive host time ``host_trace`` reports (each also where imported by name)."""
 
