@@ -129,7 +129,7 @@ merge): N=1k 553.8 -> 594.8, N=4k 625 -> 638; causal lost (N=1k 389 -> 369, N=16
 heads' heaviest tiles first); causal launches are persistent through CAUSAL_PERSISTENT's pair slots instead. At
 D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA. Shared memory (bytes,
 tests/sm90_compile.py): D=64 147972 (131544 with two warpgroups), D=128 197016 (164200 before the O tile), D=256
-196984; no spills."""
+196984; no spills at D=128 and 256 (D=64: NUM_WG above)."""
 CAUSAL_HEAD_DIMS = (128, 256)
 """Head dims whose causal forwards run here. At D=64 with causal the Triton kernel was faster up to N=4k and
 2% slower at 16k (H200, bf16, B*N = 16k, H = 32, TFLOP/s, Gluon one CTA per item against the Triton kernel in
