@@ -3,18 +3,19 @@
     PYTHONPATH=src python3 benchmarks/tune_gluon.py [--variant NAME:KEY=VALUE,...] [--shape B,Sq,Sk,H,Hk,D,causal]
         [--rounds R] [--out DIR]
 
-Times flashtile's forward and backward (TFLOP/s, do_bench median; backward 2.5 x the forward's FLOP, both
-halved when causal), bf16, at each ``--shape`` or by default at D = 64 / 128 (H = 32 / 16), N = 1k / 4k / 16k
-with B = 16384 / N, causal and not (``DEFAULT_SHAPES``): the shipped configs ("default"), each ``--variant``
-(its KEY=VALUE pairs replace entries of every ``forward_sm90.CONFIGS`` and ``backward_sm90.CONFIGS`` entry
-that has the key; with FORWARD_D=D of ``forward_sm90.CONFIGS[D]`` alone), and the Triton kernels
-(``flashtile._backend.GLUON`` off). Beside each time: the max abs difference of that run's out, dq, dk, dv from
-the shipped config's (bf16 rounding and the atomic dQ's order make it nonzero). Example:
+Times flashtile's forward and backward (TFLOP/s, do_bench median; backward 2.5 x the forward's FLOP, both halved
+when causal), bf16, at each ``--shape`` or by default at D = 64 / 128 (H = 32 / 16), N = 1k / 4k / 16k with B =
+16384 / N, causal and not (``DEFAULT_SHAPES``): the shipped configs ("default"), each ``--variant`` (its
+KEY=VALUE pairs replace entries of every ``forward_sm90.CONFIGS`` and ``backward_sm90.CONFIGS`` entry that has
+the key; with FORWARD_D=D / BACKWARD_D=D of that head dim's forward / backward config alone), and the Triton
+kernels (``flashtile._backend.GLUON`` off). Beside each time: the max abs difference of that run's out, dq, dk,
+dv from the shipped config's (bf16 rounding and the atomic dQ's order make it nonzero). Example:
 
     --variant fwd-3-stages:STAGES=3 --variant no-pingpong:PINGPONG=0 --variant bwd-2-stages:STAGES=2
     --variant gluon-causal:GLUON_CAUSAL_D=64,CAUSAL_PAIRS=1  (D=64 causal forwards on the Gluon kernel, in pairs)
     --variant d64-2wg:FORWARD_D=64,NUM_WG=2,CONSUMER_REGS=240  (the D=64 forward with two consumer warpgroups,
         as before session 11; without FORWARD_D the register split would change every config, the backward's too)
+    --variant d256-paired:BACKWARD_D=256,KEY_PAIRS=1  (the D=256 backward's causal key tiles in pairs, alone)
 
 A key in both modules' configs changes both kernels; the causal pairs have a name per kernel (forward
 CAUSAL_PAIRS, backward KEY_PAIRS), so ``--variant unpaired:KEY_PAIRS=0`` changes the backward alone.
@@ -50,16 +51,25 @@ FORWARD_HEAD_DIM = "FORWARD_D"
 """A variant key that is no CONFIGS entry: FORWARD_D=64 applies the variant's keys to ``forward_sm90.CONFIGS[64]``
 only, not to the other head dims nor to ``backward_sm90.CONFIGS`` (whose CONSUMER_REGS / PRODUCER_REGS a D=64
 forward's register split would otherwise change)."""
+BACKWARD_HEAD_DIM = "BACKWARD_D"
+"""The same for ``backward_sm90.CONFIGS``: BACKWARD_D=256 applies the variant's keys to the D=256 backward alone
+(with FORWARD_D too, to both named configs)."""
+
+
+def picked_configs(changes: dict[str, int]) -> tuple[dict, ...]:
+    """The config dicts a variant's ``changes`` apply to: those FORWARD_D / BACKWARD_D name, or every forward and
+    backward config when neither is given."""
+    picked = [forward_sm90.CONFIGS[changes[FORWARD_HEAD_DIM]]] if FORWARD_HEAD_DIM in changes else []
+    if BACKWARD_HEAD_DIM in changes:
+        picked.append(backward_sm90.CONFIGS[changes[BACKWARD_HEAD_DIM]])
+    return tuple(picked) or (*forward_sm90.CONFIGS.values(), *backward_sm90.CONFIGS.values())
 
 
 @contextlib.contextmanager
 def configured(changes: dict[str, int]) -> Iterator[None]:
-    """The Gluon kernels' configs with ``changes`` applied (to each config that has the key, or with FORWARD_D to
-    that head dim's forward config alone) inside the block."""
-    if FORWARD_HEAD_DIM in changes:
-        configs = (forward_sm90.CONFIGS[changes[FORWARD_HEAD_DIM]],)
-    else:
-        configs = (*forward_sm90.CONFIGS.values(), *backward_sm90.CONFIGS.values())
+    """The Gluon kernels' configs with ``changes`` applied (to each of ``picked_configs`` that has the key) inside
+    the block."""
+    configs = picked_configs(changes)
     with contextlib.ExitStack() as stack:
         for cfg in configs:
             stack.enter_context(mock.patch.dict(cfg, {k: v for k, v in changes.items() if k in cfg}))

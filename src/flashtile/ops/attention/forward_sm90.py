@@ -129,7 +129,7 @@ merge): N=1k 553.8 -> 594.8, N=4k 625 -> 638; causal lost (N=1k 389 -> 369, N=16
 heads' heaviest tiles first); causal launches are persistent through CAUSAL_PERSISTENT's pair slots instead. At
 D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA. Shared memory (bytes,
 tests/sm90_compile.py): D=64 147972 (131544 with two warpgroups), D=128 197016 (164200 before the O tile), D=256
-196984; no spills."""
+196984; no spills at D=128 and 256 (D=64: NUM_WG above)."""
 CAUSAL_HEAD_DIMS = (128, 256)
 """Head dims whose causal forwards run here. At D=64 with causal the Triton kernel was faster up to N=4k and
 2% slower at 16k (H200, bf16, B*N = 16k, H = 32, TFLOP/s, Gluon one CTA per item against the Triton kernel in
@@ -775,12 +775,11 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
 
     ``JITFunction.run`` binds, specializes and hashes every argument on each call: in the traced host path of the H200
     machine (results/2026-11-30-h200x2-hosttrace-be635c4.log) the forward's JITFunction.run took 50.5 µs per call,
-    19.9 of them in the launcher that still runs here. Measured against binding every call (latency.py's
-    flashtile-binder rows, results/2026-11-30-h200x2-s7-latency-2e9c128.json, beside another process on the
-    machine): host time per forward call 174 / 219 / 238 / 125 µs against 225 / 281 / 289 / 279 (B*N = 16k, D=128:
-    N=512 full, causal; N=1k full, causal); alone on the machine (session 8, results/2026-11-30-h200-s8-latency-
-    dd47731.json) 113 / 183 / 239 / 162 against 135 / 127 / 143 / 134: the saving did not reproduce, so it is
-    unproven (the two runs disagree by more than the effect). The first launch of a key goes through the binder
+    19.9 of them in the launcher that still runs here. Against binding every call (latency.py's flashtile-binder
+    rows, median of three rounds with the order alternating, alone on the machine; results/2026-11-30-h200x2-s10-
+    latency-8f914ec.json) host time per forward call 119 / 114 / 108 / 113 µs against 127 / 188 / 128 / 138 (B*N =
+    16k, D=128: N=512 full, causal; N=1k full, causal): it saves 8-75 µs (sessions 7 and 8 had disagreed, each
+    beside other work on the machine or in one round). The first launch of a key goes through the binder
     (compiling, or loading from Triton's disk cache) and keeps the compiled kernel it returns; later launches of
     the key hand that kernel the same arguments directly: ``args`` are the kernel's leading non-constexpr
     parameters in order, ``constexprs`` name all the rest.
