@@ -5,9 +5,11 @@
 Session 11 saw a short causal forward (D=256 N=512, D=64 N=1k) keep one speed within a process and change it from
 one process to the next (~200 against ~320 TFLOP/s), while D=128 N=1k stayed put. This times, in one process,
 several copies of the same inputs (each a fresh allocation, kept alive, so each lies on other memory), each copy
-three times (do_bench median, L2 flushed), beside the host time of one call (queued behind a GPU sleep, so no
-call waits for the GPU). Speeds that follow the copy point at placement (L2 slices, pages); speeds that stay per
-process and track the host time point at the launch path. Run it in several fresh processes to see both.
+three times (do_bench median, L2 flushed), beside the host time of one call (``latency.host_time``: queued behind a
+GPU sleep, so no call waits for the GPU). Speeds that follow the copy point at placement (L2 slices, pages); speeds
+that stay per process and track the host time point at the launch path. Run it in several fresh processes to see
+both. In session 11 (results/2026-11-30-h200x2-s11-call10-spread-d36b862.json) every slow sample sat beside a
+host-time spike, whatever the copy.
 """
 
 from __future__ import annotations
@@ -15,31 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
 import flashtile
+from latency import host_time  # benchmarks/, beside this script
 
 SHAPES = [(32, 512, 8, 256), (16, 1024, 32, 64), (16, 1024, 16, 128)]
 """(batch, seqlen, heads, head dim), causal, bf16: the two that spread and one that did not."""
-
-
-def host_us(fn, calls: int = 30) -> float:
-    """Median host µs of one call of ``fn`` with the GPU busy (behind a sleep), so that no call waits for it."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)
-    seconds = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return statistics.median(seconds) * 1e6
 
 
 def main() -> None:
@@ -61,9 +48,9 @@ def main() -> None:
 
             out = forward()
             tflops = [flops / do_bench(forward, return_mode="median") * 1e-9 for _ in range(3)]
-            row = dict(shape=(batch, seqlen, nheads, head_dim), copy=copy, tflops=tflops, host_us=host_us(forward),
-                       offsets_2mib={name: t.data_ptr() % 2**21 for name, t in (("q", q), ("k", k), ("v", v),
-                                                                                 ("out", out))})  # fmt: skip
+            offsets = {name: t.data_ptr() % 2**21 for name, t in (("q", q), ("k", k), ("v", v), ("out", out))}
+            row = dict(shape=(batch, seqlen, nheads, head_dim), copy=copy, tflops=tflops,
+                       host_us=host_time(forward, calls=30) * 1e6, offsets_2mib=offsets)  # fmt: skip
             rows.append(row)
             print(f"B={batch} N={seqlen} H={nheads} D={head_dim} copy {copy}: TFLOP/s "
                   f"{' '.join(f'{x:.0f}' for x in tflops)}  host {row['host_us']:.0f} us  "

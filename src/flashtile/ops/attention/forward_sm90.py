@@ -107,8 +107,8 @@ CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the
 and its second item's Q and K/V load while the first finishes (the ring and barrier phases carry on, as in the
 persistent launches). Both items read one head's K and V (L2 hits), unlike the global heaviest-first walks that
 lost (CAUSAL_HEAD_DIMS). On the H200 (bf16, docs/tuning-log.md) at D=128 it gave +6% at N=1k, +3-8% at 2k and 4k,
-0-2% at 8k and 16k. At D=256 one run-off in session 10 gave N=1k -7%, but there the same config spreads from 310 to
-441 TFLOP/s between runs (session 11); the median of three rounds gave N=2k 507.1 -> 543.8, 1k 325.3 -> 394.3.
+0-2% at 8k and 16k. At D=256 one run-off in session 10 gave N=1k -7%, but in session 11 the pairs' own three runs
+at N=1k spread from 310 to 442 TFLOP/s; the median of three rounds gave N=2k 507.1 -> 543.8, 1k 325.3 -> 394.3.
 
 CAUSAL_PERSISTENT (with causal and CAUSAL_PAIRS): the pairs become slots walked by min(slots, SMs) persistent CTAs,
 CTA p taking slots p, p + num_programs, ... (``_pair_slot_item``): neighbouring CTAs still read one head's K and V
