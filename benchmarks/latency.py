@@ -15,6 +15,8 @@
    Two shapes: (3, 1000, 12, 96) runs the Triton kernels, (2, 1024, 16, 128) the Gluon forward on sm_90.
    Each first call runs under cProfile (first-call-profile-*.txt) to show where the time goes.
 ``--host-trace`` instead reports where the host time of eager steps goes, function by function (host-trace.txt).
+``--host-overhead`` runs on any machine, no GPU: the host time of eager calls with CPU tensors on a pretended sm_90
+GPU whose launches do nothing (``cpu_host_overhead``); it prints a table and writes nothing.
 Writes ``latency.json`` and prints a table.
 """
 
@@ -40,6 +42,8 @@ from unittest import mock
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.backends.compiler import GPUTarget
+from triton.compiler import CompiledKernel
 
 import flashtile
 from bench_decode import capture
@@ -107,7 +111,8 @@ TRACED = (
     ("flashtile.ops.attention.forward_sm90", "descriptor"),
     ("flashtile.ops.attention.forward_sm90", "batch_descriptor"), ("flashtile.ops.attention.forward_sm90", "launch"),
     ("flashtile.ops.attention.forward_sm90", "qualifies"),
-    ("flashtile.ops.attention.backward_sm90", "qualifies"), ("torch", "empty"), ("torch", "zeros"),
+    ("flashtile.ops.attention.backward_sm90", "qualifies"), ("flashtile.ops._launch", "launch"), ("torch", "empty"),
+    ("torch", "zeros"),
 )  # fmt: skip
 """(module, function) pairs whose inclusive host time ``host_trace`` reports (each also where imported by name)."""
 
@@ -254,11 +259,146 @@ def first_call(out: Path) -> list[dict]:
     return rows
 
 
+class _NoKernel:
+    """A compiled kernel that launches nothing (``pretend_sm90``): ``kernel[grid](*args)`` runs the Python of
+    Triton's ``CompiledKernel.__getitem__`` (stream, launch metadata), and ``run``, the C launcher, is a no-op."""
+
+    name = "no_kernel"
+    function = packed_metadata = src = None
+    __getitem__ = CompiledKernel.__getitem__
+    launch_metadata = CompiledKernel.launch_metadata
+
+    def _init_handles(self) -> None:
+        pass
+
+    @staticmethod
+    def run(*args) -> None:
+        pass
+
+
+class _Sm90Driver:
+    """Triton's active driver on a pretended sm_90 GPU: device 0, stream 0."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+
+def _no_compile(kernel, key, signature, device, constexprs, options, attrs, warmup):
+    """``JITFunction._do_compile`` that keeps a ``_NoKernel`` under ``key`` after computing the kernel's source
+    hash (which records the globals that ``JITFunction.run`` checks on every call, as after a real compile)."""
+    kernel.cache_key  # noqa: B018 (the property records kernel.used_global_vals)
+    compiled = kernel.device_caches[device][0][key] = _NoKernel()
+    return compiled
+
+
+@contextlib.contextmanager
+def pretend_sm90() -> Iterator[None]:
+    """Inside the block, CPU tensors take the launchers' path of an sm_90 GPU with 132 SMs (the Gluon kernels where
+    they qualify, the Hopper tile configs otherwise), and every kernel launch runs Triton's Python (binding,
+    specialization, cache lookup, ``forward_sm90.launch``'s direct launches) but no compiler and no launcher.
+    The attention kernels' caches and the direct launches' (``forward_sm90._COMPILED``, ``ops._launch._COMPILED``) are
+    set aside and restored afterwards."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    from flashtile.ops import _launch
+    from flashtile.ops.attention import backward, backward_sm90, configs, forward, forward_sm90
+
+    cuda = torch.device("cuda", 0)
+    kernels = (forward._attention_forward_kernel, backward._attention_dkdv_kernel, backward._attention_dq_kernel,
+               backward._delta_kernel, forward_sm90._attention_forward_sm90_kernel,
+               backward_sm90._attention_backward_sm90_kernel)  # fmt: skip
+    real_config = configs.config
+
+    def hopper_config(pass_name, device, *args):
+        return real_config(pass_name, cuda, *args)
+
+    def gluon_device(device):
+        return configs._backend.GLUON
+
+    saved_driver = driver._active  # None on a machine without a GPU: Triton picks a driver on first use
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(configs._backend, "TRITON_INTERPRET", True))  # the launchers' path
+        stack.enter_context(mock.patch.object(configs, "compute_capability", lambda index: (9, 0)))
+        for module in (forward, backward):
+            stack.enter_context(mock.patch.object(module, "gluon_device", gluon_device))
+            stack.enter_context(mock.patch.object(module, "config", hopper_config))
+        stack.enter_context(mock.patch.object(forward_sm90, "sm_count", lambda device: 132))
+        stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
+        stack.enter_context(mock.patch.object(JITFunction, "_do_compile", _no_compile))
+        for compiled in (forward_sm90._COMPILED, _launch._COMPILED):
+            stack.enter_context(mock.patch.dict(compiled, clear=True))
+        for kernel in kernels:
+            if isinstance(kernel, JITFunction):  # not the interpreter's, nor a stand-in
+                caches = collections.defaultdict(kernel.create_binder)
+                stack.enter_context(mock.patch.object(kernel, "device_caches", caches))
+        driver.set_active(_Sm90Driver())
+        stack.callback(driver.set_active, saved_driver)
+        yield
+
+
+HOST_OVERHEAD_SHAPE = (2, 128, 2)
+"""(batch, seqlen, nheads) of ``cpu_host_overhead``'s calls, bf16: the Python work is that of any size that takes the
+same kernels (B=16 N=1024 H=16 adds ~20 µs per forward of the CPU allocator mapping its 64 MiB outputs, and the
+backward's zero fill of a 128 MiB dq_accum and its conversion, GPU kernels elsewhere, take milliseconds)."""
+
+
+def _fwd(q, k, v, dout):
+    return flashtile.flash_attn_func(q, k, v, causal=True)
+
+
+def _fwd_bwd(q, k, v, dout):
+    torch.autograd.grad(_fwd(q, k, v, dout), (q, k, v), dout)
+
+
+def cpu_host_overhead(repeats: int = 7, calls: int = 200, shape: tuple[int, int, int] = HOST_OVERHEAD_SHAPE) -> list:
+    """Rows (what, µs per call) of the host time of eager causal calls on a pretended sm_90 GPU (``pretend_sm90``):
+    forward (q, k, v requiring grad) and forward + backward (``torch.autograd.grad`` with a given dout, nothing
+    accumulated) at head dim 128 (the Gluon forward and backward), at head dim 64 (the Triton forward, the delta
+    kernel and the Gluon backward) and at head dim 128 with ``FLASHTILE_GLUON=0`` (the Triton kernels alone). Each
+    row: the median over ``repeats`` of the mean of ``calls`` calls, after a warm-up."""
+    from flashtile import _backend
+
+    batch, seqlen, nheads = shape
+    rows = []
+    for head_dim, gluon, label in ((128, True, "D=128 gluon"), (64, True, "D=64 triton-fwd"),
+                                   (128, False, "D=128 FLASHTILE_GLUON=0")):  # fmt: skip
+        q, k, v, dout = (torch.empty(batch, seqlen, nheads, head_dim, dtype=torch.bfloat16) for _ in range(4))
+        tensors = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout)
+        with pretend_sm90(), mock.patch.object(_backend, "GLUON", gluon):
+            for name, step in (("fwd", _fwd), ("fwd+bwd", _fwd_bwd)):
+                fn = functools.partial(step, *tensors)
+                for _ in range(min(calls, 50)):
+                    fn()
+                means = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    means.append((time.perf_counter() - start) / calls * 1e6)
+                rows.append({"what": f"{label} {name}", "us": statistics.median(means), "us_repeats": means})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="folder for the results (all modes but --host-overhead)")
     parser.add_argument("--host-trace", action="store_true", help="only trace the host path (host-trace.txt)")
+    parser.add_argument("--host-overhead", action="store_true", help="host time on the CPU, launches stubbed")
     args = parser.parse_args()
+    if args.host_overhead:
+        for row in cpu_host_overhead():
+            repeats = ", ".join(f"{us:.1f}" for us in row["us_repeats"])
+            print(f"{row['us']:8.1f} us  {row['what']}  (repeats: {repeats})")
+        return
+    if args.out is None:
+        parser.error("--out is required")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.host_trace:
         host_trace(args.out)

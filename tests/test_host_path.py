@@ -190,3 +190,28 @@ def test_latency_binder_launches_swap_both_gluon_launchers():
         backward_sm90.launch(Kernel(), (2, 1, 1), (4,), {"X": 2})
     assert calls == [((1, 1, 1), (3,), {"X": 1, "num_warps": 4}), ((2, 1, 1), (4,), {"X": 2, "num_warps": 4})]
     assert forward_sm90.launch is launch and backward_sm90.launch is launch
+
+
+def test_latency_cpu_host_overhead_runs_and_restores(monkeypatch):
+    """latency.py --host-overhead on the CPU: six rows of µs per call; afterwards the direct launches' caches, the
+    kernels' own caches and Triton's driver are as before. (The tests run the Triton kernels in the interpreter,
+    so they are stand-ins here; the Gluon kernels are compiled-path kernels whose compiles do nothing.)"""
+    from triton.runtime.driver import driver
+
+    import host_overhead
+    import latency
+    from flashtile.ops import _launch
+    from flashtile.ops.attention import backward, forward, forward_sm90
+
+    for module, name in host_overhead.ATTENTION_KERNELS:
+        monkeypatch.setattr(module, name, host_overhead._NoLaunch())
+    kernel = forward_sm90._attention_forward_sm90_kernel
+    before = (dict(forward_sm90._COMPILED), dict(_launch._COMPILED), kernel.device_caches, driver._active)
+    rows = latency.cpu_host_overhead(repeats=2, calls=3, shape=(1, 128, 2))
+    assert [row["what"] for row in rows] == [
+        f"{label} {name}" for label in ("D=128 gluon", "D=64 triton-fwd", "D=128 FLASHTILE_GLUON=0")
+        for name in ("fwd", "fwd+bwd")
+    ]  # fmt: skip
+    assert all(row["us"] > 0 for row in rows)
+    assert (dict(forward_sm90._COMPILED), dict(_launch._COMPILED), kernel.device_caches, driver._active) == before
+    assert forward._attention_forward_kernel is not backward._delta_kernel

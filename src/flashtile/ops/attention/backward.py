@@ -35,6 +35,7 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
+from flashtile.ops._launch import launch
 from flashtile.ops.attention.configs import cdiv, config, gluon_device, head_grid
 from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
@@ -596,13 +597,11 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | 
     batch, seqlen_q, nheads, head_dim_v = out.shape
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=out.device)
     block_rows = 64
-    _delta_kernel[head_grid(cdiv(seqlen_q, block_rows), batch, nheads)](
-        out, dout, dlse, delta,
-        *out.stride()[:3],
-        *dout.stride()[:3],
-        nheads, seqlen_q,
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_widths(head_dim_v, head_dim_v)[1], BLOCK_M=block_rows,
-        HAS_DLSE=dlse is not None,
+    launch(
+        _delta_kernel, head_grid(cdiv(seqlen_q, block_rows), batch, nheads),
+        (out, dout, dlse, delta, *out.stride()[:3], *dout.stride()[:3], nheads, seqlen_q),
+        dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=block_widths(head_dim_v, head_dim_v)[1], BLOCK_M=block_rows,
+             HAS_DLSE=dlse is not None),
     )  # fmt: skip
     return delta
 
@@ -741,15 +740,16 @@ def _launch(
         tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dk, bn, block_d),
         (dv, bn, block_dv),
     )  # fmt: skip
-    _attention_dkdv_kernel[head_grid(cdiv(seqlen_k, cfg.block_n), batch, nheads_k)](
-        q_src, k_src, v_src, do_src, lse, delta, dk_dst, dv_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
-        *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dk),
-        *token_strides(dv),
-        alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
-        nheads, nheads_k, group, rows_q, rows_k, left, right,
-        qk_scale, softcap_log2, softmax_scale, p_drop,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, TMA=tma,
+    launch(
+        _attention_dkdv_kernel, head_grid(cdiv(seqlen_k, cfg.block_n), batch, nheads_k),
+        (q_src, k_src, v_src, do_src, lse, delta, dk_dst, dv_dst, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
+         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dk),
+         *token_strides(dv),
+         alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
+         nheads, nheads_k, group, rows_q, rows_k, left, right,
+         qk_scale, softcap_log2, softmax_scale, p_drop),
+        dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, TMA=tma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -760,15 +760,16 @@ def _launch(
     q_src, k_src, v_src, do_src, dq_dst = tile_sources(
         tma, (q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (dout, bm, block_dv), (dq, bm, block_d)
     )
-    _attention_dq_kernel[head_grid(cdiv(seqlen_q, cfg.block_m), batch, nheads)](
-        q_src, k_src, v_src, do_src, lse, delta, dq_dst, dmask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
-        *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dq),
-        alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
-        nheads, group, rows_q, rows_k, left, right,
-        qk_scale, softcap_log2, softmax_scale, p_drop,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, HEAVY_FIRST=window_right is not None,
-        MASK_NEEDS_GRAD=dmask is not None, TMA=tma,
+    launch(
+        _attention_dq_kernel, head_grid(cdiv(seqlen_q, cfg.block_m), batch, nheads),
+        (q_src, k_src, v_src, do_src, lse, delta, dq_dst, dmask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng, mask,
+         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(dout), *token_strides(dq),
+         alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
+         nheads, group, rows_q, rows_k, left, right,
+         qk_scale, softcap_log2, softmax_scale, p_drop),
+        dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, HEAVY_FIRST=window_right is not None,
+             MASK_NEEDS_GRAD=dmask is not None, TMA=tma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return dq, dk, dv

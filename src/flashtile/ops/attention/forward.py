@@ -45,6 +45,7 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
+from flashtile.ops._launch import launch
 from flashtile.ops.attention.configs import SHORT_SEQLEN, cdiv, config, gluon_device, head_grid, padded_head_dim
 from flashtile.ops.attention.tiles import (
     LN2,
@@ -488,7 +489,7 @@ def _launch(
         tma, (q, rows_q, block_d), (k, rows_k, block_d), (v, rows_k, block_dv), (out, rows_q, block_dv)
     )
     grid = head_grid(cdiv(seqlen_q, cfg.block_m), batch, nheads)
-    _attention_forward_kernel[grid](
+    args = (
         *sources, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
         rng_state if has_dropout else None, mask_for_kernel(attn_mask), block_table,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(out),
@@ -502,6 +503,8 @@ def _launch(
         0 if window_right is None else window_right,
         *score_scales(softmax_scale, softcap),
         dropout_p if has_dropout else None,  # None (like a None tensor) leaves the signature as without dropout
+    )  # fmt: skip
+    constexprs = dict(
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
         BLOCK_D=block_d,
@@ -520,6 +523,5 @@ def _launch(
         HAS_MASK=attn_mask is not None,
         MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
         TMA=tma,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    )
+    launch(_attention_forward_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -1,0 +1,70 @@
+"""Launches of the Triton kernels past Triton's per-call binding.
+
+``kernel[grid](*args, **constexprs)`` goes through ``JITFunction.run``, which on every call binds the arguments,
+specializes each one (``native_specialize_impl``: a tensor's dtype and 16-byte alignment; an int's width, whether
+it is 1 and whether it is a multiple of 16; a descriptor's dtype and block), builds the cache key from that and the
+options, and checks the kernel's globals: 17 of the 60 µs of a D=64 causal forward's host time on the CPU
+(``benchmarks/latency.py --host-overhead``), against 1.6 µs for launching the compiled kernel directly. ``launch``
+sends the first launch of a ``specialization_key`` through ``JITFunction.run`` (compiling, or loading from Triton's
+cache) and keeps the compiled kernel it returns; later launches with that key hand the compiled kernel the same
+arguments directly (``compiled[grid](*args)``, Triton's own launcher, stream and launch hooks).
+
+The key is finer than Triton's specialization, never coarser: every int by value (Triton looks at its class), so
+arguments with equal keys specialize equally (tests/test_launch.py compares keys with the binder's specialization on
+Triton 3.6 and 3.7). What the direct launches skip, as ``forward_sm90.launch`` does for the Gluon kernels: the
+check that the kernel's globals kept their values since it compiled, ``JITFunction``'s pre-run hooks, and options
+read from the environment (``TRITON_DEBUG``) changing after a key's first launch.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+MAX_KEYS = 1024
+"""Keys kept before ``_COMPILED`` starts over (ints are keyed by value, so each new shape adds one): a key then
+launches through the binder once more, which finds its kernel in Triton's own cache."""
+
+_COMPILED: dict[tuple, object] = {}
+"""The compiled kernels ``launch`` has seen, by ``specialization_key``."""
+
+
+def _arg_key(a) -> object:
+    """The key of a launch argument other than an int or None (``specialization_key``)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, TensorDescriptor):
+        return a.base.dtype, tuple(a.block_shape), a.padding
+    if type(a) in (float, bool):  # a float compiles as fp32 and a bool as u1 whatever the value
+        return type(a)
+    raise TypeError(f"no specialization key for a launch argument of type {type(a).__name__}")
+
+
+def specialization_key(kernel: JITFunction, args: tuple, constexprs: list, options: dict) -> tuple:
+    """A key that determines what Triton compiles ``kernel`` for: the kernel, the current device, the options
+    (num_warps, num_stages), the constexprs in parameter order, then per argument its int value, None, a tensor's
+    dtype and 16-byte alignment, a descriptor's dtype, block and padding, or the type of a float or bool."""
+    return (
+        kernel, torch.cuda.current_device(), *options.items(), *constexprs,
+        *[a if type(a) is int or a is None else _arg_key(a) for a in args],
+    )  # fmt: skip
+
+
+def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, **options) -> None:
+    """``kernel[grid](*args, **constexprs, **options)`` on the current device and stream: ``args`` are the kernel's
+    leading parameters in order, ``constexprs`` name all the rest, ``options`` are Triton's (num_warps, num_stages).
+    Through ``JITFunction.run`` on a key's first launch, directly after it. A kernel that is not a compiled
+    ``JITFunction`` (the interpreter's, under TRITON_INTERPRET=1, or a stand-in) is called as it is."""
+    if not isinstance(kernel, JITFunction):
+        kernel[grid](*args, **constexprs, **options)
+        return
+    tail = [constexprs[name] for name in kernel.arg_names[len(args) :]]
+    key = specialization_key(kernel, args, tail, options)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        if len(_COMPILED) >= MAX_KEYS:
+            _COMPILED.clear()
+        _COMPILED[key] = kernel[grid](*args, **constexprs, **options)
+        return
+    compiled[grid](*args, *tail)

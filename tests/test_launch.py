@@ -1,0 +1,173 @@
+"""Direct launches of the Triton kernels (``flashtile.ops._launch``), on the CPU.
+
+``specialization_key`` must never give two argument lists that Triton specializes differently the same key: the
+keys of many argument lists (each argument of real launches varied: tensors aligned or not and of other dtypes,
+ints that are 1, multiples of 16, others, beyond 32 and 64 bits, None, floats, descriptors of other blocks) are
+compared with the specialization of Triton's own binder (``create_function_from_signature``, the installed Triton:
+run this file with Triton 3.6 and 3.7). ``launch`` binds a key's first launch only.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashtile.ops import _launch
+from flashtile.ops.attention import backward, configs, forward
+
+INTS = (1, 0, 16, 17, 32, 48, 2, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 16,
+        2**32, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16)  # fmt: skip
+
+
+def _tensors(like: torch.Tensor) -> list[torch.Tensor]:
+    """``like``'s dtype and others, 16-byte aligned or not."""
+    out = []
+    for dtype in (like.dtype, torch.float32, torch.float16, torch.int32):
+        base = torch.empty(64, dtype=dtype)
+        out += [base, base[1:], base[16 // base.element_size() :]]
+    return out
+
+
+def _alternatives(a) -> list:
+    """Values to put where a launch passed ``a``: others of its kind, and a few of other kinds."""
+    if isinstance(a, TensorDescriptor):
+        x = torch.empty(2, 64, 2, 64, dtype=a.base.dtype)
+        blocks = ([1, 64, 1, 64], [1, 32, 1, 64], [1, 64, 1, 32], list(a.block_shape))
+        descs = [TensorDescriptor(x, list(x.shape), list(x.stride()), b) for b in blocks]
+        y = x.float()
+        descs.append(TensorDescriptor(y, list(y.shape), list(y.stride()), list(a.block_shape)))
+        return [*descs, TensorDescriptor(x, list(x.shape), list(x.stride()), list(a.block_shape), padding="nan")]
+    if isinstance(a, torch.Tensor):
+        return [*_tensors(a), None]
+    if type(a) is float:
+        return [0.5, 1.0, -3.0, 1, 16, True]
+    return [*INTS, None, 0.5, True, False, torch.empty(64)]
+
+
+def _captured_launches(monkeypatch) -> list[tuple]:
+    """(kernel, grid, args, constexprs, options) of the forward's, the delta's and the backward's launches of a
+    causal GQA call with tensor descriptors (forward and dQ) and without (dK/dV), on CPU tensors."""
+    calls = []
+
+    def record(kernel, grid, args, constexprs, **options):
+        calls.append((kernel, grid, args, constexprs, options))
+
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "launch", record)
+    q, k, v, dout = (torch.randn(2, 40, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2, 4))
+    tma = configs.TileConfig(64, 64, 4, 3, tma=True)
+    with configs.override(forward_banded_short=tma, backward_dq=tma, backward_dkdv=configs.TileConfig(32, 64, 4, 2)):
+        out, lse = forward.attention_forward(q, k, v, 0.125, None, 0)
+        backward.attention_backward(dout, q, k, v, out, lse, 0.125, None, 0, dlse=torch.zeros_like(lse))
+    assert [call[0] for call in calls] == [forward._attention_forward_kernel, backward._delta_kernel,
+                                           backward._attention_dkdv_kernel, backward._attention_dq_kernel]  # fmt: skip
+    assert any(isinstance(a, TensorDescriptor) for a in calls[0][2])
+    return calls
+
+
+def _jit(kernel) -> JITFunction:
+    """A compiled-path JITFunction of ``kernel`` (the tests run the interpreter's)."""
+    return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+
+
+def test_specialization_key_separates_what_triton_specializes_apart(monkeypatch):
+    """Over single-argument and pairwise variations of four real launches (and of their constexprs and options),
+    equal keys always come with equal specializations and options from Triton's binder for sm_90."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    checked = 0
+    for kernel, _, args, constexprs, options in _captured_launches(monkeypatch):
+        jit = _jit(kernel)
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        seen: dict[tuple, tuple] = {}
+
+        def check(args, constexprs, options, jit=jit, binder=binder, seen=seen):
+            tail = [constexprs[name] for name in jit.arg_names[len(args) :]]
+            key = _launch.specialization_key(jit.fn.__name__, args, tail, options)  # hash(jit) would compile it
+            _, specialization, bound_options = binder(*args, **constexprs, **options)
+            assert seen.setdefault(key, (specialization, bound_options)) == (specialization, bound_options), key
+
+        variants = [(i, alt) for i, a in enumerate(args) for alt in _alternatives(a)]
+        for i, alt in variants:
+            check((*args[:i], alt, *args[i + 1 :]), constexprs, options)
+        for (i, a), (j, b) in itertools.islice(itertools.combinations(variants, 2), 0, None, 97):
+            if i != j:
+                varied = list(args)
+                varied[i], varied[j] = a, b
+                check(tuple(varied), constexprs, options)
+        name = next(iter(constexprs))
+        for value in (16, 32, 64, 1):
+            check(args, {**constexprs, name: value}, options)
+        for warps in (2, 4, 8):
+            check(args, constexprs, {**options, "num_warps": warps})
+        checked += len(seen)
+    assert checked > 1000
+
+
+def test_specialization_key_refuses_unknown_arguments(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(TypeError, match="no specialization key"):
+        _launch.specialization_key("kernel", ("a string",), [], {})
+
+
+def _kernel(X, Y, n, m, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+    """A kernel signature for ``launch``'s tests (never compiled)."""
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: records ``compiled[grid](*args)``."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append(("direct", grid, args))
+
+
+def test_launch_binds_a_keys_first_launch_only(monkeypatch):
+    """The first launch of a key goes through JITFunction.run (arguments, constexprs and options as given), later
+    ones hand the compiled kernel its arguments with the constexprs in parameter order; a new key (here an int that
+    changed, a tensor of other alignment) binds again; at MAX_KEYS the cache starts over."""
+    calls = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        calls.append(("run", grid, args, kwargs))
+        return _Compiled(calls)
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    kernel = JITFunction(_kernel)
+    out = torch.empty(64)
+    args = (out, None, 7, 8)
+    constexprs = {"FLAG": False, "BLOCK": 16}  # not in parameter order
+    tail = [16, False]
+    _launch.launch(kernel, (1, 2, 3), args, constexprs, num_warps=4)
+    _launch.launch(kernel, (4, 2, 3), args, constexprs, num_warps=4)
+    assert calls == [("run", (1, 2, 3), args, {**constexprs, "num_warps": 4}), ("direct", (4, 2, 3), (*args, *tail))]
+    for changed in ((*args[:-1], 16), (out[1:], *args[1:])):
+        _launch.launch(kernel, (1, 1, 1), changed, constexprs, num_warps=4)
+        assert calls[-1][0] == "run"
+    assert len(_launch._COMPILED) == 3
+    monkeypatch.setattr(_launch, "MAX_KEYS", 3)
+    _launch.launch(kernel, (1, 1, 1), (*args[:-1], 32), constexprs, num_warps=4)
+    assert calls[-1][0] == "run" and len(_launch._COMPILED) == 1
+
+
+def test_launch_calls_other_kernels_as_they_are():
+    """The interpreter's kernels (TRITON_INTERPRET=1) and stand-ins are launched with kernel[grid](...)."""
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    _launch.launch(Kernel(), (1, 1, 1), (3, None), {"X": 1}, num_warps=8)
+    assert calls == [((1, 1, 1), (3, None), {"X": 1, "num_warps": 8})]
