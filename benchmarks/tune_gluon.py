@@ -12,10 +12,12 @@ kernels (``flashtile._backend.GLUON`` off). Beside each time: the max abs differ
 dv from the shipped config's (bf16 rounding and the atomic dQ's order make it nonzero). Example:
 
     --variant fwd-3-stages:STAGES=3 --variant no-pingpong:PINGPONG=0 --variant bwd-2-stages:STAGES=2
-    --variant gluon-causal:GLUON_CAUSAL_D=64,CAUSAL_PAIRS=1  (D=64 causal forwards on the Gluon kernel, in pairs)
+    --variant gluon-causal:GLUON_CAUSAL_D=64  (D=64 causal forwards on the Gluon kernel at every length)
+    --variant d64-causal-3wg:FORWARD_D=64,NUM_WG=3,CONSUMER_REGS=160  (D=64 causal forwards with three warpgroups:
+        FORWARD_D's keys reach its CAUSAL_CHANGES too)
     --variant d64-2wg:FORWARD_D=64,NUM_WG=2,CONSUMER_REGS=240  (the D=64 forward with two consumer warpgroups,
         as before session 11; without FORWARD_D the register split would change every config, the backward's too)
-    --variant d256-paired:BACKWARD_D=256,KEY_PAIRS=1  (the D=256 backward's causal key tiles in pairs, alone)
+    --variant d256-unpaired:BACKWARD_D=256,KEY_PAIRS=0  (the D=256 backward without causal key pairs, alone)
 
 A key in both modules' configs changes both kernels; the causal pairs have a name per kernel (forward
 CAUSAL_PAIRS, backward KEY_PAIRS), so ``--variant unpaired:KEY_PAIRS=0`` changes the backward alone.
@@ -45,12 +47,12 @@ from flashtile import _backend
 from flashtile.ops.attention import backward_sm90, forward_sm90
 
 CAUSAL_HEAD_DIM = "GLUON_CAUSAL_D"
-"""A variant key that is no CONFIGS entry: GLUON_CAUSAL_D=64 adds head dim 64 to ``forward_sm90.CAUSAL_HEAD_DIMS``
-inside the variant, so its causal forwards run the Gluon kernel instead of the Triton one."""
+"""A variant key that is no CONFIGS entry: GLUON_CAUSAL_D=64 sets ``forward_sm90.CAUSAL_MIN_SEQLEN_Q[64]`` to 1
+inside the variant, so its causal forwards of every length run the Gluon kernel instead of the Triton one."""
 FORWARD_HEAD_DIM = "FORWARD_D"
-"""A variant key that is no CONFIGS entry: FORWARD_D=64 applies the variant's keys to ``forward_sm90.CONFIGS[64]``
-only, not to the other head dims nor to ``backward_sm90.CONFIGS`` (whose CONSUMER_REGS / PRODUCER_REGS a D=64
-forward's register split would otherwise change)."""
+"""A variant key that is no CONFIGS entry: FORWARD_D=64 applies the variant's keys to ``forward_sm90.CONFIGS[64]`` (and
+its ``CAUSAL_CHANGES``) only, not to the other head dims nor to ``backward_sm90.CONFIGS`` (whose CONSUMER_REGS /
+PRODUCER_REGS a D=64 forward's register split would otherwise change)."""
 BACKWARD_HEAD_DIM = "BACKWARD_D"
 """The same for ``backward_sm90.CONFIGS``: BACKWARD_D=256 applies the variant's keys to the D=256 backward alone
 (with FORWARD_D too, to both named configs)."""
@@ -58,11 +60,18 @@ BACKWARD_HEAD_DIM = "BACKWARD_D"
 
 def picked_configs(changes: dict[str, int]) -> tuple[dict, ...]:
     """The config dicts a variant's ``changes`` apply to: those FORWARD_D / BACKWARD_D name, or every forward and
-    backward config when neither is given."""
-    picked = [forward_sm90.CONFIGS[changes[FORWARD_HEAD_DIM]]] if FORWARD_HEAD_DIM in changes else []
-    if BACKWARD_HEAD_DIM in changes:
-        picked.append(backward_sm90.CONFIGS[changes[BACKWARD_HEAD_DIM]])
-    return tuple(picked) or (*forward_sm90.CONFIGS.values(), *backward_sm90.CONFIGS.values())
+    backward config when neither is given; a forward config's ``CAUSAL_CHANGES`` with it (whose keys win in
+    causal launches)."""
+    forward_dims = [changes[FORWARD_HEAD_DIM]] if FORWARD_HEAD_DIM in changes else []
+    backward_dims = [changes[BACKWARD_HEAD_DIM]] if BACKWARD_HEAD_DIM in changes else []
+    if not forward_dims and not backward_dims:
+        forward_dims, backward_dims = list(forward_sm90.CONFIGS), list(backward_sm90.CONFIGS)
+    causal = [forward_sm90.CAUSAL_CHANGES[d] for d in forward_dims if d in forward_sm90.CAUSAL_CHANGES]
+    return (
+        *[forward_sm90.CONFIGS[d] for d in forward_dims],
+        *causal,
+        *[backward_sm90.CONFIGS[d] for d in backward_dims],
+    )
 
 
 @contextlib.contextmanager
@@ -74,8 +83,7 @@ def configured(changes: dict[str, int]) -> Iterator[None]:
         for cfg in configs:
             stack.enter_context(mock.patch.dict(cfg, {k: v for k, v in changes.items() if k in cfg}))
         if CAUSAL_HEAD_DIM in changes:
-            causal_dims = (*forward_sm90.CAUSAL_HEAD_DIMS, changes[CAUSAL_HEAD_DIM])
-            stack.enter_context(mock.patch.object(forward_sm90, "CAUSAL_HEAD_DIMS", causal_dims))
+            stack.enter_context(mock.patch.dict(forward_sm90.CAUSAL_MIN_SEQLEN_Q, {changes[CAUSAL_HEAD_DIM]: 1}))
         yield
 
 

@@ -312,8 +312,8 @@ def gluon_source(kernel_name: str, consts: dict):
 
 def gluon_variants() -> list[Variant]:
     variants = []
-    d64_two_wg = dict(forward_sm90.CONFIGS[64], NUM_WG=2, CONSUMER_REGS=240)  # 128-row items, not shipped
-    for head_dim, cfg in [*forward_sm90.CONFIGS.items(), (64, d64_two_wg)]:
+    d64_causal = forward_sm90.config(64, causal=True)  # 128-row items (CAUSAL_CHANGES), its full mask not shipped
+    for head_dim, cfg in [*forward_sm90.CONFIGS.items(), (64, d64_causal)]:
         name = f"forward_sm90 D{head_dim} {cfg['NUM_WG'] * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
         for mask in ("full", "causal"):
             for flags, even_k in (("off", True), ("ragged-k", False)):

@@ -74,10 +74,13 @@ def test_qualifies_head_dim_256_and_rejects_mixed_head_dims():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
-def test_qualifies_causal_at_head_dims_128_and_256(head_dim):
-    """Causal forwards at D=64 stay on the Triton kernel (faster there up to N=4k: CAUSAL_HEAD_DIMS)."""
+def test_qualifies_causal_per_head_dim_and_length(head_dim):
+    """Causal forwards at D=64 run here from seqlen_q 2048 and on the Triton kernel below (faster there at N=1k:
+    CAUSAL_MIN_SEQLEN_Q), at D=128 and 256 at every length."""
     assert forward_sm90.qualifies(*qkv(head_dim=head_dim), causal=False)
     assert forward_sm90.qualifies(*qkv(head_dim=head_dim), causal=True) == (head_dim != 64)
+    assert forward_sm90.qualifies(*qkv(seqlen_q=2047, head_dim=head_dim), causal=True) == (head_dim != 64)
+    assert forward_sm90.qualifies(*qkv(seqlen_q=2048, head_dim=head_dim), causal=True)
 
 
 def test_qualifies_rejects_layouts_a_descriptor_cannot_read():
@@ -107,17 +110,17 @@ def test_gluon_device(monkeypatch):
 
 @pytest.mark.parametrize(
     "head_dim, causal, launch_kind",
-    [(64, False, "persistent"), (64, True, "items"), (128, False, "persistent"), (128, True, "pair-slots"),
+    [(64, False, "persistent"), (64, True, "pair-slots"), (128, False, "persistent"), (128, True, "pair-slots"),
      (256, False, "items"), (256, True, "pair-slots")],
     ids=["D64-full", "D64-causal", "D128-full", "D128-causal", "D256-full", "D256-causal"],
 )  # fmt: skip
 def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch_kind):
     """A one-dimensional grid of min(work items, SMs) CTAs at D=64 and 128 without causal (persistent, O through
-    its own tile); min(pair slots, SMs) at D=128 and 256 with causal (CAUSAL_PAIRS and CAUSAL_PERSISTENT: a slot
-    per pair of a head's query tiles, an odd count's middle tile one of its own); one CTA per work item (query
-    tiles x heads x batch entries) otherwise. A work item is a 192-row query tile at D=64 (three consumer
-    warpgroups), 128 rows elsewhere. The constexprs of the head dim's config. (Causal D=64 forwards do not come
-    here, ``qualifies``; the launcher alone is tested.)"""
+    its own tile); min(pair slots, SMs) with causal (CAUSAL_PAIRS and CAUSAL_PERSISTENT: a slot per pair of a
+    head's query tiles, an odd count's middle tile one of its own); one CTA per work item (query tiles x heads x
+    batch entries) otherwise. A work item is a 192-row query tile at D=64 without causal (three consumer
+    warpgroups), 128 rows elsewhere (D=64 causal: CAUSAL_CHANGES). The constexprs of the head dim's config. (Causal
+    D=64 forwards shorter than 2048 do not come here, ``qualifies``; the launcher alone is tested.)"""
     launches = []
     monkeypatch.setattr(
         forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, constexprs))
@@ -128,7 +131,7 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
               (1, 300, 2, {128: (6, 4), 192: (4, 2)}), (1, 100, 2, {128: (2, 2), 192: (2, 2)}),
               (1, 600, 3, {128: (15, 9), 192: (12, 6)}), (1, 193, 2, {128: (4, 2), 192: (4, 2)}),
               (1, 960, 4, {128: (32, 16), 192: (20, 12)}))  # fmt: skip
-    rows = 192 if head_dim == 64 else 128
+    rows = 192 if head_dim == 64 and not causal else 128
     for batch, seqlen_q, nheads, counts in shapes:
         q, k, v = qkv(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads, head_dim=head_dim)
         out = torch.empty_like(q)
@@ -140,15 +143,16 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
         assert grid == (expected, 1, 1), (batch, seqlen_q, nheads)
         assert constexprs["NUM_WG"] * constexprs["M_WG"] == rows
         assert constexprs["O_TILE"] == (head_dim in (64, 128))
-        assert constexprs["CAUSAL_PAIRS"] == constexprs["CAUSAL_PERSISTENT"] == (head_dim in (128, 256))
+        assert constexprs["CAUSAL_PAIRS"] and constexprs["CAUSAL_PERSISTENT"]
         assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
 
 
 def test_register_split_fits_the_register_file():
     """Each config's consumer warpgroups and the producer (padded to a warpgroup: its 1 warp's setmaxnreg counts
-    for 128 threads) within the 65536 registers of an SM (D=64: three consumer warpgroups)."""
-    assert [cfg["NUM_WG"] for cfg in forward_sm90.CONFIGS.values()] == [3, 2, 2]
-    for cfg in forward_sm90.CONFIGS.values():
+    for 128 threads) within the 65536 registers of an SM (D=64: three consumer warpgroups, two with causal)."""
+    causal = [forward_sm90.config(d, causal=True) for d in forward_sm90.CONFIGS]
+    assert [cfg["NUM_WG"] for cfg in (*forward_sm90.CONFIGS.values(), *causal)] == [3, 2, 2, 2, 2, 2]
+    for cfg in (*forward_sm90.CONFIGS.values(), *causal):
         assert cfg["NUM_WG"] * 128 * cfg["CONSUMER_REGS"] + 128 * cfg["PRODUCER_REGS"] <= 65536
 
 
@@ -288,10 +292,10 @@ def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_
 
 
 def test_backward_key_pairs_launch_one_cta_per_pair_of_key_tiles(monkeypatch):
-    """KEY_PAIRS (on at D=64 and 128, off at 256): a causal launch gets n_n - n_n // 2 CTAs per (K/V head,
+    """KEY_PAIRS (on at every head dim): a causal launch gets n_n - n_n // 2 CTAs per (K/V head,
     batch entry) for n_n key tiles (an odd n_n's middle tile alone, ``backward_sm90.programs``), a grid
     (programs, nheads_k, batch); off, or without causal, one CTA per key tile."""
-    assert {d: cfg["KEY_PAIRS"] for d, cfg in backward_sm90.CONFIGS.items()} == {64: True, 128: True, 256: False}
+    assert {d: cfg["KEY_PAIRS"] for d, cfg in backward_sm90.CONFIGS.items()} == {64: True, 128: True, 256: True}
     paired = dict(backward_sm90.CONFIGS[128], KEY_PAIRS=True)
     assert [backward_sm90.programs(n_n, paired, True) for n_n in (1, 2, 5, 8)] == [1, 1, 3, 4]
     assert backward_sm90.programs(5, paired, False) == 5
@@ -388,7 +392,7 @@ def test_any_lengths_against_oracle(launches, dtype, causal, shape):
     "head_dim, causal",
     [(64, False), (128, False), (128, True), (256, False), (256, True)],
     ids=["D64-full", "D128-full", "D128-causal", "D256-full", "D256-causal"],
-)  # causal D=64 runs the Triton kernel (CAUSAL_HEAD_DIMS)
+)  # causal D=64 below N=2k runs the Triton kernel: test_causal_persistent_against_oracle runs it here
 def test_persistent_programs_take_several_work_items(monkeypatch, launches, head_dim, causal, shape):
     """More query tiles x heads x batch entries than SMs, min(items, SMs) CTAs: each walks several work items,
     so the K/V ring, the Q hand-over, the ping-pong turns and the O staging carry on from one item to the next.
@@ -414,21 +418,21 @@ def test_persistent_programs_take_several_work_items(monkeypatch, launches, head
 )  # fmt: skip
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 def test_causal_pairs_against_oracle(monkeypatch, launches, head_dim, shape):
-    """CAUSAL_PAIRS on (and D=64's causal forward on this kernel): a CTA walks a head's heaviest query tile and
-    then its lightest; even and odd tile counts (the middle tile alone), one tile, seqlen_q != seqlen_k both ways
+    """CAUSAL_PAIRS on (D=64's causal forwards on this kernel at every length): a CTA walks a head's heaviest query tile
+    and then its lightest; even and odd tile counts (the middle tile alone), one tile, seqlen_q != seqlen_k both ways
     (rows that see no key), GQA, odd lengths; out and lse against the oracle, the backward after it."""
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PAIRS", True)
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PERSISTENT", False)
-    monkeypatch.setattr(forward_sm90, "CAUSAL_HEAD_DIMS", (64, 128, 256))
+    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
     assert launches[0] == ("fwd", True)
 
 
 def test_causal_persistent_launches_one_cta_per_sm_at_most(monkeypatch):
-    """CAUSAL_PERSISTENT (on at D=128 and 256, with CAUSAL_PAIRS): with causal and CAUSAL_PAIRS min(pair slots,
+    """CAUSAL_PERSISTENT (on at every head dim, with CAUSAL_PAIRS): with causal and CAUSAL_PAIRS min(pair slots,
     SMs) CTAs, n_bh * ceil(n_m / 2) slots (an odd n_m's middle tile one of its own); without CAUSAL_PAIRS one CTA
     per item; without CAUSAL_PERSISTENT one per slot."""
-    assert {d: cfg["CAUSAL_PERSISTENT"] for d, cfg in forward_sm90.CONFIGS.items()} == {64: False, 128: True, 256: True}
+    assert {d: cfg["CAUSAL_PERSISTENT"] for d, cfg in forward_sm90.CONFIGS.items()} == {64: True, 128: True, 256: True}
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
     persistent = dict(forward_sm90.CONFIGS[128], CAUSAL_PAIRS=True, CAUSAL_PERSISTENT=True)
     cpu = torch.device("cpu")
@@ -450,13 +454,13 @@ def test_causal_persistent_launches_one_cta_per_sm_at_most(monkeypatch):
 @pytest.mark.parametrize("ctas", [3, None], ids=["3-ctas", "sm-count"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 def test_causal_persistent_against_oracle(monkeypatch, launches, head_dim, ctas, shape):
-    """CAUSAL_PERSISTENT with CAUSAL_PAIRS (and D=64's causal forward on this kernel): persistent CTAs walk pair
-    slots, three CTAs (``sm_count`` patched: each walks many slots, pairs and then an odd n_m's middle tiles) or
-    the GPU's SMs (B4-Sq1152: 320 slots, n_m = 9); even and odd tile counts, one tile, seqlen_q != seqlen_k both
-    ways (rows that see no key), GQA / MQA, odd lengths; out and lse against the oracle, the backward after it."""
+    """CAUSAL_PERSISTENT with CAUSAL_PAIRS (D=64's causal forwards on this kernel at every length): persistent CTAs walk
+    pair slots, three CTAs (``sm_count`` patched: each walks many slots, pairs and then an odd n_m's middle tiles) or
+    the GPU's SMs (B4-Sq1152: 320 slots, n_m = 9); even and odd tile counts, one tile, seqlen_q != seqlen_k both ways
+    (rows that see no key), GQA / MQA, odd lengths; out and lse against the oracle, the backward after it."""
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PAIRS", True)
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PERSISTENT", True)
-    monkeypatch.setattr(forward_sm90, "CAUSAL_HEAD_DIMS", (64, 128, 256))
+    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     if ctas is not None:
         monkeypatch.setattr(forward_sm90, "sm_count", lambda device: ctas)
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
@@ -474,14 +478,16 @@ def test_causal_persistent_against_oracle(monkeypatch, launches, head_dim, ctas,
 @pytest.mark.parametrize("ctas", ["launched", "three"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_three_warpgroups_at_head_dim_64_against_oracle(monkeypatch, launches, causal, ctas, shape):
-    """D=64's config: 192-row work items of three consumer warpgroups, the turn going round all three; seqlen_q
-    a multiple of 192 and not, one tile, seqlen_q != seqlen_k both ways (causal: rows that see no key), GQA and
-    MQA, odd and ragged lengths; out and lse against the oracle, the backward after it. "launched": the CTAs
-    ``programs`` picks (causal: one per pair of query tiles, CAUSAL_PAIRS); "three": three CTAs (pairs off), so
-    each walks several items and the ring, the Q hand-over, the turns and the O tile carry on across them."""
+    """D=64's config: 192-row work items of three consumer warpgroups, the turn going round all three (causal, at
+    every length: a tuning option, shipped causal launches take two, CAUSAL_CHANGES); seqlen_q a multiple of 192
+    and not, one tile, seqlen_q != seqlen_k both ways (causal: rows that see no key), GQA and MQA, odd and ragged
+    lengths; out and lse against the oracle, the backward after it. "launched": the CTAs ``programs`` picks
+    (causal: min(pair slots, SMs), CAUSAL_PAIRS and CAUSAL_PERSISTENT); "three": three CTAs (pairs off), so each
+    walks several items and the ring, the Q hand-over, the turns and the O tile carry on across them."""
     assert forward_sm90.CONFIGS[64]["NUM_WG"] == 3
     monkeypatch.setitem(forward_sm90.CONFIGS[64], "CAUSAL_PAIRS", ctas == "launched")
-    monkeypatch.setattr(forward_sm90, "CAUSAL_HEAD_DIMS", (64, 128, 256))
+    monkeypatch.setitem(forward_sm90.CAUSAL_CHANGES, 64, {})
+    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     if ctas == "three":
         monkeypatch.setattr(forward_sm90, "programs", lambda n_m, n_bh, *rest: min(n_m * n_bh, 3))
     check(*make_inputs(*shape, 64, dtype=torch.bfloat16), causal=causal)
@@ -513,17 +519,20 @@ def test_any_lengths_stay_in_their_batch_entry(head_dim, causal):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2, 256, 384, 4), (1, 512, 256, 2), (2, 1024, 1024, 8)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(2, 256, 384, 4), (1, 512, 256, 2), (2, 1024, 1024, 8), (1, 2048, 2048, 4), (1, 2048, 1920, 2)], ids=str
+)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_backward_head_dim_64(launches, dtype, causal, shape):
-    """Head dim 64: the backward Gluon, the forward too without causal (causal: the Triton one,
-    CAUSAL_HEAD_DIMS); with a gradient at the LSE too (delta = rowsum(dout * out) - dlse)."""
+    """Head dim 64: the backward Gluon, the forward too without causal or from seqlen_q 2048 (shorter causal
+    forwards: the Triton one, CAUSAL_MIN_SEQLEN_Q); with a gradient at the LSE too (delta = rowsum(dout * out) -
+    dlse)."""
     batch, seqlen_q, seqlen_k, nheads = shape
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 64, dtype=dtype)
     dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
     check(q, k, v, dout, dlse=dlse, causal=causal)
-    assert launches == ([] if causal else [("fwd", False)]) + [("bwd", causal)]
+    assert launches == ([] if causal and seqlen_q < 2048 else [("fwd", causal)]) + [("bwd", causal)]
 
 
 @hopper

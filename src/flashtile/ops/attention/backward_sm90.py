@@ -126,7 +126,7 @@ producer, the flat (g, query tile) loop, _probs, _dq_step and the TMA epilogue a
   stage and the atomics). P^T travels in fp32 so that dS uses the same P as the other head dims (a bf16 P^T
   would save 8 KiB).
 
-Causal key-tile pairs (KEY_PAIRS in ``CONFIGS``, on at D=64 and 128: measured there). With causal, key tile j visits
+Causal key-tile pairs (KEY_PAIRS in ``CONFIGS``, on at every head dim: measured at each). With causal, key tile j visits
 only the query tiles from its diagonal on, so the CTAs of a (K/V head, batch entry) have unequal work (N=1k, D=128:
 16, 14, ..., 2 query tiles of 64 rows per head). With KEY_PAIRS a causal launch gets one CTA per pair of them
 (``programs``: n_n - n_n // 2 CTAs for n_n key tiles): CTA p walks key tile p, the heaviest of its pair, then tile
@@ -134,8 +134,10 @@ n_n - 1 - p, the lightest, so at Sq = Sk every CTA walks n_m + BLOCK_N / BLOCK_M
 query tiles; N=1k, D=128: 18), half as many CTAs as key tiles; an odd n_n's middle tile has a CTA of its own. The
 same trick in the forward (forward_sm90's CAUSAL_PAIRS) gained +6% at N=1k, +3-8% at 2k and 4k and 0-2% at 8k and
 16k on the H200; by analogy the prediction here was +3-8% for causal D=128 and D=64 backwards at N=1k-4k and ~0 at
-16k; measured +2-5% at D=128 N=1k-8k, +1% at D=64 (``CONFIGS``). GQA: each item walks its key tile for every query
-head of the group, as without pairs. The two items run one after the other in the same partitions:
+16k; measured +2-5% at D=128 N=1k-8k, +1% at D=64, and at D=256 (H = 8, B * N = 16k, TFLOP/s, median of three
+interleaved rounds, session 12) N=1k 263.5 -> 274.7, 2k 309.1 -> 335.1, 4k 351.8 -> 377.2, 8k 383.5 -> 397.1. GQA: each
+item walks its key tile for every query head of the group, as without pairs. The two items run one after the other in
+the same partitions:
   * producer (``_producer``): per item, once both consumer warpgroups have finished with the K and V tiles
     (kv_free), K and V (kv_bar), then the item's Q / dO / lse / delta loads; the second item's iterations
     continue the flat index (it0 .. it0 + n_iters - 1, it0 = the first item's n_iters; ``_pair`` takes the
@@ -247,7 +249,7 @@ CONFIGS = {
     # H200, B=4 N=4k H=8 bf16: 281 / 271 TFLOP/s full / causal, this one 405 / 355 (N=16k 302 / 308 -> 422 / 407;
     # GQA 4:1 causal 240 -> 317; the Triton kernel 189 / 212; results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
     256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DO_STAGES": 1, "DQ_SPLIT": True, "OUTPUT_SPLIT": True,
-          "DQ_TMA": True, "KEY_PAIRS": False, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "DQ_TMA": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim: query rows per tile, key rows per CTA, Q (and lse/delta) ring depth, dO ring depth (DO_STAGES, at
 most STAGES; equal: one empty barrier per slot frees both rings, otherwise each ring has its own), dQ columns

@@ -1,11 +1,11 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
 
-On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in
-forward.py: no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU
-interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or
-256 for q, k and v (``CONFIGS``), causal or not (causal: 128 or 256, ``CAUSAL_HEAD_DIMS``); bf16/fp16; any seqlen_q
-and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous
-tensor, or q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
+On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
+no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU interpreter run):
+no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or 256 for q, k and v
+(``CONFIGS``), causal or not (causal at D=64 from seqlen_q 2048, ``CAUSAL_MIN_SEQLEN_Q``); bf16/fp16; any seqlen_q
+and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous tensor, or
+q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
 it against the oracle.
 
@@ -27,7 +27,7 @@ query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf
 Work items: a NUM_WG * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
 batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
 program_id, + num_programs, ... (``programs`` picks the count: one per SM at most, persistent, where O has its own
-tile (D=64 and 128) without causal, and with causal, CAUSAL_PAIRS and CAUSAL_PERSISTENT (D=128 and 256), CTA p
+tile (D=64 and 128) without causal, and with causal, CAUSAL_PAIRS and CAUSAL_PERSISTENT (every head dim), CTA p
 then walking a head's query tiles in pairs as slots p, p + num_programs, ... (``_pair_slot_item``); one per pair
 of query tiles with CAUSAL_PAIRS alone; one per item, as a plain grid, otherwise). Ring positions, barrier
 parities and the ping-pong turn carry on from one item to the next, so a persistent CTA's next item starts
@@ -37,13 +37,12 @@ loading while it finishes the last one. Per CTA:
     box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
     signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup) signal the
     producer that a slot is free.
-  * NUM_WG consumer warpgroups (three at D=64, two at 128 and 256; the default partition = WG 0, 4-warp workers),
-    M_WG query rows each: S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V
-    (wgmma, P from registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits
-    only for S_i, does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG
-    NUM_WG mbarriers hand a "turn" around the warpgroups (WG 0 -> 1 -> .. -> 0): each waits for its turn,
-    issues its two products and hands the turn on, so one issues while the others do their softmax (FA-3's
-    warp scheduler barriers).
+  * NUM_WG consumer warpgroups (three at D=64 without causal, two otherwise; the default partition = WG 0, 4-warp
+    workers), M_WG query rows each: S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V
+    (wgmma, P from registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits only for
+    S_i, does softmax_i while P_{i-1} V_{i-1} runs, then waits for it and rescales O. With PINGPONG NUM_WG mbarriers
+    hand a "turn" around the warpgroups (WG 0 -> 1 -> .. -> 0): each waits for its turn, issues its two products and
+    hands the turn on, so one issues while the others do their softmax (FA-3's warp scheduler barriers).
   * epilogue per item: O / l cast to the input dtype, TMA store from shared memory; lse by masked stores. With
     O_TILE the warpgroup's own O tile (once its previous store has read it), and the Q tile is handed back
     after the item's last S product; without, the (then free) Q tile, handed back once the store has read it.
@@ -72,7 +71,7 @@ from flashtile.ops.attention.tiles import LN2, LOG2E
 CONFIGS = {
     # 192-row items of three warpgroups, three stages of 128-key tiles: 24 KiB of Q, 96 KiB of K and V, 24 KiB of O
     64: {"M_WG": 64, "NUM_WG": 3, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
-         "CAUSAL_PAIRS": False, "CAUSAL_PERSISTENT": False, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24},
+         "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24},
     128: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True,
           "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
@@ -83,8 +82,8 @@ CONFIGS = {
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
 ``_paired_item``), those pairs walked by persistent CTAs (CAUSAL_PERSISTENT, ``_pair_slot_item``), registers per
-thread of the consumers and the producer (setmaxnreg). D=64 without causal, persistent with its O tile, against
-the Triton kernel: see CAUSAL_HEAD_DIMS.
+thread of the consumers and the producer (setmaxnreg); a causal launch changes some of them (``config``,
+CAUSAL_CHANGES). D=64 against the Triton kernel: see CAUSAL_MIN_SEQLEN_Q.
 
 NUM_WG: consumer warpgroups per CTA, 2 (a work item is a 128-row query tile) or 3 (192-row items: FA-3's hdim-64
 forward, 192 x 128 tiles; D=64). Triton pads the 1-warp producer to a warpgroup of its own and gives the default
@@ -99,14 +98,13 @@ tiles pad 1024 rows to 1152), 2k 435.7 -> 476.8, 4k 448.2 -> 497.6, 8k 444.0 -> 
 compiled (tests/sm90_compile.py, Triton 3.6 and 3.7) no spills without causal and with EVEN_K, 8 bytes of stack
 with a ragged last key tile (one value stored at an item's start and loaded in its epilogue), 40-48 with causal
 (registers stored and reloaded around the first key tile's mask, once per item; none in the key loop), which
-does not ship: D=64's causal forward is the Triton kernel's (CAUSAL_HEAD_DIMS; on this kernel with three
-warpgroups and pairs it lost, 292.6 against 357.1 at N=2k in session 11's first call).
+does not ship: causal launches at D=64 take two warpgroups (CAUSAL_CHANGES).
 
 CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the heaviest with the lightest
 (``_paired_item``), so every CTA walks about n_m + 1 key tiles (N=1k: 1024 CTAs of 9 tiles instead of 2048 of 1-8)
 and its second item's Q and K/V load while the first finishes (the ring and barrier phases carry on, as in the
 persistent launches). Both items read one head's K and V (L2 hits), unlike the global heaviest-first walks that
-lost (CAUSAL_HEAD_DIMS). On the H200 (bf16, docs/tuning-log.md) at D=128 it gave +6% at N=1k, +3-8% at 2k and 4k,
+lost (O_TILE below). On the H200 (bf16, docs/tuning-log.md) at D=128 it gave +6% at N=1k, +3-8% at 2k and 4k,
 0-2% at 8k and 16k. At D=256 one run-off in session 10 gave N=1k -7%, but in session 11 the pairs' own three runs
 at N=1k spread from 310 to 442 TFLOP/s; the median of three rounds gave N=2k 507.1 -> 543.8, 1k 325.3 -> 394.3.
 
@@ -130,13 +128,27 @@ heads' heaviest tiles first); causal launches are persistent through CAUSAL_PERS
 D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA. Shared memory (bytes,
 tests/sm90_compile.py): D=64 147972 (131544 with two warpgroups), D=128 197016 (164200 before the O tile), D=256
 196984; no spills at D=128 and 256 (D=64: NUM_WG above)."""
-CAUSAL_HEAD_DIMS = (128, 256)
-"""Head dims whose causal forwards run here. At D=64 with causal the Triton kernel was faster up to N=4k and
-2% slower at 16k (H200, bf16, B*N = 16k, H = 32, TFLOP/s, Gluon one CTA per item against the Triton kernel in
-the same two runs, results/2026-11-30-h200x2-s7-call3-timing-f38e70e.log): N=1k 255 / 252 against 287 / 287,
-4k 378 / 377 against 388 / 391, 16k 442 / 442 against 435 / 430; the dynamic persistent schedule did no better
-(call 1 and 2 logs). Without causal the Gluon forward won there: 1k 420 / 412 against 403 / 401, 4k 450 / 451
-against 432 / 436, 16k 455 / 451 against 428 / 439."""
+CAUSAL_CHANGES = {64: {"NUM_WG": 2, "CONSUMER_REGS": 240}}
+"""Per head dim, the CONFIGS entries a causal launch changes (``config``). D=64: 128-row items of two consumer
+warpgroups, as at D=128. H200, bf16, H = 32, B * N = 16k, causal forward TFLOP/s, median of three interleaved
+rounds (session 12, results/2026-11-30-h200x2-s12-call3/4-*): with the pairs walked persistently, two warpgroups
+N=1k 309.5, 2k 368.6, 4k 408.0, 8k 432.0, 16k 436.8; three 166.5, 278.4, 380.1, -, 467.7 (without pairs 172.7,
+294.3, -, 433.9, 459.9). Why the 192-row items lose at short lengths is not profiled; a guess: each item crosses
+the diagonal over two or three masked key tiles, a large share of the tiles at N=1k-2k. At 16k three warpgroups
+win by 7%, not shipped (one config per head dim and mask)."""
+CAUSAL_MIN_SEQLEN_Q = {64: 2048, 128: 1, 256: 1}
+"""Per head dim, the shortest seqlen_q whose causal forwards run here; other head dims' run the Triton kernel. D=64
+below N=2k (H200, bf16, as in CAUSAL_CHANGES, this kernel against the Triton one): N=1k 309.5 against 322.0, 2k
+368.6 against 348.6, 4k 408.0 against 386.8, 8k 432.0 against 409.1, 16k 436.8 against 425.9 (lengths between
+1k and 2k unmeasured). Before session 12 (one CTA per item, no pairs, results/2026-11-30-h200x2-s7-call3-timing-
+f38e70e.log) the Triton kernel was faster at D=64 up to N=4k."""
+
+
+def config(head_dim: int, causal: bool) -> dict:
+    """The constexprs of a launch's config: ``CONFIGS[head_dim]``, with causal updated by ``CAUSAL_CHANGES``."""
+    return {**CONFIGS[head_dim], **CAUSAL_CHANGES.get(head_dim, {})} if causal else CONFIGS[head_dim]
+
+
 ROWS = CONFIGS[128]["NUM_WG"] * CONFIGS[128]["M_WG"]
 """Query rows per CTA (= BLOCK_N); the Gluon backward's lengths must be multiples of this (``descriptor``)."""
 
@@ -696,15 +708,15 @@ def rows_view_ok(x: torch.Tensor) -> bool:
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
     """The kernel's own conditions on q, k, v (any device): bf16/fp16, one head dim of CONFIGS for q, k and v
-    (with causal, one of CAUSAL_HEAD_DIMS), any lengths but neither q nor k empty (a descriptor's dimensions are
-    positive; no key would leave out and lse to fill), and layouts a tensor descriptor can read
+    (with causal, seqlen_q from CAUSAL_MIN_SEQLEN_Q), any lengths but neither q nor k empty (a descriptor's
+    dimensions are positive; no key would leave out and lse to fill), and layouts a tensor descriptor can read
     (``rows_view_ok``)."""
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False
     head_dim = q.shape[3]
     if head_dim not in CONFIGS or k.shape[3] != head_dim or v.shape[3] != head_dim:
         return False
-    if causal and head_dim not in CAUSAL_HEAD_DIMS:
+    if causal and q.shape[1] < CAUSAL_MIN_SEQLEN_Q.get(head_dim, q.shape[1] + 1):
         return False
     if q.numel() == 0 or k.numel() == 0:
         return False
@@ -831,7 +843,7 @@ def attention_forward_sm90(
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
     """
     batch, seqlen_q, nheads, head_dim = q.shape
-    cfg = CONFIGS[head_dim]
+    cfg = config(head_dim, causal)
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
     n_m = cdiv(seqlen_q, cfg["NUM_WG"] * m_wg)
     args = (
