@@ -5,9 +5,9 @@ path's edges on the GPU it runs on, small enough for the sanitizer's slowdown.
 
 On sm_90 the cases cover the Gluon forward at D=64, 128 and 256 with odd lengths and Sq != Sk, the persistent
 forward with several work items per CTA (B=2 N=1024 without causal: 256 items at H=16, 384 192-row items at D=64
-H=32; causal B=2 N=2048 H=16: 256 pair slots; D=64 causal from N=2048, B=2 N=2100 GQA 16:4: 288 pair slots),
-the Gluon backward with GQA at D=64, 128 and 256 (causal: key
-tiles in pairs), and the Triton kernels (odd lengths, a decode query of one row)."""
+H=32; causal B=2 N=2048 H=16: 256 pair slots; D=64 causal from N=2048, B=2 N=2100 GQA 16:4: 288 pair slots), the
+Gluon backward with GQA at D=64, 128 and 256 (causal: key tiles in pairs), and the Triton kernels (odd lengths, a
+decode query of one row)."""
 
 import torch
 
