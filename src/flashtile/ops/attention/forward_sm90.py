@@ -64,6 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile.ops._descriptor import per_layout
 from flashtile.ops._device import sm_count
 from flashtile.ops.attention.configs import cdiv
 from flashtile.ops.attention.tiles import LN2, LOG2E
@@ -732,6 +733,7 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
+@per_layout
 def descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
     """A tensor descriptor of the (batch * seqlen, nheads * headdim) rows of ``x`` (``rows_view_ok``) with
     [rows, cols] tiles, cols = headdim by default (the backward's dq_accum takes [rows, DQ_TILE_COLS] blocks): a
@@ -743,6 +745,7 @@ def descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDes
     return TensorDescriptor(x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], block, layout)
 
 
+@per_layout
 def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """A rank-3 tensor descriptor of the (batch, seqlen, nheads * headdim) view of ``x`` (``rows_view_ok``) with
     [1, rows, headdim] boxes: the copy engine zero-fills a box's rows past seqlen on loads and drops them on

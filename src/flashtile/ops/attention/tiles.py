@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashtile.ops._descriptor import per_layout
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MINUS_TWO_LOG2E = tl.constexpr(-2.8853900817779268)
@@ -338,15 +340,19 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     return True
 
 
+@per_layout
+def tile_descriptor(x: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """A tensor descriptor of (batch, seqlen, nheads, d) ``x`` with [1, rows, 1, cols] blocks."""
+    return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, rows, 1, cols])
+
+
 def tile_sources(tma: bool, *tiles: tuple[torch.Tensor, int, int]):
     """What the kernels' ``load_rows``/``store_rows`` read and write for each (tensor, block rows, block
-    cols): a tensor descriptor with block [1, rows, 1, cols] when ``tma``, otherwise the tensor itself."""
+    cols): a tensor descriptor with block [1, rows, 1, cols] when ``tma`` (``tile_descriptor``), otherwise the
+    tensor itself."""
     if not tma:
         return tuple(x for x, _, _ in tiles)
-    return tuple(
-        TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, rows, 1, cols])
-        for x, rows, cols in tiles
-    )
+    return tuple(tile_descriptor(x, rows, cols) for x, rows, cols in tiles)
 
 
 @triton.jit
