@@ -259,3 +259,32 @@ def test_per_layout_descriptors_follow_their_tensor(monkeypatch):
             forward_sm90.batch_descriptor.__wrapped__(x, 64)
         )
         assert 1 <= len(_descriptor._CHECKED) <= 2
+
+
+def test_tma_ready_matches_its_definition():
+    """``tiles.tma_ready`` (unrolled for speed) against its docstring, dimension by dimension, over layouts that
+    fail each condition: 3-D, strided last dimension, misaligned start, a stride of odd bytes, broadcast
+    dimensions of size 1 and longer, and several tensors at once."""
+    from flashtile.ops.attention.tiles import tma_ready
+
+    def ready(x):
+        if x.dim() != 4 or x.stride(3) != 1 or x.data_ptr() % 16:
+            return False
+        return all(
+            stride * x.element_size() % 16 == 0 and not (stride == 0 and size > 1)
+            for size, stride in zip(x.shape[:3], x.stride()[:3], strict=True)
+        )
+
+    base = torch.empty(2, 8, 4, 64, dtype=torch.bfloat16)
+    row = torch.empty(1, 1, 1, 64, dtype=torch.float16)
+    layouts = [
+        base, base[0], base[..., ::2], base.flatten()[1:].view(-1)[: 2 * 8 * 4 * 56].view(2, 8, 4, 56),
+        torch.empty(2, 8, 4, 68, dtype=torch.bfloat16)[..., :64], torch.empty(2, 8, 4, 72, dtype=torch.bfloat16),
+        row.expand(2, 8, 4, 64), row.expand(1, 8, 1, 64), row.expand(1, 1, 1, 64), base[:, :, :1].expand(2, 8, 4, 64),
+        base.transpose(1, 2), torch.empty(2, 8, 4, 64, dtype=torch.float32)[:, 1:],
+    ]  # fmt: skip
+    answers = [ready(x) for x in layouts]
+    assert True in answers and False in answers
+    for x, answer in zip(layouts, answers, strict=True):
+        assert tma_ready(x) == answer
+        assert tma_ready(base, x) == answer and tma_ready(x, base) == answer
