@@ -977,7 +977,7 @@ def test_launch_key_follows_triton_specialization(monkeypatch):
 
     def key(desc=None, tensor=lse, n=300, scale=0.5, **constexprs):
         args = (desc or forward_sm90.batch_descriptor(x, 64), tensor, scale, n)
-        return forward_sm90.launch_key("kernel", args, constexprs or consts)
+        return forward_sm90.launch_key("kernel", args, list((constexprs or consts).values()))
 
     base = key()
     other_x = torch.empty(1, 17, 2, 128, dtype=torch.bfloat16)

@@ -215,3 +215,76 @@ def test_latency_cpu_host_overhead_runs_and_restores(monkeypatch):
     assert all(row["us"] > 0 for row in rows)
     assert (dict(forward_sm90._COMPILED), dict(_launch._COMPILED), kernel.device_caches, driver._active) == before
     assert forward._attention_forward_kernel is not backward._delta_kernel
+
+
+def _fields(descriptor) -> dict:
+    return {name: value for name, value in vars(descriptor).items() if name != "base"}
+
+
+def test_per_layout_descriptors_follow_their_tensor(monkeypatch):
+    """``ops._descriptor.per_layout``: every descriptor after a key's first has its own tensor as base and the
+    fields a fresh construction gives, across tensors of another address, strides, dtype or shape; a misaligned
+    base raises on every call, as the constructor does; at MAX_LAYOUTS the cache starts over."""
+    from flashtile.ops import _descriptor
+    from flashtile.ops.attention import forward_sm90, tiles
+
+    monkeypatch.setattr(_descriptor, "_CHECKED", {})
+    wide = torch.empty(2, 64, 4, 192, dtype=torch.bfloat16)
+    tensors = [
+        torch.empty(2, 64, 4, 128, dtype=torch.bfloat16),
+        torch.empty(2, 64, 4, 128, dtype=torch.bfloat16),  # another address
+        wide[..., :128],  # other strides
+        torch.empty(2, 64, 4, 128, dtype=torch.float16),  # another dtype
+        torch.empty(1, 64, 4, 128, dtype=torch.bfloat16),  # another shape
+        torch.empty(2, 64, 4, 128, dtype=torch.float32),
+    ]
+    builders = [(forward_sm90.descriptor, (64,)), (forward_sm90.descriptor, (64, 32)),
+                (forward_sm90.batch_descriptor, (64,)), (tiles.tile_descriptor, (64, 128))]  # fmt: skip
+    for build, params in builders:
+        for x in tensors * 2:
+            if x.dtype == torch.float32 and build is not forward_sm90.descriptor:
+                continue
+            made = build(x, *params)
+            assert made.base is x
+            assert type(made) is type(expected := build.__wrapped__(x, *params))
+            assert _fields(made) == _fields(expected)
+    misaligned = torch.empty(2 * 64 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 64, 4, 128)
+    for _ in range(2):
+        with pytest.raises(AssertionError, match="16-byte aligned"):
+            forward_sm90.descriptor(misaligned, 64)
+    monkeypatch.setattr(_descriptor, "MAX_LAYOUTS", 2)
+    for seqlen in (16, 32, 48, 16):  # new keys, then a key dropped when the cache started over
+        x = torch.empty(1, seqlen, 4, 128, dtype=torch.bfloat16)
+        assert _fields(forward_sm90.batch_descriptor(x, 64)) == _fields(
+            forward_sm90.batch_descriptor.__wrapped__(x, 64)
+        )
+        assert 1 <= len(_descriptor._CHECKED) <= 2
+
+
+def test_tma_ready_matches_its_definition():
+    """``tiles.tma_ready`` (unrolled for speed) against its docstring, dimension by dimension, over layouts that
+    fail each condition: 3-D, strided last dimension, misaligned start, a stride of odd bytes, broadcast
+    dimensions of size 1 and longer, and several tensors at once."""
+    from flashtile.ops.attention.tiles import tma_ready
+
+    def ready(x):
+        if x.dim() != 4 or x.stride(3) != 1 or x.data_ptr() % 16:
+            return False
+        return all(
+            stride * x.element_size() % 16 == 0 and not (stride == 0 and size > 1)
+            for size, stride in zip(x.shape[:3], x.stride()[:3], strict=True)
+        )
+
+    base = torch.empty(2, 8, 4, 64, dtype=torch.bfloat16)
+    row = torch.empty(1, 1, 1, 64, dtype=torch.float16)
+    layouts = [
+        base, base[0], base[..., ::2], base.flatten()[1:].view(-1)[: 2 * 8 * 4 * 56].view(2, 8, 4, 56),
+        torch.empty(2, 8, 4, 68, dtype=torch.bfloat16)[..., :64], torch.empty(2, 8, 4, 72, dtype=torch.bfloat16),
+        row.expand(2, 8, 4, 64), row.expand(1, 8, 1, 64), row.expand(1, 1, 1, 64), base[:, :, :1].expand(2, 8, 4, 64),
+        base.transpose(1, 2), torch.empty(2, 8, 4, 64, dtype=torch.float32)[:, 1:],
+    ]  # fmt: skip
+    answers = [ready(x) for x in layouts]
+    assert True in answers and False in answers
+    for x, answer in zip(layouts, answers, strict=True):
+        assert tma_ready(x) == answer
+        assert tma_ready(base, x) == answer and tma_ready(x, base) == answer

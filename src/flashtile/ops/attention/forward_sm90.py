@@ -64,6 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile.ops._descriptor import per_layout
 from flashtile.ops._device import sm_count
 from flashtile.ops.attention.configs import cdiv
 from flashtile.ops.attention.tiles import LN2, LOG2E
@@ -732,6 +733,7 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
+@per_layout
 def descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
     """A tensor descriptor of the (batch * seqlen, nheads * headdim) rows of ``x`` (``rows_view_ok``) with
     [rows, cols] tiles, cols = headdim by default (the backward's dq_accum takes [rows, DQ_TILE_COLS] blocks): a
@@ -743,6 +745,7 @@ def descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDes
     return TensorDescriptor(x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], block, layout)
 
 
+@per_layout
 def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """A rank-3 tensor descriptor of the (batch, seqlen, nheads * headdim) view of ``x`` (``rows_view_ok``) with
     [1, rows, headdim] boxes: the copy engine zero-fills a box's rows past seqlen on loads and drops them on
@@ -758,21 +761,25 @@ _COMPILED: dict[tuple, object] = {}
 """The compiled kernels ``launch`` has seen, by ``launch_key``."""
 
 
-def launch_key(kernel, args: tuple, constexprs: dict) -> tuple:
-    """What Triton specializes a compiled Gluon kernel of this module on, for these arguments: the device, every
-    constexpr, each tensor's dtype and 16-byte alignment, each descriptor's dtype and box (its swizzle follows
-    from them, ``shared_layout``), and whether each int fits in 32 bits. The kernels list their int parameters
-    in ``do_not_specialize``, so no other property of an int (1, or a multiple of 16) changes the compiled code;
-    floats compile as fp32 whatever their value."""
+def launch_key(kernel, args: tuple, constexprs: list) -> tuple:
+    """What Triton specializes a compiled Gluon kernel of this module on, for these arguments and these constexpr
+    values (in parameter order): the device, every constexpr, each tensor's dtype and 16-byte alignment, each
+    descriptor's dtype and box (its swizzle follows from them, ``shared_layout``), whether each int fits in 32 bits,
+    and the type of any other argument. The kernels list their int parameters in ``do_not_specialize``, so no
+    other property of an int (1, or a multiple of 16) changes the compiled code; floats compile as fp32 whatever
+    their value."""
     parts = []
     for a in args:
-        if isinstance(a, TensorDescriptor):
-            parts.append((a.base.dtype, tuple(a.block_shape)))
+        kind = type(a)
+        if kind is int:
+            parts.append(-(2**31) <= a < 2**31)
+        elif kind is TensorDescriptor:
+            parts.append((a.base.dtype, *a.block_shape))
         elif isinstance(a, torch.Tensor):
             parts.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, int):
-            parts.append(-(2**31) <= a < 2**31)
-    return (kernel, torch.cuda.current_device(), *constexprs.items(), *parts)
+        else:
+            parts.append(kind)
+    return (kernel, torch.cuda.current_device(), *constexprs, *parts)
 
 
 def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict):
@@ -796,7 +803,8 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
     the key hand that kernel the same arguments directly: ``args`` are the kernel's leading non-constexpr
     parameters in order, ``constexprs`` name all the rest.
     """
-    key = launch_key(kernel, args, constexprs)
+    tail = [constexprs[name] for name in kernel.arg_names[len(args) :]]
+    key = launch_key(kernel, args, tail)
     compiled = _COMPILED.get(key)
     if compiled is None:
         params = zip(kernel.params[: len(args)], args, strict=True)
@@ -805,7 +813,7 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
             raise TypeError(f"{kernel.fn.__name__}: add the int parameters {specialized} to do_not_specialize")
         _COMPILED[key] = launch_through_binder(kernel, grid, args, constexprs)
         return
-    compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args) :]))
+    compiled[grid](*args, *tail)
 
 
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:

@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashtile.ops._descriptor import per_layout
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MINUS_TWO_LOG2E = tl.constexpr(-2.8853900817779268)
@@ -330,23 +332,31 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     dimension longer than 1 broadcast (stride 0, as an expanded dout). A fresh contiguous output of such a
     shape always is (head dims are multiples of 8), so the launchers ask about their inputs only."""
     for x in tensors:
-        if x.dim() != 4 or x.stride(3) != 1 or x.data_ptr() % 16:
+        if x.dim() != 4:
             return False
-        for size, stride in zip(x.shape[:3], x.stride()[:3], strict=True):
-            if stride * x.element_size() % 16 or (stride == 0 and size > 1):
-                return False
+        batch, seqlen, nheads, _ = x.shape
+        s_b, s_s, s_h, s_d = x.stride()
+        size = x.element_size()  # unrolled over the dimensions: this runs for every input of every launch
+        if s_d != 1 or x.data_ptr() % 16 or s_b * size % 16 or s_s * size % 16 or s_h * size % 16:
+            return False
+        if (s_b == 0 and batch > 1) or (s_s == 0 and seqlen > 1) or (s_h == 0 and nheads > 1):
+            return False
     return True
+
+
+@per_layout
+def tile_descriptor(x: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """A tensor descriptor of (batch, seqlen, nheads, d) ``x`` with [1, rows, 1, cols] blocks."""
+    return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, rows, 1, cols])
 
 
 def tile_sources(tma: bool, *tiles: tuple[torch.Tensor, int, int]):
     """What the kernels' ``load_rows``/``store_rows`` read and write for each (tensor, block rows, block
-    cols): a tensor descriptor with block [1, rows, 1, cols] when ``tma``, otherwise the tensor itself."""
+    cols): a tensor descriptor with block [1, rows, 1, cols] when ``tma`` (``tile_descriptor``), otherwise the
+    tensor itself."""
     if not tma:
         return tuple(x for x, _, _ in tiles)
-    return tuple(
-        TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, rows, 1, cols])
-        for x, rows, cols in tiles
-    )
+    return tuple(tile_descriptor(x, rows, cols) for x, rows, cols in tiles)
 
 
 @triton.jit
