@@ -1,6 +1,6 @@
 """Does a short causal forward's speed follow where its inputs lie in memory? (session 11's per-process spread)
 
-    PYTHONPATH=src python3 benchmarks/spread.py [--copies 6] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/spread.py [--copies 6] [--dtype bf16|fp16] [--grad] [--out DIR]
 
 Session 11 saw a short causal forward (D=256 N=512, D=64 N=1k) keep one speed within a process and change it from
 one process to the next (~200 against ~320 TFLOP/s), while D=128 N=1k stayed put. This times, in one process,
@@ -9,7 +9,8 @@ three times (do_bench median, L2 flushed), beside the host time of one call (``l
 GPU sleep, so no call waits for the GPU). Speeds that follow the copy point at placement (L2 slices, pages); speeds
 that stay per process and track the host time point at the launch path. Run it in several fresh processes to see
 both. In session 11 (results/2026-11-30-h200x2-s11-call10-spread-d36b862.json) every slow sample sat beside a
-host-time spike, whatever the copy.
+host-time spike, whatever the copy. ``--grad``: the inputs require grad, as in the standard table's forward rows
+(bench_attention.py), so the forward goes through the autograd Function's path; ``--dtype fp16`` for its fp16 rows.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ import flashtile
 from latency import host_time  # benchmarks/, beside this script
 
 SHAPES = [(32, 512, 8, 256), (16, 1024, 32, 64), (16, 1024, 16, 128)]
-"""(batch, seqlen, heads, head dim), causal, bf16: the two that spread and one that did not."""
+"""(batch, seqlen, heads, head dim), causal: the two that spread and one that did not."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--copies", type=int, default=6)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--grad", action="store_true", help="inputs that require grad (the table's forward rows)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows, kept = [], []
@@ -39,7 +43,10 @@ def main() -> None:
         flops = 4 * batch * nheads * seqlen * seqlen * head_dim / 2
         for copy in range(args.copies):
             q, k, v = (
-                torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+                torch.randn(
+                    batch, seqlen, nheads, head_dim, device="cuda", dtype=DTYPES[args.dtype], requires_grad=args.grad
+                )
+                for _ in range(3)
             )
             kept.append((q, k, v))
 
@@ -49,8 +56,8 @@ def main() -> None:
             out = forward()
             tflops = [flops / do_bench(forward, return_mode="median") * 1e-9 for _ in range(3)]
             offsets = {name: t.data_ptr() % 2**21 for name, t in (("q", q), ("k", k), ("v", v), ("out", out))}
-            row = dict(shape=(batch, seqlen, nheads, head_dim), copy=copy, tflops=tflops,
-                       host_us=host_time(forward, calls=30) * 1e6, offsets_2mib=offsets)  # fmt: skip
+            row = dict(shape=(batch, seqlen, nheads, head_dim), dtype=args.dtype, grad=args.grad, copy=copy,
+                       tflops=tflops, host_us=host_time(forward, calls=30) * 1e6, offsets_2mib=offsets)  # fmt: skip
             rows.append(row)
             print(f"B={batch} N={seqlen} H={nheads} D={head_dim} copy {copy}: TFLOP/s "
                   f"{' '.join(f'{x:.0f}' for x in tflops)}  host {row['host_us']:.0f} us  "
