@@ -120,17 +120,22 @@ def _no_grad(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
-def time_calls(fn: Callable[[], Any], calls: int) -> float:
-    """Microseconds per call: min over 7 repetitions of the mean of ``calls`` calls, after a warm-up."""
+def call_means(fn: Callable[[], Any], calls: int, repeats: int = 7) -> list[float]:
+    """Microseconds per call of each of ``repeats`` runs of ``calls`` calls, after a warm-up."""
     for _ in range(min(calls, 200)):
         fn()
     means = []
-    for _ in range(7):
+    for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         means.append((time.perf_counter() - start) / calls * 1e6)
-    return min(means)
+    return means
+
+
+def time_calls(fn: Callable[[], Any], calls: int) -> float:
+    """Microseconds per call: min over 7 repetitions of the mean of ``calls`` calls, after a warm-up."""
+    return min(call_means(fn, calls))
 
 
 def main() -> None:

@@ -47,6 +47,7 @@ from triton.compiler import CompiledKernel
 
 import flashtile
 from bench_decode import capture
+from host_overhead import call_means
 
 FIRST_CALL = """
 import cProfile, pstats, sys, time, torch, flashtile
@@ -301,9 +302,9 @@ def _no_compile(kernel, key, signature, device, constexprs, options, attrs, warm
 def pretend_sm90() -> Iterator[None]:
     """Inside the block, CPU tensors take the launchers' path of an sm_90 GPU with 132 SMs (the Gluon kernels where
     they qualify, the Hopper tile configs otherwise), and every kernel launch runs Triton's Python (binding,
-    specialization, cache lookup, ``forward_sm90.launch``'s direct launches) but no compiler and no launcher.
-    The attention kernels' caches and the direct launches' (``forward_sm90._COMPILED``, ``ops._launch._COMPILED``) are
-    set aside and restored afterwards."""
+    specialization, cache lookup, the direct launches of ``ops._launch.launch``) but no compiler and no launcher.
+    The attention kernels' caches and the direct launches' (``ops._launch._COMPILED``) are set aside and restored
+    afterwards."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
@@ -332,8 +333,7 @@ def pretend_sm90() -> Iterator[None]:
         stack.enter_context(mock.patch.object(forward_sm90, "sm_count", lambda device: 132))
         stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
         stack.enter_context(mock.patch.object(JITFunction, "_do_compile", _no_compile))
-        for compiled in (forward_sm90._COMPILED, _launch._COMPILED):
-            stack.enter_context(mock.patch.dict(compiled, clear=True))
+        stack.enter_context(mock.patch.dict(_launch._COMPILED, clear=True))
         for kernel in kernels:
             if isinstance(kernel, JITFunction):  # not the interpreter's, nor a stand-in
                 caches = collections.defaultdict(kernel.create_binder)
@@ -373,15 +373,7 @@ def cpu_host_overhead(repeats: int = 7, calls: int = 200, shape: tuple[int, int,
         tensors = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout)
         with pretend_sm90(), mock.patch.object(_backend, "GLUON", gluon):
             for name, step in (("fwd", _fwd), ("fwd+bwd", _fwd_bwd)):
-                fn = functools.partial(step, *tensors)
-                for _ in range(min(calls, 50)):
-                    fn()
-                means = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        fn()
-                    means.append((time.perf_counter() - start) / calls * 1e6)
+                means = call_means(functools.partial(step, *tensors), calls, repeats)
                 rows.append({"what": f"{label} {name}", "us": statistics.median(means), "us_repeats": means})
     return rows
 

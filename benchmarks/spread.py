@@ -24,11 +24,11 @@ import torch
 from triton.testing import do_bench
 
 import flashtile
-from latency import host_time  # benchmarks/, beside this script
+from bench_attention import DTYPES  # benchmarks/, beside this script
+from latency import host_time
 
 SHAPES = [(32, 512, 8, 256), (16, 1024, 32, 64), (16, 1024, 16, 128)]
 """(batch, seqlen, heads, head dim), causal: the two that spread and one that did not."""
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ import torch
 from triton.testing import do_bench
 
 import flashtile
+from bench_attention import DTYPES  # benchmarks/, beside this script
 from flashtile import _backend
 from flashtile.ops.attention import backward_sm90, forward_sm90
 
@@ -175,12 +176,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", default=[], type=parse_variant)
     parser.add_argument("--shape", action="append", type=parse_shape, help="B,Sq,Sk,H,Hk,D,causal (repeatable)")
-    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--rounds", type=int, default=1, help="times each variant runs, interleaved (median)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     variants = [("default", {}), *args.variant]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     rows = [row for shape in args.shape or DEFAULT_SHAPES for row in shape_rows(shape, variants, dtype, args.rounds)]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

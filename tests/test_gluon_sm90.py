@@ -10,14 +10,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 import flashtile
 from conftest import DEVICE, capture
 from flashtile import _backend
+from flashtile.ops import _launch
 from flashtile.ops.attention import backward, backward_sm90, configs, forward, forward_sm90
 from test_attention import check, make_inputs, run_flashtile
 
@@ -408,12 +410,19 @@ def test_persistent_programs_take_several_work_items(monkeypatch, launches, head
     assert launches[0] == ("fwd", causal)
 
 
+CAUSAL_PAIR_SHAPES = [
+    (2, 1024, 1024, 4, 2), (3, 640, 640, 2, 2), (1, 100, 100, 3, 1), (2, 1000, 1500, 4, 4), (2, 1500, 1000, 2, 1),
+    (1, 384, 1280, 2, 2),
+]  # fmt: skip
+"""(B, Sq, Sk, H, Hk) of the causal query-tile pair tests: even and odd tile counts (8 / 5 / 1 tiles of 128 rows),
+seqlen_q != seqlen_k both ways, GQA and MQA, odd lengths."""
+
+
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "shape",
-    [(2, 1024, 1024, 4, 2), (3, 640, 640, 2, 2), (1, 100, 100, 3, 1), (2, 1000, 1500, 4, 4), (2, 1500, 1000, 2, 1),
-     (1, 384, 1280, 2, 2)],
+    CAUSAL_PAIR_SHAPES,
     ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
 )  # fmt: skip
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
@@ -447,8 +456,7 @@ def test_causal_persistent_launches_one_cta_per_sm_at_most(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "shape",
-    [(2, 1024, 1024, 4, 2), (3, 640, 640, 2, 2), (1, 100, 100, 3, 1), (2, 1000, 1500, 4, 4), (2, 1500, 1000, 2, 1),
-     (1, 384, 1280, 2, 2), (4, 1152, 1152, 16, 4)],
+    [*CAUSAL_PAIR_SHAPES, (4, 1152, 1152, 16, 4)],
     ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
 )  # fmt: skip
 @pytest.mark.parametrize("ctas", [3, None], ids=["3-ctas", "sm-count"])
@@ -897,11 +905,12 @@ def test_launchers_import_gluon_on_sm90_only():
 @pytest.mark.gpu
 def test_one_compiled_kernel_serves_every_length(monkeypatch, launches):
     """Lengths 128 to 1024 and 1, 4 and 8 heads share one compiled forward and one backward (``launch``: the
-    ints are not specialized), which the oracle checks at each; the first launch of each went through Triton."""
-    monkeypatch.setattr(forward_sm90, "_COMPILED", {})
+    ints are not specialized), which the oracle checks at each; the first launch of each went through Triton.
+    (The delta kernel, a Triton one, has a key per length in the same cache.)"""
+    monkeypatch.setattr(_launch, "_COMPILED", {})
     for seqlen, nheads in ((128, 1), (384, 4), (1024, 8), (256, 8)):
         check(*make_inputs(2, seqlen, seqlen, nheads, nheads, 128, dtype=torch.bfloat16), causal=False)
-    kernels = [key[0] for key in forward_sm90._COMPILED]
+    kernels = [key[0] for key in _launch._COMPILED if key[0] is not backward._delta_kernel]
     assert sorted(kernel.fn.__name__ for kernel in kernels) == [
         "_attention_backward_sm90_kernel",
         "_attention_forward_sm90_kernel",
@@ -909,8 +918,12 @@ def test_one_compiled_kernel_serves_every_length(monkeypatch, launches):
     assert len(launches) == 8
 
 
-class _FakeCompiled:
-    """What ``launch`` keeps from a first launch: records the later direct launches."""
+def _two_ints(a, b, X: tl.constexpr, Y: tl.constexpr):
+    """A kernel signature for ``launch``'s test (never compiled)."""
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: records ``compiled[grid](*args)``."""
 
     def __init__(self, calls):
         self.calls = calls
@@ -919,51 +932,51 @@ class _FakeCompiled:
         return lambda *args: self.calls.append(("direct", grid, args))
 
 
-class _FakeKernel:
-    """A kernel with parameters a, b (runtime; a int, not specialized) and X, Y (constexprs): records launches
-    through the binder."""
-
-    arg_names = ["a", "b", "X", "Y"]
-
-    def __init__(self, specialize_a=False):
-        self.calls = []
-        self.params = [SimpleNamespace(name=name, do_not_specialize=name != "a" or not specialize_a) for name in "ab"]
-        self.fn = SimpleNamespace(__name__="fake_kernel")
-
-    def __getitem__(self, grid):
-        def bind(*args, **kwargs):
-            self.calls.append(("bound", grid, args, kwargs))
-            return _FakeCompiled(self.calls)
-
-        return bind
-
-
 def test_launch_binds_each_key_once_then_launches_directly(monkeypatch):
-    """The first launch of a key goes through the kernel's binder (with num_warps); the next ones hand the kept
+    """The first launch of a ``launch_key`` goes through JITFunction.run with 4 warps; the next ones hand the kept
     compiled kernel every argument in parameter order, constexprs after the runtime ones, whatever the order of
-    the constexprs dict; another constexpr value is another key."""
+    the constexprs dict, for other int values (not specialized) and floats too; another constexpr value is another
+    key."""
+    calls = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        calls.append(("run", grid, args, kwargs))
+        return _Compiled(calls)
+
+    monkeypatch.setattr(JITFunction, "run", run)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(forward_sm90, "_COMPILED", {})
-    kernel = _FakeKernel()
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    kernel = JITFunction(_two_ints, do_not_specialize=["a"])
     forward_sm90.launch(kernel, (1, 2, 3), (5, 0.5), {"Y": True, "X": 7})
     forward_sm90.launch(kernel, (4, 2, 3), (6, 0.25), {"Y": True, "X": 7})
     forward_sm90.launch(kernel, (4, 2, 3), (6, 0.25), {"Y": False, "X": 7})
-    assert kernel.calls == [
-        ("bound", (1, 2, 3), (5, 0.5), {"Y": True, "X": 7, "num_warps": 4}),
+    assert calls == [
+        ("run", (1, 2, 3), (5, 0.5), {"Y": True, "X": 7, "num_warps": 4}),
         ("direct", (4, 2, 3), (6, 0.25, 7, True)),
-        ("bound", (4, 2, 3), (6, 0.25), {"Y": False, "X": 7, "num_warps": 4}),
+        ("run", (4, 2, 3), (6, 0.25), {"Y": False, "X": 7, "num_warps": 4}),
     ]
 
 
-def test_launch_refuses_a_specialized_int_parameter(monkeypatch):
-    """An int parameter outside do_not_specialize would compile as the constant 1 (or as a multiple of 16) for
-    its first value and serve every later value from that compile: the first launch raises instead."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(forward_sm90, "_COMPILED", {})
-    kernel = _FakeKernel(specialize_a=True)
-    with pytest.raises(TypeError, match=r"add the int parameters \['a'\] to do_not_specialize"):
-        forward_sm90.launch(kernel, (1, 1, 1), (1, 0.5), {"X": 7, "Y": True})
-    assert kernel.calls == []
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_launched_int_parameters_are_not_specialized(monkeypatch, head_dim, causal):
+    """Every int the launchers pass the Gluon kernels is a ``do_not_specialize`` parameter: ``launch_key`` keys an
+    int by its width alone, so a specialized one would compile as the constant 1 (or as a multiple of 16) for its
+    first value and serve every later value from that compile."""
+    calls = []
+    for module in (forward_sm90, backward_sm90):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, args, cx: calls.append((kernel, args)))
+    q, k, v = qkv(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=4, nheads_k=2, head_dim=head_dim)
+    stats = torch.zeros(2, 4, 2048)
+    forward_sm90.attention_forward_sm90(q, k, v, torch.empty_like(q), stats, 0.1, causal)
+    backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal)
+    assert [kernel for kernel, _ in calls] == [
+        forward_sm90._attention_forward_sm90_kernel,
+        backward_sm90._attention_backward_sm90_kernel,
+    ]
+    for kernel, args in calls:
+        ints = [p for p, a in zip(kernel.params, args, strict=False) if isinstance(a, int)]
+        assert ints and all(p.do_not_specialize for p in ints), [p.name for p in ints]
 
 
 def test_launch_key_follows_triton_specialization(monkeypatch):
@@ -977,7 +990,7 @@ def test_launch_key_follows_triton_specialization(monkeypatch):
 
     def key(desc=None, tensor=lse, n=300, scale=0.5, **constexprs):
         args = (desc or forward_sm90.batch_descriptor(x, 64), tensor, scale, n)
-        return forward_sm90.launch_key("kernel", args, list((constexprs or consts).values()))
+        return forward_sm90.launch_key("kernel", args, list((constexprs or consts).values()), {"num_warps": 4})
 
     base = key()
     other_x = torch.empty(1, 17, 2, 128, dtype=torch.bfloat16)

@@ -206,14 +206,14 @@ def test_latency_cpu_host_overhead_runs_and_restores(monkeypatch):
     for module, name in host_overhead.ATTENTION_KERNELS:
         monkeypatch.setattr(module, name, host_overhead._NoLaunch())
     kernel = forward_sm90._attention_forward_sm90_kernel
-    before = (dict(forward_sm90._COMPILED), dict(_launch._COMPILED), kernel.device_caches, driver._active)
+    before = (dict(_launch._COMPILED), kernel.device_caches, driver._active)
     rows = latency.cpu_host_overhead(repeats=2, calls=3, shape=(1, 128, 2))
     assert [row["what"] for row in rows] == [
         f"{label} {name}" for label in ("D=128 gluon", "D=64 triton-fwd", "D=128 FLASHTILE_GLUON=0")
         for name in ("fwd", "fwd+bwd")
     ]  # fmt: skip
     assert all(row["us"] > 0 for row in rows)
-    assert (dict(forward_sm90._COMPILED), dict(_launch._COMPILED), kernel.device_caches, driver._active) == before
+    assert (dict(_launch._COMPILED), kernel.device_caches, driver._active) == before
     assert forward._attention_forward_kernel is not backward._delta_kernel
 
 

@@ -11,7 +11,8 @@ arguments directly (``compiled[grid](*args)``, Triton's own launcher, stream and
 
 The key is finer than Triton's specialization, never coarser: every int by value (Triton looks at its class), so
 arguments with equal keys specialize equally (tests/test_launch.py compares keys with the binder's specialization on
-Triton 3.6 and 3.7). What the direct launches skip, as ``forward_sm90.launch`` does for the Gluon kernels: the
+Triton 3.6 and 3.7). The Gluon kernels pass a coarser key (``forward_sm90.launch``: their ints are not
+specialized, so one compile, and one entry here, serves every length). What the direct launches skip: the
 check that the kernel's globals kept their values since it compiled, ``JITFunction``'s pre-run hooks, and options
 read from the environment (``TRITON_DEBUG``) changing after a key's first launch.
 """
@@ -27,7 +28,7 @@ MAX_KEYS = 1024
 launches through the binder once more, which finds its kernel in Triton's own cache."""
 
 _COMPILED: dict[tuple, object] = {}
-"""The compiled kernels ``launch`` has seen, by ``specialization_key``."""
+"""The compiled kernels ``launch`` has seen, by their key (``specialization_key`` or the one ``launch`` was given)."""
 
 
 def _arg_key(a) -> object:
@@ -51,20 +52,24 @@ def specialization_key(kernel: JITFunction, args: tuple, constexprs: list, optio
     )  # fmt: skip
 
 
-def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, **options) -> None:
+def launch(
+    kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, key=specialization_key, **options
+) -> None:
     """``kernel[grid](*args, **constexprs, **options)`` on the current device and stream: ``args`` are the kernel's
     leading parameters in order, ``constexprs`` name all the rest, ``options`` are Triton's (num_warps, num_stages).
-    Through ``JITFunction.run`` on a key's first launch, directly after it. A kernel that is not a compiled
-    ``JITFunction`` (the interpreter's, under TRITON_INTERPRET=1, or a stand-in) is called as it is."""
+    Through ``JITFunction.run`` on the first launch of a ``key(kernel, args, constexpr values in parameter order,
+    options)``, directly after it: ``specialization_key``, or a coarser key that knows more of the kernel (the Gluon
+    kernels', ``forward_sm90.launch_key``). A kernel that is not a compiled ``JITFunction`` (the interpreter's,
+    under TRITON_INTERPRET=1, or a stand-in) is called as it is."""
     if not isinstance(kernel, JITFunction):
         kernel[grid](*args, **constexprs, **options)
         return
     tail = [constexprs[name] for name in kernel.arg_names[len(args) :]]
-    key = specialization_key(kernel, args, tail, options)
-    compiled = _COMPILED.get(key)
+    launch_key = key(kernel, args, tail, options)
+    compiled = _COMPILED.get(launch_key)
     if compiled is None:
         if len(_COMPILED) >= MAX_KEYS:
             _COMPILED.clear()
-        _COMPILED[key] = kernel[grid](*args, **constexprs, **options)
+        _COMPILED[launch_key] = kernel[grid](*args, **constexprs, **options)
         return
     compiled[grid](*args, *tail)

@@ -134,10 +134,8 @@ n_n - 1 - p, the lightest, so at Sq = Sk every CTA walks n_m + BLOCK_N / BLOCK_M
 query tiles; N=1k, D=128: 18), half as many CTAs as key tiles; an odd n_n's middle tile has a CTA of its own. The
 same trick in the forward (forward_sm90's CAUSAL_PAIRS) gained +6% at N=1k, +3-8% at 2k and 4k and 0-2% at 8k and
 16k on the H200; by analogy the prediction here was +3-8% for causal D=128 and D=64 backwards at N=1k-4k and ~0 at
-16k; measured +2-5% at D=128 N=1k-8k, +1% at D=64, and at D=256 (H = 8, B * N = 16k, TFLOP/s, median of three
-interleaved rounds, session 12) N=1k 263.5 -> 274.7, 2k 309.1 -> 335.1, 4k 351.8 -> 377.2, 8k 383.5 -> 397.1. GQA: each
-item walks its key tile for every query head of the group, as without pairs. The two items run one after the other in
-the same partitions:
+16k; measured +2-5% at D=128 N=1k-8k, +1% at D=64 and +4-8% at D=256 (``CONFIGS``). GQA: each item walks its key tile
+for every query head of the group, as without pairs. The two items run one after the other in the same partitions:
   * producer (``_producer``): per item, once both consumer warpgroups have finished with the K and V tiles
     (kv_free), K and V (kv_bar), then the item's Q / dO / lse / delta loads; the second item's iterations
     continue the flat index (it0 .. it0 + n_iters - 1, it0 = the first item's n_iters; ``_pair`` takes the
@@ -266,14 +264,14 @@ dQ); only D=64 takes 128 (at D=128 dK, dV and a [128, 64] dQ half would not fit 
 take the same lengths (``qualifies``: multiples of ROWS = 128). The STAGES and DO_STAGES of a D=64 variant also
 land on D=128 and D=256 (BLOCK_M=64,STAGES=3,DO_STAGES=3 leaves D=128 as it is): time it at D=64 only.
 
-KEY_PAIRS (D=64 and 128): a causal launch gets one CTA per pair of a (K/V head, batch entry)'s key tiles, the
-heaviest and then the lightest (``programs``; module docstring, "Causal key-tile pairs"), as the forward's
-CAUSAL_PAIRS does with query tiles; no effect without causal. Predicted +3-8% for causal D=128 and D=64 backwards at
-N=1k-4k, ~0 at 16k; measured on the H200 (bf16, B * N = 16k, H = 16 at D=128 / 32 at D=64, backward TFLOP/s,
-median of three interleaved rounds, docs/tuning-log.md session 11): D=128 N=1k 313.8 -> 321.2, 2k 395.0 -> 408.0,
-4k 448.6 -> 469.5, 8k 483.8 -> 507.6; D=64 1k 263.7 -> 266.6, 2k 344.1 -> 346.0. Off at D=256 (not measured there;
-it compiles with no more spilling than without). The forward's key is CAUSAL_PAIRS, so this one has its own name:
-``--variant unpaired:KEY_PAIRS=0`` switches the backward alone. A persistent walk over the pairs or key tiles
+KEY_PAIRS (every head dim): a causal launch gets one CTA per pair of a (K/V head, batch entry)'s key tiles, the heaviest
+and then the lightest (``programs``; module docstring, "Causal key-tile pairs"), as the forward's CAUSAL_PAIRS does with
+query tiles; no effect without causal. Predicted +3-8% for causal D=128 and D=64 backwards at N=1k-4k, ~0 at 16k;
+measured on the H200 (bf16, B * N = 16k, H = 16 at D=128 / 32 at D=64, backward TFLOP/s, median of three interleaved
+rounds, docs/tuning-log.md session 11): D=128 N=1k 313.8 -> 321.2, 2k 395.0 -> 408.0, 4k 448.6 -> 469.5, 8k 483.8 ->
+507.6; D=64 1k 263.7 -> 266.6, 2k 344.1 -> 346.0; D=256 (H = 8, session 12) 1k 263.5 -> 274.7, 2k 309.1 -> 335.1, 4k
+351.8 -> 377.2, 8k 383.5 -> 397.1 (no stack either way). The forward's key is CAUSAL_PAIRS, so this one has its own
+name: ``--variant unpaired:KEY_PAIRS=0`` switches the backward alone. A persistent walk over the pairs or key tiles
 (KEY_PERSISTENT, branch gluon-bwd-persistent) lost 10-22% at causal N=1k-4k and was dropped.
 
 DQ_TMA (FlashAttention-3's dQ path, ``_dq_step``): each warpgroup stages its fp32 dQ partial [BLOCK_M, D / 2]

@@ -64,6 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile.ops import _launch
 from flashtile.ops._descriptor import per_layout
 from flashtile.ops._device import sm_count
 from flashtile.ops.attention.configs import cdiv
@@ -131,12 +132,12 @@ tests/sm90_compile.py): D=64 147972 (131544 with two warpgroups), D=128 197016 (
 196984; no spills at D=128 and 256 (D=64: NUM_WG above)."""
 CAUSAL_CHANGES = {64: {"NUM_WG": 2, "CONSUMER_REGS": 240}}
 """Per head dim, the CONFIGS entries a causal launch changes (``config``). D=64: 128-row items of two consumer
-warpgroups, as at D=128. H200, bf16, H = 32, B * N = 16k, causal forward TFLOP/s, median of three interleaved
-rounds (session 12, results/2026-11-30-h200x2-s12-call3/4-*): with the pairs walked persistently, two warpgroups
-N=1k 309.5, 2k 368.6, 4k 408.0, 8k 432.0, 16k 436.8; three 166.5, 278.4, 380.1, -, 467.7 (without pairs 172.7,
-294.3, -, 433.9, 459.9). Why the 192-row items lose at short lengths is not profiled; a guess: each item crosses
-the diagonal over two or three masked key tiles, a large share of the tiles at N=1k-2k. At 16k three warpgroups
-win by 7%, not shipped (one config per head dim and mask)."""
+warpgroups, as at D=128. H200, bf16, H = 32, B * N = 16k, causal forward TFLOP/s, median of three interleaved rounds
+(session 12, results/2026-11-30-h200x2-s12-call{3,4}-tune-d64-causal-90c5640.log): with the pairs walked
+persistently, two warpgroups N=1k 309.5, 2k 368.6, 4k 408.0, 8k 432.0, 16k 436.8; three 166.5, 278.4, 380.1, -, 467.7
+(without pairs 172.7, 294.3, -, 433.9, 459.9). Why the 192-row items lose at short lengths is not profiled; a guess:
+each item crosses the diagonal over two or three masked key tiles, a large share of the tiles at N=1k-2k. At 16k
+three warpgroups win by 7%, not shipped (one config per head dim and mask)."""
 CAUSAL_MIN_SEQLEN_Q = {64: 2048, 128: 1, 256: 1}
 """Per head dim, the shortest seqlen_q whose causal forwards run here; other head dims' run the Triton kernel. D=64
 below N=2k (H200, bf16, as in CAUSAL_CHANGES, this kernel against the Triton one): N=1k 309.5 against 322.0, 2k
@@ -757,17 +758,14 @@ def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(x, [batch, seqlen, nheads * head_dim], strides, [1, rows, head_dim], layout)
 
 
-_COMPILED: dict[tuple, object] = {}
-"""The compiled kernels ``launch`` has seen, by ``launch_key``."""
-
-
-def launch_key(kernel, args: tuple, constexprs: list) -> tuple:
-    """What Triton specializes a compiled Gluon kernel of this module on, for these arguments and these constexpr
-    values (in parameter order): the device, every constexpr, each tensor's dtype and 16-byte alignment, each
-    descriptor's dtype and box (its swizzle follows from them, ``shared_layout``), whether each int fits in 32 bits,
-    and the type of any other argument. The kernels list their int parameters in ``do_not_specialize``, so no
-    other property of an int (1, or a multiple of 16) changes the compiled code; floats compile as fp32 whatever
-    their value."""
+def launch_key(kernel, args: tuple, constexprs: list, options: dict) -> tuple:
+    """What Triton specializes a compiled Gluon kernel of this module on, for these arguments, these constexpr
+    values (in parameter order) and options: the device, every constexpr and option, each tensor's dtype and
+    16-byte alignment, each descriptor's dtype and box (its swizzle follows from them, ``shared_layout``), whether
+    each int fits in 32 bits, and the type of any other argument. The kernels list their int parameters in
+    ``do_not_specialize`` (tests/test_gluon_sm90.py checks the launches' ints against it), so no other property of
+    an int (1, or a multiple of 16) changes the compiled code and one compile serves every length; floats compile
+    as fp32 whatever their value."""
     parts = []
     for a in args:
         kind = type(a)
@@ -779,7 +777,7 @@ def launch_key(kernel, args: tuple, constexprs: list) -> tuple:
             parts.append((a.dtype, a.data_ptr() % 16 == 0))
         else:
             parts.append(kind)
-    return (kernel, torch.cuda.current_device(), *constexprs, *parts)
+    return (kernel, torch.cuda.current_device(), *options.items(), *constexprs, *parts)
 
 
 def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict):
@@ -789,8 +787,8 @@ def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, const
 
 
 def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) -> None:
-    """``launch_through_binder`` on the current device and stream for the first launch of a ``launch_key``,
-    past Triton's per-call binding after it.
+    """The first launch of a ``launch_key`` through Triton's binder (as ``launch_through_binder``), later ones past
+    it, on the current device and stream: ``ops._launch.launch`` with this module's key and 4 warps.
 
     ``JITFunction.run`` binds, specializes and hashes every argument on each call: in the traced host path of the H200
     machine (results/2026-11-30-h200x2-hosttrace-be635c4.log) the forward's JITFunction.run took 50.5 µs per call,
@@ -803,17 +801,7 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
     the key hand that kernel the same arguments directly: ``args`` are the kernel's leading non-constexpr
     parameters in order, ``constexprs`` name all the rest.
     """
-    tail = [constexprs[name] for name in kernel.arg_names[len(args) :]]
-    key = launch_key(kernel, args, tail)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        params = zip(kernel.params[: len(args)], args, strict=True)
-        specialized = [p.name for p, a in params if isinstance(a, int) and not p.do_not_specialize]
-        if specialized:
-            raise TypeError(f"{kernel.fn.__name__}: add the int parameters {specialized} to do_not_specialize")
-        _COMPILED[key] = launch_through_binder(kernel, grid, args, constexprs)
-        return
-    compiled[grid](*args, *tail)
+    _launch.launch(kernel, grid, args, constexprs, key=launch_key, num_warps=4)
 
 
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
