@@ -13,8 +13,6 @@ import sys
 
 import pytest
 import torch
-import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 import flashtile
 from conftest import DEVICE, capture
@@ -916,45 +914,6 @@ def test_one_compiled_kernel_serves_every_length(monkeypatch, launches):
         "_attention_forward_sm90_kernel",
     ]
     assert len(launches) == 8
-
-
-def _two_ints(a, b, X: tl.constexpr, Y: tl.constexpr):
-    """A kernel signature for ``launch``'s test (never compiled)."""
-
-
-class _Compiled:
-    """Stands in for Triton's CompiledKernel: records ``compiled[grid](*args)``."""
-
-    def __init__(self, calls):
-        self.calls = calls
-
-    def __getitem__(self, grid):
-        return lambda *args: self.calls.append(("direct", grid, args))
-
-
-def test_launch_binds_each_key_once_then_launches_directly(monkeypatch):
-    """The first launch of a ``launch_key`` goes through JITFunction.run with 4 warps; the next ones hand the kept
-    compiled kernel every argument in parameter order, constexprs after the runtime ones, whatever the order of
-    the constexprs dict, for other int values (not specialized) and floats too; another constexpr value is another
-    key."""
-    calls = []
-
-    def run(self, *args, grid, warmup, **kwargs):
-        calls.append(("run", grid, args, kwargs))
-        return _Compiled(calls)
-
-    monkeypatch.setattr(JITFunction, "run", run)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(_launch, "_COMPILED", {})
-    kernel = JITFunction(_two_ints, do_not_specialize=["a"])
-    forward_sm90.launch(kernel, (1, 2, 3), (5, 0.5), {"Y": True, "X": 7})
-    forward_sm90.launch(kernel, (4, 2, 3), (6, 0.25), {"Y": True, "X": 7})
-    forward_sm90.launch(kernel, (4, 2, 3), (6, 0.25), {"Y": False, "X": 7})
-    assert calls == [
-        ("run", (1, 2, 3), (5, 0.5), {"Y": True, "X": 7, "num_warps": 4}),
-        ("direct", (4, 2, 3), (6, 0.25, 7, True)),
-        ("run", (4, 2, 3), (6, 0.25), {"Y": False, "X": 7, "num_warps": 4}),
-    ]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

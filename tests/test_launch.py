@@ -20,7 +20,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.ops import _launch
-from flashtile.ops.attention import backward, configs, forward
+from flashtile.ops.attention import backward, configs, forward, forward_sm90
 
 INTS = (1, 0, 16, 17, 32, 48, 2, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 16,
         2**32, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16)  # fmt: skip
@@ -131,10 +131,10 @@ class _Compiled:
         return lambda *args: self.calls.append(("direct", grid, args))
 
 
-def test_launch_binds_a_keys_first_launch_only(monkeypatch):
-    """The first launch of a key goes through JITFunction.run (arguments, constexprs and options as given), later
-    ones hand the compiled kernel its arguments with the constexprs in parameter order; a new key (here an int that
-    changed, a tensor of other alignment) binds again; at MAX_KEYS the cache starts over."""
+@pytest.fixture
+def runs(monkeypatch) -> list[tuple]:
+    """Launches recorded in order: ("run", grid, args, kwargs) through JITFunction.run (returning a ``_Compiled``),
+    ("direct", grid, args) past it; device 0 current, ``_launch._COMPILED`` empty."""
     calls = []
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -144,6 +144,14 @@ def test_launch_binds_a_keys_first_launch_only(monkeypatch):
     monkeypatch.setattr(JITFunction, "run", run)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_launch, "_COMPILED", {})
+    return calls
+
+
+def test_launch_binds_a_keys_first_launch_only(monkeypatch, runs):
+    """The first launch of a key goes through JITFunction.run (arguments, constexprs and options as given), later
+    ones hand the compiled kernel its arguments with the constexprs in parameter order; a new key (here an int that
+    changed, a tensor of other alignment) binds again; at MAX_KEYS the cache starts over."""
+    calls = runs
     kernel = JITFunction(_kernel)
     out = torch.empty(64)
     args = (out, None, 7, 8)
@@ -159,6 +167,23 @@ def test_launch_binds_a_keys_first_launch_only(monkeypatch):
     monkeypatch.setattr(_launch, "MAX_KEYS", 3)
     _launch.launch(kernel, (1, 1, 1), (*args[:-1], 32), constexprs, num_warps=4)
     assert calls[-1][0] == "run" and len(_launch._COMPILED) == 1
+
+
+def test_gluon_launch_keys_ints_by_width(runs):
+    """``forward_sm90.launch``: the first launch of a ``launch_key`` goes through JITFunction.run with 4 warps; the
+    next ones hand the kept compiled kernel every argument in parameter order, constexprs after the runtime ones,
+    whatever the order of the constexprs dict, for other int values (not specialized) and floats too; another
+    constexpr value is another key."""
+    kernel = JITFunction(_kernel, do_not_specialize=["n", "m"])
+    out = torch.empty(64)
+    forward_sm90.launch(kernel, (1, 2, 3), (out, None, 5, 0.5), {"FLAG": True, "BLOCK": 7})
+    forward_sm90.launch(kernel, (4, 2, 3), (out, None, 6, 0.25), {"FLAG": True, "BLOCK": 7})
+    forward_sm90.launch(kernel, (4, 2, 3), (out, None, 6, 0.25), {"FLAG": False, "BLOCK": 7})
+    assert runs == [
+        ("run", (1, 2, 3), (out, None, 5, 0.5), {"FLAG": True, "BLOCK": 7, "num_warps": 4}),
+        ("direct", (4, 2, 3), (out, None, 6, 0.25, 7, True)),
+        ("run", (4, 2, 3), (out, None, 6, 0.25), {"FLAG": False, "BLOCK": 7, "num_warps": 4}),
+    ]
 
 
 def test_launch_calls_other_kernels_as_they_are():
