@@ -299,9 +299,10 @@ def gluon_source(kernel_name: str, consts: dict):
                "dk_desc": descriptor(rows_out, head_dim), "dv_desc": descriptor(rows_out, head_dim),
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
-        if consts["DQ_TMA"]:  # dq_accum's descriptor, [BLOCK_M, the staging tile's columns] fp32 blocks
+        if consts["DQ_TMA"]:  # dq_accum's descriptor, fp32 blocks of a staging tile's shape
             rows_dq = backward_sm90.dq_rows(rows_q, consts["DQ_SPLIT"])  # one warpgroup's dQ partial
-            sig["dq_desc"] = descriptor(rows_dq, backward_sm90.DQ_TILE_COLS, dtype=torch.float32)
+            block = backward_sm90.dq_staging_block(rows_dq, consts["DQ_PERMUTED"])
+            sig["dq_desc"] = descriptor(*block, dtype=torch.float32)
         else:  # the launcher passes None: a constexpr
             consts = dict(consts, dq_desc=None)
     sig.update(dict.fromkeys(consts, "constexpr"))

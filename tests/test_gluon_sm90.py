@@ -282,13 +282,41 @@ def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_
     assert constexprs["BLOCK_M"] == (128 if head_dim == 64 else 64)
     assert list(args[names.index("q_desc")].block_shape) == [constexprs["BLOCK_M"], head_dim]
     assert dq_desc.base is dq_accum and dq_accum.shape == (2, 256, 4, head_dim) and dq_accum.is_contiguous()
-    assert list(dq_desc.shape) == [2 * 256, 4 * head_dim] and list(dq_desc.strides) == [4 * head_dim, 1]
+    assert constexprs["DQ_PERMUTED"] is True
+    row = 4 * head_dim  # dq_accum's row stride; rows 8 R + 4 a + b at (R, b, a) of the rank-4 view
+    assert list(dq_desc.shape) == [2 * 256 // 8, 4, 2, row] and list(dq_desc.strides) == [8 * row, row, 4 * row, 1]
     rows = backward_sm90.dq_rows(cfg["BLOCK_M"], cfg["DQ_SPLIT"])
-    assert list(dq_desc.block_shape) == [rows, backward_sm90.DQ_TILE_COLS] == [64, 64]
-    assert (dq_desc.layout.swizzle_byte_width, dq_desc.layout.element_bitwidth) == (128, 32)
+    assert list(dq_desc.block_shape) == [rows // 8, 4, 2, backward_sm90.DQ_TILE_COLS] == [8, 4, 2, 64]
+    assert (dq_desc.layout.swizzle_byte_width, dq_desc.layout.element_bitwidth, dq_desc.layout.rank) == (128, 32, 4)
+    monkeypatch.setitem(cfg, "DQ_PERMUTED", False)
+    backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=False)
+    plain = calls[-1][0][names.index("dq_desc")]
+    assert list(plain.shape) == [2 * 256, row] and list(plain.strides) == [row, 1]
+    assert list(plain.block_shape) == [rows, backward_sm90.DQ_TILE_COLS] == [64, 64]
+    assert (plain.layout.swizzle_byte_width, plain.layout.element_bitwidth) == (128, 32)
     monkeypatch.setitem(cfg, "DQ_TMA", False)
     backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=False)
     assert calls[-1][0][names.index("dq_desc")] is None and calls[-1][1]["DQ_TMA"] is False
+
+
+def test_permuted_dq_descriptor_adds_each_staging_row_into_its_own_row():
+    """DQ_PERMUTED: the kernel stores a [64, C] dQ partial x into its staging tile as
+    x.reshape(8, 2, 4, C).permute(0, 2, 1, 3) (``_dq_step``), and the copy engine adds the tile at (row0 / 8, 0, 0,
+    col) of ``dq_descriptor``'s rank-4 view. Through that view (its shape and strides, as the copy engine reads
+    them), the tile written at a tile-aligned row of a later batch entry and a later head's columns lands as x
+    itself in dq_accum's plain layout, and nowhere else."""
+    batch, seqlen, nheads, head_dim = 2, 256, 4, 128
+    dq_accum = torch.zeros(batch, seqlen, nheads, head_dim)
+    desc = backward_sm90.dq_descriptor(dq_accum, 64, True)
+    view = dq_accum.as_strided(desc.shape, desc.strides)
+    x = torch.randn(64, 64)
+    row0, col = seqlen + 128, 2 * head_dim + 64  # batch entry 1, query rows 128.., head 2's second half
+    box = tuple(slice(start // 8 if i == 0 else start, (start // 8 if i == 0 else start) + size)
+                for i, (start, size) in enumerate(zip((row0, 0, 0, col), desc.block_shape)))  # fmt: skip
+    view[box] = x.reshape(8, 2, 4, 64).permute(0, 2, 1, 3)
+    rows = dq_accum.view(batch * seqlen, nheads * head_dim)
+    torch.testing.assert_close(rows[row0 : row0 + 64, col : col + 64], x, rtol=0, atol=0)
+    assert rows.count_nonzero() == x.count_nonzero()
 
 
 def test_backward_key_pairs_launch_one_cta_per_pair_of_key_tiles(monkeypatch):

@@ -210,6 +210,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -219,6 +220,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashtile.ops._alloc import empty_output
+from flashtile.ops._descriptor import per_layout
 from flashtile.ops.attention.configs import head_grid
 from flashtile.ops.attention.forward_sm90 import (
     ROWS,
@@ -227,6 +229,7 @@ from flashtile.ops.attention.forward_sm90 import (
     mma_layout,
     partition_barrier,
     rows_view_ok,
+    shared_layout,
 )
 from flashtile.ops.attention.tiles import LOG2E
 
@@ -235,19 +238,19 @@ CONFIGS = {
     # atomics, 198 KiB of shared memory then); a fourth at D=64 gained nothing with the atomics, and with DQ_TMA
     # went -8% to +6% by row (session 8, results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
     128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False,
-          "DQ_TMA": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "DQ_TMA": True, "DQ_PERMUTED": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # FA-3's hdim-64 tiles: 128 query rows x 128 keys, dQ split by rows; two stages fill 199,168 bytes (a third
     # would need 232,960). +2-10% backward over BLOCK_M=64 with three stages (--variant
     # d64-main:BLOCK_M=64,STAGES=3,DO_STAGES=3; four stages gained nothing there): module docstring
     64: {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "DO_STAGES": 2, "DQ_SPLIT": False, "OUTPUT_SPLIT": False,
-         "DQ_TMA": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+         "DQ_TMA": True, "DQ_PERMUTED": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 dK and dV accumulators: one per warpgroup (OUTPUT_SPLIT) on 64-key CTAs; two Q stages and
     # one dO stage (FA-3's hdim-256 choice) leave room for DQ_TMA's staging tiles: 230,992-231,008 bytes of
     # shared memory. Main's config (two dO stages, atomics: --variant DQ_TMA=0,DO_STAGES=2, the same SASS),
     # H200, B=4 N=4k H=8 bf16: 281 / 271 TFLOP/s full / causal, this one 405 / 355 (N=16k 302 / 308 -> 422 / 407;
     # GQA 4:1 causal 240 -> 317; the Triton kernel 189 / 212; results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
     256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DO_STAGES": 1, "DQ_SPLIT": True, "OUTPUT_SPLIT": True,
-          "DQ_TMA": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "DQ_TMA": True, "DQ_PERMUTED": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim: query rows per tile, key rows per CTA, Q (and lse/delta) ring depth, dO ring depth (DO_STAGES, at
 most STAGES; equal: one empty barrier per slot frees both rings, otherwise each ring has its own), dQ columns
@@ -302,6 +305,39 @@ def dq_rows(block_m, dq_split):
     warpgroups split the rows (64 each, ``_consumer``); at BLOCK_M = 64 they alternate instead (one computes all
     64 rows)."""
     return block_m // 2 if block_m == 128 and not dq_split else block_m
+
+
+def dq_staging_block(rows: int, permuted: bool) -> list[int]:
+    """The block of dq_accum's descriptor and the shape of a DQ_TMA staging tile, for ``rows`` query rows
+    (``dq_rows``) of DQ_TILE_COLS fp32 columns: [rows, DQ_TILE_COLS], or with DQ_PERMUTED [rows // 8, 4, 2,
+    DQ_TILE_COLS], the same rows in another order.
+
+    Why reorder: a warp's fragment of a wgmma accumulator holds, per 8-column group, rows l // 4 (and + 8) and
+    columns 2 (l % 4) + {0, 1} of lane l, so each 64-bit store writes 8 rows x 32 bytes, one half-warp 4 adjacent
+    rows. The tile's 128-byte swizzle puts 16-byte chunk j of staging row s at chunk j ^ (s % 8), so rows s and s ^ 1
+    land on the same two chunks: every store is a 2-way bank conflict (ncu at D=128 N=4k, session 13: 4 wavefronts
+    per STS.64 where 2 would do, 67M of the kernel's 400M shared-memory wavefronts). With DQ_PERMUTED, row r = 8 R
+    + 4 a + b (a < 2, b < 4) of the partial goes to staging row 8 R + 2 b + a, so a half-warp's rows land on s % 8 =
+    0, 2, 4, 6 (or 1, 3, 5, 7): eight distinct chunks, no conflict. The tile's dims are (R, b, a, columns), and
+    ``dq_descriptor``'s view of dq_accum has the same dims with their row strides, so the copy engine adds each
+    staging row into its own row of dq_accum, which keeps its plain layout."""
+    return [rows // 8, 4, 2, DQ_TILE_COLS] if permuted else [rows, DQ_TILE_COLS]
+
+
+@per_layout
+def dq_descriptor(dq_accum: torch.Tensor, rows: int, permuted: bool) -> TensorDescriptor:
+    """The descriptor of dq_accum (batch, seqlen_q, nheads, head_dim) fp32 (contiguous) through which the DQ_TMA
+    reduces add the staging tiles: blocks ``dq_staging_block(rows, permuted)`` of its 2-D (batch * seqlen_q,
+    nheads * head_dim) rows view, or with ``permuted`` of the rank-4 view (batch * seqlen_q / 8, 4, 2, nheads *
+    head_dim) of the same rows, row 8 R + 4 a + b at index (R, b, a) (seqlen_q is a multiple of 128,
+    ``qualifies``)."""
+    if not permuted:
+        return descriptor(dq_accum, rows, DQ_TILE_COLS)
+    batch, seqlen, nheads, head_dim = dq_accum.shape
+    block = dq_staging_block(rows, permuted)
+    row = dq_accum.stride(1)
+    shape, strides = [batch * seqlen // 8, 4, 2, nheads * head_dim], [8 * row, row, 4 * row, 1]
+    return TensorDescriptor(dq_accum, shape, strides, block, shared_layout(tuple(block), torch.float32))
 
 
 # ------------------------------------------------------------------------------------------------ dQ reduce
@@ -574,7 +610,7 @@ def _dq_step(
         chunk's stores keeps the tile from being overwritten before the previous reduce has read it."""
     if DQ_TMA:
         dq_desc, dq_tile, row0, col_base = dq_dst
-        CHUNK: gl.constexpr = dq_tile.shape[1]
+        CHUNK: gl.constexpr = dq_tile.shape[-1]
     else:
         CHUNK: gl.constexpr = DQ_COLS
     dq_layout: gl.constexpr = mma_layout(CHUNK)
@@ -592,10 +628,17 @@ def _dq_step(
         if DQ_TMA:
             tma.store_wait(0)  # this warpgroup's previous reduce has read dq_tile (its issuing threads wait)
             partition_barrier()  # ... and the others with it
-            dq_tile.store(dq)
+            col = col_base + col0 + c * CHUNK
+            if len(dq_tile.shape) == 4:  # DQ_PERMUTED: rows in the staging order of ``dq_staging_block``
+                dq_tile.store(gl.permute(gl.reshape(dq, [BLOCK_M // 8, 2, 4, CHUNK]), [0, 2, 1, 3]))
+            else:
+                dq_tile.store(dq)
             fence_async_shared()
             partition_barrier()  # every thread has written (and fenced) its part before the (elected-thread) issue
-            async_reduce_add(dq_desc, [row0 + q0, col_base + col0 + c * CHUNK], dq_tile)
+            if len(dq_tile.shape) == 4:
+                async_reduce_add(dq_desc, [(row0 + q0) // 8, 0, 0, col], dq_tile)
+            else:
+                async_reduce_add(dq_desc, [row0 + q0, col], dq_tile)
         else:
             dq_ptr, row_stride = dq_dst
             rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
@@ -981,6 +1024,7 @@ def _attention_backward_sm90_kernel(
     DQ_SPLIT: gl.constexpr,
     OUTPUT_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    DQ_PERMUTED: gl.constexpr,
     KEY_PAIRS: gl.constexpr,
     GROUPED: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
@@ -1098,8 +1142,13 @@ def _attention_backward_sm90_kernel(
     if DQ_TMA:
         # one fp32 staging tile per consumer warpgroup for its dQ partials (_dq_step), in dq_desc's layout; the
         # tile's origin, dq_ptr + dq_off, is at (b * seqlen_q, q_col0) of dq_desc's 2-D view
-        dq_block: gl.constexpr = dq_desc.block_shape  # [dq_rows(BLOCK_M, DQ_SPLIT), DQ_TILE_COLS]
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, dq_block[0], dq_block[1]], dq_desc.layout)
+        dq_block: gl.constexpr = dq_desc.block_shape  # dq_staging_block(dq_rows(BLOCK_M, DQ_SPLIT), DQ_PERMUTED)
+        if DQ_PERMUTED:
+            dq_smem = gl.allocate_shared_memory(
+                gl.float32, [2, dq_block[0], dq_block[1], dq_block[2], dq_block[3]], dq_desc.layout
+            )
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, dq_block[0], dq_block[1]], dq_desc.layout)
         consumer_args = consumer_args + (dq_desc, dq_smem, b * seqlen_q, q_col0)
     gl.warp_specialize(
         [
@@ -1224,7 +1273,7 @@ def attention_backward_sm90(
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
-    dq_desc = descriptor(dq_accum, dq_rows(block_m, cfg["DQ_SPLIT"]), DQ_TILE_COLS) if cfg["DQ_TMA"] else None
+    dq_desc = dq_descriptor(dq_accum, dq_rows(block_m, cfg["DQ_SPLIT"]), cfg["DQ_PERMUTED"]) if cfg["DQ_TMA"] else None
     args = (
         descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
         descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum, dq_desc,
