@@ -15,7 +15,8 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
 * the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config, and the
   forward's D=64 config with two consumer warpgroups, 128-row items, as D=128 has), causal and full; the
   forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off); the other setting
-  of each causal schedule key (the forward's CAUSAL_PAIRS and CAUSAL_PERSISTENT, the backward's KEY_PAIRS).
+  of each causal schedule key (the forward's CAUSAL_PAIRS and CAUSAL_PERSISTENT, the backward's KEY_PAIRS) and of
+  the backward's DQ_PERMUTED.
   Their int parameters are not specialized (``forward_sm90.launch``): one compile serves every length.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
@@ -339,6 +340,9 @@ def gluon_variants() -> list[Variant]:
         for flags, grouped in ((paired, False), (f"{paired},gqa", True)):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=True, GROUPED=grouped, KEY_PAIRS=not cfg["KEY_PAIRS"])
             variants.append(Variant(GLUON_BACKWARD, name, "causal", flags, consts))
+        # the other setting of DQ_PERMUTED (the dQ staging tile's row order, ``backward_sm90.dq_staging_block``)
+        consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=False, DQ_PERMUTED=not cfg["DQ_PERMUTED"])
+        variants.append(Variant(GLUON_BACKWARD, name, "full", "plain-dq" if cfg["DQ_PERMUTED"] else "permuted-dq", consts))
     return variants
 
 

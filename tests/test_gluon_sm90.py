@@ -261,11 +261,12 @@ def test_backward_rejects_broadcast_dout_and_huge_offsets():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_dim):
-    """DQ_TMA (every head dim): the launch passes a descriptor of dq_accum's 2-D (batch * seqlen_q, nheads *
-    head_dim) fp32 rows with [64, 64] blocks, one warpgroup's dQ partial (``dq_rows``: D=64 splits its 128-row
-    tiles' dQ by rows; head dim 256's 128-column halves go through the tile in two chunks) in the 128-byte
-    swizzle of the kernel's staging tiles; with DQ_TMA off None, which compiles the atomic path. The
-    descriptor's dims and strides are those of dq_accum, the tensor the kernel's atomics use. Stages: D=64 two
+    """DQ_TMA (every head dim): the launch passes a descriptor of dq_accum's fp32 rows whose blocks hold one
+    warpgroup's [64, 64] dQ partial (``dq_rows``: D=64 splits its 128-row tiles' dQ by rows; head dim 256's
+    128-column halves go through the tile in two chunks) in the 128-byte swizzle of the kernel's staging tiles:
+    with DQ_PERMUTED (D=64 and D=128) of the rank-4 view of ``dq_staging_block``'s row order, otherwise of the
+    2-D (batch * seqlen_q, nheads * head_dim) rows; with DQ_TMA off None, which compiles the atomic path. The
+    views' rows are those of dq_accum, the tensor the kernel's atomics use. Stages: D=64 two
     (its 128-row tiles), D=128 three, D=256 two Q and one dO stage (the staging tiles take the second's
     memory)."""
     calls = []
@@ -275,14 +276,18 @@ def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_
     backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=False)
     ((args, constexprs),) = calls
     names = backward_sm90._attention_backward_sm90_kernel.arg_names
-    dq_accum, dq_desc = args[names.index("dq_ptr")], args[names.index("dq_desc")]
+    dq_accum = args[names.index("dq_ptr")]
     cfg = backward_sm90.CONFIGS[head_dim]
     assert constexprs["DQ_TMA"] == cfg["DQ_TMA"]
     assert (constexprs["STAGES"], constexprs["DO_STAGES"]) == {64: (2, 2), 128: (3, 3), 256: (2, 1)}[head_dim]
     assert constexprs["BLOCK_M"] == (128 if head_dim == 64 else 64)
     assert list(args[names.index("q_desc")].block_shape) == [constexprs["BLOCK_M"], head_dim]
-    assert dq_desc.base is dq_accum and dq_accum.shape == (2, 256, 4, head_dim) and dq_accum.is_contiguous()
-    assert constexprs["DQ_PERMUTED"] is True
+    assert args[names.index("dq_desc")].base is dq_accum and dq_accum.shape == (2, 256, 4, head_dim)
+    assert dq_accum.is_contiguous()
+    assert constexprs["DQ_PERMUTED"] == (head_dim != 256)  # measured: backward_sm90.dq_staging_block
+    monkeypatch.setitem(cfg, "DQ_PERMUTED", True)
+    backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=False)
+    dq_desc = calls[-1][0][names.index("dq_desc")]
     row = 4 * head_dim  # dq_accum's row stride; rows 8 R + 4 a + b at (R, b, a) of the rank-4 view
     assert list(dq_desc.shape) == [2 * 256 // 8, 4, 2, row] and list(dq_desc.strides) == [8 * row, row, 4 * row, 1]
     rows = backward_sm90.dq_rows(cfg["BLOCK_M"], cfg["DQ_SPLIT"])
