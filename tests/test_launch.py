@@ -1,10 +1,10 @@
 """Direct launches of the Triton kernels (``flashtile.ops._launch``), on the CPU.
 
 ``specialization_key`` must never give two argument lists that Triton specializes differently the same key: the
-keys of many argument lists (each argument of real launches varied: tensors aligned or not and of other dtypes,
-ints that are 1, multiples of 16, others, beyond 32 and 64 bits, None, floats, descriptors of other blocks) are
-compared with the specialization of Triton's own binder (``create_function_from_signature``, the installed Triton:
-run this file with Triton 3.6 and 3.7). ``launch`` binds a key's first launch only.
+keys of many argument lists (each argument of real attention and decode launches varied: tensors aligned or not and
+of other dtypes, ints that are 1, multiples of 16, others, beyond 32 and 64 bits, None, floats, descriptors of other
+blocks) are compared with the specialization of Triton's own binder (``create_function_from_signature``, the installed
+Triton: run this file with Triton 3.6 and 3.7). ``launch`` binds a key's first launch only.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+import flashtile
 from flashtile.ops import _launch
 from flashtile.ops.attention import backward, configs, forward, forward_sm90
+from flashtile.ops.decode import split_kv
 
 INTS = (1, 0, 16, 17, 32, 48, 2, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 16,
         2**32, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16)  # fmt: skip
@@ -51,16 +53,23 @@ def _alternatives(a) -> list:
     return [*INTS, None, 0.5, True, False, torch.empty(64)]
 
 
-def _captured_launches(monkeypatch) -> list[tuple]:
-    """(kernel, grid, args, constexprs, options) of the forward's, the delta's and the backward's launches of a
-    causal GQA call with tensor descriptors (forward and dQ) and without (dK/dV), on CPU tensors."""
+def _recorded_launches(monkeypatch, *modules) -> list[tuple]:
+    """A list that the ``launch`` calls of ``modules`` fill with (kernel, grid, args, constexprs, options) instead of
+    launching anything."""
     calls = []
 
     def record(kernel, grid, args, constexprs, **options):
         calls.append((kernel, grid, args, constexprs, options))
 
-    for module in (forward, backward):
+    for module in modules:
         monkeypatch.setattr(module, "launch", record)
+    return calls
+
+
+def _captured_launches(monkeypatch) -> list[tuple]:
+    """(kernel, grid, args, constexprs, options) of the forward's, the delta's and the backward's launches of a
+    causal GQA call with tensor descriptors (forward and dQ) and without (dK/dV), on CPU tensors."""
+    calls = _recorded_launches(monkeypatch, forward, backward)
     q, k, v, dout = (torch.randn(2, 40, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2, 4))
     tma = configs.TileConfig(64, 64, 4, 3, tma=True)
     with configs.override(forward_banded_short=tma, backward_dq=tma, backward_dkdv=configs.TileConfig(32, 64, 4, 2)):
@@ -72,18 +81,37 @@ def _captured_launches(monkeypatch) -> list[tuple]:
     return calls
 
 
+def _decode_steps() -> None:
+    """Two decode steps on CPU tensors (GQA, 2 query tokens): one on a paged cache with a new token, rotary, ALiBi
+    slopes per batch entry, softcap, a window and 2 splits, so that every pointer but cache_batch_idx and
+    cache_leftpad is a tensor; one on a contiguous cache with those two and no new token."""
+    q = torch.randn(2, 2, 4, 64, dtype=torch.bfloat16)
+    k_pages, v_pages = (torch.randn(8, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = torch.rand(64, 16), torch.rand(64, 16)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    seqlens = torch.tensor([40, 17], dtype=torch.int32)
+    flashtile.flash_attn_with_kvcache(
+        q, k_pages, v_pages, k_new, v_new, cos, sin, seqlens, block_table=table, causal=True, window_size=(24, -1),
+        softcap=30.0, alibi_slopes=torch.rand(2, 4), num_splits=2,
+    )  # fmt: skip
+    k_cache, v_cache = (torch.randn(3, 48, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    batch_idx, leftpad = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
+    flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=batch_idx,
+                                      cache_leftpad=leftpad)  # fmt: skip
+
+
 def _jit(kernel) -> JITFunction:
     """A compiled-path JITFunction of ``kernel`` (the tests run the interpreter's)."""
     return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
 
 
-def test_specialization_key_separates_what_triton_specializes_apart(monkeypatch):
-    """Over single-argument and pairwise variations of four real launches (and of their constexprs and options),
-    equal keys always come with equal specializations and options from Triton's binder for sm_90."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+def _keys_checked(launches: list[tuple]) -> int:
+    """Over single-argument and pairwise variations of ``launches`` (and of their constexprs and options), equal keys
+    always come with equal specializations and options from Triton's binder for sm_90; returns how many keys."""
     backend = make_backend(GPUTarget("cuda", 90, 32))
     checked = 0
-    for kernel, _, args, constexprs, options in _captured_launches(monkeypatch):
+    for kernel, _, args, constexprs, options in launches:
         jit = _jit(kernel)
         binder = create_function_from_signature(jit.signature, jit.params, backend)
         seen: dict[tuple, tuple] = {}
@@ -108,7 +136,37 @@ def test_specialization_key_separates_what_triton_specializes_apart(monkeypatch)
         for warps in (2, 4, 8):
             check(args, constexprs, {**options, "num_warps": warps})
         checked += len(seen)
-    assert checked > 1000
+    return checked
+
+
+def test_specialization_key_separates_what_triton_specializes_apart(monkeypatch):
+    """``_keys_checked`` over four real attention launches (forward, delta, dK/dV, dQ)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _keys_checked(_captured_launches(monkeypatch)) > 1000
+
+
+def test_decode_launch_keys_separate_what_triton_specializes_apart(monkeypatch):
+    """``_keys_checked`` over the split-KV kernel's launches of ``_decode_steps``: the decode step's 54 arguments
+    (tensors, None, ints, the two floats) are keyed as Triton specializes them."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launches = _recorded_launches(monkeypatch, split_kv)
+    _decode_steps()
+    assert [launch[0] for launch in launches] == [split_kv._split_kv_kernel] * 2
+    paged, contiguous = (launch[2][:17] for launch in launches)  # the pointers: Q .. Sin
+    assert [i for i, a in enumerate(paged) if a is None] == [11, 12]  # cache_batch_idx, cache_leftpad
+    assert contiguous[11] is not None and contiguous[12] is not None
+    assert _keys_checked(launches) > 1000
+
+
+def test_decode_steps_of_one_shape_bind_once(monkeypatch, runs):
+    """A decode step binds through JITFunction.run on its shapes' first launch only: the next steps, every tensor a
+    new one of the same shape, hand the compiled kernel their arguments directly."""
+    monkeypatch.setattr(split_kv, "_split_kv_kernel", _jit(split_kv._split_kv_kernel))
+    # keyed by identity: JITFunction's hash hashes the source of its callees, which fails on the interpreter's
+    monkeypatch.setattr(JITFunction, "__hash__", object.__hash__)
+    _decode_steps()
+    _decode_steps()
+    assert [call[0] for call in runs] == ["run", "run", "direct", "direct"]
 
 
 def test_specialization_key_refuses_unknown_arguments(monkeypatch):

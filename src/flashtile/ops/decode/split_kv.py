@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
+from flashtile.ops._launch import launch
 from flashtile.ops.attention.configs import cdiv, padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
@@ -540,7 +541,7 @@ def decode_attention(
     else:
         qk_scale, softcap_log2 = softmax_scale * LOG2E.value, 0.0
     grid = (batch * nheads_k, num_splits, m_tiles)
-    _split_kv_kernel[grid](
+    args = (
         q, k_cache, v_cache, k if has_new else None, v if has_new else None, out, lse, out_part, lse_part, counters,
         cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin,
         *q_strides, *k_strides, *v_strides, *new_strides, *out.stride()[:3], *lse.stride()[:2], stride_ps, stride_ls,
@@ -552,6 +553,8 @@ def decode_attention(
         0 if window_left is None else window_left,
         0 if window_right is None else window_right,
         qk_scale, softcap_log2,
+    )  # fmt: skip
+    constexprs = dict(
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
         BLOCK_D=padded_head_dim(head_dim),
@@ -571,7 +574,6 @@ def decode_attention(
         ROTARY_PER_TOKEN=rotary_per_token,
         HAS_NEW=has_new,
         IS_SPLIT=num_splits > 1,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    )
+    launch(_split_kv_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
