@@ -20,6 +20,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import flashtile
+from flashtile import _backend
 from flashtile.ops import _launch
 from flashtile.ops.attention import backward, configs, forward, forward_sm90
 from flashtile.ops.decode import split_kv
@@ -81,10 +82,13 @@ def _captured_launches(monkeypatch) -> list[tuple]:
     return calls
 
 
-def _decode_steps() -> None:
-    """Two decode steps on CPU tensors (GQA, 2 query tokens): one on a paged cache with a new token, rotary, ALiBi
-    slopes per batch entry, softcap, a window and 2 splits, so that every pointer but cache_batch_idx and
-    cache_leftpad is a tensor; one on a contiguous cache with those two and no new token."""
+def _decode_steps(monkeypatch) -> None:
+    """Two decode steps on CPU tensors (GQA, 2 query tokens), on the Triton launchers' path as under
+    TRITON_INTERPRET=1 (on a GPU machine too, where CPU tensors otherwise take the PyTorch path): one on a paged
+    cache with a new token, rotary, ALiBi slopes per batch entry, softcap, a window and 2 splits, so that every
+    pointer but cache_batch_idx and cache_leftpad is a tensor; one on a contiguous cache with those two and no new
+    token."""
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", True)
     q = torch.randn(2, 2, 4, 64, dtype=torch.bfloat16)
     k_pages, v_pages = (torch.randn(8, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.bfloat16) for _ in range(2))
@@ -150,7 +154,7 @@ def test_decode_launch_keys_separate_what_triton_specializes_apart(monkeypatch):
     (tensors, None, ints, the two floats) are keyed as Triton specializes them."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     launches = _recorded_launches(monkeypatch, split_kv)
-    _decode_steps()
+    _decode_steps(monkeypatch)
     assert [launch[0] for launch in launches] == [split_kv._split_kv_kernel] * 2
     paged, contiguous = (launch[2][:17] for launch in launches)  # the pointers: Q .. Sin
     assert [i for i, a in enumerate(paged) if a is None] == [11, 12]  # cache_batch_idx, cache_leftpad
@@ -164,8 +168,8 @@ def test_decode_steps_of_one_shape_bind_once(monkeypatch, runs):
     monkeypatch.setattr(split_kv, "_split_kv_kernel", _jit(split_kv._split_kv_kernel))
     # keyed by identity: JITFunction's hash hashes the source of its callees, which fails on the interpreter's
     monkeypatch.setattr(JITFunction, "__hash__", object.__hash__)
-    _decode_steps()
-    _decode_steps()
+    _decode_steps(monkeypatch)
+    _decode_steps(monkeypatch)
     assert [call[0] for call in runs] == ["run", "run", "direct", "direct"]
 
 
