@@ -342,7 +342,8 @@ def gluon_variants() -> list[Variant]:
             variants.append(Variant(GLUON_BACKWARD, name, "causal", flags, consts))
         # the other setting of DQ_PERMUTED (the dQ staging tile's row order, ``backward_sm90.dq_staging_block``)
         consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=False, DQ_PERMUTED=not cfg["DQ_PERMUTED"])
-        variants.append(Variant(GLUON_BACKWARD, name, "full", "plain-dq" if cfg["DQ_PERMUTED"] else "permuted-dq", consts))
+        flags = "plain-dq" if cfg["DQ_PERMUTED"] else "permuted-dq"
+        variants.append(Variant(GLUON_BACKWARD, name, "full", flags, consts))
     return variants
 
 

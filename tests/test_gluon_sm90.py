@@ -316,9 +316,8 @@ def test_permuted_dq_descriptor_adds_each_staging_row_into_its_own_row():
     view = dq_accum.as_strided(desc.shape, desc.strides)
     x = torch.randn(64, 64)
     row0, col = seqlen + 128, 2 * head_dim + 64  # batch entry 1, query rows 128.., head 2's second half
-    box = tuple(slice(start // 8 if i == 0 else start, (start // 8 if i == 0 else start) + size)
-                for i, (start, size) in enumerate(zip((row0, 0, 0, col), desc.block_shape)))  # fmt: skip
-    view[box] = x.reshape(8, 2, 4, 64).permute(0, 2, 1, 3)
+    assert list(desc.block_shape) == [8, 4, 2, 64]
+    view[row0 // 8 : row0 // 8 + 8, :, :, col : col + 64] = x.reshape(8, 2, 4, 64).permute(0, 2, 1, 3)
     rows = dq_accum.view(batch * seqlen, nheads * head_dim)
     torch.testing.assert_close(rows[row0 : row0 + 64, col : col + 64], x, rtol=0, atol=0)
     assert rows.count_nonzero() == x.count_nonzero()
