@@ -147,10 +147,23 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
         assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
 
 
+def test_d64_causal_launches_take_three_warpgroups_from_16k(monkeypatch):
+    """CAUSAL_CHANGES_UNTIL: a causal D=64 launch takes CAUSAL_CHANGES (two consumer warpgroups, 128-row items) below
+    seqlen_q 16384 and the head dim's CONFIGS as they are (three, 192-row items) from there; full launches take three
+    at any length, and D=128 two."""
+    launches = []
+    monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append(constexprs))
+    for head_dim, causal, seqlen_q, num_wg in ((64, True, 16383, 2), (64, True, 16384, 3), (64, True, 20000, 3),
+                                               (64, False, 1000, 3), (128, True, 16384, 2)):  # fmt: skip
+        q, k, v = qkv(batch=1, seqlen_q=seqlen_q, nheads=1, nheads_k=1, head_dim=head_dim)
+        forward_sm90.attention_forward_sm90(q, k, v, torch.empty_like(q), torch.empty(1, 1, seqlen_q), 0.1, causal)
+        assert (launches[-1]["NUM_WG"], launches[-1]["CONSUMER_REGS"]) == (num_wg, 160 if num_wg == 3 else 240)
+
+
 def test_register_split_fits_the_register_file():
     """Each config's consumer warpgroups and the producer (padded to a warpgroup: its 1 warp's setmaxnreg counts
     for 128 threads) within the 65536 registers of an SM (D=64: three consumer warpgroups, two with causal)."""
-    causal = [forward_sm90.config(d, causal=True) for d in forward_sm90.CONFIGS]
+    causal = [forward_sm90.config(d, causal=True, seqlen_q=2048) for d in forward_sm90.CONFIGS]
     assert [cfg["NUM_WG"] for cfg in (*forward_sm90.CONFIGS.values(), *causal)] == [3, 2, 2, 2, 2, 2]
     for cfg in (*forward_sm90.CONFIGS.values(), *causal):
         assert cfg["NUM_WG"] * 128 * cfg["CONSUMER_REGS"] + 128 * cfg["PRODUCER_REGS"] <= 65536
@@ -517,7 +530,8 @@ def test_causal_persistent_against_oracle(monkeypatch, launches, head_dim, ctas,
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_three_warpgroups_at_head_dim_64_against_oracle(monkeypatch, launches, causal, ctas, shape):
     """D=64's config: 192-row work items of three consumer warpgroups, the turn going round all three (causal, at
-    every length: a tuning option, shipped causal launches take two, CAUSAL_CHANGES); seqlen_q a multiple of 192
+    every length here: shipped causal launches take three from seqlen_q 16k, two below, CAUSAL_CHANGES_UNTIL);
+    seqlen_q a multiple of 192
     and not, one tile, seqlen_q != seqlen_k both ways (causal: rows that see no key), GQA and MQA, odd and ragged
     lengths; out and lse against the oracle, the backward after it. "launched": the CTAs ``programs`` picks
     (causal: min(pair slots, SMs), CAUSAL_PAIRS and CAUSAL_PERSISTENT); "three": three CTAs (pairs off), so each

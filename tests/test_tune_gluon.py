@@ -25,10 +25,10 @@ def test_variant_keys_reach_the_configs_they_name_and_are_undone():
     with tune_gluon.configured({"FORWARD_D": 64, "BACKWARD_D": 128, "CONSUMER_REGS": 200}):
         regs = [c["CONSUMER_REGS"] for c in (*forward_sm90.CONFIGS.values(), *backward_sm90.CONFIGS.values())]
         assert regs == [200, 240, 240, 200, 240, 240]  # forward 64 / 128 / 256, backward 128 / 64 / 256
-        assert forward_sm90.config(64, causal=True)["CONSUMER_REGS"] == 200
+        assert forward_sm90.config(64, causal=True, seqlen_q=2048)["CONSUMER_REGS"] == 200
     with tune_gluon.configured({"FORWARD_D": 128, "NUM_WG": 3}):
-        assert forward_sm90.config(64, causal=True)["NUM_WG"] == 2  # D=64's CAUSAL_CHANGES untouched
-        assert forward_sm90.config(128, causal=True)["NUM_WG"] == 3
+        assert forward_sm90.config(64, causal=True, seqlen_q=2048)["NUM_WG"] == 2  # CAUSAL_CHANGES untouched
+        assert forward_sm90.config(128, causal=True, seqlen_q=2048)["NUM_WG"] == 3
     with tune_gluon.configured({"GLUON_CAUSAL_D": 64}):
         assert forward_sm90.CAUSAL_MIN_SEQLEN_Q[64] == 1
     after = (forward_sm90.CONFIGS, forward_sm90.CAUSAL_CHANGES, backward_sm90.CONFIGS, forward_sm90.CAUSAL_MIN_SEQLEN_Q)

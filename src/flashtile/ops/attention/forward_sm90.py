@@ -100,7 +100,7 @@ tiles pad 1024 rows to 1152), 2k 435.7 -> 476.8, 4k 448.2 -> 497.6, 8k 444.0 -> 
 compiled (tests/sm90_compile.py, Triton 3.6 and 3.7) no spills without causal and with EVEN_K, 8 bytes of stack
 with a ragged last key tile (one value stored at an item's start and loaded in its epilogue), 40-48 with causal
 (registers stored and reloaded around the first key tile's mask, once per item; none in the key loop), which
-does not ship: causal launches at D=64 take two warpgroups (CAUSAL_CHANGES).
+ships from seqlen_q 16k: shorter causal launches at D=64 take two warpgroups (CAUSAL_CHANGES).
 
 CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the heaviest with the lightest
 (``_paired_item``), so every CTA walks about n_m + 1 key tiles (N=1k: 1024 CTAs of 9 tiles instead of 2048 of 1-8)
@@ -131,13 +131,18 @@ D=256 the O tile does not fit: Q 64 + O 64 + K/V 128 KiB > the 227 KiB of a CTA.
 tests/sm90_compile.py): D=64 147972 (131544 with two warpgroups), D=128 197016 (164200 before the O tile), D=256
 196984; no spills at D=128 and 256 (D=64: NUM_WG above)."""
 CAUSAL_CHANGES = {64: {"NUM_WG": 2, "CONSUMER_REGS": 240}}
-"""Per head dim, the CONFIGS entries a causal launch changes (``config``). D=64: 128-row items of two consumer
-warpgroups, as at D=128. H200, bf16, H = 32, B * N = 16k, causal forward TFLOP/s, median of three interleaved rounds
-(session 12, results/2026-11-30-h200x2-s12-call{3,4}-tune-d64-causal-90c5640.log): with the pairs walked
-persistently, two warpgroups N=1k 309.5, 2k 368.6, 4k 408.0, 8k 432.0, 16k 436.8; three 166.5, 278.4, 380.1, -, 467.7
-(without pairs 172.7, 294.3, -, 433.9, 459.9). Why the 192-row items lose at short lengths is not profiled; a guess:
-each item crosses the diagonal over two or three masked key tiles, a large share of the tiles at N=1k-2k. At 16k
-three warpgroups win by 7%, not shipped (one config per head dim and mask)."""
+"""Per head dim, the CONFIGS entries a causal launch shorter than CAUSAL_CHANGES_UNTIL changes (``config``). D=64:
+128-row items of two consumer warpgroups, as at D=128, up to seqlen_q 16k; from there the 192-row items of three, as
+without causal. H200, bf16, H = 32, B * N = 16k, causal forward TFLOP/s, median of three interleaved rounds, two
+warpgroups against three (with the pairs walked persistently): session 12 (results/2026-11-30-h200x2-s12-call{3,4}-
+tune-d64-causal-90c5640.log) N=1k 309.5 / 166.5, 2k 368.6 / 278.4, 4k 408.0 / 380.1, 16k 436.8 / 467.7; session 13
+(results/2026-12-01-h200-s13-call10-tune-d64-causal-3wg-fa95de2.json) 2k 381.8 / 279.5, 4k 414.9 / 384.1, 8k 438.4
+/ 431.3, 16k 441.9 / 461.8. Why the 192-row items lose at short lengths is not profiled; a guess: each item crosses
+the diagonal over two or three masked key tiles, a large share of the tiles at N=1k-4k, and the lightest pair slots
+are short next to an item's start-up."""
+CAUSAL_CHANGES_UNTIL = {64: 16384}
+"""Per head dim with CAUSAL_CHANGES, the seqlen_q from which causal launches take CONFIGS as they are (D=64: three
+warpgroups from 16k, +4.5-7% there, -2% at 8k; CAUSAL_CHANGES)."""
 CAUSAL_MIN_SEQLEN_Q = {64: 2048, 128: 1, 256: 1}
 """Per head dim, the shortest seqlen_q whose causal forwards run here; other head dims' run the Triton kernel. D=64
 below N=2k (H200, bf16, as in CAUSAL_CHANGES, this kernel against the Triton one): N=1k 309.5 against 322.0, 2k
@@ -146,9 +151,12 @@ below N=2k (H200, bf16, as in CAUSAL_CHANGES, this kernel against the Triton one
 f38e70e.log) the Triton kernel was faster at D=64 up to N=4k."""
 
 
-def config(head_dim: int, causal: bool) -> dict:
-    """The constexprs of a launch's config: ``CONFIGS[head_dim]``, with causal updated by ``CAUSAL_CHANGES``."""
-    return {**CONFIGS[head_dim], **CAUSAL_CHANGES.get(head_dim, {})} if causal else CONFIGS[head_dim]
+def config(head_dim: int, causal: bool, seqlen_q: int) -> dict:
+    """The constexprs of a launch's config: ``CONFIGS[head_dim]``, updated by ``CAUSAL_CHANGES`` for causal
+    launches with seqlen_q below ``CAUSAL_CHANGES_UNTIL``."""
+    if causal and seqlen_q < CAUSAL_CHANGES_UNTIL.get(head_dim, 0):
+        return {**CONFIGS[head_dim], **CAUSAL_CHANGES[head_dim]}
+    return CONFIGS[head_dim]
 
 
 ROWS = CONFIGS[128]["NUM_WG"] * CONFIGS[128]["M_WG"]
@@ -839,7 +847,7 @@ def attention_forward_sm90(
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
     """
     batch, seqlen_q, nheads, head_dim = q.shape
-    cfg = config(head_dim, causal)
+    cfg = config(head_dim, causal, seqlen_q)
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
     n_m = cdiv(seqlen_q, cfg["NUM_WG"] * m_wg)
     args = (
