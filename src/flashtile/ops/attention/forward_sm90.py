@@ -142,7 +142,9 @@ the diagonal over two or three masked key tiles, a large share of the tiles at N
 are short next to an item's start-up."""
 CAUSAL_CHANGES_UNTIL = {64: 16384}
 """Per head dim with CAUSAL_CHANGES, the seqlen_q from which causal launches take CONFIGS as they are (D=64: three
-warpgroups from 16k, +4.5-7% there, -2% at 8k; CAUSAL_CHANGES)."""
+warpgroups from 16k, +4.5-7% there, -2% at 8k; CAUSAL_CHANGES). Shipped, against two warpgroups (``--variant
+two-wg:FORWARD_D=64,NUM_WG=2,CONSUMER_REGS=240``, median of three rounds, results/2026-12-01-h200-s13-call11-tune-
+d64-causal-long-a3abc59.json): 8k 439.0 / 439.9 (both two), 16k 462.7 / 444.9, 32k (B=1) 487.9 / 440.5."""
 CAUSAL_MIN_SEQLEN_Q = {64: 2048, 128: 1, 256: 1}
 """Per head dim, the shortest seqlen_q whose causal forwards run here; other head dims' run the Triton kernel. D=64
 below N=2k (H200, bf16, as in CAUSAL_CHANGES, this kernel against the Triton one): N=1k 309.5 against 322.0, 2k
