@@ -600,9 +600,10 @@ def _dq_step(
     ``dq_dst``, where the partial goes (rows q0.. and columns col0.. are counted from its origin):
       * atomics (DQ_TMA off): (dq_ptr, row_stride), dq_ptr at (the batch entry's row 0, the group's first head)
         of rows of row_stride floats; every thread adds its fragment with relaxed fp32 atomics;
-      * DQ_TMA: (dq_desc, dq_tile, row0, col_base), the descriptor of dq_accum's 2-D (batch * seqlen_q,
-        nheads * head_dim) view, this warpgroup's [BLOCK_M, DQ_TILE_COLS] fp32 staging tile, and the origin's
-        coordinates in the view. The warpgroup writes its fragments into the tile and issues a TMA reduce-add
+      * DQ_TMA: (dq_desc, dq_tile, row0, col_base), dq_accum's ``dq_descriptor`` (blocks of its 2-D (batch *
+        seqlen_q, nheads * head_dim) rows, or with DQ_PERMUTED of a rank-4 view of them), this warpgroup's fp32
+        staging tile (``dq_staging_block``: [BLOCK_M, DQ_TILE_COLS], or its rows reordered in rank 4), and the
+        origin's row and column in dq_accum's rows. The warpgroup writes its fragments into the tile and issues a TMA reduce-add
         of it (``async_reduce_add``: one elected thread in each of two warps, a [64, 32] box each). Ordering,
         per warpgroup (the tile is its own): store_wait(0) makes the threads that issued the previous reduce
         wait until the copy engine has read the tile (every thread runs it; bulk groups are per thread), the
@@ -1149,7 +1150,7 @@ def _attention_backward_sm90_kernel(
         consumer_args = consumer_args + (p_smem, p_ready, p_free)
     if DQ_TMA:
         # one fp32 staging tile per consumer warpgroup for its dQ partials (_dq_step), in dq_desc's layout; the
-        # tile's origin, dq_ptr + dq_off, is at (b * seqlen_q, q_col0) of dq_desc's 2-D view
+        # tile's origin, dq_ptr + dq_off, is at row b * seqlen_q, column q_col0 of dq_accum's rows
         dq_block: gl.constexpr = dq_desc.block_shape  # dq_staging_block(dq_rows(BLOCK_M, DQ_SPLIT), DQ_PERMUTED)
         if DQ_PERMUTED:
             dq_smem = gl.allocate_shared_memory(
