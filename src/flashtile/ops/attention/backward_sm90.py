@@ -603,8 +603,9 @@ def _dq_step(
       * DQ_TMA: (dq_desc, dq_tile, row0, col_base), dq_accum's ``dq_descriptor`` (blocks of its 2-D (batch *
         seqlen_q, nheads * head_dim) rows, or with DQ_PERMUTED of a rank-4 view of them), this warpgroup's fp32
         staging tile (``dq_staging_block``: [BLOCK_M, DQ_TILE_COLS], or its rows reordered in rank 4), and the
-        origin's row and column in dq_accum's rows. The warpgroup writes its fragments into the tile and issues a TMA reduce-add
-        of it (``async_reduce_add``: one elected thread in each of two warps, a [64, 32] box each). Ordering,
+        origin's row and column in dq_accum's rows. The warpgroup writes its fragments into the tile and issues a
+        TMA reduce-add of it (``async_reduce_add``: one elected thread in each of two warps, a box of 32 columns
+        each). Ordering,
         per warpgroup (the tile is its own): store_wait(0) makes the threads that issued the previous reduce
         wait until the copy engine has read the tile (every thread runs it; bulk groups are per thread), the
         barrier holds the other threads until then; after the stores, fence_async_shared() makes them visible
