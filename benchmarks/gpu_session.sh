@@ -19,6 +19,8 @@
 #   bench    the full standard table (bf16) against every peer (BENCH_TIMEOUT, default 400 s; with FA4 and the
 #            D=256 rows it has taken over 390 s: give it ~540 and the call 580)
 #   memory   fwd+bwd peak extra memory against SDPA flash
+#   versus   flashtile against one peer on chosen standard rows in interleaved rounds (benchmarks/versus.py;
+#            VERSUS_ARGS, e.g. "--row bf16,128,2048,0 --row bf16,64,1024,1 --peer cudnn --rounds 5")
 #   sanitize compute-sanitizer memcheck of forward + backward cases (benchmarks/sanitize_cases.py)
 #   ncubwd   Nsight Compute on one D=128 backward, full and causal (benchmarks/ncu_attention.py; NCU_ARGS to change
 #            it, e.g. "--head-dim 64 --seqlen 1024"): the details page, the raw metrics (every stall reason) and the
@@ -111,6 +113,7 @@ for step in "$@"; do
     ring) mkdir -p "$OUT/ring"; timeout 270 python3 -m pytest tests/test_distributed.py -k nccl -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/ring/test.log" | tail -8; timeout ${RING_TIMEOUT:-300} python3 benchmarks/bench_ring.py --out "$OUT/ring" --time-budget ${RING_BUDGET:-240} --commit "$commit" 2>&1 | tee "$OUT/ring/bench.log" | tail -45 ;;
     quick) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
+    versus) timeout ${VERSUS_TIMEOUT:-400} python3 benchmarks/versus.py --out "$OUT" ${VERSUS_ARGS:-} 2>&1 | tail -30 ;;
     memory) timeout 80 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
     variants) timeout 300 python3 benchmarks/bench_attention.py --out "$OUT/variants" --shapes variants --commit "$commit" 2>&1 | tail -40 ;;
     sanitize) timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py 2>&1 | tee "$OUT/sanitize.log" | tail -8 ;;
