@@ -7,9 +7,9 @@ The standard table times each provider once per row, one after the other, so a r
 says little: the peers move by as much between runs (cuDNN's D=128 N=2k backward read 482 and 517 TFLOP/s in
 sessions 12 and 13). This times the rows named by ``--row DTYPE,D,N,CAUSAL`` (the standard shapes, B·N = 16384
 and H·D = 2048) with bench_attention.py's own protocol (``Run.speed_case``: same inputs, accuracy check, do_bench
-median, fwd and bwd), ``--rounds`` times, flashtile first in even rounds and the peer first in odd ones, fresh
-inputs each round. Prints and writes (``--out``: versus.json) per row and pass the ratio flashtile / peer of each
-round and their median, which is the number to read against 1.0.
+median, fwd and bwd), ``--rounds`` times, flashtile first in even rounds and the peer first in odd ones, the
+inputs drawn again each round (same seed, new memory). Prints and writes (``--out``: versus.json) per row and
+pass the ratio flashtile / peer of each round and their median, which is the number to read against 1.0.
 """
 
 from __future__ import annotations
