@@ -36,12 +36,12 @@ def parse_row(text: str) -> Case:
 def round_ratios(rows: list[dict[str, Any]], peer: str) -> dict[tuple, list[float]]:
     """Per (dtype, D, N, causal, pass), flashtile's TFLOP/s over the peer's, one ratio per round in round order.
 
-    ``rows``: bench_attention speed rows, each with a "round"; a round where either side has no time (an error)
-    gives no ratio."""
+    ``rows``: bench_attention speed rows, each with a "round"; a round where either side has no time (an error) or
+    was flagged (its output or gradients off the reference's beyond tolerance) gives no ratio."""
     times: dict[tuple, dict[str, float | None]] = {}
     for row in rows:
         key = (row["dtype"], row["D"], row["N"], row["causal"], row["pass"], row["round"])
-        times.setdefault(key, {})[row["provider"]] = row["tflops"]
+        times.setdefault(key, {})[row["provider"]] = None if row["flagged"] else row["tflops"]
     ratios: dict[tuple, list[float]] = {}
     for key in sorted(times, key=lambda k: k[-1]):
         ours, theirs = times[key].get(OURS), times[key].get(peer)

@@ -531,11 +531,11 @@ def test_causal_persistent_against_oracle(monkeypatch, launches, head_dim, ctas,
 def test_three_warpgroups_at_head_dim_64_against_oracle(monkeypatch, launches, causal, ctas, shape):
     """D=64's config: 192-row work items of three consumer warpgroups, the turn going round all three (causal, at
     every length here: shipped causal launches take three from seqlen_q 16k, two below, CAUSAL_CHANGES_UNTIL);
-    seqlen_q a multiple of 192
-    and not, one tile, seqlen_q != seqlen_k both ways (causal: rows that see no key), GQA and MQA, odd and ragged
-    lengths; out and lse against the oracle, the backward after it. "launched": the CTAs ``programs`` picks
-    (causal: min(pair slots, SMs), CAUSAL_PAIRS and CAUSAL_PERSISTENT); "three": three CTAs (pairs off), so each
-    walks several items and the ring, the Q hand-over, the turns and the O tile carry on across them."""
+    seqlen_q a multiple of 192 and not, one tile, seqlen_q != seqlen_k both ways (causal: rows that see no key),
+    GQA and MQA, odd and ragged lengths; out and lse against the oracle, the backward after it. "launched": the
+    CTAs ``programs`` picks (causal: min(pair slots, SMs), CAUSAL_PAIRS and CAUSAL_PERSISTENT); "three": three CTAs
+    (pairs off), so each walks several items and the ring, the Q hand-over, the turns and the O tile carry on across
+    them."""
     assert forward_sm90.CONFIGS[64]["NUM_WG"] == 3
     monkeypatch.setitem(forward_sm90.CONFIGS[64], "CAUSAL_PAIRS", ctas == "launched")
     monkeypatch.setitem(forward_sm90.CAUSAL_CHANGES, 64, {})

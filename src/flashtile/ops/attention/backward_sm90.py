@@ -640,15 +640,15 @@ def _dq_step(
             partition_barrier()  # ... and the others with it
             col = col_base + col0 + c * CHUNK
             if len(dq_tile.shape) == 4:  # DQ_PERMUTED: rows in the staging order of ``dq_staging_block``
-                dq_tile.store(gl.permute(gl.reshape(dq, [BLOCK_M // 8, 2, 4, CHUNK]), [0, 2, 1, 3]))
+                staged = gl.permute(gl.reshape(dq, [BLOCK_M // 8, 2, 4, CHUNK]), [0, 2, 1, 3])
+                coord = [(row0 + q0) // 8, 0, 0, col]
             else:
-                dq_tile.store(dq)
+                staged = dq
+                coord = [row0 + q0, col]
+            dq_tile.store(staged)
             fence_async_shared()
             partition_barrier()  # every thread has written (and fenced) its part before the (elected-thread) issue
-            if len(dq_tile.shape) == 4:
-                async_reduce_add(dq_desc, [(row0 + q0) // 8, 0, 0, col], dq_tile)
-            else:
-                async_reduce_add(dq_desc, [row0 + q0, col], dq_tile)
+            async_reduce_add(dq_desc, coord, dq_tile)
         else:
             dq_ptr, row_stride = dq_dst
             rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
