@@ -26,6 +26,8 @@
 #            it, e.g. "--head-dim 64 --seqlen 1024"): the details page, the raw metrics (every stall reason) and the
 #            source page (SASS with its stall samples) as text in $OUT
 #   ncufwd   the same for one forward (the Gluon kernel; NCU_KERNEL=_attention_forward_kernel for the Triton one)
+#   ncudecode   the same for decode steps (benchmarks/ncu_decode.py): NCUDECODE_CASES "B,CONTEXT,SPLITS ...", default
+#            "1,1024,0 1,16384,0" (0: the heuristic's split count); the details and source pages per case
 #   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
 #   branches    (2 GPUs) unmerged branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
 #            tests/test_gluon_sm90.py) side by side on GPU 1 (compiles are CPU-bound), while GPU 0 times this tree
@@ -129,6 +131,16 @@ for step in "$@"; do
         done
         ncu --import "/tmp/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu-$name-source.csv" 2>&1
         grep -E '"(Duration|Issue Slots Busy|No Eligible)"' "$OUT/ncu-$name-details.csv" | cut -d, -f13-15
+      done ;;
+    ncudecode)
+      for case in ${NCUDECODE_CASES:-1,1024,0 1,16384,0}; do
+        IFS=, read -r batch context splits <<< "$case"
+        name=decode-b$batch-ctx$context-s$splits
+        timeout 120 ncu --set full --import-source yes -k "regex:_split_kv_kernel" -s 1 -c 1 -o "/tmp/$name" -f \
+          python3 benchmarks/ncu_decode.py --batch "$batch" --context "$context" --num-splits "$splits" 2>&1 | tail -2
+        ncu --import "/tmp/$name.ncu-rep" --page details --csv > "$OUT/ncu-$name-details.csv" 2>&1
+        ncu --import "/tmp/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu-$name-source.csv" 2>&1
+        grep -E '"(Duration|DRAM Throughput|Issue Slots Busy|No Eligible)"' "$OUT/ncu-$name-details.csv" | cut -d, -f13-15
       done ;;
     tunegluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/tune_gluon.py --out "$OUT" ${TUNEGLUON_ARGS:-} 2>&1 | tail -80 ;;
     branches)
