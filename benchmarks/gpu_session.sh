@@ -27,7 +27,8 @@
 #            source page (SASS with its stall samples) as text in $OUT
 #   ncufwd   the same for one forward (the Gluon kernel; NCU_KERNEL=_attention_forward_kernel for the Triton one)
 #   ncudecode   the same for decode steps (benchmarks/ncu_decode.py): NCUDECODE_CASES "B,CONTEXT,SPLITS ...", default
-#            "1,1024,0 1,16384,0" (0: the heuristic's split count); the details and source pages per case
+#            "1,1024,0 1,16384,0" (0: the heuristic's split count); the same three pages per case (three files
+#            each: the device tool brings back eight)
 #   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
 #   branches    (2 GPUs) unmerged branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
 #            tests/test_gluon_sm90.py) side by side on GPU 1 (compiles are CPU-bound), while GPU 0 times this tree
@@ -68,6 +69,20 @@ branch_tests() {
   # one file back: the device tool returns at most 8 (three branches x four shards would be 12)
   for log in /tmp/branchtests/*.log; do echo "=== $(basename "$log" .log)"; cat "$log"; done > "$OUT/branchtests.log"
   for log in /tmp/branchtests/*.log; do echo "--- $(basename "$log" .log)"; tail -n 2 "$log"; done
+}
+# Nsight Compute on the second launch of kernels matching $2 in `python3 $4 ...` (limit $3 s): the report's details
+# page, raw metrics (every stall reason) and source page (SASS with its stall samples) as $OUT/ncu-$1-*.csv, and
+# the headline metrics printed.
+ncu_profile() {
+  local name=$1 kernel=$2 limit=$3
+  shift 3
+  timeout "$limit" ncu --set full --import-source yes -k "regex:$kernel" -s 1 -c 1 -o "/tmp/$name" -f \
+    python3 "$@" 2>&1 | tail -2
+  for page in details raw; do
+    ncu --import "/tmp/$name.ncu-rep" --page $page --csv > "$OUT/ncu-$name-$page.csv" 2>&1
+  done
+  ncu --import "/tmp/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu-$name-source.csv" 2>&1
+  grep -E '"(Duration|DRAM Throughput|Issue Slots Busy|No Eligible)"' "$OUT/ncu-$name-details.csv" | cut -d, -f13-15
 }
 # This tree and then each branch timed with tune_gluon.py on GPU 0, one after the other.
 branch_times() {
@@ -123,24 +138,14 @@ for step in "$@"; do
       pass=backward kernel=_attention_backward_sm90
       [ "$step" = ncufwd ] && pass=forward kernel=_attention_forward_sm90
       for causal in "" --causal; do
-        name=$pass${causal:+-causal}
-        timeout 150 ncu --set full --import-source yes -k "regex:${NCU_KERNEL:-$kernel}" -s 1 -c 1 -o "/tmp/$name" -f \
-          python3 benchmarks/ncu_attention.py --pass $pass $causal ${NCU_ARGS:-} 2>&1 | tail -2
-        for page in details raw; do
-          ncu --import "/tmp/$name.ncu-rep" --page $page --csv > "$OUT/ncu-$name-$page.csv" 2>&1
-        done
-        ncu --import "/tmp/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu-$name-source.csv" 2>&1
-        grep -E '"(Duration|Issue Slots Busy|No Eligible)"' "$OUT/ncu-$name-details.csv" | cut -d, -f13-15
+        ncu_profile "$pass${causal:+-causal}" "${NCU_KERNEL:-$kernel}" 150 \
+          benchmarks/ncu_attention.py --pass $pass $causal ${NCU_ARGS:-}
       done ;;
     ncudecode)
       for case in ${NCUDECODE_CASES:-1,1024,0 1,16384,0}; do
         IFS=, read -r batch context splits <<< "$case"
-        name=decode-b$batch-ctx$context-s$splits
-        timeout 120 ncu --set full --import-source yes -k "regex:_split_kv_kernel" -s 1 -c 1 -o "/tmp/$name" -f \
-          python3 benchmarks/ncu_decode.py --batch "$batch" --context "$context" --num-splits "$splits" 2>&1 | tail -2
-        ncu --import "/tmp/$name.ncu-rep" --page details --csv > "$OUT/ncu-$name-details.csv" 2>&1
-        ncu --import "/tmp/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu-$name-source.csv" 2>&1
-        grep -E '"(Duration|DRAM Throughput|Issue Slots Busy|No Eligible)"' "$OUT/ncu-$name-details.csv" | cut -d, -f13-15
+        ncu_profile "decode-b$batch-ctx$context-s$splits" _split_kv_kernel 120 \
+          benchmarks/ncu_decode.py --batch "$batch" --context "$context" --num-splits "$splits"
       done ;;
     tunegluon) timeout ${GLUON_TIMEOUT:-300} python3 benchmarks/tune_gluon.py --out "$OUT" ${TUNEGLUON_ARGS:-} 2>&1 | tail -80 ;;
     branches)

@@ -1153,12 +1153,7 @@ def _attention_backward_sm90_kernel(
         # one fp32 staging tile per consumer warpgroup for its dQ partials (_dq_step), in dq_desc's layout; the
         # tile's origin, dq_ptr + dq_off, is at row b * seqlen_q, column q_col0 of dq_accum's rows
         dq_block: gl.constexpr = dq_desc.block_shape  # dq_staging_block(dq_rows(BLOCK_M, DQ_SPLIT), DQ_PERMUTED)
-        if DQ_PERMUTED:
-            dq_smem = gl.allocate_shared_memory(
-                gl.float32, [2, dq_block[0], dq_block[1], dq_block[2], dq_block[3]], dq_desc.layout
-            )
-        else:
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, dq_block[0], dq_block[1]], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_block, dq_desc.layout)
         consumer_args = consumer_args + (dq_desc, dq_smem, b * seqlen_q, q_col0)
     gl.warp_specialize(
         [

@@ -137,9 +137,12 @@ without causal. H200, bf16, H = 32, B * N = 16k, causal forward TFLOP/s, median 
 warpgroups against three (with the pairs walked persistently): session 12 (results/2026-11-30-h200x2-s12-call{3,4}-
 tune-d64-causal-90c5640.log) N=1k 309.5 / 166.5, 2k 368.6 / 278.4, 4k 408.0 / 380.1, 16k 436.8 / 467.7; session 13
 (results/2026-12-01-h200-s13-call10-tune-d64-causal-3wg-fa95de2.json) 2k 381.8 / 279.5, 4k 414.9 / 384.1, 8k 438.4
-/ 431.3, 16k 441.9 / 461.8. Why the 192-row items lose at short lengths is not profiled; a guess: each item crosses
-the diagonal over two or three masked key tiles, a large share of the tiles at N=1k-4k, and the lightest pair slots
-are short next to an item's start-up."""
+/ 431.3, 16k 441.9 / 461.8. Why three lose at short lengths, Nsight Compute at N=2k (session 14, results/2026-12-01-
+h200-s14-call6-ncu-fwd-d64-causal-2k-{2wg,3wg}-details-f4b2240.csv and -s14-ncu-stall-samples-f4b2240.txt): 22%
+more instructions executed, and 21% of the stall samples wait for instructions (2.8% with two): the causal kernel
+of three warpgroups is 6,760 SASS instructions (cuobjdump, Triton 3.7; 3,912 with two, 4,184 for three without
+causal), the diagonal tile's mask inlined in each consumer warpgroup's prologue and loop, and the three warpgroups
+run different copies of it through one instruction cache."""
 CAUSAL_CHANGES_UNTIL = {64: 16384}
 """Per head dim with CAUSAL_CHANGES, the seqlen_q from which causal launches take CONFIGS as they are (D=64: three
 warpgroups from 16k, +4.5-7% there, -2% at 8k; CAUSAL_CHANGES). Shipped, against two warpgroups (``--variant
