@@ -1009,24 +1009,3 @@ def test_launch_key_follows_triton_specialization(monkeypatch):
     assert key(CAUSAL=False) != base
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert key() != base
-
-
-@hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "shape",
-    [(2, 1, 1, 4, 4), (1, 17, 113, 4, 2), (2, 113, 17, 2, 2), (2, 1000, 1500, 4, 4), (2, 2048, 2048, 4, 2)],
-    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
-)  # fmt: skip
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("every", [2, 4, 8], ids=lambda n: f"poly{n}")
-@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
-def test_exp2_poly_against_oracle(monkeypatch, launches, head_dim, every, dtype, causal, shape):
-    """EXP2_POLY (``forward_sm90.exp2_poly_asm``): one softmax exp2 in ``every`` by the cubic on the FMA pipe. Out
-    and lse against the oracle; masked scores (causal, the ragged last key tile, rows that see no key when Sq > Sk)
-    must give exactly 0 weight, the row maximum exactly 1."""
-    monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "EXP2_POLY", every)
-    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
-    check(*make_inputs(*shape, head_dim, dtype=dtype), causal=causal)
-    assert launches[0] == ("fwd", causal)

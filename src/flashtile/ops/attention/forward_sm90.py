@@ -73,16 +73,13 @@ from flashtile.ops.attention.tiles import LN2, LOG2E
 CONFIGS = {
     # 192-row items of three warpgroups, three stages of 128-key tiles: 24 KiB of Q, 96 KiB of K and V, 24 KiB of O
     64: {"M_WG": 64, "NUM_WG": 3, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
-         "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24,
-         "EXP2_POLY": 0},
+         "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24},
     128: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True,
-          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24,
-          "EXP2_POLY": 0},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
     # 192 KiB, so O leaves through the Q tile
     256: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False,
-          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24,
-          "EXP2_POLY": 0},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
@@ -191,62 +188,6 @@ def _tile(boxes, i):
     swizzle (a [1, rows, D] box lands as rows x D)."""
     box = boxes.index(i)
     return box.reshape([box.shape[1], box.shape[2]])
-
-
-# ------------------------------------------------------------------------------------------------ exp2
-EXP2_POLY_COEFFS = (0x3F317AFD, 0x3E7805FF, 0x3D6150AF)
-"""float32 bits of c1, c2, c3 in 2^f ~ 1 + c1 f + c2 f^2 + c3 f^3 for f in [-0.5, 0.5]: a least-squares fit of the
-relative error reweighted towards its peaks (near minimax), largest relative error 1.01e-4 (evaluated in float32),
-below half an ulp of bf16 (2^-9) and of fp16 (2^-11)."""
-
-
-@gluon.constexpr_function
-def exp2_poly_asm(every):
-    """PTX for ``inline_asm_elementwise`` with pack = ``every``: 2^x of ``every`` float32 registers, the first
-    every - 1 on the MUFU (ex2.approx.ftz), the last on the FMA pipe (FA-4's trick, which its Blackwell forward
-    uses for the same reason): x = j + f with j = round(x) (the float add of 1.5 * 2^23 rounds to an integer),
-    2^f by EXP2_POLY_COEFFS' cubic, j added to its exponent field. x is clamped at -127 first: -inf (a masked
-    score) and anything below gives exactly 0 (j = -127, f = 0, the cubic exactly 1.0), and no exponent wraps
-    (j >= -126 whenever the cubic is below 1). 8 instructions instead of one MUFU op, which takes 8 of the SM
-    sub-partition's cycles per warp: worth it where the softmax's exp2 is the bottleneck (D=64)."""
-    c1, c2, c3 = (f"0f{bits:08X}" for bits in EXP2_POLY_COEFFS)
-    last = every - 1
-    lines = [f"ex2.approx.ftz.f32 ${k}, ${every + k};" for k in range(last)]
-    lines += [
-        "{",
-        ".reg .f32 x, j, r, f, p;",
-        ".reg .b32 jb, pb, e;",
-        f"max.ftz.f32 x, ${every + last}, 0fC2FE0000;",
-        "add.rn.ftz.f32 j, x, 0f4B400000;",
-        "sub.rn.ftz.f32 r, j, 0f4B400000;",
-        "sub.rn.ftz.f32 f, x, r;",
-        f"fma.rn.ftz.f32 p, f, {c3}, {c2};",
-        f"fma.rn.ftz.f32 p, p, f, {c1};",
-        "fma.rn.ftz.f32 p, p, f, 0f3F800000;",
-        "mov.b32 jb, j;",
-        "mov.b32 pb, p;",
-        "mad.lo.s32 e, jb, 8388608, pb;",
-        f"mov.b32 ${last}, e;",
-        "}",
-    ]
-    return "\n".join(lines)
-
-
-@gluon.constexpr_function
-def exp2_poly_constraints(every):
-    return ",".join(["=f"] * every + ["f"] * every)
-
-
-@gluon.jit
-def _exp2(x, EXP2_POLY: gl.constexpr):
-    """2^x (float32, x <= 0 or -inf): all on the MUFU (EXP2_POLY = 0), or one element of every EXP2_POLY by a
-    polynomial on the FMA pipe (``exp2_poly_asm``)."""
-    if EXP2_POLY == 0:
-        return gl.exp2(x)
-    else:
-        return gl.inline_asm_elementwise(
-            exp2_poly_asm(EXP2_POLY), exp2_poly_constraints(EXP2_POLY), [x], gl.float32, True, EXP2_POLY
-        )
 
 
 # ------------------------------------------------------------------------------------------------ schedule
@@ -444,7 +385,6 @@ def _softmax_step(
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     EVEN_K: gl.constexpr,
-    EXP2_POLY: gl.constexpr,
 ):
     """One online-softmax step on the raw scores tile s_acc [M_WG, BLOCK_N] (fp32, mma layout) of keys
     kv_start.. and query rows q_pos0.. . m_i is kept in scaled log2 units (max of s * softmax_scale *
@@ -474,7 +414,7 @@ def _softmax_step(
         m_use = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
     else:
         m_use = m_new
-    p = _exp2(s_acc * qk_scale - m_use[:, None], EXP2_POLY)
+    p = gl.exp2(s_acc * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
@@ -494,7 +434,6 @@ def _consumer(
     O_TILE: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
-    EXP2_POLY: gl.constexpr,
 ):
     """Consumer warpgroup WG (0 .. NUM_WG - 1): rows WG * M_WG.. of each work item's query tile (``_work``); the
     ring position (it), the item count and the ping-pong parity run on across items as the producer's do.
@@ -564,7 +503,7 @@ def _consumer(
         s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
         mbarrier.arrive(k_empty.index(s0), count=1)
         p, alpha, m_i, l_i = _softmax_step(
-            s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K, EXP2_POLY
+            s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
         )
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -590,19 +529,7 @@ def _consumer(
             s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s), count=1)
             p, alpha, m_i, l_i = _softmax_step(
-                s_acc,
-                m_i,
-                l_i,
-                qk_scale,
-                i * BLOCK_N,
-                q_pos0,
-                diag_off,
-                seqlen_k,
-                M_WG,
-                BLOCK_N,
-                CAUSAL,
-                EVEN_K,
-                EXP2_POLY,
+                s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
             )
             acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
             mbarrier.arrive(v_empty.index(sp), count=1)
@@ -673,7 +600,6 @@ def _attention_forward_sm90_kernel(
     CAUSAL_PERSISTENT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
-    EXP2_POLY: gl.constexpr,
 ):
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups (the partitions below)")
     n_m = gl.cdiv(seqlen_q, NUM_WG * M_WG)
@@ -737,12 +663,12 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, EXP2_POLY),
+                 CAUSAL_PERSISTENT),
             ),
             (
                 _consumer,
                 (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, EXP2_POLY),
+                 CAUSAL_PERSISTENT),
             ),
             (
                 _producer,
@@ -777,7 +703,7 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (2, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, EXP2_POLY),
+                 CAUSAL_PERSISTENT),
             ),
         ][: NUM_WG + 1],
         [4, 1, 4][:NUM_WG],
