@@ -343,10 +343,11 @@ def test_num_splits(path, num_splits):
     check(Case(seqlen_q=2, seqlen_new=2, nheads=6, seqlen_cache=224, page_size=32, num_splits=num_splits))
 
 
-@pytest.mark.parametrize("num_splits", [1, 5], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("num_splits", [1, 5, 11], ids=lambda n: f"splits{n}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPES.keys())
 def test_long_cache(path, dtype, num_splits):
-    """A 1000-position cache read by 32 key tiles (interpreter) or 16 (GPU), 8 query heads per kv head."""
+    """A 1000-position cache read by 32 key tiles (interpreter) or 16 (GPU), 8 query heads per kv head (16-row
+    tiles); 11 splits merge in two unrolled chunks, the second part empty (``split_kv.MERGE_CHUNK_16_ROWS``)."""
     check(Case(batch=1, nheads=16, seqlen_cache=1024, cache_seqlens=(999,), dtype=DTYPES[dtype], num_splits=num_splits))
 
 

@@ -55,10 +55,15 @@ from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_ro
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
 MERGE_CHUNK = tl.constexpr(4)
-"""Splits per unrolled step of the merge (``_merge_splits``). H200, B=1, Hkv 8, Hq 32, D 128, contiguous: kernel
-10.9 / 14.3 / 27.7 -> 10.6 / 12.8 / 26.7 µs at contexts 1k / 4k / 16k against one split per step; loading the
-chunk as one [4, BLOCK_M, DV] tensor instead took 16.8 / 34.0 / 47.5 (results/2026-11-30-h200x2-s8-call5-
-profdecode-07485eb.log)."""
+"""Splits per unrolled step of the merge (``_merge_splits``) for tiles of more than 16 query rows. H200, B=1, Hkv 8,
+Hq 32, D 128, contiguous: kernel 10.9 / 14.3 / 27.7 -> 10.6 / 12.8 / 26.7 µs at contexts 1k / 4k / 16k against one
+split per step; loading the chunk as one [4, BLOCK_M, DV] tensor instead took 16.8 / 34.0 / 47.5 (results/2026-11-30-
+h200x2-s8-call5-profdecode-07485eb.log)."""
+MERGE_CHUNK_16_ROWS = tl.constexpr(8)
+"""The same for 16-row tiles (one token of a GQA group up to 16 heads, the decode steps' usual tile): H200, B=1, Hkv 8,
+Hq 32, D 128, graph µs per step, chunk 4 / 8 / 16: contiguous 1k 13.6 / 13.4 / 14.3, 4k 19.7 / 19.2 / 19.4, 16k 35.2
+/ 34.8 / 34.8; paged 4k 24.0 / 23.2 / 26.3, 16k 40.3 / 39.8 / 44.3 (docs/tuning-log.md session 14, item 8). Eight
+at 32-64 rows spills (sm90_compile: D=64 64 rows 0 -> 56 bytes of stack), so those keep MERGE_CHUNK."""
 
 _counters: dict[torch.device, torch.Tensor] = {}  # device -> its ticket counters, int32, zero between launches
 _kept: list[torch.Tensor] = []  # buffers a captured CUDA graph may still use: outgrown, or zeroed in a graph
@@ -223,14 +228,15 @@ def _merge_splits(
 ):
     """The splits' partials of BLOCK_M rows merged by an online log-sum-exp: OPart [BLOCK_M, BLOCK_DV]
     pointers to split 0's out_s, LsePart [BLOCK_M] to its lse_s; split s is stride_ps / stride_ls further.
-    The loop is unrolled by MERGE_CHUNK splits whose loads do not depend on each other, so the merge waits
-    for about one round trip to L2 per MERGE_CHUNK splits rather than one per split.
+    The loop is unrolled by MERGE_CHUNK splits (MERGE_CHUNK_16_ROWS for 16-row tiles) whose loads do not depend
+    on each other, so the merge waits for about one round trip to L2 per chunk of splits rather than one per split.
     Returns the online-softmax state acc, m, l of ``_normalize``; masked-out elements read as an empty split."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for first in range(0, num_splits, MERGE_CHUNK):
-        for offset in tl.static_range(MERGE_CHUNK):
+    CHUNK: tl.constexpr = MERGE_CHUNK_16_ROWS if BLOCK_M == 16 else MERGE_CHUNK
+    for first in range(0, num_splits, CHUNK):
+        for offset in tl.static_range(CHUNK):
             split = first + offset
             s64 = tl.cast(split, tl.int64)
             s_ok = split < num_splits
