@@ -73,13 +73,13 @@ from flashtile.ops.attention.tiles import LN2, LOG2E
 CONFIGS = {
     # 192-row items of three warpgroups, three stages of 128-key tiles: 24 KiB of Q, 96 KiB of K and V, 24 KiB of O
     64: {"M_WG": 64, "NUM_WG": 3, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
-         "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24, "ROW_TREE": True},
+         "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24},
     128: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True,
-          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24, "ROW_TREE": True},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
     # 192 KiB, so O leaves through the Q tile
     256: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False,
-          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24, "ROW_TREE": True},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
@@ -188,29 +188,6 @@ def _tile(boxes, i):
     swizzle (a [1, rows, D] box lands as rows x D)."""
     box = boxes.index(i)
     return box.reshape([box.shape[1], box.shape[2]])
-
-
-# ------------------------------------------------------------------------------------------------ row reductions
-@gluon.jit
-def _row_fold(x, IS_MAX: gl.constexpr):
-    """Each row of x [M, N] (the last axis) folded by max (IS_MAX) or sum."""
-    if IS_MAX:
-        return gl.max(x, len(x.shape) - 1)
-    else:
-        return gl.sum(x, len(x.shape) - 1)
-
-
-@gluon.jit
-def _row_reduce(x, IS_MAX: gl.constexpr, ROW_TREE: gl.constexpr):
-    """The max (IS_MAX) or sum of each row of x [M, N] (mma layout, N a power of two >= 8), as a tree: the columns
-    are halved while the halves lie in the same thread's registers (wgmma's accumulator: column bits 3 and up), so
-    each level's ops are independent, then the last 8 columns (one register pair, four lanes) folded. A plain
-    gl.max / gl.sum folds a thread's 32 values of a row in one dependent chain (SASS: 31 FMNMX each waiting on
-    the last)."""
-    y = x
-    for _ in gl.static_range((y.shape[1].bit_length() - 4) * ROW_TREE):
-        y = _row_fold(gl.permute(gl.reshape(y, [y.shape[0], 2, y.shape[1] // 2]), [0, 2, 1]), IS_MAX)
-    return _row_fold(y, IS_MAX)
 
 
 # ------------------------------------------------------------------------------------------------ schedule
@@ -408,7 +385,6 @@ def _softmax_step(
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     EVEN_K: gl.constexpr,
-    ROW_TREE: gl.constexpr,
 ):
     """One online-softmax step on the raw scores tile s_acc [M_WG, BLOCK_N] (fp32, mma layout) of keys
     kv_start.. and query rows q_pos0.. . m_i is kept in scaled log2 units (max of s * softmax_scale *
@@ -432,7 +408,7 @@ def _softmax_step(
             cols = kv_start + gl.arange(0, BLOCK_N, layout=col_layout)
             keep = cols[None, :] < seqlen_k
             s_acc = gl.where(keep, s_acc, gl.full(s_acc.shape, float("-inf"), gl.float32, s_layout))
-    m_new = gl.maximum(m_i, gl.convert_layout(_row_reduce(s_acc, True, ROW_TREE), m_i.type.layout) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
     if CAUSAL:
         # rows that have seen no key yet (only when seqlen_q > seqlen_k): keep exp2 finite
         m_use = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
@@ -440,7 +416,7 @@ def _softmax_step(
         m_use = m_new
     p = gl.exp2(s_acc * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_new = l_i * alpha + gl.convert_layout(_row_reduce(p, False, ROW_TREE), l_i.type.layout)
+    l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
 
@@ -458,7 +434,6 @@ def _consumer(
     O_TILE: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
-    ROW_TREE: gl.constexpr,
 ):
     """Consumer warpgroup WG (0 .. NUM_WG - 1): rows WG * M_WG.. of each work item's query tile (``_work``); the
     ring position (it), the item count and the ping-pong parity run on across items as the producer's do.
@@ -528,7 +503,7 @@ def _consumer(
         s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
         mbarrier.arrive(k_empty.index(s0), count=1)
         p, alpha, m_i, l_i = _softmax_step(
-            s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K, ROW_TREE
+            s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
         )
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -554,19 +529,7 @@ def _consumer(
             s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s), count=1)
             p, alpha, m_i, l_i = _softmax_step(
-                s_acc,
-                m_i,
-                l_i,
-                qk_scale,
-                i * BLOCK_N,
-                q_pos0,
-                diag_off,
-                seqlen_k,
-                M_WG,
-                BLOCK_N,
-                CAUSAL,
-                EVEN_K,
-                ROW_TREE,
+                s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
             )
             acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
             mbarrier.arrive(v_empty.index(sp), count=1)
@@ -637,7 +600,6 @@ def _attention_forward_sm90_kernel(
     CAUSAL_PERSISTENT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
-    ROW_TREE: gl.constexpr,
 ):
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups (the partitions below)")
     n_m = gl.cdiv(seqlen_q, NUM_WG * M_WG)
@@ -701,12 +663,12 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, ROW_TREE),
+                 CAUSAL_PERSISTENT),
             ),
             (
                 _consumer,
                 (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, ROW_TREE),
+                 CAUSAL_PERSISTENT),
             ),
             (
                 _producer,
@@ -741,7 +703,7 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (2, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, ROW_TREE),
+                 CAUSAL_PERSISTENT),
             ),
         ][: NUM_WG + 1],
         [4, 1, 4][:NUM_WG],
