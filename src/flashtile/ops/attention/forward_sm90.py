@@ -73,16 +73,13 @@ from flashtile.ops.attention.tiles import LN2, LOG2E
 CONFIGS = {
     # 192-row items of three warpgroups, three stages of 128-key tiles: 24 KiB of Q, 96 KiB of K and V, 24 KiB of O
     64: {"M_WG": 64, "NUM_WG": 3, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
-         "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24,
-         "ROW_SUM_MMA": True},
+         "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24},
     128: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True,
-          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24,
-         "ROW_SUM_MMA": True},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
     # 192 KiB, so O leaves through the Q tile
     256: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False,
-          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24,
-         "ROW_SUM_MMA": True},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
@@ -378,6 +375,7 @@ def _producer(
 def _softmax_step(
     s_acc,
     m_i,
+    l_i,
     qk_scale,
     kv_start,
     q_pos0,
@@ -390,7 +388,7 @@ def _softmax_step(
 ):
     """One online-softmax step on the raw scores tile s_acc [M_WG, BLOCK_N] (fp32, mma layout) of keys
     kv_start.. and query rows q_pos0.. . m_i is kept in scaled log2 units (max of s * softmax_scale *
-    log2(e)). Returns p (fp32), alpha, m_new."""
+    log2(e)). Returns p (fp32), alpha, m_new, l_new."""
     s_layout: gl.constexpr = s_acc.type.layout
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     if CAUSAL:
@@ -418,7 +416,8 @@ def _softmax_step(
         m_use = m_new
     p = gl.exp2(s_acc * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    return p, alpha, m_new
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
 
 
 @gluon.jit
@@ -435,7 +434,6 @@ def _consumer(
     O_TILE: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
-    ROW_SUM_MMA: gl.constexpr,
 ):
     """Consumer warpgroup WG (0 .. NUM_WG - 1): rows WG * M_WG.. of each work item's query tile (``_work``); the
     ring position (it), the item count and the ping-pong parity run on across items as the producer's do.
@@ -453,7 +451,6 @@ def _consumer(
         k_empty,
         v_empty,
         turn,
-        ones_smem,
         lse_ptr,
         n_m,
         n_items,
@@ -469,9 +466,6 @@ def _consumer(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    l_layout: gl.constexpr = mma_layout(8)
-    p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
-    row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
 
     q_tile = _tile(q_smem, WG)
     o_tile = _tile(o_smem, WG)  # the Q tile itself without O_TILE
@@ -493,7 +487,6 @@ def _consumer(
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
         l_i = gl.full([M_WG], 0.0, gl.float32, row_s)
-        l_acc = gl.zeros([M_WG, 8], gl.float32, l_layout)  # ROW_SUM_MMA: rows of P summed by wgmma, 8 equal columns
 
         mbarrier.wait(q_bar.index(WG), item & 1)
 
@@ -509,11 +502,9 @@ def _consumer(
             mbarrier.arrive(next_turn, count=1)
         s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
         mbarrier.arrive(k_empty.index(s0), count=1)
-        p, alpha, m_i = _softmax_step(
-            s_acc, m_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
+        p, alpha, m_i, l_i = _softmax_step(
+            s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
         )
-        if not ROW_SUM_MMA:
-            l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         # ---- steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together
@@ -532,23 +523,15 @@ def _consumer(
             mbarrier.wait(v_ready.index(sp), php)
             v_tile = _tile(v_smem, sp)
             acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-            if ROW_SUM_MMA:
-                p_l = gl.convert_layout(p_op, p_l_layout)
-                l_tok = warpgroup_mma(p_l, ones_smem.permute((1, 0)), l_acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(next_turn, count=1)
-            # wgmma groups retire in order: <= 1 (2 with ROW_SUM_MMA) outstanding means S_i is done
-            s_acc, _, _ = warpgroup_mma_wait(1 + ROW_SUM_MMA, deps=(s_tok, q_tile, k_tile))
+            # wgmma groups retire in order: <= 1 outstanding means S_i is done
+            s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s), count=1)
-            p, alpha, m_i = _softmax_step(
-                s_acc, m_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
+            p, alpha, m_i, l_i = _softmax_step(
+                s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
             )
-            if ROW_SUM_MMA:
-                acc, l_acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, l_tok, v_tile))
-                l_acc = l_acc * gl.convert_layout(alpha, row_l)[:, None]
-            else:
-                acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
-                l_i = l_i * alpha + gl.sum(p, 1)
+            acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
             mbarrier.arrive(v_empty.index(sp), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -562,12 +545,7 @@ def _consumer(
         mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
         v_tile = _tile(v_smem, sl)
         acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-        if ROW_SUM_MMA:
-            l_tok = warpgroup_mma(gl.convert_layout(p_op, p_l_layout), ones_smem.permute((1, 0)), l_acc, is_async=True)
-            acc, l_acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, l_tok, v_tile))
-            l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)
-        else:
-            acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
+        acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
         mbarrier.arrive(v_empty.index(sl), count=1)
 
         # ---- normalize, store O through shared memory (rows past seqlen_q are dropped), store lse
@@ -622,7 +600,6 @@ def _attention_forward_sm90_kernel(
     CAUSAL_PERSISTENT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
-    ROW_SUM_MMA: gl.constexpr,
 ):
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups (the partitions below)")
     n_m = gl.cdiv(seqlen_q, NUM_WG * M_WG)
@@ -654,14 +631,6 @@ def _attention_forward_sm90_kernel(
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=NUM_WG)  # one arrival per consumer warpgroup
         mbarrier.init(v_empty.index(s), count=NUM_WG)
-    if ROW_SUM_MMA:
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
-        ones_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_N], ones_layout)
-        fill: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [gl.num_warps(), 1], [1, 0])
-        ones_smem.store(gl.full([8, BLOCK_N], 1.0, dtype, fill))
-        fence_async_shared()
-    else:
-        ones_smem = k_smem
 
     # constexprs travel as separate arguments (inside a tuple they would arrive as tensors); the runtime
     # arguments of every consumer warpgroup as one tuple
@@ -678,7 +647,6 @@ def _attention_forward_sm90_kernel(
         k_empty,
         v_empty,
         turn,
-        ones_smem,
         lse_ptr,
         n_m,
         n_items,
@@ -695,12 +663,12 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, ROW_SUM_MMA),
+                 CAUSAL_PERSISTENT),
             ),
             (
                 _consumer,
                 (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, ROW_SUM_MMA),
+                 CAUSAL_PERSISTENT),
             ),
             (
                 _producer,
@@ -735,7 +703,7 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (2, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, ROW_SUM_MMA),
+                 CAUSAL_PERSISTENT),
             ),
         ][: NUM_WG + 1],
         [4, 1, 4][:NUM_WG],
