@@ -449,10 +449,14 @@ def test_num_splits_heuristic(monkeypatch):
 
 
 def test_few_programs_config():
-    """B=1 with 8 kv heads on a contiguous cache: one program per SM with deeper pipelining; paged caches,
-    more programs and head dims above 128 keep their configs (CUDA only: the interpreter has its own)."""
+    """B=1 with 8 kv heads on a contiguous cache longer than SHORT_CACHE: one program per SM with deeper
+    pipelining; shorter caches, paged caches, more programs and head dims above 128 keep their configs (CUDA
+    only: the interpreter has its own)."""
     cuda = torch.device("cuda", 0)
     assert configs.config(cuda, 128, programs=8, paged=False) == configs.CUDA_FEW_PROGRAMS
+    assert configs.config(cuda, 128, programs=8, paged=False, seqlen_cache=2049) == configs.CUDA_FEW_PROGRAMS
+    assert configs.config(cuda, 128, programs=8, paged=False, seqlen_cache=2048) == configs.CUDA_HEAD_DIM_128
+    assert configs.config(cuda, 128, programs=1, paged=False, seqlen_cache=1024) == configs.CUDA_HEAD_DIM_128
     assert configs.config(cuda, 64, programs=1, paged=False) == configs.CUDA_FEW_PROGRAMS
     assert configs.config(cuda, 128, programs=8, paged=True) == configs.CUDA_HEAD_DIM_128
     assert configs.config(cuda, 128, programs=16, paged=False) == configs.CUDA_HEAD_DIM_128
