@@ -62,8 +62,10 @@ h200x2-s8-call5-profdecode-07485eb.log)."""
 MERGE_CHUNK_16_ROWS = tl.constexpr(8)
 """The same for 16-row tiles (one token of a GQA group up to 16 heads, the decode steps' usual tile): H200, B=1, Hkv 8,
 Hq 32, D 128, graph µs per step, chunk 4 / 8 / 16: contiguous 1k 13.6 / 13.4 / 14.3, 4k 19.7 / 19.2 / 19.4, 16k 35.2
-/ 34.8 / 34.8; paged 4k 24.0 / 23.2 / 26.3, 16k 40.3 / 39.8 / 44.3 (docs/tuning-log.md session 14, item 8). Eight
-at 32-64 rows spills (sm90_compile: D=64 64 rows 0 -> 56 bytes of stack), so those keep MERGE_CHUNK."""
+/ 34.8 / 34.8; paged 4k 24.0 / 23.2 / 26.3, 16k 40.3 / 39.8 / 44.3 (docs/tuning-log.md session 14, item 8); this
+rule against chunk 4 everywhere, one process (results/2026-12-01-h200-s15-call1-tune-decode-*): contiguous 1k 13.7 ->
+13.3, 4k 19.6 -> 19.1, 16k 35.4 -> 34.7, paged 4k 24.1 -> 23.3, 16k 40.6 -> 39.6, B=4 unchanged. Eight at 32-64 rows
+spills (sm90_compile: D=64 64 rows 0 -> 56 bytes of stack), so those keep MERGE_CHUNK."""
 
 _counters: dict[torch.device, torch.Tensor] = {}  # device -> its ticket counters, int32, zero between launches
 _kept: list[torch.Tensor] = []  # buffers a captured CUDA graph may still use: outgrown, or zeroed in a graph
