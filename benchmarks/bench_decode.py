@@ -101,8 +101,7 @@ def _chosen_splits(batch: int, nheads_q: int, context: int, paged: bool) -> int:
     """The split count num_splits=0 picks for this row."""
     group = nheads_q // NHEADS_KV
     programs = batch * NHEADS_KV * triton.cdiv(group, configs.block_m(group))
-    cfg = configs.config(torch.device("cuda"), HEAD_DIM, programs, paged, context)
-    return configs.num_splits(0, torch.device("cuda", 0), programs, context, cfg)
+    return configs.config_and_splits(0, torch.device("cuda", 0), HEAD_DIM, programs, paged, context)[1]
 
 
 class Caches:

@@ -8,9 +8,9 @@ Shapes as benchmarks/bench_decode.py: Hkv 8, Hq 32, D 128, bf16, one new token p
 context - 1, causal; contiguous and paged (pages in random order). Every time is the median of CUDA-graph
 replays (``triton.testing.do_bench``) of one ``flash_attn_with_kvcache`` step, in µs.
 
-1. Every (block_n, num_warps, num_stages) of --configs, swapped in for ``configs.config``, at every split
-   count of --splits (0 = the heuristic's choice), per row and layout: the JSON keeps the whole grid, so
-   a split heuristic can be judged on it afterwards.
+1. Every (block_n, num_warps, num_stages[, programs_per_sm]) of --configs, swapped in for the launches' config
+   (``fixed``), at every split count of --splits (0 = the heuristic's choice for that config), per row and layout:
+   the JSON keeps the whole grid, so a split heuristic can be judged on it afterwards.
 2. Small steps: graph µs of the attention alone (no new k/v, so no append kernel) at the heuristic's
    split count and at one split, with the table's config: what each launch costs.
 3. ``--host``: Python time per eager call with value checks off (wall clock over --host-calls calls, no
@@ -41,6 +41,16 @@ from flashtile.ops.decode.configs import DecodeConfig
 
 NHEADS_Q = 32
 DEFAULT_CONFIGS = ",".join(f"{n}.{w}.{s}" for n, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4)))
+
+
+def fixed(cfg: DecodeConfig):
+    """A stand-in for ``configs.config_and_splits`` that always takes ``cfg``, with ``configs.num_splits``' count
+    for it (no switch to another config)."""
+
+    def config_and_splits(requested, device, head_dim, programs, paged, seqlen_cache):
+        return cfg, configs.num_splits(requested, device, programs, seqlen_cache, cfg)
+
+    return config_and_splits
 
 
 def graph_us(step) -> float:
@@ -113,7 +123,7 @@ def main() -> None:
         for paged in (False, True):
             row = {"batch": batch, "context": context, "layout": "paged" if paged else "contiguous", "grid": {}}
             for cfg in candidates:
-                with mock.patch.object(configs, "config", lambda *args, cfg=cfg: cfg):
+                with mock.patch.object(configs, "config_and_splits", fixed(cfg)):
                     for s in splits:
                         row["grid"][f"{cfg.block_n}.{cfg.num_warps}.{cfg.num_stages}/{s}"] = graph_us(
                             stepper(caches, q, paged, s)

@@ -448,15 +448,33 @@ def test_num_splits_heuristic(monkeypatch):
     assert configs.num_splits(5, torch.device("cpu"), 8, 3 * 128, two_per_sm) == 3  # a request, capped too
 
 
+def test_config_and_splits_leaves_one_tile_splits_to_the_general_config(monkeypatch):
+    """Where the few-programs config would give every split a single key tile, the general config runs with its own
+    split count (132 SMs, 128-key tiles): B=1 Hkv 8 up to 2048 positions, and a request of that many splits; two
+    tiles per split keep the few-programs config; paged caches and the interpreter are not switched."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    cuda, few, general = torch.device("cuda", 0), configs.CUDA_FEW_PROGRAMS, configs.CUDA_HEAD_DIM_128
+
+    def chosen(seqlen_cache, programs=8, requested=0, paged=False, device=cuda):
+        return configs.config_and_splits(requested, device, 128, programs, paged, seqlen_cache)
+
+    assert chosen(1024) == (general, 8)
+    assert chosen(2048) == (general, 16)
+    assert chosen(2049) == (few, 16)  # 17 tiles over 16 splits
+    assert chosen(65536) == (few, 16)
+    assert chosen(1024, requested=4) == (few, 4)
+    assert chosen(1024, requested=8) == (general, 8)
+    assert chosen(16384, programs=1) == (general, 128)  # MAX_SPLITS splits of one tile each
+    assert chosen(32768, programs=1) == (few, 128)
+    assert chosen(1024, paged=True) == (general, 8)
+    assert chosen(1024, device=torch.device("cpu")) == (configs.INTERPRETER, 32)  # 32-key tiles, not switched
+
+
 def test_few_programs_config():
-    """B=1 with 8 kv heads on a contiguous cache longer than SHORT_CACHE: one program per SM with deeper
-    pipelining; shorter caches, paged caches, more programs and head dims above 128 keep their configs (CUDA
-    only: the interpreter has its own)."""
+    """B=1 with 8 kv heads on a contiguous cache: one program per SM with deeper pipelining; paged caches,
+    more programs and head dims above 128 keep their configs (CUDA only: the interpreter has its own)."""
     cuda = torch.device("cuda", 0)
     assert configs.config(cuda, 128, programs=8, paged=False) == configs.CUDA_FEW_PROGRAMS
-    assert configs.config(cuda, 128, programs=8, paged=False, seqlen_cache=2049) == configs.CUDA_FEW_PROGRAMS
-    assert configs.config(cuda, 128, programs=8, paged=False, seqlen_cache=2048) == configs.CUDA_HEAD_DIM_128
-    assert configs.config(cuda, 128, programs=1, paged=False, seqlen_cache=1024) == configs.CUDA_HEAD_DIM_128
     assert configs.config(cuda, 64, programs=1, paged=False) == configs.CUDA_FEW_PROGRAMS
     assert configs.config(cuda, 128, programs=8, paged=True) == configs.CUDA_HEAD_DIM_128
     assert configs.config(cuda, 128, programs=16, paged=False) == configs.CUDA_HEAD_DIM_128

@@ -37,18 +37,13 @@ CUDA_HEAD_DIM_128 = DecodeConfig(128, 4, 2)  # head dims <= 128
 CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
 FEW_PROGRAMS = 8
 CUDA_FEW_PROGRAMS = DecodeConfig(128, 8, 3, programs_per_sm=1)
-"""Head dims <= 128, a contiguous cache longer than SHORT_CACHE and at most FEW_PROGRAMS programs before
-splitting (B=1 with 8 kv heads): one program per SM with three key tiles in flight. On the H200 at B=1, Hkv=8,
+"""Head dims <= 128, a contiguous cache and at most FEW_PROGRAMS programs before splitting (B=1 with 8 kv heads),
+unless every split would read a single key tile (``config_and_splits``): one program per SM with three key tiles in
+flight. On the H200 at B=1, Hkv=8,
 D=128, contexts 16k / 64k / 128k it took 36.5 / 83.2 / 139.8 µs against 40.6 / 88.8 / 147.5 for (128, 4, 2) with
 two programs per SM (results/2026-11-30-h200x2-tune-decode-b1-86281f1.json; through flash_attn_with_kvcache at
 e739b98: 36.6 / 84.0 / 141.6 µs, results/2026-11-30-h200x2-decode-b1-e739b98.md); a paged cache was slower with
 it (92.7 -> 112.9 µs at 64k), so paged caches keep the general config."""
-SHORT_CACHE = 2048
-"""Contiguous caches of at most this many positions keep the general config even with few programs: there every
-split reads one key tile under either config, and four warps with two stages start and finish it sooner. H200, B=1,
-Hkv 8, D 128, graph µs per step with the split heuristic, general / few-programs config, one process
-(results/2026-12-01-h200-s14-call3-tune-decode-f4b2240.json): 1k 13.4 / 14.5, 2k 15.5 / 16.3, 4k 21.0 / 20.0,
-16k 38.0 / 35.4, 64k 85.2 / 81.8."""
 
 
 # A host helper in plain Python (as ``cdiv``): it runs on every decode step, and Triton's own
@@ -58,22 +53,15 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def config(
-    device: torch.device,
-    head_dim: int,
-    programs: int = FEW_PROGRAMS + 1,
-    paged: bool = True,
-    seqlen_cache: int = SHORT_CACHE + 1,
-) -> DecodeConfig:
+def config(device: torch.device, head_dim: int, programs: int = FEW_PROGRAMS + 1, paged: bool = True) -> DecodeConfig:
     """The tile config of the split-KV kernel for ``head_dim`` (the larger of headdim and headdim_v),
-    ``programs`` = batch x nheads_k x query tiles, a ``paged`` cache or not, and the cache's positions per
-    sequence ``seqlen_cache`` (the defaults: the general config)."""
+    ``programs`` = batch x nheads_k x query tiles, and a ``paged`` cache or not (the defaults: the general
+    config)."""
     if device.type != "cuda":
         return INTERPRETER
     if head_dim > 128:
         return CUDA_HEAD_DIM_256
-    few = programs <= FEW_PROGRAMS and not paged and seqlen_cache > SHORT_CACHE
-    return CUDA_FEW_PROGRAMS if few else CUDA_HEAD_DIM_128
+    return CUDA_FEW_PROGRAMS if programs <= FEW_PROGRAMS and not paged else CUDA_HEAD_DIM_128
 
 
 def block_m(packed_rows: int) -> int:
@@ -101,3 +89,22 @@ def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache
     if requested == 0:
         requested = choose_num_splits(programs, sm_count(device), cfg.programs_per_sm)
     return max(1, min(requested, cdiv(seqlen_cache, cfg.block_n), MAX_SPLITS))
+
+
+def config_and_splits(
+    requested: int, device: torch.device, head_dim: int, programs: int, paged: bool, seqlen_cache: int
+) -> tuple[DecodeConfig, int]:
+    """The config (``config``) and split count (``num_splits``) of a launch, with one exception: where the
+    few-programs config would leave every split a single key tile, the general config runs instead (with its own
+    split count), since four warps with two stages start and finish one tile sooner. H200, B=1 (8 programs), Hkv 8,
+    D 128, graph µs per step with the split heuristic, general / few-programs config, one process
+    (results/2026-12-01-h200-s14-call3-tune-decode-f4b2240.json): 1k 13.4 / 14.5, 2k 15.5 / 16.3 (one tile per
+    split under both: 8 / 16 splits), 4k 21.0 / 20.0, 16k 38.0 / 35.4, 64k 85.2 / 81.8 (two or more tiles per
+    split with the few-programs config). Measured at 8 programs only: with fewer (Hkv < 8) the same rule keeps
+    longer caches on the general config (at 1 program, 16k), not timed."""
+    cfg = config(device, head_dim, programs, paged)
+    splits = num_splits(requested, device, programs, seqlen_cache, cfg)
+    if cfg == CUDA_FEW_PROGRAMS and splits >= cdiv(seqlen_cache, cfg.block_n):
+        cfg = CUDA_HEAD_DIM_128
+        splits = num_splits(requested, device, programs, seqlen_cache, cfg)
+    return cfg, splits

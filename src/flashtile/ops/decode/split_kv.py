@@ -532,8 +532,9 @@ def decode_attention(
     block_m = configs.block_m(seqlen_q * group)
     m_tiles = max(1, cdiv(seqlen_q * group, block_m))  # one tile without queries: it appends k, v
     programs = batch * nheads_k * m_tiles
-    cfg = configs.config(q.device, max(head_dim, head_dim_v), programs, paged, seqlen_cache)
-    num_splits = configs.num_splits(num_splits, q.device, programs, seqlen_cache, cfg)
+    cfg, num_splits = configs.config_and_splits(
+        num_splits, q.device, max(head_dim, head_dim_v), programs, paged, seqlen_cache
+    )
 
     out_part = lse_part = counters = None
     stride_ps = stride_ls = 0
