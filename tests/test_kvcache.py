@@ -448,6 +448,23 @@ def test_num_splits_heuristic(monkeypatch):
     assert configs.num_splits(5, torch.device("cpu"), 8, 3 * 128, two_per_sm) == 3  # a request, capped too
 
 
+def test_wide_merges_read_two_tiles_per_split(monkeypatch):
+    """Past WIDE_MERGE (16) splits the heuristic gives every split at least two key tiles (132 SMs, 128-key tiles, B=1
+    with 8 kv heads on a paged cache: 33 splits wanted); up to 16 a split may read one tile; a request is kept."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    cuda, general = torch.device("cuda", 0), configs.CUDA_HEAD_DIM_128
+
+    def splits(n_blocks, requested=0):
+        return configs.num_splits(requested, cuda, 8, n_blocks * general.block_n, general)
+
+    assert splits(16) == 16  # 2k: one tile each, 16 splits
+    assert splits(24) == 16  # 3k: not 24 splits of one tile
+    assert splits(32) == 16  # 4k: two tiles each, not 32 of one
+    assert splits(48) == 24  # 6k
+    assert splits(66) == 33  # two tiles each already
+    assert splits(32, requested=32) == 32
+
+
 def test_config_and_splits_leaves_one_tile_splits_to_the_general_config(monkeypatch):
     """Where the few-programs config would give every split a single key tile, the general config runs with its own
     split count (132 SMs, 128-key tiles): B=1 Hkv 8 up to 2048 positions, and a request of that many splits; two
@@ -464,10 +481,11 @@ def test_config_and_splits_leaves_one_tile_splits_to_the_general_config(monkeypa
     assert chosen(65536) == (few, 16)
     assert chosen(1024, requested=4) == (few, 4)
     assert chosen(1024, requested=8) == (general, 8)
-    assert chosen(16384, programs=1) == (general, 128)  # MAX_SPLITS splits of one tile each
+    assert chosen(16384, programs=1) == (few, 64)  # two tiles per split (WIDE_MERGE), not MAX_SPLITS of one each
+    assert chosen(8192, programs=1) == (few, 32)  # 64 tiles: two per split past WIDE_MERGE, so no switch
     assert chosen(32768, programs=1) == (few, 128)
     assert chosen(1024, paged=True) == (general, 8)
-    assert chosen(1024, device=torch.device("cpu")) == (configs.INTERPRETER, 32)  # 32-key tiles, not switched
+    assert chosen(1024, device=torch.device("cpu")) == (configs.INTERPRETER, 16)  # 32 tiles of 32 keys, not switched
 
 
 def test_few_programs_config():
@@ -759,11 +777,14 @@ def test_many_splits(case):
 
 
 def test_heuristic_splits_on_long_cache(monkeypatch):
-    """num_splits=0 with an H200's 132 SMs: one program splits into every key tile."""
+    """num_splits=0 with an H200's 132 SMs: one program splits into every key tile (8 on the GPU), or every two past
+    WIDE_MERGE splits (the interpreter's 32 tiles: 16 splits)."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     case = Case(batch=1, nheads=8, nheads_k=1, seqlen_cache=1024, cache_seqlens=(1000,), num_splits=0)
     cfg = configs.config(torch.device(DEVICE), case.head_dim)
-    assert configs.num_splits(0, torch.device(DEVICE), 1, case.seqlen_cache, cfg) == 1024 // cfg.block_n
+    tiles = 1024 // cfg.block_n
+    expected = tiles if tiles <= configs.WIDE_MERGE else tiles // 2
+    assert configs.num_splits(0, torch.device(DEVICE), 1, case.seqlen_cache, cfg) == expected
     check(case)
 
 

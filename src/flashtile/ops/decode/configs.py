@@ -19,6 +19,12 @@ from flashtile.ops.attention.configs import cdiv
 
 MAX_SPLITS = 128
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
+WIDE_MERGE = 16
+"""The most splits the heuristic lets read a single key tile each: more splits than this get at least two tiles each
+(``num_splits``), down to WIDE_MERGE. H200, B=1 (8 programs), Hkv 8, D 128, (128, 4, 2) config, graph µs per step
+by split count (results/2026-12-01-h200-s14-call3-tune-decode-f4b2240.json): paged 4k (32 tiles) 21.9 with 16
+splits, 22.6 with 24, 24.1 with 32; paged 2k (16 tiles) 17.9 with 16 against 19.0 with 8; paged 16k (128 tiles)
+39.4 with 32 against 41.7 with 16: a wide merge pays off only when the splits have more than one tile to read."""
 
 
 @dataclass(frozen=True)
@@ -83,12 +89,17 @@ def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache
     (``choose_num_splits``), capped at the number of key tiles of the cache and at MAX_SPLITS. ``programs`` =
     batch x nheads_k x query tiles.
 
-    One key tile per split is allowed: on the H200 at B=1 (Hkv 8, D 128) a 1k context took 9.3 µs per step with
-    8 splits of one tile against 10.6 with 4 of two, 2k 10.6 with 16 against 11.2 with 8; B=4 at 1k 10.8 with 8
-    against 10.6 with 4 (results/2026-11-30-h200x2-s9-call4-profdecode-36b94f7.log)."""
-    if requested == 0:
-        requested = choose_num_splits(programs, sm_count(device), cfg.programs_per_sm)
-    return max(1, min(requested, cdiv(seqlen_cache, cfg.block_n), MAX_SPLITS))
+    One key tile per split is allowed up to WIDE_MERGE splits: on the H200 at B=1 (Hkv 8, D 128) a 1k context took
+    9.3 µs per step with 8 splits of one tile against 10.6 with 4 of two, 2k 10.6 with 16 against 11.2 with 8; B=4
+    at 1k 10.8 with 8 against 10.6 with 4 (results/2026-11-30-h200x2-s9-call4-profdecode-36b94f7.log). Past
+    WIDE_MERGE the heuristic gives each split two tiles or more (``WIDE_MERGE``)."""
+    tiles = cdiv(seqlen_cache, cfg.block_n)
+    if requested > 0:
+        return max(1, min(requested, tiles, MAX_SPLITS))
+    splits = min(choose_num_splits(programs, sm_count(device), cfg.programs_per_sm), tiles, MAX_SPLITS)
+    if splits > WIDE_MERGE and 2 * splits > tiles:
+        splits = max(WIDE_MERGE, tiles // 2)
+    return max(1, splits)
 
 
 def config_and_splits(
@@ -100,8 +111,8 @@ def config_and_splits(
     D 128, graph µs per step with the split heuristic, general / few-programs config, one process
     (results/2026-12-01-h200-s14-call3-tune-decode-f4b2240.json): 1k 13.4 / 14.5, 2k 15.5 / 16.3 (one tile per
     split under both: 8 / 16 splits), 4k 21.0 / 20.0, 16k 38.0 / 35.4, 64k 85.2 / 81.8 (two or more tiles per
-    split with the few-programs config). Measured at 8 programs only: with fewer (Hkv < 8) the same rule keeps
-    longer caches on the general config (at 1 program, 16k), not timed."""
+    split with the few-programs config). Measured at 8 programs only; since the heuristic gives splits past WIDE_MERGE
+    two tiles each, fewer programs switch at the same lengths (up to WIDE_MERGE tiles, 2k), not timed."""
     cfg = config(device, head_dim, programs, paged)
     splits = num_splits(requested, device, programs, seqlen_cache, cfg)
     if cfg == CUDA_FEW_PROGRAMS and splits >= cdiv(seqlen_cache, cfg.block_n):
