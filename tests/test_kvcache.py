@@ -465,9 +465,9 @@ def test_wide_merges_read_two_tiles_per_split(monkeypatch):
     assert splits(32, requested=32) == 32
 
 
-def test_config_and_splits_leaves_one_tile_splits_to_the_general_config(monkeypatch):
-    """Where the few-programs config would give every split a single key tile, the general config runs with its own
-    split count (132 SMs, 128-key tiles): B=1 Hkv 8 up to 2048 positions, and a request of that many splits; two
+def test_config_and_splits_leaves_short_splits_to_the_general_config(monkeypatch):
+    """Where the few-programs config would give every split at most two key tiles, the general config runs with its
+    own split count (132 SMs, 128-key tiles): B=1 Hkv 8 up to 4096 positions, and requests of that many splits; three
     tiles per split keep the few-programs config; paged caches and the interpreter are not switched."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda, few, general = torch.device("cuda", 0), configs.CUDA_FEW_PROGRAMS, configs.CUDA_HEAD_DIM_128
@@ -477,13 +477,15 @@ def test_config_and_splits_leaves_one_tile_splits_to_the_general_config(monkeypa
 
     assert chosen(1024) == (general, 8)
     assert chosen(2048) == (general, 16)
-    assert chosen(2049) == (few, 16)  # 17 tiles over 16 splits
+    assert chosen(3072) == (general, 16)  # 24 tiles: the general config's 16 splits (WIDE_MERGE)
+    assert chosen(4096) == (general, 16)
+    assert chosen(4097) == (few, 16)  # 33 tiles over 16 splits: three for some
     assert chosen(65536) == (few, 16)
-    assert chosen(1024, requested=4) == (few, 4)
-    assert chosen(1024, requested=8) == (general, 8)
-    assert chosen(16384, programs=1) == (few, 64)  # two tiles per split (WIDE_MERGE), not MAX_SPLITS of one each
-    assert chosen(8192, programs=1) == (few, 32)  # 64 tiles: two per split past WIDE_MERGE, so no switch
-    assert chosen(32768, programs=1) == (few, 128)
+    assert chosen(1024, requested=4) == (general, 4)
+    assert chosen(1024, requested=2) == (few, 2)
+    assert chosen(8192, programs=1) == (general, 32)  # the few-programs config's 32 splits would read two tiles each
+    assert chosen(32768, programs=1) == (general, 128)
+    assert chosen(65536, programs=1) == (few, 128)
     assert chosen(1024, paged=True) == (general, 8)
     assert chosen(1024, device=torch.device("cpu")) == (configs.INTERPRETER, 16)  # 32 tiles of 32 keys, not switched
 

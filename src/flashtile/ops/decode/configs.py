@@ -44,7 +44,7 @@ CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
 FEW_PROGRAMS = 8
 CUDA_FEW_PROGRAMS = DecodeConfig(128, 8, 3, programs_per_sm=1)
 """Head dims <= 128, a contiguous cache and at most FEW_PROGRAMS programs before splitting (B=1 with 8 kv heads),
-unless every split would read a single key tile (``config_and_splits``): one program per SM with three key tiles in
+unless every split would read at most two key tiles (``config_and_splits``): one program per SM with three key tiles in
 flight. On the H200 at B=1, Hkv=8,
 D=128, contexts 16k / 64k / 128k it took 36.5 / 83.2 / 139.8 µs against 40.6 / 88.8 / 147.5 for (128, 4, 2) with
 two programs per SM (results/2026-11-30-h200x2-tune-decode-b1-86281f1.json; through flash_attn_with_kvcache at
@@ -106,16 +106,17 @@ def config_and_splits(
     requested: int, device: torch.device, head_dim: int, programs: int, paged: bool, seqlen_cache: int
 ) -> tuple[DecodeConfig, int]:
     """The config (``config``) and split count (``num_splits``) of a launch, with one exception: where the
-    few-programs config would leave every split a single key tile, the general config runs instead (with its own
-    split count), since four warps with two stages start and finish one tile sooner. H200, B=1 (8 programs), Hkv 8,
-    D 128, graph µs per step with the split heuristic, general / few-programs config, one process
-    (results/2026-12-01-h200-s14-call3-tune-decode-f4b2240.json): 1k 13.4 / 14.5, 2k 15.5 / 16.3 (one tile per
-    split under both: 8 / 16 splits), 4k 21.0 / 20.0, 16k 38.0 / 35.4, 64k 85.2 / 81.8 (two or more tiles per
-    split with the few-programs config). Measured at 8 programs only; since the heuristic gives splits past WIDE_MERGE
-    two tiles each, fewer programs switch at the same lengths (up to WIDE_MERGE tiles, 2k), not timed."""
+    few-programs config would leave every split at most two key tiles, the general config runs instead (with its own
+    split count), since four warps with two stages start and finish a tile sooner; from three tiles per split the
+    few-programs config's deeper pipeline wins. H200, B=1 (8 programs), Hkv 8, D 128, graph µs per step, general /
+    few-programs config with the split heuristic, one process (results/2026-12-01-h200-s16-call2-tune-decode-wide-
+    e7b21a4.json; results/2026-12-01-h200-s14-call3-tune-decode-f4b2240.json for 1k, 2k and 64k): 1k 13.4 / 14.5 and
+    2k 15.5 / 16.3 (one tile per split), 3k 17.6 / 18.5 and 4k 18.9 / 19.3 (two), 6k 22.6 / 21.9 and 8k 25.9 / 24.1
+    (three, four), 64k 85.2 / 81.8. Measured at 8 programs only: with fewer (Hkv < 8) the few-programs config splits
+    more, so the switch reaches longer caches (1 program: up to 32k), not timed."""
     cfg = config(device, head_dim, programs, paged)
     splits = num_splits(requested, device, programs, seqlen_cache, cfg)
-    if cfg == CUDA_FEW_PROGRAMS and splits >= cdiv(seqlen_cache, cfg.block_n):
+    if cfg == CUDA_FEW_PROGRAMS and cdiv(cdiv(seqlen_cache, cfg.block_n), splits) <= 2:
         cfg = CUDA_HEAD_DIM_128
         splits = num_splits(requested, device, programs, seqlen_cache, cfg)
     return cfg, splits
