@@ -147,13 +147,13 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
         assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
 
 
-def test_d64_causal_launches_take_three_warpgroups_from_16k(monkeypatch):
+def test_d64_causal_launches_take_three_warpgroups_from_8k(monkeypatch):
     """CAUSAL_CHANGES_UNTIL: a causal D=64 launch takes CAUSAL_CHANGES (two consumer warpgroups, 128-row items) below
-    seqlen_q 16384 and the head dim's CONFIGS as they are (three, 192-row items) from there; full launches take three
+    seqlen_q 8192 and the head dim's CONFIGS as they are (three, 192-row items) from there; full launches take three
     at any length, and D=128 two."""
     launches = []
     monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append(constexprs))
-    for head_dim, causal, seqlen_q, num_wg in ((64, True, 16383, 2), (64, True, 16384, 3), (64, True, 20000, 3),
+    for head_dim, causal, seqlen_q, num_wg in ((64, True, 8191, 2), (64, True, 8192, 3), (64, True, 20000, 3),
                                                (64, False, 1000, 3), (128, True, 16384, 2)):  # fmt: skip
         q, k, v = qkv(batch=1, seqlen_q=seqlen_q, nheads=1, nheads_k=1, head_dim=head_dim)
         forward_sm90.attention_forward_sm90(q, k, v, torch.empty_like(q), torch.empty(1, 1, seqlen_q), 0.1, causal)

@@ -143,7 +143,7 @@ more instructions executed, and 21% of the stall samples wait for instructions (
 of three warpgroups is 6,760 SASS instructions (cuobjdump, Triton 3.7; 3,912 with two, 4,184 for three without
 causal), the diagonal tile's mask inlined in each consumer warpgroup's prologue and loop, and the three warpgroups
 run different copies of it through one instruction cache."""
-CAUSAL_CHANGES_UNTIL = {64: 16384}
+CAUSAL_CHANGES_UNTIL = {64: 8192}
 """Per head dim with CAUSAL_CHANGES, the seqlen_q from which causal launches take CONFIGS as they are (D=64: three
 warpgroups from 16k, +4.5-7% there, -2% at 8k; CAUSAL_CHANGES). Shipped, against two warpgroups (``--variant
 two-wg:FORWARD_D=64,NUM_WG=2,CONSUMER_REGS=240``, median of three rounds, results/2026-12-01-h200-s13-call11-tune-
@@ -342,6 +342,9 @@ def _producer(
     # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
     # count on the barrier, so the expected bytes are always the box's.
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
+    # Three causal warpgroups fold the first key tile into the loop (one copy of the masked softmax step per
+    # warpgroup instead of two): their kernel outgrew the instruction cache (CAUSAL_CHANGES); FOLD_3WG_CAUSAL.
+    FOLD: gl.constexpr = CAUSAL and NUM_WG == 3
     it = 0
     item = 0
     start, stop, step = _walk(n_m, n_items, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT)
@@ -461,6 +464,9 @@ def _consumer(
     ) = args
     dtype: gl.constexpr = q_smem.dtype
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
+    # Three causal warpgroups fold the first key tile into the loop (one copy of the masked softmax step per
+    # warpgroup instead of two): their kernel outgrew the instruction cache (CAUSAL_CHANGES); FOLD_3WG_CAUSAL.
+    FOLD: gl.constexpr = CAUSAL and NUM_WG == 3
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -490,30 +496,37 @@ def _consumer(
 
         mbarrier.wait(q_bar.index(WG), item & 1)
 
-        # ---- prologue: S_0 and softmax_0
-        s0 = it % STAGES
-        mbarrier.wait(k_ready.index(s0), (it // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(my_turn, turn_ph)
-            turn_ph ^= 1
-        k_tile = _tile(k_smem, s0)
-        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(next_turn, count=1)
-        s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
-        mbarrier.arrive(k_empty.index(s0), count=1)
-        p, alpha, m_i, l_i = _softmax_step(
-            s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
-        )
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if FOLD:
+            # no prologue: the loop starts at the first key tile, adding P_{-1} = 0 times V_0 there
+            p_op = gl.zeros([M_WG, BLOCK_N], dtype, p_layout)
+        else:
+            # ---- prologue: S_0 and softmax_0
+            s0 = it % STAGES
+            mbarrier.wait(k_ready.index(s0), (it // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(my_turn, turn_ph)
+                turn_ph ^= 1
+            k_tile = _tile(k_smem, s0)
+            s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(next_turn, count=1)
+            s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
+            mbarrier.arrive(k_empty.index(s0), count=1)
+            p, alpha, m_i, l_i = _softmax_step(
+                s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
+            )
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         # ---- steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together
-        for i in range(1, n_blocks):
+        for i in range(0 if FOLD else 1, n_blocks):
             j = it + i
             s = j % STAGES
             ph = (j // STAGES) & 1
-            sp = (j - 1) % STAGES
-            php = ((j - 1) // STAGES) & 1
+            jp = j - 1
+            if FOLD:
+                jp = gl.maximum(jp, it)  # V_0 at i = 0 (P_{-1} is zeros)
+            sp = jp % STAGES
+            php = (jp // STAGES) & 1
             mbarrier.wait(k_ready.index(s), ph)
             if PINGPONG:
                 mbarrier.wait(my_turn, turn_ph)
@@ -532,7 +545,10 @@ def _consumer(
                 s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
             )
             acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
-            mbarrier.arrive(v_empty.index(sp), count=1)
+            if FOLD:
+                mbarrier.arrive(v_empty.index(sp), count=1, pred=i > 0)  # V_0 is released after its real product
+            else:
+                mbarrier.arrive(v_empty.index(sp), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         if O_TILE:
