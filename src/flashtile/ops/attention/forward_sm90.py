@@ -98,9 +98,9 @@ warpgroups' products cover it. Predicted +5-15% at N >= 4k; measured on the H200
 TFLOP/s, median of three interleaved rounds, docs/tuning-log.md session 11): N=1k 414.8 -> 416.2 (its 192-row
 tiles pad 1024 rows to 1152), 2k 435.7 -> 476.8, 4k 448.2 -> 497.6, 8k 444.0 -> 513.6. Shared memory 147972 bytes;
 compiled (tests/sm90_compile.py, Triton 3.6 and 3.7) no spills without causal and with EVEN_K, 8 bytes of stack
-with a ragged last key tile (one value stored at an item's start and loaded in its epilogue), 40-48 with causal
-(registers stored and reloaded around the first key tile's mask, once per item; none in the key loop), which
-ships from seqlen_q 16k: shorter causal launches at D=64 take two warpgroups (CAUSAL_CHANGES).
+with a ragged last key tile (one value stored at an item's start and loaded in its epilogue), none with causal
+(which folds the first key tile into the loop, ``_consumer``), which ships from seqlen_q 8k: shorter causal
+launches at D=64 take two warpgroups (CAUSAL_CHANGES).
 
 CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the heaviest with the lightest
 (``_paired_item``), so every CTA walks about n_m + 1 key tiles (N=1k: 1024 CTAs of 9 tiles instead of 2048 of 1-8)
@@ -137,17 +137,24 @@ without causal. H200, bf16, H = 32, B * N = 16k, causal forward TFLOP/s, median 
 warpgroups against three (with the pairs walked persistently): session 12 (results/2026-11-30-h200x2-s12-call{3,4}-
 tune-d64-causal-90c5640.log) N=1k 309.5 / 166.5, 2k 368.6 / 278.4, 4k 408.0 / 380.1, 16k 436.8 / 467.7; session 13
 (results/2026-12-01-h200-s13-call10-tune-d64-causal-3wg-fa95de2.json) 2k 381.8 / 279.5, 4k 414.9 / 384.1, 8k 438.4
-/ 431.3, 16k 441.9 / 461.8. Why three lose at short lengths, Nsight Compute at N=2k (session 14, results/2026-12-01-
+/ 431.3, 16k 441.9 / 461.8. Why three lost at short lengths, Nsight Compute at N=2k (session 14, results/2026-12-01-
 h200-s14-call6-ncu-fwd-d64-causal-2k-{2wg,3wg}-details-f4b2240.csv and -s14-ncu-stall-samples-f4b2240.txt): 22%
 more instructions executed, and 21% of the stall samples wait for instructions (2.8% with two): the causal kernel
-of three warpgroups is 6,760 SASS instructions (cuobjdump, Triton 3.7; 3,912 with two, 4,184 for three without
+of three warpgroups was 6,760 SASS instructions (cuobjdump, Triton 3.7; 3,912 with two, 4,184 for three without
 causal), the diagonal tile's mask inlined in each consumer warpgroup's prologue and loop, and the three warpgroups
-run different copies of it through one instruction cache."""
+run different copies of it through one instruction cache. Since session 16 three causal warpgroups fold the first
+key tile into the loop (``_consumer``'s FOLD): 4,440 instructions, no stack. Session 16, median of three interleaved
+rounds (results/2026-12-01-h200-s16-call6-tune-fold-1f3f8b3.json, the fold in every config there), two warpgroups /
+three with the fold / three without: 2k 374.0 / 343.6 / 278.7, 4k 403.5 / 408.0 / 389.1, 8k 438.3 / 451.0 /
+432.0, so two warpgroups stay below 8k."""
 CAUSAL_CHANGES_UNTIL = {64: 8192}
 """Per head dim with CAUSAL_CHANGES, the seqlen_q from which causal launches take CONFIGS as they are (D=64: three
-warpgroups from 16k, +4.5-7% there, -2% at 8k; CAUSAL_CHANGES). Shipped, against two warpgroups (``--variant
-two-wg:FORWARD_D=64,NUM_WG=2,CONSUMER_REGS=240``, median of three rounds, results/2026-12-01-h200-s13-call11-tune-
-d64-causal-long-a3abc59.json): 8k 439.0 / 439.9 (both two), 16k 462.7 / 444.9, 32k (B=1) 487.9 / 440.5."""
+warpgroups from 8k; CAUSAL_CHANGES). Session 13, three warpgroups before the fold against two (median of three
+rounds, results/2026-12-01-h200-s13-call11-tune-d64-causal-long-a3abc59.json): 8k 439.0 / 439.9, 16k 462.7 / 444.9,
+32k (B=1) 487.9 / 440.5; then 16k and up took three. Session 16, B*N = 16k up to 16k, B=1 at 32k, H=32, forward
+TFLOP/s, median of three do_bench runs per process, two processes per tree alternating (results/2026-12-01-h200-s16-
+call7-fold-8k-69a87e9.txt): main (two warpgroups at 8k, three without the fold from 16k) / three with the fold: 8k
+442.5, 444.8 / 463.9, 461.0; 16k 471.4, 470.6 / 489.3, 485.6; 32k 504.1, 491.6 / 504.2, 507.0."""
 CAUSAL_MIN_SEQLEN_Q = {64: 2048, 128: 1, 256: 1}
 """Per head dim, the shortest seqlen_q whose causal forwards run here; other head dims' run the Triton kernel. D=64
 below N=2k (H200, bf16, as in CAUSAL_CHANGES, this kernel against the Triton one): N=1k 309.5 against 322.0, 2k
@@ -342,9 +349,6 @@ def _producer(
     # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
     # count on the barrier, so the expected bytes are always the box's.
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
-    # Three causal warpgroups fold the first key tile into the loop (one copy of the masked softmax step per
-    # warpgroup instead of two): their kernel outgrew the instruction cache (CAUSAL_CHANGES); FOLD_3WG_CAUSAL.
-    FOLD: gl.constexpr = CAUSAL and NUM_WG == 3
     it = 0
     item = 0
     start, stop, step = _walk(n_m, n_items, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT)
@@ -465,7 +469,7 @@ def _consumer(
     dtype: gl.constexpr = q_smem.dtype
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     # Three causal warpgroups fold the first key tile into the loop (one copy of the masked softmax step per
-    # warpgroup instead of two): their kernel outgrew the instruction cache (CAUSAL_CHANGES); FOLD_3WG_CAUSAL.
+    # warpgroup instead of two): their kernel outgrew the instruction cache (CAUSAL_CHANGES).
     FOLD: gl.constexpr = CAUSAL and NUM_WG == 3
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_D)
