@@ -5,7 +5,8 @@ path's edges on the GPU it runs on, small enough for the sanitizer's slowdown.
 
 On sm_90 the cases cover the Gluon forward at D=64, 128 and 256 with odd lengths and Sq != Sk, the persistent
 forward with several work items per CTA (B=2 N=1024 without causal: 256 items at H=16, 384 192-row items at D=64
-H=32; causal B=2 N=2048 H=16: 256 pair slots; D=64 causal from N=2048, B=2 N=2100 GQA 16:4: 288 pair slots), the
+H=32; causal B=2 N=2048 H=16: 256 pair slots; D=64 causal from N=2048, B=2 N=2100 GQA 16:4: 288 pair slots; D=64
+causal from N=8192 with three warpgroups and the first key tile folded into the loop, B=1 N=8200 GQA 2:1), the
 Gluon backward with GQA at D=64, 128 and 256 (causal: key tiles in pairs), and the Triton kernels (odd lengths, a
 decode query of one row)."""
 
@@ -26,6 +27,7 @@ CASES = [
     ((2, 1024, 32, 64), (2, 1024, 32, 64), False),
     ((2, 1024, 32, 64), (2, 1024, 8, 64), True),
     ((2, 2100, 16, 64), (2, 2100, 4, 64), True),
+    ((1, 8200, 2, 64), (1, 8200, 1, 64), True),
     ((1, 256, 4, 256), (1, 384, 2, 256), True),
     ((1, 17, 4, 128), (1, 1, 4, 128), False),
 ]
