@@ -784,8 +784,7 @@ def test_heuristic_splits_on_long_cache(monkeypatch):
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     case = Case(batch=1, nheads=8, nheads_k=1, seqlen_cache=1024, cache_seqlens=(1000,), num_splits=0)
     cfg = configs.config(torch.device(DEVICE), case.head_dim)
-    tiles = 1024 // cfg.block_n
-    expected = tiles if tiles <= configs.WIDE_MERGE else tiles // 2
+    expected = {128: 8, 32: 16}[cfg.block_n]  # 8 tiles of 128 keys; 32 tiles of 32 keys, two per split
     assert configs.num_splits(0, torch.device(DEVICE), 1, case.seqlen_cache, cfg) == expected
     check(case)
 

@@ -44,12 +44,11 @@ CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
 FEW_PROGRAMS = 8
 CUDA_FEW_PROGRAMS = DecodeConfig(128, 8, 3, programs_per_sm=1)
 """Head dims <= 128, a contiguous cache and at most FEW_PROGRAMS programs before splitting (B=1 with 8 kv heads),
-unless every split would read at most two key tiles (``config_and_splits``): one program per SM with three key tiles in
-flight. On the H200 at B=1, Hkv=8,
-D=128, contexts 16k / 64k / 128k it took 36.5 / 83.2 / 139.8 µs against 40.6 / 88.8 / 147.5 for (128, 4, 2) with
-two programs per SM (results/2026-11-30-h200x2-tune-decode-b1-86281f1.json; through flash_attn_with_kvcache at
-e739b98: 36.6 / 84.0 / 141.6 µs, results/2026-11-30-h200x2-decode-b1-e739b98.md); a paged cache was slower with
-it (92.7 -> 112.9 µs at 64k), so paged caches keep the general config."""
+unless every split would read at most two key tiles (``config_and_splits``): one program per SM with three key
+tiles in flight. On the H200 at B=1, Hkv=8, D=128, contexts 16k / 64k / 128k it took 36.5 / 83.2 / 139.8 µs against
+40.6 / 88.8 / 147.5 for (128, 4, 2) with two programs per SM (results/2026-11-30-h200x2-tune-decode-b1-86281f1.json;
+through flash_attn_with_kvcache at e739b98: 36.6 / 84.0 / 141.6 µs, results/2026-11-30-h200x2-decode-b1-
+e739b98.md); a paged cache was slower with it (92.7 -> 112.9 µs at 64k), so paged caches keep the general config."""
 
 
 # A host helper in plain Python (as ``cdiv``): it runs on every decode step, and Triton's own
