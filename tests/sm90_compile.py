@@ -292,6 +292,10 @@ def gluon_source(kernel_name: str, consts: dict):
                "v_desc": descriptor(1, rows_k, head_dim), "o_desc": descriptor(1, rows_q, head_dim),
                "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "batch": "i32",
                "nheads": "i32", "group": "i32"}  # fmt: skip
+        if consts["CAUSAL"] and consts["CAUSAL_SCHEDULE"]:  # the launcher's causal_schedule
+            sig["schedule"] = "*i32"
+        else:  # the launcher passes None: a constexpr
+            consts = dict(consts, schedule=None)
     else:
         kernel, rows_q, rows_k = backward_sm90._attention_backward_sm90_kernel, consts["BLOCK_M"], consts["BLOCK_N"]
         rows_out = rows_k if consts["OUTPUT_SPLIT"] else rows_k // 2  # dK / dV rows per warpgroup
@@ -307,7 +311,7 @@ def gluon_source(kernel_name: str, consts: dict):
         else:  # the launcher passes None: a constexpr
             consts = dict(consts, dq_desc=None)
     sig.update(dict.fromkeys(consts, "constexpr"))
-    pointers = [name for name, kind in sig.items() if kind == "*fp32"]  # torch allocations: 16-byte aligned
+    pointers = [name for name, kind in sig.items() if kind in ("*fp32", "*i32")]  # torch allocations: 16-byte aligned
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
     return GluonASTSource(kernel, sig, consts, attrs)
 
@@ -322,13 +326,19 @@ def gluon_variants() -> list[Variant]:
                 consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
                 variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts))
         # the other setting of CAUSAL_PAIRS (causal query tiles walked in pairs, ``_paired_item``)
-        flipped = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_PAIRS=not cfg["CAUSAL_PAIRS"])
+        pairs_only = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=False)  # lists win in _walk
+        flipped = dict(pairs_only, CAUSAL_PAIRS=not cfg["CAUSAL_PAIRS"])
         variants.append(Variant(GLUON_FORWARD, name, "causal", "unpaired" if cfg["CAUSAL_PAIRS"] else "pairs", flipped))
         # causal pairs with the other setting of CAUSAL_PERSISTENT (a persistent walk over pair slots or not)
-        walk = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_PAIRS=True)
+        walk = dict(pairs_only, CAUSAL_PAIRS=True)
         persistent = cfg["CAUSAL_PAIRS"] and cfg["CAUSAL_PERSISTENT"]
         walk["CAUSAL_PERSISTENT"] = not persistent
         variants.append(Variant(GLUON_FORWARD, name, "causal", "pairs" if persistent else "persistent", walk))
+        # the other setting of CAUSAL_SCHEDULE (a persistent walk over a host-made list of items, ``causal_schedule``)
+        listed = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=not cfg["CAUSAL_SCHEDULE"])
+        variants.append(
+            Variant(GLUON_FORWARD, name, "causal", "pair-slots" if cfg["CAUSAL_SCHEDULE"] else "listed", listed)
+        )
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         stages = f"s{cfg['STAGES']}" + (f"/do{cfg['DO_STAGES']}" if cfg["DO_STAGES"] != cfg["STAGES"] else "")
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/{stages}"

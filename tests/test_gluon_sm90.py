@@ -110,20 +110,21 @@ def test_gluon_device(monkeypatch):
 
 @pytest.mark.parametrize(
     "head_dim, causal, launch_kind",
-    [(64, False, "persistent"), (64, True, "pair-slots"), (128, False, "persistent"), (128, True, "pair-slots"),
+    [(64, False, "persistent"), (64, True, "listed"), (128, False, "persistent"), (128, True, "pair-slots"),
      (256, False, "items"), (256, True, "pair-slots")],
     ids=["D64-full", "D64-causal", "D128-full", "D128-causal", "D256-full", "D256-causal"],
 )  # fmt: skip
 def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch_kind):
     """A one-dimensional grid of min(work items, SMs) CTAs at D=64 and 128 without causal (persistent, O through
-    its own tile); min(pair slots, SMs) with causal (CAUSAL_PAIRS and CAUSAL_PERSISTENT: a slot per pair of a
-    head's query tiles, an odd count's middle tile one of its own); one CTA per work item (query tiles x heads x
-    batch entries) otherwise. A work item is a 192-row query tile at D=64 without causal (three consumer
+    its own tile) and at D=64 with causal (CAUSAL_SCHEDULE: lists of items from ``causal_schedule``, passed as the
+    kernel's ``schedule``); min(pair slots, SMs) with causal at D=128 and 256 (CAUSAL_PAIRS and CAUSAL_PERSISTENT: a
+    slot per pair of a head's query tiles, an odd count's middle tile one of its own); one CTA per work item (query
+    tiles x heads x batch entries) otherwise. A work item is a 192-row query tile at D=64 without causal (three consumer
     warpgroups), 128 rows elsewhere (D=64 causal: CAUSAL_CHANGES). The constexprs of the head dim's config. (Causal
     D=64 forwards shorter than 2048 do not come here, ``qualifies``; the launcher alone is tested.)"""
     launches = []
     monkeypatch.setattr(
-        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, constexprs))
+        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, args, constexprs))
     )
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
     # (batch, seqlen_q, heads, {query rows per item: (work items, pair slots)})
@@ -137,10 +138,17 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
         out = torch.empty_like(q)
         lse = torch.empty(batch, nheads, seqlen_q)
         forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, causal)
-        grid, constexprs = launches[-1]
+        grid, args, constexprs = launches[-1]
         items, slots = counts[rows]
-        expected = {"persistent": min(items, 132), "pair-slots": min(slots, 132), "items": items}[launch_kind]
+        expected = {"persistent": min(items, 132), "listed": min(items, 132), "pair-slots": min(slots, 132),
+                    "items": items}[launch_kind]  # fmt: skip
         assert grid == (expected, 1, 1), (batch, seqlen_q, nheads)
+        listed = launch_kind == "listed"
+        assert constexprs["CAUSAL_SCHEDULE"] == (head_dim == 64)  # the kernel reads it with CAUSAL only
+        schedule = args[11]
+        assert (schedule is not None) == listed
+        if listed:  # (CTAs + 1) offsets, then the items
+            assert schedule.dtype == torch.int32 and schedule.numel() == expected + 1 + items
         assert constexprs["NUM_WG"] * constexprs["M_WG"] == rows
         assert constexprs["O_TILE"] == (head_dim in (64, 128))
         assert constexprs["CAUSAL_PAIRS"] and constexprs["CAUSAL_PERSISTENT"]
@@ -475,6 +483,7 @@ def test_causal_pairs_against_oracle(monkeypatch, launches, head_dim, shape):
     (rows that see no key), GQA, odd lengths; out and lse against the oracle, the backward after it."""
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PAIRS", True)
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PERSISTENT", False)
+    monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_SCHEDULE", False)
     monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
     assert launches[0] == ("fwd", True)
@@ -511,11 +520,64 @@ def test_causal_persistent_against_oracle(monkeypatch, launches, head_dim, ctas,
     (rows that see no key), GQA / MQA, odd lengths; out and lse against the oracle, the backward after it."""
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PAIRS", True)
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PERSISTENT", True)
+    monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_SCHEDULE", False)
     monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     if ctas is not None:
         monkeypatch.setattr(forward_sm90, "sm_count", lambda device: ctas)
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
     assert launches[0] == ("fwd", True)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [*CAUSAL_PAIR_SHAPES, (4, 1152, 1152, 16, 4)],
+    ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s),
+)  # fmt: skip
+@pytest.mark.parametrize("ctas", [3, None], ids=["3-ctas", "sm-count"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, "64-three"], ids=lambda d: f"D{d}")
+def test_causal_schedule_against_oracle(monkeypatch, launches, head_dim, ctas, shape):
+    """CAUSAL_SCHEDULE: persistent CTAs walk the lists ``causal_schedule`` deals them, three CTAs
+    (``sm_count`` patched: long lists) or the GPU's SMs; even and odd tile counts, one tile, seqlen_q != seqlen_k
+    both ways (rows that see no key), GQA / MQA, odd lengths; D=64 with two warpgroups (128-row items) and with three
+    (192-row items); out and lse against the oracle, the backward after it."""
+    if head_dim == "64-three":
+        head_dim = 64
+        monkeypatch.setitem(forward_sm90.CAUSAL_CHANGES, 64, {})
+    monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_SCHEDULE", True)
+    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
+    if ctas is not None:
+        monkeypatch.setattr(forward_sm90, "sm_count", lambda device: ctas)
+    check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
+    assert launches[0] == ("fwd", True)
+
+
+@pytest.mark.parametrize(
+    "n_m, n_bh, n_ctas, seqlen_q, seqlen_k, block_m, block_n",
+    [(16, 256, 132, 2048, 2048, 128, 128), (43, 32, 132, 8192, 8192, 192, 128), (5, 3, 132, 600, 300, 128, 128),
+     (9, 64, 3, 1152, 1152, 128, 64), (3, 2, 4, 300, 1280, 128, 128)],
+)  # fmt: skip
+def test_causal_schedule_deals_every_item_once(n_m, n_bh, n_ctas, seqlen_q, seqlen_k, block_m, block_n):
+    """``_lpt_schedule``: n_ctas + 1 offsets from 0 to the item count, then every item bh * n_m + m exactly once,
+    and CTA loads (key tiles + SCHEDULE_ITEM_COST per item) within one item's cost of each other where every CTA
+    gets an item (each item goes to the least loaded CTA, so the last item of the most loaded one raised a load no
+    larger than the final least). Shapes: D=64 at 2k and with three warpgroups at 8k, more CTAs than
+    items, Sq > Sk and Sq < Sk, a few CTAs with long lists."""
+    schedule = forward_sm90._lpt_schedule(n_m, n_bh, n_ctas, seqlen_q, seqlen_k, block_m, block_n)
+    offsets, items = schedule[: n_ctas + 1], schedule[n_ctas + 1 :]
+    assert offsets[0] == 0 and offsets[-1] == len(items) == n_m * n_bh
+    assert list(offsets) == sorted(offsets)
+    assert sorted(items) == list(range(n_m * n_bh))
+    diag = seqlen_k - seqlen_q
+
+    def cost(item: int) -> int:
+        kv_end = max(min(seqlen_k, (item % n_m + 1) * block_m + diag), 1)
+        return -(-kv_end // block_n) + forward_sm90.SCHEDULE_ITEM_COST
+
+    loads = [sum(map(cost, items[offsets[p] : offsets[p + 1]])) for p in range(n_ctas)]
+    if n_m * n_bh >= n_ctas:
+        assert max(loads) - min(loads) <= max(map(cost, items)), loads
 
 
 @hopper
@@ -533,11 +595,12 @@ def test_three_warpgroups_at_head_dim_64_against_oracle(monkeypatch, launches, c
     every length here: shipped causal launches take three from seqlen_q 16k, two below, CAUSAL_CHANGES_UNTIL);
     seqlen_q a multiple of 192 and not, one tile, seqlen_q != seqlen_k both ways (causal: rows that see no key),
     GQA and MQA, odd and ragged lengths; out and lse against the oracle, the backward after it. "launched": the
-    CTAs ``programs`` picks (causal: min(pair slots, SMs), CAUSAL_PAIRS and CAUSAL_PERSISTENT); "three": three CTAs
-    (pairs off), so each walks several items and the ring, the Q hand-over, the turns and the O tile carry on across
-    them."""
+    CTAs ``programs`` picks (causal: min(items, SMs) walking ``causal_schedule``'s lists, CAUSAL_SCHEDULE); "three":
+    three CTAs (pairs and lists off), so each walks several items and the ring, the Q hand-over, the turns and the O
+    tile carry on across them."""
     assert forward_sm90.CONFIGS[64]["NUM_WG"] == 3
     monkeypatch.setitem(forward_sm90.CONFIGS[64], "CAUSAL_PAIRS", ctas == "launched")
+    monkeypatch.setitem(forward_sm90.CONFIGS[64], "CAUSAL_SCHEDULE", ctas == "launched")
     monkeypatch.setitem(forward_sm90.CAUSAL_CHANGES, 64, {})
     monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     if ctas == "three":
@@ -833,6 +896,32 @@ def test_cuda_graph_replay(launches):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert launches and set(launches) == {("fwd", True)}
+
+
+@hopper
+@pytest.mark.gpu
+def test_causal_schedule_falls_back_to_pairs_under_graph_capture(monkeypatch, launches):
+    """A D=64 causal forward whose shape is first launched while a CUDA graph is being captured gets no schedule (no
+    copy to the GPU may run then, ``causal_schedule``) and walks pair slots; the replay equals, bit for bit, an
+    eager call afterwards, which makes the schedule and walks it (each item's arithmetic is the same either way)."""
+    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
+    monkeypatch.setattr(forward_sm90, "_SCHEDULES", {})
+    q, k, v, _ = make_inputs(2, 640, 640, 4, 2, 64, dtype=torch.bfloat16)
+    with monkeypatch.context() as off:  # the pair walk's kernel compiled before the capture
+        off.setitem(forward_sm90.CONFIGS[64], "CAUSAL_SCHEDULE", False)
+        flashtile.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert not forward_sm90._SCHEDULES
+    out.fill_(float("nan"))
+    graph.replay()
+    expected = flashtile.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    assert len(forward_sm90._SCHEDULES) == 1
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert set(launches) == {("fwd", True)}
 
 
 class _Routed:

@@ -51,6 +51,7 @@ loading while it finishes the last one. Per CTA:
 from __future__ import annotations
 
 import functools
+import heapq
 
 import torch
 from triton.experimental import gluon
@@ -73,17 +74,21 @@ from flashtile.ops.attention.tiles import LN2, LOG2E
 CONFIGS = {
     # 192-row items of three warpgroups, three stages of 128-key tiles: 24 KiB of Q, 96 KiB of K and V, 24 KiB of O
     64: {"M_WG": 64, "NUM_WG": 3, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
-         "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24},
+         "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CAUSAL_SCHEDULE": True, "CONSUMER_REGS": 160,
+         "PRODUCER_REGS": 24},
     128: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "O_TILE": True,
-          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CAUSAL_SCHEDULE": False, "CONSUMER_REGS": 240,
+          "PRODUCER_REGS": 24},
     # [64, 256] fp32 output accumulators: 64-key tiles (S and P stay small); Q and two stages of K and V fill
     # 192 KiB, so O leaves through the Q tile
     256: {"M_WG": 64, "NUM_WG": 2, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": True, "O_TILE": False,
-          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
+          "CAUSAL_PAIRS": True, "CAUSAL_PERSISTENT": True, "CAUSAL_SCHEDULE": False, "CONSUMER_REGS": 240,
+          "PRODUCER_REGS": 24},
 }  # fmt: skip
 """Per head dim this path serves: query rows per consumer warpgroup, key rows per tile, K/V ring depth,
 ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles walked in pairs (CAUSAL_PAIRS,
-``_paired_item``), those pairs walked by persistent CTAs (CAUSAL_PERSISTENT, ``_pair_slot_item``), registers per
+``_paired_item``), those pairs walked by persistent CTAs (CAUSAL_PERSISTENT, ``_pair_slot_item``), causal items
+walked from lists the host deals (CAUSAL_SCHEDULE, ``causal_schedule``; it wins over the other two), registers per
 thread of the consumers and the producer (setmaxnreg); a causal launch changes some of them (``config``,
 CAUSAL_CHANGES). D=64 against the Triton kernel: see CAUSAL_MIN_SEQLEN_Q.
 
@@ -120,6 +125,19 @@ once, loading each next slot while it finishes the last. Predicted +3-10% at D=1
 bf16, TFLOP/s, median of three interleaved rounds, session 11): D=128 N=1k 402.4 -> 444.7, 2k 501.3 -> 532.1, 4k
 553.0 -> 566.4, 8k 576.4 -> 592.1, GQA 32/8 at 2k 501.7 -> 535.5; D=256 (with CAUSAL_PAIRS, against neither) N=512
 310.7 -> 320.4, 1k 325.3 -> 341.3, 2k 507.1 -> 550.2.
+
+CAUSAL_SCHEDULE (causal): min(items, SMs) persistent CTAs, each walking its own list of items, which the host deals
+longest first to the least loaded CTA (``_lpt_schedule``, heads in groups of about one wave) and keeps on the GPU
+per shape (``causal_schedule``). Why: a pair slot costs n_m + 1 key tiles, but slots split unevenly over the SMs
+(D=64 at 2k: 16 query tiles x 256 heads = 2048 slots over 132 CTAs, 15 or 16 each), and every slot decodes its two
+items; greedy dealing of single items evens the loads to within one item (computed makespans: pairs 2-3% above the
+greedy deal at two warpgroups, ~10% at three warpgroups and 8k, whose 43 tiles pair oddly). Measured on the H200
+(bf16, H = 32, B * N = 16k, forward TFLOP/s, median of rounds; docs/tuning-log.md session 17), list / pair slots:
+D=64 2k 392.4 / 380.8 and 392.6 / 379.5, GQA 32/8 2k 394.9 / 385.0, 4k 412.1 / 415.1, 8k 468.9 / 452.7 and 459.8 /
+449.3, 16k 480.9 / 476.3 and 484.7 / 479.0; D=128 8k 575.0 / 602.7 and 586.5 / 580.0, 1k 346.8 / 439.1 (noisy),
+16k 615.3 / 599.7 and 602.9 / 600.1; D=256 2k 549.4 / 552.4. So lists at D=64 only; D=128 and 256 keep pair slots
+until the D=128 1k loss is understood. A launch captured into a CUDA graph before its shape's first eager call
+gets no list (no copy to the GPU may run then) and walks pair slots, the same arithmetic per item.
 
 O_TILE: O leaves through a [NUM_WG, M_WG, D] tile of its own, so a CTA that walks several work items loads the next
 item's Q while its epilogue stores O; without it O leaves through the Q tile, which goes to the next item once
@@ -262,11 +280,23 @@ def _pair_slot_item_count(n_m, n_items):
 
 
 @gluon.jit
-def _walk(n_m, n_items, CAUSAL: gl.constexpr, CAUSAL_PAIRS: gl.constexpr, CAUSAL_PERSISTENT: gl.constexpr):
-    """(start, stop, step) of this CTA's loop over t, the work items it passes to ``_work``: with causal,
-    CAUSAL_PAIRS and CAUSAL_PERSISTENT its own items 0, 1, ... (``_pair_slot_item_count``); otherwise items
-    program_id, + num_programs, ... below n_items."""
-    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
+def _walk(
+    n_m,
+    n_items,
+    schedule,
+    CAUSAL: gl.constexpr,
+    CAUSAL_PAIRS: gl.constexpr,
+    CAUSAL_PERSISTENT: gl.constexpr,
+    CAUSAL_SCHEDULE: gl.constexpr,
+):
+    """(start, stop, step) of this CTA's loop over t, the work items it passes to ``_work``: with causal and
+    CAUSAL_SCHEDULE the positions of its items in ``schedule`` (``causal_schedule``); with causal, CAUSAL_PAIRS
+    and CAUSAL_PERSISTENT its own items 0, 1, ... (``_pair_slot_item_count``); otherwise items program_id, +
+    num_programs, ... below n_items."""
+    if CAUSAL and CAUSAL_SCHEDULE:
+        cta = gl.program_id(0)
+        start, stop, step = gl.load(schedule + cta), gl.load(schedule + cta + 1), 1
+    elif CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
         start, stop, step = 0, _pair_slot_item_count(n_m, n_items), 1
     else:
         start, stop, step = gl.program_id(0), n_items, gl.num_programs(0)
@@ -283,17 +313,24 @@ def _work(
     seqlen_k,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
+    schedule,
     CAUSAL: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
+    CAUSAL_SCHEDULE: gl.constexpr,
 ):
     """Work item t of n_items: (b, h, m0, n_blocks), the batch entry, query head, first query row and key tiles
     to visit. Query tiles vary fastest, then heads, then batch entries, as the blocks of a (query tiles, heads,
     batch) grid: CTAs side by side read the same head's K and V (L2 hits). Causal: each head's heaviest (last)
     query tile first, so the long walks start first and the short ones fill in at the end; with CAUSAL_PAIRS
     the heaviest and lightest tiles of a head go to one CTA (``_paired_item``), and with CAUSAL_PERSISTENT too t
-    is the CTA's own item number (0, 1, ...) in its walk over pair slots (``_pair_slot_item``)."""
-    if CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
+    is the CTA's own item number (0, 1, ...) in its walk over pair slots (``_pair_slot_item``); with
+    CAUSAL_SCHEDULE t is a position in ``schedule`` (``_walk``), whose entry there is the item bh * n_m + m."""
+    if CAUSAL and CAUSAL_SCHEDULE:
+        item = gl.load(schedule + gl.num_programs(0) + 1 + t)
+        bh = item // n_m
+        m = item - bh * n_m
+    elif CAUSAL and CAUSAL_PAIRS and CAUSAL_PERSISTENT:
         bh, m = _pair_slot_item(t, n_m, n_items // n_m)
     elif CAUSAL and CAUSAL_PAIRS:
         bh, m = _paired_item(t, n_m, n_items // n_m)
@@ -334,6 +371,7 @@ def _producer(
     group,
     seqlen_q,
     seqlen_k,
+    schedule,
     HEAD_D: gl.constexpr,
     M_WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -341,6 +379,7 @@ def _producer(
     CAUSAL: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
+    CAUSAL_SCHEDULE: gl.constexpr,
 ):
     """Per work item of this CTA (``_work``): the NUM_WG Q tiles ([M_WG, HEAD_D] each), once the consumers are
     done with the previous ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs
@@ -351,11 +390,12 @@ def _producer(
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     it = 0
     item = 0
-    start, stop, step = _walk(n_m, n_items, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT)
+    start, stop, step = _walk(n_m, n_items, schedule, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT, CAUSAL_SCHEDULE)
     for t in range(start, stop, step):
         b, h, m0, n_blocks = _work(
-            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
-        )
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, schedule, CAUSAL, CAUSAL_PAIRS,
+            CAUSAL_PERSISTENT, CAUSAL_SCHEDULE,
+        )  # fmt: skip
         kv_col = (h // group) * HEAD_D
         for w in gl.static_range(NUM_WG):
             # a fresh barrier passes a wait on parity 1, so the first item (and the first round through the
@@ -441,6 +481,7 @@ def _consumer(
     O_TILE: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
+    CAUSAL_SCHEDULE: gl.constexpr,
 ):
     """Consumer warpgroup WG (0 .. NUM_WG - 1): rows WG * M_WG.. of each work item's query tile (``_work``); the
     ring position (it), the item count and the ping-pong parity run on across items as the producer's do.
@@ -465,6 +506,7 @@ def _consumer(
         seqlen_q,
         seqlen_k,
         qk_scale,
+        schedule,
     ) = args
     dtype: gl.constexpr = q_smem.dtype
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
@@ -488,11 +530,12 @@ def _consumer(
 
     it = 0
     item = 0
-    start, stop, step = _walk(n_m, n_items, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT)
+    start, stop, step = _walk(n_m, n_items, schedule, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT, CAUSAL_SCHEDULE)
     for t in range(start, stop, step):
         b, h, m0, n_blocks = _work(
-            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT
-        )
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, schedule, CAUSAL, CAUSAL_PAIRS,
+            CAUSAL_PERSISTENT, CAUSAL_SCHEDULE,
+        )  # fmt: skip
         q_pos0 = m0 + WG * M_WG
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
@@ -607,6 +650,7 @@ def _attention_forward_sm90_kernel(
     batch,
     nheads,
     group,
+    schedule,
     HEAD_D: gl.constexpr,
     M_WG: gl.constexpr,
     NUM_WG: gl.constexpr,
@@ -618,6 +662,7 @@ def _attention_forward_sm90_kernel(
     O_TILE: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
+    CAUSAL_SCHEDULE: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -674,6 +719,7 @@ def _attention_forward_sm90_kernel(
         seqlen_q,
         seqlen_k,
         qk_scale,
+        schedule,
     )
     # Consumer warpgroup 0 is the default partition; the workers are consumer warpgroup 1, the 1-warp producer and,
     # with NUM_WG = 3, consumer warpgroup 2, which the slices drop at NUM_WG = 2 (after the producer, so that the
@@ -683,12 +729,12 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT),
+                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE),
             ),
             (
                 _consumer,
                 (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT),
+                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE),
             ),
             (
                 _producer,
@@ -711,6 +757,7 @@ def _attention_forward_sm90_kernel(
                     group,
                     seqlen_q,
                     seqlen_k,
+                    schedule,
                     HEAD_D,
                     M_WG,
                     BLOCK_N,
@@ -718,12 +765,13 @@ def _attention_forward_sm90_kernel(
                     CAUSAL,
                     CAUSAL_PAIRS,
                     CAUSAL_PERSISTENT,
+                    CAUSAL_SCHEDULE,
                 ),
             ),
             (
                 _consumer,
                 (2, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT),
+                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE),
             ),
         ][: NUM_WG + 1],
         [4, 1, 4][:NUM_WG],
@@ -844,12 +892,65 @@ def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device)
     min(pair slots, SMs), each walking several slots (``_pair_slot_item``; n_bh * ceil(n_m / 2) slots, an odd
     n_m's middle tile one of its own); else one per item (each CTA's loop runs once; the hardware starts them in
     ``_work``'s order). The kernel is correct with any count from 1 to n_m * n_bh; CONFIGS says why this one."""
+    if causal and cfg["CAUSAL_SCHEDULE"]:
+        return min(n_m * n_bh, sm_count(device))
     if causal and cfg["CAUSAL_PAIRS"]:
         slots = n_bh * (n_m - n_m // 2)
         return min(slots, sm_count(device)) if cfg["CAUSAL_PERSISTENT"] else slots
     if cfg["O_TILE"] and not causal:
         return min(n_m * n_bh, sm_count(device))
     return n_m * n_bh
+
+
+SCHEDULE_ITEM_COST = 1
+"""A work item's fixed cost in key tiles (its Q load, the pipeline's ramp, the epilogue) in ``_lpt_schedule``'s
+balance."""
+
+
+@functools.lru_cache(maxsize=256)
+def _lpt_schedule(
+    n_m: int, n_bh: int, n_ctas: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int
+) -> tuple[int, ...]:
+    """A causal launch's items (bh * n_m + m) dealt to n_ctas persistent CTAs, longest first to the least loaded
+    CTA (greedy longest-processing-time), as (n_ctas + 1) offsets then the items: CTA p walks items offsets[p] ..
+    offsets[p + 1] - 1 in that order. Items go in groups of about n_ctas (n_ctas // n_m heads at a time, each
+    group's query tiles heaviest first), so the CTAs at work at one time read few heads' K and V (L2 hits), and
+    the last group's light tiles even out the CTAs' loads at the end. Cost of an item: its key tiles (``_work``)
+    plus SCHEDULE_ITEM_COST."""
+    diag = seqlen_k - seqlen_q
+    cost = [max(cdiv(min(seqlen_k, (m + 1) * block_m + diag), block_n), 1) + SCHEDULE_ITEM_COST for m in range(n_m)]
+    group = max(1, n_ctas // n_m)
+    loads = [(0, p) for p in range(n_ctas)]
+    walks: list[list[int]] = [[] for _ in range(n_ctas)]
+    for first in range(0, n_bh, group):
+        for m in reversed(range(n_m)):
+            for bh in range(first, min(first + group, n_bh)):
+                load, p = heapq.heappop(loads)
+                walks[p].append(bh * n_m + m)
+                heapq.heappush(loads, (load + cost[m], p))
+    offsets = [0]
+    for walk in walks:
+        offsets.append(offsets[-1] + len(walk))
+    return (*offsets, *(item for walk in walks for item in walk))
+
+
+_SCHEDULES: dict[tuple, torch.Tensor] = {}
+"""``causal_schedule``'s tensors by their key; kept for good, as a captured CUDA graph may read any of them."""
+
+
+def causal_schedule(
+    n_m: int, n_bh: int, n_ctas: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, device: torch.device
+) -> torch.Tensor | None:
+    """``_lpt_schedule`` as an int32 tensor on ``device``, made on the first launch of its key; None when that
+    launch is being captured into a CUDA graph (no copy to the GPU can run then): the caller walks pairs."""
+    key = (n_m, n_bh, n_ctas, seqlen_q, seqlen_k, block_m, block_n, device)
+    schedule = _SCHEDULES.get(key)
+    if schedule is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        schedule = torch.tensor(_lpt_schedule(*key[:-1]), dtype=torch.int32, device=device)
+        _SCHEDULES[key] = schedule
+    return schedule
 
 
 def attention_forward_sm90(
@@ -875,10 +976,17 @@ def attention_forward_sm90(
     cfg = config(head_dim, causal, seqlen_q)
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
     n_m = cdiv(seqlen_q, cfg["NUM_WG"] * m_wg)
+    schedule = None
+    if causal and cfg["CAUSAL_SCHEDULE"]:
+        n_ctas = programs(n_m, batch * nheads, cfg, causal, q.device)
+        block_m = cfg["NUM_WG"] * m_wg
+        schedule = causal_schedule(n_m, batch * nheads, n_ctas, seqlen_q, k.shape[1], block_m, block_n, q.device)
+        if schedule is None:
+            cfg = {**cfg, "CAUSAL_SCHEDULE": False}
     args = (
         batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
         batch_descriptor(out, m_wg), lse,
-        softmax_scale * LOG2E.value, seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2],
+        softmax_scale * LOG2E.value, seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2], schedule,
     )  # fmt: skip
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
     grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
