@@ -121,12 +121,14 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
     slot per pair of a head's query tiles, an odd count's middle tile one of its own); one CTA per work item (query
     tiles x heads x batch entries) otherwise. A work item is a 192-row query tile at D=64 without causal (three consumer
     warpgroups), 128 rows elsewhere (D=64 causal: CAUSAL_CHANGES). The constexprs of the head dim's config. (Causal
-    D=64 forwards shorter than 2048 do not come here, ``qualifies``; the launcher alone is tested.)"""
+    D=64 forwards shorter than 2048 take the Triton kernel, ``qualifies``: CAUSAL_MIN_SEQLEN_Q is lowered here.)"""
     launches = []
     monkeypatch.setattr(
-        forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append((grid, args, constexprs))
+        forward_sm90, "launch", lambda kernel, grid, args, constexprs, keyed: launches.append((grid, args, constexprs))
     )
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the plan's launch key
+    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     # (batch, seqlen_q, heads, {query rows per item: (work items, pair slots)})
     shapes = ((4, 1024, 16, {128: (512, 256), 192: (384, 192)}), (3, 200, 2, {128: (12, 6), 192: (12, 6)}),
               (1, 300, 2, {128: (6, 4), 192: (4, 2)}), (1, 100, 2, {128: (2, 2), 192: (2, 2)}),
@@ -155,12 +157,46 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
         assert constexprs["CAUSAL"] == causal and constexprs["HEAD_D"] == head_dim
 
 
+def test_forward_plans_follow_layouts_and_configs(monkeypatch):
+    """``forward_plan``: calls on new tensors of one layout reuse the plan (descriptors rebased on the new tensors,
+    the same grid, constexprs and launch key); another length, a changed CONFIGS entry, another SM count or a
+    misaligned tensor make another; inputs that do not qualify launch nothing and return False."""
+    launches = []
+    monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward_sm90, "_PLANS", {})
+
+    def call(seqlen_q=256, dtype=torch.bfloat16, offset=0):
+        q, k, v = qkv(seqlen_q=seqlen_q, dtype=dtype)
+        if offset:
+            q = torch.empty(q.numel() + offset, dtype=dtype)[offset:].view(q.shape)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], seqlen_q)
+        return forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, True), (q, k, v, out)
+
+    for _ in range(2):
+        launched, tensors = call()
+        assert launched and [d.base for d in launches[-1][1][:4]] == list(tensors)
+    assert len(forward_sm90._PLANS) == 1 and launches[0][0] == launches[1][0] and launches[0][2] == launches[1][2]
+    call(seqlen_q=384)
+    monkeypatch.setitem(forward_sm90.CONFIGS[128], "CAUSAL_PERSISTENT", False)
+    call()
+    assert launches[-1][2]["CAUSAL_PERSISTENT"] is False and launches[-1][0] != launches[0][0]
+    monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 7)
+    monkeypatch.setitem(forward_sm90.CONFIGS[128], "CAUSAL_PERSISTENT", True)
+    call()
+    assert launches[-1][0] == (7, 1, 1)
+    assert len(forward_sm90._PLANS) == 4 and len(launches) == 5
+    assert call(offset=1)[0] is False and call(dtype=torch.float32)[0] is False
+    assert len(launches) == 5
+
+
 def test_d64_causal_launches_take_three_warpgroups_from_8k(monkeypatch):
     """CAUSAL_CHANGES_UNTIL: a causal D=64 launch takes CAUSAL_CHANGES (two consumer warpgroups, 128-row items) below
     seqlen_q 8192 and the head dim's CONFIGS as they are (three, 192-row items) from there; full launches take three
     at any length, and D=128 two."""
     launches = []
-    monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, constexprs: launches.append(constexprs))
+    monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append(cx))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the plan's launch key
     for head_dim, causal, seqlen_q, num_wg in ((64, True, 8191, 2), (64, True, 8192, 3), (64, True, 20000, 3),
                                                (64, False, 1000, 3), (128, True, 16384, 2)):  # fmt: skip
         q, k, v = qkv(batch=1, seqlen_q=seqlen_q, nheads=1, nheads_k=1, head_dim=head_dim)
@@ -1059,7 +1095,8 @@ def test_launched_int_parameters_are_not_specialized(monkeypatch, head_dim, caus
     first value and serve every later value from that compile."""
     calls = []
     for module in (forward_sm90, backward_sm90):
-        monkeypatch.setattr(module, "launch", lambda kernel, grid, args, cx: calls.append((kernel, args)))
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, args, cx, *keyed: calls.append((kernel, args)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the forward plan's launch key
     q, k, v = qkv(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=4, nheads_k=2, head_dim=head_dim)
     stats = torch.zeros(2, 4, 2048)
     forward_sm90.attention_forward_sm90(q, k, v, torch.empty_like(q), stats, 0.1, causal)

@@ -184,13 +184,33 @@ def _kernel(X, Y, n, m, BLOCK: tl.constexpr, FLAG: tl.constexpr):
 
 
 class _Compiled:
-    """Stands in for Triton's CompiledKernel: records ``compiled[grid](*args)``."""
+    """Stands in for Triton's CompiledKernel: records ``compiled.run`` (Triton's launcher: grid, stream, function,
+    packed metadata, launch metadata, the two hooks, then the kernel's arguments) as ("direct", grid, args) and
+    ``compiled[grid](*args)`` as ("hooked", grid, args)."""
+
+    function, packed_metadata = "function", "packed metadata"
 
     def __init__(self, calls):
         self.calls = calls
 
+    def run(self, grid_x, grid_y, grid_z, stream, function, packed_metadata, metadata, enter, exit_hook, *args):
+        assert (stream, function, packed_metadata, metadata, enter, exit_hook) == (
+            "stream 0", "function", "packed metadata", None, None, None
+        )  # fmt: skip
+        self.calls.append(("direct", (grid_x, grid_y, grid_z), args))
+
     def __getitem__(self, grid):
-        return lambda *args: self.calls.append(("direct", grid, args))
+        return lambda *args: self.calls.append(("hooked", grid, args))
+
+
+class _Driver:
+    """Triton's active driver as ``run_compiled`` asks it: device 0, its stream."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> str:
+        return f"stream {device}"
 
 
 @pytest.fixture
@@ -206,6 +226,7 @@ def runs(monkeypatch) -> list[tuple]:
     monkeypatch.setattr(JITFunction, "run", run)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_launch, "_COMPILED", {})
+    monkeypatch.setattr(_launch.driver, "_active", _Driver())
     return calls
 
 
@@ -229,6 +250,26 @@ def test_launch_binds_a_keys_first_launch_only(monkeypatch, runs):
     monkeypatch.setattr(_launch, "MAX_KEYS", 3)
     _launch.launch(kernel, (1, 1, 1), (*args[:-1], 32), constexprs, num_warps=4)
     assert calls[-1][0] == "run" and len(_launch._COMPILED) == 1
+
+
+def test_direct_launches_call_registered_launch_hooks(monkeypatch, runs):
+    """While a launch hook is registered with Triton (a profiler's, e.g. proton), launches past the binder go through
+    ``compiled[grid]``, which hands the hooks their metadata; with none registered, to the launcher directly."""
+    from triton import knobs
+
+    kernel = JITFunction(_kernel)
+    args = (torch.empty(64), None, 7, 8)
+    constexprs = {"FLAG": False, "BLOCK": 16}
+    for _ in range(2):
+        _launch.launch(kernel, (1, 1, 1), args, constexprs)
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _launch.launch(kernel, (1, 1, 1), args, constexprs)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    _launch.launch(kernel, (1, 1, 1), args, constexprs)
+    assert [call[0] for call in runs] == ["run", "direct", "hooked", "direct"]
 
 
 def test_gluon_launch_keys_ints_by_width(runs):

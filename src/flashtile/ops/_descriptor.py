@@ -18,8 +18,25 @@ import torch
 MAX_LAYOUTS = 256
 """Keys kept before ``_CHECKED`` starts over (shapes are keyed by value, so each new shape adds some)."""
 
-_CHECKED: dict[tuple, tuple[type, dict]] = {}
-"""A checked descriptor's class and fields, its base left out, by ``per_layout``'s key."""
+Template = tuple[type, dict]
+"""A descriptor's class and fields, its base left out (``template``)."""
+
+_CHECKED: dict[tuple, Template] = {}
+"""A checked descriptor's template by ``per_layout``'s key."""
+
+
+def template(descriptor: object) -> Template:
+    """``descriptor``'s class and fields with its base left out, for ``rebase``: holds no tensor."""
+    return type(descriptor), {**vars(descriptor), "base": None}
+
+
+def rebase(made: Template, x: torch.Tensor) -> object:
+    """A descriptor with the template's fields and base ``x``, past the constructor's checks: ``x`` must have the
+    dtype, alignment, shape and strides of the tensor the template's descriptor was built on."""
+    cls, fields = made
+    descriptor = object.__new__(cls)
+    descriptor.__dict__.update(fields, base=x)
+    return descriptor
 
 
 def per_layout(build: Callable[..., object]) -> Callable[..., object]:
@@ -37,11 +54,8 @@ def per_layout(build: Callable[..., object]) -> Callable[..., object]:
             made = build(x, *params)
             if len(_CHECKED) >= MAX_LAYOUTS:
                 _CHECKED.clear()
-            _CHECKED[key] = type(made), {**vars(made), "base": None}
+            _CHECKED[key] = template(made)
             return made
-        cls, fields = checked
-        made = object.__new__(cls)
-        made.__dict__.update(fields, base=x)
-        return made
+        return rebase(checked, x)
 
     return cached

@@ -33,8 +33,9 @@ memory); MASK_IS_BOOL picks a boolean mask (uint8, hides keys) or an additive on
 A row that the mask hides entirely behaves as a row that sees no key: output 0, LSE -inf. Off, the kernel's
 signature and SASS are those without it (sm_90 SASS of every features-off variant compared).
 
-On sm_90 the launcher hands the forwards without options (causal or not, head dim 128, any lengths; see
-``forward_sm90.qualifies``) to the warp-specialized Gluon kernel of ``forward_sm90``.
+On sm_90 the launcher hands the forwards without options (causal or not, head dims 64, 128 and 256, any lengths;
+see ``forward_sm90.qualifies``) to the warp-specialized Gluon kernel of ``forward_sm90``, which launches the ones
+that qualify (``attention_forward_sm90`` returns whether it did).
 """
 
 import functools
@@ -474,9 +475,7 @@ def _launch(
     ):  # fmt: skip
         from flashtile.ops.attention import forward_sm90  # Gluon is imported on sm_90 GPUs only
 
-        causal = window_right == 0
-        if forward_sm90.qualifies(q, k, v, causal):
-            forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=causal)
+        if forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=window_right == 0):
             return
     pass_name = "forward"
     if seqlen_k <= SHORT_SEQLEN:

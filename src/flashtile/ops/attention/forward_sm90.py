@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -66,7 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch
-from flashtile.ops._descriptor import per_layout
+from flashtile.ops._descriptor import Template, per_layout, rebase, template
 from flashtile.ops._device import sm_count
 from flashtile.ops.attention.configs import cdiv
 from flashtile.ops.attention.tiles import LN2, LOG2E
@@ -861,13 +862,16 @@ def launch_key(kernel, args: tuple, constexprs: list, options: dict) -> tuple:
     return (kernel, torch.cuda.current_device(), *options.items(), *constexprs, *parts)
 
 
-def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict):
+def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, keyed=None):
     """``kernel[grid](*args, **constexprs, num_warps=4)``: a launch through Triton's JITFunction.run (binding,
-    specializing and hashing every argument, compiling on a new key); returns the compiled kernel."""
+    specializing and hashing every argument, compiling on a new key; ``keyed`` is not used); returns the compiled
+    kernel."""
     return kernel[grid](*args, **constexprs, num_warps=4)
 
 
-def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) -> None:
+def launch(
+    kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, keyed: tuple[list, tuple] | None = None
+) -> None:
     """The first launch of a ``launch_key`` through Triton's binder (as ``launch_through_binder``), later ones past
     it, on the current device and stream: ``ops._launch.launch`` with this module's key and 4 warps.
 
@@ -880,9 +884,14 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict) ->
     beside other work on the machine or in one round). The first launch of a key goes through the binder
     (compiling, or loading from Triton's disk cache) and keeps the compiled kernel it returns; later launches of
     the key hand that kernel the same arguments directly: ``args`` are the kernel's leading non-constexpr
-    parameters in order, ``constexprs`` name all the rest.
+    parameters in order, ``constexprs`` name all the rest. ``keyed``: the constexprs' values in parameter order and
+    the ``launch_key`` of these arguments, kept by the caller (``ForwardPlan``); computed here when None.
     """
-    _launch.launch(kernel, grid, args, constexprs, key=launch_key, num_warps=4)
+    options = {"num_warps": 4}
+    if keyed is None:
+        tail = _launch.constexpr_tail(kernel, args, constexprs)
+        keyed = tail, launch_key(kernel, args, tail, options)
+    _launch.launch_keyed(kernel, grid, args, constexprs, *keyed, options)
 
 
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
@@ -953,6 +962,82 @@ def causal_schedule(
     return schedule
 
 
+class ForwardPlan(NamedTuple):
+    """What a launch follows from its inputs' layouts (``forward_plan``'s key), kept per key: the grid, the descriptor
+    templates of q, k, v and out (``_descriptor.template``), the kernel's int arguments (seqlen_q, seqlen_k, batch,
+    nheads, group), the causal schedule or None, the constexprs, and ``launch``'s ``keyed`` (their values in parameter
+    order and the arguments' ``launch_key``)."""
+
+    grid: tuple[int, int, int]
+    descriptors: tuple[Template, Template, Template, Template]
+    ints: tuple[int, int, int, int, int]
+    schedule: torch.Tensor | None
+    constexprs: dict
+    keyed: tuple[list, tuple]
+
+
+MAX_PLANS = 256
+"""Plans kept before ``_PLANS`` starts over (a new shape adds one)."""
+
+_PLANS: dict[tuple, ForwardPlan | None] = {}
+"""``forward_plan``'s plans by their key; None for inputs that do not qualify."""
+
+_UNPLANNED = object()
+
+
+def _plan_key(q, k, v, out, lse, causal: bool) -> tuple:
+    """What a plan follows from: the shapes and strides of q, k and v, the strides of out and lse, the dtypes of q
+    and out (k and v have q's, lse is float32: the callers' contract), the device, causal, whether every tensor's
+    address is 16-byte aligned, the device's SM count, and the head dim's config (``config``, read on every call, so a
+    changed CONFIGS entry makes new plans) and CAUSAL_MIN_SEQLEN_Q."""
+    head_dim = q.shape[3]
+    cfg = CONFIGS.get(head_dim) and tuple(config(head_dim, causal, q.shape[1]).values())
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) % 16 == 0
+    return (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), lse.stride(), q.dtype, out.dtype,
+        q.device, sm_count(q.device), causal, aligned, cfg, CAUSAL_MIN_SEQLEN_Q.get(head_dim),
+    )  # fmt: skip
+
+
+def forward_plan(q, k, v, out, lse, causal: bool) -> ForwardPlan | None:
+    """The plan of a launch on these tensors (``attention_forward_sm90``'s), or None where they do not qualify
+    (``qualifies``): made on the first call of a ``_plan_key`` and kept, except a causal launch's made while its
+    schedule's first use is being captured into a CUDA graph (``causal_schedule``: that launch walks pair slots)."""
+    key = _plan_key(q, k, v, out, lse, causal)
+    plan = _PLANS.get(key, _UNPLANNED)
+    if plan is not _UNPLANNED:
+        return plan
+    if not qualifies(q, k, v, causal):
+        plan = None
+    else:
+        batch, seqlen_q, nheads, head_dim = q.shape
+        cfg = config(head_dim, causal, seqlen_q)
+        m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
+        block_m = cfg["NUM_WG"] * m_wg
+        n_m = cdiv(seqlen_q, block_m)
+        schedule = None
+        if causal and cfg["CAUSAL_SCHEDULE"]:
+            n_ctas = programs(n_m, batch * nheads, cfg, causal, q.device)
+            schedule = causal_schedule(n_m, batch * nheads, n_ctas, seqlen_q, k.shape[1], block_m, block_n, q.device)
+            if schedule is None:
+                cfg = {**cfg, "CAUSAL_SCHEDULE": False}
+        descriptors = (batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
+                       batch_descriptor(out, m_wg))  # fmt: skip
+        ints = (seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2])
+        args = (*descriptors, lse, 1.0, *ints, schedule)
+        constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
+        tail = _launch.constexpr_tail(_attention_forward_sm90_kernel, args, constexprs)
+        keyed = tail, launch_key(_attention_forward_sm90_kernel, args, tail, {"num_warps": 4})
+        grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
+        plan = ForwardPlan(grid, tuple(map(template, descriptors)), ints, schedule, constexprs, keyed)
+        if causal and not cfg["CAUSAL_SCHEDULE"] and config(head_dim, causal, seqlen_q)["CAUSAL_SCHEDULE"]:
+            return plan  # made while capturing: not kept
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
 def attention_forward_sm90(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -961,8 +1046,10 @@ def attention_forward_sm90(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-) -> None:
-    """Launch the kernel; ``configs.gluon_device(q.device)`` and ``qualifies(q, k, v)`` must hold.
+) -> bool:
+    """Launch the kernel if q, k, v qualify (``qualifies``) and return True, else launch nothing and return False;
+    ``configs.gluon_device(q.device)`` must hold. Per call: the plan of the inputs' layouts (``forward_plan``), four
+    descriptors rebased from its templates and one launch past the binder with its kept key.
 
     Args:
         q: (batch, seqlen_q, nheads, D); k, v: (batch, seqlen_k, nheads_k, D), D in CONFIGS, nheads a multiple
@@ -972,22 +1059,13 @@ def attention_forward_sm90(
         softmax_scale: multiplies q @ k^T before the softmax
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
     """
-    batch, seqlen_q, nheads, head_dim = q.shape
-    cfg = config(head_dim, causal, seqlen_q)
-    m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
-    n_m = cdiv(seqlen_q, cfg["NUM_WG"] * m_wg)
-    schedule = None
-    if causal and cfg["CAUSAL_SCHEDULE"]:
-        n_ctas = programs(n_m, batch * nheads, cfg, causal, q.device)
-        block_m = cfg["NUM_WG"] * m_wg
-        schedule = causal_schedule(n_m, batch * nheads, n_ctas, seqlen_q, k.shape[1], block_m, block_n, q.device)
-        if schedule is None:
-            cfg = {**cfg, "CAUSAL_SCHEDULE": False}
+    plan = forward_plan(q, k, v, out, lse, causal)
+    if plan is None:
+        return False
+    q_desc, k_desc, v_desc, out_desc = plan.descriptors
     args = (
-        batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
-        batch_descriptor(out, m_wg), lse,
-        softmax_scale * LOG2E.value, seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2], schedule,
+        rebase(q_desc, q), rebase(k_desc, k), rebase(v_desc, v), rebase(out_desc, out), lse,
+        softmax_scale * LOG2E.value, *plan.ints, plan.schedule,
     )  # fmt: skip
-    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
-    grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
-    launch(_attention_forward_sm90_kernel, grid, args, constexprs)
+    launch(_attention_forward_sm90_kernel, plan.grid, args, plan.constexprs, plan.keyed)
+    return True
