@@ -164,7 +164,7 @@ def test_forward_plans_follow_layouts_and_configs(monkeypatch):
     launches = []
     monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(forward_sm90, "_PLANS", {})
+    monkeypatch.setattr(forward_sm90, "_PLANS", _launch.Plans())
 
     def call(seqlen_q=256, dtype=torch.bfloat16, offset=0):
         q, k, v = qkv(seqlen_q=seqlen_q, dtype=dtype)
@@ -188,6 +188,35 @@ def test_forward_plans_follow_layouts_and_configs(monkeypatch):
     assert len(forward_sm90._PLANS) == 4 and len(launches) == 5
     assert call(offset=1)[0] is False and call(dtype=torch.float32)[0] is False
     assert len(launches) == 5
+
+
+def test_backward_plans_follow_layouts_and_configs(monkeypatch):
+    """``backward_plan``: calls on new tensors of one layout reuse the plan (descriptors rebased on the call's
+    tensors and fresh outputs, one grid, constexprs and launch key); a changed CONFIGS entry makes another; inputs
+    that do not qualify (a scale not above 0, a length not a multiple of 128) launch nothing and return None."""
+    launches = []
+    monkeypatch.setattr(
+        backward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx))
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(backward_sm90, "_PLANS", _launch.Plans())
+
+    def call(seqlen_q=256, scale=0.1):
+        q, k, v = qkv(seqlen_q=seqlen_q)
+        dout, stats = torch.empty_like(q), torch.zeros(q.shape[0], q.shape[2], seqlen_q)
+        return backward_sm90.attention_backward_sm90(dout, q, k, v, stats, stats, scale, causal=True), (q, dout, k, v)
+
+    for _ in range(2):
+        grads, tensors = call()
+        args = launches[-1][1]
+        assert [d.base for d in args[:4]] == list(tensors) and [d.base for d in args[4:6]] == list(grads[1:])
+        assert args[9].base is args[8] and args[8].shape == tensors[0].shape
+    assert len(backward_sm90._PLANS) == 1 and launches[0][0] == launches[1][0] and launches[0][2] == launches[1][2]
+    monkeypatch.setitem(backward_sm90.CONFIGS[128], "KEY_PAIRS", False)
+    call()
+    assert launches[-1][2]["KEY_PAIRS"] is False and launches[-1][0] != launches[0][0]
+    assert call(scale=-0.1)[0] is None and call(seqlen_q=200)[0] is None
+    assert len(launches) == 3 and len(backward_sm90._PLANS) == 4
 
 
 def test_d64_causal_launches_take_three_warpgroups_from_8k(monkeypatch):
@@ -327,7 +356,8 @@ def test_backward_launch_passes_the_dq_descriptor_with_dq_tma(monkeypatch, head_
     (its 128-row tiles), D=128 three, D=256 two Q and one dO stage (the staging tiles take the second's
     memory)."""
     calls = []
-    monkeypatch.setattr(backward_sm90, "launch", lambda kernel, grid, args, cx: calls.append((args, cx)))
+    monkeypatch.setattr(backward_sm90, "launch", lambda kernel, grid, args, cx, keyed: calls.append((args, cx)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the plan's launch key
     q, k, v = qkv(batch=2, seqlen_q=256, seqlen_k=384, nheads=4, nheads_k=2, head_dim=head_dim)
     stats = torch.zeros(2, 4, 256)
     backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, stats, stats, 0.1, causal=False)
@@ -390,7 +420,10 @@ def test_backward_key_pairs_launch_one_cta_per_pair_of_key_tiles(monkeypatch):
     assert backward_sm90.programs(5, paired, False) == 5
     assert backward_sm90.programs(5, dict(paired, KEY_PAIRS=False), True) == 5
     grids = []
-    monkeypatch.setattr(backward_sm90, "launch", lambda kernel, grid, args, cx: grids.append((grid, cx["KEY_PAIRS"])))
+    monkeypatch.setattr(
+        backward_sm90, "launch", lambda kernel, grid, args, cx, kd: grids.append((grid, cx["KEY_PAIRS"]))
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the plan's launch key
     for head_dim in (64, 128, 256):
         q, k, v = qkv(batch=3, seqlen_q=256, seqlen_k=640, nheads=4, nheads_k=2, head_dim=head_dim)
         stats = torch.zeros(3, 4, 256)
@@ -961,31 +994,27 @@ def test_causal_schedule_falls_back_to_pairs_under_graph_capture(monkeypatch, la
 
 
 class _Routed:
-    """Stands in for the Gluon launchers on any device: records each call's ``causal`` and gives zeros, so
-    that which calls reach them is checked without an sm_90 GPU (the device and shape checks are patched to
-    say yes)."""
+    """Stands in for the Gluon launchers on any device: records each call's ``causal`` (and each backward's
+    softmax_scale), launches as if the inputs qualified and gives zeros, so that which calls reach them is checked
+    without an sm_90 GPU (the device check is patched to say yes)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
+        self.backward_scales = []
         monkeypatch.setattr(forward, "gluon_device", lambda device: True)
         monkeypatch.setattr(backward, "gluon_device", lambda device: True)
-        monkeypatch.setattr(forward_sm90, "qualifies", lambda q, k, v, causal: True)
-        self.backward_scales = []  # the softmax_scale each backward asked backward_sm90.qualifies with
-        monkeypatch.setattr(backward_sm90, "qualifies", self.backward_qualifies)
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
         monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)
-
-    def backward_qualifies(self, q, k, v, dout, causal, softmax_scale):
-        self.backward_scales.append(softmax_scale)
-        return True
 
     def forward(self, q, k, v, out, lse, softmax_scale, causal):
         self.calls.append(("fwd", causal))
         out.zero_()
         lse.zero_()
+        return True
 
     def backward(self, dout, q, k, v, lse, delta, softmax_scale, causal):
         self.calls.append(("bwd", causal))
+        self.backward_scales.append(softmax_scale)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
@@ -1022,8 +1051,9 @@ def test_which_calls_take_the_gluon_kernels(monkeypatch, options, expected):
 
 
 @pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")
-def test_backward_asks_qualifies_with_the_softmax_scale(monkeypatch):
-    """The backward hands its softmax_scale to backward_sm90.qualifies (which refuses scales not above 0)."""
+def test_backward_hands_the_gluon_launcher_its_softmax_scale(monkeypatch):
+    """The backward hands its softmax_scale to the Gluon launcher, whose plan asks ``qualifies`` (which refuses
+    scales not above 0: test_backward_needs_a_positive_softmax_scale)."""
     routed = _Routed(monkeypatch)
     q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 128, dtype=torch.bfloat16)
     _forward_backward(q, k, v, softmax_scale=-0.1)

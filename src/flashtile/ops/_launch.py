@@ -20,6 +20,8 @@ read from the environment (``TRITON_DEBUG``) changing after a key's first launch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from triton import knobs
 from triton.runtime.driver import driver
@@ -110,3 +112,26 @@ def launch_keyed(
         _COMPILED[launch_key] = kernel[grid](*args, **constexprs, **options)
         return
     run_compiled(compiled, grid, (*args, *tail))
+
+
+MAX_PLANS = 256
+"""Plans a ``Plans`` keeps before it starts over (a new shape adds one)."""
+
+_UNPLANNED = object()
+
+
+class Plans(dict):
+    """A launcher's plans by key: what its launches follow from their inputs' layouts (grid, descriptor templates,
+    constexprs, the launch key), made on a key's first call and kept (at most MAX_PLANS), so that later calls of
+    the key build nothing but their descriptors and arguments."""
+
+    def plan(self, key: tuple, make: Callable[..., tuple[object, bool]], *args) -> object:
+        """The plan kept under ``key``, else ``make(*args)``'s (plan, keep), kept if keep."""
+        plan = self.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan, keep = make(*args)
+            if keep:
+                if len(self) >= MAX_PLANS:
+                    self.clear()
+                self[key] = plan
+        return plan

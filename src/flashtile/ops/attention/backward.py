@@ -654,8 +654,9 @@ def attention_backward(
         from flashtile.ops.attention import backward_sm90  # Gluon is imported on sm_90 GPUs only
 
         causal = window_right == 0
-        if backward_sm90.qualifies(q, k, v, dout, causal, softmax_scale):
-            return backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=causal)
+        grads = backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=causal)
+        if grads is not None:
+            return grads
     return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], softmax_scale, window_left,
                    window_right, alibi_slopes, softcap, dropout_p=dropout_p, rng_state=rng_state, attn_mask=attn_mask,
                    dmask=dmask)  # fmt: skip

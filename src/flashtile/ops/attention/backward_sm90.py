@@ -205,6 +205,8 @@ compute-sanitizer memcheck of the sanitize cases reports 0 errors."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -219,13 +221,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile.ops import _launch
 from flashtile.ops._alloc import empty_output
-from flashtile.ops._descriptor import per_layout
+from flashtile.ops._descriptor import Template, per_layout, rebase, template
 from flashtile.ops.attention.configs import head_grid
 from flashtile.ops.attention.forward_sm90 import (
     ROWS,
     descriptor,
     launch,
+    launch_key,
     mma_layout,
     partition_barrier,
     rows_view_ok,
@@ -1245,6 +1249,76 @@ def programs(n_n: int, cfg: dict, causal: bool) -> int:
     return n_n - n_n // 2 if causal and cfg["KEY_PAIRS"] else n_n
 
 
+class BackwardPlan(NamedTuple):
+    """What a launch follows from its inputs' layouts (``backward_plan``'s key), kept per key: the grid, the
+    descriptor templates of q, dout, k, v, dk, dv and dq_accum (None without DQ_TMA), the kernel's int arguments
+    (seqlen_q, seqlen_k, nheads, group), the constexprs, and ``launch``'s ``keyed``."""
+
+    grid: tuple[int, int, int]
+    descriptors: tuple[Template, ...]
+    dq_descriptor: Template | None
+    ints: tuple[int, int, int, int]
+    constexprs: dict
+    keyed: tuple[list, tuple]
+
+
+_PLANS = _launch.Plans()
+"""``backward_plan``'s plans by ``_plan_key``; None for inputs that do not qualify."""
+
+
+def _plan_key(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> tuple:
+    """What a plan follows from: the shapes and strides of q, k and v, the strides of dout, lse and delta, the dtypes
+    of q and dout (k and v have q's, lse and delta are float32: the callers' contract), the device, causal, whether
+    softmax_scale is positive, whether every tensor's address is 16-byte aligned, the head dim's CONFIGS entry (read on
+    every call, so a changed entry makes new plans) and MAX_CAUSAL_GROUP."""
+    cfg = CONFIGS.get(q.shape[3])
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | lse.data_ptr() | delta.data_ptr()) % 16
+    return (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), lse.stride(), delta.stride(),
+        q.dtype, dout.dtype, q.device, causal, softmax_scale > 0, aligned == 0, cfg and tuple(cfg.values()),
+        MAX_CAUSAL_GROUP,
+    )  # fmt: skip
+
+
+def backward_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> BackwardPlan | None:
+    """The plan of a launch on these tensors (``attention_backward_sm90``'s), or None where they do not qualify
+    (``qualifies``): made on the first call of a ``_plan_key`` and kept."""
+    key = _plan_key(dout, q, k, v, lse, delta, softmax_scale, causal)
+    return _PLANS.plan(key, _make_plan, dout, q, k, v, lse, delta, softmax_scale, causal)
+
+
+def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> tuple[BackwardPlan | None, bool]:
+    """``backward_plan``'s plan made anew (on outputs allocated for it), and True: keep it."""
+    if not qualifies(q, k, v, dout, causal, softmax_scale):
+        return None, True
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    cfg = CONFIGS[head_dim]
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    rows_out = block_n if cfg["OUTPUT_SPLIT"] else block_n // 2  # the dK / dV rows one warpgroup stores
+    dq_accum, dk, dv = _outputs(q, k, v)
+    # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
+    dq_desc = dq_descriptor(dq_accum, dq_rows(block_m, cfg["DQ_SPLIT"]), cfg["DQ_PERMUTED"]) if cfg["DQ_TMA"] else None
+    descriptors = (
+        descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
+        descriptor(dk, rows_out), descriptor(dv, rows_out),
+    )  # fmt: skip
+    ints = (seqlen_q, seqlen_k, nheads, nheads // nheads_k)
+    args = (*descriptors, lse, delta, dq_accum, dq_desc, 1.0, 1.0, *ints)
+    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, **cfg)
+    tail = _launch.constexpr_tail(_attention_backward_sm90_kernel, args, constexprs)
+    keyed = tail, launch_key(_attention_backward_sm90_kernel, args, tail, {"num_warps": 4})
+    grid = head_grid(programs(seqlen_k // block_n, cfg, causal), batch, nheads_k)
+    dq_template = None if dq_desc is None else template(dq_desc)
+    return BackwardPlan(grid, tuple(map(template, descriptors)), dq_template, ints, constexprs, keyed), True
+
+
+def _outputs(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq_accum (zeros, fp32, q's shape), dk and dv (``empty_output``, k's and v's shapes and dtypes)."""
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    return dq_accum, empty_output(k.shape, k.dtype, k.device), empty_output(v.shape, v.dtype, v.device)
+
+
 def attention_backward_sm90(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -1254,8 +1328,10 @@ def attention_backward_sm90(
     delta: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the kernel; ``configs.gluon_device(q.device)`` and ``qualifies(q, k, v, dout, causal)`` must hold.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Launch the kernel if the inputs qualify (``qualifies``) and return the gradients, else launch nothing and
+    return None; ``configs.gluon_device(q.device)`` must hold. Per call: the plan of the inputs' layouts
+    (``backward_plan``), the outputs, seven descriptors rebased from its templates and one launch past the binder.
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim), the gradient of out
@@ -1267,24 +1343,17 @@ def attention_backward_sm90(
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
 
     Returns:
-        dq, dk, dv shaped like q, k, v in their dtype (contiguous)
+        dq, dk, dv shaped like q, k, v in their dtype (contiguous), or None
     """
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    cfg = CONFIGS[head_dim]
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    rows_out = block_n if cfg["OUTPUT_SPLIT"] else block_n // 2  # the dK / dV rows one warpgroup stores
-    dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
-    dk = empty_output(k.shape, k.dtype, k.device)
-    dv = empty_output(v.shape, v.dtype, v.device)
-    # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
-    dq_desc = dq_descriptor(dq_accum, dq_rows(block_m, cfg["DQ_SPLIT"]), cfg["DQ_PERMUTED"]) if cfg["DQ_TMA"] else None
+    plan = backward_plan(dout, q, k, v, lse, delta, softmax_scale, causal)
+    if plan is None:
+        return None
+    dq_accum, dk, dv = _outputs(q, k, v)
+    q_desc, dout_desc, k_desc, v_desc, dk_desc, dv_desc = plan.descriptors
+    dq_desc = None if plan.dq_descriptor is None else rebase(plan.dq_descriptor, dq_accum)
     args = (
-        descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
-        descriptor(dk, rows_out), descriptor(dv, rows_out), lse, delta, dq_accum, dq_desc,
-        softmax_scale * LOG2E.value, softmax_scale, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
+        rebase(q_desc, q), rebase(dout_desc, dout), rebase(k_desc, k), rebase(v_desc, v), rebase(dk_desc, dk),
+        rebase(dv_desc, dv), lse, delta, dq_accum, dq_desc, softmax_scale * LOG2E.value, softmax_scale, *plan.ints,
     )  # fmt: skip
-    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, **cfg)
-    grid = head_grid(programs(seqlen_k // block_n, cfg, causal), batch, nheads_k)
-    launch(_attention_backward_sm90_kernel, grid, args, constexprs)
+    launch(_attention_backward_sm90_kernel, plan.grid, args, plan.constexprs, plan.keyed)
     return dq_accum.to(q.dtype), dk, dv

@@ -976,13 +976,8 @@ class ForwardPlan(NamedTuple):
     keyed: tuple[list, tuple]
 
 
-MAX_PLANS = 256
-"""Plans kept before ``_PLANS`` starts over (a new shape adds one)."""
-
-_PLANS: dict[tuple, ForwardPlan | None] = {}
-"""``forward_plan``'s plans by their key; None for inputs that do not qualify."""
-
-_UNPLANNED = object()
+_PLANS = _launch.Plans()
+"""``forward_plan``'s plans by ``_plan_key``; None for inputs that do not qualify."""
 
 
 def _plan_key(q, k, v, out, lse, causal: bool) -> tuple:
@@ -1003,39 +998,35 @@ def forward_plan(q, k, v, out, lse, causal: bool) -> ForwardPlan | None:
     """The plan of a launch on these tensors (``attention_forward_sm90``'s), or None where they do not qualify
     (``qualifies``): made on the first call of a ``_plan_key`` and kept, except a causal launch's made while its
     schedule's first use is being captured into a CUDA graph (``causal_schedule``: that launch walks pair slots)."""
-    key = _plan_key(q, k, v, out, lse, causal)
-    plan = _PLANS.get(key, _UNPLANNED)
-    if plan is not _UNPLANNED:
-        return plan
+    return _PLANS.plan(_plan_key(q, k, v, out, lse, causal), _make_plan, q, k, v, out, lse, causal)
+
+
+def _make_plan(q, k, v, out, lse, causal: bool) -> tuple[ForwardPlan | None, bool]:
+    """``forward_plan``'s plan made anew, and whether to keep it."""
     if not qualifies(q, k, v, causal):
-        plan = None
-    else:
-        batch, seqlen_q, nheads, head_dim = q.shape
-        cfg = config(head_dim, causal, seqlen_q)
-        m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
-        block_m = cfg["NUM_WG"] * m_wg
-        n_m = cdiv(seqlen_q, block_m)
-        schedule = None
-        if causal and cfg["CAUSAL_SCHEDULE"]:
-            n_ctas = programs(n_m, batch * nheads, cfg, causal, q.device)
-            schedule = causal_schedule(n_m, batch * nheads, n_ctas, seqlen_q, k.shape[1], block_m, block_n, q.device)
-            if schedule is None:
-                cfg = {**cfg, "CAUSAL_SCHEDULE": False}
-        descriptors = (batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
-                       batch_descriptor(out, m_wg))  # fmt: skip
-        ints = (seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2])
-        args = (*descriptors, lse, 1.0, *ints, schedule)
-        constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
-        tail = _launch.constexpr_tail(_attention_forward_sm90_kernel, args, constexprs)
-        keyed = tail, launch_key(_attention_forward_sm90_kernel, args, tail, {"num_warps": 4})
-        grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
-        plan = ForwardPlan(grid, tuple(map(template, descriptors)), ints, schedule, constexprs, keyed)
-        if causal and not cfg["CAUSAL_SCHEDULE"] and config(head_dim, causal, seqlen_q)["CAUSAL_SCHEDULE"]:
-            return plan  # made while capturing: not kept
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+        return None, True
+    batch, seqlen_q, nheads, head_dim = q.shape
+    cfg = config(head_dim, causal, seqlen_q)
+    m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
+    block_m = cfg["NUM_WG"] * m_wg
+    n_m = cdiv(seqlen_q, block_m)
+    schedule = None
+    capturing = False
+    if causal and cfg["CAUSAL_SCHEDULE"]:
+        n_ctas = programs(n_m, batch * nheads, cfg, causal, q.device)
+        schedule = causal_schedule(n_m, batch * nheads, n_ctas, seqlen_q, k.shape[1], block_m, block_n, q.device)
+        capturing = schedule is None
+        if capturing:
+            cfg = {**cfg, "CAUSAL_SCHEDULE": False}
+    descriptors = (batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
+                   batch_descriptor(out, m_wg))  # fmt: skip
+    ints = (seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2])
+    args = (*descriptors, lse, 1.0, *ints, schedule)
+    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
+    tail = _launch.constexpr_tail(_attention_forward_sm90_kernel, args, constexprs)
+    keyed = tail, launch_key(_attention_forward_sm90_kernel, args, tail, {"num_warps": 4})
+    grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
+    return ForwardPlan(grid, tuple(map(template, descriptors)), ints, schedule, constexprs, keyed), not capturing
 
 
 def attention_forward_sm90(
