@@ -303,8 +303,8 @@ def pretend_sm90() -> Iterator[None]:
     """Inside the block, CPU tensors take the launchers' path of an sm_90 GPU with 132 SMs (the Gluon kernels where
     they qualify, the Hopper tile configs otherwise), and every kernel launch runs Triton's Python (binding,
     specialization, cache lookup, the direct launches of ``ops._launch.launch``) but no compiler and no launcher.
-    The attention kernels' caches, the direct launches' (``ops._launch._COMPILED``) and the Gluon forward's plans
-    (``forward_sm90._PLANS``) are set aside and restored afterwards."""
+    The attention kernels' caches, the direct launches' (``ops._launch._COMPILED``) and the Gluon kernels' plans
+    (``forward_sm90._PLANS``, ``backward_sm90._PLANS``) are set aside and restored afterwards."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
@@ -335,6 +335,7 @@ def pretend_sm90() -> Iterator[None]:
         stack.enter_context(mock.patch.object(JITFunction, "_do_compile", _no_compile))
         stack.enter_context(mock.patch.dict(_launch._COMPILED, clear=True))
         stack.enter_context(mock.patch.dict(forward_sm90._PLANS, clear=True))
+        stack.enter_context(mock.patch.dict(backward_sm90._PLANS, clear=True))
         for kernel in kernels:
             if isinstance(kernel, JITFunction):  # not the interpreter's, nor a stand-in
                 caches = collections.defaultdict(kernel.create_binder)
