@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import importlib
 import os
 from collections.abc import Iterator
 from types import ModuleType
@@ -99,10 +101,11 @@ def path_name(device: torch.device) -> str:
 
 def attention_path(device: torch.device) -> ModuleType:
     """The module that implements attention for tensors on ``device``."""
-    if path_name(device) == "cpu":
-        from flashtile import cpu
+    return _path_module(path_name(device) == "cpu")
 
-        return cpu
-    from flashtile.ops import attention
 
-    return attention
+@functools.cache
+def _path_module(cpu: bool) -> ModuleType:
+    """``flashtile.cpu`` or ``flashtile.ops.attention`` (the Triton kernels' launchers), imported on first use: an
+    import statement in ``attention_path`` would run the import system's lookup on every call."""
+    return importlib.import_module("flashtile.cpu" if cpu else "flashtile.ops.attention")

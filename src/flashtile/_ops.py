@@ -460,11 +460,19 @@ def _eager(tensors: tuple[torch.Tensor | None, ...]) -> bool:
         or torch._C._functorch.peek_interpreter_stack() is not None
     ):
         return False
-    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+    for t in tensors:  # a loop, not all() over a generator: this runs on every call
+        if t is not None and type(t) not in _PLAIN_TENSORS:
+            return False
+    return True
 
 
 def _wants_grad(tensors: tuple[torch.Tensor | None, ...]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def attention(*args):
