@@ -876,9 +876,9 @@ def test_backward_key_pairs_against_oracle(monkeypatch, launches, head_dim, shap
     grids = []
     launch = backward_sm90.launch
 
-    def recorded(kernel, grid, args, constexprs):
+    def recorded(kernel, grid, args, constexprs, keyed):
         grids.append((grid, constexprs["KEY_PAIRS"]))
-        launch(kernel, grid, args, constexprs)
+        launch(kernel, grid, args, constexprs, keyed)
 
     monkeypatch.setattr(backward_sm90, "launch", recorded)
     inputs = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
