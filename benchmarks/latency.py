@@ -362,15 +362,13 @@ def _fwd_bwd(q, k, v, dout):
 def cpu_host_overhead(repeats: int = 7, calls: int = 200, shape: tuple[int, int, int] = HOST_OVERHEAD_SHAPE) -> list:
     """Rows (what, µs per call) of the host time of eager causal calls on a pretended sm_90 GPU (``pretend_sm90``):
     forward (q, k, v requiring grad) and forward + backward (``torch.autograd.grad`` with a given dout, nothing
-    accumulated) at head dim 128 (the Gluon forward and backward), at head dim 64 (the Triton forward, the delta
-    kernel and the Gluon backward) and at head dim 128 with ``FLASHTILE_GLUON=0`` (the Triton kernels alone). Each
-    row: the median over ``repeats`` of the mean of ``calls`` calls, after a warm-up."""
+    accumulated) at head dim 128 (the Gluon forward and backward) and with ``FLASHTILE_GLUON=0`` (the Triton kernels
+    and the delta kernel). Each row: the median over ``repeats`` of the mean of ``calls`` calls, after a warm-up."""
     from flashtile import _backend
 
     batch, seqlen, nheads = shape
     rows = []
-    for head_dim, gluon, label in ((128, True, "D=128 gluon"), (64, True, "D=64 triton-fwd"),
-                                   (128, False, "D=128 FLASHTILE_GLUON=0")):  # fmt: skip
+    for head_dim, gluon, label in ((128, True, "D=128 gluon"), (128, False, "D=128 FLASHTILE_GLUON=0")):
         q, k, v, dout = (torch.empty(batch, seqlen, nheads, head_dim, dtype=torch.bfloat16) for _ in range(4))
         tensors = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout)
         with pretend_sm90(), mock.patch.object(_backend, "GLUON", gluon):

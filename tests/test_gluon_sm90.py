@@ -74,12 +74,14 @@ def test_qualifies_head_dim_256_and_rejects_mixed_head_dims():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
-def test_qualifies_causal_per_head_dim_and_length(head_dim):
-    """Causal forwards at D=64 run here from seqlen_q 2048 and on the Triton kernel below (faster there at N=1k:
-    CAUSAL_MIN_SEQLEN_Q), at D=128 and 256 at every length."""
+def test_qualifies_causal_per_head_dim_and_length(monkeypatch, head_dim):
+    """Causal forwards run here at every length (CAUSAL_MIN_SEQLEN_Q); a head dim's threshold sends shorter ones to
+    the Triton kernel."""
     assert forward_sm90.qualifies(*qkv(head_dim=head_dim), causal=False)
-    assert forward_sm90.qualifies(*qkv(head_dim=head_dim), causal=True) == (head_dim != 64)
-    assert forward_sm90.qualifies(*qkv(seqlen_q=2047, head_dim=head_dim), causal=True) == (head_dim != 64)
+    assert forward_sm90.qualifies(*qkv(seqlen_q=1, head_dim=head_dim), causal=True)
+    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, head_dim, 2048)
+    assert forward_sm90.qualifies(*qkv(head_dim=head_dim), causal=False)
+    assert not forward_sm90.qualifies(*qkv(seqlen_q=2047, head_dim=head_dim), causal=True)
     assert forward_sm90.qualifies(*qkv(seqlen_q=2048, head_dim=head_dim), causal=True)
 
 
@@ -120,15 +122,13 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
     kernel's ``schedule``); min(pair slots, SMs) with causal at D=128 and 256 (CAUSAL_PAIRS and CAUSAL_PERSISTENT: a
     slot per pair of a head's query tiles, an odd count's middle tile one of its own); one CTA per work item (query
     tiles x heads x batch entries) otherwise. A work item is a 192-row query tile at D=64 without causal (three consumer
-    warpgroups), 128 rows elsewhere (D=64 causal: CAUSAL_CHANGES). The constexprs of the head dim's config. (Causal
-    D=64 forwards shorter than 2048 take the Triton kernel, ``qualifies``: CAUSAL_MIN_SEQLEN_Q is lowered here.)"""
+    warpgroups), 128 rows elsewhere (D=64 causal: CAUSAL_CHANGES). The constexprs of the head dim's config."""
     launches = []
     monkeypatch.setattr(
         forward_sm90, "launch", lambda kernel, grid, args, constexprs, keyed: launches.append((grid, args, constexprs))
     )
     monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the plan's launch key
-    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     # (batch, seqlen_q, heads, {query rows per item: (work items, pair slots)})
     shapes = ((4, 1024, 16, {128: (512, 256), 192: (384, 192)}), (3, 200, 2, {128: (12, 6), 192: (12, 6)}),
               (1, 300, 2, {128: (6, 4), 192: (4, 2)}), (1, 100, 2, {128: (2, 2), 192: (2, 2)}),
@@ -559,7 +559,6 @@ def test_causal_pairs_against_oracle(monkeypatch, launches, head_dim, shape):
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PAIRS", True)
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PERSISTENT", False)
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_SCHEDULE", False)
-    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
     assert launches[0] == ("fwd", True)
 
@@ -596,7 +595,6 @@ def test_causal_persistent_against_oracle(monkeypatch, launches, head_dim, ctas,
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PAIRS", True)
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_PERSISTENT", True)
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_SCHEDULE", False)
-    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     if ctas is not None:
         monkeypatch.setattr(forward_sm90, "sm_count", lambda device: ctas)
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
@@ -621,7 +619,6 @@ def test_causal_schedule_against_oracle(monkeypatch, launches, head_dim, ctas, s
         head_dim = 64
         monkeypatch.setitem(forward_sm90.CAUSAL_CHANGES, 64, {})
     monkeypatch.setitem(forward_sm90.CONFIGS[head_dim], "CAUSAL_SCHEDULE", True)
-    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     if ctas is not None:
         monkeypatch.setattr(forward_sm90, "sm_count", lambda device: ctas)
     check(*make_inputs(*shape, head_dim, dtype=torch.bfloat16), causal=True)
@@ -677,7 +674,6 @@ def test_three_warpgroups_at_head_dim_64_against_oracle(monkeypatch, launches, c
     monkeypatch.setitem(forward_sm90.CONFIGS[64], "CAUSAL_PAIRS", ctas == "launched")
     monkeypatch.setitem(forward_sm90.CONFIGS[64], "CAUSAL_SCHEDULE", ctas == "launched")
     monkeypatch.setitem(forward_sm90.CAUSAL_CHANGES, 64, {})
-    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     if ctas == "three":
         monkeypatch.setattr(forward_sm90, "programs", lambda n_m, n_bh, *rest: min(n_m * n_bh, 3))
     check(*make_inputs(*shape, 64, dtype=torch.bfloat16), causal=causal)
@@ -691,8 +687,7 @@ def test_three_warpgroups_at_head_dim_64_against_oracle(monkeypatch, launches, c
 def test_any_lengths_stay_in_their_batch_entry(monkeypatch, head_dim, causal):
     """Each batch entry's out and lse, written over NaN, equal bit for bit a launch on that entry alone: the
     clipped last tiles write every row of their entry and nothing of the next one (whose rows follow in
-    memory), and the zero-filled loads read nothing of it (D=64 causal too, CAUSAL_MIN_SEQLEN_Q lowered)."""
-    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
+    memory), and the zero-filled loads read nothing of it."""
     batch, seqlen_q, seqlen_k, nheads = 3, 77, 200, 2
     q, k, v, _ = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype=torch.bfloat16)
 
@@ -716,14 +711,13 @@ def test_any_lengths_stay_in_their_batch_entry(monkeypatch, head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_backward_head_dim_64(launches, dtype, causal, shape):
-    """Head dim 64: the backward Gluon, the forward too without causal or from seqlen_q 2048 (shorter causal
-    forwards: the Triton one, CAUSAL_MIN_SEQLEN_Q); with a gradient at the LSE too (delta = rowsum(dout * out) -
-    dlse)."""
+    """Head dim 64: the forward and the backward Gluon, causal or not; with a gradient at the LSE too (delta =
+    rowsum(dout * out) - dlse)."""
     batch, seqlen_q, seqlen_k, nheads = shape
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads, 64, dtype=dtype)
     dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
     check(q, k, v, dout, dlse=dlse, causal=causal)
-    assert launches == ([] if causal and seqlen_q < 2048 else [("fwd", causal)]) + [("bwd", causal)]
+    assert launches == [("fwd", causal), ("bwd", causal)]
 
 
 @hopper
@@ -980,7 +974,6 @@ def test_causal_schedule_falls_back_to_pairs_under_graph_capture(monkeypatch, la
     """A D=64 causal forward whose shape is first launched while a CUDA graph is being captured gets no schedule (no
     copy to the GPU may run then, ``causal_schedule``) and walks pair slots; the replay equals, bit for bit, an
     eager call afterwards, which makes the schedule and walks it (each item's arithmetic is the same either way)."""
-    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 1)
     monkeypatch.setattr(forward_sm90, "_SCHEDULES", {})
     q, k, v, _ = make_inputs(2, 640, 640, 4, 2, 64, dtype=torch.bfloat16)
     with monkeypatch.context() as off:  # the pair walk's kernel compiled before the capture

@@ -6,10 +6,12 @@ import tune_gluon  # benchmarks/, on the path from conftest
 from flashtile.ops.attention import backward_sm90, forward_sm90
 
 
-def test_variant_keys_reach_the_configs_they_name_and_are_undone():
+def test_variant_keys_reach_the_configs_they_name_and_are_undone(monkeypatch):
     """A plain key changes every forward and backward config that has it; FORWARD_D / BACKWARD_D narrow it to that
     head dim's forward / backward config (both: both), a forward config's CAUSAL_CHANGES with it; GLUON_CAUSAL_D
-    runs a head dim's causal forwards of every length on the Gluon kernel; all of it undone after the block."""
+    runs a head dim's causal forwards of every length on the Gluon kernel (here from a threshold of 2048); all of it
+    undone after the block."""
+    monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, 64, 2048)
     before = (
         {d: dict(c) for d, c in forward_sm90.CONFIGS.items()},
         {d: dict(c) for d, c in forward_sm90.CAUSAL_CHANGES.items()},

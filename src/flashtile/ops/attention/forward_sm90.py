@@ -3,7 +3,7 @@
 On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
 no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU interpreter run):
 no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or 256 for q, k and v
-(``CONFIGS``), causal or not (causal at D=64 from seqlen_q 2048, ``CAUSAL_MIN_SEQLEN_Q``); bf16/fp16; any seqlen_q
+(``CONFIGS``), causal or not (``CAUSAL_MIN_SEQLEN_Q``: every length); bf16/fp16; any seqlen_q
 and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous tensor, or
 q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
@@ -91,7 +91,7 @@ ping-pong, O through its own shared-memory tile (O_TILE), causal query tiles wal
 ``_paired_item``), those pairs walked by persistent CTAs (CAUSAL_PERSISTENT, ``_pair_slot_item``), causal items
 walked from lists the host deals (CAUSAL_SCHEDULE, ``causal_schedule``; it wins over the other two), registers per
 thread of the consumers and the producer (setmaxnreg); a causal launch changes some of them (``config``,
-CAUSAL_CHANGES). D=64 against the Triton kernel: see CAUSAL_MIN_SEQLEN_Q.
+CAUSAL_CHANGES). Short causal launches against the Triton kernel: see CAUSAL_MIN_SEQLEN_Q.
 
 NUM_WG: consumer warpgroups per CTA, 2 (a work item is a 128-row query tile) or 3 (192-row items: FA-3's hdim-64
 forward, 192 x 128 tiles; D=64). Triton pads the 1-warp producer to a warpgroup of its own and gives the default
@@ -174,12 +174,16 @@ rounds, results/2026-12-01-h200-s13-call11-tune-d64-causal-long-a3abc59.json): 8
 TFLOP/s, median of three do_bench runs per process, two processes per tree alternating (results/2026-12-01-h200-s16-
 call7-fold-8k-69a87e9.txt): main (two warpgroups at 8k, three without the fold from 16k) / three with the fold: 8k
 442.5, 444.8 / 463.9, 461.0; 16k 471.4, 470.6 / 489.3, 485.6; 32k 504.1, 491.6 / 504.2, 507.0."""
-CAUSAL_MIN_SEQLEN_Q = {64: 2048, 128: 1, 256: 1}
-"""Per head dim, the shortest seqlen_q whose causal forwards run here; other head dims' run the Triton kernel. D=64
-below N=2k (H200, bf16, as in CAUSAL_CHANGES, this kernel against the Triton one): N=1k 309.5 against 322.0, 2k
-368.6 against 348.6, 4k 408.0 against 386.8, 8k 432.0 against 409.1, 16k 436.8 against 425.9 (lengths between
-1k and 2k unmeasured). Before session 12 (one CTA per item, no pairs, results/2026-11-30-h200x2-s7-call3-timing-
-f38e70e.log) the Triton kernel was faster at D=64 up to N=4k."""
+CAUSAL_MIN_SEQLEN_Q = {64: 1, 128: 1, 256: 1}
+"""Per head dim, the shortest seqlen_q whose causal forwards run here (shorter ones run the Triton kernel): every
+length since session 19. D=64 took the Triton kernel below N=2k from session 12 (H200, bf16, as in CAUSAL_CHANGES,
+this kernel against the Triton one: N=1k 309.5 against 322.0, 2k 368.6 against 348.6). Since then this kernel walks
+its causal items in pair slots or lists and its host path keeps a plan per layout; session 18 (median of three
+interleaved rounds, results/2026-12-01-h200-s18-call1-tune-42b182b.json) N=1k 327.0 [325.9-327.2] against the Triton
+kernel's 317.2-341.7 (one kernel's spread over the run's columns); session 19 (five rounds, results/2026-12-02-h200-
+s19-call4-tune-gluon-f2933cd.json) N=1k 323.2 [298.5-326.2] against 236.8 [197.3-264.4], N=512 187.9 [136.1-225.2]
+against 143.4 [134.4-166.7] TFLOP/s: never behind, and far ahead where the host is slow (the Triton route's host path
+is the longer one)."""
 
 
 def config(head_dim: int, causal: bool, seqlen_q: int) -> dict:
