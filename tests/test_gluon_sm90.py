@@ -1109,7 +1109,7 @@ def test_one_compiled_kernel_serves_every_length(monkeypatch, launches):
     monkeypatch.setattr(_launch, "_COMPILED", {})
     for seqlen, nheads in ((128, 1), (384, 4), (1024, 8), (256, 8)):
         check(*make_inputs(2, seqlen, seqlen, nheads, nheads, 128, dtype=torch.bfloat16), causal=False)
-    kernels = [key[0] for key in _launch._COMPILED if key[0] is not backward._delta_kernel]
+    kernels = [kernel for kernel, _ in _launch._COMPILED.values() if kernel is not backward._delta_kernel]
     assert sorted(kernel.fn.__name__ for kernel in kernels) == [
         "_attention_backward_sm90_kernel",
         "_attention_forward_sm90_kernel",

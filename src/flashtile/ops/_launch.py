@@ -32,8 +32,11 @@ MAX_KEYS = 1024
 """Keys kept before ``_COMPILED`` starts over (ints are keyed by value, so each new shape adds one): a key then
 launches through the binder once more, which finds its kernel in Triton's own cache."""
 
-_COMPILED: dict[tuple, object] = {}
-"""The compiled kernels ``launch`` has seen, by their key (``specialization_key`` or the one ``launch`` was given)."""
+_COMPILED: dict[tuple, tuple[JITFunction, object]] = {}
+"""The kernels ``launch`` has seen and their compiled kernels, by their key (``specialization_key`` or the one
+``launch`` was given). A key names its kernel by ``id``: hashing a JITFunction runs its ``cache_key`` property under a
+lock (~6k instructions per lookup on the development CPU, as much as the rest of a Gluon launch's lookup); the entry
+holds the kernel itself, so its id is not reused while the key is kept."""
 
 
 def _arg_key(a) -> object:
@@ -48,11 +51,12 @@ def _arg_key(a) -> object:
 
 
 def specialization_key(kernel: JITFunction, args: tuple, constexprs: list, options: dict) -> tuple:
-    """A key that determines what Triton compiles ``kernel`` for: the kernel, the current device, the options
-    (num_warps, num_stages), the constexprs in parameter order, then per argument its int value, None, a tensor's
-    dtype and 16-byte alignment, a descriptor's dtype, block and padding, or the type of a float or bool."""
+    """A key that determines what Triton compiles ``kernel`` for: the kernel (its ``id``, ``_COMPILED``), the current
+    device, the options (num_warps, num_stages), the constexprs in parameter order, then per argument its int value,
+    None, a tensor's dtype and 16-byte alignment, a descriptor's dtype, block and padding, or the type of a float or
+    bool."""
     return (
-        kernel, torch.cuda.current_device(), *options.items(), *constexprs,
+        id(kernel), torch.cuda.current_device(), *options.items(), *constexprs,
         *[a if type(a) is int or a is None else _arg_key(a) for a in args],
     )  # fmt: skip
 
@@ -105,13 +109,13 @@ def launch_keyed(
 ) -> None:  # fmt: skip
     """``launch`` past its key: ``tail`` is ``constexpr_tail(kernel, args, constexprs)`` and ``launch_key`` the key of
     these arguments, both computed by the caller (which may keep them for arguments it knows to key alike)."""
-    compiled = _COMPILED.get(launch_key)
-    if compiled is None:
+    entry = _COMPILED.get(launch_key)
+    if entry is None:
         if len(_COMPILED) >= MAX_KEYS:
             _COMPILED.clear()
-        _COMPILED[launch_key] = kernel[grid](*args, **constexprs, **options)
+        _COMPILED[launch_key] = kernel, kernel[grid](*args, **constexprs, **options)
         return
-    run_compiled(compiled, grid, (*args, *tail))
+    run_compiled(entry[1], grid, (*args, *tail))
 
 
 MAX_PLANS = 256

@@ -846,12 +846,12 @@ def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def launch_key(kernel, args: tuple, constexprs: list, options: dict) -> tuple:
     """What Triton specializes a compiled Gluon kernel of this module on, for these arguments, these constexpr
-    values (in parameter order) and options: the device, every constexpr and option, each tensor's dtype and
-    16-byte alignment, each descriptor's dtype and box (its swizzle follows from them, ``shared_layout``), whether
-    each int fits in 32 bits, and the type of any other argument. The kernels list their int parameters in
-    ``do_not_specialize`` (tests/test_gluon_sm90.py checks the launches' ints against it), so no other property of
-    an int (1, or a multiple of 16) changes the compiled code and one compile serves every length; floats compile
-    as fp32 whatever their value."""
+    values (in parameter order) and options (the kernel by ``id``, as in ``_launch.specialization_key``): the device,
+    every constexpr and option, each tensor's dtype and 16-byte alignment, each descriptor's dtype and box (its
+    swizzle follows from them, ``shared_layout``), whether each int fits in 32 bits, and the type of any other
+    argument. The kernels list their int parameters in ``do_not_specialize`` (tests/test_gluon_sm90.py checks the
+    launches' ints against it), so no other property of an int (1, or a multiple of 16) changes the compiled code and
+    one compile serves every length; floats compile as fp32 whatever their value."""
     parts = []
     for a in args:
         kind = type(a)
@@ -863,7 +863,7 @@ def launch_key(kernel, args: tuple, constexprs: list, options: dict) -> tuple:
             parts.append((a.dtype, a.data_ptr() % 16 == 0))
         else:
             parts.append(kind)
-    return (kernel, torch.cuda.current_device(), *options.items(), *constexprs, *parts)
+    return (id(kernel), torch.cuda.current_device(), *options.items(), *constexprs, *parts)
 
 
 def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, keyed=None):
