@@ -192,14 +192,20 @@ def test_forward_plans_follow_layouts_and_configs(monkeypatch):
 
 def test_backward_plans_follow_layouts_and_configs(monkeypatch):
     """``backward_plan``: calls on new tensors of one layout reuse the plan (descriptors rebased on the call's
-    tensors and fresh outputs, one grid, constexprs and launch key); a changed CONFIGS entry makes another; inputs
-    that do not qualify (a scale not above 0, a length not a multiple of 128) launch nothing and return None."""
+    tensors and fresh outputs, one grid, constexprs and launch key; the plan's output templates on the meta device);
+    a changed CONFIGS entry makes another; inputs that do not qualify (a scale not above 0, a length not a multiple
+    of 128) launch nothing and return None."""
     launches = []
     monkeypatch.setattr(
         backward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx))
     )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(backward_sm90, "_PLANS", _launch.Plans())
+    outputs = backward_sm90._outputs
+    devices = []  # where each call's outputs and each plan's templates are allocated
+    monkeypatch.setattr(
+        backward_sm90, "_outputs", lambda q, k, v, device: devices.append(device.type) or outputs(q, k, v, device)
+    )
 
     def call(seqlen_q=256, scale=0.1):
         q, k, v = qkv(seqlen_q=seqlen_q)
@@ -212,6 +218,7 @@ def test_backward_plans_follow_layouts_and_configs(monkeypatch):
         assert [d.base for d in args[:4]] == list(tensors) and [d.base for d in args[4:6]] == list(grads[1:])
         assert args[9].base is args[8] and args[8].shape == tensors[0].shape
     assert len(backward_sm90._PLANS) == 1 and launches[0][0] == launches[1][0] and launches[0][2] == launches[1][2]
+    assert devices == ["meta", "cpu", "cpu"]  # the plan's templates allocate nothing on the inputs' device
     monkeypatch.setitem(backward_sm90.CONFIGS[128], "KEY_PAIRS", False)
     call()
     assert launches[-1][2]["KEY_PAIRS"] is False and launches[-1][0] != launches[0][0]
@@ -684,7 +691,7 @@ def test_three_warpgroups_at_head_dim_64_against_oracle(monkeypatch, launches, c
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
-def test_any_lengths_stay_in_their_batch_entry(monkeypatch, head_dim, causal):
+def test_any_lengths_stay_in_their_batch_entry(head_dim, causal):
     """Each batch entry's out and lse, written over NaN, equal bit for bit a launch on that entry alone: the
     clipped last tiles write every row of their entry and nothing of the next one (whose rows follow in
     memory), and the zero-filled loads read nothing of it."""

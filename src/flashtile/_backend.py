@@ -101,11 +101,12 @@ def path_name(device: torch.device) -> str:
 
 def attention_path(device: torch.device) -> ModuleType:
     """The module that implements attention for tensors on ``device``."""
-    return _path_module(path_name(device) == "cpu")
+    return imported("flashtile.cpu" if path_name(device) == "cpu" else "flashtile.ops.attention")
 
 
 @functools.cache
-def _path_module(cpu: bool) -> ModuleType:
-    """``flashtile.cpu`` or ``flashtile.ops.attention`` (the Triton kernels' launchers), imported on first use: an
-    import statement in ``attention_path`` would run the import system's lookup on every call."""
-    return importlib.import_module("flashtile.cpu" if cpu else "flashtile.ops.attention")
+def imported(name: str) -> ModuleType:
+    """The module ``name``, imported on the first call: for modules a per-call path needs but must not import at
+    import time (the CPU path, the kernels' launchers, Gluon only on sm_90 GPUs); an import statement in a function
+    runs the import system's lookup on every call."""
+    return importlib.import_module(name)

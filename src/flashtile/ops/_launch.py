@@ -12,10 +12,11 @@ arguments directly: to Triton's launcher (``compiled.run``) on the current strea
 
 The key is finer than Triton's specialization, never coarser: every int by value (Triton looks at its class), so
 arguments with equal keys specialize equally (tests/test_launch.py compares keys with the binder's specialization on
-Triton 3.6 and 3.7). The Gluon kernels pass a coarser key (``forward_sm90.launch``: their ints are not
-specialized, so one compile, and one entry here, serves every length). What the direct launches skip: the
-check that the kernel's globals kept their values since it compiled, ``JITFunction``'s pre-run hooks, and options
-read from the environment (``TRITON_DEBUG``) changing after a key's first launch.
+Triton 3.6 and 3.7). The Gluon kernels come through ``launch_keyed`` with a coarser key
+(``forward_sm90.launch_key``: their ints are not specialized, so one compile, and one entry here, serves every
+length). What the direct launches skip: the check that the kernel's globals kept their values since it compiled,
+``JITFunction``'s pre-run hooks, and options read from the environment (``TRITON_DEBUG``) changing after a key's
+first launch.
 """
 
 from __future__ import annotations
@@ -82,20 +83,17 @@ def run_compiled(compiled, grid: tuple[int, int, int], args: list | tuple) -> No
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
 
 
-def launch(
-    kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, key=specialization_key, **options
-) -> None:
+def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, **options) -> None:
     """``kernel[grid](*args, **constexprs, **options)`` on the current device and stream: ``args`` are the kernel's
     leading parameters in order, ``constexprs`` name all the rest, ``options`` are Triton's (num_warps, num_stages).
-    Through ``JITFunction.run`` on the first launch of a ``key(kernel, args, constexpr values in parameter order,
-    options)``, directly after it: ``specialization_key``, or a coarser key that knows more of the kernel (the Gluon
-    kernels', ``forward_sm90.launch_key``). A kernel that is not a compiled ``JITFunction`` (the interpreter's,
-    under TRITON_INTERPRET=1, or a stand-in) is called as it is."""
+    Through ``JITFunction.run`` on the first launch of a ``specialization_key``, directly after it (``launch_keyed``).
+    A kernel that is not a compiled ``JITFunction`` (the interpreter's, under TRITON_INTERPRET=1, or a stand-in) is
+    called as it is."""
     if not isinstance(kernel, JITFunction):
         kernel[grid](*args, **constexprs, **options)
         return
     tail = constexpr_tail(kernel, args, constexprs)
-    launch_keyed(kernel, grid, args, constexprs, tail, key(kernel, args, tail, options), options)
+    launch_keyed(kernel, grid, args, constexprs, tail, specialization_key(kernel, args, tail, options), options)
 
 
 def constexpr_tail(kernel: JITFunction, args: tuple, constexprs: dict) -> list:

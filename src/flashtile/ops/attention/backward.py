@@ -33,10 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtile._backend import imported
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
-from flashtile.ops.attention.configs import cdiv, config, gluon_device, gluon_launchers, head_grid
+from flashtile.ops.attention.configs import cdiv, config, gluon_device, head_grid
 from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
     LOG2E,
@@ -651,7 +652,7 @@ def attention_backward(
         and window_left is None and window_right in (None, 0) and softcap == 0.0 and dropout_p == 0.0
         and alibi_slopes is None and attn_mask is None
     ):  # fmt: skip
-        backward_sm90 = gluon_launchers("backward_sm90")  # Gluon is imported on sm_90 GPUs only
+        backward_sm90 = imported("flashtile.ops.attention.backward_sm90")  # Gluon: on sm_90 GPUs only
 
         causal = window_right == 0
         grads = backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=causal)

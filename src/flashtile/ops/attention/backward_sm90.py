@@ -228,8 +228,8 @@ from flashtile.ops.attention.configs import head_grid
 from flashtile.ops.attention.forward_sm90 import (
     ROWS,
     descriptor,
+    keyed_for,
     launch,
-    launch_key,
     mma_layout,
     partition_barrier,
     rows_view_ok,
@@ -1288,7 +1288,8 @@ def backward_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool)
 
 
 def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> tuple[BackwardPlan | None, bool]:
-    """``backward_plan``'s plan made anew (on outputs allocated for it), and True: keep it."""
+    """``backward_plan``'s plan made anew, and True: keep it. The outputs' descriptor templates come from tensors of
+    their layouts on the meta device (no memory, no zero fill: a first call allocates its outputs once)."""
     if not qualifies(q, k, v, dout, causal, softmax_scale):
         return None, True
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -1296,7 +1297,7 @@ def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) ->
     cfg = CONFIGS[head_dim]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     rows_out = block_n if cfg["OUTPUT_SPLIT"] else block_n // 2  # the dK / dV rows one warpgroup stores
-    dq_accum, dk, dv = _outputs(q, k, v)
+    dq_accum, dk, dv = _outputs(q, k, v, torch.device("meta"))
     # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
     dq_desc = dq_descriptor(dq_accum, dq_rows(block_m, cfg["DQ_SPLIT"]), cfg["DQ_PERMUTED"]) if cfg["DQ_TMA"] else None
     descriptors = (
@@ -1306,17 +1307,17 @@ def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) ->
     ints = (seqlen_q, seqlen_k, nheads, nheads // nheads_k)
     args = (*descriptors, lse, delta, dq_accum, dq_desc, 1.0, 1.0, *ints)
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, **cfg)
-    tail = _launch.constexpr_tail(_attention_backward_sm90_kernel, args, constexprs)
-    keyed = tail, launch_key(_attention_backward_sm90_kernel, args, tail, {"num_warps": 4})
+    keyed = keyed_for(_attention_backward_sm90_kernel, args, constexprs)
     grid = head_grid(programs(seqlen_k // block_n, cfg, causal), batch, nheads_k)
     dq_template = None if dq_desc is None else template(dq_desc)
     return BackwardPlan(grid, tuple(map(template, descriptors)), dq_template, ints, constexprs, keyed), True
 
 
-def _outputs(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq_accum (zeros, fp32, q's shape), dk and dv (``empty_output``, k's and v's shapes and dtypes)."""
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    return dq_accum, empty_output(k.shape, k.dtype, k.device), empty_output(v.shape, v.dtype, v.device)
+def _outputs(q, k, v, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On ``device``: dq_accum (zeros, fp32, q's shape), dk and dv (``empty_output``, k's and v's shapes and
+    dtypes)."""
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
+    return dq_accum, empty_output(k.shape, k.dtype, device), empty_output(v.shape, v.dtype, device)
 
 
 def attention_backward_sm90(
@@ -1348,7 +1349,7 @@ def attention_backward_sm90(
     plan = backward_plan(dout, q, k, v, lse, delta, softmax_scale, causal)
     if plan is None:
         return None
-    dq_accum, dk, dv = _outputs(q, k, v)
+    dq_accum, dk, dv = _outputs(q, k, v, q.device)
     q_desc, dout_desc, k_desc, v_desc, dk_desc, dv_desc = plan.descriptors
     dq_desc = None if plan.dq_descriptor is None else rebase(plan.dq_descriptor, dq_accum)
     args = (

@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -139,14 +137,6 @@ def gluon_device(device: torch.device) -> bool:
     switched on (``flashtile._backend.GLUON``) and an sm_90 GPU. The launchers ask this first, so other
     devices pay for nothing else and never import Gluon."""
     return _backend.GLUON and device.type == "cuda" and compute_capability(device.index) == (9, 0)
-
-
-@functools.cache
-def gluon_launchers(name: str) -> ModuleType:
-    """The module ``flashtile.ops.attention.<name>`` ("forward_sm90" or "backward_sm90"), imported on first use: the
-    launchers import Gluon only where ``gluon_device`` holds, and through this function an import statement's lookup
-    does not run on every call."""
-    return importlib.import_module(f"flashtile.ops.attention.{name}")
 
 
 MASK_MAX_STAGES = 2

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtile._backend import imported
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
@@ -52,7 +53,6 @@ from flashtile.ops.attention.configs import (
     cdiv,
     config,
     gluon_device,
-    gluon_launchers,
     head_grid,
     padded_head_dim,
 )
@@ -481,7 +481,7 @@ def _launch(
         and window_left is None and window_right in (None, 0) and softcap == 0.0 and not (is_varlen or has_dropout)
         and alibi_slopes is None and learnable_sink is None and attn_mask is None
     ):  # fmt: skip
-        forward_sm90 = gluon_launchers("forward_sm90")  # Gluon is imported on sm_90 GPUs only
+        forward_sm90 = imported("flashtile.ops.attention.forward_sm90")  # Gluon: on sm_90 GPUs only
 
         if forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=window_right == 0):
             return

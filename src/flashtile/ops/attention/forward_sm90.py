@@ -866,11 +866,21 @@ def launch_key(kernel, args: tuple, constexprs: list, options: dict) -> tuple:
     return (id(kernel), torch.cuda.current_device(), *options.items(), *constexprs, *parts)
 
 
+GLUON_OPTIONS = {"num_warps": 4}
+"""Triton's options of every Gluon launch (its warp count is the default partition's; workers set their own)."""
+
+
+def keyed_for(kernel, args: tuple, constexprs: dict) -> tuple[list, tuple]:
+    """``launch``'s ``keyed`` for these arguments: the constexprs' values in parameter order and the ``launch_key``."""
+    tail = _launch.constexpr_tail(kernel, args, constexprs)
+    return tail, launch_key(kernel, args, tail, GLUON_OPTIONS)
+
+
 def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, keyed=None):
     """``kernel[grid](*args, **constexprs, num_warps=4)``: a launch through Triton's JITFunction.run (binding,
     specializing and hashing every argument, compiling on a new key; ``keyed`` is not used); returns the compiled
     kernel."""
-    return kernel[grid](*args, **constexprs, num_warps=4)
+    return kernel[grid](*args, **constexprs, **GLUON_OPTIONS)
 
 
 def launch(
@@ -891,11 +901,9 @@ def launch(
     parameters in order, ``constexprs`` name all the rest. ``keyed``: the constexprs' values in parameter order and
     the ``launch_key`` of these arguments, kept by the caller (``ForwardPlan``); computed here when None.
     """
-    options = {"num_warps": 4}
     if keyed is None:
-        tail = _launch.constexpr_tail(kernel, args, constexprs)
-        keyed = tail, launch_key(kernel, args, tail, options)
-    _launch.launch_keyed(kernel, grid, args, constexprs, *keyed, options)
+        keyed = keyed_for(kernel, args, constexprs)
+    _launch.launch_keyed(kernel, grid, args, constexprs, *keyed, GLUON_OPTIONS)
 
 
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
@@ -1027,8 +1035,7 @@ def _make_plan(q, k, v, out, lse, causal: bool) -> tuple[ForwardPlan | None, boo
     ints = (seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2])
     args = (*descriptors, lse, 1.0, *ints, schedule)
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
-    tail = _launch.constexpr_tail(_attention_forward_sm90_kernel, args, constexprs)
-    keyed = tail, launch_key(_attention_forward_sm90_kernel, args, tail, {"num_warps": 4})
+    keyed = keyed_for(_attention_forward_sm90_kernel, args, constexprs)
     grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
     return ForwardPlan(grid, tuple(map(template, descriptors)), ints, schedule, constexprs, keyed), not capturing
 
