@@ -164,7 +164,7 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "stride_vnb": ST, "stride_vnn": ST, "stride_vnh": ST, "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
         "stride_lb": INT, "stride_lh": INT, "stride_ps": ST, "stride_ls": INT,
         "stride_bt": INT, "stride_ab": INT, "stride_cos": INT,
-        "nheads_k": INT, "group": INT, "seqlen_q": INT, "seqlen_new": INT, "seqlen_cache": INT, "num_splits": INT,
+        "nheads_k": INT, "seqlen_q": INT, "seqlen_new": INT, "seqlen_cache": INT, "num_splits": INT,
         "seqlen_ro": INT, "num_slots": INT, "left": INT, "right": INT, "qk_scale": FP, "softcap": FP,
     },
 }
@@ -441,9 +441,11 @@ def decode_variants() -> list[Variant]:
     for head_dim in head_dims:
         cfg = decode_configs.config(_CUDA, head_dim)
         dims = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_D": head_dim, "BLOCK_DV": head_dim}
-        off = {"PAGE_SIZE": 0, "HAS_SEQLENS": False, "HAS_BATCH_IDX": False, "HAS_LEFTPAD": False, "MASK_LEFT": False,
-               "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False, "ROTARY_DIM": 0,
-               "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "HAS_NEW": False, "IS_SPLIT": False}  # fmt: skip
+        # GROUP 4: bench_decode's 32 query heads over 8 kv heads
+        off = {"GROUP": 4, "PAGE_SIZE": 0, "INT64_OFFSETS": False, "HAS_SEQLENS": False, "HAS_BATCH_IDX": False,
+               "HAS_LEFTPAD": False, "MASK_LEFT": False, "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False,
+               "ROTARY_DIM": 0, "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "HAS_NEW": False,
+               "IS_SPLIT": False}  # fmt: skip
         # everything on that a launch can combine (cache_batch_idx excludes a paged cache), writing fp32 splits
         paged = dict(off, PAGE_SIZE=256, HAS_SEQLENS=True, HAS_LEFTPAD=True, MASK_LEFT=True, MASK_RIGHT=True,
                      HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True,

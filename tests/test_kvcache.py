@@ -23,7 +23,7 @@ import flashtile.kvcache
 import flashtile.ops.decode
 from conftest import DEVICE, capture
 from flashtile.kvcache import flash_attn_with_kvcache
-from flashtile.ops.decode import configs
+from flashtile.ops.decode import configs, split_kv
 from flashtile.reference import attention_reference, visibility_mask
 from oracle import assert_within_rule
 
@@ -397,6 +397,23 @@ def test_strided_inputs(path):
     )  # fmt: skip
 
 
+def test_int64_tile_offsets(monkeypatch):
+    """Contiguous caches whose key tile spans 2**31 elements or more take int64 offsets inside a tile
+    (``split_kv.INT32_LIMIT``, INT64_OFFSETS): forced here at a small size, over several tiles, a batch index
+    and a left pad, the answer and the cache are those of the oracle."""
+    flags = []
+    launch = split_kv.launch
+
+    def recording(kernel, grid, args, constexprs, **options):
+        flags.append(constexprs["INT64_OFFSETS"])
+        return launch(kernel, grid, args, constexprs, **options)
+
+    monkeypatch.setattr(split_kv, "INT32_LIMIT", 1)
+    monkeypatch.setattr(split_kv, "launch", recording)
+    check(Case(seqlen_q=2, seqlen_new=2, batch_idx=True, leftpad=True, num_splits=2))
+    assert flags == [True]
+
+
 def test_int_cache_seqlens(path):
     case = Case(cache_seqlens=(50, 50), seqlen_new=3, seqlen_q=3)
     check(case, cache_seqlens=50)
@@ -753,8 +770,6 @@ def test_host_helpers_match_triton(n):
 # Splits merged in the kernel ----------------------------------------------------------------------------
 # With num_splits > 1 every split takes a ticket from its tile's counter and the last one merges the
 # splits (ops/decode/split_kv.py); the counters must be back at zero after each launch.
-
-split_kv = flashtile.ops.decode.split_kv
 
 
 def counters_are_zero(device: torch.device) -> bool:

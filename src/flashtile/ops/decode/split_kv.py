@@ -51,7 +51,7 @@ from flashtile.ops.attention.configs import cdiv, padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.append import BLOCK_NEW, append_new, load_new
-from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows
+from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows, load_tile
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
 MERGE_CHUNK = tl.constexpr(4)
@@ -66,6 +66,10 @@ Hq 32, D 128, graph µs per step, chunk 4 / 8 / 16: contiguous 1k 13.6 / 13.4 / 
 rule against chunk 4 everywhere, one process (results/2026-12-01-h200-s15-call1-tune-decode-*): contiguous 1k 13.7 ->
 13.3, 4k 19.6 -> 19.1, 16k 35.4 -> 34.7, paged 4k 24.1 -> 23.3, 16k 40.6 -> 39.6, B=4 unchanged. Eight at 32-64 rows
 spills (sm90_compile: D=64 64 rows 0 -> 56 bytes of stack), so those keep MERGE_CHUNK."""
+
+INT32_LIMIT = 2**31
+"""Element offsets inside one key tile of a contiguous cache from this on are computed in int64 (INT64_OFFSETS), so
+that a cache with a huge sequence stride is still read where it is; below it in int32."""
 
 _counters: dict[torch.device, torch.Tensor] = {}  # device -> its ticket counters, int32, zero between launches
 _kept: list[torch.Tensor] = []  # buffers a captured CUDA graph may still use: outgrown, or zeroed in a graph
@@ -142,6 +146,7 @@ def _decode_tile(
     HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     MASKED: tl.constexpr,
     MASK_LEFT: tl.constexpr,
@@ -164,7 +169,7 @@ def _decode_tile(
             KNew, VNew, stride_knn, stride_vnn, offs_n - new_lo, n_ok, leftpad + offs_n, Cos, Sin, stride_cos,
             seqlen_ro, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, ROTARY_DIM, ROTARY_INTERLEAVED,
         )  # fmt: skip
-    else:
+    elif PAGE_SIZE > 0:
         slot, row = cache_slots(
             leftpad + offs_n, n_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX
         )
@@ -172,6 +177,17 @@ def _decode_tile(
         v_rows = VCache + slot * stride_vb + row * stride_vn + off_hk * stride_vh
         k = load_rows(k_rows, n_ok, offs_d, HEAD_DIM, MASKED)  # [BLOCK_N, D]
         v = load_rows(v_rows, n_ok, offs_dv, HEAD_DIM_V, MASKED)  # [BLOCK_N, DV]
+    else:
+        slot, first = cache_slots(
+            leftpad + start_n, True, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX
+        )
+        rel = tl.arange(0, BLOCK_N)  # the tile's rows, offsets from its first: the same for every tile
+        if INT64_OFFSETS:
+            rel = rel.to(tl.int64)
+        k_tile = KCache + slot * stride_kb + first * stride_kn + off_hk * stride_kh
+        v_tile = VCache + slot * stride_vb + first * stride_vn + off_hk * stride_vh
+        k = load_tile(k_tile, rel[:, None] * stride_kn + offs_d[None, :], n_ok, offs_d, HEAD_DIM, MASKED)
+        v = load_tile(v_tile, rel[:, None] * stride_vn + offs_dv[None, :], n_ok, offs_dv, HEAD_DIM_V, MASKED)
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
         s = tanh(qk * qk_scale) * softcap  # softcap * tanh(scale * qk / softcap), in log2 units
@@ -299,7 +315,6 @@ def _split_kv_kernel(
     stride_ab,
     stride_cos,
     nheads_k,
-    group,
     seqlen_q,
     seqlen_new,
     seqlen_cache,
@@ -316,7 +331,9 @@ def _split_kv_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
@@ -335,6 +352,9 @@ def _split_kv_kernel(
     HAS_NEW: KNew (B, Sn, Hk, D) and VNew (B, Sn, Hk, DV), Sn = seqlen_new, are this step's new tokens, the
     last keys of each batch entry: read from there (``append.load_new``), and appended to the caches by
     the programs of query tile 0, the token tiles divided among the splits (``append.append_new``).
+
+    GROUP = nheads // nheads_k, a constexpr: the packed rows' division by it (every program's first instructions)
+    is then a constant's, a shift for powers of two. INT64_OFFSETS: ``INT32_LIMIT``.
 
     IS_SPLIT (num_splits > 1): split s also writes its partials to OutPart (S, B, Sq, H, DV) and LsePart
     (S, B, H, Sq), fp32, laid out as Out and Lse behind a split stride (stride_ps, stride_ls), and takes a
@@ -357,9 +377,9 @@ def _split_kv_kernel(
     diag = seqlen_k - seqlen_q
 
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (token, head in group)
-    row_ok = rows < seqlen_q * group
-    tok = rows // group
-    off_h = off_hk * group + rows % group  # [BLOCK_M] query heads
+    row_ok = rows < seqlen_q * GROUP
+    tok = rows // GROUP
+    off_h = off_hk * GROUP + rows % GROUP  # [BLOCK_M] query heads
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
@@ -382,8 +402,8 @@ def _split_kv_kernel(
         slope = tl.load(Alibi + b64 * stride_ab + off_h) * LOG2E
 
     # The keys any row of this tile sees: [lo, hi); the keys every row sees: [full_lo, full_hi).
-    first_tok = tile_m * BLOCK_M // group
-    last_tok = tl.minimum((tile_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
+    first_tok = tile_m * BLOCK_M // GROUP
+    last_tok = tl.minimum((tile_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
     lo = 0
     hi = seqlen_k
     full_lo = 0
@@ -402,7 +422,10 @@ def _split_kv_kernel(
     lo = lo // BLOCK_N * BLOCK_N
     hi = tl.maximum(hi, lo)
     # This split's share of the key tiles, [start, end): cache keys in tiles masked | unmasked | masked up
-    # to cache_end, then the new keys from max(start, new_lo) in tiles of BLOCK_NEW.
+    # to cache_end, then the new keys from max(start, new_lo) in tiles of BLOCK_NEW. An empty segment is skipped
+    # before its loop: the software pipeline's prologue would otherwise compute the addresses of its first tiles
+    # and issue their (predicated-off) loads. Decode steps are chains of dependent instructions with one warp
+    # per SM sub-partition, so every instruction counts (docs/tuning-log.md, session 20).
     tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
     start = tl.minimum(lo + split * tiles_per_split * BLOCK_N, hi)
     end = tl.minimum(start + tiles_per_split * BLOCK_N, hi)
@@ -425,16 +448,18 @@ def _split_kv_kernel(
         else:
             seg_lo, seg_hi = tl.maximum(start, new_lo), end
         if segment < 3 or HAS_NEW:
-            for start_n in range(seg_lo, seg_hi, BLOCK_N if segment < 3 else BLOCK_NEW):
-                acc, m_i, l_i = _decode_tile(
-                    acc, m_i, l_i, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin,
-                    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_knn,
-                    stride_vnn, stride_cos, seqlen_ro, num_slots, off_b, off_hk, leftpad, start_n, tok, slope, offs_d,
-                    offs_dv, new_lo, end if segment == 3 else new_lo, diag, left, right, qk_scale, softcap,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_N if segment < 3 else BLOCK_NEW, PAGE_SIZE, HAS_BATCH_IDX,
-                    segment != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, segment == 3, ROTARY_DIM,
-                    ROTARY_INTERLEAVED,
-                )  # fmt: skip
+            if seg_lo < seg_hi:
+                for start_n in range(seg_lo, seg_hi, BLOCK_N if segment < 3 else BLOCK_NEW):
+                    acc, m_i, l_i = _decode_tile(
+                        acc, m_i, l_i, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin,
+                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_knn,
+                        stride_vnn, stride_cos, seqlen_ro, num_slots, off_b, off_hk, leftpad, start_n, tok, slope,
+                        offs_d, offs_dv, new_lo, end if segment == 3 else new_lo, diag, left, right, qk_scale, softcap,
+                        HEAD_DIM, HEAD_DIM_V, BLOCK_N if segment < 3 else BLOCK_NEW, PAGE_SIZE, INT64_OFFSETS,
+                        HAS_BATCH_IDX,
+                        segment != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, segment == 3, ROTARY_DIM,
+                        ROTARY_INTERLEAVED,
+                    )  # fmt: skip
 
     out, lse = _normalize(acc, m_i, l_i)
     o_rows = b64 * stride_ob + tok * stride_om + off_h * stride_oh  # [BLOCK_M] row offsets in Out (and OutPart)
@@ -549,6 +574,8 @@ def decode_attention(
         qk_scale, softcap_log2 = softmax_scale / softcap, softcap * LOG2E.value
     else:
         qk_scale, softcap_log2 = softmax_scale * LOG2E.value, 0.0
+    # the largest element offset inside one key tile of a contiguous cache (``_decode_tile``)
+    tile_extent = (cfg.block_n - 1) * max(k_cache.stride(1), v_cache.stride(1)) + max(head_dim, head_dim_v)
     grid = (batch * nheads_k, num_splits, m_tiles)
     args = (
         q, k_cache, v_cache, k if has_new else None, v if has_new else None, out, lse, out_part, lse_part, counters,
@@ -557,7 +584,7 @@ def decode_attention(
         0 if block_table is None else block_table.stride(0),
         0 if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes.stride(0),
         0 if rotary_cos is None else rotary_cos.stride(0),
-        nheads_k, group, seqlen_q, seqlen_new, seqlen_cache, 0 if rotary_cos is None else rotary_cos.shape[0],
+        nheads_k, seqlen_q, seqlen_new, seqlen_cache, 0 if rotary_cos is None else rotary_cos.shape[0],
         k_cache.shape[0], num_splits,
         0 if window_left is None else window_left,
         0 if window_right is None else window_right,
@@ -570,7 +597,9 @@ def decode_attention(
         BLOCK_DV=padded_head_dim(head_dim_v),
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
+        GROUP=group,
         PAGE_SIZE=k_cache.shape[1] if paged else 0,
+        INT64_OFFSETS=tile_extent >= INT32_LIMIT,
         HAS_SEQLENS=cache_seqlens is not None,
         HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None,

@@ -81,8 +81,16 @@ def load_rows(row_ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.c
 
     Zero past HEAD_DIM, and (when CHECK_ROWS) in rows that are not ``row_ok``.
     """
+    return load_tile(row_ptrs[:, None], offs_d[None, :], row_ok, offs_d, HEAD_DIM, CHECK_ROWS)
+
+
+@triton.jit
+def load_tile(base, offsets, row_ok, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """The [ROWS, BLOCK_D] tile ``base + offsets`` (pointers and offsets that broadcast to it; columns offs_d
+    [BLOCK_D]), masked as ``load_rows``. A tile at one pointer plus offsets that do not change from tile to tile
+    leaves the compiler one pointer addition per element, where per-row pointers cost a 64-bit product per row."""
     PAD_D: tl.constexpr = offs_d.shape[0] != HEAD_DIM
-    ptrs = row_ptrs[:, None] + offs_d[None, :]
+    ptrs = base + offsets
     if CHECK_ROWS and PAD_D:
         tile = tl.load(ptrs, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     elif CHECK_ROWS:
