@@ -456,9 +456,8 @@ def _split_kv_kernel(
                         stride_vnn, stride_cos, seqlen_ro, num_slots, off_b, off_hk, leftpad, start_n, tok, slope,
                         offs_d, offs_dv, new_lo, end if segment == 3 else new_lo, diag, left, right, qk_scale, softcap,
                         HEAD_DIM, HEAD_DIM_V, BLOCK_N if segment < 3 else BLOCK_NEW, PAGE_SIZE, INT64_OFFSETS,
-                        HAS_BATCH_IDX,
-                        segment != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, segment == 3, ROTARY_DIM,
-                        ROTARY_INTERLEAVED,
+                        HAS_BATCH_IDX, segment != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, segment == 3,
+                        ROTARY_DIM, ROTARY_INTERLEAVED,
                     )  # fmt: skip
 
     out, lse = _normalize(acc, m_i, l_i)
