@@ -45,14 +45,10 @@ INDEX_DTYPE = torch.int32
 
 
 def _implementation(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``kvcache_forward`` of the path that runs for ``device`` (``flashtile._backend.path_name``)."""
-    if path_name(device) == "cpu":
-        from flashtile import cpu_decode
-
-        return cpu_decode.kvcache_forward
-    from flashtile.ops import decode  # imports Triton: only when it runs
-
-    return decode.kvcache_forward
+    """``kvcache_forward`` of the path that runs for ``device`` (``flashtile._backend.path_name``); its module is
+    imported on first use (``flashtile.ops.decode`` imports Triton)."""
+    module = "flashtile.cpu_decode" if path_name(device) == "cpu" else "flashtile.ops.decode"
+    return _backend.imported(module).kvcache_forward
 
 
 @torch.library.custom_op("flashtile::kvcache_forward", mutates_args=("k_cache", "v_cache"))
