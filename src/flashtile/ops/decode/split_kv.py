@@ -598,7 +598,7 @@ def decode_attention(
         BLOCK_N=cfg.block_n,
         GROUP=group,
         PAGE_SIZE=k_cache.shape[1] if paged else 0,
-        INT64_OFFSETS=tile_extent >= INT32_LIMIT,
+        INT64_OFFSETS=not paged and tile_extent >= INT32_LIMIT,  # paged tiles keep per-row pointers
         HAS_SEQLENS=cache_seqlens is not None,
         HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None,
