@@ -19,12 +19,6 @@ from flashtile.ops.attention.configs import cdiv
 
 MAX_SPLITS = 128
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
-WIDE_MERGE = 16
-"""The most splits the heuristic lets read a single key tile each: more splits than this get at least two tiles each
-(``num_splits``), down to WIDE_MERGE. H200, B=1 (8 programs), Hkv 8, D 128, (128, 4, 2) config, graph µs per step
-by split count (results/2026-12-01-h200-s14-call3-tune-decode-f4b2240.json): paged 4k (32 tiles) 21.9 with 16
-splits, 22.6 with 24, 24.1 with 32; paged 2k (16 tiles) 17.9 with 16 against 19.0 with 8; paged 16k (128 tiles)
-39.4 with 32 against 41.7 with 16: a wide merge pays off only when the splits have more than one tile to read."""
 
 
 @dataclass(frozen=True)
@@ -42,13 +36,13 @@ INTERPRETER = DecodeConfig(32, 4, 1)
 CUDA_HEAD_DIM_128 = DecodeConfig(128, 4, 2)  # head dims <= 128
 CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
 FEW_PROGRAMS = 8
-CUDA_FEW_PROGRAMS = DecodeConfig(128, 8, 3, programs_per_sm=1)
+CUDA_FEW_PROGRAMS = DecodeConfig(64, 4, 3, programs_per_sm=1)
 """Head dims <= 128, a contiguous cache and at most FEW_PROGRAMS programs before splitting (B=1 with 8 kv heads),
 unless every split would read at most two key tiles (``config_and_splits``): one program per SM with three key
-tiles in flight. On the H200 at B=1, Hkv=8, D=128, contexts 16k / 64k / 128k it took 36.5 / 83.2 / 139.8 µs against
-40.6 / 88.8 / 147.5 for (128, 4, 2) with two programs per SM (results/2026-11-30-h200x2-tune-decode-b1-86281f1.json;
-through flash_attn_with_kvcache at e739b98: 36.6 / 84.0 / 141.6 µs, results/2026-11-30-h200x2-decode-b1-
-e739b98.md); a paged cache was slower with it (92.7 -> 112.9 µs at 64k), so paged caches keep the general config."""
+tiles in flight. H200, B=1, Hkv 8, D 128, graph µs per step at 16 splits (results/2026-12-02-h200-s21-call1-tune-
+decode-grid.json, the kernel of session 20): 4k 16.6, 16k 31.9, 64k 78.9 against 17.5, 32.7, 79.0 for (128, 8, 3),
+the config before, and 17.8, 35.1, 88.3 for (128, 4, 2) at 16 splits. A paged cache is slower with it (64k: 145 µs
+at 16 splits, 86-96 at 32-48, against 83.8 for the general config), so paged caches keep the general config."""
 
 
 # A host helper in plain Python (as ``cdiv``): it runs on every decode step, and Triton's own
@@ -88,17 +82,15 @@ def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache
     (``choose_num_splits``), capped at the number of key tiles of the cache and at MAX_SPLITS. ``programs`` =
     batch x nheads_k x query tiles.
 
-    One key tile per split is allowed up to WIDE_MERGE splits: on the H200 at B=1 (Hkv 8, D 128) a 1k context took
-    9.3 µs per step with 8 splits of one tile against 10.6 with 4 of two, 2k 10.6 with 16 against 11.2 with 8; B=4
-    at 1k 10.8 with 8 against 10.6 with 4 (results/2026-11-30-h200x2-s9-call4-profdecode-36b94f7.log). Past
-    WIDE_MERGE the heuristic gives each split two tiles or more (``WIDE_MERGE``)."""
+    A split may read a single key tile: on the H200 at B=1 (Hkv 8, D 128) a 1k context took 9.3 µs per step with 8
+    splits of one tile against 10.6 with 4 of two, 2k 10.6 with 16 against 11.2 with 8; B=4 at 1k 10.8 with 8 against
+    10.6 with 4 (results/2026-11-30-h200x2-s9-call4-profdecode-36b94f7.log); paged 4k (32 tiles) 18.8 with 32 splits
+    against 19.5 with 16 (results/2026-12-02-h200-s21-call1-tune-decode-grid.json; before session 20's kernel, 16
+    splits of two tiles had been the faster: a floor of two tiles past 16 splits went with it)."""
     tiles = cdiv(seqlen_cache, cfg.block_n)
     if requested > 0:
         return max(1, min(requested, tiles, MAX_SPLITS))
-    splits = min(choose_num_splits(programs, sm_count(device), cfg.programs_per_sm), tiles, MAX_SPLITS)
-    if splits > WIDE_MERGE and 2 * splits > tiles:
-        splits = max(WIDE_MERGE, tiles // 2)
-    return max(1, splits)
+    return max(1, min(choose_num_splits(programs, sm_count(device), cfg.programs_per_sm), tiles, MAX_SPLITS))
 
 
 def config_and_splits(
@@ -111,8 +103,11 @@ def config_and_splits(
     few-programs config with the split heuristic, one process (results/2026-12-01-h200-s16-call2-tune-decode-wide-
     e7b21a4.json; results/2026-12-01-h200-s14-call3-tune-decode-f4b2240.json for 1k, 2k and 64k): 1k 13.4 / 14.5 and
     2k 15.5 / 16.3 (one tile per split), 3k 17.6 / 18.5 and 4k 18.9 / 19.3 (two), 6k 22.6 / 21.9 and 8k 25.9 / 24.1
-    (three, four), 64k 85.2 / 81.8. Measured at 8 programs only: with fewer (Hkv < 8) the few-programs config splits
-    more, so the switch reaches longer caches (1 program: up to 32k), not timed."""
+    (three, four), 64k 85.2 / 81.8 (the few-programs config then (128, 8, 3): its two tiles per split reached 4k at
+    B=1, the (64, 4, 3) config's reach 2k). Session 21 (the kernel of session 20, results/2026-12-02-h200-s21-call1-
+    tune-decode-grid.json): 1k 11.5 against 12.2 for (64, 4, 3) at 16 splits of one tile, 4k 18.3 (general, 32
+    splits) against 16.6 (four tiles each). Measured at 8 programs only: with fewer (Hkv < 8) the few-programs config
+    splits more, so the switch reaches longer caches, not timed."""
     cfg = config(device, head_dim, programs, paged)
     splits = num_splits(requested, device, programs, seqlen_cache, cfg)
     if cfg == CUDA_FEW_PROGRAMS and cdiv(cdiv(seqlen_cache, cfg.block_n), splits) <= 2:

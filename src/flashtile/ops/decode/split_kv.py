@@ -12,7 +12,8 @@ seqlen_k - seqlen_q). The last seqlen_new, from j = new_lo on, are this step's n
 that attends to them reads them from k and v (keys rotated as the cache will hold them), and the
 programs of query tile 0 write them to the cache (``append``), after attending.
 
-The key tiles a query tile sees are divided evenly among the splits; each split runs the online
+The key tiles a query tile sees are divided evenly among the splits (a decode step's few new keys, when
+there are several splits, go to a split of their own: ``NEW_SPLIT``); each split runs the online
 softmax in base 2 over its share, giving its normalised output out_s and natural-log LSE lse_s. With
 one split these are the final ``out`` and ``lse``. With more, every split writes them to fp32 buffers
 with a leading split dimension and takes a ticket from its tile's counter (below); the split that draws
@@ -50,7 +51,7 @@ from flashtile.ops._launch import launch
 from flashtile.ops.attention.configs import cdiv, padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
-from flashtile.ops.decode.append import BLOCK_NEW, append_new, load_new
+from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows, load_tile
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
@@ -66,6 +67,10 @@ Hq 32, D 128, graph µs per step, chunk 4 / 8 / 16: contiguous 1k 13.6 / 13.4 / 
 rule against chunk 4 everywhere, one process (results/2026-12-01-h200-s15-call1-tune-decode-*): contiguous 1k 13.7 ->
 13.3, 4k 19.6 -> 19.1, 16k 35.4 -> 34.7, paged 4k 24.1 -> 23.3, 16k 40.6 -> 39.6, B=4 unchanged. Eight at 32-64 rows
 spills (sm90_compile: D=64 64 rows 0 -> 56 bytes of stack), so those keep MERGE_CHUNK."""
+
+NEW_SPLIT_MAX = min(BLOCK_NEW.value, BLOCK_T.value)
+"""The most new tokens a split launch gives a split of their own (``NEW_SPLIT``): one attention tile and one store tile
+of them, a decode step's (or a few speculative tokens'); more are divided among the splits with the cache keys."""
 
 INT32_LIMIT = 2**31
 """Element offsets inside one key tile of a contiguous cache from this on are computed in int64 (INT64_OFFSETS), so
@@ -346,6 +351,7 @@ def _split_kv_kernel(
     ROTARY_PER_TOKEN: tl.constexpr,
     HAS_NEW: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    NEW_SPLIT: tl.constexpr,
 ):
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
 
@@ -355,6 +361,9 @@ def _split_kv_kernel(
 
     GROUP = nheads // nheads_k, a constexpr: the packed rows' division by it (every program's first instructions)
     is then a constant's, a shift for powers of two. INT64_OFFSETS: ``INT32_LIMIT``.
+
+    NEW_SPLIT (IS_SPLIT, HAS_NEW and seqlen_new <= BLOCK_NEW: ``NEW_SPLIT_MAX``): the last split attends to the new
+    keys alone and appends them; the others divide the cache keys among them.
 
     IS_SPLIT (num_splits > 1): split s also writes its partials to OutPart (S, B, Sq, H, DV) and LsePart
     (S, B, H, Sq), fp32, laid out as Out and Lse behind a split stride (stride_ps, stride_ls), and takes a
@@ -426,9 +435,18 @@ def _split_kv_kernel(
     # before its loop: the software pipeline's prologue would otherwise compute the addresses of its first tiles
     # and issue their (predicated-off) loads. Decode steps are chains of dependent instructions with one warp
     # per SM sub-partition, so every instruction counts (docs/tuning-log.md, session 20).
-    tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
-    start = tl.minimum(lo + split * tiles_per_split * BLOCK_N, hi)
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, hi)
+    # With NEW_SPLIT the last split takes the new keys alone: they are read (and appended) off the other splits'
+    # path, each of which would otherwise add a dependent load after its pipelined loop.
+    shared_hi = hi
+    shared_splits = num_splits
+    if NEW_SPLIT:
+        shared_hi = tl.maximum(tl.minimum(hi, new_lo), lo)
+        shared_splits = num_splits - 1
+    tiles_per_split = tl.cdiv(tl.cdiv(shared_hi - lo, BLOCK_N), shared_splits)
+    start = tl.minimum(lo + split * tiles_per_split * BLOCK_N, shared_hi)
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, shared_hi)
+    if NEW_SPLIT:
+        end = tl.where(split == shared_splits, hi, end)  # its start is shared_hi
     cache_end = end
     if HAS_NEW:
         cache_end = tl.minimum(end, new_lo)
@@ -484,14 +502,18 @@ def _split_kv_kernel(
         tl.store(Lse + l_rows, lse, mask=row_ok)
 
     # The new tokens to the cache, for the steps to come (this launch reads them from KNew, VNew): token
-    # tiles split, split + num_splits, ... by query tile 0. Last, so that under the interpreter, which runs
-    # the programs one by one, a program that read new keys from the cache would read stale rows.
+    # tiles split, split + num_splits, ... by query tile 0; with NEW_SPLIT their one tile by the last split (the
+    # others' first tile, num_splits - 1 - split, lies past the new tokens). Last, so that under the interpreter,
+    # which runs the programs one by one, a program that read new keys from the cache would read stale rows.
     if HAS_NEW:
         if tile_m == 0:
+            first_tile = split
+            if NEW_SPLIT:
+                first_tile = num_splits - 1 - split
             append_new(
                 k_new, v_new, KCache, VCache, BatchIdx, BlockTable, Cos, Sin, stride_knn, stride_vnn,
                 stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_cos, seqlen_ro,
-                num_slots, off_b, off_hk, cache_len, seqlen_new, split, num_splits, offs_d, offs_dv,
+                num_slots, off_b, off_hk, cache_len, seqlen_new, first_tile, num_splits, offs_d, offs_dv,
                 HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED,
             )  # fmt: skip
 
@@ -537,7 +559,8 @@ def decode_attention(
         softmax_scale, softcap: scores are softcap * tanh(scale * q k / softcap) (scale * q k if softcap = 0)
         window_left, window_right: the visible band, bottom-right aligned; None is unbounded
         rotary_interleaved: rotate pairs (2f, 2f + 1) rather than (f, f + rotary_dim / 2)
-        num_splits: splits of the keys, 0 to choose from the problem size and the SM count
+        num_splits: splits of the keys, 0 to choose from the problem size and the SM count; a split launch with at
+            most NEW_SPLIT_MAX new tokens gets one more split, which reads those alone
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
@@ -559,6 +582,8 @@ def decode_attention(
     cfg, num_splits = configs.config_and_splits(
         num_splits, q.device, max(head_dim, head_dim_v), programs, paged, seqlen_cache
     )
+    new_split = num_splits > 1 and 0 < seqlen_new <= NEW_SPLIT_MAX
+    num_splits += new_split  # the new keys' own split
 
     out_part = lse_part = counters = None
     stride_ps = stride_ls = 0
@@ -611,6 +636,7 @@ def decode_attention(
         ROTARY_PER_TOKEN=rotary_per_token,
         HAS_NEW=has_new,
         IS_SPLIT=num_splits > 1,
+        NEW_SPLIT=new_split,
     )
     launch(_split_kv_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
