@@ -415,15 +415,18 @@ def test_int64_tile_offsets(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "seqlen_q, seqlen_new, page_size, launched, own_split",
-    [(1, 1, 0, 4, True), (16, 16, 32, 4, True), (17, 17, 0, 3, False), (40, 1, 0, 4, True)],
-    ids=["step", "16new-paged", "17new", "2qtiles"],
-)
-def test_new_keys_split_of_their_own(monkeypatch, seqlen_q, seqlen_new, page_size, launched, own_split):
-    """With several splits and at most NEW_SPLIT_MAX new tokens, the launch adds a split that attends to the new keys
-    alone and appends them; more new tokens are shared among the requested splits. 40 queries make two query tiles,
-    the first of which sees none of the new key (its own split is empty), and the cache rows after the new ones stay
-    as they were (``check``)."""
+    "seqlen_q, seqlen_new, page_size, max_keys, launched, own_split",
+    [(1, 1, 0, 1024, 4, True), (16, 16, 32, 1024, 4, True), (17, 17, 0, 1024, 3, False), (40, 1, 0, 1024, 4, True),
+     (1, 1, 0, 170, 3, False)],
+    ids=["step", "16new-paged", "17new", "2qtiles", "long-splits"],
+)  # fmt: skip
+def test_new_keys_split_of_their_own(monkeypatch, seqlen_q, seqlen_new, page_size, max_keys, launched, own_split):
+    """With several splits of at most NEW_SPLIT_MAX_KEYS cache positions and at most NEW_SPLIT_MAX new tokens, the
+    launch adds a split that attends to the new keys alone and appends them; more new tokens (or longer splits: 171
+    positions each here) are shared among the requested splits. 40 queries make two query tiles, the first of which
+    sees none of the new key (its own split is empty), and the cache rows after the new ones stay as they were
+    (``check``). 512 positions: several key tiles on a GPU (128 keys each) and under the interpreter (32)."""
+    monkeypatch.setattr(split_kv, "NEW_SPLIT_MAX_KEYS", max_keys)
     seen = []
     launch = split_kv.launch
 
@@ -432,8 +435,8 @@ def test_new_keys_split_of_their_own(monkeypatch, seqlen_q, seqlen_new, page_siz
         return launch(kernel, grid, args, constexprs, **options)
 
     monkeypatch.setattr(split_kv, "launch", recording)
-    check(Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, page_size=page_size, seqlen_cache=128,
-               cache_seqlens=(64, 100), num_splits=3))  # fmt: skip
+    check(Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, page_size=page_size, seqlen_cache=512,
+               cache_seqlens=(64, 400), num_splits=3))  # fmt: skip
     assert seen == [(launched, own_split)]
 
 
@@ -488,20 +491,20 @@ def test_num_splits_heuristic(monkeypatch):
     assert configs.num_splits(5, torch.device("cpu"), 8, 3 * 128, two_per_sm) == 3  # a request, capped too
 
 
-def test_splits_may_read_one_tile_each(monkeypatch):
-    """The heuristic's split count is capped by the key tiles alone (132 SMs, 128-key tiles, B=1 with 8 kv heads on a
-    paged cache: 33 splits wanted), so a split may read a single tile; a request is kept."""
+def test_wide_merges_read_two_tiles_per_split(monkeypatch):
+    """Past WIDE_MERGE (16) splits the heuristic gives every split at least two key tiles (132 SMs, 128-key tiles, B=1
+    with 8 kv heads on a paged cache: 33 splits wanted); up to 16 a split may read one tile; a request is kept."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda, general = torch.device("cuda", 0), configs.CUDA_HEAD_DIM_128
 
     def splits(n_blocks, requested=0):
         return configs.num_splits(requested, cuda, 8, n_blocks * general.block_n, general)
 
-    assert splits(16) == 16  # 2k: one tile each
-    assert splits(24) == 24  # 3k
-    assert splits(32) == 32  # 4k
-    assert splits(48) == 33  # 6k: one or two tiles each
-    assert splits(66) == 33  # two tiles each
+    assert splits(16) == 16  # 2k: one tile each, 16 splits
+    assert splits(24) == 16  # 3k: not 24 splits of one tile
+    assert splits(32) == 16  # 4k: two tiles each, not 32 of one
+    assert splits(48) == 24  # 6k
+    assert splits(66) == 33  # two tiles each already
     assert splits(32, requested=32) == 32
 
 
@@ -523,11 +526,11 @@ def test_config_and_splits_leaves_short_splits_to_the_general_config(monkeypatch
     assert chosen(65536) == (few, 16)
     assert chosen(1024, requested=8) == (general, 8)
     assert chosen(1024, requested=4) == (few, 4)
-    assert chosen(8192, programs=1) == (general, 64)  # the few-programs config's 128 splits would read one tile each
-    assert chosen(16384, programs=1) == (general, 128)
+    assert chosen(8192, programs=1) == (general, 32)  # the few-programs config's 128 splits would read one tile each
+    assert chosen(16384, programs=1) == (general, 64)
     assert chosen(16385, programs=1) == (few, 128)
     assert chosen(1024, paged=True) == (general, 8)
-    assert chosen(1024, device=torch.device("cpu")) == (configs.INTERPRETER, 32)  # 32 tiles of 32 keys, not switched
+    assert chosen(1024, device=torch.device("cpu")) == (configs.INTERPRETER, 16)  # 32 tiles of 32 keys, not switched
 
 
 def test_few_programs_config():
@@ -817,12 +820,12 @@ def test_many_splits(case):
 
 
 def test_heuristic_splits_on_long_cache(monkeypatch):
-    """num_splits=0 with an H200's 132 SMs: one program splits into every key tile (8 on the GPU, the interpreter's 32
-    tiles of 32 keys)."""
+    """num_splits=0 with an H200's 132 SMs: one program splits into every key tile (8 on the GPU), or every two past
+    WIDE_MERGE splits (the interpreter's 32 tiles: 16 splits)."""
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     case = Case(batch=1, nheads=8, nheads_k=1, seqlen_cache=1024, cache_seqlens=(1000,), num_splits=0)
     cfg = configs.config(torch.device(DEVICE), case.head_dim)
-    expected = {128: 8, 32: 32}[cfg.block_n]  # 8 tiles of 128 keys; 32 tiles of 32 keys
+    expected = {128: 8, 32: 16}[cfg.block_n]  # 8 tiles of 128 keys; 32 tiles of 32 keys, two per split
     assert configs.num_splits(0, torch.device(DEVICE), 1, case.seqlen_cache, cfg) == expected
     check(case)
 

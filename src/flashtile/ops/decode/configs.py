@@ -19,6 +19,15 @@ from flashtile.ops.attention.configs import cdiv
 
 MAX_SPLITS = 128
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program
+WIDE_MERGE = 16
+"""The most splits the heuristic lets read a single key tile each: more splits than this get at least two tiles each
+(``num_splits``), down to WIDE_MERGE. H200, B=1 (8 programs), Hkv 8, D 128, (128, 4, 2) config, graph µs per step
+by split count (results/2026-12-01-h200-s14-call3-tune-decode-f4b2240.json): paged 4k (32 tiles) 21.9 with 16
+splits, 22.6 with 24, 24.1 with 32; paged 2k (16 tiles) 17.9 with 16 against 19.0 with 8; paged 16k (128 tiles)
+39.4 with 32 against 41.7 with 16: a wide merge pays off only when the splits have more than one tile to read.
+Re-measured in session 21 on session 20's kernel: paged 4k 18.8 µs with 32 splits against 19.5 with 16 (one process,
+results/2026-12-02-h200-s21-call1-tune-decode-grid.json), but with the new keys' own split (``split_kv.NEW_SPLIT``)
+19.5-19.7 with 33 against 19.1-19.4 with 17 (two interleaved rounds each, docs/tuning-log.md session 21): kept."""
 
 
 @dataclass(frozen=True)
@@ -82,15 +91,17 @@ def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache
     (``choose_num_splits``), capped at the number of key tiles of the cache and at MAX_SPLITS. ``programs`` =
     batch x nheads_k x query tiles.
 
-    A split may read a single key tile: on the H200 at B=1 (Hkv 8, D 128) a 1k context took 9.3 µs per step with 8
-    splits of one tile against 10.6 with 4 of two, 2k 10.6 with 16 against 11.2 with 8; B=4 at 1k 10.8 with 8 against
-    10.6 with 4 (results/2026-11-30-h200x2-s9-call4-profdecode-36b94f7.log); paged 4k (32 tiles) 18.8 with 32 splits
-    against 19.5 with 16 (results/2026-12-02-h200-s21-call1-tune-decode-grid.json; before session 20's kernel, 16
-    splits of two tiles had been the faster: a floor of two tiles past 16 splits went with it)."""
+    One key tile per split is allowed up to WIDE_MERGE splits: on the H200 at B=1 (Hkv 8, D 128) a 1k context took
+    9.3 µs per step with 8 splits of one tile against 10.6 with 4 of two, 2k 10.6 with 16 against 11.2 with 8; B=4
+    at 1k 10.8 with 8 against 10.6 with 4 (results/2026-11-30-h200x2-s9-call4-profdecode-36b94f7.log). Past
+    WIDE_MERGE the heuristic gives each split two tiles or more (``WIDE_MERGE``)."""
     tiles = cdiv(seqlen_cache, cfg.block_n)
     if requested > 0:
         return max(1, min(requested, tiles, MAX_SPLITS))
-    return max(1, min(choose_num_splits(programs, sm_count(device), cfg.programs_per_sm), tiles, MAX_SPLITS))
+    splits = min(choose_num_splits(programs, sm_count(device), cfg.programs_per_sm), tiles, MAX_SPLITS)
+    if splits > WIDE_MERGE and 2 * splits > tiles:
+        splits = max(WIDE_MERGE, tiles // 2)
+    return max(1, splits)
 
 
 def config_and_splits(
@@ -105,7 +116,7 @@ def config_and_splits(
     2k 15.5 / 16.3 (one tile per split), 3k 17.6 / 18.5 and 4k 18.9 / 19.3 (two), 6k 22.6 / 21.9 and 8k 25.9 / 24.1
     (three, four), 64k 85.2 / 81.8 (the few-programs config then (128, 8, 3): its two tiles per split reached 4k at
     B=1, the (64, 4, 3) config's reach 2k). Session 21 (the kernel of session 20, results/2026-12-02-h200-s21-call1-
-    tune-decode-grid.json): 1k 11.5 against 12.2 for (64, 4, 3) at 16 splits of one tile, 4k 18.3 (general, 32
+    tune-decode-grid.json): 1k 11.5 against 12.2 for (64, 4, 3) at 16 splits of one tile, 4k 17.8 (general, 16
     splits) against 16.6 (four tiles each). Measured at 8 programs only: with fewer (Hkv < 8) the few-programs config
     splits more, so the switch reaches longer caches, not timed."""
     cfg = config(device, head_dim, programs, paged)

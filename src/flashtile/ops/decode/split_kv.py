@@ -71,6 +71,12 @@ spills (sm90_compile: D=64 64 rows 0 -> 56 bytes of stack), so those keep MERGE_
 NEW_SPLIT_MAX = min(BLOCK_NEW.value, BLOCK_T.value)
 """The most new tokens a split launch gives a split of their own (``NEW_SPLIT``): one attention tile and one store tile
 of them, a decode step's (or a few speculative tokens'); more are divided among the splits with the cache keys."""
+NEW_SPLIT_MAX_KEYS = 1024
+"""The most cache positions per split for which the new keys get their own split. H200, Hkv 8, Hq 32, D 128, one new
+token, graph µs per step, main / with the split, two interleaved rounds each (docs/tuning-log.md session 21): B=1
+contiguous 1k 11.7-12.0 / 11.3-11.4, 2k 13.8 / 13.3-13.4, 4k 17.8-17.9 / 17.3-17.6, 16k 32.8-33.0 / 32.2-32.5 (1024
+positions per split); but 64k 79.7-79.8 / 80.3-80.5 (4096) and B=4 16k 80.0-80.4 / 80.6-81.5 (2048): with long splits
+the one latency it hides weighs less than the extra program and merge step."""
 
 INT32_LIMIT = 2**31
 """Element offsets inside one key tile of a contiguous cache from this on are computed in int64 (INT64_OFFSETS), so
@@ -362,8 +368,8 @@ def _split_kv_kernel(
     GROUP = nheads // nheads_k, a constexpr: the packed rows' division by it (every program's first instructions)
     is then a constant's, a shift for powers of two. INT64_OFFSETS: ``INT32_LIMIT``.
 
-    NEW_SPLIT (IS_SPLIT, HAS_NEW and seqlen_new <= BLOCK_NEW: ``NEW_SPLIT_MAX``): the last split attends to the new
-    keys alone and appends them; the others divide the cache keys among them.
+    NEW_SPLIT (IS_SPLIT, HAS_NEW, short splits and few new tokens: ``NEW_SPLIT_MAX``, ``NEW_SPLIT_MAX_KEYS``): the last
+    split attends to the new keys alone and appends them; the others divide the cache keys among them.
 
     IS_SPLIT (num_splits > 1): split s also writes its partials to OutPart (S, B, Sq, H, DV) and LsePart
     (S, B, H, Sq), fp32, laid out as Out and Lse behind a split stride (stride_ps, stride_ls), and takes a
@@ -560,7 +566,8 @@ def decode_attention(
         window_left, window_right: the visible band, bottom-right aligned; None is unbounded
         rotary_interleaved: rotate pairs (2f, 2f + 1) rather than (f, f + rotary_dim / 2)
         num_splits: splits of the keys, 0 to choose from the problem size and the SM count; a split launch with at
-            most NEW_SPLIT_MAX new tokens gets one more split, which reads those alone
+            most NEW_SPLIT_MAX new tokens and at most NEW_SPLIT_MAX_KEYS cache positions per split gets one more
+            split, which reads the new tokens alone
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
@@ -582,7 +589,9 @@ def decode_attention(
     cfg, num_splits = configs.config_and_splits(
         num_splits, q.device, max(head_dim, head_dim_v), programs, paged, seqlen_cache
     )
-    new_split = num_splits > 1 and 0 < seqlen_new <= NEW_SPLIT_MAX
+    new_split = (
+        num_splits > 1 and 0 < seqlen_new <= NEW_SPLIT_MAX and cdiv(seqlen_cache, num_splits) <= NEW_SPLIT_MAX_KEYS
+    )
     num_splits += new_split  # the new keys' own split
 
     out_part = lse_part = counters = None
