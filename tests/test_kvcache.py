@@ -23,6 +23,7 @@ import flashtile.kvcache
 import flashtile.ops.decode
 from conftest import DEVICE, capture
 from flashtile.kvcache import flash_attn_with_kvcache
+from flashtile.ops._launch import Plans
 from flashtile.ops.decode import configs, split_kv
 from flashtile.reference import attention_reference, visibility_mask
 from oracle import assert_within_rule
@@ -400,14 +401,16 @@ def test_strided_inputs(path):
 def test_int64_tile_offsets(monkeypatch):
     """Contiguous caches whose key tile spans 2**31 elements or more take int64 offsets inside a tile
     (``split_kv.INT32_LIMIT``, INT64_OFFSETS): forced here at a small size, over several tiles, a batch index
-    and a left pad, the answer and the cache are those of the oracle."""
+    and a left pad, the answer and the cache are those of the oracle. The plans are set aside (INT32_LIMIT is read
+    when a plan is made, not part of its key)."""
     flags = []
     launch = split_kv.launch
 
-    def recording(kernel, grid, args, constexprs, **options):
+    def recording(kernel, grid, args, constexprs, keyed=None, **options):
         flags.append(constexprs["INT64_OFFSETS"])
-        return launch(kernel, grid, args, constexprs, **options)
+        return launch(kernel, grid, args, constexprs, keyed, **options)
 
+    monkeypatch.setattr(split_kv, "_PLANS", Plans())
     monkeypatch.setattr(split_kv, "INT32_LIMIT", 1)
     monkeypatch.setattr(split_kv, "launch", recording)
     check(Case(seqlen_q=2, seqlen_new=2, batch_idx=True, leftpad=True, num_splits=2))
@@ -430,9 +433,9 @@ def test_new_keys_split_of_their_own(monkeypatch, seqlen_q, seqlen_new, page_siz
     seen = []
     launch = split_kv.launch
 
-    def recording(kernel, grid, args, constexprs, **options):
+    def recording(kernel, grid, args, constexprs, keyed=None, **options):
         seen.append((grid[1], constexprs["NEW_SPLIT"]))
-        return launch(kernel, grid, args, constexprs, **options)
+        return launch(kernel, grid, args, constexprs, keyed, **options)
 
     monkeypatch.setattr(split_kv, "launch", recording)
     check(Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, page_size=page_size, seqlen_cache=512,

@@ -56,10 +56,10 @@ def _alternatives(a) -> list:
 
 def _recorded_launches(monkeypatch, *modules) -> list[tuple]:
     """A list that the ``launch`` calls of ``modules`` fill with (kernel, grid, args, constexprs, options) instead of
-    launching anything."""
+    launching anything (``keyed``, a decode plan's, is left out)."""
     calls = []
 
-    def record(kernel, grid, args, constexprs, **options):
+    def record(kernel, grid, args, constexprs, keyed=None, **options):
         calls.append((kernel, grid, args, constexprs, options))
 
     for module in modules:
@@ -164,11 +164,72 @@ def test_decode_launch_keys_separate_what_triton_specializes_apart(monkeypatch):
 
 def test_decode_steps_of_one_shape_bind_once(monkeypatch, runs):
     """A decode step binds through JITFunction.run on its shapes' first launch only: the next steps, every tensor a
-    new one of the same shape, hand the compiled kernel their arguments directly."""
+    new one of the same shape, hand the compiled kernel their arguments directly (with the launch keys their plans
+    keep, made afresh for this kernel)."""
     monkeypatch.setattr(split_kv, "_split_kv_kernel", _jit(split_kv._split_kv_kernel))
+    monkeypatch.setattr(split_kv, "_PLANS", _launch.Plans())
     _decode_steps(monkeypatch)
     _decode_steps(monkeypatch)
     assert [call[0] for call in runs] == ["run", "run", "direct", "direct"]
+    assert len(split_kv._PLANS) == 2 and all(plan.keyed is not None for plan in split_kv._PLANS.values())
+
+
+def test_decode_plans_follow_layouts(monkeypatch):
+    """``split_kv.decode_attention`` keeps a plan per input layout (``_plan_key``): a step on new tensors of one
+    layout reuses its plan (grid, int arguments, constexprs, launch key) with its own tensors, outputs, partials
+    and scale; a paged cache, a window, another split count and a changed config make new plans; a q at an address
+    that is not 16-byte aligned is planned on each call (its launch key says so) and never kept."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(split_kv, "_split_kv_kernel", _jit(split_kv._split_kv_kernel))
+    monkeypatch.setattr(split_kv, "_PLANS", _launch.Plans())
+    launches = []
+
+    def record(kernel, grid, args, constexprs, keyed, **options):
+        launches.append((grid, args, constexprs, keyed))
+
+    monkeypatch.setattr(split_kv, "launch", record)
+
+    def step(num_splits=2, window=(None, None), paged=False, offset=0, scale=0.125):
+        """A decode step (B=2, one token, Hq 4, Hkv 2, D 64, 128 cache positions, one new token: the launch has
+        num_splits + 1 splits, ``split_kv.NEW_SPLIT``); its inputs."""
+        q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)
+        if offset:
+            q = torch.empty(q.numel() + offset, dtype=q.dtype)[offset:].view(q.shape)
+        slots, rows = (16, 16) if paged else (2, 128)
+        k_cache, v_cache = (torch.randn(slots, rows, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+        table = torch.arange(16, dtype=torch.int32).view(2, 8) if paged else None
+        k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+        seqlens = torch.tensor([40, 17], dtype=torch.int32)
+        split_kv.decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, None, None, table, None, None, None,
+                                  scale, *window, 0.0, False, False, num_splits)  # fmt: skip
+        return q, k_cache, v_cache, k_new, v_new
+
+    first = step()
+    second = step(scale=0.5)
+    assert len(split_kv._PLANS) == 1 and len(launches) == 2
+    (grid, args, constexprs, keyed), (grid2, args2, constexprs2, keyed2) = launches
+    assert grid2 == grid == (4, 3, 1) and constexprs2 is constexprs and keyed2 is keyed and args2[17:-2] == args[17:-2]
+    assert keyed[0] == _launch.constexpr_tail(split_kv._split_kv_kernel, args, constexprs)
+    assert all(a is b for a, b in zip((*args[:5], *args2[:5]), (*first, *second), strict=True))  # its own inputs
+    assert all(args2[i] is not args[i] for i in (5, 6, 7, 8))  # outputs and partials of its own
+    assert args2[9] is split_kv._counters[torch.device("cpu")]
+    assert (args[-2], args2[-2], args2[-1]) == (0.125 * split_kv.LOG2E.value, 0.5 * split_kv.LOG2E.value, 0.0)
+    step(paged=True)
+    assert len(split_kv._PLANS) == 2 and launches[-1][2]["PAGE_SIZE"] == 16
+    step(window=(8, 0))
+    assert len(split_kv._PLANS) == 3 and launches[-1][2]["MASK_LEFT"] and launches[-1][1][-4:-2] == (8, 0)
+    step(num_splits=3)
+    assert len(split_kv._PLANS) == 4 and launches[-1][0] == (4, 4, 1)
+    monkeypatch.setattr(split_kv.configs, "INTERPRETER", split_kv.configs.DecodeConfig(16, 4, 1))
+    step()
+    assert len(split_kv._PLANS) == 5 and launches[-1][2]["BLOCK_N"] == 16
+    aligned_key = launches[-1][3][1]
+    q_at = len(aligned_key) - len(launches[-1][1])  # the first argument's place in the launch key
+    for _ in range(2):
+        q = step(offset=1)[0]
+        assert q.data_ptr() % 16 != 0 and len(split_kv._PLANS) == 5
+        assert launches[-1][3][1] == (*aligned_key[:q_at], (torch.bfloat16, False), *aligned_key[q_at + 1 :])
+    assert launches[-1][3] is not launches[-2][3]
 
 
 def test_specialization_key_refuses_unknown_arguments(monkeypatch):

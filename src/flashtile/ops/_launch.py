@@ -14,9 +14,10 @@ The key is finer than Triton's specialization, never coarser: every int by value
 arguments with equal keys specialize equally (tests/test_launch.py compares keys with the binder's specialization on
 Triton 3.6 and 3.7). The Gluon kernels come through ``launch_keyed`` with a coarser key
 (``forward_sm90.launch_key``: their ints are not specialized, so one compile, and one entry here, serves every
-length). What the direct launches skip: the check that the kernel's globals kept their values since it compiled,
-``JITFunction``'s pre-run hooks, and options read from the environment (``TRITON_DEBUG``) changing after a key's
-first launch.
+length). The decode launcher keeps ``keyed_for``'s constexpr tail and key per input layout (``split_kv.DecodePlan``)
+and hands them to ``launch``. What the direct launches skip: the check that the kernel's globals kept their values
+since it compiled, ``JITFunction``'s pre-run hooks, and options read from the environment (``TRITON_DEBUG``) changing
+after a key's first launch.
 """
 
 from __future__ import annotations
@@ -83,17 +84,26 @@ def run_compiled(compiled, grid: tuple[int, int, int], args: list | tuple) -> No
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
 
 
-def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, **options) -> None:
+def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, keyed=None, **options) -> None:
     """``kernel[grid](*args, **constexprs, **options)`` on the current device and stream: ``args`` are the kernel's
     leading parameters in order, ``constexprs`` name all the rest, ``options`` are Triton's (num_warps, num_stages).
     Through ``JITFunction.run`` on the first launch of a ``specialization_key``, directly after it (``launch_keyed``).
-    A kernel that is not a compiled ``JITFunction`` (the interpreter's, under TRITON_INTERPRET=1, or a stand-in) is
-    called as it is."""
+    ``keyed``: ``keyed_for(kernel, args, constexprs, options)``, kept by a caller for arguments it knows to key alike
+    (``split_kv.DecodePlan``); computed here when None. A kernel that is not a compiled ``JITFunction`` (the
+    interpreter's, under TRITON_INTERPRET=1, or a stand-in) is called as it is, whatever ``keyed`` holds."""
     if not isinstance(kernel, JITFunction):
         kernel[grid](*args, **constexprs, **options)
         return
+    launch_keyed(kernel, grid, args, constexprs, *(keyed or keyed_for(kernel, args, constexprs, options)), options)
+
+
+def keyed_for(kernel, args: tuple, constexprs: dict, options: dict) -> tuple[list, tuple] | None:
+    """``launch``'s ``keyed`` for these arguments: the constexprs' values in parameter order (``constexpr_tail``) and
+    the ``specialization_key``; None for a kernel that ``launch`` calls as it is (not a compiled ``JITFunction``)."""
+    if not isinstance(kernel, JITFunction):
+        return None
     tail = constexpr_tail(kernel, args, constexprs)
-    launch_keyed(kernel, grid, args, constexprs, tail, specialization_key(kernel, args, tail, options), options)
+    return tail, specialization_key(kernel, args, tail, options)
 
 
 def constexpr_tail(kernel: JITFunction, args: tuple, constexprs: dict) -> list:

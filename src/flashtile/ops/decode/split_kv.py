@@ -42,12 +42,14 @@ launch costs no memset and a CUDA graph replays it as it is. The rules that foll
   step of the largest batch before capturing to avoid it.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
-from flashtile.ops._launch import launch
+from flashtile.ops._launch import Plans, keyed_for, launch
 from flashtile.ops.attention.configs import cdiv, padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
 from flashtile.ops.decode import configs
@@ -524,6 +526,104 @@ def _split_kv_kernel(
             )  # fmt: skip
 
 
+class DecodePlan(NamedTuple):
+    """What a decode launch follows from its inputs' layouts (``_plan_key``), kept per key: the grid, the kernel's
+    int arguments (strides, lengths, the split count, the window; the parameters from stride_qb to right), the
+    constexprs, Triton's options (num_warps, num_stages) and ``launch``'s ``keyed`` (the constexprs in parameter
+    order and the arguments' ``specialization_key``; None for a kernel that is not a compiled JITFunction, the
+    interpreter's). Nothing a call may change under one key: the tensors (inputs, outputs, partials, counters) and
+    the two scales are the call's own."""
+
+    grid: tuple[int, int, int]
+    ints: tuple[int, ...]
+    constexprs: dict
+    options: dict
+    keyed: tuple[list, tuple] | None
+
+
+_PLANS = Plans()
+"""``decode_attention``'s plans by ``_plan_key``."""
+
+
+def _plan_key(inputs: tuple, settings: tuple) -> tuple:
+    """What a plan follows from: each of the inputs' (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin) shape, strides and dtype (None where absent),
+    q's device, ``settings`` (window_left, window_right, softcap > 0, rotary_interleaved, rotary_per_token, the
+    config and the split count, from ``configs.config_and_splits`` on every call, so a changed config makes new
+    plans, and whether the new keys have a split of their own, NEW_SPLIT), and whether every input's address is
+    16-byte aligned (Triton specializes on it; the outputs, partials and counters come from torch's allocator,
+    aligned). Module constants (INT32_LIMIT) are read when a plan is made: tests that change them clear ``_PLANS``."""
+    layouts = []
+    addresses = 0
+    for t in inputs:
+        if t is None:
+            layouts.append(None)
+        else:
+            layouts.append((t.shape, t.stride(), t.dtype))
+            addresses |= t.data_ptr()
+    return (*layouts, inputs[0].device, *settings, addresses % 16 == 0)
+
+
+def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> tuple[DecodePlan, bool]:
+    """``decode_attention``'s plan made anew for a call's ``tensors`` (the kernel's 17 tensor arguments, Q to Sin;
+    None where absent), ``scales`` (qk_scale, softcap, whose values the plan does not keep) and ``settings``
+    (``_plan_key``), and whether to keep it: only where every tensor's address is 16-byte aligned (a call with an
+    unaligned input, whose key says so, is planned anew each time, its launch key holding its tensors' own
+    alignment)."""
+    q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, _, seqlens, batch_idx, leftpad, block_table = tensors[:14]
+    alibi_slopes, rotary_cos = tensors[14:16]
+    window_left, window_right, has_softcap, rotary_interleaved, rotary_per_token, cfg, num_splits, new_split = settings
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    group = nheads // nheads_k
+    paged = block_table is not None
+    seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    block_m = configs.block_m(seqlen_q * group)
+    # the largest element offset inside one key tile of a contiguous cache (``_decode_tile``)
+    tile_extent = (cfg.block_n - 1) * max(k_cache.stride(1), v_cache.stride(1)) + max(head_dim, head_dim_v)
+    ints = (
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *((*k.stride()[:3], *v.stride()[:3]) if k is not None else (0,) * 6),
+        *out.stride()[:3], *lse.stride()[:2],
+        0 if out_part is None else out_part.stride(0), 0 if lse_part is None else lse_part.stride(0),
+        0 if block_table is None else block_table.stride(0),
+        0 if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes.stride(0),
+        0 if rotary_cos is None else rotary_cos.stride(0),
+        nheads_k, seqlen_q, 0 if k is None else k.shape[1], seqlen_cache,
+        0 if rotary_cos is None else rotary_cos.shape[0], k_cache.shape[0], num_splits,
+        0 if window_left is None else window_left, 0 if window_right is None else window_right,
+    )  # fmt: skip
+    constexprs = dict(
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_DV=padded_head_dim(head_dim_v),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        GROUP=group,
+        PAGE_SIZE=k_cache.shape[1] if paged else 0,
+        INT64_OFFSETS=not paged and tile_extent >= INT32_LIMIT,  # paged tiles keep per-row pointers
+        HAS_SEQLENS=seqlens is not None,
+        HAS_BATCH_IDX=batch_idx is not None,
+        HAS_LEFTPAD=leftpad is not None,
+        MASK_LEFT=window_left is not None,
+        MASK_RIGHT=window_right is not None,
+        HAS_SOFTCAP=has_softcap,
+        HAS_ALIBI=alibi_slopes is not None,
+        ROTARY_DIM=0 if rotary_cos is None else 2 * rotary_cos.shape[1],
+        ROTARY_INTERLEAVED=rotary_interleaved,
+        ROTARY_PER_TOKEN=rotary_per_token,
+        HAS_NEW=k is not None,
+        IS_SPLIT=num_splits > 1,
+        NEW_SPLIT=new_split,
+    )
+    launch_options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    keyed = keyed_for(_split_kv_kernel, (*tensors, *ints, *scales), constexprs, launch_options)
+    grid = (batch * nheads_k, num_splits, max(1, cdiv(seqlen_q * group, block_m)))
+    aligned = all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+    return DecodePlan(grid, ints, constexprs, launch_options, keyed), aligned
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -546,6 +646,10 @@ def decode_attention(
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k, v to the caches in place and attend q to each batch entry's keys: one launch.
+
+    Per call: the config and split count (``configs.config_and_splits``), the outputs (and with splits the
+    partials and the counters), the scales, and the plan of the inputs' layouts (``_plan_key``: made on a key's
+    first call and kept), whose grid, int arguments, constexprs and launch key the launch takes as they are.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), last dimension contiguous
@@ -579,73 +683,38 @@ def decode_attention(
     has_new = k is not None and k.numel() > 0
     if out.numel() == 0 and not has_new:
         return out, lse
-    seqlen_new = k.shape[1] if has_new else 0
     group = nheads // nheads_k
     paged = block_table is not None
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    block_m = configs.block_m(seqlen_q * group)
-    m_tiles = max(1, cdiv(seqlen_q * group, block_m))  # one tile without queries: it appends k, v
-    programs = batch * nheads_k * m_tiles
+    m_tiles = max(1, cdiv(seqlen_q * group, configs.block_m(seqlen_q * group)))  # one without queries: it appends
     cfg, num_splits = configs.config_and_splits(
-        num_splits, q.device, max(head_dim, head_dim_v), programs, paged, seqlen_cache
+        num_splits, q.device, max(head_dim, head_dim_v), batch * nheads_k * m_tiles, paged, seqlen_cache
     )
     new_split = (
-        num_splits > 1 and 0 < seqlen_new <= NEW_SPLIT_MAX and cdiv(seqlen_cache, num_splits) <= NEW_SPLIT_MAX_KEYS
+        has_new
+        and k.shape[1] <= NEW_SPLIT_MAX
+        and num_splits > 1
+        and cdiv(seqlen_cache, num_splits) <= NEW_SPLIT_MAX_KEYS
     )
     num_splits += new_split  # the new keys' own split
-
     out_part = lse_part = counters = None
-    stride_ps = stride_ls = 0
     if num_splits > 1:
         out_part = empty_output((num_splits, *out.shape), torch.float32, q.device)
         lse_part = empty_output((num_splits, *lse.shape), torch.float32, q.device)
-        stride_ps, stride_ls = out_part.stride(0), lse_part.stride(0)
         counters = split_counters(q.device, batch * nheads_k * m_tiles)
-    q_strides, k_strides, v_strides = q.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3]
-    new_strides = (*k.stride()[:3], *v.stride()[:3]) if has_new else (0,) * 6
     if softcap > 0.0:
-        qk_scale, softcap_log2 = softmax_scale / softcap, softcap * LOG2E.value
+        scales = softmax_scale / softcap, softcap * LOG2E.value
     else:
-        qk_scale, softcap_log2 = softmax_scale * LOG2E.value, 0.0
-    # the largest element offset inside one key tile of a contiguous cache (``_decode_tile``)
-    tile_extent = (cfg.block_n - 1) * max(k_cache.stride(1), v_cache.stride(1)) + max(head_dim, head_dim_v)
-    grid = (batch * nheads_k, num_splits, m_tiles)
-    args = (
-        q, k_cache, v_cache, k if has_new else None, v if has_new else None, out, lse, out_part, lse_part, counters,
-        cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin,
-        *q_strides, *k_strides, *v_strides, *new_strides, *out.stride()[:3], *lse.stride()[:2], stride_ps, stride_ls,
-        0 if block_table is None else block_table.stride(0),
-        0 if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes.stride(0),
-        0 if rotary_cos is None else rotary_cos.stride(0),
-        nheads_k, seqlen_q, seqlen_new, seqlen_cache, 0 if rotary_cos is None else rotary_cos.shape[0],
-        k_cache.shape[0], num_splits,
-        0 if window_left is None else window_left,
-        0 if window_right is None else window_right,
-        qk_scale, softcap_log2,
+        scales = softmax_scale * LOG2E.value, 0.0
+    inputs = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+              rotary_cos, rotary_sin)  # fmt: skip
+    settings = (
+        window_left, window_right, softcap > 0.0, rotary_interleaved, rotary_per_token, cfg, num_splits, new_split
     )  # fmt: skip
-    constexprs = dict(
-        HEAD_DIM=head_dim,
-        HEAD_DIM_V=head_dim_v,
-        BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_DV=padded_head_dim(head_dim_v),
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n,
-        GROUP=group,
-        PAGE_SIZE=k_cache.shape[1] if paged else 0,
-        INT64_OFFSETS=not paged and tile_extent >= INT32_LIMIT,  # paged tiles keep per-row pointers
-        HAS_SEQLENS=cache_seqlens is not None,
-        HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=cache_leftpad is not None,
-        MASK_LEFT=window_left is not None,
-        MASK_RIGHT=window_right is not None,
-        HAS_SOFTCAP=softcap > 0.0,
-        HAS_ALIBI=alibi_slopes is not None,
-        ROTARY_DIM=0 if rotary_cos is None else 2 * rotary_cos.shape[1],
-        ROTARY_INTERLEAVED=rotary_interleaved,
-        ROTARY_PER_TOKEN=rotary_per_token,
-        HAS_NEW=has_new,
-        IS_SPLIT=num_splits > 1,
-        NEW_SPLIT=new_split,
-    )
-    launch(_split_kv_kernel, grid, args, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not has_new:
+        k = v = None
+    tensors = (q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, counters, cache_seqlens, cache_batch_idx,
+               cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin)  # fmt: skip
+    plan = _PLANS.plan(_plan_key(inputs, settings), _make_plan, tensors, scales, settings)
+    launch(_split_kv_kernel, plan.grid, (*tensors, *plan.ints, *scales), plan.constexprs, plan.keyed, **plan.options)
     return out, lse
