@@ -75,7 +75,8 @@ NEW_SPLIT_MAX = min(BLOCK_NEW.value, BLOCK_T.value)
 of them, a decode step's (or a few speculative tokens'); more are divided among the splits with the cache keys."""
 NEW_SPLIT_MAX_KEYS = 1024
 """The most cache positions per split for which the new keys get their own split. H200, Hkv 8, Hq 32, D 128, one new
-token, graph µs per step, main / with the split, two interleaved rounds each (docs/tuning-log.md session 21): B=1
+token, graph µs per step, main / with the split, two interleaved rounds each (results/2026-12-02-h200-s21-call2-
+rounds-5091f2c.log, docs/tuning-log.md session 21): B=1
 contiguous 1k 11.7-12.0 / 11.3-11.4, 2k 13.8 / 13.3-13.4, 4k 17.8-17.9 / 17.3-17.6, 16k 32.8-33.0 / 32.2-32.5 (1024
 positions per split); but 64k 79.7-79.8 / 80.3-80.5 (4096) and B=4 16k 80.0-80.4 / 80.6-81.5 (2048): with long splits
 the one latency it hides weighs less than the extra program and merge step."""
