@@ -51,7 +51,7 @@ unless every split would read at most two key tiles (``config_and_splits``): one
 tiles in flight. H200, B=1, Hkv 8, D 128, graph µs per step at 16 splits (results/2026-12-02-h200-s21-call1-tune-
 decode-grid.json, the kernel of session 20): 4k 16.6, 16k 31.9, 64k 78.9 against 17.5, 32.7, 79.0 for (128, 8, 3),
 the config before, and 17.8, 35.1, 88.3 for (128, 4, 2) at 16 splits. A paged cache is slower with it (64k: 145 µs
-at 16 splits, 86-96 at 32-48, against 83.8 for the general config), so paged caches keep the general config. Through
+at 16 splits, 86-95 at 32-48, against 83.8 for the general config), so paged caches keep the general config. Through
 the shipped rules, two interleaved rounds against (128, 8, 3) (results/2026-12-02-h200-s21-call3-rounds-056dc66.log):
 4k 17.8-17.9 -> 16.3-16.4, 16k 32.7-32.8 -> 31.6-32.4, but 64k 78.8-79.5 -> 80.2-80.3 µs: there the step's new-key
 tile and append cost 1.8 µs over the attention alone with four warps, 0.8 with eight."""
