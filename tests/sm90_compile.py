@@ -11,7 +11,8 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
   with every feature off and with every feature on (softcap, ALiBi, sink, dropout, varlen: those the
   kernel has; the forward also with paged K/V on top), and the delta kernel of the backward;
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
-  ``decode.configs.config``, and its few-programs config of contiguous caches;
+  ``decode.configs.config`` (also with a paged cache read through tensor descriptors), and its few-programs
+  config of contiguous caches;
 * the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config, and the
   forward's D=64 config with two consumer warpgroups, 128-row items, as D=128 has), causal and full; the
   forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off); the other setting
@@ -159,6 +160,7 @@ ARGS: dict[str, dict[str, Ptr | Scalar]] = {
         "CacheSeqlens": Ptr("i32", "HAS_SEQLENS"), "BatchIdx": Ptr("i32", "HAS_BATCH_IDX"),
         "LeftPad": Ptr("i32", "HAS_LEFTPAD"), "BlockTable": Ptr("i32", PAGED),
         "Alibi": Ptr("fp32", "HAS_ALIBI"), "Cos": Ptr(DATA, "ROTARY_DIM"), "Sin": Ptr(DATA, "ROTARY_DIM"),
+        "KDesc": Ptr(DATA, "TMA", tile=("BLOCK_N", "BLOCK_D")), "VDesc": Ptr(DATA, "TMA", tile=("BLOCK_N", "BLOCK_DV")),
         "stride_qb": ST, "stride_qm": ST, "stride_qh": ST, "stride_kb": ST, "stride_kn": ST, "stride_kh": ST,
         "stride_vb": ST, "stride_vn": ST, "stride_vh": ST, "stride_knb": ST, "stride_knn": ST, "stride_knh": ST,
         "stride_vnb": ST, "stride_vnn": ST, "stride_vnh": ST, "stride_ob": ST, "stride_om": ST, "stride_oh": ST,
@@ -445,20 +447,22 @@ def decode_variants() -> list[Variant]:
         off = {"GROUP": 4, "PAGE_SIZE": 0, "INT64_OFFSETS": False, "HAS_SEQLENS": False, "HAS_BATCH_IDX": False,
                "HAS_LEFTPAD": False, "MASK_LEFT": False, "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False,
                "ROTARY_DIM": 0, "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "HAS_NEW": False,
-               "IS_SPLIT": False, "NEW_SPLIT": False}  # fmt: skip
+               "IS_SPLIT": False, "NEW_SPLIT": False, "TMA": False}  # fmt: skip
         # everything on that a launch can combine (cache_batch_idx excludes a paged cache), writing fp32 splits
         paged = dict(off, PAGE_SIZE=256, HAS_SEQLENS=True, HAS_LEFTPAD=True, MASK_LEFT=True, MASK_RIGHT=True,
                      HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True,
                      ROTARY_PER_TOKEN=True, HAS_NEW=True, IS_SPLIT=True, NEW_SPLIT=True)  # fmt: skip
         batch_idx = dict(off, HAS_SEQLENS=True, HAS_BATCH_IDX=True, MASK_RIGHT=True, ROTARY_DIM=head_dim // 2,
                          HAS_NEW=True)  # fmt: skip
-        # a bench_decode.py step: one new token, split
+        # a bench_decode.py step: one new token, split; and its paged cache read through tensor descriptors
         step = dict(off, HAS_SEQLENS=True, MASK_RIGHT=True, HAS_NEW=True, IS_SPLIT=True, NEW_SPLIT=True)
+        tma = dict(step, PAGE_SIZE=256, TMA=True)
         for bm in block_ms:
             name = f"split_kv D{head_dim} {bm}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
             for flags, consts in (("off", off), ("paged,seqlens,leftpad,window,softcap,alibi,rotary,new,split", paged),
                                   ("seqlens,batch_idx,causal,rotary_half,new", batch_idx),
-                                  ("seqlens,causal,new,split", step)):  # fmt: skip
+                                  ("seqlens,causal,new,split", step),
+                                  ("paged,seqlens,causal,new,split,tma", tma)):  # fmt: skip
                 variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                         dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **consts),
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip

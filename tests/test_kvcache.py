@@ -443,6 +443,39 @@ def test_new_keys_split_of_their_own(monkeypatch, seqlen_q, seqlen_new, page_siz
     assert seen == [(launched, own_split)]
 
 
+@pytest.mark.parametrize(
+    "page_size, seqlen_cache, options",
+    [(32, 512, {}), (32, 512, {"window_size": (70, 0), "seqlen_q": 5}), (128, 512, {}),
+     (128, 512, {"head_dim": 64, "head_dim_v": 32, "nheads": 6, "nheads_k": 1}), (48, 480, {}),
+     (128, 512, {"leftpad": True}), (128, 512, {"head_dim": 40}), (0, 300, {})],
+    ids=["page32", "page32-window", "page128", "page128-dv32-mqa", "page48", "page128-leftpad", "page128-headdim40",
+         "contiguous"],
+)  # fmt: skip
+def test_tma_tiles(monkeypatch, page_size, seqlen_cache, options):
+    """On a device with a copy engine (stood in for on the CPU: the interpreter reads tensor descriptors too), the
+    unmasked key tiles of a paged cache whose pages hold whole tiles, with no left pad shifting them, come through
+    tensor descriptors (``split_kv.use_tma``); other pages, head dims that are not powers of two and contiguous
+    caches keep pointer loads. Either way the answer and the cache are the oracle's, over several tiles and splits
+    (on a GPU, 128-key tiles: the 32-row pages then take pointer loads)."""
+    monkeypatch.setattr(split_kv, "has_copy_engine", lambda device: True)
+    monkeypatch.setattr(split_kv, "_PLANS", Plans())
+    seen = []
+    launch = split_kv.launch
+
+    def recording(kernel, grid, args, constexprs, keyed=None, **options):
+        seen.append((constexprs["TMA"], constexprs["BLOCK_N"]))
+        return launch(kernel, grid, args, constexprs, keyed, **options)
+
+    monkeypatch.setattr(split_kv, "launch", recording)
+    case = Case(**{"seqlen_q": 3, "seqlen_new": 2, "seqlen_cache": seqlen_cache, "page_size": page_size,
+                   "num_splits": 3, "cache_seqlens": (100, seqlen_cache - 2), **options})  # fmt: skip
+    check(case)
+    [(tma, block_n)] = seen
+    whole_tiles = page_size > 0 and page_size % block_n == 0 and not case.leftpad
+    head_dims = {case.head_dim, case.head_dim if case.head_dim_v is None else case.head_dim_v}
+    assert tma == (whole_tiles and head_dims <= {16, 32, 64, 128, 256})
+
+
 def test_int_cache_seqlens(path):
     case = Case(cache_seqlens=(50, 50), seqlen_new=3, seqlen_q=3)
     check(case, cache_seqlens=50)

@@ -50,8 +50,8 @@ import triton.language as tl
 
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._launch import Plans, keyed_for, launch
-from flashtile.ops.attention.configs import cdiv, padded_head_dim
-from flashtile.ops.attention.tiles import LN2, LOG2E, tanh
+from flashtile.ops.attention.configs import cdiv, compute_capability, padded_head_dim
+from flashtile.ops.attention.tiles import LN2, LOG2E, tanh, tile_descriptor, tma_ready
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows, load_tile
@@ -129,6 +129,8 @@ def _decode_tile(
     BlockTable,
     Cos,
     Sin,
+    KDesc,
+    VDesc,
     stride_kb,
     stride_kn,
     stride_kh,
@@ -170,12 +172,15 @@ def _decode_tile(
     FROM_NEW: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One online-softmax step over the keys [start_n, start_n + BLOCK_N) of one batch entry and kv head,
     those before n_end (the end of the keys this loop reads).
 
     Keys are read from the cache, or with FROM_NEW (keys >= new_lo, this step's new tokens) from KNew,
-    VNew, token j - new_lo, the keys rotated (``append.load_new``)."""
+    VNew, token j - new_lo, the keys rotated (``append.load_new``). TMA: KDesc, VDesc are tensor descriptors of
+    the caches with [1, BLOCK_N, 1, BLOCK_D / BLOCK_DV] blocks, through which the copy engine reads the unmasked
+    tiles (of a paged cache, each in one page: ``use_tma``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_end
     if FROM_NEW:
@@ -183,6 +188,13 @@ def _decode_tile(
             KNew, VNew, stride_knn, stride_vnn, offs_n - new_lo, n_ok, leftpad + offs_n, Cos, Sin, stride_cos,
             seqlen_ro, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, ROTARY_DIM, ROTARY_INTERLEAVED,
         )  # fmt: skip
+    elif TMA and not MASKED:  # a paged cache's tile, BLOCK_N rows of one page (``use_tma``)
+        slot, first = cache_slots(
+            leftpad + start_n, True, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX
+        )
+        at = [slot.to(tl.int32), first.to(tl.int32), off_hk, 0]
+        k = KDesc.load(at).reshape(BLOCK_N, offs_d.shape[0])
+        v = VDesc.load(at).reshape(BLOCK_N, offs_dv.shape[0])
     elif PAGE_SIZE > 0:
         slot, row = cache_slots(
             leftpad + offs_n, n_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX
@@ -303,6 +315,8 @@ def _split_kv_kernel(
     Alibi,
     Cos,
     Sin,
+    KDesc,
+    VDesc,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -361,6 +375,7 @@ def _split_kv_kernel(
     HAS_NEW: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     NEW_SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
 
@@ -373,6 +388,9 @@ def _split_kv_kernel(
 
     NEW_SPLIT (IS_SPLIT, HAS_NEW, short splits and few new tokens: ``NEW_SPLIT_MAX``, ``NEW_SPLIT_MAX_KEYS``): the last
     split attends to the new keys alone and appends them; the others divide the cache keys among them.
+
+    TMA: KDesc and VDesc are tensor descriptors of the caches (``use_tma``), through which the copy engine reads the
+    unmasked key tiles; without TMA they are None.
 
     IS_SPLIT (num_splits > 1): split s also writes its partials to OutPart (S, B, Sq, H, DV) and LsePart
     (S, B, H, Sq), fp32, laid out as Out and Lse behind a split stride (stride_ps, stride_ls), and takes a
@@ -478,13 +496,13 @@ def _split_kv_kernel(
             if seg_lo < seg_hi:
                 for start_n in range(seg_lo, seg_hi, BLOCK_N if segment < 3 else BLOCK_NEW):
                     acc, m_i, l_i = _decode_tile(
-                        acc, m_i, l_i, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin,
+                        acc, m_i, l_i, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin, KDesc, VDesc,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_knn,
                         stride_vnn, stride_cos, seqlen_ro, num_slots, off_b, off_hk, leftpad, start_n, tok, slope,
                         offs_d, offs_dv, new_lo, end if segment == 3 else new_lo, diag, left, right, qk_scale, softcap,
                         HEAD_DIM, HEAD_DIM_V, BLOCK_N if segment < 3 else BLOCK_NEW, PAGE_SIZE, INT64_OFFSETS,
                         HAS_BATCH_IDX, segment != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, segment == 3,
-                        ROTARY_DIM, ROTARY_INTERLEAVED,
+                        ROTARY_DIM, ROTARY_INTERLEAVED, TMA,
                     )  # fmt: skip
 
     out, lse = _normalize(acc, m_i, l_i)
@@ -532,14 +550,16 @@ class DecodePlan(NamedTuple):
     int arguments (strides, lengths, the split count, the window; the parameters from stride_qb to right), the
     constexprs, Triton's options (num_warps, num_stages) and ``launch``'s ``keyed`` (the constexprs in parameter
     order and the arguments' ``specialization_key``; None for a kernel that is not a compiled JITFunction, the
-    interpreter's). Nothing a call may change under one key: the tensors (inputs, outputs, partials, counters) and
-    the two scales are the call's own."""
+    interpreter's); ``tma_blocks``: (BLOCK_N, BLOCK_D, BLOCK_DV) where the kernel reads the caches through tensor
+    descriptors (``use_tma``), else None. Nothing a call may change under one key: the tensors (inputs, outputs,
+    partials, counters, the caches' descriptors) and the two scales are the call's own."""
 
     grid: tuple[int, int, int]
     ints: tuple[int, ...]
     constexprs: dict
     options: dict
     keyed: tuple[list, tuple] | None
+    tma_blocks: tuple[int, int, int] | None
 
 
 _PLANS = Plans()
@@ -563,6 +583,44 @@ def _plan_key(inputs: tuple, settings: tuple) -> tuple:
             layouts.append((t.shape, t.stride(), t.dtype))
             addresses |= t.data_ptr()
     return (*layouts, inputs[0].device, *settings, addresses % 16 == 0)
+
+
+def has_copy_engine(device: torch.device) -> bool:
+    """Whether ``device`` reads tiles through tensor descriptors: a GPU of sm_90 or later (the tensor memory
+    accelerator)."""
+    return device.type == "cuda" and compute_capability(device.index)[0] >= 9
+
+
+def use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, leftpad: bool, block_n: int) -> bool:
+    """Whether the kernel reads the unmasked key tiles of these caches through tensor descriptors: a ``paged`` cache
+    whose tiles never straddle two pages (``block_n`` divides the page size and no ``leftpad`` shifts the tiles off
+    the page boundaries), on a device with a copy engine (``has_copy_engine``), with head dims that fill their tiles
+    (powers of two, at least 16) and caches the copy engine can address (``tiles.tma_ready``).
+
+    Paged caches only, as measured on the H200 (Hkv 8, Hq 32, D 128, one new token, graph µs per step, two
+    interleaved rounds against pointer loads, results/2026-12-02-h200-s22-call4-rounds-9f56669.log): paged B=1 4k
+    19.0-19.1 -> 18.2-18.5, 16k 35.6-35.8 -> 33.7-34.2, 64k 84.6-84.8 -> 82.0-82.4, B=4 4k 33.0-33.1 -> 31.6-31.9,
+    B=16 4k 83.0 -> 81.1-81.2, B=64 16k 983 -> 966. Contiguous caches gained at most 1-4% (B=4 4k 32.1-32.3 ->
+    31.2-31.5) and lost badly on some rows (B=64 1k 81.3 -> 87.5, 16k 960 -> 1092 µs, though the attention alone
+    took as long as before), not understood yet (docs/tuning-log.md, session 22): they keep pointer loads."""
+    return (
+        paged
+        and k_cache.shape[1] % block_n == 0
+        and not leftpad
+        and has_copy_engine(k_cache.device)
+        and k_cache.shape[3] == padded_head_dim(k_cache.shape[3])
+        and v_cache.shape[3] == padded_head_dim(v_cache.shape[3])
+        and tma_ready(k_cache, v_cache)
+    )
+
+
+def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, tma_blocks: tuple[int, int, int] | None) -> tuple:
+    """The kernel's KDesc and VDesc: the caches' tensor descriptors with [1, BLOCK_N, 1, BLOCK_D / BLOCK_DV] blocks,
+    or two None without ``tma_blocks``."""
+    if tma_blocks is None:
+        return None, None
+    block_n, block_d, block_dv = tma_blocks
+    return tile_descriptor(k_cache, block_n, block_d), tile_descriptor(v_cache, block_n, block_dv)
 
 
 def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> tuple[DecodePlan, bool]:
@@ -617,12 +675,15 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
         HAS_NEW=k is not None,
         IS_SPLIT=num_splits > 1,
         NEW_SPLIT=new_split,
+        TMA=use_tma(k_cache, v_cache, paged, leftpad is not None, cfg.block_n),
     )
+    tma_blocks = (cfg.block_n, constexprs["BLOCK_D"], constexprs["BLOCK_DV"]) if constexprs["TMA"] else None
     launch_options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    keyed = keyed_for(_split_kv_kernel, (*tensors, *ints, *scales), constexprs, launch_options)
+    args = (*tensors, *_descriptors(k_cache, v_cache, tma_blocks), *ints, *scales)
+    keyed = keyed_for(_split_kv_kernel, args, constexprs, launch_options)
     grid = (batch * nheads_k, num_splits, max(1, cdiv(seqlen_q * group, block_m)))
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
-    return DecodePlan(grid, ints, constexprs, launch_options, keyed), aligned
+    return DecodePlan(grid, ints, constexprs, launch_options, keyed, tma_blocks), aligned
 
 
 def decode_attention(
@@ -717,5 +778,7 @@ def decode_attention(
     tensors = (q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, counters, cache_seqlens, cache_batch_idx,
                cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin)  # fmt: skip
     plan = _PLANS.plan(_plan_key(inputs, settings), _make_plan, tensors, scales, settings)
-    launch(_split_kv_kernel, plan.grid, (*tensors, *plan.ints, *scales), plan.constexprs, plan.keyed, **plan.options)
+    descriptors = _descriptors(k_cache, v_cache, plan.tma_blocks)
+    args = (*tensors, *descriptors, *plan.ints, *scales)
+    launch(_split_kv_kernel, plan.grid, args, plan.constexprs, plan.keyed, **plan.options)
     return out, lse
