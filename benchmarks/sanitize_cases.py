@@ -8,11 +8,15 @@ forward with several work items per CTA (B=2 N=1024 without causal: 256 items at
 H=32; causal B=2 N=2048 H=16: 256 pair slots; D=64 causal from N=2048, B=2 N=2100 GQA 16:4: 288 pair slots; D=64
 causal from N=8192 with three warpgroups and the first key tile folded into the loop, B=1 N=8200 GQA 2:1), the
 Gluon backward with GQA at D=64, 128 and 256 (causal: key tiles in pairs), and the Triton kernels (odd lengths, a
-decode query of one row)."""
+decode query of one row). Then decode steps (``flash_attn_with_kvcache``, Hkv 8, Hq 32, D 128, bf16): a contiguous
+cache at an odd length with the heuristic's splits and with 4, a paged cache of 16-row pages with 5 query tokens and a
+left pad, and a paged cache of 256-row pages eager (pointer loads) and replayed from a CUDA graph (on sm_90, tensor
+descriptors: ``split_kv.use_tma``), with the last sequence's pages at the end of the cache."""
 
 import torch
 
 import flashtile
+from bench_decode import capture
 
 CASES = [
     ((2, 300, 4, 64), (2, 211, 4, 64), True),
@@ -33,6 +37,39 @@ CASES = [
 ]
 """(q shape, k / v shape, causal), flash_attn layout, bf16."""
 
+DECODE_CASES = [
+    dict(batch=2, context=3001, page_size=0, seqlen_q=1, num_splits=0, leftpad=False, graph=False),
+    dict(batch=2, context=3001, page_size=0, seqlen_q=1, num_splits=4, leftpad=False, graph=False),
+    dict(batch=3, context=2048, page_size=16, seqlen_q=5, num_splits=0, leftpad=True, graph=False),
+    dict(batch=2, context=4096, page_size=256, seqlen_q=1, num_splits=0, leftpad=False, graph=False),
+    dict(batch=2, context=4096, page_size=256, seqlen_q=1, num_splits=0, leftpad=False, graph=True),
+]
+"""One decode step each: a new token appended at context - 1 of every sequence, causal."""
+
+
+def decode_step(batch, context, page_size, seqlen_q, num_splits, leftpad, graph) -> None:
+    """One step of a DECODE_CASES entry; ``graph``: captured in a CUDA graph and replayed."""
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    slots, rows = (batch * context // page_size, page_size) if page_size else (batch, context)
+    k_cache, v_cache = (torch.randn(slots, rows, 8, 128, **bf16) for _ in range(2))
+    block_table = None
+    if page_size:
+        block_table = torch.arange(slots, device="cuda", dtype=torch.int32).view(batch, context // page_size)
+    q = torch.randn(batch, seqlen_q, 32, 128, **bf16)
+    k, v = (torch.randn(batch, 1, 8, 128, **bf16) for _ in range(2))
+    seqlens = torch.full((batch,), context - 1, device="cuda", dtype=torch.int32)
+    pads = torch.arange(batch, device="cuda", dtype=torch.int32) * 37 if leftpad else None
+
+    def step() -> torch.Tensor:
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                 cache_leftpad=pads, block_table=block_table, causal=True,
+                                                 num_splits=num_splits)  # fmt: skip
+
+    if graph:
+        capture(step)[0].replay()
+    else:
+        step()
+
 
 def main() -> None:
     torch.manual_seed(0)
@@ -40,8 +77,10 @@ def main() -> None:
         q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         flashtile.flash_attn_func(q, k, v, causal=causal).sum().backward()
+    for case in DECODE_CASES:
+        decode_step(**case)
     torch.cuda.synchronize()
-    print(f"sanitized {len(CASES)} fwd+bwd cases")
+    print(f"sanitized {len(CASES)} fwd+bwd cases and {len(DECODE_CASES)} decode steps")
 
 
 if __name__ == "__main__":

@@ -451,13 +451,16 @@ def test_new_keys_split_of_their_own(monkeypatch, seqlen_q, seqlen_new, page_siz
     ids=["page32", "page32-window", "page128", "page128-dv32-mqa", "page48", "page128-leftpad", "page128-headdim40",
          "contiguous"],
 )  # fmt: skip
-def test_tma_tiles(monkeypatch, page_size, seqlen_cache, options):
+@pytest.mark.parametrize("captured", [True, False], ids=["captured", "eager"])
+def test_tma_tiles(monkeypatch, page_size, seqlen_cache, options, captured):
     """On a device with a copy engine (stood in for on the CPU: the interpreter reads tensor descriptors too), the
     unmasked key tiles of a paged cache whose pages hold whole tiles, with no left pad shifting them, come through
-    tensor descriptors (``split_kv.use_tma``); other pages, head dims that are not powers of two and contiguous
-    caches keep pointer loads. Either way the answer and the cache are the oracle's, over several tiles and splits
-    (on a GPU, 128-key tiles: the 32-row pages then take pointer loads)."""
+    tensor descriptors (``split_kv.use_tma``) in a launch captured in a CUDA graph (stood in for too); eager launches,
+    other pages, head dims that are not powers of two and contiguous caches keep pointer loads. Either way the answer
+    and the cache are the oracle's, over several tiles and splits (on a GPU, 128-key tiles: the 32-row pages then
+    take pointer loads)."""
     monkeypatch.setattr(split_kv, "has_copy_engine", lambda device: True)
+    monkeypatch.setattr(split_kv, "_capturing", lambda device: captured)
     monkeypatch.setattr(split_kv, "_PLANS", Plans())
     seen = []
     launch = split_kv.launch
@@ -473,7 +476,44 @@ def test_tma_tiles(monkeypatch, page_size, seqlen_cache, options):
     [(tma, block_n)] = seen
     whole_tiles = page_size > 0 and page_size % block_n == 0 and not case.leftpad
     head_dims = {case.head_dim, case.head_dim if case.head_dim_v is None else case.head_dim_v}
-    assert tma == (whole_tiles and head_dims <= {16, 32, 64, 128, 256})
+    assert tma == (captured and whole_tiles and head_dims <= {16, 32, 64, 128, 256})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_tma_tiles_in_cuda_graph(monkeypatch, num_splits):
+    """On sm_90 a paged step captured in a CUDA graph reads its key tiles through tensor descriptors, an eager step
+    through pointers (``split_kv.use_tma``): the replay's answer is within the rule of the oracle and its cache is
+    the eager step's, bitwise."""
+    if not split_kv.has_copy_engine(torch.device(DEVICE)):
+        pytest.skip("tensor descriptors need an sm_90 GPU")
+    seen = []
+    launch = split_kv.launch
+
+    def recording(kernel, grid, args, constexprs, keyed=None, **options):
+        seen.append(constexprs["TMA"])
+        return launch(kernel, grid, args, constexprs, keyed, **options)
+
+    monkeypatch.setattr(split_kv, "launch", recording)
+    case = Case(batch=2, nheads=8, nheads_k=2, head_dim=128, seqlen_cache=1024, page_size=256, dtype=torch.bfloat16,
+                num_splits=num_splits, cache_seqlens=(300, 1000))  # fmt: skip
+    x = make_inputs(case)
+    _, _, eager_k, eager_v = call(case, x)
+    k_cache, v_cache = x.k_cache.clone(), x.v_cache.clone()
+
+    def step() -> torch.Tensor:
+        return flash_attn_with_kvcache(x.q, k_cache, v_cache, x.k, x.v, cache_seqlens=x.cache_seqlens,
+                                       block_table=x.block_table, causal=True, num_splits=num_splits)  # fmt: skip
+
+    graph, out = capture(step)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not seen[0] and seen[-1]
+    ref_out, _, _ = oracle(case, x, torch.float64)
+    base_out, _, _ = oracle(case, x, case.dtype)
+    assert_within_rule("out", out.cpu(), ref_out, base_out)
+    assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
 
 
 def test_int_cache_seqlens(path):

@@ -571,7 +571,8 @@ def _plan_key(inputs: tuple, settings: tuple) -> tuple:
     cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin) shape, strides and dtype (None where absent),
     q's device, ``settings`` (window_left, window_right, softcap > 0, rotary_interleaved, rotary_per_token, the
     config and the split count, from ``configs.config_and_splits`` on every call, so a changed config makes new
-    plans, and whether the new keys have a split of their own, NEW_SPLIT), and whether every input's address is
+    plans, whether the new keys have a split of their own, NEW_SPLIT, and whether a paged launch is being captured
+    in a CUDA graph, ``use_tma``), and whether every input's address is
     16-byte aligned (Triton specializes on it; the outputs, partials and counters come from torch's allocator,
     aligned). Module constants (INT32_LIMIT) are read when a plan is made: tests that change them clear ``_PLANS``."""
     layouts = []
@@ -591,20 +592,30 @@ def has_copy_engine(device: torch.device) -> bool:
     return device.type == "cuda" and compute_capability(device.index)[0] >= 9
 
 
-def use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, leftpad: bool, block_n: int) -> bool:
+def use_tma(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, captured: bool, leftpad: bool, block_n: int
+) -> bool:
     """Whether the kernel reads the unmasked key tiles of these caches through tensor descriptors: a ``paged`` cache
     whose tiles never straddle two pages (``block_n`` divides the page size and no ``leftpad`` shifts the tiles off
-    the page boundaries), on a device with a copy engine (``has_copy_engine``), with head dims that fill their tiles
-    (powers of two, at least 16) and caches the copy engine can address (``tiles.tma_ready``).
+    the page boundaries), in a launch ``captured`` in a CUDA graph, on a device with a copy engine
+    (``has_copy_engine``), with head dims that fill their tiles (powers of two, at least 16) and caches the copy
+    engine can address (``tiles.tma_ready``).
 
     Paged caches only, as measured on the H200 (Hkv 8, Hq 32, D 128, one new token, graph µs per step, two
     interleaved rounds against pointer loads, results/2026-12-02-h200-s22-call4-rounds-9f56669.log): paged B=1 4k
     19.0-19.1 -> 18.2-18.5, 16k 35.6-35.8 -> 33.7-34.2, 64k 84.6-84.8 -> 82.0-82.4, B=4 4k 33.0-33.1 -> 31.6-31.9,
     B=16 4k 83.0 -> 81.1-81.2, B=64 16k 983 -> 966. Contiguous caches gained at most 1-4% (B=4 4k 32.1-32.3 ->
     31.2-31.5) and lost badly on some rows (B=64 1k 81.3 -> 87.5, 16k 960 -> 1092 µs, though the attention alone
-    took as long as before), not understood yet (docs/tuning-log.md, session 22): they keep pointer loads."""
+    took as long as before), not understood yet (docs/tuning-log.md, session 22): they keep pointer loads.
+
+    Captured launches only: Triton encodes a launch's descriptors and walks its arguments in Python on every launch,
+    which a graph replay skips but an eager call pays. Eager paged steps (check_values(False), wall clock per call
+    over 2000 calls, three interleaved rounds, results/2026-12-03-h200-s23-call1-eager-tma.log): B=1 1k 105-145 µs
+    with pointer loads against 129-135 with descriptors, B=1 4k 79-110 against 132-138, B=4 4k 107-116 against
+    133-138, B=1 64k 89-102 against 117-126: ~25 µs more per step, where a step's kernel gains 1-3 µs."""
     return (
         paged
+        and captured
         and k_cache.shape[1] % block_n == 0
         and not leftpad
         and has_copy_engine(k_cache.device)
@@ -631,7 +642,8 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
     alignment)."""
     q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, _, seqlens, batch_idx, leftpad, block_table = tensors[:14]
     alibi_slopes, rotary_cos = tensors[14:16]
-    window_left, window_right, has_softcap, rotary_interleaved, rotary_per_token, cfg, num_splits, new_split = settings
+    window_left, window_right, has_softcap, rotary_interleaved, rotary_per_token = settings[:5]
+    cfg, num_splits, new_split, captured = settings[5:]
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     group = nheads // nheads_k
@@ -675,7 +687,7 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
         HAS_NEW=k is not None,
         IS_SPLIT=num_splits > 1,
         NEW_SPLIT=new_split,
-        TMA=use_tma(k_cache, v_cache, paged, leftpad is not None, cfg.block_n),
+        TMA=use_tma(k_cache, v_cache, paged, captured, leftpad is not None, cfg.block_n),
     )
     tma_blocks = (cfg.block_n, constexprs["BLOCK_D"], constexprs["BLOCK_DV"]) if constexprs["TMA"] else None
     launch_options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -770,8 +782,10 @@ def decode_attention(
         scales = softmax_scale * LOG2E.value, 0.0
     inputs = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
               rotary_cos, rotary_sin)  # fmt: skip
+    captured = paged and _capturing(q.device)  # descriptors only where a graph replays the launch (``use_tma``)
     settings = (
-        window_left, window_right, softcap > 0.0, rotary_interleaved, rotary_per_token, cfg, num_splits, new_split
+        window_left, window_right, softcap > 0.0, rotary_interleaved, rotary_per_token, cfg, num_splits, new_split,
+        captured,
     )  # fmt: skip
     if not has_new:
         k = v = None
