@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from bench_decode import HEAD_DIM, NHEADS_Q, Caches  # benchmarks/, beside this script
 from flashtile import _backend, flash_attn_with_kvcache
 from flashtile.ops.decode import configs
-from flashtile.ops.decode.configs import DecodeConfig
-from tune_decode import fixed
+from tune_decode import fixed, parse_config
 
 
 def main() -> None:
@@ -49,8 +48,7 @@ def main() -> None:
 
     swap = contextlib.nullcontext()
     if args.config:
-        cfg = DecodeConfig(*(int(x) for x in args.config.split(".")))
-        swap = mock.patch.object(configs, "config_and_splits", fixed(cfg))
+        swap = mock.patch.object(configs, "config_and_splits", fixed(parse_config(args.config)))
     with swap, _backend.check_values(False):
         step()
         torch.cuda.synchronize()

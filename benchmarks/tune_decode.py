@@ -43,6 +43,11 @@ NHEADS_Q = 32
 DEFAULT_CONFIGS = ",".join(f"{n}.{w}.{s}" for n, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4)))
 
 
+def parse_config(text: str) -> DecodeConfig:
+    """``block_n.num_warps.num_stages[.programs_per_sm]`` as a DecodeConfig."""
+    return DecodeConfig(*(int(x) for x in text.split(".")))
+
+
 def fixed(cfg: DecodeConfig):
     """A stand-in for ``configs.config_and_splits`` that always takes ``cfg``, with ``configs.num_splits``' count
     for it (no switch to another config)."""
@@ -112,7 +117,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")]
-    candidates = [DecodeConfig(*(int(x) for x in c.split("."))) for c in args.configs.split(",")]
+    candidates = [parse_config(c) for c in args.configs.split(",")]
     splits = [int(s) for s in args.splits.split(",")]
     table = configs.config(torch.device("cuda"), 128)
     results: dict = {"table_config": list(table.__dict__.values()), "rows": [], "device": torch.cuda.get_device_name()}

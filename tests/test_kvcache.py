@@ -239,6 +239,19 @@ def check(case: Case, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
+def record_launches(monkeypatch) -> list[tuple[tuple, dict]]:
+    """(grid, constexprs) of every split-KV launch from here on, in order; the launches still run."""
+    seen = []
+    launch = split_kv.launch
+
+    def recording(kernel, grid, args, constexprs, keyed=None, **options):
+        seen.append((grid, constexprs))
+        return launch(kernel, grid, args, constexprs, keyed, **options)
+
+    monkeypatch.setattr(split_kv, "launch", recording)
+    return seen
+
+
 # The cases ----------------------------------------------------------------------------------------------
 
 HEADS = {"MHA2": (2, 2), "GQA6-2": (6, 2), "MQA4-1": (4, 1)}
@@ -403,18 +416,11 @@ def test_int64_tile_offsets(monkeypatch):
     (``split_kv.INT32_LIMIT``, INT64_OFFSETS): forced here at a small size, over several tiles, a batch index
     and a left pad, the answer and the cache are those of the oracle. The plans are set aside (INT32_LIMIT is read
     when a plan is made, not part of its key)."""
-    flags = []
-    launch = split_kv.launch
-
-    def recording(kernel, grid, args, constexprs, keyed=None, **options):
-        flags.append(constexprs["INT64_OFFSETS"])
-        return launch(kernel, grid, args, constexprs, keyed, **options)
-
     monkeypatch.setattr(split_kv, "_PLANS", Plans())
     monkeypatch.setattr(split_kv, "INT32_LIMIT", 1)
-    monkeypatch.setattr(split_kv, "launch", recording)
+    seen = record_launches(monkeypatch)
     check(Case(seqlen_q=2, seqlen_new=2, batch_idx=True, leftpad=True, num_splits=2))
-    assert flags == [True]
+    assert [constexprs["INT64_OFFSETS"] for _, constexprs in seen] == [True]
 
 
 @pytest.mark.parametrize(
@@ -430,17 +436,10 @@ def test_new_keys_split_of_their_own(monkeypatch, seqlen_q, seqlen_new, page_siz
     sees none of the new key (its own split is empty), and the cache rows after the new ones stay as they were
     (``check``). 512 positions: several key tiles on a GPU (128 keys each) and under the interpreter (32)."""
     monkeypatch.setattr(split_kv, "NEW_SPLIT_MAX_KEYS", max_keys)
-    seen = []
-    launch = split_kv.launch
-
-    def recording(kernel, grid, args, constexprs, keyed=None, **options):
-        seen.append((grid[1], constexprs["NEW_SPLIT"]))
-        return launch(kernel, grid, args, constexprs, keyed, **options)
-
-    monkeypatch.setattr(split_kv, "launch", recording)
+    seen = record_launches(monkeypatch)
     check(Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, page_size=page_size, seqlen_cache=512,
                cache_seqlens=(64, 400), num_splits=3))  # fmt: skip
-    assert seen == [(launched, own_split)]
+    assert [(grid[1], constexprs["NEW_SPLIT"]) for grid, constexprs in seen] == [(launched, own_split)]
 
 
 @pytest.mark.parametrize(
@@ -462,18 +461,11 @@ def test_tma_tiles(monkeypatch, page_size, seqlen_cache, options, captured):
     monkeypatch.setattr(split_kv, "has_copy_engine", lambda device: True)
     monkeypatch.setattr(split_kv, "_capturing", lambda device: captured)
     monkeypatch.setattr(split_kv, "_PLANS", Plans())
-    seen = []
-    launch = split_kv.launch
-
-    def recording(kernel, grid, args, constexprs, keyed=None, **options):
-        seen.append((constexprs["TMA"], constexprs["BLOCK_N"]))
-        return launch(kernel, grid, args, constexprs, keyed, **options)
-
-    monkeypatch.setattr(split_kv, "launch", recording)
+    seen = record_launches(monkeypatch)
     case = Case(**{"seqlen_q": 3, "seqlen_new": 2, "seqlen_cache": seqlen_cache, "page_size": page_size,
                    "num_splits": 3, "cache_seqlens": (100, seqlen_cache - 2), **options})  # fmt: skip
     check(case)
-    [(tma, block_n)] = seen
+    [(tma, block_n)] = [(constexprs["TMA"], constexprs["BLOCK_N"]) for _, constexprs in seen]
     whole_tiles = page_size > 0 and page_size % block_n == 0 and not case.leftpad
     head_dims = {case.head_dim, case.head_dim if case.head_dim_v is None else case.head_dim_v}
     assert tma == (captured and whole_tiles and head_dims <= {16, 32, 64, 128, 256})
@@ -487,14 +479,7 @@ def test_tma_tiles_in_cuda_graph(monkeypatch, num_splits):
     the eager step's, bitwise."""
     if not split_kv.has_copy_engine(torch.device(DEVICE)):
         pytest.skip("tensor descriptors need an sm_90 GPU")
-    seen = []
-    launch = split_kv.launch
-
-    def recording(kernel, grid, args, constexprs, keyed=None, **options):
-        seen.append(constexprs["TMA"])
-        return launch(kernel, grid, args, constexprs, keyed, **options)
-
-    monkeypatch.setattr(split_kv, "launch", recording)
+    seen = record_launches(monkeypatch)
     case = Case(batch=2, nheads=8, nheads_k=2, head_dim=128, seqlen_cache=1024, page_size=256, dtype=torch.bfloat16,
                 num_splits=num_splits, cache_seqlens=(300, 1000))  # fmt: skip
     x = make_inputs(case)
@@ -509,7 +494,7 @@ def test_tma_tiles_in_cuda_graph(monkeypatch, num_splits):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert not seen[0] and seen[-1]
+    assert not seen[0][1]["TMA"] and seen[-1][1]["TMA"]
     ref_out, _, _ = oracle(case, x, torch.float64)
     base_out, _, _ = oracle(case, x, case.dtype)
     assert_within_rule("out", out.cpu(), ref_out, base_out)
