@@ -43,8 +43,11 @@ DECODE_CASES = [
     dict(batch=3, context=2048, page_size=16, seqlen_q=5, num_splits=0, leftpad=True, graph=False),
     dict(batch=2, context=4096, page_size=256, seqlen_q=1, num_splits=0, leftpad=False, graph=False),
     dict(batch=2, context=4096, page_size=256, seqlen_q=1, num_splits=0, leftpad=False, graph=True),
+    dict(batch=2, context=3001, page_size=0, seqlen_q=17, num_splits=4, leftpad=False, graph=False),
 ]
-"""One decode step each: a new token appended at context - 1 of every sequence, causal."""
+"""One decode step each: a new token appended at context - 1 of every sequence, causal. The last makes two query
+tiles (17 tokens x 4 heads), so its new token is read from k, v in a split of its own (``split_kv.NEW_SPLIT``); the
+others append it first (``split_kv.appends_first``)."""
 
 
 def decode_step(batch, context, page_size, seqlen_q, num_splits, leftpad, graph) -> None:

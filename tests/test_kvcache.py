@@ -424,22 +424,48 @@ def test_int64_tile_offsets(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "seqlen_q, seqlen_new, page_size, max_keys, launched, own_split",
-    [(1, 1, 0, 1024, 4, True), (16, 16, 32, 1024, 4, True), (17, 17, 0, 1024, 3, False), (40, 1, 0, 1024, 4, True),
-     (1, 1, 0, 170, 3, False)],
-    ids=["step", "16new-paged", "17new", "2qtiles", "long-splits"],
+    "seqlen_q, seqlen_new, page_size, window, max_keys, launched, own_split",
+    [(40, 1, 0, (-1, -1), 1024, 4, True), (1, 1, 0, (100, 0), 1024, 4, True), (1, 16, 32, (100, 0), 1024, 4, True),
+     (1, 17, 0, (100, 0), 1024, 3, False), (1, 1, 0, (100, 0), 170, 3, False)],
+    ids=["2qtiles", "window", "16new-paged-window", "17new-window", "long-splits-window"],
 )  # fmt: skip
-def test_new_keys_split_of_their_own(monkeypatch, seqlen_q, seqlen_new, page_size, max_keys, launched, own_split):
-    """With several splits of at most NEW_SPLIT_MAX_KEYS cache positions and at most NEW_SPLIT_MAX new tokens, the
-    launch adds a split that attends to the new keys alone and appends them; more new tokens (or longer splits: 171
-    positions each here) are shared among the requested splits. 40 queries make two query tiles, the first of which
-    sees none of the new key (its own split is empty), and the cache rows after the new ones stay as they were
-    (``check``). 512 positions: several key tiles on a GPU (128 keys each) and under the interpreter (32)."""
+def test_new_keys_split_of_their_own(
+    monkeypatch, seqlen_q, seqlen_new, page_size, window, max_keys, launched, own_split
+):
+    """A launch that does not append first (two query tiles, or a left window: ``split_kv.appends_first``) with
+    several splits of at most NEW_SPLIT_MAX_KEYS cache positions and at most NEW_SPLIT_MAX new tokens adds a split
+    that attends to the new keys alone and appends them; more new tokens (or longer splits: 171 positions each here)
+    are shared among the requested splits. 40 queries make two query tiles, the first of which sees none of the new
+    key (its own split is empty), and the cache rows after the new ones stay as they were (``check``). 512
+    positions: several key tiles on a GPU (128 keys each) and under the interpreter (32)."""
     monkeypatch.setattr(split_kv, "NEW_SPLIT_MAX_KEYS", max_keys)
     seen = record_launches(monkeypatch)
-    check(Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, page_size=page_size, seqlen_cache=512,
+    check(Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, page_size=page_size, seqlen_cache=512, window_size=window,
                cache_seqlens=(64, 400), num_splits=3))  # fmt: skip
-    assert [(grid[1], constexprs["NEW_SPLIT"]) for grid, constexprs in seen] == [(launched, own_split)]
+    assert [(grid[1], constexprs["NEW_SPLIT"], constexprs["APPEND_FIRST"]) for grid, constexprs in seen] == [
+        (launched, own_split, False)
+    ]
+
+
+@pytest.mark.parametrize(
+    "seqlen_q, seqlen_new, page_size, cache_seqlens, num_splits",
+    [(1, 1, 0, (64, 400), 3), (16, 16, 32, (64, 400), 3), (17, 17, 0, (64, 400), 3), (1, 16, 0, (250, 40), 9),
+     (1, 16, 32, (250, 40), 9), (1, 16, 0, (250, 40), 1), (4, 16, 0, (0, 496), 2)],
+    ids=["step", "16new-paged", "17new", "straddle", "straddle-paged", "one-split", "empty-and-full"],
+)  # fmt: skip
+def test_new_keys_appended_first(monkeypatch, seqlen_q, seqlen_new, page_size, cache_seqlens, num_splits):
+    """A launch of one query tile without a left window (``split_kv.appends_first``) has no split of the new keys'
+    own: each split writes the new tokens among its keys to the cache and reads them back from there. Sixteen new
+    tokens at 250..265 straddle a split boundary (256: 32-key tiles one split each under the interpreter, 128-key
+    tiles on a GPU), so two splits each write and read their part; a cache empty before the step and one filled to
+    its last row (0 and 496 of 512 positions). The answer and the cache are the oracle's (``check``: rows before
+    cache_seqlens untouched, the new tokens where they belong, the rows after them as they were)."""
+    seen = record_launches(monkeypatch)
+    check(Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, page_size=page_size, seqlen_cache=512,
+               cache_seqlens=cache_seqlens, num_splits=num_splits))  # fmt: skip
+    [(grid, constexprs)] = seen
+    launched = min(num_splits, 512 // constexprs["BLOCK_N"])  # the requested splits, at most one per key tile
+    assert (grid[1], constexprs["NEW_SPLIT"], constexprs["APPEND_FIRST"]) == (launched, False, True)
 
 
 @pytest.mark.parametrize(

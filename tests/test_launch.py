@@ -190,8 +190,8 @@ def test_decode_plans_follow_layouts(monkeypatch):
     monkeypatch.setattr(split_kv, "launch", record)
 
     def step(num_splits=2, window=(None, None), paged=False, offset=0, scale=0.125):
-        """A decode step (B=2, one token, Hq 4, Hkv 2, D 64, 128 cache positions, one new token: the launch has
-        num_splits + 1 splits, ``split_kv.NEW_SPLIT``); its inputs."""
+        """A decode step (B=2, one token, Hq 4, Hkv 2, D 64, 128 cache positions, one new token, appended first:
+        ``split_kv.appends_first``); its inputs."""
         q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)
         if offset:
             q = torch.empty(q.numel() + offset, dtype=q.dtype)[offset:].view(q.shape)
@@ -208,7 +208,7 @@ def test_decode_plans_follow_layouts(monkeypatch):
     second = step(scale=0.5)
     assert len(split_kv._PLANS) == 1 and len(launches) == 2
     (grid, args, constexprs, keyed), (grid2, args2, constexprs2, keyed2) = launches
-    assert grid2 == grid == (4, 3, 1) and constexprs2 is constexprs and keyed2 is keyed and args2[17:-2] == args[17:-2]
+    assert grid2 == grid == (4, 2, 1) and constexprs2 is constexprs and keyed2 is keyed and args2[17:-2] == args[17:-2]
     assert keyed[0] == _launch.constexpr_tail(split_kv._split_kv_kernel, args, constexprs)
     assert all(a is b for a, b in zip((*args[:5], *args2[:5]), (*first, *second), strict=True))  # its own inputs
     assert all(args2[i] is not args[i] for i in (5, 6, 7, 8))  # outputs and partials of its own
@@ -219,7 +219,7 @@ def test_decode_plans_follow_layouts(monkeypatch):
     step(window=(8, 0))
     assert len(split_kv._PLANS) == 3 and launches[-1][2]["MASK_LEFT"] and launches[-1][1][-4:-2] == (8, 0)
     step(num_splits=3)
-    assert len(split_kv._PLANS) == 4 and launches[-1][0] == (4, 4, 1)
+    assert len(split_kv._PLANS) == 4 and launches[-1][0] == (4, 3, 1)
     monkeypatch.setattr(split_kv.configs, "INTERPRETER", split_kv.configs.DecodeConfig(16, 4, 1))
     step()
     assert len(split_kv._PLANS) == 5 and launches[-1][2]["BLOCK_N"] == 16

@@ -1,10 +1,11 @@
 """The new keys and values of a decode step, as the split-KV kernel reads them and appends them to the cache.
 
 Token t of batch entry b goes to cache position ``cache_seqlens[b] + t`` (``tiles.cache_slots`` says where
-that is); nothing else in the cache is written. The split-KV kernel never reads those cache rows: a program
-that attends to new keys reads them from k and v (``load_new``), with the keys rotated exactly as they are
-stored, and one program per (batch entry, kv head, token) writes them to the cache (``append_new``), so no
-program waits for another's write.
+that is); nothing else in the cache is written. One program per (batch entry, kv head, token) writes them to the
+cache (``append_new``), the keys rotated. With APPEND_FIRST (``split_kv.appends_first``) that program is the one
+whose keys include the token, before it attends, and it reads them back from the cache after a barrier of its own
+threads; otherwise no program reads those cache rows: a program that attends to new keys reads them from k and v
+(``load_new``), rotated exactly as they are stored, so no program waits for another's write.
 """
 
 import triton
@@ -73,9 +74,9 @@ def append_new(
     off_b,
     off_hk,
     cache_len,
-    seqlen_new,
-    first_tile,
-    tile_step,
+    t_first,
+    t_end,
+    t_step,
     offs_d,
     offs_dv,
     HEAD_DIM: tl.constexpr,
@@ -85,12 +86,12 @@ def append_new(
     ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr,
 ):
-    """Write the new tokens [i * BLOCK_T, (i + 1) * BLOCK_T) for i = first_tile, first_tile + tile_step, ...
-    of batch entry ``off_b`` and kv head ``off_hk`` (KNew, VNew as in ``load_new``) to rows cache_len + t of
-    KCache, VCache (slots, rows, Hk, D / DV), the keys rotated."""
-    for t0 in range(first_tile * BLOCK_T, seqlen_new, tile_step * BLOCK_T):
+    """Write the new tokens t < t_end in tiles [t0, t0 + BLOCK_T) for t0 = t_first, t_first + t_step, ... of batch
+    entry ``off_b`` and kv head ``off_hk`` (KNew, VNew as in ``load_new``) to rows cache_len + t of KCache, VCache
+    (slots, rows, Hk, D / DV), the keys rotated."""
+    for t0 in range(t_first, t_end, t_step):
         t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < seqlen_new
+        t_ok = t < t_end
         pos = cache_len + t  # [BLOCK_T] cache positions
         k, v = load_new(
             KNew, VNew, stride_knn, stride_vnn, t, t_ok, pos, Cos, Sin, stride_cos, seqlen_ro, offs_d, offs_dv,

@@ -8,9 +8,11 @@ at least 16 rows for ``tl.dot``; padded rows are computed and never stored.
 
 Keys of batch entry b are the cache positions [leftpad_b, cache_seqlens[b] + seqlen_new), numbered
 j = 0 .. seqlen_k - 1 from leftpad_b; masks and ALiBi are bottom-right aligned on them (diag =
-seqlen_k - seqlen_q). The last seqlen_new, from j = new_lo on, are this step's new tokens: every program
-that attends to them reads them from k and v (keys rotated as the cache will hold them), and the
-programs of query tile 0 write them to the cache (``append``), after attending.
+seqlen_k - seqlen_q). The last seqlen_new are this step's new tokens. In a launch of one query tile (a
+decode step; ``appends_first``) each split first writes those among its keys to the cache and reads them
+back there with the others (APPEND_FIRST). Otherwise every program that attends to them reads them from k
+and v (keys rotated as the cache will hold them), from j = new_lo on, and the programs of query tile 0
+write them to the cache (``append``), after attending.
 
 The key tiles a query tile sees are divided evenly among the splits (a decode step's few new keys, when
 there are several splits, go to a split of their own: ``NEW_SPLIT``); each split runs the online
@@ -375,6 +377,7 @@ def _split_kv_kernel(
     HAS_NEW: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     NEW_SPLIT: tl.constexpr,
+    APPEND_FIRST: tl.constexpr,
     TMA: tl.constexpr,
 ):
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
@@ -388,6 +391,10 @@ def _split_kv_kernel(
 
     NEW_SPLIT (IS_SPLIT, HAS_NEW, short splits and few new tokens: ``NEW_SPLIT_MAX``, ``NEW_SPLIT_MAX_KEYS``): the last
     split attends to the new keys alone and appends them; the others divide the cache keys among them.
+
+    APPEND_FIRST (HAS_NEW, one query tile, queries, no left window: ``appends_first``): each split first writes the
+    new tokens among its keys to the cache and then reads them there with the cache keys, in the same loops; no
+    program reads them from KNew, VNew and none appends after attending.
 
     TMA: KDesc and VDesc are tensor descriptors of the caches (``use_tma``), through which the copy engine reads the
     unmasked key tiles; without TMA they are None.
@@ -450,10 +457,15 @@ def _split_kv_kernel(
     if MASK_RIGHT:
         hi = tl.minimum(tl.maximum(last_tok + diag + right + 1, 0), seqlen_k)
         full_hi = tl.minimum(tl.maximum(first_tok + diag + right + 1, 0), seqlen_k)
-    new_lo = seqlen_k  # the first new key (read from KNew, VNew)
+    new_lo = seqlen_k  # the first key read from KNew, VNew (none with APPEND_FIRST)
+    first_new = seqlen_k - seqlen_new
     if HAS_NEW:
-        new_lo = seqlen_k - seqlen_new
-        full_hi = tl.minimum(full_hi, new_lo)  # the cache keys' tiles end there: masked
+        if not APPEND_FIRST:
+            new_lo = first_new
+        if TMA or not APPEND_FIRST:
+            # the cache keys' tiles end there: masked (pointer loads, which see the program's own stores of
+            # APPEND_FIRST after its barrier; the copy engine's reads would need a proxy fence)
+            full_hi = tl.minimum(full_hi, first_new)
         hi = tl.where(seqlen_q > 0, hi, 0)  # a call without queries only appends
     lo = lo // BLOCK_N * BLOCK_N
     hi = tl.maximum(hi, lo)
@@ -479,6 +491,14 @@ def _split_kv_kernel(
         cache_end = tl.minimum(end, new_lo)
     mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), cache_end)
     mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N * BLOCK_N, mid_lo), cache_end)
+    if APPEND_FIRST:  # this split's new tokens, keys [max(start, first_new), end), to the cache its loops read
+        append_new(
+            k_new, v_new, KCache, VCache, BatchIdx, BlockTable, Cos, Sin, stride_knn, stride_vnn,
+            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_cos, seqlen_ro,
+            num_slots, off_b, off_hk, cache_len, tl.maximum(start - first_new, 0), end - first_new, BLOCK_T,
+            offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED,
+        )  # fmt: skip
+        tl.debug_barrier()  # every thread's stores before any thread's loads of those rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -492,7 +512,7 @@ def _split_kv_kernel(
             seg_lo, seg_hi = mid_hi, cache_end
         else:
             seg_lo, seg_hi = tl.maximum(start, new_lo), end
-        if segment < 3 or HAS_NEW:
+        if segment < 3 or (HAS_NEW and not APPEND_FIRST):
             if seg_lo < seg_hi:
                 for start_n in range(seg_lo, seg_hi, BLOCK_N if segment < 3 else BLOCK_NEW):
                     acc, m_i, l_i = _decode_tile(
@@ -528,11 +548,12 @@ def _split_kv_kernel(
         tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
         tl.store(Lse + l_rows, lse, mask=row_ok)
 
-    # The new tokens to the cache, for the steps to come (this launch reads them from KNew, VNew): token
-    # tiles split, split + num_splits, ... by query tile 0; with NEW_SPLIT their one tile by the last split (the
-    # others' first tile, num_splits - 1 - split, lies past the new tokens). Last, so that under the interpreter,
-    # which runs the programs one by one, a program that read new keys from the cache would read stale rows.
-    if HAS_NEW:
+    # Without APPEND_FIRST, the new tokens to the cache, for the steps to come (this launch reads them from KNew,
+    # VNew): token tiles split, split + num_splits, ... by query tile 0; with NEW_SPLIT their one tile by the last
+    # split (the others' first tile, num_splits - 1 - split, lies past the new tokens). Last, so that under the
+    # interpreter, which runs the programs one by one, a program that read new keys from the cache would read stale
+    # rows.
+    if HAS_NEW and not APPEND_FIRST:
         if tile_m == 0:
             first_tile = split
             if NEW_SPLIT:
@@ -540,8 +561,8 @@ def _split_kv_kernel(
             append_new(
                 k_new, v_new, KCache, VCache, BatchIdx, BlockTable, Cos, Sin, stride_knn, stride_vnn,
                 stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_cos, seqlen_ro,
-                num_slots, off_b, off_hk, cache_len, seqlen_new, first_tile, num_splits, offs_d, offs_dv,
-                HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED,
+                num_slots, off_b, off_hk, cache_len, first_tile * BLOCK_T, seqlen_new, num_splits * BLOCK_T, offs_d,
+                offs_dv, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED,
             )  # fmt: skip
 
 
@@ -571,10 +592,11 @@ def _plan_key(inputs: tuple, settings: tuple) -> tuple:
     cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin) shape, strides and dtype (None where absent),
     q's device, ``settings`` (window_left, window_right, softcap > 0, rotary_interleaved, rotary_per_token, the
     config and the split count, from ``configs.config_and_splits`` on every call, so a changed config makes new
-    plans, whether the new keys have a split of their own, NEW_SPLIT, and whether a paged launch is being captured
-    in a CUDA graph, ``use_tma``), and whether every input's address is
-    16-byte aligned (Triton specializes on it; the outputs, partials and counters come from torch's allocator,
-    aligned). Module constants (INT32_LIMIT) are read when a plan is made: tests that change them clear ``_PLANS``."""
+    plans, whether the new keys have a split of their own, NEW_SPLIT, whether they are appended first,
+    APPEND_FIRST, and whether a paged launch is being captured in a CUDA graph, ``use_tma``), and whether every
+    input's address is 16-byte aligned (Triton specializes on it; the outputs, partials and counters come from
+    torch's allocator, aligned). Module constants (INT32_LIMIT) are read when a plan is made: tests that change
+    them clear ``_PLANS``."""
     layouts = []
     addresses = 0
     for t in inputs:
@@ -584,6 +606,14 @@ def _plan_key(inputs: tuple, settings: tuple) -> tuple:
             layouts.append((t.shape, t.stride(), t.dtype))
             addresses |= t.data_ptr()
     return (*layouts, inputs[0].device, *settings, addresses % 16 == 0)
+
+
+def appends_first(has_new: bool, seqlen_q: int, m_tiles: int, window_left: int | None) -> bool:
+    """Whether a launch writes its new tokens to the cache before attending (APPEND_FIRST) rather than reading them
+    from k, v in a tile of their own and appending them after: where every new key lies in the keys of the launch's
+    one query tile (``m_tiles`` = 1, ``seqlen_q`` > 0, no left window, which could leave early new keys unseen), so
+    that each split writes exactly the new tokens among its own keys and no other program reads those rows."""
+    return has_new and seqlen_q > 0 and m_tiles == 1 and window_left is None
 
 
 def has_copy_engine(device: torch.device) -> bool:
@@ -643,7 +673,7 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
     q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, _, seqlens, batch_idx, leftpad, block_table = tensors[:14]
     alibi_slopes, rotary_cos = tensors[14:16]
     window_left, window_right, has_softcap, rotary_interleaved, rotary_per_token = settings[:5]
-    cfg, num_splits, new_split, captured = settings[5:]
+    cfg, num_splits, new_split, append_first, captured = settings[5:]
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     group = nheads // nheads_k
@@ -687,6 +717,7 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
         HAS_NEW=k is not None,
         IS_SPLIT=num_splits > 1,
         NEW_SPLIT=new_split,
+        APPEND_FIRST=append_first,
         TMA=use_tma(k_cache, v_cache, paged, captured, leftpad is not None, cfg.block_n),
     )
     tma_blocks = (cfg.block_n, constexprs["BLOCK_D"], constexprs["BLOCK_DV"]) if constexprs["TMA"] else None
@@ -743,9 +774,9 @@ def decode_attention(
         softmax_scale, softcap: scores are softcap * tanh(scale * q k / softcap) (scale * q k if softcap = 0)
         window_left, window_right: the visible band, bottom-right aligned; None is unbounded
         rotary_interleaved: rotate pairs (2f, 2f + 1) rather than (f, f + rotary_dim / 2)
-        num_splits: splits of the keys, 0 to choose from the problem size and the SM count; a split launch with at
-            most NEW_SPLIT_MAX new tokens and at most NEW_SPLIT_MAX_KEYS cache positions per split gets one more
-            split, which reads the new tokens alone
+        num_splits: splits of the keys, 0 to choose from the problem size and the SM count; a split launch that
+            does not append first (``appends_first``) with at most NEW_SPLIT_MAX new tokens and at most
+            NEW_SPLIT_MAX_KEYS cache positions per split gets one more split, which reads the new tokens alone
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
@@ -764,8 +795,10 @@ def decode_attention(
     cfg, num_splits = configs.config_and_splits(
         num_splits, q.device, max(head_dim, head_dim_v), batch * nheads_k * m_tiles, paged, seqlen_cache
     )
+    append_first = appends_first(has_new, seqlen_q, m_tiles, window_left)
     new_split = (
         has_new
+        and not append_first
         and k.shape[1] <= NEW_SPLIT_MAX
         and num_splits > 1
         and cdiv(seqlen_cache, num_splits) <= NEW_SPLIT_MAX_KEYS
@@ -785,7 +818,7 @@ def decode_attention(
     captured = paged and _capturing(q.device)  # descriptors only where a graph replays the launch (``use_tma``)
     settings = (
         window_left, window_right, softcap > 0.0, rotary_interleaved, rotary_per_token, cfg, num_splits, new_split,
-        captured,
+        append_first, captured,
     )  # fmt: skip
     if not has_new:
         k = v = None
