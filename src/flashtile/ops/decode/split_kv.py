@@ -420,16 +420,12 @@ def _split_kv_kernel(
         k_new = KNew + b64 * stride_knb + off_hk * stride_knh  # token 0 of this batch entry and kv head
         v_new = VNew + b64 * stride_vnb + off_hk * stride_vnh
     t_pre = tl.arange(0, BLOCK_T)
-    last_split = split == num_splits - 1
     if APPEND_FIRST and ROTARY_DIM == 0:
-        # The last split's first BLOCK_T new tokens (it holds the last of them), as they are stored, loaded before
-        # the cache length (on which their rotation and its share of them depend) arrives: the two loads overlap.
-        # Only the last split's: in all the others the load cost the H200 more than it saved (docs/tuning-log.md,
-        # session 24).
-        pre_ok = (t_pre < seqlen_new) & last_split
+        # the first BLOCK_T new tokens, as they are stored, loaded before the cache length (on which their rotation
+        # and which split writes them depend) arrives: the two loads overlap
         k_pre, v_pre = load_new(
-            k_new, v_new, stride_knn, stride_vnn, t_pre, pre_ok, t_pre, Cos, Sin, stride_cos, seqlen_ro, offs_d,
-            offs_dv, HEAD_DIM, HEAD_DIM_V, 0, False,
+            k_new, v_new, stride_knn, stride_vnn, t_pre, t_pre < seqlen_new, t_pre, Cos, Sin, stride_cos, seqlen_ro,
+            offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, 0, False,
         )  # fmt: skip
 
     cache_len = cache_length(CacheSeqlens, off_b, seqlen_cache, seqlen_new, HAS_SEQLENS)
@@ -506,13 +502,13 @@ def _split_kv_kernel(
     if APPEND_FIRST:  # this split's new tokens, keys [max(start, first_new), end), to the cache its loops read
         t_first = tl.maximum(start - first_new, 0)
         t_end = end - first_new
-        if ROTARY_DIM == 0:  # the last split's first tile of them is loaded already
+        if ROTARY_DIM == 0:  # the first tile of them is loaded already
             store_new(
-                k_pre, v_pre, cache_len + t_pre, pre_ok & (t_pre >= t_first) & (t_pre < t_end), KCache, VCache,
-                BatchIdx, BlockTable, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-                num_slots, off_b, off_hk, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX,
+                k_pre, v_pre, cache_len + t_pre, (t_pre >= t_first) & (t_pre < t_end), KCache, VCache, BatchIdx,
+                BlockTable, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, num_slots,
+                off_b, off_hk, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX,
             )  # fmt: skip
-            t_first = tl.where(last_split, tl.maximum(t_first, BLOCK_T), t_first)
+            t_first = tl.maximum(t_first, BLOCK_T)
         append_new(
             k_new, v_new, KCache, VCache, BatchIdx, BlockTable, Cos, Sin, stride_knn, stride_vnn,
             stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_cos, seqlen_ro,
