@@ -97,44 +97,8 @@ def append_new(
             KNew, VNew, stride_knn, stride_vnn, t, t_ok, pos, Cos, Sin, stride_cos, seqlen_ro, offs_d, offs_dv,
             HEAD_DIM, HEAD_DIM_V, ROTARY_DIM, ROTARY_INTERLEAVED,
         )  # fmt: skip
-        store_new(
-            k, v, pos, t_ok, KCache, VCache, BatchIdx, BlockTable, stride_kb, stride_kn, stride_kh, stride_vb,
-            stride_vn, stride_vh, stride_bt, num_slots, off_b, off_hk, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
-            PAGE_SIZE, HAS_BATCH_IDX,
-        )  # fmt: skip
-
-
-@triton.jit
-def store_new(
-    k,
-    v,
-    pos,
-    t_ok,
-    KCache,
-    VCache,
-    BatchIdx,
-    BlockTable,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    stride_bt,
-    num_slots,
-    off_b,
-    off_hk,
-    offs_d,
-    offs_dv,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr,
-):
-    """Keys k [BLOCK_T, BLOCK_D] (as the cache holds them: rotated) and values v [BLOCK_T, BLOCK_DV] of new tokens to
-    cache positions pos [BLOCK_T] of batch entry ``off_b`` and kv head ``off_hk``, the rows that are t_ok."""
-    slot, row = cache_slots(pos, t_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX)
-    k_rows = KCache + slot * stride_kb + row * stride_kn + off_hk * stride_kh  # [BLOCK_T]
-    tl.store(k_rows[:, None] + offs_d[None, :], k, mask=t_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
-    v_rows = VCache + slot * stride_vb + row * stride_vn + off_hk * stride_vh
-    tl.store(v_rows[:, None] + offs_dv[None, :], v, mask=t_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+        slot, row = cache_slots(pos, t_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX)
+        k_rows = KCache + slot * stride_kb + row * stride_kn + off_hk * stride_kh  # [BLOCK_T]
+        tl.store(k_rows[:, None] + offs_d[None, :], k, mask=t_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+        v_rows = VCache + slot * stride_vb + row * stride_vn + off_hk * stride_vh
+        tl.store(v_rows[:, None] + offs_dv[None, :], v, mask=t_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])

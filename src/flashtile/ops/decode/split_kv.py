@@ -55,7 +55,7 @@ from flashtile.ops._launch import Plans, keyed_for, launch
 from flashtile.ops.attention.configs import cdiv, compute_capability, padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh, tile_descriptor, tma_ready
 from flashtile.ops.decode import configs
-from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new, store_new
+from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows, load_tile
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
@@ -411,22 +411,6 @@ def _split_kv_kernel(
     off_b = off_bhk // nheads_k
     off_hk = off_bhk % nheads_k
     b64 = tl.cast(off_b, tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-
-    k_new = KNew
-    v_new = VNew
-    if HAS_NEW:
-        k_new = KNew + b64 * stride_knb + off_hk * stride_knh  # token 0 of this batch entry and kv head
-        v_new = VNew + b64 * stride_vnb + off_hk * stride_vnh
-    t_pre = tl.arange(0, BLOCK_T)
-    if APPEND_FIRST and ROTARY_DIM == 0:
-        # the first BLOCK_T new tokens, as they are stored, loaded before the cache length (on which their rotation
-        # and which split writes them depend) arrives: the two loads overlap
-        k_pre, v_pre = load_new(
-            k_new, v_new, stride_knn, stride_vnn, t_pre, t_pre < seqlen_new, t_pre, Cos, Sin, stride_cos, seqlen_ro,
-            offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, 0, False,
-        )  # fmt: skip
 
     cache_len = cache_length(CacheSeqlens, off_b, seqlen_cache, seqlen_new, HAS_SEQLENS)
     leftpad = 0
@@ -439,6 +423,14 @@ def _split_kv_kernel(
     row_ok = rows < seqlen_q * GROUP
     tok = rows // GROUP
     off_h = off_hk * GROUP + rows % GROUP  # [BLOCK_M] query heads
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    k_new = KNew
+    v_new = VNew
+    if HAS_NEW:
+        k_new = KNew + b64 * stride_knb + off_hk * stride_knh  # token 0 of this batch entry and kv head
+        v_new = VNew + b64 * stride_vnb + off_hk * stride_vnh
 
     q_rows = Q + b64 * stride_qb + tok * stride_qm + off_h * stride_qh  # [BLOCK_M]
     if ROTARY_PER_TOKEN:
@@ -500,20 +492,11 @@ def _split_kv_kernel(
     mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), cache_end)
     mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N * BLOCK_N, mid_lo), cache_end)
     if APPEND_FIRST:  # this split's new tokens, keys [max(start, first_new), end), to the cache its loops read
-        t_first = tl.maximum(start - first_new, 0)
-        t_end = end - first_new
-        if ROTARY_DIM == 0:  # the first tile of them is loaded already
-            store_new(
-                k_pre, v_pre, cache_len + t_pre, (t_pre >= t_first) & (t_pre < t_end), KCache, VCache, BatchIdx,
-                BlockTable, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, num_slots,
-                off_b, off_hk, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX,
-            )  # fmt: skip
-            t_first = tl.maximum(t_first, BLOCK_T)
         append_new(
             k_new, v_new, KCache, VCache, BatchIdx, BlockTable, Cos, Sin, stride_knn, stride_vnn,
             stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_cos, seqlen_ro,
-            num_slots, off_b, off_hk, cache_len, t_first, t_end, BLOCK_T, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
-            PAGE_SIZE, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED,
+            num_slots, off_b, off_hk, cache_len, tl.maximum(start - first_new, 0), end - first_new, BLOCK_T,
+            offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED,
         )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before any thread's loads of those rows
 
