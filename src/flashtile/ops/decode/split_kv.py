@@ -14,8 +14,8 @@ back there with the others (APPEND_FIRST). Otherwise every program that attends 
 and v (keys rotated as the cache will hold them), from j = new_lo on, and the programs of query tile 0
 write them to the cache (``append``), after attending.
 
-The key tiles a query tile sees are divided evenly among the splits (a decode step's few new keys, when
-there are several splits, go to a split of their own: ``NEW_SPLIT``); each split runs the online
+The key tiles a query tile sees are divided evenly among the splits (without APPEND_FIRST, a step's few new
+keys, when there are several splits, go to a split of their own: ``NEW_SPLIT``); each split runs the online
 softmax in base 2 over its share, giving its normalised output out_s and natural-log LSE lse_s. With
 one split these are the final ``out`` and ``lse``. With more, every split writes them to fp32 buffers
 with a leading split dimension and takes a ticket from its tile's counter (below); the split that draws
@@ -383,8 +383,9 @@ def _split_kv_kernel(
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
 
     HAS_NEW: KNew (B, Sn, Hk, D) and VNew (B, Sn, Hk, DV), Sn = seqlen_new, are this step's new tokens, the
-    last keys of each batch entry: read from there (``append.load_new``), and appended to the caches by
-    the programs of query tile 0, the token tiles divided among the splits (``append.append_new``).
+    last keys of each batch entry: appended to the caches (``append.append_new``) by the splits that hold them
+    before they attend (APPEND_FIRST), or else read from KNew, VNew (``append.load_new``) and appended by the
+    programs of query tile 0 after, the token tiles divided among the splits.
 
     GROUP = nheads // nheads_k, a constexpr: the packed rows' division by it (every program's first instructions)
     is then a constant's, a shift for powers of two. INT64_OFFSETS: ``INT32_LIMIT``.
@@ -612,7 +613,14 @@ def appends_first(has_new: bool, seqlen_q: int, m_tiles: int, window_left: int |
     """Whether a launch writes its new tokens to the cache before attending (APPEND_FIRST) rather than reading them
     from k, v in a tile of their own and appending them after: where every new key lies in the keys of the launch's
     one query tile (``m_tiles`` = 1, ``seqlen_q`` > 0, no left window, which could leave early new keys unseen), so
-    that each split writes exactly the new tokens among its own keys and no other program reads those rows."""
+    that each split writes exactly the new tokens among its own keys and no other program reads those rows.
+
+    H200, Hkv 8, Hq 32, D 128, one new token, graph µs per step against the previous path (a 16-key tile of the new
+    keys after the pipelined loop, the append after attending, NEW_SPLIT where it applied), two processes of two
+    rounds (results/2026-12-03-h200-s24-call4-ab-b3489b7-vs-21caa26.log): contiguous B=1 1k 11.4 -> 10.8, B=16 1k
+    31.9 -> 30.2, 4k 80.1-80.6 -> 78.1-78.7, B=64 1k 81.4-81.6 -> 78.6-78.8, paged B=1 4k 18.5 -> 18.0; where the
+    cache's last tile stays partly empty (40 positions short) B=16 1k 31.5-31.7 -> 29.9-30.1 but B=1 4k 16.0-16.1 ->
+    16.3: the split holding the new token waits for it before its loop (docs/tuning-log.md, session 24)."""
     return has_new and seqlen_q > 0 and m_tiles == 1 and window_left is None
 
 
