@@ -447,16 +447,16 @@ def decode_variants() -> list[Variant]:
         off = {"GROUP": 4, "PAGE_SIZE": 0, "INT64_OFFSETS": False, "HAS_SEQLENS": False, "HAS_BATCH_IDX": False,
                "HAS_LEFTPAD": False, "MASK_LEFT": False, "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False,
                "ROTARY_DIM": 0, "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "HAS_NEW": False,
-               "IS_SPLIT": False, "NEW_SPLIT": False, "APPEND_FIRST": False, "TMA": False}  # fmt: skip
+               "IS_SPLIT": False, "NEW_SPLIT": False, "APPEND_FIRST": False, "TMA": False, "CHUNK": 1}  # fmt: skip
         # everything on that a launch can combine (cache_batch_idx excludes a paged cache), writing fp32 splits
         paged = dict(off, PAGE_SIZE=256, HAS_SEQLENS=True, HAS_LEFTPAD=True, MASK_LEFT=True, MASK_RIGHT=True,
                      HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True,
-                     ROTARY_PER_TOKEN=True, HAS_NEW=True, IS_SPLIT=True, NEW_SPLIT=True)  # fmt: skip
+                     ROTARY_PER_TOKEN=True, HAS_NEW=True, IS_SPLIT=True, NEW_SPLIT=True, CHUNK=0)  # fmt: skip
         batch_idx = dict(off, HAS_SEQLENS=True, HAS_BATCH_IDX=True, MASK_RIGHT=True, ROTARY_DIM=head_dim // 2,
                          HAS_NEW=True)  # fmt: skip
         # a bench_decode.py step: one new token, appended first, split; and its paged cache read through tensor
         # descriptors
-        step = dict(off, HAS_SEQLENS=True, MASK_RIGHT=True, HAS_NEW=True, IS_SPLIT=True, APPEND_FIRST=True)
+        step = dict(off, HAS_SEQLENS=True, MASK_RIGHT=True, HAS_NEW=True, IS_SPLIT=True, APPEND_FIRST=True, CHUNK=0)
         tma = dict(step, PAGE_SIZE=256, TMA=True)
         for bm in block_ms:
             name = f"split_kv D{head_dim} {bm}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
@@ -465,16 +465,24 @@ def decode_variants() -> list[Variant]:
                                   ("seqlens,causal,new-first,split", step),
                                   ("paged,seqlens,causal,new-first,split,tma", tma)):  # fmt: skip
                 variants.append(Variant("_split_kv_kernel", name, "-", flags,
-                                        dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **consts),
+                                        dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **widest_merge(consts, bm)),
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip
             few = decode_configs.config(_CUDA, head_dim, programs=1, paged=False)  # contiguous caches only
             if few != cfg:
                 name = f"split_kv D{head_dim} {bm}x{few.block_n}/w{few.num_warps}/s{few.num_stages}"
                 for flags, consts in (("off", off), ("seqlens,causal,new-first,split", step)):
                     variants.append(Variant("_split_kv_kernel", name, "-", flags,
-                                            dict(dims, BLOCK_M=bm, BLOCK_N=few.block_n, **consts),
+                                            dict(dims, BLOCK_M=bm, BLOCK_N=few.block_n, **widest_merge(consts, bm)),
                                             few.num_warps, few.num_stages))  # fmt: skip
     return variants
+
+
+def widest_merge(consts: dict, block_m: int) -> dict:
+    """``consts`` with a split variant's CHUNK (0 there) set to the widest merge step ``split_kv.merge_chunk`` gives
+    ``block_m`` rows: the most registers the merge can take."""
+    if consts["CHUNK"]:
+        return consts
+    return dict(consts, CHUNK=split_kv.merge_chunk(block_m, split_kv.configs.MAX_SPLITS))
 
 
 class _CudaDevice:

@@ -557,6 +557,13 @@ def test_softmax_scale_and_lse_flag(path):
     assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
 
 
+def test_merge_chunk():
+    """The merge's unrolled step: MERGE_CHUNK_16_ROWS splits for 16-row tiles, MERGE_CHUNK for more rows, at most
+    the split count rounded up to a power of two."""
+    assert [split_kv.merge_chunk(16, n) for n in (1, 2, 3, 5, 8, 11, 128)] == [1, 2, 4, 8, 8, 8, 8]
+    assert [split_kv.merge_chunk(64, n) for n in (1, 2, 3, 5, 128)] == [1, 2, 4, 4, 4]
+
+
 def test_num_splits_heuristic(monkeypatch):
     """num_splits=0 on an H200's 132 SMs (the config's programs per SM), capped at one split per key tile and at
     MAX_SPLITS."""

@@ -59,12 +59,12 @@ from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows, load_tile
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
-MERGE_CHUNK = tl.constexpr(4)
+MERGE_CHUNK = 4
 """Splits per unrolled step of the merge (``_merge_splits``) for tiles of more than 16 query rows. H200, B=1, Hkv 8,
 Hq 32, D 128, contiguous: kernel 10.9 / 14.3 / 27.7 -> 10.6 / 12.8 / 26.7 µs at contexts 1k / 4k / 16k against one
 split per step; loading the chunk as one [4, BLOCK_M, DV] tensor instead took 16.8 / 34.0 / 47.5 (results/2026-11-30-
 h200x2-s8-call5-profdecode-07485eb.log)."""
-MERGE_CHUNK_16_ROWS = tl.constexpr(8)
+MERGE_CHUNK_16_ROWS = 8
 """The same for 16-row tiles (one token of a GQA group up to 16 heads, the decode steps' usual tile): H200, B=1, Hkv 8,
 Hq 32, D 128, graph µs per step, chunk 4 / 8 / 16: contiguous 1k 13.6 / 13.4 / 14.3, 4k 19.7 / 19.2 / 19.4, 16k 35.2
 / 34.8 / 34.8; paged 4k 24.0 / 23.2 / 26.3, 16k 40.3 / 39.8 / 44.3 (docs/tuning-log.md session 14, item 8); this
@@ -271,16 +271,16 @@ def _merge_splits(
     num_splits,
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """The splits' partials of BLOCK_M rows merged by an online log-sum-exp: OPart [BLOCK_M, BLOCK_DV]
     pointers to split 0's out_s, LsePart [BLOCK_M] to its lse_s; split s is stride_ps / stride_ls further.
-    The loop is unrolled by MERGE_CHUNK splits (MERGE_CHUNK_16_ROWS for 16-row tiles) whose loads do not depend
-    on each other, so the merge waits for about one round trip to L2 per chunk of splits rather than one per split.
+    The loop is unrolled by CHUNK splits (``merge_chunk``) whose loads do not depend on each other, so the merge
+    waits for about one round trip to L2 per chunk of splits rather than one per split.
     Returns the online-softmax state acc, m, l of ``_normalize``; masked-out elements read as an empty split."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    CHUNK: tl.constexpr = MERGE_CHUNK_16_ROWS if BLOCK_M == 16 else MERGE_CHUNK
     for first in range(0, num_splits, CHUNK):
         for offset in tl.static_range(CHUNK):
             split = first + offset
@@ -379,6 +379,7 @@ def _split_kv_kernel(
     NEW_SPLIT: tl.constexpr,
     APPEND_FIRST: tl.constexpr,
     TMA: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
 
@@ -403,7 +404,8 @@ def _split_kv_kernel(
     IS_SPLIT (num_splits > 1): split s also writes its partials to OutPart (S, B, Sq, H, DV) and LsePart
     (S, B, H, Sq), fp32, laid out as Out and Lse behind a split stride (stride_ps, stride_ls), and takes a
     ticket from Counters (B * Hk, query tiles) int32, zero between launches; the last split to finish a
-    tile merges (module docstring). Without IS_SPLIT, OutPart, LsePart and Counters are not read.
+    tile merges (module docstring), CHUNK splits per unrolled step (``merge_chunk``). Without IS_SPLIT, OutPart,
+    LsePart and Counters are not read.
     Index values are clamped into the cache (``tiles``): bad ones give wrong numbers, never a bad access.
     """
     off_bhk = tl.program_id(0)
@@ -539,8 +541,9 @@ def _split_kv_kernel(
         counter = Counters + off_bhk * tl.num_programs(2) + tile_m
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:  # the other splits have stored theirs
             acc, m_i, l_i = _merge_splits(
-                OutPart + o_ptrs, LsePart + l_rows, stride_ps, stride_ls, row_ok, o_mask, num_splits, BLOCK_M, BLOCK_DV
-            )
+                OutPart + o_ptrs, LsePart + l_rows, stride_ps, stride_ls, row_ok, o_mask, num_splits, BLOCK_M,
+                BLOCK_DV, CHUNK,
+            )  # fmt: skip
             out, lse = _normalize(acc, m_i, l_i)
             tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
             tl.store(Lse + l_rows, lse, mask=row_ok)
@@ -622,6 +625,19 @@ def appends_first(has_new: bool, seqlen_q: int, m_tiles: int, window_left: int |
     cache's last tile stays partly empty (40 positions short) B=16 1k 31.5-31.7 -> 29.9-30.1 but B=1 4k 16.0-16.1 ->
     16.3: the split holding the new token waits for it before its loop (docs/tuning-log.md, session 24)."""
     return has_new and seqlen_q > 0 and m_tiles == 1 and window_left is None
+
+
+def merge_chunk(block_m: int, num_splits: int) -> int:
+    """Splits per unrolled step of the merge (``_merge_splits``) of a launch of ``num_splits`` splits and ``block_m``
+    query rows per tile: MERGE_CHUNK_16_ROWS for 16-row tiles, else MERGE_CHUNK, but no more than num_splits rounded
+    up to a power of two (a step's loads of splits past the last are predicated off, but its arithmetic on the whole
+    [block_m, DV] tile is not). 1 without splits.
+
+    H200, Hkv 8, Hq 32, D 128, one new token, graph µs per step, the rule before (8 or 4 whatever the split count) ->
+    this one, two interleaved rounds in one process (results/2026-12-03-h200-s25-call2-ab-merge-configs.log): two
+    splits, contiguous B=16 1k 30.05 -> 29.57, 4k 77.63 -> 77.28, paged B=16 1k 31.74 -> 31.31; B=1 (16 splits, the
+    same chunk) and B=64 1k (no split) unchanged."""
+    return min(MERGE_CHUNK_16_ROWS if block_m == 16 else MERGE_CHUNK, configs.next_power_of_2(num_splits))
 
 
 def has_copy_engine(device: torch.device) -> bool:
@@ -727,6 +743,7 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
         NEW_SPLIT=new_split,
         APPEND_FIRST=append_first,
         TMA=use_tma(k_cache, v_cache, paged, captured, leftpad is not None, cfg.block_n),
+        CHUNK=merge_chunk(block_m, num_splits),
     )
     tma_blocks = (cfg.block_n, constexprs["BLOCK_D"], constexprs["BLOCK_DV"]) if constexprs["TMA"] else None
     launch_options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
