@@ -467,8 +467,9 @@ def decode_variants() -> list[Variant]:
                 variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                         dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **widest_merge(consts, bm)),
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip
-            few = decode_configs.config(_CUDA, head_dim, programs=1, paged=False)  # contiguous caches only
-            if few != cfg:
+            if head_dim > 128:
+                continue
+            for few in (decode_configs.CUDA_FEW_PROGRAMS, decode_configs.CUDA_FEW_PROGRAMS_LONG):  # contiguous only
                 name = f"split_kv D{head_dim} {bm}x{few.block_n}/w{few.num_warps}/s{few.num_stages}"
                 for flags, consts in (("off", off), ("seqlens,causal,new-first,split", step)):
                     variants.append(Variant("_split_kv_kernel", name, "-", flags,

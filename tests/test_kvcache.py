@@ -617,7 +617,12 @@ def test_config_and_splits_leaves_short_splits_to_the_general_config(monkeypatch
     assert chosen(2048) == (general, 16)
     assert chosen(2049) == (few, 16)  # 33 tiles over 16 splits: three for some
     assert chosen(4096) == (few, 16)
-    assert chosen(65536) == (few, 16)
+    assert chosen(65536) == (configs.CUDA_FEW_PROGRAMS_LONG, 16)  # 64 tiles per split: three in flight
+    assert chosen(64512) == (few, 16)  # 1008 tiles: 63 per split
+    assert chosen(1024, programs=128) == (few, 1)  # B=16: one program per SM
+    assert chosen(4096, programs=128) == (configs.CUDA_FEW_PROGRAMS_LONG, 1)
+    assert chosen(4096, programs=64) == (few, 2)
+    assert chosen(1024, programs=133) == (general, 1)  # more programs than SMs
     assert chosen(1024, requested=8) == (general, 8)
     assert chosen(1024, requested=4) == (few, 4)
     assert chosen(8192, programs=1) == (general, 32)  # the few-programs config's 128 splits would read one tile each
@@ -627,14 +632,18 @@ def test_config_and_splits_leaves_short_splits_to_the_general_config(monkeypatch
     assert chosen(1024, device=torch.device("cpu")) == (configs.INTERPRETER, 16)  # 32 tiles of 32 keys, not switched
 
 
-def test_few_programs_config():
-    """B=1 with 8 kv heads on a contiguous cache: one program per SM with deeper pipelining; paged caches,
-    more programs and head dims above 128 keep their configs (CUDA only: the interpreter has its own)."""
+def test_few_programs_config(monkeypatch):
+    """Up to one program per SM (132 here) on a contiguous cache: one program per SM with deeper pipelining; paged
+    caches, more programs, an unknown count and head dims above 128 keep their configs (CUDA only: the interpreter
+    has its own)."""
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert configs.config(cuda, 128, programs=8, paged=False) == configs.CUDA_FEW_PROGRAMS
     assert configs.config(cuda, 64, programs=1, paged=False) == configs.CUDA_FEW_PROGRAMS
+    assert configs.config(cuda, 128, programs=132, paged=False) == configs.CUDA_FEW_PROGRAMS
     assert configs.config(cuda, 128, programs=8, paged=True) == configs.CUDA_HEAD_DIM_128
-    assert configs.config(cuda, 128, programs=16, paged=False) == configs.CUDA_HEAD_DIM_128
+    assert configs.config(cuda, 128, programs=133, paged=False) == configs.CUDA_HEAD_DIM_128
+    assert configs.config(cuda, 128, paged=False) == configs.CUDA_HEAD_DIM_128
     assert configs.config(cuda, 256, programs=8, paged=False) == configs.CUDA_HEAD_DIM_256
     assert configs.config(torch.device("cpu"), 128, programs=8, paged=False) == configs.INTERPRETER
 

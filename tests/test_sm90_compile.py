@@ -62,6 +62,13 @@ EXPECTED_STACK = {
     "_split_kv_kernel split_kv D128 16x64/w4/s3 - off": 0,
     "_split_kv_kernel split_kv D128 32x64/w4/s3 - off": 0,
     "_split_kv_kernel split_kv D128 64x64/w4/s3 - off": 0,
+    # its long-split form (64, 4, 4), session 25
+    "_split_kv_kernel split_kv D64 16x64/w4/s4 - off": 0,
+    "_split_kv_kernel split_kv D64 32x64/w4/s4 - off": 0,
+    "_split_kv_kernel split_kv D64 64x64/w4/s4 - off": 0,
+    "_split_kv_kernel split_kv D128 16x64/w4/s4 - off": 0,
+    "_split_kv_kernel split_kv D128 32x64/w4/s4 - off": 0,
+    "_split_kv_kernel split_kv D128 64x64/w4/s4 - off": 0,
     # D=64: three consumer warpgroups (192-row items, 160 registers). Causal (shipped from seqlen_q 8k; shorter
     # causal launches take two, forward_sm90.CAUSAL_CHANGES): 0 since the first key tile runs in the loop (FOLD in
     # ``_consumer``; 40 before, nine registers stored and reloaded around the separate first tile's mask). With two

@@ -44,17 +44,27 @@ class DecodeConfig:
 INTERPRETER = DecodeConfig(32, 4, 1)
 CUDA_HEAD_DIM_128 = DecodeConfig(128, 4, 2)  # head dims <= 128
 CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
-FEW_PROGRAMS = 8
 CUDA_FEW_PROGRAMS = DecodeConfig(64, 4, 3, programs_per_sm=1)
-"""Head dims <= 128, a contiguous cache and at most FEW_PROGRAMS programs before splitting (B=1 with 8 kv heads),
-unless every split would read at most two key tiles (``config_and_splits``): one program per SM with three key
-tiles in flight. H200, B=1, Hkv 8, D 128, graph µs per step at 16 splits (results/2026-12-02-h200-s21-call1-tune-
-decode-grid.json, the kernel of session 20): 4k 16.6, 16k 31.9, 64k 78.9 against 17.5, 32.7, 79.0 for (128, 8, 3),
-the config before, and 17.8, 35.1, 88.3 for (128, 4, 2) at 16 splits. A paged cache is slower with it (64k: 145 µs
-at 16 splits, 86-95 at 32-48, against 83.8 for the general config), so paged caches keep the general config. Through
-the shipped rules, two interleaved rounds against (128, 8, 3) (results/2026-12-02-h200-s21-call3-rounds-056dc66.log):
-4k 17.8-17.9 -> 16.3-16.4, 16k 32.7-32.8 -> 31.6-32.4, but 64k 78.8-79.5 -> 80.2-80.3 µs: there the step's new-key
-tile and append cost 1.8 µs over the attention alone with four warps, 0.8 with eight."""
+"""Head dims <= 128, a contiguous cache and at most one program per SM before splitting (batch x kv heads x query
+tiles <= the SM count: B <= 16 with 8 kv heads on the H200), unless every split would read at most two key tiles
+(``config_and_splits``): one program per SM with two key tiles in flight (CUDA_FEW_PROGRAMS_LONG: three, for long
+splits). H200, B=1, Hkv 8, D 128, graph µs per step at 16 splits (results/2026-12-02-h200-s21-call1-tune-decode-
+grid.json, the kernel of session 20): 4k 16.6, 16k 31.9, 64k 78.9 against 17.5, 32.7, 79.0 for (128, 8, 3), the config
+before, and 17.8, 35.1, 88.3 for (128, 4, 2) at 16 splits. A paged cache is slower with it (64k: 145 µs at 16 splits,
+86-95 at 32-48, against 83.8 for the general config), so paged caches keep the general config.
+
+Up to one program per SM, not only B=1's 8 (session 25; the general config (128, 4, 2) with its split count ->
+this rule, graph µs per step, one new token, Hq 32, two interleaved rounds in one process, results/2026-12-03-h200-s25-
+call3-ab-few.log): B=2 4k 21.70 -> 20.05; B=4 1k 15.64 -> 14.72, 4k 30.55 -> 29.94, 16k 77.59 -> 76.56; B=8 1k 20.50
+-> 19.96, 4k 47.60 -> 47.57; B=16 1k 29.54 -> 29.06, 4k 77.30 -> 75.83, 16k 249.9 -> 247.2, 64k 943.2 -> 933.2 (the
+long rows with CUDA_FEW_PROGRAMS_LONG)."""
+CUDA_FEW_PROGRAMS_LONG = DecodeConfig(64, 4, 4, programs_per_sm=1)
+DEEP_PIPELINE_TILES = 64
+"""CUDA_FEW_PROGRAMS with three key tiles in flight, for splits of at least DEEP_PIPELINE_TILES key tiles: H200, graph
+µs per step, (64, 4, 3) -> (64, 4, 4) (the log above, and -call3-ab-b1.json), by key tiles per split: 1024 (B=16 64k)
+976.7 -> 933.2, 256 (B=16 16k) 256.6 -> 247.2, 128 (B=1 128k) 138.0 -> 134.8, 64 (B=1 64k) 78.46 -> 77.54, B=16 4k
+76.85 -> 75.83, B=4 16k 77.44 -> 76.56; but 32 (B=8 4k) 47.57 -> 48.0, 16 (B=4 4k) 29.94 -> 30.39, B=1 16k 30.96 ->
+31.23, B=16 1k 29.06 -> 29.08, and 4-8 tiles 0.5-1.1 µs slower (B=1 4k 15.60 -> 16.35)."""
 
 
 # A host helper in plain Python (as ``cdiv``): it runs on every decode step, and Triton's own
@@ -64,15 +74,17 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def config(device: torch.device, head_dim: int, programs: int = FEW_PROGRAMS + 1, paged: bool = True) -> DecodeConfig:
+def config(device: torch.device, head_dim: int, programs: int | None = None, paged: bool = True) -> DecodeConfig:
     """The tile config of the split-KV kernel for ``head_dim`` (the larger of headdim and headdim_v),
-    ``programs`` = batch x nheads_k x query tiles, and a ``paged`` cache or not (the defaults: the general
-    config)."""
+    ``programs`` = batch x nheads_k x query tiles (None: more than the SMs), and a ``paged`` cache or not (the
+    defaults: the general config)."""
     if device.type != "cuda":
         return INTERPRETER
     if head_dim > 128:
         return CUDA_HEAD_DIM_256
-    return CUDA_FEW_PROGRAMS if programs <= FEW_PROGRAMS and not paged else CUDA_HEAD_DIM_128
+    if paged or programs is None or programs > sm_count(device):
+        return CUDA_HEAD_DIM_128
+    return CUDA_FEW_PROGRAMS
 
 
 def block_m(packed_rows: int) -> int:
@@ -110,8 +122,9 @@ def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache
 def config_and_splits(
     requested: int, device: torch.device, head_dim: int, programs: int, paged: bool, seqlen_cache: int
 ) -> tuple[DecodeConfig, int]:
-    """The config (``config``) and split count (``num_splits``) of a launch, with one exception: where the
-    few-programs config would leave every split at most two key tiles, the general config runs instead (with its own
+    """The config (``config``) and split count (``num_splits``) of a launch, with two exceptions. Where the
+    few-programs config would give each split DEEP_PIPELINE_TILES key tiles or more, CUDA_FEW_PROGRAMS_LONG runs
+    instead. Where it would leave every split at most two key tiles, the general config runs instead (with its own
     split count), since four warps with two stages start and finish a tile sooner; from three tiles per split the
     few-programs config's deeper pipeline wins. H200, B=1 (8 programs), Hkv 8, D 128, graph µs per step, general /
     few-programs config with the split heuristic, one process (results/2026-12-01-h200-s16-call2-tune-decode-wide-
@@ -124,7 +137,11 @@ def config_and_splits(
     splits more, so the switch reaches longer caches, not timed."""
     cfg = config(device, head_dim, programs, paged)
     splits = num_splits(requested, device, programs, seqlen_cache, cfg)
-    if cfg == CUDA_FEW_PROGRAMS and cdiv(cdiv(seqlen_cache, cfg.block_n), splits) <= 2:
-        cfg = CUDA_HEAD_DIM_128
-        splits = num_splits(requested, device, programs, seqlen_cache, cfg)
+    if cfg == CUDA_FEW_PROGRAMS:
+        tiles_per_split = cdiv(cdiv(seqlen_cache, cfg.block_n), splits)
+        if tiles_per_split <= 2:
+            cfg = CUDA_HEAD_DIM_128
+            splits = num_splits(requested, device, programs, seqlen_cache, cfg)
+        elif tiles_per_split >= DEEP_PIPELINE_TILES:
+            cfg = CUDA_FEW_PROGRAMS_LONG  # the same tiles and programs per SM: the same split count
     return cfg, splits
