@@ -62,8 +62,8 @@ MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
 MERGE_CHUNK = 4
 """The most splits per unrolled step of the merge (``_merge_splits``, ``merge_chunk``) for tiles of more than 16 query
 rows. H200, B=1, Hkv 8, Hq 32, D 128, contiguous: kernel 10.9 / 14.3 / 27.7 -> 10.6 / 12.8 / 26.7 µs at contexts 1k /
-4k / 16k against one split per step; loading the chunk as one [4, BLOCK_M, DV] tensor instead took 16.8 / 34.0 / 47.5 (results/2026-11-30-
-h200x2-s8-call5-profdecode-07485eb.log)."""
+4k / 16k against one split per step; loading the chunk as one [4, BLOCK_M, DV] tensor instead took 16.8 / 34.0 / 47.5
+(results/2026-11-30-h200x2-s8-call5-profdecode-07485eb.log)."""
 MERGE_CHUNK_16_ROWS = 8
 """The same for 16-row tiles (one token of a GQA group up to 16 heads, the decode steps' usual tile): H200, B=1, Hkv 8,
 Hq 32, D 128, graph µs per step, chunk 4 / 8 / 16: contiguous 1k 13.6 / 13.4 / 14.3, 4k 19.7 / 19.2 / 19.4, 16k 35.2
