@@ -56,7 +56,7 @@ def read_source(path: Path) -> list[Instruction]:
     for row in rows[2:]:
         if len(row) <= max(sass, executed, samples):
             continue
-        stalls = {name: int(row[i] or 0) for i, name in stall_columns if int(row[i] or 0)}
+        stalls = {name: int(row[i]) for i, name in stall_columns if row[i] and int(row[i])}
         instructions.append(Instruction(row[sass], int(row[executed] or 0), int(row[samples] or 0), stalls))
     return instructions
 
@@ -85,12 +85,12 @@ def stall_text(stalls: Counter | dict, most: int | None = None) -> str:
     return ", ".join(f"{name.removeprefix(STALL_PREFIX)} {n}" for name, n in ranked)
 
 
-def report(instructions: list[Instruction], warps: int, top: int) -> str:
-    """The groups (``group_by_runs``) and the ``top`` most-sampled instructions as text."""
+def report(instructions: list[Instruction], groups: dict[float, dict], warps: int, top: int) -> str:
+    """The ``groups`` of ``instructions`` (``group_by_runs``) and the ``top`` most-sampled instructions as text."""
     lines = []
     total = sum(ins.executed for ins in instructions) / warps
     lines.append(f"{total:.0f} instructions per warp, {sum(ins.samples for ins in instructions)} samples")
-    for runs, group in group_by_runs(instructions, warps).items():
+    for runs, group in groups.items():
         stalls = stall_text(group["stalls"], 6)
         opcodes = " ".join(f"{op} {n}" for op, n in group["opcodes"].most_common(12))
         lines.append(f"runs {runs:g}: {group['instructions']} instructions, {group['per_warp']:.0f} per warp, "
@@ -112,11 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.warps <= 0:
         parser.error(f"--warps must be positive, got {args.warps}")
     instructions = read_source(args.source)
-    print(report(instructions, args.warps, args.top))
+    groups = group_by_runs(instructions, args.warps)
+    print(report(instructions, groups, args.warps, args.top))
     if args.json:
-        groups = {str(runs): dict(group, stalls=dict(group["stalls"]), opcodes=dict(group["opcodes"]))
-                  for runs, group in group_by_runs(instructions, args.warps).items()}  # fmt: skip
-        args.json.write_text(json.dumps(groups, indent=1))
+        plain = {str(runs): dict(group, stalls=dict(group["stalls"]), opcodes=dict(group["opcodes"]))
+                 for runs, group in groups.items()}  # fmt: skip
+        args.json.write_text(json.dumps(plain, indent=1))
 
 
 if __name__ == "__main__":

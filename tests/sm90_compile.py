@@ -458,6 +458,8 @@ def decode_variants() -> list[Variant]:
         # descriptors
         step = dict(off, HAS_SEQLENS=True, MASK_RIGHT=True, HAS_NEW=True, IS_SPLIT=True, APPEND_FIRST=True, CHUNK=0)
         tma = dict(step, PAGE_SIZE=256, TMA=True)
+        # the few-programs configs (contiguous caches only, head dims <= 128)
+        fews = (decode_configs.CUDA_FEW_PROGRAMS, decode_configs.CUDA_FEW_PROGRAMS_LONG) if head_dim <= 128 else ()
         for bm in block_ms:
             name = f"split_kv D{head_dim} {bm}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
             for flags, consts in (("off", off), ("paged,seqlens,leftpad,window,softcap,alibi,rotary,new,split", paged),
@@ -467,9 +469,7 @@ def decode_variants() -> list[Variant]:
                 variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                         dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **widest_merge(consts, bm)),
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip
-            if head_dim > 128:
-                continue
-            for few in (decode_configs.CUDA_FEW_PROGRAMS, decode_configs.CUDA_FEW_PROGRAMS_LONG):  # contiguous only
+            for few in fews:
                 name = f"split_kv D{head_dim} {bm}x{few.block_n}/w{few.num_warps}/s{few.num_stages}"
                 for flags, consts in (("off", off), ("seqlens,causal,new-first,split", step)):
                     variants.append(Variant("_split_kv_kernel", name, "-", flags,
