@@ -121,7 +121,7 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
 def _decode_tile(
     acc,
     m_i,
-    l_i,
+    l_cols,
     q,
     KCache,
     VCache,
@@ -182,7 +182,13 @@ def _decode_tile(
     Keys are read from the cache, or with FROM_NEW (keys >= new_lo, this step's new tokens) from KNew,
     VNew, token j - new_lo, the keys rotated (``append.load_new``). TMA: KDesc, VDesc are tensor descriptors of
     the caches with [1, BLOCK_N, 1, BLOCK_D / BLOCK_DV] blocks, through which the copy engine reads the unmasked
-    tiles (of a paged cache, each in one page: ``use_tma``)."""
+    tiles (of a paged cache, each in one page: ``use_tma``).
+
+    The state: acc [BLOCK_M, BLOCK_DV], the running max m_i [BLOCK_M] (log2 units) and the softmax sums l_cols
+    [BLOCK_M, the kernel's BLOCK_N] by key column, summed over the columns once after the loop. The four warps
+    hold different key columns of a tile, so a row sum per tile would cost a cross-warp exchange through shared
+    memory (three barriers) on every tile; the column sums cost one FFMA per element (docs/tuning-log.md, session
+    26)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_end
     if FROM_NEW:
@@ -233,10 +239,14 @@ def _decode_tile(
         s = tl.where(ok, s, float("-inf"))
     m_new, m_shift, alpha = _raise_max(m_i, tl.max(s, 1))
     p = tl.math.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if FROM_NEW:  # a tile of BLOCK_NEW keys: its row sums go to the sums' first column
+        first_column = tl.arange(0, l_cols.shape[1]) == 0
+        l_cols = l_cols * alpha[:, None] + tl.where(first_column[None, :], tl.sum(p, 1)[:, None], 0.0)
+    else:
+        l_cols = l_cols * alpha[:, None] + p
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
-    return acc, m_new, l_i
+    return acc, m_new, l_cols
 
 
 @triton.jit
@@ -504,7 +514,7 @@ def _split_kv_kernel(
         tl.debug_barrier()  # every thread's stores before any thread's loads of those rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_cols = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the softmax sums by key column (``_decode_tile``)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for segment in tl.static_range(4):  # the four ranges above, each with its tile width and masking
         if segment == 0:
@@ -518,8 +528,8 @@ def _split_kv_kernel(
         if segment < 3 or (HAS_NEW and not APPEND_FIRST):
             if seg_lo < seg_hi:
                 for start_n in range(seg_lo, seg_hi, BLOCK_N if segment < 3 else BLOCK_NEW):
-                    acc, m_i, l_i = _decode_tile(
-                        acc, m_i, l_i, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin, KDesc, VDesc,
+                    acc, m_i, l_cols = _decode_tile(
+                        acc, m_i, l_cols, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin, KDesc, VDesc,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_knn,
                         stride_vnn, stride_cos, seqlen_ro, num_slots, off_b, off_hk, leftpad, start_n, tok, slope,
                         offs_d, offs_dv, new_lo, end if segment == 3 else new_lo, diag, left, right, qk_scale, softcap,
@@ -528,7 +538,7 @@ def _split_kv_kernel(
                         ROTARY_DIM, ROTARY_INTERLEAVED, TMA,
                     )  # fmt: skip
 
-    out, lse = _normalize(acc, m_i, l_i)
+    out, lse = _normalize(acc, m_i, tl.sum(l_cols, 1))
     o_rows = b64 * stride_ob + tok * stride_om + off_h * stride_oh  # [BLOCK_M] row offsets in Out (and OutPart)
     l_rows = b64 * stride_lb + off_h * stride_lh + tok  # [BLOCK_M] in Lse (and LsePart)
     o_ptrs = o_rows[:, None] + offs_dv[None, :]  # [BLOCK_M, BLOCK_DV]
