@@ -618,7 +618,7 @@ def test_config_and_splits_leaves_short_splits_to_the_general_config(monkeypatch
     assert chosen(2048) == (general, 16)
     assert chosen(2049) == (few, 16)  # 33 tiles over 16 splits: three for some
     assert chosen(4096) == (few, 16)
-    assert chosen(65536) == (configs.CUDA_FEW_PROGRAMS_LONG, 16)  # 64 tiles per split: three in flight
+    assert chosen(65536) == (configs.CUDA_FEW_PROGRAMS_LONG, 16)  # 64 tiles per split: the long-split config
     assert chosen(64512) == (few, 16)  # 1008 tiles: 63 per split
     assert chosen(1024, programs=128) == (few, 1)  # B=16: one program per SM
     assert chosen(4096, programs=128) == (configs.CUDA_FEW_PROGRAMS_LONG, 1)

@@ -47,8 +47,8 @@ CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
 CUDA_FEW_PROGRAMS = DecodeConfig(64, 4, 3, programs_per_sm=1)
 """Head dims <= 128, a contiguous cache and at most one program per SM before splitting (batch x kv heads x query
 tiles <= the SM count: B <= 16 with 8 kv heads on the H200), unless every split would read at most two key tiles
-(``config_and_splits``): one program per SM with two key tiles in flight (CUDA_FEW_PROGRAMS_LONG: three, for long
-splits). H200, B=1, Hkv 8, D 128, graph µs per step at 16 splits (results/2026-12-02-h200-s21-call1-tune-decode-
+(``config_and_splits``): one program per SM with two key tiles in flight (CUDA_FEW_PROGRAMS_LONG: two of 128 keys, for
+long splits). H200, B=1, Hkv 8, D 128, graph µs per step at 16 splits (results/2026-12-02-h200-s21-call1-tune-decode-
 grid.json, the kernel of session 20): 4k 16.6, 16k 31.9, 64k 78.9 against 17.5, 32.7, 79.0 for (128, 8, 3), the config
 before, and 17.8, 35.1, 88.3 for (128, 4, 2) at 16 splits. A paged cache is slower with it (64k: 145 µs at 16 splits,
 86-95 at 32-48, against 83.8 for the general config), so paged caches keep the general config.
@@ -58,13 +58,16 @@ this rule, graph µs per step, one new token, Hq 32, two interleaved rounds in o
 call3-ab-few.log): B=2 4k 21.70 -> 20.05; B=4 1k 15.64 -> 14.72, 4k 30.55 -> 29.94, 16k 77.59 -> 76.56; B=8 1k 20.50
 -> 19.96, 4k 47.60 -> 47.57; B=16 1k 29.54 -> 29.06, 4k 77.30 -> 75.83, 16k 249.9 -> 247.2, 64k 943.2 -> 933.2 (the
 long rows with CUDA_FEW_PROGRAMS_LONG)."""
-CUDA_FEW_PROGRAMS_LONG = DecodeConfig(64, 4, 4, programs_per_sm=1)
+CUDA_FEW_PROGRAMS_LONG = DecodeConfig(128, 4, 3, programs_per_sm=1)
 DEEP_PIPELINE_TILES = 64
-"""CUDA_FEW_PROGRAMS with three key tiles in flight, for splits of at least DEEP_PIPELINE_TILES key tiles: H200, graph
-µs per step, (64, 4, 3) -> (64, 4, 4) (the log above, and -call3-ab-b1.json), by key tiles per split: 1024 (B=16 64k)
-976.7 -> 933.2, 256 (B=16 16k) 256.6 -> 247.2, 128 (B=1 128k) 138.0 -> 134.8, 64 (B=1 64k) 78.46 -> 77.54, B=16 4k
-76.85 -> 75.83, B=4 16k 77.44 -> 76.56; but 32 (B=8 4k) 47.57 -> 48.0, 16 (B=4 4k) 29.94 -> 30.39, B=1 16k 30.96 ->
-31.23, B=16 1k 29.06 -> 29.08, and 4-8 tiles 0.5-1.1 µs slower (B=1 4k 15.60 -> 16.35)."""
+"""CUDA_FEW_PROGRAMS with more bytes in flight, for splits of at least DEEP_PIPELINE_TILES of its (64-key) tiles: H200,
+graph µs per step, (64, 4, 3) -> (64, 4, 4), three 64-key tiles in flight (session 25, the log above, and -call3-ab-
+b1.json), by 64-key tiles per split: 1024 (B=16 64k) 976.7 -> 933.2, 256 (B=16 16k) 256.6 -> 247.2, 128 (B=1 128k)
+138.0 -> 134.8, 64 (B=1 64k) 78.46 -> 77.54, B=16 4k 76.85 -> 75.83, B=4 16k 77.44 -> 76.56; but 32 (B=8 4k) 47.57 ->
+48.0, 16 (B=4 4k) 29.94 -> 30.39, B=1 16k 30.96 -> 31.23, B=16 1k 29.06 -> 29.08, and 4-8 tiles 0.5-1.1 µs slower
+(B=1 4k 15.60 -> 16.35). Then (64, 4, 4) -> (128, 4, 3), two 128-key tiles in flight and half the softmax steps
+(session 26, the kernel with column sums, results/2026-12-03-h200-s26-call2-ab-long.log): B=16 4k 75.82 -> 75.36,
+16k 247.8 -> 247.1, 64k 936.7 -> 937.9, B=4 16k 77.27 -> 76.75, B=1 64k 77.70 -> 77.57, 128k 134.96 -> 134.52."""
 
 
 # A host helper in plain Python (as ``cdiv``): it runs on every decode step, and Triton's own
@@ -143,5 +146,5 @@ def config_and_splits(
             cfg = CUDA_HEAD_DIM_128
             splits = num_splits(requested, device, programs, seqlen_cache, cfg)
         elif tiles_per_split >= DEEP_PIPELINE_TILES:
-            cfg = CUDA_FEW_PROGRAMS_LONG  # the same tiles and programs per SM: the same split count
+            cfg = CUDA_FEW_PROGRAMS_LONG  # the same programs per SM: the same split count
     return cfg, splits

@@ -121,7 +121,7 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
 def _decode_tile(
     acc,
     m_i,
-    l_cols,
+    l_sums,
     q,
     KCache,
     VCache,
@@ -175,6 +175,7 @@ def _decode_tile(
     ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr,
     TMA: tl.constexpr,
+    SUMS_BY_COLUMN: tl.constexpr,
 ):
     """One online-softmax step over the keys [start_n, start_n + BLOCK_N) of one batch entry and kv head,
     those before n_end (the end of the keys this loop reads).
@@ -184,11 +185,9 @@ def _decode_tile(
     the caches with [1, BLOCK_N, 1, BLOCK_D / BLOCK_DV] blocks, through which the copy engine reads the unmasked
     tiles (of a paged cache, each in one page: ``use_tma``).
 
-    The state: acc [BLOCK_M, BLOCK_DV], the running max m_i [BLOCK_M] (log2 units) and the softmax sums l_cols
-    [BLOCK_M, the kernel's BLOCK_N] by key column, summed over the columns once after the loop. The four warps
-    hold different key columns of a tile, so a row sum per tile would cost a cross-warp exchange through shared
-    memory (three barriers) on every tile; the column sums cost one FFMA per element (docs/tuning-log.md, session
-    26)."""
+    The state: acc [BLOCK_M, BLOCK_DV], the running max m_i [BLOCK_M] (log2 units) and the softmax sums l_sums,
+    [BLOCK_M] or with SUMS_BY_COLUMN [BLOCK_M, the kernel's BLOCK_N] by key column, summed over the columns once
+    after the loop (``_split_kv_kernel``)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_end
     if FROM_NEW:
@@ -239,14 +238,16 @@ def _decode_tile(
         s = tl.where(ok, s, float("-inf"))
     m_new, m_shift, alpha = _raise_max(m_i, tl.max(s, 1))
     p = tl.math.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
-    if FROM_NEW:  # a tile of BLOCK_NEW keys: its row sums go to the sums' first column
-        first_column = tl.arange(0, l_cols.shape[1]) == 0
-        l_cols = l_cols * alpha[:, None] + tl.where(first_column[None, :], tl.sum(p, 1)[:, None], 0.0)
+    if not SUMS_BY_COLUMN:
+        l_sums = l_sums * alpha + tl.sum(p, 1)
+    elif FROM_NEW:  # a tile of BLOCK_NEW keys: its row sums go to the sums' first column
+        first_column = tl.arange(0, l_sums.shape[1]) == 0
+        l_sums = l_sums * alpha[:, None] + tl.where(first_column[None, :], tl.sum(p, 1)[:, None], 0.0)
     else:
-        l_cols = l_cols * alpha[:, None] + p
+        l_sums = l_sums * alpha[:, None] + p
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
-    return acc, m_new, l_cols
+    return acc, m_new, l_sums
 
 
 @triton.jit
@@ -514,7 +515,15 @@ def _split_kv_kernel(
         tl.debug_barrier()  # every thread's stores before any thread's loads of those rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_cols = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the softmax sums by key column (``_decode_tile``)
+    # The softmax sums. Sixteen rows (one matrix-product height) are shared by the four warps, each holding other key
+    # columns of a tile, so a sum per row and tile would be a cross-warp exchange through shared memory, three
+    # barriers on every tile: they are kept by key column instead, an FFMA per element, and summed once after the
+    # loop (docs/tuning-log.md, session 26). Taller tiles keep row sums: their BLOCK_M x BLOCK_N columns would cost
+    # 32-64 registers a thread, and spill.
+    if BLOCK_M == 16:
+        l_sums = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        l_sums = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for segment in tl.static_range(4):  # the four ranges above, each with its tile width and masking
         if segment == 0:
@@ -528,17 +537,19 @@ def _split_kv_kernel(
         if segment < 3 or (HAS_NEW and not APPEND_FIRST):
             if seg_lo < seg_hi:
                 for start_n in range(seg_lo, seg_hi, BLOCK_N if segment < 3 else BLOCK_NEW):
-                    acc, m_i, l_cols = _decode_tile(
-                        acc, m_i, l_cols, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin, KDesc, VDesc,
+                    acc, m_i, l_sums = _decode_tile(
+                        acc, m_i, l_sums, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin, KDesc, VDesc,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_knn,
                         stride_vnn, stride_cos, seqlen_ro, num_slots, off_b, off_hk, leftpad, start_n, tok, slope,
                         offs_d, offs_dv, new_lo, end if segment == 3 else new_lo, diag, left, right, qk_scale, softcap,
                         HEAD_DIM, HEAD_DIM_V, BLOCK_N if segment < 3 else BLOCK_NEW, PAGE_SIZE, INT64_OFFSETS,
                         HAS_BATCH_IDX, segment != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, segment == 3,
-                        ROTARY_DIM, ROTARY_INTERLEAVED, TMA,
+                        ROTARY_DIM, ROTARY_INTERLEAVED, TMA, BLOCK_M == 16,
                     )  # fmt: skip
 
-    out, lse = _normalize(acc, m_i, tl.sum(l_cols, 1))
+    if BLOCK_M == 16:
+        l_sums = tl.sum(l_sums, 1)
+    out, lse = _normalize(acc, m_i, l_sums)
     o_rows = b64 * stride_ob + tok * stride_om + off_h * stride_oh  # [BLOCK_M] row offsets in Out (and OutPart)
     l_rows = b64 * stride_lb + off_h * stride_lh + tok  # [BLOCK_M] in Lse (and LsePart)
     o_ptrs = o_rows[:, None] + offs_dv[None, :]  # [BLOCK_M, BLOCK_DV]
