@@ -70,7 +70,7 @@ EXPECTED_STACK = {
     "_split_kv_kernel split_kv D64 64x128/w4/s3 - off": 0,
     "_split_kv_kernel split_kv D128 16x128/w4/s3 - off": 0,
     "_split_kv_kernel split_kv D128 32x128/w4/s3 - off": 0,
-    "_split_kv_kernel split_kv D128 64x128/w4/s3 - off": 56,
+    "_split_kv_kernel split_kv D128 64x128/w4/s3 - off": 56,  # stored before the loops, loaded after (as 16-row tiles)
     # D=64: three consumer warpgroups (192-row items, 160 registers). Causal (shipped from seqlen_q 8k; shorter
     # causal launches take two, forward_sm90.CAUSAL_CHANGES): 0 since the first key tile runs in the loop (FOLD in
     # ``_consumer``; 40 before, nine registers stored and reloaded around the separate first tile's mask). With two

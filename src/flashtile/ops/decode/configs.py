@@ -67,7 +67,8 @@ b1.json), by 64-key tiles per split: 1024 (B=16 64k) 976.7 -> 933.2, 256 (B=16 1
 48.0, 16 (B=4 4k) 29.94 -> 30.39, B=1 16k 30.96 -> 31.23, B=16 1k 29.06 -> 29.08, and 4-8 tiles 0.5-1.1 µs slower
 (B=1 4k 15.60 -> 16.35). Then (64, 4, 4) -> (128, 4, 3), two 128-key tiles in flight and half the softmax steps
 (session 26, the kernel with column sums, results/2026-12-03-h200-s26-call2-ab-long.log): B=16 4k 75.82 -> 75.36,
-16k 247.8 -> 247.1, 64k 936.7 -> 937.9, B=4 16k 77.27 -> 76.75, B=1 64k 77.70 -> 77.57, 128k 134.96 -> 134.52."""
+16k 247.8 -> 247.1, 64k 936.7 -> 937.9, B=4 16k 77.27 -> 76.75, B=1 64k 77.70 -> 77.57, 128k 134.96 -> 134.52. All
+measured with one query token (16-row tiles); taller tiles (several query tokens) take the same configs, not timed."""
 
 
 # A host helper in plain Python (as ``cdiv``): it runs on every decode step, and Triton's own

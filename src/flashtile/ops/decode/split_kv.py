@@ -515,7 +515,7 @@ def _split_kv_kernel(
         tl.debug_barrier()  # every thread's stores before any thread's loads of those rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    # The softmax sums. Sixteen rows (one matrix-product height) are shared by the four warps, each holding other key
+    # The softmax sums. Sixteen rows (one matrix-product height) are shared by all the warps, each holding other key
     # columns of a tile, so a sum per row and tile would be a cross-warp exchange through shared memory, three
     # barriers on every tile: they are kept by key column instead, an FFMA per element, and summed once after the
     # loop (docs/tuning-log.md, session 26). Taller tiles keep row sums: their BLOCK_M x BLOCK_N columns would cost
