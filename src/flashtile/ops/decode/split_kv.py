@@ -520,7 +520,8 @@ def _split_kv_kernel(
     # barriers on every tile: they are kept by key column instead, an FFMA per element, and summed once after the
     # loop (docs/tuning-log.md, session 26). Taller tiles keep row sums: their BLOCK_M x BLOCK_N columns would cost
     # 32-64 registers a thread, and spill.
-    if BLOCK_M == 16:
+    SUMS_BY_COLUMN: tl.constexpr = BLOCK_M == 16
+    if SUMS_BY_COLUMN:
         l_sums = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         l_sums = tl.zeros([BLOCK_M], tl.float32)
@@ -544,10 +545,10 @@ def _split_kv_kernel(
                         offs_d, offs_dv, new_lo, end if segment == 3 else new_lo, diag, left, right, qk_scale, softcap,
                         HEAD_DIM, HEAD_DIM_V, BLOCK_N if segment < 3 else BLOCK_NEW, PAGE_SIZE, INT64_OFFSETS,
                         HAS_BATCH_IDX, segment != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, segment == 3,
-                        ROTARY_DIM, ROTARY_INTERLEAVED, TMA, BLOCK_M == 16,
+                        ROTARY_DIM, ROTARY_INTERLEAVED, TMA, SUMS_BY_COLUMN,
                     )  # fmt: skip
 
-    if BLOCK_M == 16:
+    if SUMS_BY_COLUMN:
         l_sums = tl.sum(l_sums, 1)
     out, lse = _normalize(acc, m_i, l_sums)
     o_rows = b64 * stride_ob + tok * stride_om + off_h * stride_oh  # [BLOCK_M] row offsets in Out (and OutPart)
