@@ -447,7 +447,8 @@ def decode_variants() -> list[Variant]:
         off = {"GROUP": 4, "PAGE_SIZE": 0, "INT64_OFFSETS": False, "HAS_SEQLENS": False, "HAS_BATCH_IDX": False,
                "HAS_LEFTPAD": False, "MASK_LEFT": False, "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False,
                "ROTARY_DIM": 0, "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "HAS_NEW": False,
-               "IS_SPLIT": False, "NEW_SPLIT": False, "APPEND_FIRST": False, "TMA": False, "CHUNK": 1}  # fmt: skip
+               "IS_SPLIT": False, "NEW_SPLIT": False, "APPEND_FIRST": False, "LATE_APPEND": False, "TMA": False,
+               "CHUNK": 1}  # fmt: skip
         # everything on that a launch can combine (cache_batch_idx excludes a paged cache), writing fp32 splits
         paged = dict(off, PAGE_SIZE=256, HAS_SEQLENS=True, HAS_LEFTPAD=True, MASK_LEFT=True, MASK_RIGHT=True,
                      HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True,
@@ -458,20 +459,26 @@ def decode_variants() -> list[Variant]:
         # descriptors
         step = dict(off, HAS_SEQLENS=True, MASK_RIGHT=True, HAS_NEW=True, IS_SPLIT=True, APPEND_FIRST=True, CHUNK=0)
         tma = dict(step, PAGE_SIZE=256, TMA=True)
+        # the step at one split, which appends its new token in the loop's first iteration (``append_late``)
+        late = dict(step, IS_SPLIT=False, LATE_APPEND=True, CHUNK=1)
         # the few-programs configs (contiguous caches only, head dims <= 128)
         fews = (decode_configs.CUDA_FEW_PROGRAMS, decode_configs.CUDA_FEW_PROGRAMS_LONG) if head_dim <= 128 else ()
         for bm in block_ms:
             name = f"split_kv D{head_dim} {bm}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
             for flags, consts in (("off", off), ("paged,seqlens,leftpad,window,softcap,alibi,rotary,new,split", paged),
                                   ("seqlens,batch_idx,causal,rotary_half,new", batch_idx),
-                                  ("seqlens,causal,new-first,split", step),
+                                  ("seqlens,causal,new-first,split", step), ("seqlens,causal,new-late", late),
                                   ("paged,seqlens,causal,new-first,split,tma", tma)):  # fmt: skip
                 variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                         dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **widest_merge(consts, bm)),
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip
             for few in fews:
                 name = f"split_kv D{head_dim} {bm}x{few.block_n}/w{few.num_warps}/s{few.num_stages}"
-                for flags, consts in (("off", off), ("seqlens,causal,new-first,split", step)):
+                for flags, consts in (
+                    ("off", off),
+                    ("seqlens,causal,new-first,split", step),
+                    ("seqlens,causal,new-late", late),
+                ):
                     variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                             dict(dims, BLOCK_M=bm, BLOCK_N=few.block_n, **widest_merge(consts, bm)),
                                             few.num_warps, few.num_stages))  # fmt: skip

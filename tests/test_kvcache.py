@@ -470,6 +470,27 @@ def test_new_keys_appended_first(monkeypatch, seqlen_q, seqlen_new, page_size, c
 
 
 @pytest.mark.parametrize(
+    "options",
+    [{}, {"page_size": 32}, {"batch_idx": True, "rotary_dim": 32}, {"num_splits": 3}, {"seqlen_q": 3, "nheads": 4}],
+    ids=["contiguous", "page32", "batch-idx-rotary", "splits3", "three-queries"],
+)
+def test_new_keys_appended_late(path, options):
+    """A one-split launch whose one new key lies ``split_kv.LATE_APPEND_TILES`` key tiles or more past the first key
+    of its unmasked loop writes it to the cache in that loop's first iteration (``append_late``), the others before
+    it. Cache lengths on both sides of the rule under the interpreter (32-key tiles: 127 early, 128 late with the new
+    key in the masked tail, 255 late with it in the unmasked loop, 300 late), an empty cache, and three splits (all
+    early); the answer and the cache are the oracle's (``check``)."""
+    check(Case(**{"batch": 5, "seqlen_cache": 320, "cache_seqlens": (0, 127, 128, 255, 300), **options}))
+
+
+def test_late_append_waits_for_every_pipeline():
+    """``append_late`` needs the new keys' tile to be copied after its first iteration: every decode config's
+    pipeline copies tile i + num_stages - 1 in iteration i, so LATE_APPEND_TILES must be at least num_stages."""
+    decode_configs = [value for value in vars(configs).values() if isinstance(value, configs.DecodeConfig)]
+    assert decode_configs and max(c.num_stages for c in decode_configs) <= split_kv.LATE_APPEND_TILES
+
+
+@pytest.mark.parametrize(
     "page_size, seqlen_cache, options",
     [(32, 512, {}), (32, 512, {"window_size": (70, 0), "seqlen_q": 5}), (128, 512, {}),
      (128, 512, {"head_dim": 64, "head_dim_v": 32, "nheads": 6, "nheads_k": 1}), (48, 480, {}),

@@ -50,6 +50,46 @@ def load_new(
 
 
 @triton.jit
+def store_new(
+    k,
+    v,
+    t,
+    t_ok,
+    KCache,
+    VCache,
+    BatchIdx,
+    BlockTable,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_bt,
+    num_slots,
+    off_b,
+    off_hk,
+    cache_len,
+    offs_d,
+    offs_dv,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
+):
+    """Write new tokens t [ROWS] (those that are t_ok) of batch entry ``off_b`` and kv head ``off_hk``, keys k
+    [ROWS, BLOCK_D] and values v [ROWS, BLOCK_DV] as ``load_new`` gives them, to rows cache_len + t of KCache, VCache
+    (slots, rows, Hk, D / DV)."""
+    slot, row = cache_slots(
+        cache_len + t, t_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX
+    )  # fmt: skip
+    k_rows = KCache + slot * stride_kb + row * stride_kn + off_hk * stride_kh  # [ROWS]
+    tl.store(k_rows[:, None] + offs_d[None, :], k, mask=t_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    v_rows = VCache + slot * stride_vb + row * stride_vn + off_hk * stride_vh
+    tl.store(v_rows[:, None] + offs_dv[None, :], v, mask=t_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+
+
+@triton.jit
 def append_new(
     KNew,
     VNew,
@@ -92,13 +132,12 @@ def append_new(
     for t0 in range(t_first, t_end, t_step):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < t_end
-        pos = cache_len + t  # [BLOCK_T] cache positions
         k, v = load_new(
-            KNew, VNew, stride_knn, stride_vnn, t, t_ok, pos, Cos, Sin, stride_cos, seqlen_ro, offs_d, offs_dv,
-            HEAD_DIM, HEAD_DIM_V, ROTARY_DIM, ROTARY_INTERLEAVED,
+            KNew, VNew, stride_knn, stride_vnn, t, t_ok, cache_len + t, Cos, Sin, stride_cos, seqlen_ro, offs_d,
+            offs_dv, HEAD_DIM, HEAD_DIM_V, ROTARY_DIM, ROTARY_INTERLEAVED,
         )  # fmt: skip
-        slot, row = cache_slots(pos, t_ok, off_b, BatchIdx, BlockTable, stride_bt, num_slots, PAGE_SIZE, HAS_BATCH_IDX)
-        k_rows = KCache + slot * stride_kb + row * stride_kn + off_hk * stride_kh  # [BLOCK_T]
-        tl.store(k_rows[:, None] + offs_d[None, :], k, mask=t_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
-        v_rows = VCache + slot * stride_vb + row * stride_vn + off_hk * stride_vh
-        tl.store(v_rows[:, None] + offs_dv[None, :], v, mask=t_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+        store_new(
+            k, v, t, t_ok, KCache, VCache, BatchIdx, BlockTable, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+            stride_vh, stride_bt, num_slots, off_b, off_hk, cache_len, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V,
+            PAGE_SIZE, HAS_BATCH_IDX,
+        )  # fmt: skip

@@ -50,12 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtile._backend import TRITON_INTERPRET
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._launch import Plans, keyed_for, launch
 from flashtile.ops.attention.configs import cdiv, compute_capability, padded_head_dim
 from flashtile.ops.attention.tiles import LN2, LOG2E, tanh, tile_descriptor, tma_ready
 from flashtile.ops.decode import configs
-from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new
+from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new, store_new
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows, load_tile
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
@@ -82,6 +83,22 @@ rounds-5091f2c.log, docs/tuning-log.md session 21): B=1
 contiguous 1k 11.7-12.0 / 11.3-11.4, 2k 13.8 / 13.3-13.4, 4k 17.8-17.9 / 17.3-17.6, 16k 32.8-33.0 / 32.2-32.5 (1024
 positions per split); but 64k 79.7-79.8 / 80.3-80.5 (4096) and B=4 16k 80.0-80.4 / 80.6-81.5 (2048): with long splits
 the one latency it hides weighs less than the extra program and merge step."""
+
+LATE_APPEND_TILES = tl.constexpr(4)
+"""How many key tiles past a split's first key its new tokens must lie for the split to append them in the first
+iteration of its unmasked loop instead of before it (``append_late`` in ``_split_kv_kernel``): the software pipeline
+copies tile i + num_stages - 1 in iteration i, so a tile at least num_stages tiles in is copied after the barrier that
+follows the stores; at least every decode config's num_stages (tests/test_kvcache.py checks it).
+
+The late append (one-split launches, one new token): the token's load is in flight with the first key tiles instead
+of ahead of them. H200, Hkv 8, D 128, graph µs per step, before -> after, two alternating processes each
+(results/2026-12-03-h200-s27-call7-ab-late-append-one-token.json): B=16 1k Hq 32 28.48 / 28.38 -> 28.26 / 28.19, Hq 64
+28.93 / 28.86 -> 28.77 / 28.64, 4k 76.29 / 76.03 -> 75.58 / 75.65; B=64 1k, 4k and B=16 16k unchanged (B=64 runs two
+programs per SM, which hide the round trip). Split launches keep the append before the loop: with it late there
+(the token held in a 16-row tile) B=4 1k and B=1 4k lost 0.5-0.6 µs to the registers (docs/tuning-log.md, session
+27)."""
+
+INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 
 INT32_LIMIT = 2**31
 """Element offsets inside one key tile of a contiguous cache from this on are computed in int64 (INT64_OFFSETS), so
@@ -115,6 +132,18 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
         _kept.append(counters)
     _counters[device] = fresh
     return fresh
+
+
+@triton.jit
+def cta_barrier():
+    """A barrier of all the program's threads, which also orders their global stores before the others' later loads
+    (bar.sync). Unlike ``tl.debug_barrier`` it leaves a loop that holds it to Triton's software pipeliner (Triton
+    3.6-3.7 do not pipeline a loop with a debug_barrier in it; sm_90 SASS of the decode kernel, docs/tuning-log.md
+    session 27). The interpreter, which has no inline assembly, takes the debug_barrier."""
+    if INTERPRETED:
+        tl.debug_barrier()
+    else:
+        tl.inline_asm_elementwise("bar.sync 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -389,6 +418,7 @@ def _split_kv_kernel(
     IS_SPLIT: tl.constexpr,
     NEW_SPLIT: tl.constexpr,
     APPEND_FIRST: tl.constexpr,
+    LATE_APPEND: tl.constexpr,
     TMA: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
@@ -505,14 +535,29 @@ def _split_kv_kernel(
         cache_end = tl.minimum(end, new_lo)
     mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), cache_end)
     mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N * BLOCK_N, mid_lo), cache_end)
-    if APPEND_FIRST:  # this split's new tokens, keys [max(start, first_new), end), to the cache its loops read
-        append_new(
-            k_new, v_new, KCache, VCache, BatchIdx, BlockTable, Cos, Sin, stride_knn, stride_vnn,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_cos, seqlen_ro,
-            num_slots, off_b, off_hk, cache_len, tl.maximum(start - first_new, 0), end - first_new, BLOCK_T,
-            offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED,
+    # APPEND_FIRST: this split's new tokens, keys [max(start, first_new), end), go to the cache its loops read, either
+    # here or (append_late) in the first iteration of the unmasked loop (segment 1 below), where the key tiles in flight
+    # hide the token's load (docs/tuning-log.md, session 27). Late only in one-split launches (LATE_APPEND), for one
+    # new token, where that loop runs and the token lies LATE_APPEND_TILES tiles or more past its first key (so that
+    # its tile, in the loop or after it, is copied after the barrier that follows the stores).
+    append_late = LATE_APPEND & (mid_lo < mid_hi) & (first_new - mid_lo >= LATE_APPEND_TILES * BLOCK_N)
+    append_late = append_late & (end - first_new <= 1)
+    if APPEND_FIRST:
+        if not append_late:
+            append_new(
+                k_new, v_new, KCache, VCache, BatchIdx, BlockTable, Cos, Sin, stride_knn, stride_vnn,
+                stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_cos, seqlen_ro,
+                num_slots, off_b, off_hk, cache_len, tl.maximum(start - first_new, 0), end - first_new, BLOCK_T,
+                offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX, ROTARY_DIM, ROTARY_INTERLEAVED,
+            )  # fmt: skip
+            tl.debug_barrier()  # every thread's stores before any thread's loads of those rows
+    if LATE_APPEND:  # the one new token, loaded here (when append_late) and stored in the loop's first iteration
+        t_late = tl.arange(0, 1)
+        late_ok = (t_late < end - first_new) & append_late
+        k_late, v_late = load_new(
+            k_new, v_new, stride_knn, stride_vnn, t_late, late_ok, cache_len + t_late, Cos, Sin, stride_cos,
+            seqlen_ro, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, ROTARY_DIM, ROTARY_INTERLEAVED,
         )  # fmt: skip
-        tl.debug_barrier()  # every thread's stores before any thread's loads of those rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     # The softmax sums. Sixteen rows (one matrix-product height) are shared by all the warps, each holding other key
@@ -538,6 +583,14 @@ def _split_kv_kernel(
         if segment < 3 or (HAS_NEW and not APPEND_FIRST):
             if seg_lo < seg_hi:
                 for start_n in range(seg_lo, seg_hi, BLOCK_N if segment < 3 else BLOCK_NEW):
+                    if LATE_APPEND and segment == 1:
+                        if append_late and start_n == seg_lo:
+                            store_new(
+                                k_late, v_late, t_late, late_ok, KCache, VCache, BatchIdx, BlockTable, stride_kb,
+                                stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, num_slots, off_b,
+                                off_hk, cache_len, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, HAS_BATCH_IDX,
+                            )  # fmt: skip
+                            cta_barrier()  # the stores before the copy of their tile (a later iteration)
                     acc, m_i, l_sums = _decode_tile(
                         acc, m_i, l_sums, q, KCache, VCache, k_new, v_new, BatchIdx, BlockTable, Cos, Sin, KDesc, VDesc,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_knn,
@@ -764,6 +817,7 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
         IS_SPLIT=num_splits > 1,
         NEW_SPLIT=new_split,
         APPEND_FIRST=append_first,
+        LATE_APPEND=append_first and num_splits == 1,
         TMA=use_tma(k_cache, v_cache, paged, captured, leftpad is not None, cfg.block_n),
         CHUNK=merge_chunk(block_m, num_splits),
     )
