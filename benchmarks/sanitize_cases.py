@@ -10,8 +10,8 @@ causal from N=8192 with three warpgroups and the first key tile folded into the 
 Gluon backward with GQA at D=64, 128 and 256 (causal: key tiles in pairs), and the Triton kernels (odd lengths, a
 decode query of one row). Then decode steps (``flash_attn_with_kvcache``, Hkv 8, Hq 32, D 128, bf16): a contiguous
 cache at an odd length with the heuristic's splits and with 4, a paged cache of 16-row pages with 5 query tokens and a
-left pad, and a paged cache of 256-row pages eager (pointer loads) and replayed from a CUDA graph (on sm_90, tensor
-descriptors: ``split_kv.use_tma``), with the last sequence's pages at the end of the cache."""
+left pad, a paged cache of 256-row pages eager (pointer loads) and replayed from a CUDA graph (on sm_90, tensor
+descriptors: ``split_kv.use_tma``), with the last sequence's pages at the end of the cache, and one-split steps."""
 
 import torch
 
@@ -44,10 +44,14 @@ DECODE_CASES = [
     dict(batch=2, context=4096, page_size=256, seqlen_q=1, num_splits=0, leftpad=False, graph=False),
     dict(batch=2, context=4096, page_size=256, seqlen_q=1, num_splits=0, leftpad=False, graph=True),
     dict(batch=2, context=3001, page_size=0, seqlen_q=17, num_splits=4, leftpad=False, graph=False),
+    dict(batch=16, context=1024, page_size=0, seqlen_q=1, num_splits=1, leftpad=False, graph=True),
+    dict(batch=2, context=3008, page_size=16, seqlen_q=1, num_splits=1, leftpad=True, graph=False),
 ]
 """One decode step each: a new token appended at context - 1 of every sequence, causal. The last makes two query
 tiles (17 tokens x 4 heads), so its new token is read from k, v in a split of its own (``split_kv.NEW_SPLIT``); the
-others append it first (``split_kv.appends_first``)."""
+others append it first (``split_kv.appends_first``), the last two at one split in the first iteration of the key loop
+(``append_late``: a contiguous B=16 1k step replayed from a CUDA graph, a paged one with a left pad whose new key lies
+in the masked tail)."""
 
 
 def decode_step(batch, context, page_size, seqlen_q, num_splits, leftpad, graph) -> None:
