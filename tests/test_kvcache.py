@@ -471,19 +471,28 @@ def test_new_keys_appended_first(monkeypatch, seqlen_q, seqlen_new, page_size, c
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"page_size": 32}, {"batch_idx": True, "rotary_dim": 32}, {"num_splits": 3}, {"seqlen_q": 3, "nheads": 4}],
-    ids=["contiguous", "page32", "batch-idx-rotary", "splits3", "three-queries"],
+    [
+        {},
+        {"page_size": 32},
+        {"batch_idx": True, "rotary_dim": 32},
+        {"num_splits": 3},
+        {"seqlen_q": 3, "nheads": 4},
+        {"seqlen_new": 2},
+    ],
+    ids=["contiguous", "page32", "batch-idx-rotary", "splits3", "three-queries", "two-new"],
 )
 def test_new_keys_appended_late(monkeypatch, options):
     """A one-split launch (LATE_APPEND) whose one new key lies ``split_kv.LATE_APPEND_TILES`` key tiles or more past
     the first key of its unmasked loop writes it to the cache in that loop's first iteration (``append_late``), the
     others before it. Cache lengths on both sides of the rule under the interpreter (32-key tiles: 127 early, 128
     late with the new key in the masked tail, 255 late with it in the unmasked loop, 300 late), an empty cache, and
-    three splits (no LATE_APPEND: all early); the answer and the cache are the oracle's (``check``)."""
+    three splits or two new tokens (no LATE_APPEND: all early); the answer and the cache are the oracle's
+    (``check``)."""
     seen = record_launches(monkeypatch)
     check(Case(**{"batch": 5, "seqlen_cache": 320, "cache_seqlens": (0, 127, 128, 255, 300), **options}))
     [(_, constexprs)] = seen
-    assert (constexprs["APPEND_FIRST"], constexprs["LATE_APPEND"]) == (True, options.get("num_splits", 1) == 1)
+    late = options.get("num_splits", 1) == 1 and options.get("seqlen_new", 1) == 1
+    assert (constexprs["APPEND_FIRST"], constexprs["LATE_APPEND"]) == (True, late)
 
 
 def test_late_append_waits_for_every_pipeline():

@@ -85,8 +85,8 @@ positions per split); but 64k 79.7-79.8 / 80.3-80.5 (4096) and B=4 16k 80.0-80.4
 the one latency it hides weighs less than the extra program and merge step."""
 
 LATE_APPEND_TILES = tl.constexpr(4)
-"""How many key tiles past a split's first key its new tokens must lie for the split to append them in the first
-iteration of its unmasked loop instead of before it (``append_late`` in ``_split_kv_kernel``): the software pipeline
+"""How many key tiles past the first key of a split's unmasked loop its new token must lie for the split to append it
+in that loop's first iteration instead of before it (``append_late`` in ``_split_kv_kernel``): the software pipeline
 copies tile i + num_stages - 1 in iteration i, so a tile at least num_stages tiles in is copied after the barrier that
 follows the stores; at least every decode config's num_stages (tests/test_kvcache.py checks it).
 
@@ -537,11 +537,12 @@ def _split_kv_kernel(
     mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N * BLOCK_N, mid_lo), cache_end)
     # APPEND_FIRST: this split's new tokens, keys [max(start, first_new), end), go to the cache its loops read, either
     # here or (append_late) in the first iteration of the unmasked loop (segment 1 below), where the key tiles in flight
-    # hide the token's load (docs/tuning-log.md, session 27). Late only in one-split launches (LATE_APPEND), for one
-    # new token, where that loop runs and the token lies LATE_APPEND_TILES tiles or more past its first key (so that
-    # its tile, in the loop or after it, is copied after the barrier that follows the stores).
-    append_late = LATE_APPEND & (mid_lo < mid_hi) & (first_new - mid_lo >= LATE_APPEND_TILES * BLOCK_N)
-    append_late = append_late & (end - first_new <= 1)
+    # hide the token's load (docs/tuning-log.md, session 27). Late only in one-split launches of one new token
+    # (LATE_APPEND), where that loop runs and the token lies LATE_APPEND_TILES tiles or more past its first key (so
+    # that its tile, in the loop or after it, is copied after the barrier that follows the stores).
+    append_late = False
+    if LATE_APPEND:
+        append_late = (mid_lo < mid_hi) & (first_new - mid_lo >= LATE_APPEND_TILES * BLOCK_N)
     if APPEND_FIRST:
         if not append_late:
             append_new(
@@ -817,7 +818,7 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
         IS_SPLIT=num_splits > 1,
         NEW_SPLIT=new_split,
         APPEND_FIRST=append_first,
-        LATE_APPEND=append_first and num_splits == 1,
+        LATE_APPEND=append_first and num_splits == 1 and k.shape[1] == 1,
         TMA=use_tma(k_cache, v_cache, paged, captured, leftpad is not None, cfg.block_n),
         CHUNK=merge_chunk(block_m, num_splits),
     )
