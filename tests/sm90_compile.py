@@ -448,7 +448,7 @@ def decode_variants() -> list[Variant]:
                "HAS_LEFTPAD": False, "MASK_LEFT": False, "MASK_RIGHT": False, "HAS_SOFTCAP": False, "HAS_ALIBI": False,
                "ROTARY_DIM": 0, "ROTARY_INTERLEAVED": False, "ROTARY_PER_TOKEN": False, "HAS_NEW": False,
                "IS_SPLIT": False, "NEW_SPLIT": False, "APPEND_FIRST": False, "LATE_APPEND": False, "TMA": False,
-               "CHUNK": 1}  # fmt: skip
+               "CHUNK": 1, "ROW_STRIDE_K": 0, "ROW_STRIDE_V": 0}  # fmt: skip
         # everything on that a launch can combine (cache_batch_idx excludes a paged cache), writing fp32 splits
         paged = dict(off, PAGE_SIZE=256, HAS_SEQLENS=True, HAS_LEFTPAD=True, MASK_LEFT=True, MASK_RIGHT=True,
                      HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=head_dim, ROTARY_INTERLEAVED=True,
@@ -474,11 +474,13 @@ def decode_variants() -> list[Variant]:
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip
             for few in fews:
                 name = f"split_kv D{head_dim} {bm}x{few.block_n}/w{few.num_warps}/s{few.num_stages}"
+                row_stride = 8 * head_dim if few.fixed_row_strides else 0  # 8 kv heads, compiled in or not
                 for flags, consts in (
                     ("off", off),
                     ("seqlens,causal,new-first,split", step),
                     ("seqlens,causal,new-late", late),
                 ):
+                    consts = dict(consts, ROW_STRIDE_K=row_stride, ROW_STRIDE_V=row_stride)
                     variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                             dict(dims, BLOCK_M=bm, BLOCK_N=few.block_n, **widest_merge(consts, bm)),
                                             few.num_warps, few.num_stages))  # fmt: skip

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -500,6 +500,30 @@ def test_late_append_waits_for_every_pipeline():
     pipeline copies tile i + num_stages - 1 in iteration i, so LATE_APPEND_TILES must be at least num_stages."""
     decode_configs = [value for value in vars(configs).values() if isinstance(value, configs.DecodeConfig)]
     assert decode_configs and max(c.num_stages for c in decode_configs) <= split_kv.LATE_APPEND_TILES
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"head_dim_v": 32, "num_splits": 3, "seqlen_new": 2}, {"page_size": 32}, {"batch_idx": True},
+     {"nheads_k": 1, "seqlen_q": 3, "rotary_dim": 32}],
+    ids=["one-split", "dv32-splits", "paged", "batch-idx", "mqa-rotary"],
+)  # fmt: skip
+def test_fixed_row_strides(monkeypatch, options):
+    """A config with ``fixed_row_strides`` (CUDA_FEW_PROGRAMS on a GPU; here the interpreter's config with it on)
+    compiles each cache's own row stride into the kernel, K's and V's apart (head_dim_v 32: V's rows are half K's),
+    and gives the oracle's answer and cache; a cache of another layout is a launch of its own with its strides."""
+    monkeypatch.setattr(configs, "INTERPRETER", configs.DecodeConfig(32, 4, 1, fixed_row_strides=True))
+    monkeypatch.setattr(split_kv, "_PLANS", Plans())
+    seen = record_launches(monkeypatch)
+    case = Case(**{"seqlen_cache": 128, "cache_seqlens": (45, 120), **options})
+    check(case)
+    [(_, constexprs)] = seen
+    head_dim_v = case.head_dim if case.head_dim_v is None else case.head_dim_v
+    rows = (case.nheads_k * case.head_dim, case.nheads_k * head_dim_v)
+    assert (constexprs["ROW_STRIDE_K"], constexprs["ROW_STRIDE_V"]) == rows
+    if not options:
+        check(replace(case, nheads=6, nheads_k=3))
+        assert (seen[-1][1]["ROW_STRIDE_K"], seen[-1][1]["ROW_STRIDE_V"]) == (3 * case.head_dim,) * 2
 
 
 @pytest.mark.parametrize(

@@ -33,18 +33,21 @@ results/2026-12-02-h200-s21-call1-tune-decode-grid.json), but with the new keys'
 @dataclass(frozen=True)
 class DecodeConfig:
     """block_n: key rows per tile; num_warps, num_stages: as in Triton; programs_per_sm: how many programs
-    (batch x nheads_k x query tiles x splits) the split heuristic aims at per SM."""
+    (batch x nheads_k x query tiles x splits) the split heuristic aims at per SM; fixed_row_strides: compile the
+    caches' row strides into the kernel (one compile per stride, i.e. per model's nheads_k x head_dim) instead of
+    reading them at run time."""
 
     block_n: int
     num_warps: int
     num_stages: int
     programs_per_sm: int = 2
+    fixed_row_strides: bool = False
 
 
 INTERPRETER = DecodeConfig(32, 4, 1)
 CUDA_HEAD_DIM_128 = DecodeConfig(128, 4, 2)  # head dims <= 128
 CUDA_HEAD_DIM_256 = DecodeConfig(64, 8, 2)
-CUDA_FEW_PROGRAMS = DecodeConfig(64, 4, 3, programs_per_sm=1)
+CUDA_FEW_PROGRAMS = DecodeConfig(64, 4, 3, programs_per_sm=1, fixed_row_strides=True)
 """Head dims <= 128, a contiguous cache and at most one program per SM before splitting (batch x kv heads x query
 tiles <= the SM count: B <= 16 with 8 kv heads on the H200), unless every split would read at most two key tiles
 (``config_and_splits``): one program per SM with two key tiles in flight (CUDA_FEW_PROGRAMS_LONG: two of 128 keys, for

@@ -421,6 +421,8 @@ def _split_kv_kernel(
     LATE_APPEND: tl.constexpr,
     TMA: tl.constexpr,
     CHUNK: tl.constexpr,
+    ROW_STRIDE_K: tl.constexpr,
+    ROW_STRIDE_V: tl.constexpr,
 ):
     """Q (B, Sq, H, D), caches (slots, rows, Hk, D / DV) -> Out (B, Sq, H, DV) in q's dtype, Lse (B, H, Sq) fp32.
 
@@ -447,8 +449,13 @@ def _split_kv_kernel(
     ticket from Counters (B * Hk, query tiles) int32, zero between launches; the last split to finish a
     tile merges (module docstring), CHUNK splits per unrolled step (``merge_chunk``). Without IS_SPLIT, OutPart,
     LsePart and Counters are not read.
+    ROW_STRIDE_K, ROW_STRIDE_V: the caches' row strides (stride_kn, stride_vn) as constants, so that the key tiles'
+    addresses fold them in (``DecodeConfig.fixed_row_strides``); 0: the runtime strides.
     Index values are clamped into the cache (``tiles``): bad ones give wrong numbers, never a bad access.
     """
+    if ROW_STRIDE_K:
+        stride_kn = ROW_STRIDE_K
+        stride_vn = ROW_STRIDE_V
     off_bhk = tl.program_id(0)
     split = tl.program_id(1)
     tile_m = tl.program_id(2)
@@ -821,6 +828,8 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
         LATE_APPEND=append_first and num_splits == 1 and k.shape[1] == 1,
         TMA=use_tma(k_cache, v_cache, paged, captured, leftpad is not None, cfg.block_n),
         CHUNK=merge_chunk(block_m, num_splits),
+        ROW_STRIDE_K=k_cache.stride(1) if cfg.fixed_row_strides else 0,
+        ROW_STRIDE_V=v_cache.stride(1) if cfg.fixed_row_strides else 0,
     )
     tma_blocks = (cfg.block_n, constexprs["BLOCK_D"], constexprs["BLOCK_DV"]) if constexprs["TMA"] else None
     launch_options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
