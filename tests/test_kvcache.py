@@ -21,6 +21,7 @@ import torch
 import flashtile.cpu_decode
 import flashtile.kvcache
 import flashtile.ops.decode
+import tune_decode  # benchmarks/, on the path from conftest
 from conftest import DEVICE, capture
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.ops._launch import Plans
@@ -509,10 +510,12 @@ def test_late_append_waits_for_every_pipeline():
     ids=["one-split", "dv32-splits", "paged", "batch-idx", "mqa-rotary"],
 )  # fmt: skip
 def test_fixed_row_strides(monkeypatch, options):
-    """A config with ``fixed_row_strides`` (CUDA_FEW_PROGRAMS on a GPU; here the interpreter's config with it on)
-    compiles each cache's own row stride into the kernel, K's and V's apart (head_dim_v 32: V's rows are half K's),
-    and gives the oracle's answer and cache; a cache of another layout is a launch of its own with its strides."""
-    monkeypatch.setattr(configs, "INTERPRETER", configs.DecodeConfig(32, 4, 1, fixed_row_strides=True))
+    """A config with ``fixed_row_strides`` (on a GPU CUDA_FEW_PROGRAMS, for every case here; on the CPU the
+    interpreter's config with it on) compiles each cache's own row stride into the kernel, K's and V's apart
+    (head_dim_v 32: V's rows are half K's), and gives the oracle's answer and cache; a cache of another layout is a
+    launch of its own with its strides."""
+    cfg = configs.CUDA_FEW_PROGRAMS if DEVICE == "cuda" else replace(configs.INTERPRETER, fixed_row_strides=True)
+    monkeypatch.setattr(configs, "config_and_splits", tune_decode.fixed(cfg))
     monkeypatch.setattr(split_kv, "_PLANS", Plans())
     seen = record_launches(monkeypatch)
     case = Case(**{"seqlen_cache": 128, "cache_seqlens": (45, 120), **options})
