@@ -62,13 +62,13 @@ call3-ab-few.log): B=2 4k 21.70 -> 20.05; B=4 1k 15.64 -> 14.72, 4k 30.55 -> 29.
 -> 19.96, 4k 47.60 -> 47.57; B=16 1k 29.54 -> 29.06, 4k 77.30 -> 75.83, 16k 249.9 -> 247.2, 64k 943.2 -> 933.2 (the
 long rows with CUDA_FEW_PROGRAMS_LONG).
 
-fixed_row_strides (session 29): its one-token step compiles for sm_90 to 138 registers and 2,280 instructions
-instead of 183 and 2,320. Graph µs, runtime -> compiled-in strides, median of three alternating processes
+fixed_row_strides (session 29): its one-token step compiles for sm_90 (Triton 3.7.1) to 138 registers and 2,280
+instructions instead of 183 and 2,320. Graph µs, runtime -> compiled-in strides, median of three alternating processes
 (results/2026-12-04-h200-s29-call1-ab-fixed-row-strides.json): B=16 1k Hq 32 28.22 -> 27.97, Hq 64 28.67 -> 28.38,
 B=8 1k 19.71 -> 19.65, but B=4 1k 14.46 -> 14.56, 4k 29.86 -> 29.92, B=1 4k 15.42 -> 15.49, 16k 30.69 -> 30.78, B=16
 1k with 4 query tokens 29.73 -> 29.89 (rows of other configs, unchanged code, moved 0 to +0.3% in the same
 processes). Session 28 measured B=16 1k 1.1-1.7% faster and B=4 / B=1 4k 0.3-0.5% faster. Kept for B=16, the row at
-parity with cuDNN; the small-batch rows, 1.06-1.15x SDPA at 8b5b4b6, move within noise. The 128-key configs keep runtime
+parity with cuDNN; the small-batch rows, 1.05-1.15x SDPA at 8b5b4b6, move within noise. The 128-key configs keep runtime
 strides: with them compiled in (session 28) CUDA_FEW_PROGRAMS_LONG was 0.3-0.9% slower and CUDA_HEAD_DIM_128
 spilled."""
 CUDA_FEW_PROGRAMS_LONG = DecodeConfig(128, 4, 3, programs_per_sm=1)

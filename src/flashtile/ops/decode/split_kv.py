@@ -450,11 +450,12 @@ def _split_kv_kernel(
     tile merges (module docstring), CHUNK splits per unrolled step (``merge_chunk``). Without IS_SPLIT, OutPart,
     LsePart and Counters are not read.
     ROW_STRIDE_K, ROW_STRIDE_V: the caches' row strides (stride_kn, stride_vn) as constants, so that the key tiles'
-    addresses fold them in (``DecodeConfig.fixed_row_strides``); 0: the runtime strides.
+    addresses fold them in (``DecodeConfig.fixed_row_strides``); 0: that cache's runtime stride.
     Index values are clamped into the cache (``tiles``): bad ones give wrong numbers, never a bad access.
     """
     if ROW_STRIDE_K:
         stride_kn = ROW_STRIDE_K
+    if ROW_STRIDE_V:
         stride_vn = ROW_STRIDE_V
     off_bhk = tl.program_id(0)
     split = tl.program_id(1)
