@@ -6,6 +6,7 @@ CPU tensors run the same tiled algorithm in PyTorch (see ``flashtile._backend``)
 """
 
 from flashtile._backend import check_values
+from flashtile.errors import InputError, InputTypeError
 from flashtile.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -21,6 +22,8 @@ from flashtile.sdpa import scaled_dot_product_attention
 __version__ = "0.1.0"
 
 __all__ = [
+    "InputError",
+    "InputTypeError",
     "check_values",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

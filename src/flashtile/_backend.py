@@ -32,13 +32,15 @@ from types import ModuleType
 
 import torch
 
+from flashtile.errors import InputError
+
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _env_flag(name: str, default: str) -> bool:
     value = os.environ.get(name, default).strip()
     if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}.")
+        raise InputError(f"{name} must be 0 or 1, got {value!r}.")
     return value == "1"
 
 
@@ -94,7 +96,7 @@ def path_name(device: torch.device) -> str:
         return "triton"
     if device.type == "cpu":
         return "triton-interpreter" if TRITON_INTERPRET else "cpu"
-    raise ValueError(
+    raise InputError(
         f"flashtile runs on CUDA and CPU tensors, got a tensor on {device}. Move the inputs with .cuda() or .cpu()."
     )
 

@@ -45,6 +45,24 @@ from flashtile import paged
 from flashtile._backend import attention_path
 
 
+def _empty(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a call has nothing to compute: no query rows (batch, seqlen_q or nheads 0) or no keys."""
+    return q.numel() == 0 or k.numel() == 0
+
+
+def _empty_forward(
+    q: torch.Tensor, learnable_sink: torch.Tensor | None, out_shape: tuple, lse_shape: tuple, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a call with no query rows or no keys, as torch's SDPA gives them: every row sees no key,
+    so out is 0 and lse is -inf, or the row's sink logit (the sink is its softmax's only term). ``heads``: the
+    dimension of lse that holds the heads."""
+    out = q.new_zeros(out_shape, dtype=q.dtype)
+    if learnable_sink is None:
+        return out, q.new_full(lse_shape, float("-inf"), dtype=torch.float32)
+    sink = learnable_sink.float().view([-1 if d == heads else 1 for d in range(len(lse_shape))])
+    return out, sink.expand(lse_shape).contiguous()
+
+
 def _attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -71,6 +89,8 @@ def _attention_forward(
     attend) or additive (added to the scaled scores); it is read through a broadcast view, never expanded.
     deterministic is for the backward (the autograd context keeps it): False allows atomics there.
     """
+    if _empty(q, k):
+        return _empty_forward(q, learnable_sink, (*q.shape[:3], v.shape[3]), (q.shape[0], q.shape[2], q.shape[1]), 1)
     path = attention_path(q.device)
     if attn_mask is None:
         return path.attention_forward(
@@ -121,6 +141,8 @@ def _attention_backward(
 
     The sink's gradient is ``attention_sink_backward``. dropout_p and rng_state: the forward's.
     deterministic: False allows a kernel whose atomics make the bits vary from run to run."""
+    if _empty(q, k):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return attention_path(q.device).attention_backward(
         dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink,
         dropout_p, rng_state, deterministic=deterministic,
@@ -141,6 +163,8 @@ def _attention_sink_backward(
     """Gradient (H,) of a learnable sink (H,): d loss / d sink_h = -sum over batch and rows i of
     p_i * delta_i, where p_i = exp(sink_h - lse_i) is the sink's share of row i's softmax and
     delta_i = rowsum(dout_i * out_i) - dlse_i (a row whose lse is -inf has no share)."""
+    if out.numel() == 0:  # no rows: the sink had no share
+        return torch.zeros_like(learnable_sink)
     delta = attention_path(out.device).attention_delta(dout, out, dlse)  # (B, H, Sq)
     log_share = learnable_sink.float()[None, :, None] - lse
     share = torch.where(lse == float("-inf"), 0.0, torch.exp(log_share))
@@ -177,6 +201,9 @@ def _masked_attention_backward(
     (an additive mask), dmask is the gradient at the mask, shaped and typed like it: dS = P (dP - delta)
     of every (b, h, i, j), written by the dQ pass into a (B, H, Sq, Sk) fp32 buffer and summed over the
     mask's broadcast dimensions; otherwise an empty tensor."""
+    if _empty(q, k):
+        dmask = torch.zeros_like(attn_mask) if mask_needs_grad else attn_mask.new_empty((0,))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
     view = _mask_view(attn_mask, q, k)
     dmask = None
     if mask_needs_grad:
@@ -292,6 +319,8 @@ def _varlen_attention_forward(
     of k and v; masks and ALiBi distances are measured within it ((batch, H) slopes: row b is its own).
     With block_table (batch, max_blocks) int32, k and v are pages (num_blocks, page_block_size, Hk, D / Dv):
     key j of sequence b is row j % page_block_size of page block_table[b, j // page_block_size]."""
+    if _empty(q, k):
+        return _empty_forward(q, learnable_sink, (*q.shape[:2], v.shape[-1]), (q.shape[1], q.shape[0]), 0)
     return attention_path(q.device).varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
         alibi_slopes, softcap, learnable_sink, dropout_p, rng_state, block_table,
@@ -339,6 +368,8 @@ def _varlen_attention_backward(
     are gathered into packed keys, the unpaged backward runs on those, and dk, dv are its gradients added
     back into pages (``flashtile.paged``): a page that several sequences use gets their sum, one that none
     uses zeros. Sizing the packed keys reads cu_seqlens_k[-1] on the host (one synchronisation on CUDA)."""
+    if _empty(q, k):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     slots = None if block_table is None else paged.packed_slots(block_table, cu_seqlens_k, k)
     packed_k, packed_v = (k, v) if slots is None else (k[slots], v[slots])
     dq, dk, dv = attention_path(q.device).varlen_attention_backward(

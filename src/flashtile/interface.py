@@ -13,30 +13,14 @@ import operator
 import torch
 
 from flashtile import _backend, _ops, paged
+from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError, UnsupportedHeadDimError, require
 from flashtile.reference import attention_probs
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 NO_WINDOW = (-1, -1)
 """``window_size`` for full attention: a side of -1 (any negative value) is unbounded."""
 INT32_MAX = torch.iinfo(torch.int32).max
-
-
-def require(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
-    """Raise ``error(message)`` unless ``condition``. The message is built before the call, so checks
-    that run on every call of an entry point use a plain ``if`` instead."""
-    if not condition:
-        raise error(message)
-
-
-class UnsupportedDtypeError(TypeError, RuntimeError):
-    """An input dtype the kernels do not take (q, k, v must be float16 or bfloat16).
-
-    A TypeError, and also a RuntimeError as flash_attn's own check raises, so code written for either catches it."""
-
-
-class UnsupportedHeadDimError(ValueError, RuntimeError):
-    """A head dimension the kernels do not take. A ValueError, and a RuntimeError as flash_attn raises."""
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
@@ -87,38 +71,38 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise TypeError/ValueError unless q, k, v are valid flash_attn-layout inputs.
 
     q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
-    v (batch, seqlen_k, nheads_k, headdim_v); fp16 or bf16, one device, nheads % nheads_k == 0.
+    v (batch, seqlen_k, nheads_k, headdim_v); fp16, bf16 or fp32, one device, nheads % nheads_k == 0.
     Messages are built only on failure: this runs on every call.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise UnsupportedDtypeError(
-                f"{name} has dtype {t.dtype}; flashtile supports torch.float16 and torch.bfloat16. "
+                f"{name} has dtype {t.dtype}; flashtile supports torch.float16, torch.bfloat16 and torch.float32. "
                 f"Cast the inputs, e.g. {name}.to(torch.bfloat16)."
             )
         if t.dim() != 4:
-            raise ValueError(
+            raise InputError(
                 f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}. "
                 "For variable-length batches use flash_attn_varlen_func."
             )
     if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+        raise InputTypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
     if not q.device == k.device == v.device:
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}.")
+        raise InputError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}.")
     batch, _, nheads, head_dim = q.shape
     k_batch, seqlen_k, nheads_k, k_head_dim = k.shape
     if not k_batch == v.shape[0] == batch:
-        raise ValueError(f"q, k and v must share the batch size, got {batch}, {k_batch}, {v.shape[0]}.")
+        raise InputError(f"q, k and v must share the batch size, got {batch}, {k_batch}, {v.shape[0]}.")
     if (seqlen_k, nheads_k) != tuple(v.shape[1:3]):
-        raise ValueError(
+        raise InputError(
             f"k and v must share seqlen_k (dim 1) and nheads_k (dim 2), got k {tuple(k.shape)} and v {tuple(v.shape)}."
         )
     if k_head_dim != head_dim:
-        raise ValueError(f"q and k must share headdim (dim 3), got q {tuple(q.shape)} and k {tuple(k.shape)}.")
+        raise InputError(f"q and k must share headdim (dim 3), got q {tuple(q.shape)} and k {tuple(k.shape)}.")
     if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(
+        raise InputError(
             f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for grouped-query attention: "
             "each group of nheads // nheads_k query heads shares one key/value head."
         )
@@ -207,11 +191,11 @@ def check_options(
 
 
 def _check_fp32_tensor(name: str, t: object, device: torch.device) -> None:
-    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}.", TypeError)
+    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}.", InputTypeError)
     require(
         t.dtype == torch.float32,
         f"{name} must be float32, got {t.dtype}. Cast it with {name}.float().",
-        TypeError,
+        InputTypeError,
     )
     require(t.device == device, f"{name} must be on the device of q ({device}), got {t.device}.")
 
@@ -229,6 +213,36 @@ def window_bounds(window_size: tuple[int, int], causal: bool) -> tuple[int | Non
     return (None if left < 0 else left), (None if right < 0 else right)
 
 
+def bounded_window(
+    left: int | None, right: int | None, seqlen_q: int, seqlen_k: int
+) -> tuple[int | None, int | None]:
+    """The kernels' (left, right) with every side that cannot hide a key made unbounded (None).
+
+    Query i sees key j when i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right: a left
+    side >= seqlen_k or a right side >= seqlen_q bounds no row, so it is the same as no bound. flash_attn
+    treats any side >= the sequence lengths as unbounded, and callers pass "no limit" as INT32_MAX or
+    ``sys.maxsize``; the kernels add the sides to 32-bit positions, so such values must never reach them.
+    For packed batches pass the token counts (each sequence is at most that long)."""
+    if left is not None and left >= seqlen_k:
+        left = None
+    if right is not None and right >= seqlen_q:
+        right = None
+    return left, right
+
+
+def check_softmax_scale(softmax_scale: object) -> None:
+    """Raise unless softmax_scale is None (the default, 1 / sqrt(headdim)) or a finite real number (0 is
+    allowed: uniform attention over the visible keys). Runs on every call: the message is built on failure."""
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, torch.SymFloat, torch.SymInt)):
+        raise InputTypeError(
+            f"softmax_scale must be a float or None (1 / sqrt(headdim)), got {type(softmax_scale).__name__}."
+        )
+    if isinstance(softmax_scale, (int, float)) and not math.isfinite(softmax_scale):
+        raise InputError(f"softmax_scale must be a finite number (or None for 1 / sqrt(headdim)), got {softmax_scale}.")
+
+
 def window_size_of(left: int | None, right: int | None) -> tuple[int, int]:
     """The kernels' (left, right) bounds as flash_attn's window_size, -1 for an unbounded side (``window_bounds``
     the other way, without causal)."""
@@ -242,7 +256,7 @@ def window_pair(window_size: object) -> tuple[int, int]:
             return operator.index(window_size[0]), operator.index(window_size[1])
     except TypeError:
         pass
-    raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}.")
+    raise InputTypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}.")
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -275,6 +289,8 @@ def attention(
         options = (window_left, window_right, softcap, alibi_slopes, learnable_sink, dropout_p, attn_mask)
         return sliced(attention(*padded[:4], *options, deterministic, rng_state), padded[4])
     check_qkv(q, k, v)
+    check_softmax_scale(softmax_scale)
+    window_left, window_right = bounded_window(window_left, window_right, q.shape[1], k.shape[1])
     if rng_state is None:
         rng_state = dropout_rng_state(dropout_p, q.device)
     if softmax_scale is None:
@@ -343,7 +359,7 @@ def flash_attn_func(
         out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij))
     so softmax_lse includes it, and a row that sees no key returns 0 with softmax_lse = sink_h.
     softcap, alibi_slopes and learnable_sink combine with each other, with causal and window_size,
-    with MQA/GQA, fp16/bf16, seqlen_q != seqlen_k and headdim_v != headdim, and with dropout.
+    with MQA/GQA, fp16/bf16/fp32, seqlen_q != seqlen_k and headdim_v != headdim, and with dropout.
 
     Dropout (dropout_p > 0), as flash_attn: on the attention probabilities after the softmax,
         out_i = sum_j P_ij Z_ij / (1 - dropout_p) v_j,   Z_ij = 1 with probability 1 - dropout_p, else 0,
@@ -359,7 +375,7 @@ def flash_attn_func(
     softmax_lse is that of the scores written above, causal or not.
 
     Args:
-        q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16
+        q: (batch_size, seqlen_q, nheads, headdim), float16, bfloat16 or float32
         k: (batch_size, seqlen_k, nheads_k, headdim)
         v: (batch_size, seqlen_k, nheads_k, headdim_v); headdim and headdim_v at most 256 and multiples of 8,
             except that a headdim == headdim_v that is not a multiple of 8 is zero-padded up to one and the
@@ -535,7 +551,7 @@ def check_page_size(pages: torch.Tensor, name: str) -> int:
     multiple of PAGE_MULTIPLE; return it."""
     page = pages.shape[1]
     if page <= 0 or page % PAGE_MULTIPLE != 0:
-        raise ValueError(
+        raise InputError(
             f"page_block_size ({name}.shape[1]) must be a multiple of {PAGE_MULTIPLE}, got {page}. Allocate the "
             f"pages with a page size such as {PAGE_MULTIPLE * 16}."
         )
@@ -546,17 +562,17 @@ def check_block_table(block_table: object, batch: int, device: torch.device) -> 
     """Raise unless block_table is (batch, max_num_blocks_per_seq) int32 on ``device``. Runs on every call:
     messages are built only on failure."""
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(
+        raise InputError(
             f"block_table must be (batch_size, max_num_blocks_per_seq) with batch_size = {batch}, one row of page "
             f"indices per sequence, got {_shape_of(block_table)}."
         )
     if block_table.dtype != torch.int32:
-        raise TypeError(
+        raise InputTypeError(
             f"block_table must have dtype torch.int32, got {block_table.dtype}. Convert it with "
             "block_table.to(torch.int32)."
         )
     if block_table.device != device:
-        raise ValueError(f"block_table must be on {device} like q, got {block_table.device}.")
+        raise InputError(f"block_table must be on {device} like q, got {block_table.device}.")
 
 
 def check_block_table_entries(table: torch.Tensor, used: torch.Tensor, num_blocks: int, pages_name: str) -> None:
@@ -564,7 +580,7 @@ def check_block_table_entries(table: torch.Tensor, used: torch.Tensor, num_block
     keys) lie in [0, num_blocks); the others are never read and may hold anything."""
     outside = used & ((table < 0) | (table >= num_blocks))
     if outside.any():
-        raise ValueError(
+        raise InputError(
             f"block_table entries that cover a key must lie in [0, {num_blocks}) ({pages_name}.shape[0], the number "
             f"of blocks); got {table[outside].tolist()} at {outside.nonzero().tolist()} ([sequence, block])."
         )
@@ -575,12 +591,12 @@ def check_block_table_entries(table: torch.Tensor, used: torch.Tensor, num_block
 
 
 def _check_cu_seqlens(name: str, cu: object, device: torch.device) -> None:
-    require(isinstance(cu, torch.Tensor), f"{name} must be a torch.Tensor, got {type(cu).__name__}.", TypeError)
+    require(isinstance(cu, torch.Tensor), f"{name} must be a torch.Tensor, got {type(cu).__name__}.", InputTypeError)
     require(
         cu.dtype == torch.int32,
         f"{name} must be int32 (the cumulative sequence lengths, as flash_attn takes them), got {cu.dtype}. "
         f"Cast it with {name}.to(torch.int32).",
-        TypeError,
+        InputTypeError,
     )
     require(
         cu.dim() == 1 and cu.shape[0] >= 2,
@@ -593,7 +609,7 @@ def _max_seqlen(name: str, value: object) -> int:
     require(
         isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and value >= 0,
         f"{name} must be a Python int >= 0 (the longest sequence; it sizes the launch grid), got {value!r}.",
-        TypeError,
+        InputTypeError,
     )
     return value
 
@@ -622,21 +638,21 @@ def check_cu_seqlens_values(
     ):
         lengths = cu[1:] - cu[:-1]
         if cu[0] != 0:
-            raise ValueError(f"{name}[0] must be 0 (the first sequence starts at token 0), got {int(cu[0])}.")
+            raise InputError(f"{name}[0] must be 0 (the first sequence starts at token 0), got {int(cu[0])}.")
         if (lengths < 0).any():
             b = int((lengths < 0).nonzero()[0])
-            raise ValueError(
+            raise InputError(
                 f"{name} must be non-decreasing (cumulative lengths), but {name}[{b + 1}] = {int(cu[b + 1])} < "
                 f"{name}[{b}] = {int(cu[b])}."
             )
         if total is not None and cu[-1] != total:
             tensor = "q" if name.endswith("q") else "k and v"
-            raise ValueError(
+            raise InputError(
                 f"{name}[-1] must equal the number of tokens of {tensor} ({total}), got {int(cu[-1])}. "
                 "Build it with torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))."
             )
         if int(lengths.max()) > longest:
-            raise ValueError(
+            raise InputError(
                 f"{max_name} = {longest} is smaller than the longest sequence ({int(lengths.max())}); "
                 f"pass {max_name} >= the longest sequence length."
             )
@@ -652,7 +668,7 @@ def _check_paged_lengths(table: torch.Tensor, cu_seqlens_k: torch.Tensor, pages:
     capacity = table.shape[1] * page
     if (lengths > capacity).any():
         b = int((lengths > capacity).nonzero()[0])
-        raise ValueError(
+        raise InputError(
             f"sequence {b} has {int(lengths[b])} keys (cu_seqlens_k) but a block_table row reaches only {capacity} "
             f"(max_num_blocks_per_seq {table.shape[1]} x page_block_size {page}): give block_table more columns."
         )
@@ -696,7 +712,7 @@ def varlen_attention(
     paged = block_table is not None
     for name, t in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
-            raise ValueError(
+            raise InputError(
                 f"{name} must have 3 dimensions (total_tokens, nheads, headdim) for flash_attn_varlen_func, got "
                 f"shape {tuple(t.shape)}. Pack a padded batch with flashtile.unpad_input, or use flash_attn_func."
             )
@@ -735,8 +751,15 @@ def varlen_attention(
             cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0).clamp(max=INT32_MAX), (1, 0)).to(torch.int32)
         else:
             cu_seqlens_k = torch.cummax(cu_seqlens_k.clamp(0, total_k), 0).values
+    check_softmax_scale(softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    # No sequence is longer than its tensor's tokens (or, paged, its block-table row): the grid is sized by
+    # what the batch can hold, whatever max_seqlen claims, and no window side reaches the kernels past it.
+    keys_per_sequence = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
+    max_seqlen_q = torch.sym_min(max_seqlen_q, q.shape[0])
+    max_seqlen_k = torch.sym_min(max_seqlen_k, keys_per_sequence)
+    window_left, window_right = bounded_window(window_left, window_right, q.shape[0], keys_per_sequence)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
     if rng_state is None:
@@ -757,21 +780,21 @@ def _check_pages(k: object, v: object) -> None:
     tensors with num_blocks >= 1, one page size and one nheads_k. Messages are built only on failure."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
         if t.dim() != 4:
-            raise ValueError(
+            raise InputError(
                 f"{name} must have 4 dimensions (num_blocks, page_block_size, nheads_k, headdim) with a block_table "
                 f"(paged K/V), got shape {tuple(t.shape)}. Without pages pass block_table=None and packed "
                 "(total_k, nheads_k, headdim) keys and values."
             )
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(
+        raise InputError(
             f"k and v must share num_blocks, page_block_size and nheads_k (dims 0-2), got k {tuple(k.shape)} and "
             f"v {tuple(v.shape)}."
         )
     check_page_size(k, "k")
     if k.shape[0] == 0:
-        raise ValueError(f"k and v must hold at least one page (num_blocks >= 1), got k {tuple(k.shape)}.")
+        raise InputError(f"k and v must hold at least one page (num_blocks >= 1), got k {tuple(k.shape)}.")
 
 
 def flash_attn_varlen_func(
@@ -836,7 +859,7 @@ def flash_attn_varlen_func(
     are undefined behaviour, as in flash_attn, but never an out-of-bounds access: the kernels clamp them.
 
     Args:
-        q: (total_q, nheads, headdim), float16 or bfloat16; total_q = the number of query tokens
+        q: (total_q, nheads, headdim), float16, bfloat16 or float32; total_q = the number of query tokens
         k: (total_k, nheads_k, headdim); nheads divisible by nheads_k (MQA/GQA as in flash_attn_func);
             with a block_table (num_blocks, page_block_size, nheads_k, headdim)
         v: (total_k, nheads_k, headdim_v); with a block_table (num_blocks, page_block_size, nheads_k, headdim_v)

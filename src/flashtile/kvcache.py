@@ -24,16 +24,19 @@ import torch
 
 from flashtile import _backend
 from flashtile._backend import path_name
+from flashtile.errors import InputError, InputTypeError
 from flashtile.interface import (
     NO_WINDOW,
     SUPPORTED_DTYPES,
     UnsupportedDtypeError,
+    bounded_window,
     check_block_table,
     check_block_table_entries,
     check_head_dim,
     check_options,
     check_page_size,
     check_qkv,
+    check_softmax_scale,
     last_dim_contiguous,
     pad_head_dim,
     require,
@@ -100,13 +103,15 @@ def _check_index(name: str, t: torch.Tensor | None, shape: tuple[int, ...], devi
     if t is None:
         return
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}.")
+        raise InputTypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}.")
     if t.dtype != INDEX_DTYPE:
-        raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}. Convert it with {name}.to(torch.int32).")
+        raise InputTypeError(
+            f"{name} must have dtype torch.int32, got {t.dtype}. Convert it with {name}.to(torch.int32)."
+        )
     if t.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}.")
+        raise InputError(f"{name} must have shape {shape}, got {tuple(t.shape)}.")
     if t.device != device:
-        raise ValueError(f"{name} must be on {device} like q, got {t.device}.")
+        raise InputError(f"{name} must be on {device} like q, got {t.device}.")
 
 
 def _has_head_dim(t: object, head_dim: int) -> bool:
@@ -115,49 +120,51 @@ def _has_head_dim(t: object, head_dim: int) -> bool:
 
 def _check_q(q: torch.Tensor) -> None:
     if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
+        raise InputTypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
     if q.dtype not in SUPPORTED_DTYPES:
         raise UnsupportedDtypeError(
-            f"q has dtype {q.dtype}; flashtile supports torch.float16 and torch.bfloat16. Cast the inputs, "
-            "e.g. q.to(torch.bfloat16), and the cache likewise."
+            f"q has dtype {q.dtype}; flashtile supports torch.float16, torch.bfloat16 and torch.float32. "
+            "Cast the inputs, e.g. q.to(torch.bfloat16), and the cache likewise."
         )
     if q.dim() != 4:
-        raise ValueError(f"q must have 4 dimensions (batch_size, seqlen_q, nheads, headdim), got {tuple(q.shape)}.")
+        raise InputError(f"q must have 4 dimensions (batch_size, seqlen_q, nheads, headdim), got {tuple(q.shape)}.")
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
         if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: the cache and q must share one dtype.")
+            raise InputTypeError(
+                f"{name} has dtype {t.dtype} but q has {q.dtype}: the cache and q must share one dtype."
+            )
         if t.dim() != 4:
             layout = (
                 "(num_blocks, page_block_size, nheads_k, headdim)"
                 if paged
                 else "(batch_cache, seqlen_cache, nheads_k, headdim)"
             )
-            raise ValueError(f"{name} must have 4 dimensions {layout}, got shape {tuple(t.shape)}.")
+            raise InputError(f"{name} must have 4 dimensions {layout}, got shape {tuple(t.shape)}.")
         if t.device != q.device:
-            raise ValueError(f"{name} must be on {q.device} like q, got {t.device}.")
+            raise InputError(f"{name} must be on {q.device} like q, got {t.device}.")
         if t.stride(-1) != 1:
-            raise ValueError(
+            raise InputError(
                 f"{name} must have a contiguous last dimension (new keys/values are written into it in place), "
                 f"got strides {t.stride()}."
             )
     if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(
+        raise InputError(
             f"k_cache and v_cache must agree in their first three dimensions, got {tuple(k_cache.shape)} "
             f"and {tuple(v_cache.shape)}."
         )
     nheads, nheads_k = q.shape[2], k_cache.shape[2]
     if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(
+        raise InputError(
             f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for grouped-query attention: "
             "each group of nheads // nheads_k query heads shares one key/value head."
         )
     if k_cache.shape[3] != q.shape[3]:
-        raise ValueError(
+        raise InputError(
             f"q and k_cache must share headdim (dim 3), got q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}."
         )
     check_head_dim("headdim", q.shape[3])
@@ -170,7 +177,7 @@ def _check_layout(
     """Check the paged or contiguous layout; return the cache length of one batch entry."""
     if block_table is None:
         if cache_batch_idx is None and k_cache.shape[0] < batch:
-            raise ValueError(
+            raise InputError(
                 f"k_cache has {k_cache.shape[0]} batch entries for a batch of {batch}; pass cache_batch_idx to "
                 "pick them."
             )
@@ -178,7 +185,7 @@ def _check_layout(
     check_block_table(block_table, batch, k_cache.device)
     page = check_page_size(k_cache, "k_cache")
     if cache_batch_idx is not None:
-        raise ValueError(
+        raise InputError(
             "cache_batch_idx cannot be used with a paged cache (block_table): index pages through block_table."
         )
     return block_table.shape[1] * page
@@ -189,43 +196,32 @@ def _check_rotary(
     seqlen_cache: int,
 ) -> None:  # fmt: skip
     if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together, or neither.")
+        raise InputError("rotary_cos and rotary_sin must be given together, or neither.")
     if rotary_cos is None:
         return
     require(k is not None, "rotary_cos/rotary_sin rotate the new keys: pass k and v with them.")
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
         if t.dtype != q.dtype and t.dtype != torch.float32:
-            raise TypeError(f"{name} must have q's dtype ({q.dtype}) or float32, got {t.dtype}.")
+            raise InputTypeError(f"{name} must have q's dtype ({q.dtype}) or float32, got {t.dtype}.")
         if t.device != q.device:
-            raise ValueError(f"{name} must be on {q.device} like q, got {t.device}.")
+            raise InputError(f"{name} must be on {q.device} like q, got {t.device}.")
     if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape:
-        raise ValueError(
+        raise InputError(
             f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2), got {tuple(rotary_cos.shape)} "
             f"and {tuple(rotary_sin.shape)}."
         )
     rotary_dim = 2 * rotary_cos.shape[1]
     if not 0 < rotary_dim <= q.shape[3]:
-        raise ValueError(
+        raise InputError(
             f"rotary_dim (2 x rotary_cos.shape[1] = {rotary_dim}) must lie in [2, headdim = {q.shape[3]}]."
         )
     if rotary_cos.shape[0] < seqlen_cache:
-        raise ValueError(
+        raise InputError(
             f"rotary_cos/rotary_sin must cover every cache position: seqlen_ro ({rotary_cos.shape[0]}) must be at "
             f"least the cache length ({seqlen_cache})."
         )
-
-
-def _window(window_size: tuple[int, int], causal: bool, seqlen_cache: int) -> tuple[int | None, int | None]:
-    """flash_attn's (window_size, causal) as (left, right), None unbounded (``window_bounds``); a side
-    >= seqlen_cache is unbounded too (causal's right = 0 stays)."""
-    left, right = window_bounds(window_size, causal)
-    if left is not None and left >= seqlen_cache:
-        left = None
-    if right is not None and right >= seqlen_cache and not causal:
-        right = None
-    return left, right
 
 
 def _on_host(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
@@ -281,14 +277,14 @@ def _check_cache_values(
         seqlens = host["cache_seqlens"].long()
         end = seqlens + seqlen_new
         if ((seqlens < 0) | (end > seqlen_cache)).any():
-            raise ValueError(
+            raise InputError(
                 f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length) with seqlen_new = "
                 f"{seqlen_new}, got cache_seqlens {seqlens.tolist()}. Allocate a longer cache."
             )
     if seqlen_ro and seqlens is not None and seqlen_q:
         last_q = seqlens + (seqlen_q - 1 if rotary_per_token else 0)
         if (last_q >= seqlen_ro).any():
-            raise ValueError(
+            raise InputError(
                 f"rotary_cos/rotary_sin have {seqlen_ro} rows (positions), but q is rotated at positions up to "
                 f"{int(last_q.max())} (cache_seqlens {seqlens.tolist()}, seqlen_q = {seqlen_q}): pass tables that "
                 "cover every query position."
@@ -297,13 +293,13 @@ def _check_cache_values(
     if leftpad is not None:
         lengths = torch.full_like(leftpad, seqlen_cache) if seqlens is None else seqlens
         if ((leftpad < 0) | (leftpad > lengths)).any():
-            raise ValueError(
+            raise InputError(
                 f"cache_leftpad must lie in [0, cache_seqlens], got {leftpad.tolist()} for cache_seqlens "
                 f"{lengths.tolist()}."
             )
     batch_idx = host.get("cache_batch_idx")
     if batch_idx is not None and ((batch_idx < 0) | (batch_idx >= num_slots)).any():
-        raise ValueError(
+        raise InputError(
             f"cache_batch_idx entries must lie in [0, {num_slots}) (k_cache.shape[0]), got {batch_idx.tolist()}."
         )
     table = host.get("block_table")
@@ -400,7 +396,7 @@ def flash_attn_with_kvcache(
     A negative side, or one >= the cache length, is unbounded; causal=True sets window_size[1] = 0.
 
     Args:
-        q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16; headdim <= 256 (padding below)
+        q: (batch_size, seqlen_q, nheads, headdim), float16, bfloat16 or float32; headdim <= 256 (padding below)
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) without a block_table, or
             (num_blocks, page_block_size, nheads_k, headdim) with one (paged cache; page_block_size a
             multiple of 16); q's dtype and device, last dimension contiguous. Updated in place.
@@ -477,28 +473,28 @@ def flash_attn_with_kvcache(
     _check_index("cache_leftpad", cache_leftpad, (batch,), device)
 
     if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new keys and their values), or neither.")
+        raise InputError("k and v must be given together (new keys and their values), or neither.")
     seqlen_new = 0
     if k is not None:
         check_qkv(q, k, v)
         if k.shape[2:] != k_cache.shape[2:] or v.shape[2:] != v_cache.shape[2:]:
-            raise ValueError(
+            raise InputError(
                 f"k and v must be (batch_size, seqlen_new, nheads_k, headdim[_v]) matching the cache's last two "
                 f"dims {tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}, got {tuple(k.shape)} and "
                 f"{tuple(v.shape)}."
             )
         if cache_seqlens is None:
-            raise ValueError("cache_seqlens must be given with k and v: it says where they go.")
+            raise InputError("cache_seqlens must be given with k and v: it says where they go.")
         seqlen_new = k.shape[1]
         if seqlen_new > seqlen_cache:
-            raise ValueError(
+            raise InputError(
                 f"k and v hold {seqlen_new} new tokens but the cache has room for {seqlen_cache}. Allocate a "
                 "longer cache."
             )
         k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     if isinstance(cache_seqlens, int):
         if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
-            raise ValueError(
+            raise InputError(
                 f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length), got "
                 f"cache_seqlens={cache_seqlens} and seqlen_new={seqlen_new}. Allocate a longer cache."
             )
@@ -507,8 +503,9 @@ def flash_attn_with_kvcache(
     _check_rotary(q, k, rotary_cos, rotary_sin, seqlen_cache)
     softcap, alibi_slopes, _ = check_options(q, softcap, alibi_slopes, None)
     if not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}.")
-    left, right = _window(window_size, causal, seqlen_cache)
+        raise InputError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}.")
+    # A side past the cache (or past the new tokens, on the right) hides no key: unbounded (``bounded_window``).
+    left, right = bounded_window(*window_bounds(window_size, causal), q.shape[1], seqlen_cache)
     rotary_per_token = left is not None or right is not None
     if _backend.values_checked(device):  # one device-to-host copy on CUDA (docs/validation.md)
         _check_cache_values(
@@ -518,6 +515,7 @@ def flash_attn_with_kvcache(
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=INDEX_DTYPE, device=device)
 
+    check_softmax_scale(softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     # The kernels index these as dense rows: make them so (a no-op when they are; 1-D tensors are rows too).

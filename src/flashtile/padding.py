@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.errors import InputError, InputTypeError
+
 __all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
 
 INDEX_DTYPE = torch.int64
@@ -62,29 +64,29 @@ def _check_indices(indices: object, rows: object, rows_name: str, num_rows: int 
     of range. Index values are checked for CPU tensors only (on CUDA that would synchronise with the device; an
     index out of range fails inside the gather or scatter there)."""
     if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"{rows_name} must be a torch.Tensor, got {type(rows).__name__}.")
+        raise InputTypeError(f"{rows_name} must be a torch.Tensor, got {type(rows).__name__}.")
     if rows.dim() < 1:
-        raise ValueError(f"{rows_name} must be (n, ...) with at least 1 dim, got a 0-d tensor.")
+        raise InputError(f"{rows_name} must be (n, ...) with at least 1 dim, got a 0-d tensor.")
     if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}.")
+        raise InputTypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}.")
     if indices.dim() != 1 or indices.dtype != INDEX_DTYPE:
-        raise ValueError(
+        raise InputError(
             f"indices must be a 1-D int64 tensor, got shape {tuple(indices.shape)} and dtype {indices.dtype}. "
             "Pass the indices returned by unpad_input (or indices.flatten().long())."
         )
     if indices.device != rows.device:
-        raise ValueError(f"indices is on {indices.device} but {rows_name} is on {rows.device}; move one.")
+        raise InputError(f"indices is on {indices.device} but {rows_name} is on {rows.device}; move one.")
     if num_rows is None:
         num_rows = rows.shape[0]
     elif indices.shape[0] != rows.shape[0]:
-        raise ValueError(
+        raise InputError(
             f"indices has {indices.shape[0]} entries but {rows_name} has {rows.shape[0]} rows (shape "
             f"{tuple(rows.shape)}); they must match: one position per packed row."
         )
     if indices.device.type == "cpu" and indices.numel() > 0 and not torch.compiler.is_compiling():
         low, high = int(indices.min()), int(indices.max())
         if low < 0 or high >= num_rows:
-            raise ValueError(f"indices must lie in [0, {num_rows}), got values in [{low}, {high}].{hint}")
+            raise InputError(f"indices must lie in [0, {num_rows}), got values in [{low}, {high}].{hint}")
 
 
 def _gather_rows(rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -138,21 +140,21 @@ class _ScatterRows(torch.autograd.Function):
 
 def _check_mask(name: str, mask: object, hidden_states: torch.Tensor) -> None:
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape (batch, seqlen), got {type(mask).__name__}.")
+        raise InputTypeError(f"{name} must be a torch.Tensor of shape (batch, seqlen), got {type(mask).__name__}.")
     if mask.dim() != 2 or tuple(mask.shape) != tuple(hidden_states.shape[:2]):
-        raise ValueError(
+        raise InputError(
             f"{name} must be 2-D (batch, seqlen) matching hidden_states' first two dims "
             f"{tuple(hidden_states.shape[:2])}, got shape {tuple(mask.shape)}. "
             "hidden_states is (batch, seqlen, ...) with the sequence in dim 1."
         )
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise TypeError(
+        raise InputTypeError(
             f"{name} must be bool or an integer dtype (1 = valid token, 0 = padding), got {mask.dtype}. "
             f"For a 0/1 float mask pass {name}.bool(); for an additive mask (0 = keep, -inf = drop) pass "
             f"{name} == 0."
         )
     if mask.device != hidden_states.device:
-        raise ValueError(f"{name} is on {mask.device} but hidden_states is on {hidden_states.device}; move one.")
+        raise InputError(f"{name} is on {mask.device} but hidden_states is on {hidden_states.device}; move one.")
 
 
 def unpad_input(
@@ -201,9 +203,9 @@ def unpad_input(
     identical).
     """
     if not isinstance(hidden_states, torch.Tensor):
-        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}.")
+        raise InputTypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}.")
     if hidden_states.dim() < 2:
-        raise ValueError(
+        raise InputError(
             f"hidden_states must be (batch, seqlen, ...) with at least 2 dims, got shape {tuple(hidden_states.shape)}."
         )
     _check_mask("attention_mask", attention_mask, hidden_states)
@@ -250,9 +252,9 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     """
     for name, value in (("batch", batch), ("seqlen", seqlen)):
         if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+            raise InputTypeError(f"{name} must be an int, got {type(value).__name__}.")
         if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}.")
+            raise InputError(f"{name} must be >= 0, got {value}.")
     num_rows = batch * seqlen
     hint = " Check batch and seqlen: they must be those of the tensor given to unpad_input."
     _check_indices(indices, hidden_states, "hidden_states", num_rows, hint)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.interface import attention, varlen_attention
+from flashtile.errors import InputError, InputTypeError
+from flashtile.interface import _shape_of, attention, varlen_attention
 from flashtile.padding import _gather_rows, unpad_input
 
 
@@ -18,7 +19,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """A drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on fp16/bf16 inputs.
+    """A drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on fp16, bf16 and fp32 inputs.
 
     Unlike ``flash_attn_func``, ``is_causal`` follows torch: the mask is aligned to the top left,
     query i sees key j when j <= i, whatever seqlen_q and seqlen_k are. With seqlen_q = 2 and
@@ -27,8 +28,10 @@ def scaled_dot_product_attention(
         1 1 0 0 0
 
     Args:
-        query: (batch, nheads, seqlen_q, headdim), float16 or bfloat16
-        key: (batch, nheads_k, seqlen_k, headdim)
+        query: (batch, nheads, seqlen_q, headdim), float16, bfloat16 or float32; as in torch, any number of
+            leading dimensions works: (seqlen_q, headdim), (nheads, seqlen_q, headdim), (batch, ..., nheads,
+            seqlen_q, headdim), the leading ones flattened into one batch dimension
+        key: (batch, nheads_k, seqlen_k, headdim) (leading dimensions as query's, or broadcast to them)
         value: (batch, nheads_k, seqlen_k, headdim_v)
         attn_mask: None, or a mask broadcastable to (batch, nheads, seqlen_q, seqlen_k) (at most 4-D,
             each dimension 1 or the full size, e.g. (seqlen_q, seqlen_k), (batch, 1, seqlen_q, seqlen_k),
@@ -54,16 +57,19 @@ def scaled_dot_product_attention(
         enable_gqa: allow nheads_k < nheads (nheads divisible by nheads_k), as in torch
 
     Returns:
-        (batch, nheads, seqlen_q, headdim_v), a transposed view of a (batch, seqlen_q, nheads, headdim_v) tensor
+        (batch, nheads, seqlen_q, headdim_v) (query's leading dimensions), for 4-D inputs a transposed view of a
+        (batch, seqlen_q, nheads, headdim_v) tensor
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4-D tensor (batch, nheads, seqlen, headdim), got {got}.")
+            raise InputError(f"{name} must be a tensor (..., seqlen, headdim) of at least 2 dimensions, got {got}.")
+    if not query.dim() == key.dim() == value.dim() == 4:
+        return _any_leading_dims(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None:
         attn_mask = _check_attn_mask(attn_mask, query, key, is_causal)
     if not enable_gqa and query.shape[1] != key.shape[1]:
-        raise ValueError(
+        raise InputError(
             f"query has {query.shape[1]} heads and key {key.shape[1]}: set enable_gqa=True for grouped-query attention."
         )
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
@@ -84,24 +90,68 @@ def scaled_dot_product_attention(
     return out.transpose(1, 2)
 
 
+def _any_leading_dims(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """SDPA on inputs of other than 4 dimensions, as torch takes them: (..., nheads, seqlen, headdim), where a
+    2-D (seqlen, headdim) input is one head, a 3-D one (nheads, seqlen, headdim), and the dimensions before the
+    heads of a 5-D or larger input are batch dimensions (key's and value's broadcast to query's). Those are
+    flattened into one batch dimension (a view where the strides allow), the mask's with them."""
+    shape, dims = query.shape, max(query.dim(), 3)
+    if key.dim() > dims or value.dim() > dims:
+        raise InputError(
+            f"key and value may not have more dimensions than query: got query {tuple(query.shape)}, key "
+            f"{tuple(key.shape)}, value {tuple(value.shape)}."
+        )
+    query, key, value = (t.reshape((1,) * (dims - t.dim()) + tuple(t.shape)) for t in (query, key, value))
+    leading = query.shape[:-3]
+    try:
+        key, value = (t.expand(*leading, *t.shape[-3:]) for t in (key, value))
+    except RuntimeError as error:
+        raise InputError(
+            "key's and value's leading (batch) dimensions must be query's or broadcast to them: got query "
+            f"{tuple(shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}."
+        ) from error
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor) or attn_mask.dim() > dims:
+            raise InputError(
+                f"attn_mask must broadcast to (..., nheads, seqlen_q, seqlen_k) = "
+                f"{(*query.shape[:-1], key.shape[-2])}, got {_shape_of(attn_mask)}."
+            )
+        mask = attn_mask.reshape((1,) * (dims - attn_mask.dim()) + tuple(attn_mask.shape))
+        attn_mask = mask.expand(*leading, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+    out = scaled_dot_product_attention(
+        *(t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)), attn_mask, dropout_p, is_causal, scale,
+        enable_gqa,
+    )  # fmt: skip
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
 def _check_attn_mask(attn_mask: object, query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> torch.Tensor:
     """Validate SDPA's attn_mask and return it as a 4-D view (leading dimensions of size 1 added): ValueError
     with is_causal=True (as in torch) or when it does not broadcast to (batch, nheads, seqlen_q, seqlen_k),
     TypeError for a tensor neither boolean nor floating point."""
     if is_causal:
-        raise ValueError("attn_mask and is_causal=True cannot be combined (as in torch); pass one of them.")
+        raise InputError("attn_mask and is_causal=True cannot be combined (as in torch); pass one of them.")
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
+        raise InputTypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
     if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
-        raise TypeError(
+        raise InputTypeError(
             f"attn_mask must be boolean (True = attend) or floating point (added to the scores), got {attn_mask.dtype}."
         )
     if attn_mask.device != query.device:
-        raise ValueError(f"attn_mask must be on the device of query ({query.device}), got {attn_mask.device}.")
+        raise InputError(f"attn_mask must be on the device of query ({query.device}), got {attn_mask.device}.")
     target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     shape = tuple(attn_mask.shape)
     if len(shape) > 4 or any(n not in (1, t) for n, t in zip(reversed(shape), reversed(target), strict=False)):
-        raise ValueError(
+        raise InputError(
             f"attn_mask of shape {shape} does not broadcast to (batch, nheads, seqlen_q, seqlen_k) = {target}: "
             "each of its (at most 4) dimensions must be 1 or the full size, e.g. (seqlen_q, seqlen_k)."
         )

@@ -136,11 +136,13 @@ from torch import Tensor
 
 import flashtile._ops  # noqa: F401  (registers torch.ops.flashtile.*)
 from flashtile.distributed.layout import LAYOUTS, Segment, check_layout, segments
+from flashtile.errors import InputTypeError
 from flashtile.interface import (
     NO_WINDOW,
     SUPPORTED_DTYPES,
     check_options,
     check_qkv,
+    check_softmax_scale,
     check_unimplemented,
     require,
     window_bounds,
@@ -725,7 +727,7 @@ def ring_flash_attn_func(
     rank with W times the work of the first).
 
     Args:
-        q: (batch_size, seqlen, nheads, headdim), float16 or bfloat16: this rank's shard of the queries
+        q: (batch_size, seqlen, nheads, headdim), float16, bfloat16 or float32: this rank's shard of the queries
         k: (batch_size, seqlen, nheads_k, headdim): this rank's shard of the keys; nheads % nheads_k == 0
         v: (batch_size, seqlen, nheads_k, headdim_v); headdim and headdim_v multiples of 8, at most 256
         dropout_p, alibi_slopes: must be 0.0 and None (not implemented; NotImplementedError). ALiBi needs
@@ -767,10 +769,11 @@ def ring_flash_attn_func(
     device = ring.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
     with on_device(q):
         try:
-            require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
+            require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", InputTypeError)
             _check_shard(q, k, v, layout)
             check_device(q, ring)
             softcap, _, learnable_sink = check_options(q, softcap, None, learnable_sink)
+            check_softmax_scale(softmax_scale)
         except (TypeError, ValueError):
             _check_across_ranks(ring, device, None)
             raise

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flashtile.distributed.ring import _check_across_ranks, _Ring, _Setup, _signature, check_device, on_device
+from flashtile.errors import InputTypeError
 from flashtile.interface import (
     NO_WINDOW,
     check_options,
@@ -107,7 +108,7 @@ def ulysses_flash_attn_func(
     docstring says when to prefer ``ring_flash_attn_func``.
 
     Args:
-        q: (batch_size, seqlen, nheads, headdim), float16 or bfloat16: this rank's contiguous shard;
+        q: (batch_size, seqlen, nheads, headdim), float16, bfloat16 or float32: this rank's contiguous shard;
             nheads divisible by the group's size W
         k: (batch_size, seqlen, nheads_k, headdim); nheads_k divisible by W, or W divisible by nheads_k
             (then each key/value head is repeated W / nheads_k times for the exchange)
@@ -140,7 +141,7 @@ def ulysses_flash_attn_func(
     device = comm.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
     with on_device(q):
         try:
-            require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
+            require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", InputTypeError)
             _check_shard(q, k, v, comm.size)
             check_device(q, comm)
             softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)

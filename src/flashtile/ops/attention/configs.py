@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtile import _backend
+from flashtile.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def head_grid(tiles: int, batch: int, nheads: int) -> tuple[int, int, int]:
     """The grid (tiles, nheads, batch) of an attention kernel (``tiles.batch_head`` reads it back); a clear
     error, before any launch, for more batch entries or heads than a grid holds."""
     if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
-        raise ValueError(
+        raise InputError(
             f"flashtile's CUDA kernels take at most {MAX_GRID_YZ} batch entries (sequences) and {MAX_GRID_YZ} heads "
             f"per call, got batch {batch} and nheads {nheads}: split the batch into several calls."
         )
@@ -170,7 +171,7 @@ def override(**configs: TileConfig) -> Iterator[None]:
     """Use the given configs (keyed by pass name) inside the block, e.g. for a tuning sweep."""
     unknown = set(configs) - set(PASSES)
     if unknown:
-        raise ValueError(f"unknown pass names {sorted(unknown)}; use {', '.join(PASSES)}")
+        raise InputError(f"unknown pass names {sorted(unknown)}; use {', '.join(PASSES)}")
     saved = dict(_overrides)
     _overrides.update(configs)
     try:
