@@ -148,10 +148,15 @@ CASES = [
     Case(2, "contiguous", method="ulysses", causal=True, alibi=True, window=(20, -1), heads=(4, 2), seed=6),
     Case(2, "contiguous", method="ulysses", heads=(2, 1), sink=True, softcap=2.0, seed=7),
     Case(2, "contiguous", method="ulysses", heads=(6, 2), batch=2, dtype=torch.bfloat16, seed=8),
+    # "No limit" spelled as INT32_MAX or sys.maxsize: the unbounded answer, on both ring layouts and Ulysses.
+    Case(2, "zigzag", window=(2**31 - 1, 2**31 - 1), seed=10),
+    Case(2, "contiguous", causal=True, window=(9223372036854775807, -1), seed=11),
+    Case(2, "contiguous", method="ulysses", window=(-1, 9223372036854775807), heads=(2, 2), seed=12),
 ]
 if _backend.TRITON_INTERPRET:
     CASES.append(Case(2, "zigzag", causal=True, shard_len=48, heads=(2, 1), interpreter=True))
     CASES.append(Case(2, "contiguous", causal=True, shard_len=32, softcap=2.0, sink=True, interpreter=True))
+    CASES.append(Case(2, "zigzag", window=(2**31 - 1, 2**31 - 1), shard_len=48, interpreter=True))
 
 
 def full_inputs(case: Case) -> tuple[torch.Tensor, ...]:

@@ -131,17 +131,17 @@ def test_alibi_slopes_per_head_equals_per_batch():
     assert torch.equal(one, per_batch)
 
 
-def test_fp32_inputs_raise_a_clear_error():
-    """flash_attn raises (a RuntimeError) for fp32 inputs; flashtile's error is both a TypeError and a
-    RuntimeError, and says which dtypes work."""
-    q = randn(1, 4, 1, 16, dtype=torch.float32)
+def test_unsupported_dtypes_raise_a_clear_error():
+    """flash_attn raises (a RuntimeError) for dtypes it does not take; flashtile's error is both a TypeError and a
+    RuntimeError, and says which dtypes work (float64 here; float32 runs on CPU tensors)."""
+    q = randn(1, 4, 1, 16, dtype=torch.float64)
     for call in (
         lambda: flashtile.flash_attn_func(q, q, q),
         lambda: flashtile.flash_attn_qkvpacked_func(torch.stack([q, q, q], 2)),
         lambda: flashtile.flash_attn_varlen_func(q[0], q[0], q[0], int32([0, 4]), int32([0, 4]), 4, 4),
         lambda: flashtile.flash_attn_with_kvcache(q, q, q),
     ):
-        with pytest.raises(RuntimeError, match="torch.float32; flashtile supports torch.float16 and torch.bfloat16"):
+        with pytest.raises(RuntimeError, match="torch.float64; flashtile supports torch.float16 and torch.bfloat16"):
             call()
         with pytest.raises(TypeError):
             call()

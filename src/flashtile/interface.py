@@ -67,6 +67,24 @@ def sliced(result: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> tuple[to
     return result[0][..., :head_dim], result[1]
 
 
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    """Raise UnsupportedDtypeError unless ``t`` has a dtype its device's kernels take: float16 and bfloat16
+    everywhere; float32 on the CPU (the CPU path and the Triton interpreter compute in float32). The CUDA
+    kernels take 16-bit inputs: their matrix products run on tensor cores, where float32 would mean TF32."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return
+    if t.dtype == torch.float32 and t.device.type == "cuda":
+        raise UnsupportedDtypeError(
+            f"{name} is a float32 CUDA tensor; flashtile's GPU kernels take torch.float16 and torch.bfloat16 (float32 "
+            f"runs on CPU tensors). Cast the inputs, e.g. {name}.to(torch.bfloat16), or use a bf16 model."
+        )
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedDtypeError(
+            f"{name} has dtype {t.dtype}; flashtile supports torch.float16 and torch.bfloat16, and torch.float32 on "
+            f"CPU tensors. Cast the inputs, e.g. {name}.to(torch.bfloat16)."
+        )
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise TypeError/ValueError unless q, k, v are valid flash_attn-layout inputs.
 
@@ -77,11 +95,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise UnsupportedDtypeError(
-                f"{name} has dtype {t.dtype}; flashtile supports torch.float16, torch.bfloat16 and torch.float32. "
-                f"Cast the inputs, e.g. {name}.to(torch.bfloat16)."
-            )
+        if t.dtype not in SUPPORTED_DTYPES or (t.dtype == torch.float32 and t.device.type == "cuda"):
+            check_dtype(name, t)
         if t.dim() != 4:
             raise InputError(
                 f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}. "

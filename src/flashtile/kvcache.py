@@ -27,11 +27,10 @@ from flashtile._backend import path_name
 from flashtile.errors import InputError, InputTypeError
 from flashtile.interface import (
     NO_WINDOW,
-    SUPPORTED_DTYPES,
-    UnsupportedDtypeError,
     bounded_window,
     check_block_table,
     check_block_table_entries,
+    check_dtype,
     check_head_dim,
     check_options,
     check_page_size,
@@ -121,11 +120,7 @@ def _has_head_dim(t: object, head_dim: int) -> bool:
 def _check_q(q: torch.Tensor) -> None:
     if not isinstance(q, torch.Tensor):
         raise InputTypeError(f"q must be a torch.Tensor, got {type(q).__name__}.")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise UnsupportedDtypeError(
-            f"q has dtype {q.dtype}; flashtile supports torch.float16, torch.bfloat16 and torch.float32. "
-            "Cast the inputs, e.g. q.to(torch.bfloat16), and the cache likewise."
-        )
+    check_dtype("q", q)
     if q.dim() != 4:
         raise InputError(f"q must have 4 dimensions (batch_size, seqlen_q, nheads, headdim), got {tuple(q.shape)}.")
 

@@ -27,7 +27,9 @@ def visibility_mask(
     i + seqlen_k - seqlen_q - window_size[0] <= j <= i + seqlen_k - seqlen_q + window_size[1];
     a negative side is unbounded, and causal sets window_size[1] = 0.
     """
-    left, right = window_size
+    # A side past the lengths hides nothing; clamping it first keeps the arithmetic below in int64 range
+    # for "no limit" values such as sys.maxsize.
+    left, right = min(window_size[0], seqlen_k), min(window_size[1], seqlen_q)
     if causal:
         right = 0
     i = torch.arange(seqlen_q, device=device)[:, None]
