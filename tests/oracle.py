@@ -32,7 +32,7 @@ def check_against_oracle(results: dict[str, torch.Tensor], q, k, v, dout, dlse=N
     """Apply the rule to every entry of ``results`` (named as in flashtile.reference.RESULT_NAMES, plus
     "dsink" with a learnable_sink). ``options`` go to the oracle: softmax_scale, causal, window_size,
     mask, softcap, alibi_slopes, learnable_sink."""
-    precise = torch.float64 if q.device.type == "cpu" else torch.float32
+    precise = torch.float64 if q.device.type == "cpu" or q.dtype == torch.float32 else torch.float32
     ref = reference_results(q, k, v, dout, precise, dlse, **options)
     base = reference_results(q, k, v, dout, q.dtype, dlse, **options)
     for name, x in results.items():

@@ -39,6 +39,7 @@ not set fails loudly: update ``ARGS`` (and the variants below) together with the
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -259,15 +260,19 @@ def signature(kernel_name: str, consts: dict) -> tuple[dict, dict, dict]:
 
 
 def resources(cubin: bytes) -> dict:
-    """Registers, stack and local bytes per thread from cuobjdump -res-usage."""
+    """Registers, stack and local bytes per thread from cuobjdump -res-usage, and "sass": a digest of the machine
+    code (cuobjdump -sass), so that two trees can be compared for identical code variant by variant."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m is None:
         raise RuntimeError(f"cannot read cuobjdump -res-usage output:\n{out}")
-    return dict(zip(("registers", "stack", "static_shared", "local"), map(int, m.groups()), strict=True))
+    usage = dict(zip(("registers", "stack", "static_shared", "local"), map(int, m.groups()), strict=True))
+    code = "\n".join(line for line in sass.splitlines() if line.strip().startswith("/*"))  # instructions only
+    return {**usage, "sass": hashlib.sha256(code.encode()).hexdigest()[:16]}
 
 
 GLUON_FORWARD = forward_sm90._attention_forward_sm90_kernel.fn.__name__

@@ -557,10 +557,10 @@ def test_nccl_matches_full_sequence_attention(nccl_runs, case):
 @needs_gpus
 def test_nccl_inputs_on_the_cpu_fail_on_every_rank(nccl_runs):
     own = _outcome(nccl_runs, "cpu-on-nccl-0")
-    assert own["error"] == "ValueError" and "moves CUDA tensors only" in own["message"], own
+    assert own["error"] == "InputError" and "moves CUDA tensors only" in own["message"], own
     for rank in range(1, GPU_WORLD):
         other = _outcome(nccl_runs, f"cpu-on-nccl-{rank}")
-        assert other["error"] == "ValueError" and "Rank(s) [0] of the group rejected" in other["message"], other
+        assert other["error"] == "InputError" and "Rank(s) [0] of the group rejected" in other["message"], other
 
 
 @pytest.mark.gpu
@@ -604,40 +604,40 @@ def test_head_groups():
 def test_shapes_that_differ_across_ranks_fail_on_every_rank(ring_runs):
     for rank in (0, 1):
         outcome = _outcome(ring_runs, f"lengths-{rank}")
-        assert outcome["error"] == "ValueError", outcome
+        assert outcome["error"] == "InputError", outcome
         assert "seqlen per rank: rank 0: 8, rank 1: 10" in outcome["message"]
 
 
 def test_options_that_differ_across_ranks_fail_on_every_rank(ring_runs):
     for rank in (0, 1):
         outcome = _outcome(ring_runs, f"options-{rank}")
-        assert outcome["error"] == "ValueError", outcome
+        assert outcome["error"] == "InputError", outcome
         assert "window right (-1: unbounded, causal: 0): rank 0: 0, rank 1: -1" in outcome["message"]
 
 
 def test_a_sink_on_some_ranks_only_fails_on_every_rank(ring_runs):
     for rank in (0, 1):
         outcome = _outcome(ring_runs, f"sink-{rank}")
-        assert outcome["error"] == "ValueError", outcome
+        assert outcome["error"] == "InputError", outcome
         assert "learnable_sink (1: given): rank 0: 1, rank 1: 0" in outcome["message"]
 
 
 def test_ulysses_checks_its_inputs_on_every_rank(ring_runs):
     for rank in (0, 1):
         outcome = _outcome(ring_runs, f"ulysses-lengths-{rank}")
-        assert outcome["error"] == "ValueError", outcome
+        assert outcome["error"] == "InputError", outcome
         assert outcome["message"].startswith("ulysses_flash_attn_func needs the same shapes"), outcome
         assert "seqlen per rank: rank 0: 8, rank 1: 10" in outcome["message"]
         outcome = _outcome(ring_runs, f"ulysses-heads-{rank}")
-        assert outcome["error"] == "ValueError", outcome
+        assert outcome["error"] == "InputError", outcome
         assert "nheads (3) must be divisible by 2" in outcome["message"], outcome
 
 
 def test_a_shard_one_rank_rejects_fails_on_every_rank(ring_runs):
     """A zigzag shard of odd length (a sequence that does not divide into 2 * world chunks)."""
     own, other = _outcome(ring_runs, "odd-1"), _outcome(ring_runs, "odd-0")
-    assert own["error"] == "ValueError" and "must be even, got 9" in own["message"], own
-    assert other["error"] == "ValueError" and "Rank(s) [1] of the group rejected" in other["message"], other
+    assert own["error"] == "InputError" and "must be even, got 9" in own["message"], own
+    assert other["error"] == "InputError" and "Rank(s) [1] of the group rejected" in other["message"], other
 
 
 def test_a_peer_that_never_calls_fails_within_the_timeout(ring_runs):

@@ -796,7 +796,7 @@ BAD = {
         "multiple of 16",
     ),
     "cache-dtype": (lambda: _bad(k_cache=lambda kw: kw["k_cache"].bfloat16()), TypeError, "share one dtype"),
-    "q-float32": (lambda: _bad(q=lambda kw: kw["q"].float()), TypeError, "float16 and torch.bfloat16"),
+    "q-float64": (lambda: _bad(q=lambda kw: kw["q"].double()), TypeError, "float16 and torch.bfloat16"),
     "headdim-mismatch": (lambda: _bad(q=lambda kw: kw["q"][..., :32]), ValueError, "share headdim"),
     "heads-not-divisible": (lambda: _bad(q=lambda kw: kw["q"][:, :, :3]), ValueError, "divisible"),
     "headdim-not-mult-8": (

@@ -33,7 +33,7 @@ def qkv(dtype=torch.float16, q_shape=(1, 16, 4, 64), k_shape=(1, 16, 4, 64), v_s
 
 
 CASES = {
-    "float32": (lambda: qkv(torch.float32), TypeError, "float16 and torch.bfloat16"),
+    "float64": (lambda: qkv(torch.float64), TypeError, "float16 and torch.bfloat16"),
     "int": (lambda: qkv(torch.int32), TypeError, "dtype torch.int32"),
     "mixed-dtype": (lambda: (qkv()[0], *qkv(torch.bfloat16)[1:]), TypeError, "share one dtype"),
     "not-a-tensor": (lambda: (qkv()[0], [1, 2], qkv()[2]), TypeError, "must be a torch.Tensor"),

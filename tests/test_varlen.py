@@ -88,7 +88,7 @@ def varlen_oracle(q, k, v, dout, cu_q, cu_k, dtype, dlse=None, alibi_slopes=None
 
 def check_varlen(results, q, k, v, dout, cu_q, cu_k, **options):
     """The tolerance rule on every packed result, against the oracle run sequence by sequence."""
-    precise = torch.float64 if DEVICE == "cpu" else torch.float32
+    precise = torch.float64 if DEVICE == "cpu" or q.dtype == torch.float32 else torch.float32
     ref = varlen_oracle(q, k, v, dout, cu_q, cu_k, precise, **options)
     base = varlen_oracle(q, k, v, dout, cu_q, cu_k, q.dtype, **options)
     for name, x in results.items():

@@ -68,20 +68,13 @@ def sliced(result: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> tuple[to
 
 
 def check_dtype(name: str, t: torch.Tensor) -> None:
-    """Raise UnsupportedDtypeError unless ``t`` has a dtype its device's kernels take: float16 and bfloat16
-    everywhere; float32 on the CPU (the CPU path and the Triton interpreter compute in float32). The CUDA
-    kernels take 16-bit inputs: their matrix products run on tensor cores, where float32 would mean TF32."""
-    if t.dtype in (torch.float16, torch.bfloat16):
-        return
-    if t.dtype == torch.float32 and t.device.type == "cuda":
-        raise UnsupportedDtypeError(
-            f"{name} is a float32 CUDA tensor; flashtile's GPU kernels take torch.float16 and torch.bfloat16 (float32 "
-            f"runs on CPU tensors). Cast the inputs, e.g. {name}.to(torch.bfloat16), or use a bf16 model."
-        )
+    """Raise UnsupportedDtypeError unless ``t`` is float16, bfloat16 or float32. Float32 computes in float32 on
+    every path: the CPU path, the Triton interpreter, and on CUDA the Triton kernels with IEEE float32 products
+    (not TF32; the sm_90 Gluon kernels take 16-bit inputs only, so float32 is slower than bf16 there)."""
     if t.dtype not in SUPPORTED_DTYPES:
         raise UnsupportedDtypeError(
-            f"{name} has dtype {t.dtype}; flashtile supports torch.float16 and torch.bfloat16, and torch.float32 on "
-            f"CPU tensors. Cast the inputs, e.g. {name}.to(torch.bfloat16)."
+            f"{name} has dtype {t.dtype}; flashtile supports torch.float16 and torch.bfloat16 (and torch.float32). "
+            f"Cast the inputs, e.g. {name}.to(torch.bfloat16)."
         )
 
 
@@ -95,7 +88,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES or (t.dtype == torch.float32 and t.device.type == "cuda"):
+        if t.dtype not in SUPPORTED_DTYPES:
             check_dtype(name, t)
         if t.dim() != 4:
             raise InputError(
@@ -772,8 +765,8 @@ def varlen_attention(
     # No sequence is longer than its tensor's tokens (or, paged, its block-table row): the grid is sized by
     # what the batch can hold, whatever max_seqlen claims, and no window side reaches the kernels past it.
     keys_per_sequence = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
-    max_seqlen_q = torch.sym_min(max_seqlen_q, q.shape[0])
-    max_seqlen_k = torch.sym_min(max_seqlen_k, keys_per_sequence)
+    max_seqlen_q = min(max_seqlen_q, q.shape[0])
+    max_seqlen_k = min(max_seqlen_k, keys_per_sequence)
     window_left, window_right = bounded_window(window_left, window_right, q.shape[0], keys_per_sequence)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)

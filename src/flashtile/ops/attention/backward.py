@@ -44,6 +44,7 @@ from flashtile.ops.attention.tiles import (
     alibi_batch_stride,
     alibi_slope,
     batch_head,
+    dot,
     dropout_keep,
     dropout_rows,
     head_base,
@@ -174,7 +175,7 @@ def _dkdv_tile(
         do_src, off_qb, off_h, start_m, stride_dom, offs_dv, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, PAD_DV, TMA
     )  # [BLOCK_M, DV]
     lse, delta = _load_row_stats(lse_base, delta_base, offs_m, offs_m, seqlen_q)
-    qk_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, D] @ [D, BLOCK_M] -> [BLOCK_N, BLOCK_M]
+    qk_t = dot(k, tl.trans(q))  # [BLOCK_N, D] @ [D, BLOCK_M] -> [BLOCK_N, BLOCK_M]
     s_t, t_t = score_mod(
         qk_t, offs_m[None, :], offs_n[:, None], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
     )  # [BLOCK_N, BLOCK_M], log2 units
@@ -189,15 +190,15 @@ def _dkdv_tile(
     if HAS_DROPOUT:  # the forward's mask, regenerated; dV's 1 / (1 - p) is applied once at the end
         seed, rng_rows = dropout_rows(Rng, row_base + offs_m, rng_stride)  # [BLOCK_M]
         keep_t = tl.trans(dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N))  # [BLOCK_N, BLOCK_M]
-        dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV]
+        dv = dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV]
     else:
-        dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
+        dv = dot(p_t.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
     p_t = score_mod_grad(p_t, t_t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
-    dp_t = tl.dot(v, tl.trans(do))  # [BLOCK_N, DV] @ [DV, BLOCK_M] -> [BLOCK_N, BLOCK_M]
+    dp_t = dot(v, tl.trans(do))  # [BLOCK_N, DV] @ [DV, BLOCK_M] -> [BLOCK_N, BLOCK_M]
     if HAS_DROPOUT:  # the gradient at P is Z / (1 - p) * dP; delta = rowsum(dO * O) already includes Z
         dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]
+    dk = dot(ds_t.to(q.dtype), q, dk)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]
     return dk, dv
 
 
@@ -412,7 +413,7 @@ def _dq_tile(
     v = load_rows(
         v_src, off_kb, off_hk, start_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED, PAD_DV, TMA
     )  # [BLOCK_N, DV]
-    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    qk = dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     s, t = score_mod(
         qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
     )  # [BLOCK_M, BLOCK_N], log2 units
@@ -425,7 +426,7 @@ def _dq_tile(
         p = tl.where(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT), p, 0.0)
     p_scores = p  # the gradient at the additive mask is P (dP - delta), without the cap's derivative
     p = score_mod_grad(p, t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
-    dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    dp = dot(do, tl.trans(v))  # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if HAS_DROPOUT:  # the gradient at P is Z / (1 - p) * dP, Z the forward's mask regenerated
         keep = dropout_keep(seed, rng_base, start_n, dropout_p, BLOCK_N)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
@@ -434,7 +435,7 @@ def _dq_tile(
         dm_ptrs = DMask + lse_offs[:, None] * seqlen_k + offs_n[None, :]
         in_bounds = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
         tl.store(dm_ptrs, p_scores * (dp - delta[:, None]), mask=in_bounds)
-    dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
+    dq = dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
     return dq
 
 
@@ -735,7 +736,7 @@ def _launch(
 
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
-    cfg = config("backward_dkdv", q.device, head_dim, head_dim_v, attn_mask is not None)
+    cfg = config("backward_dkdv", q.device, head_dim, head_dim_v, attn_mask is not None, q.element_size())
     tma = cfg.tma and inputs_tma_ready
     bm, bn = cfg.block_m, cfg.block_n
     q_src, k_src, v_src, do_src, dk_dst, dv_dst = tile_sources(
@@ -756,7 +757,7 @@ def _launch(
     )  # fmt: skip
 
     dq = empty_output(q.shape, q.dtype, q.device)
-    cfg = config("backward_dq", q.device, head_dim, head_dim_v, attn_mask is not None)
+    cfg = config("backward_dq", q.device, head_dim, head_dim_v, attn_mask is not None, q.element_size())
     tma = cfg.tma and inputs_tma_ready
     bm, bn = cfg.block_m, cfg.block_n
     q_src, k_src, v_src, do_src, dq_dst = tile_sources(

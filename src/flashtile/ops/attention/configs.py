@@ -154,13 +154,22 @@ def with_mask(cfg: TileConfig, width: int) -> TileConfig:
     return cfg
 
 
-def config(pass_name: str, device: torch.device, head_dim: int, head_dim_v: int, has_mask: bool = False) -> TileConfig:
-    """The tile config for ``pass_name`` (one of PASSES) on ``device`` (``has_mask``: with an attn_mask)."""
+def config(
+    pass_name: str,
+    device: torch.device,
+    head_dim: int,
+    head_dim_v: int,
+    has_mask: bool = False,
+    element_size: int = 2,
+) -> TileConfig:
+    """The tile config for ``pass_name`` (one of PASSES) on ``device`` (``has_mask``: with an attn_mask) for inputs
+    of ``element_size`` bytes. Float32 inputs (4 bytes) take the shallow pipelines of ``_OTHER`` on every GPU: their
+    tiles are twice the bytes the Hopper table was sized for, and its tensor-descriptor configs assume 16-bit rows."""
     if pass_name in _overrides:
         return _overrides[pass_name]
     if device.type != "cuda":
         return INTERPRETER
-    table = _HOPPER if compute_capability(device.index)[0] == 9 else _OTHER
+    table = _HOPPER if compute_capability(device.index)[0] == 9 and element_size == 2 else _OTHER
     width = padded_head_dim(max(head_dim, head_dim_v))
     cfg = next(cfg for largest, cfg in table[pass_name] if width <= largest)
     return with_mask(cfg, width) if has_mask else cfg

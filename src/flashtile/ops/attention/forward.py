@@ -62,6 +62,7 @@ from flashtile.ops.attention.tiles import (
     alibi_batch_stride,
     alibi_slope,
     batch_head,
+    dot,
     dropout_keep,
     dropout_rows,
     head_base,
@@ -155,7 +156,7 @@ def _forward_tile(
             v_src, off_kb, off_hk, start_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED, PAD_DV,
             TMA,
         )  # [BLOCK_N, DV]  # fmt: skip
-    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    qk = dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or HAS_MASK:
         s, _ = score_mod(
             qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
@@ -181,7 +182,7 @@ def _forward_tile(
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:  # the softmax sum l keeps every p; only P V sees the mask (1 / (1 - p) at the end)
         p = tl.where(dropout_keep(seed, rng_base, start_n, dropout_p, BLOCK_N), p, 0.0)
-    acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
+    acc = dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
     return acc, m_new, l_i
 
 
@@ -480,6 +481,7 @@ def _launch(
         gluon_device(q.device)  # first: elsewhere nothing below runs
         and window_left is None and window_right in (None, 0) and softcap == 0.0 and not (is_varlen or has_dropout)
         and alibi_slopes is None and learnable_sink is None and attn_mask is None
+        and softmax_scale > 0  # the Gluon kernel scales masked (-inf) scores: 0 * -inf would be NaN
     ):  # fmt: skip
         forward_sm90 = imported("flashtile.ops.attention.forward_sm90")  # Gluon: on sm_90 GPUs only
 
@@ -488,7 +490,7 @@ def _launch(
     pass_name = "forward"
     if seqlen_k <= SHORT_SEQLEN:
         pass_name = "forward_banded_short" if window_right is not None else "forward_short"
-    cfg = config(pass_name, q.device, head_dim, head_dim_v, attn_mask is not None)
+    cfg = config(pass_name, q.device, head_dim, head_dim_v, attn_mask is not None, q.element_size())
     block_d, block_dv = block_widths(head_dim, head_dim_v)
     tma = cfg.tma and not is_varlen and tma_ready(q, k, v)  # out: fresh, so ready when they are
     rows_q, rows_k = cfg.block_m, cfg.block_n

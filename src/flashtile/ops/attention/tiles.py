@@ -198,6 +198,18 @@ def visible(
 
 
 @triton.jit
+def dot(a, b, acc=None):
+    """a @ b (+ acc) with a float32 accumulator. float32 operands (float32 inputs) are multiplied in IEEE float32:
+    Triton's default for them is TF32 (10-bit mantissas), which would give float32 inputs bf16-like errors.
+    16-bit operands compile exactly as a plain ``tl.dot``."""
+    if a.dtype == tl.float32:
+        result = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        result = tl.dot(a, b, acc)
+    return result
+
+
+@triton.jit
 def tanh(x):
     """tanh from exp2 (the interpreter has no libdevice): with e = exp(-2|x|) in (0, 1] nothing
     overflows for any x, tanh(|x|) = (1 - e) / (1 + e), and the sign is restored at the end."""

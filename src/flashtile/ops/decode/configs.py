@@ -72,6 +72,9 @@ parity with cuDNN; the small-batch rows, 1.05-1.15x SDPA at 8b5b4b6, move within
 strides: with them compiled in (session 28) CUDA_FEW_PROGRAMS_LONG was 0.3-0.9% slower and CUDA_HEAD_DIM_128
 spilled."""
 CUDA_FEW_PROGRAMS_LONG = DecodeConfig(128, 4, 3, programs_per_sm=1)
+CUDA_FP32 = DecodeConfig(64, 4, 2)
+CUDA_FP32_HEAD_DIM_256 = DecodeConfig(32, 8, 2)
+"""Float32 caches: the 16-bit configs' tiles at half the rows, so two stages of K and V fit in shared memory."""
 DEEP_PIPELINE_TILES = 64
 """CUDA_FEW_PROGRAMS with more bytes in flight, for splits of at least DEEP_PIPELINE_TILES of its (64-key) tiles: H200,
 graph µs per step, (64, 4, 3) -> (64, 4, 4), three 64-key tiles in flight (session 25, the log above, and -call3-ab-
@@ -91,12 +94,16 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def config(device: torch.device, head_dim: int, programs: int | None = None, paged: bool = True) -> DecodeConfig:
+def config(
+    device: torch.device, head_dim: int, programs: int | None = None, paged: bool = True, element_size: int = 2
+) -> DecodeConfig:
     """The tile config of the split-KV kernel for ``head_dim`` (the larger of headdim and headdim_v),
-    ``programs`` = batch x nheads_k x query tiles (None: more than the SMs), and a ``paged`` cache or not (the
-    defaults: the general config)."""
+    ``programs`` = batch x nheads_k x query tiles (None: more than the SMs), a ``paged`` cache or not (the
+    defaults: the general config), and cache elements of ``element_size`` bytes (float32: CUDA_FP32)."""
     if device.type != "cuda":
         return INTERPRETER
+    if element_size == 4:
+        return CUDA_FP32 if head_dim <= 128 else CUDA_FP32_HEAD_DIM_256
     if head_dim > 128:
         return CUDA_HEAD_DIM_256
     if paged or programs is None or programs > sm_count(device):
@@ -137,7 +144,13 @@ def num_splits(requested: int, device: torch.device, programs: int, seqlen_cache
 
 
 def config_and_splits(
-    requested: int, device: torch.device, head_dim: int, programs: int, paged: bool, seqlen_cache: int
+    requested: int,
+    device: torch.device,
+    head_dim: int,
+    programs: int,
+    paged: bool,
+    seqlen_cache: int,
+    element_size: int = 2,
 ) -> tuple[DecodeConfig, int]:
     """The config (``config``) and split count (``num_splits``) of a launch, with two exceptions. Where the
     few-programs config would give each split DEEP_PIPELINE_TILES key tiles or more, CUDA_FEW_PROGRAMS_LONG runs
@@ -152,7 +165,7 @@ def config_and_splits(
     tune-decode-grid.json): 1k 11.5 against 12.2 for (64, 4, 3) at 16 splits of one tile, 4k 17.8 (general, 16
     splits) against 16.6 (four tiles each). Measured at 8 programs only: with fewer (Hkv < 8) the few-programs config
     splits more, so the switch reaches longer caches, not timed."""
-    cfg = config(device, head_dim, programs, paged)
+    cfg = config(device, head_dim, programs, paged, element_size)
     splits = num_splits(requested, device, programs, seqlen_cache, cfg)
     if cfg == CUDA_FEW_PROGRAMS:
         tiles_per_split = cdiv(cdiv(seqlen_cache, cfg.block_n), splits)

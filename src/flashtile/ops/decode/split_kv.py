@@ -54,7 +54,7 @@ from flashtile._backend import TRITON_INTERPRET
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._launch import Plans, keyed_for, launch
 from flashtile.ops.attention.configs import cdiv, compute_capability, padded_head_dim
-from flashtile.ops.attention.tiles import LN2, LOG2E, tanh, tile_descriptor, tma_ready
+from flashtile.ops.attention.tiles import LN2, LOG2E, dot, tanh, tile_descriptor, tma_ready
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new, store_new
 from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows, load_tile
@@ -250,7 +250,7 @@ def _decode_tile(
         v_tile = VCache + slot * stride_vb + first * stride_vn + off_hk * stride_vh
         k = load_tile(k_tile, rel[:, None] * stride_kn + offs_d[None, :], n_ok, offs_d, HEAD_DIM, MASKED)
         v = load_tile(v_tile, rel[:, None] * stride_vn + offs_dv[None, :], n_ok, offs_dv, HEAD_DIM_V, MASKED)
-    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    qk = dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
         s = tanh(qk * qk_scale) * softcap  # softcap * tanh(scale * qk / softcap), in log2 units
     else:
@@ -275,7 +275,7 @@ def _decode_tile(
     else:
         l_sums = l_sums * alpha[:, None] + p
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
+    acc = dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
     return acc, m_new, l_sums
 
 
@@ -905,8 +905,9 @@ def decode_attention(
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     m_tiles = max(1, cdiv(seqlen_q * group, configs.block_m(seqlen_q * group)))  # one without queries: it appends
     cfg, num_splits = configs.config_and_splits(
-        num_splits, q.device, max(head_dim, head_dim_v), batch * nheads_k * m_tiles, paged, seqlen_cache
-    )
+        num_splits, q.device, max(head_dim, head_dim_v), batch * nheads_k * m_tiles, paged, seqlen_cache,
+        q.element_size(),
+    )  # fmt: skip
     append_first = appends_first(has_new, seqlen_q, m_tiles, window_left)
     new_split = (
         has_new
