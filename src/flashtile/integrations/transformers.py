@@ -111,6 +111,10 @@ class Visibility(NamedTuple):
         - ``key_mask`` is None or key_mask[b, j] (padding, or an unfilled slot of a static cache);
         - ``sequence_ids`` is None or both belong to the same packed sequence (sequence_ids[b, i] == [b, j], with
           the queries and keys one and the same tokens).
+
+    It also passes where transformers expects a prepared 4-D mask (``shape``, ``ndim``, ``contiguous()``): with a
+    static cache, ``generate`` builds the masks before the (compiled) forward and hands them in, and the model's
+    mask creation returns a prepared mask as it is.
     """
 
     window_left: int | None
@@ -121,8 +125,20 @@ class Visibility(NamedTuple):
     """Where query 0 sits among the keys (a 0-d tensor for a static cache, whose length is a tensor)."""
     sequence_ids: torch.Tensor | None
     """(batch, seqlen) int: tokens with one id form one packed sequence; None: one sequence per row."""
+    shape: tuple[int, int, int, int]
+    """(batch, 1, q_length, kv_length): the shape of the boolean mask this stands for."""
     memo: dict
     """Unpadding indices computed by the first layer, reused by the others (not while compiling)."""
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    def dim(self) -> int:
+        return 4
+
+    def contiguous(self) -> Visibility:
+        return self
 
 
 def mask(
@@ -149,6 +165,8 @@ def mask(
         a ``Visibility`` for the standard patterns; otherwise transformers' own 4-D boolean mask
         (batch_size, 1, q_length, kv_length).
     """
+    if isinstance(attention_mask, Visibility):  # prepared by generate before the forward (a static cache)
+        return attention_mask
     pattern = _pattern(mask_function)
     if pattern is None:
         sdpa_kwargs = {**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False}
@@ -172,7 +190,8 @@ def mask(
         keys = reach.expand(batch_size, kv_length) if keys is None else keys & reach
     if keys is not None and not torch.compiler.is_compiling() and bool(keys.all()):  # one sync, as transformers'
         keys = None
-    return Visibility(window_left, window_right, keys, query_start, sequence_ids, {})
+    shape = (batch_size, 1, q_length, kv_length)
+    return Visibility(window_left, window_right, keys, query_start, sequence_ids, shape, {})
 
 
 def _pattern(fn: Callable) -> tuple[int | None, int | None, torch.Tensor | None] | None:
@@ -308,7 +327,8 @@ def _visibility_of_layer(
     keys on each side; causal cuts the right side)."""
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     window = None if sliding_window is None else sliding_window - 1
-    return Visibility(window, 0 if causal else window, None, key.shape[2] - query.shape[2], None, {})
+    shape = (query.shape[0], 1, query.shape[2], key.shape[2])
+    return Visibility(window, 0 if causal else window, None, key.shape[2] - query.shape[2], None, shape, {})
 
 
 def _masked(
