@@ -30,6 +30,7 @@ import json
 import statistics
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -71,8 +72,11 @@ def timed(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def training_batch(kind: str, seqlen: int, vocab: int, step_tokens: int, generator: torch.Generator) -> tuple[dict, int]:
+def training_batch(
+    kind: str, seqlen: int, vocab: int, step_tokens: int, generator: torch.Generator
+) -> tuple[dict, int]:
     """Inputs of one training step (input_ids, labels, attention_mask or position_ids) and its real token count."""
+
     def tokens(*shape):
         return torch.randint(3, vocab, shape, generator=generator).to(DEVICE)
 
@@ -167,13 +171,14 @@ def main(argv: list[str] | None = None) -> None:
                 model.set_attn_implementation(implementation)
                 model.train()
 
-                def step():
-                    model.zero_grad(set_to_none=True)
-                    model(**inputs).loss.backward()
-
-                emit(dict(row, **measure(step, real, warmup, repeats)))
+                emit(dict(row, **measure(partial(training_step, model, inputs), real, warmup, repeats)))
         emit_generation(model, implementations, seqlen, new_tokens, emit, warmup, repeats)
     summary(rows, name)
+
+
+def training_step(model: torch.nn.Module, inputs: dict) -> None:
+    model.zero_grad(set_to_none=True)
+    model(**inputs).loss.backward()
 
 
 def measure(fn, tokens: int, warmup: int, repeats: int) -> dict:
@@ -208,6 +213,7 @@ def emit_generation(model, implementations, seqlen: int, new_tokens: int, emit, 
                 with torch.no_grad():
                     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=count, min_new_tokens=count,
                                    do_sample=False, pad_token_id=0)  # fmt: skip
+
             return run
 
         row = dict(impl=implementation, mode="generate", batch="left-padded", seqlen=prompt, new_tokens=new_tokens)

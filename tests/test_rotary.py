@@ -12,7 +12,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def tables(positions: int, rotary_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.outer(torch.arange(positions, dtype=torch.float64), base ** -(torch.arange(0, rotary_dim, 2) / rotary_dim))
+    angles = torch.outer(
+        torch.arange(positions, dtype=torch.float64), base ** -(torch.arange(0, rotary_dim, 2) / rotary_dim)
+    )
     return torch.cos(angles).float().to(DEVICE), torch.sin(angles).float().to(DEVICE)
 
 

@@ -58,34 +58,62 @@ FAMILIES = [
     Family("llama", "LlamaConfig", "LlamaForCausalLM", dict(head_dim=20)),
     Family("mistral", "MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
     Family(
-        "qwen2", "Qwen2Config", "Qwen2ForCausalLM",
+        "qwen2",
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
         dict(use_sliding_window=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
-    ),  # fmt: skip
+    ),
     Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, num_key_value_heads=1)),
     Family(
-        "gemma2", "Gemma2Config", "Gemma2ForCausalLM",
-        dict(head_dim=16, sliding_window=5, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
-             query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"]),
+        "gemma2",
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=5,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
         references=("eager",),  # its SDPA cannot softcap (refused, or ignored by older transformers)
-    ),  # fmt: skip
+    ),
     Family(
-        "gpt_oss", "GptOssConfig", "GptOssForCausalLM",
-        dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-             layer_types=["sliding_attention", "full_attention"], rope_parameters={"rope_type": "default",
-             "rope_theta": 10000.0}),
+        "gpt_oss",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
         references=("eager",),  # no SDPA (sinks)
-    ),  # fmt: skip
+    ),
     Family(
-        "bert", "BertConfig", "BertForMaskedLM",
+        "bert",
+        "BertConfig",
+        "BertForMaskedLM",
         dict(num_key_value_heads=None, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
         decoder=False,
-    ),  # fmt: skip
+    ),
     Family(
-        "modernbert", "ModernBertConfig", "ModernBertForMaskedLM",
-        dict(num_key_value_heads=None, global_attn_every_n_layers=2, local_attention=6, bos_token_id=1,
-             eos_token_id=2, cls_token_id=1, sep_token_id=2),
+        "modernbert",
+        "ModernBertConfig",
+        "ModernBertForMaskedLM",
+        dict(
+            num_key_value_heads=None,
+            global_attn_every_n_layers=2,
+            local_attention=6,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        ),
         decoder=False,
-    ),  # fmt: skip
+    ),
 ]
 DECODERS = [family for family in FAMILIES if family.decoder]
 
@@ -365,7 +393,9 @@ def test_a_name_with_flash_cannot_build_a_model(unregister):
     transformers.AttentionInterface.register("flashtile", fth.attention_forward)
     transformers.AttentionMaskInterface.register("flashtile", fth.mask)
     with pytest.raises(Exception):  # noqa: B017  (transformers' error differs across versions)
-        transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**COMMON), attn_implementation="flashtile")
+        transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig(**COMMON), attn_implementation="flashtile"
+        )
 
 
 def test_attention_without_its_mask_function_drops_the_padding(unregister):
@@ -447,7 +477,9 @@ def test_bf16_on_the_gpu(family):
             seen = prompt_mask
             for t in range(steps.shape[1]):
                 seen = torch.cat([seen, torch.ones_like(seen[:, :1])], 1)
-                outputs.append(model(input_ids=steps[:, t : t + 1], attention_mask=seen, past_key_values=cache).logits[:, -1])
+                outputs.append(
+                    model(input_ids=steps[:, t : t + 1], attention_mask=seen, past_key_values=cache).logits[:, -1]
+                )
         decoded[(dtype, impl)] = torch.stack(outputs).float()
     assert_rule(
         "bf16 decoding logits", decoded[(torch.bfloat16, NAME)], decoded[(torch.float32, reference)],

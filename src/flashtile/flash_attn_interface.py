@@ -81,8 +81,7 @@ def _flash_attn_forward(
         S_dmask: (batch_size, nheads, seqlen_q, seqlen_k) with dropout and return_softmax, else an empty tensor
         rng_state: (2,) int64 on q's device: the dropout's seed, for ``_flash_attn_backward``
     """
-    window_size = (window_size_left, window_size_right)
-    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    options = _options(causal, window_size_left, window_size_right, softcap, alibi_slopes)
     return _forward(
         lambda: flash_attn_func(q, k, v, dropout_p, softmax_scale, return_attn_probs=True, **options), q, dropout_p,
         return_softmax,
@@ -123,8 +122,7 @@ def _flash_attn_varlen_forward(
                 f"{name} is not supported by flashtile's varlen attention: pass None and give each sequence's keys "
                 "through cu_seqlens_k."
             )
-    window_size = (window_size_left, window_size_right)
-    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    options = _options(causal, window_size_left, window_size_right, softcap, alibi_slopes)
     return _forward(
         lambda: flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -168,8 +166,7 @@ def _flash_attn_backward(
         softmax_d: (batch_size, nheads, seqlen_q rounded up to a multiple of 128) float32, rowsum(dout * out) for
             each query (0 in the padding columns)
     """
-    window_size = (window_size_left, window_size_right)
-    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    options = _options(causal, window_size_left, window_size_right, softcap, alibi_slopes)
 
     def forward(q, k, v):
         return flash_attn_func(q, k, v, dropout_p, softmax_scale, deterministic=deterministic, return_attn_probs=True,
@@ -211,8 +208,7 @@ def _flash_attn_varlen_backward(
         softmax_d: (nheads, total_q + 128 * batch_size) float32, flash_attn's layout: query i of sequence b in column
             cu_seqlens_q[b] + 128 * b + i (0 elsewhere)
     """
-    window_size = (window_size_left, window_size_right)
-    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    options = _options(causal, window_size_left, window_size_right, softcap, alibi_slopes)
 
     def forward(q, k, v):
         return flash_attn_varlen_func(
@@ -226,6 +222,11 @@ def _flash_attn_varlen_backward(
     sequence = torch.searchsorted(cu_seqlens_q[1:].to(tokens.dtype), tokens, right=True)
     softmax_d = delta.new_zeros(q.shape[1], q.shape[0] + ROW_PADDING * batch)
     return softmax_d.index_copy_(1, tokens + ROW_PADDING * sequence, delta.transpose(0, 1))
+
+
+def _options(causal: bool, left: int, right: int, softcap: float, alibi_slopes: torch.Tensor | None) -> dict:
+    """The public functions' keywords for these options (flash_attn's window_size from its two sides)."""
+    return dict(causal=causal, window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def _forward(

@@ -2,7 +2,8 @@
 
     import flashtile.integrations.transformers as fth
     name = fth.register()  # "tile_attention"
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)  # or model.set_attn_implementation(name)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
+    model.set_attn_implementation(name)  # the same on a model already built
 
 ``register`` puts two functions into transformers' public registries, nothing else (no transformers class is
 patched): ``attention_forward`` into ``AttentionInterface`` (what every attention layer calls) and ``mask`` into
@@ -35,6 +36,7 @@ padding positions flashtile writes zeros where SDPA writes values nobody reads).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -68,8 +70,9 @@ the paged prefix), so a name holding one would not reach flashtile."""
 def register(name: str | None = None) -> str:
     """Register flashtile's attention and mask functions with transformers under ``name`` and return it.
 
-    Then ``attn_implementation=name`` in ``from_pretrained`` / ``from_config``, or ``model.set_attn_implementation(name)``,
-    runs every attention layer of the model on flashtile. Registering again (the same or another name) is harmless.
+    Then ``attn_implementation=name`` in ``from_pretrained`` / ``from_config``, or
+    ``model.set_attn_implementation(name)``, runs every attention layer of the model on flashtile. Registering
+    again (the same or another name) is harmless.
 
     Args:
         name: the implementation name; default ``DEFAULT_NAME`` ("tile_attention"). It must not contain "flash"
@@ -294,8 +297,8 @@ def attention_forward(
     elif not isinstance(attention_mask, Visibility):
         raise TypeError(
             f"attention_mask is a {type(attention_mask).__name__}; flashtile's attention takes what its own mask "
-            "function builds, a 4-D boolean or additive mask (batch, 1 or nheads, seqlen_q, seqlen_k), or None. Was the "
-            "model's attn_implementation set to the name register() returned (which registers the mask function too)?"
+            "function builds, a 4-D boolean or additive mask (batch, 1 or nheads, seqlen_q, seqlen_k), or None. Was "
+            "the model's attn_implementation set to the name register() returned (it registers the mask function too)?"
         )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # flash_attn's layout (batch, seqlen, heads, dim)
     return _attend(q, k, v, attention_mask, kwargs, options), None
@@ -343,9 +346,9 @@ def _masked(
         )
     if options["softcap"] or options["learnable_sink"] is not None:
         raise NotImplementedError(
-            "A 4-D attention mask cannot be combined with logit softcapping or learnable sinks in flashtile's attention: "
-            "its masked kernels take neither. Pass the 2-D padding mask (batch, seqlen) and let the model build its own "
-            "mask, or use attn_implementation='eager'."
+            "A 4-D attention mask cannot be combined with logit softcapping or learnable sinks in flashtile's "
+            "attention: its masked kernels take neither. Pass the 2-D padding mask (batch, seqlen) and let the model "
+            "build its own mask, or use attn_implementation='eager'."
         )
     out = flashtile.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=options["dropout_p"], scale=options["softmax_scale"],
@@ -371,9 +374,17 @@ def _attend(
     if cu_seqlens is not None:
         q, k, v = (t.reshape(batch * seqlen_q, *t.shape[2:]) for t in (q, k, v))
         cu, longest = cu_seqlens
-        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, **_varlen(options))
+        given = kwargs.get("cu_seq_lens_q") is not None  # the caller's boundaries are checked, ours are not
+        with contextlib.nullcontext() if given else _built_here():
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, **_varlen(options))
         return out.view(batch, seqlen_q, *out.shape[1:])
     return flashtile.flash_attn_func(q, k, v, **_varlen(options))
+
+
+def _built_here() -> contextlib.AbstractContextManager:
+    """For sequence lengths this module derived itself (valid by construction): no check of their values, which on
+    CUDA would cost a host synchronisation in every layer (``flashtile.check_values``)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else flashtile.check_values(False)
 
 
 def _varlen(options: dict) -> dict:
@@ -410,9 +421,10 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: Visibility,
     else:
         first = keys.int().argmax(-1).to(torch.int32)
     end = torch.as_tensor(seen.query_start + q.shape[1], device=q.device).to(torch.int32).expand(q.shape[0])
-    return flashtile.flash_attn_with_kvcache(
-        q, k, v, cache_seqlens=end.contiguous(), cache_leftpad=first, **kvcache_options
-    )
+    with _built_here():
+        return flashtile.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=end.contiguous(), cache_leftpad=first, **kvcache_options
+        )
 
 
 def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: Visibility, options: dict) -> torch.Tensor:
@@ -434,11 +446,13 @@ def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: Visibility,
     if query_unpadding is None:
         q = q.reshape(batch * seqlen_q, nheads, -1)
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
-        out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqlen_q, max_k, **_varlen(options))
+        with _built_here():
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqlen_q, max_k, **_varlen(options))
         return out.view(batch, seqlen_q, nheads, -1)
     query_rows, cu_q, max_q = query_unpadding
     q = index_first_axis(q.reshape(-1, nheads, q.shape[-1]), query_rows)
-    out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **_varlen(options))
+    with _built_here():
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **_varlen(options))
     return flashtile.pad_input(out, query_rows, batch, seqlen_q)
 
 

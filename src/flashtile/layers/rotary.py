@@ -15,7 +15,13 @@ from torch import Tensor
 
 from flashtile.cpu_decode import rotate
 
-__all__ = ["RotaryEmbedding", "apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_kv_", "apply_rotary_emb_qkv_"]
+__all__ = [
+    "RotaryEmbedding",
+    "apply_rotary_emb",
+    "apply_rotary_emb_func",
+    "apply_rotary_emb_kv_",
+    "apply_rotary_emb_qkv_",
+]
 
 
 def apply_rotary_emb(
@@ -52,7 +58,9 @@ def apply_rotary_emb(
     _check_tables(cos, sin, x)
     if cu_seqlens is None:
         if x.dim() != 4:
-            raise ValueError(f"x must be (batch_size, seqlen, nheads, headdim) without cu_seqlens, got {tuple(x.shape)}.")
+            raise ValueError(
+                f"x must be (batch_size, seqlen, nheads, headdim) without cu_seqlens, got {tuple(x.shape)}."
+            )
         batch, seqlen = x.shape[:2]
         offsets = _offsets(seqlen_offsets, batch, x.device)
         positions = (torch.arange(seqlen, device=x.device)[None, :] + offsets[:, None]).flatten()
@@ -241,7 +249,9 @@ def _check_tables(cos: object, sin: object, x: object) -> None:
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}.")
     if not 0 < 2 * cos.shape[1] <= x.shape[-1]:
-        raise ValueError(f"rotary_dim (2 x cos.shape[1] = {2 * cos.shape[1]}) must lie in [2, headdim = {x.shape[-1]}].")
+        raise ValueError(
+            f"rotary_dim (2 x cos.shape[1] = {2 * cos.shape[1]}) must lie in [2, headdim = {x.shape[-1]}]."
+        )
     if cos.device != x.device or sin.device != x.device:
         raise ValueError(f"cos and sin must be on x's device ({x.device}), got {cos.device} and {sin.device}.")
 
