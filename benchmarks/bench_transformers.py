@@ -223,20 +223,29 @@ def emit_generation(model, implementations, seqlen: int, new_tokens: int, emit, 
             emit(dict(row, error=prefill.get("error") or full.get("error")))
             continue
         decode_s = (full["ms"] - prefill["ms"]) / 1e3
-        emit(dict(row, ms=full["ms"], prefill_ms=prefill["ms"], peak_gb=full.get("peak_gb"),
-                  tokens_per_s=round(8 * (new_tokens - 1) / decode_s, 1)))  # fmt: skip
+        row.update(ms=full["ms"], prefill_ms=prefill["ms"], peak_gb=full.get("peak_gb"))
+        if decode_s <= 0:  # timing noise larger than the decoding (tiny dry-run models)
+            emit(dict(row, error="decoding took less than the timing noise"))
+            continue
+        emit(dict(row, tokens_per_s=round(8 * (new_tokens - 1) / decode_s, 1)))
 
 
 def summary(rows: list[dict], name: str) -> None:
-    """flashtile's tokens/s over SDPA's for each measured case, as a markdown table."""
-    speed = {(r["mode"], r["batch"], r["seqlen"], r["impl"]): r.get("tokens_per_s") for r in rows if "impl" in r}
-    print("\n| mode | batch | seqlen | flashtile tok/s | sdpa tok/s | speed-up |\n|---|---|---|---|---|---|")
+    """flashtile's tokens/s over SDPA's for each measured case, as a markdown table; "padding" is the share of a
+    padded batch's slots that are padding (what unpadding saves against SDPA's dense mask)."""
+    speed = {(r["mode"], r["batch"], r["seqlen"], r["impl"]): r for r in rows if "impl" in r}
+    print(
+        "\n| mode | batch | seqlen | padding | flashtile tok/s | sdpa tok/s | speed-up |\n|---|---|---|---|---|---|---|"
+    )
     for mode, batch, seqlen, impl in speed:
         if impl != name:
             continue
-        ours, theirs = speed[(mode, batch, seqlen, name)], speed.get((mode, batch, seqlen, "sdpa"))
+        ours = speed[(mode, batch, seqlen, name)].get("tokens_per_s")
+        theirs = speed.get((mode, batch, seqlen, "sdpa"), {}).get("tokens_per_s")
+        row = speed[(mode, batch, seqlen, name)]
+        padding = f"{1 - row['tokens'] / row['slots']:.0%}" if "slots" in row else "-"
         ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
-        print(f"| {mode} | {batch} | {seqlen} | {ours} | {theirs} | {ratio} |")
+        print(f"| {mode} | {batch} | {seqlen} | {padding} | {ours} | {theirs} | {ratio} |")
 
 
 if __name__ == "__main__":
