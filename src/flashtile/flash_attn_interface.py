@@ -36,11 +36,8 @@ from flashtile.interface import (
 )
 from flashtile.kvcache import flash_attn_with_kvcache
 
+# The public functions; the lower-level ``_flash_attn_*`` are imported by name, as from flash_attn.
 __all__ = [
-    "_flash_attn_backward",
-    "_flash_attn_forward",
-    "_flash_attn_varlen_backward",
-    "_flash_attn_varlen_forward",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
