@@ -10,6 +10,8 @@ kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). Th
   causal and with a sliding window; ``forward_short`` only launches that are not banded, compiled full),
   with every feature off and with every feature on (softcap, ALiBi, sink, dropout, varlen: those the
   kernel has; the forward also with paged K/V on top), and the delta kernel of the backward;
+* the attention and decode kernels for float32 inputs: the configs ``configs.config`` and ``decode.configs.config``
+  give them (pointer loads, shallow pipelines), features off and on;
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
   ``decode.configs.config`` (also with a paged cache read through tensor descriptors), and its few-programs
   config of contiguous caches;
@@ -61,7 +63,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashtile.ops.attention import backward, backward_sm90, forward, forward_sm90  # noqa: E402
-from flashtile.ops.attention.configs import _HOPPER, PASSES, with_mask  # noqa: E402
+from flashtile.ops.attention.configs import _HOPPER, _OTHER, PASSES, with_mask  # noqa: E402
 from flashtile.ops.decode import configs as decode_configs  # noqa: E402
 from flashtile.ops.decode import split_kv  # noqa: E402
 
@@ -207,17 +209,20 @@ class Variant:
     consts: dict = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 3
+    data: str = DATA  # element type of q/k/v (and the cache): DATA, or "fp32" for float32 inputs
 
     @property
     def label(self) -> str:
-        return f"{self.kernel} {self.config} {self.mask} {self.flags}"
+        label = f"{self.kernel} {self.config} {self.mask} {self.flags}"
+        return label if self.data == DATA else f"{label} {self.data}"
 
     def key(self) -> tuple:
-        return (self.kernel, tuple(sorted(self.consts.items())), self.num_warps, self.num_stages)
+        return (self.kernel, tuple(sorted(self.consts.items())), self.num_warps, self.num_stages, self.data)
 
 
-def signature(kernel_name: str, consts: dict) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) for ASTSource from the kernel's parameter list and ``ARGS``."""
+def signature(kernel_name: str, consts: dict, data: str = DATA) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for ASTSource from the kernel's parameter list and ``ARGS``, with ``data``
+    as the element type of the q/k/v-typed pointers."""
     fn = KERNELS[kernel_name]
     params = fn.params
     mapping = ARGS[kernel_name]
@@ -242,6 +247,8 @@ def signature(kernel_name: str, consts: dict) -> tuple[dict, dict, dict]:
             sig[name], cx[name] = "constexpr", consts[name]
             continue
         spec = mapping[name]
+        if isinstance(spec, Ptr) and spec.dtype == DATA:
+            spec = Ptr(data, spec.when, spec.tile)
         when = spec.when
         passed = when is None or (when(consts) if callable(when) else bool(consts[when]))
         if not passed:  # the launcher passes None: Triton makes it a constexpr None
@@ -372,7 +379,7 @@ def compile_variant(v: Variant) -> dict:
         if v.kernel in (GLUON_FORWARD, GLUON_BACKWARD):
             source = gluon_source(v.kernel, v.consts)
         else:
-            source = ASTSource(KERNELS[v.kernel], *signature(v.kernel, v.consts))
+            source = ASTSource(KERNELS[v.kernel], *signature(v.kernel, v.consts, v.data))
         compiled = triton.compile(
             source,
             target=TARGET,
@@ -432,6 +439,29 @@ def attention_variants() -> list[Variant]:
                         Variant(kname, cfg_name(pass_name, head_dim, launch), mask, flags, consts, launch.num_warps,
                                 launch.num_stages)
                     )  # fmt: skip
+    # Float32 inputs: the shallow-pipeline table (``configs.config``'s element_size 4), pointer loads, features
+    # off and every feature on.
+    for pass_name in PASSES:
+        kname = PASS_KERNEL[pass_name]
+        constexprs = {p.name for p in KERNELS[kname].params if p.is_constexpr}
+        features = [f for f in ATTENTION_FEATURES if f in constexprs]
+        for head_dim, cfg in _OTHER[pass_name]:
+            for mask in PASS_MASKS.get(pass_name, ("full", "causal")):
+                for on_set in ((), features):
+                    consts = {
+                        "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_D": head_dim, "BLOCK_DV": head_dim,
+                        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "MASK_LEFT": mask == "window",
+                        "MASK_RIGHT": mask != "full", "HEAVY_FIRST": mask != "full", "MASK_IS_BOOL": False,
+                        "PAGE_SIZE": 0, "TMA": False,
+                    }  # fmt: skip
+                    consts = {k: val for k, val in consts.items() if k in constexprs}
+                    consts.update({f: f in on_set for f in features})
+                    flags = ",".join(f.split("_", 1)[1].lower() for f in on_set) or "off"
+                    launch = with_mask(cfg, head_dim) if consts.get("HAS_MASK") else cfg
+                    variants.append(
+                        Variant(kname, cfg_name(pass_name, head_dim, launch), mask, flags, consts, launch.num_warps,
+                                launch.num_stages, data="fp32")
+                    )  # fmt: skip
     # The delta kernel of the backward: 64 rows, Triton's default warps and stages, per value head dim.
     for head_dim in sorted({d for rows in _HOPPER.values() for d, _ in rows}):
         for on in (False, True):
@@ -477,6 +507,12 @@ def decode_variants() -> list[Variant]:
                 variants.append(Variant("_split_kv_kernel", name, "-", flags,
                                         dict(dims, BLOCK_M=bm, BLOCK_N=cfg.block_n, **widest_merge(consts, bm)),
                                         cfg.num_warps, cfg.num_stages))  # fmt: skip
+            fp32 = decode_configs.config(_CUDA, head_dim, element_size=4)
+            name = f"split_kv D{head_dim} {bm}x{fp32.block_n}/w{fp32.num_warps}/s{fp32.num_stages}"
+            for flags, consts in (("off", off), ("paged,seqlens,leftpad,window,softcap,alibi,rotary,new,split", paged)):
+                variants.append(Variant("_split_kv_kernel", name, "-", flags,
+                                        dict(dims, BLOCK_M=bm, BLOCK_N=fp32.block_n, **widest_merge(consts, bm)),
+                                        fp32.num_warps, fp32.num_stages, data="fp32"))  # fmt: skip
             for few in fews:
                 name = f"split_kv D{head_dim} {bm}x{few.block_n}/w{few.num_warps}/s{few.num_stages}"
                 row_stride = 8 * head_dim if few.fixed_row_strides else 0  # 8 kv heads, compiled in or not
