@@ -24,7 +24,7 @@ import torch
 from triton.testing import do_bench
 
 import flashtile
-from bench_attention import DTYPES  # benchmarks/, beside this script
+from flashtile.bench.attention import DTYPES
 from latency import host_time
 
 SHAPES = [(32, 512, 8, 256), (16, 1024, 32, 64), (16, 1024, 16, 128)]

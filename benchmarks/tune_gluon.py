@@ -43,7 +43,7 @@ import torch
 from triton.testing import do_bench
 
 import flashtile
-from bench_attention import DTYPES  # benchmarks/, beside this script
+from flashtile.bench.attention import DTYPES
 from flashtile import _backend
 from flashtile.ops.attention import backward_sm90, forward_sm90
 

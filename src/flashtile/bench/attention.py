@@ -1,102 +1,77 @@
-"""Attention speed and memory: flashtile against its peers, same inputs, same process, one GPU.
+"""flashtile against its peers on one GPU: same inputs, same process, forward and backward.
 
-    PYTHONPATH=src python3 benchmarks/bench_attention.py --out DIR [--quick]
-        [--shapes standard|memory|all|variants] [--providers flashtile,sdpa_flash,...] [--dtypes bf16,fp16]
-        [--commit SHA] [--dry-run]
+    flashtile bench --out DIR [--quick] [--shapes standard|memory|all|variants] [--providers flashtile,cudnn,...]
+        [--dtypes bf16,fp16] [--commit SHA] [--dry-run]
 
-Shapes, the convention the field uses: total tokens B·N = 16384 and hidden
-H·D = 2048, N in {512, ..., 16384}, D in {64, 128, 256}, causal and not; ``--quick`` keeps
-D in {64, 128} and N in {1024, 4096, 16384}. q, k, v and dout are drawn once per shape from
-N(0, 1) in layout (B, N, H, D); providers that want (B, H, N, D) get transposed views of the
-same tensors, so every provider reads the same memory.
+(also ``python -m flashtile.bench.attention``). Writes ``DIR/attention.jsonl`` (the records of
+``flashtile.bench.results``, rewritten after every shape, so a stopped run keeps what it measured),
+``DIR/attention.md`` (the tables) and a PNG plot per dtype (``flashtile.bench.plot``), and prints the tables.
+
+Shapes, the convention of the field: total tokens B·N = 16384 and hidden H·D = 2048, N in {512, ..., 16384},
+D in {64, 128, 256}, causal and not; ``--quick`` keeps D in {64, 128} and N in {1024, 4096, 16384}. q, k, v and
+dout are drawn once per shape from N(0, 1) in layout (B, N, H, D); implementations that want (B, H, N, D) get
+transposed views of the same tensors, so every implementation reads the same memory.
+
+Peers: ``sdpa_flash`` (PyTorch's SDPA restricted to its FlashAttention-2 backend), ``cudnn`` and
+``sdpa_efficient`` (SDPA's cuDNN and memory-efficient backends), ``flex`` (``torch.compile(flex_attention)``,
+causal by a block mask) and ``fa4`` (FlashAttention-4, ``flash_attn.cute``, where installed). One that cannot
+run a shape (not installed, unsupported, out of memory) is recorded with the reason; nothing is dropped.
 
 Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call), median.
-- fwd: one forward call with the inputs requiring grad (as in training, so the softmax
-  statistics for the backward are kept).
-- bwd: the backward alone, ``out.backward(dout, retain_graph=True)`` on a graph built once;
-  ``do_bench(grad_to_none=[q, k, v])`` sets the grads to None outside the timed region, so the
-  timed call writes fresh gradients and never accumulates.
+- fwd: one forward with the inputs requiring grad (as in training, so the softmax statistics are kept);
+- bwd: the backward alone, ``out.backward(dout, retain_graph=True)`` on a graph built once, gradients set to
+  None outside the timed region.
 FLOPs: fwd 4·B·H·N²·D, halved when causal; bwd 2.5 × fwd.
 
-Correctness spot check, before timing each row, against ``sdpa_flash`` (FlashAttention-2
-through SDPA) on the same inputs: fwd rows carry the max abs difference of the output, bwd
-rows the max over dq, dk, dv. A row is flagged when the difference exceeds the dtype's
-tolerance (bf16 0.05, fp16 0.01); for gradients the tolerance is scaled by max(1, max |ref|).
+Accuracy spot check before timing each shape, against ``sdpa_flash`` on the same inputs: the max abs
+difference of the output (fwd) or of dq, dk, dv (bwd); a record is flagged above the dtype's tolerance
+(bf16 0.05, fp16 0.01; for gradients times max(1, max |reference|)).
 
-Memory (``--shapes memory``): B=1, H=16, D=128, causal, N in {2k, 8k, 32k}, flashtile and
-sdpa_flash: peak memory allocated during one forward+backward minus what was held just before
-it, counting q, k, v, dout and the three gradients as held before. In MiB.
+``--shapes memory``: B=1, H=16, D=128, causal, N in {2k, 8k, 32k}, flashtile and sdpa_flash: the peak memory
+allocated during one forward+backward beyond what was held before it (inputs, dout and gradients), MiB.
 
-A provider that fails (import, compile, unsupported shape, out of memory) is recorded with
-the reason in every row it would have filled; nothing is dropped. If a failure leaves the
-CUDA context unusable, the rows not yet run are recorded with that reason instead.
-
-Variants (``--shapes variants``, issue 4; not part of ``all``), bf16, D=128, H=16, times in ms:
-- window: full causal against ``window_size=(1024, 0)`` (causal, each query sees itself and the 1024
-  keys before it) at N in {4k, 8k, 16k, 32k}, B=1 (the standard table's D=128 shape at N=16k, the
-  headline row, run first); the windowed time should follow the window, not N.
-- features: causal at N=4k (B=4) and 16k (B=1): baseline, softcap=30, alibi_slopes (H,),
-  learnable_sink (H,), dropout_p=0.1, deterministic=True, GQA with H_k = H/4; each over the baseline.
+``--shapes variants`` (not part of ``all``), bf16, D=128, H=16, times in ms:
+- window: full causal against ``window_size=(1024, 0)`` at N in {4k, 8k, 16k, 32k}, B=1; the windowed time
+  should follow the window, not N;
+- features: causal at N=4k (B=4) and 16k (B=1): baseline, softcap=30, alibi_slopes, learnable_sink,
+  dropout_p=0.1, deterministic=True, GQA with H_k = H/4;
 - mask: ``flashtile.scaled_dot_product_attention`` with a boolean or additive ``attn_mask`` of shape
-  (B, 1, N, N) or (1, 1, N, N), N=4k, B=4, non-causal, against torch's SDPA with the same mask
-  (efficient backend, and cuDNN).
-Peers run where they have the feature (FA2 through SDPA has no window, softcap, ALiBi or sink;
-FlexAttention gets a block mask and a score_mod, compiled once per shape); a peer without it is
-recorded as unsupported, with the reason, in its rows. FLOPs count only the visible (query, key)
-pairs: 4·B·H·D·pairs forward, 2.5× that backward (full causal: N(N+1)/2 pairs; masks: N²).
-Correctness spot check per case against the first peer that computes the same thing (sdpa_flash,
-else flex, else sdpa_efficient; none for dropout and sinks); the deterministic row also checks that
-two backward passes are bitwise equal. Timing: do_bench with warm-up 10 ms and repetition 50 ms
-unless --warmup/--rep say otherwise. ``--budget-s`` (default 200 s for variants): once spent, only
-flashtile rows still run, the peers' rows say why they are empty. Varlen rows: bench_varlen.py.
-Expected on an H200 (estimated from the standard run, not yet measured): about 2.5 minutes, 26 cases;
-the time goes to compilation (flashtile: one kernel set per feature flag, ~10 sets of ~5 s; FlexAttention:
-one per shape and mask, 15) more than to the ~140 timed calls.
+  (B, 1, N, N) or (1, 1, N, N), N=4k, B=4, against SDPA's efficient and cuDNN backends with the same mask.
+Peers run where they have the feature. FLOPs count only visible (query, key) pairs. The spot check compares
+with the first of sdpa_flash, flex, sdpa_efficient that computes the same thing (none for dropout and sinks);
+the deterministic row also checks that two backward passes are bitwise equal. ``--budget-s`` (default 200 s
+for variants): once spent, only flashtile still runs.
 
-``--dry-run`` (variants only) runs the same cases on the CPU at tiny sizes: flashtile's CPU path, SDPA's
-CPU kernels where torch has them, FlexAttention eagerly and forward only; it checks the plumbing and
-the reports, its times mean nothing.
-
-Outputs in --out: ``attention.json`` (header + rows, rewritten after every shape so a killed
-run keeps what it measured), ``attention.md`` and ``attention.png`` (from ``report.py``; no plot for
-variants). The markdown tables are printed last, without the provenance bullets (those are in the
-files); a variants run then prints a short summary.
+``--dry-run`` runs the same cases at tiny sizes on the CPU (flashtile's CPU path, SDPA's CPU kernels,
+FlexAttention eagerly and forward only): it checks the set-up and the reports; its times mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib.metadata
-import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
 
-from report import FORWARD_FAILED, OURS, load, markdown, variant_summary, write_reports
+from flashtile.bench import plot, results
+from flashtile.bench.results import OURS, Record
 
 TOTAL_TOKENS = 16384
 HIDDEN = 2048
-STANDARD_N = (512, 1024, 2048, 4096, 8192, 16384)
-STANDARD_D = (64, 128, 256)
-QUICK_N = (1024, 4096, 16384)
-QUICK_D = (64, 128)
 MEMORY_N = (2048, 8192, 32768)
 MEMORY_B, MEMORY_H, MEMORY_D = 1, 16, 128
 MEMORY_PROVIDERS = ("flashtile", "sdpa_flash")
@@ -106,9 +81,13 @@ TOLERANCE = {"bf16": 0.05, "fp16": 0.01}
 BWD_FLOPS_FACTOR = 2.5
 MIB = 1 << 20
 REASON_CHARS = 400
+FORWARD_FAILED = "not run: the forward failed"
+"""The error of a bwd record whose fwd failed; the fwd record carries the reason."""
+EXTRA = "bench"
+"""The optional dependencies ``flashtile bench`` needs for its plot: ``pip install 'flashtile[bench]'``."""
 
 Forward = Callable[[], Tensor]
-"""A provider's forward on fixed inputs, returning the output in layout (B, N, H, D)."""
+"""An implementation's forward on fixed inputs, returning the output in layout (B, N, H, D)."""
 Builder = Callable[[Tensor, Tensor, Tensor, bool], Forward]
 """(q, k, v, causal) -> Forward, with q, k, v of shape (B, N, H, D). May raise."""
 
@@ -163,11 +142,34 @@ def _causal_block_mask(n: int, device: torch.device) -> Any:
     return create_block_mask(_causal_mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=device)
 
 
-def _build_flex(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Forward:
-    flex = _compiled_flex_attention()
-    block_mask = _causal_block_mask(q.shape[1], q.device) if causal else None
+class _NoBackward(torch.autograd.Function):
+    """Passes a forward-only result through and raises if a backward reaches it."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, anchor: Tensor) -> Tensor:
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        raise NotImplementedError("FlexAttention has no backward on the CPU (the dry run checks its forward only)")
+
+
+def _flex_forward(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Forward:
+    """FlexAttention on (B, H, N, D) views of (B, N, H, D) inputs: compiled on a GPU; eager and forward only on
+    the CPU, where FlexAttention has no backward."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    return lambda: flex(qt, kt, vt, block_mask=block_mask).transpose(1, 2)
+    if q.device.type == "cpu":
+        qd, kd, vd = (x.detach() for x in (qt, kt, vt))
+        return lambda: _NoBackward.apply(flex_attention(qd, kd, vd, **options), q).transpose(1, 2)
+    flex = _compiled_flex_attention()
+    return lambda: flex(qt, kt, vt, **options).transpose(1, 2)
+
+
+def _build_flex(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Forward:
+    block_mask = _causal_block_mask(q.shape[1], q.device) if causal else None
+    return _flex_forward(q, k, v, block_mask=block_mask)
 
 
 def _build_fa4(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Forward:
@@ -180,11 +182,11 @@ def _build_fa4(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Forward:
     return forward
 
 
-# ---------------------------------------------------------------- providers for the variants (issue 4)
+# ---------------------------------------------------------------- providers for the variants
 
 
 class Unsupported(Exception):
-    """The provider has no such feature: its rows record the reason and nothing runs."""
+    """The provider has no such feature: its records carry the reason and nothing runs."""
 
 
 @dataclass
@@ -217,7 +219,7 @@ _FEATURE_NAMES = {
     "alibi": "no ALiBi slopes",
     "sink": "no learnable sink",
     "dropout": "no attention dropout",
-    "deterministic": "no deterministic= switch (timed for flashtile only; its backward has no atomics either way)",
+    "deterministic": "no deterministic= switch (timed for flashtile only)",
     "gqa": "no grouped-query attention",
     "mask": "no attn_mask (not compared here)",
 }
@@ -311,30 +313,10 @@ def _alibi_score_mod(nheads: int, device: torch.device) -> Callable[..., Tensor]
     return score_mod
 
 
-class _NoBackward(torch.autograd.Function):
-    """Passes a forward-only result through and raises if a backward reaches it."""
-
-    @staticmethod
-    def forward(ctx: Any, out: Tensor, anchor: Tensor) -> Tensor:
-        return out.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:
-        raise NotImplementedError("FlexAttention has no backward on the CPU (the dry run checks its forward only)")
-
-
 def _variant_flex(case: VariantCase, t: VariantInputs) -> Forward:
-    """FlexAttention: a block mask for causal and windows, a score_mod for softcap and ALiBi, enable_gqa.
-
-    Compiled (dynamic=False, one compilation per shape and mask) on a GPU; eager and forward only on
-    the CPU, where FlexAttention has no backward.
-    """
+    """FlexAttention: a block mask for causal and windows, a score_mod for softcap and ALiBi, enable_gqa."""
     _refuse(case, "FlexAttention", {"window", "softcap", "alibi", "gqa"})
-    from torch.nn.attention.flex_attention import flex_attention
-
     device = t.q.device
-    on_cpu = device.type == "cpu"
-    flex = flex_attention if on_cpu else _compiled_flex_attention()
     if case.window is not None:
         left, right = case.window
         block_mask = _window_block_mask(case.N, left, min(right, 0) if case.causal else right, device)
@@ -346,13 +328,7 @@ def _variant_flex(case: VariantCase, t: VariantInputs) -> Forward:
     elif case.alibi:
         score_mod = _alibi_score_mod(case.H, device)
     gqa = case.H_k != case.H
-    qt, kt, vt = (x.transpose(1, 2) for x in (t.q, t.k, t.v))
-    if on_cpu:
-        qd, kd, vd = (x.detach() for x in (qt, kt, vt))
-        return lambda: _NoBackward.apply(
-            flex(qd, kd, vd, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa), t.q
-        ).transpose(1, 2)
-    return lambda: flex(qt, kt, vt, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa).transpose(1, 2)
+    return _flex_forward(t.q, t.k, t.v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
 
 
 def _variant_fa4(case: VariantCase, t: VariantInputs) -> Forward:
@@ -386,7 +362,6 @@ class Provider:
     """An attention implementation under test."""
 
     name: str
-    description: str
     build: Builder
     variant: VariantBuilder
     """The same implementation for ``--shapes variants``."""
@@ -396,43 +371,24 @@ _SDPA_FEATURES = {"dropout", "gqa", "mask"}
 PROVIDERS = {
     p.name: p
     for p in (
-        Provider(
-            "flashtile",
-            "flashtile.flash_attn_func, layout (B, N, H, D); flashtile.scaled_dot_product_attention for masks",
-            _build_flashtile,
-            _variant_flashtile,
-        ),
+        Provider("flashtile", _build_flashtile, _variant_flashtile),
         Provider(
             "sdpa_flash",
-            "SDPA, SDPBackend.FLASH_ATTENTION (FlashAttention-2); the accuracy reference",
             _sdpa_builder(SDPBackend.FLASH_ATTENTION),
             _sdpa_variant(SDPBackend.FLASH_ATTENTION, "SDPA's flash backend (FA2)", {"dropout", "gqa"}),
         ),
         Provider(
             "cudnn",
-            "SDPA, SDPBackend.CUDNN_ATTENTION",
             _sdpa_builder(SDPBackend.CUDNN_ATTENTION),
             _sdpa_variant(SDPBackend.CUDNN_ATTENTION, "SDPA's cuDNN backend", _SDPA_FEATURES),
         ),
         Provider(
             "sdpa_efficient",
-            "SDPA, SDPBackend.EFFICIENT_ATTENTION",
             _sdpa_builder(SDPBackend.EFFICIENT_ATTENTION),
             _sdpa_variant(SDPBackend.EFFICIENT_ATTENTION, "SDPA's efficient backend", _SDPA_FEATURES),
         ),
-        Provider(
-            "flex",
-            "torch.compile(flex_attention, dynamic=False), causal and windows via create_block_mask, "
-            "softcap and ALiBi as score_mod",
-            _build_flex,
-            _variant_flex,
-        ),
-        Provider(
-            "fa4",
-            "flash-attn-4, flash_attn.cute.flash_attn_func (CuTe DSL)",
-            _build_fa4,
-            _variant_fa4,
-        ),
+        Provider("flex", _build_flex, _variant_flex),
+        Provider("fa4", _build_fa4, _variant_fa4),
     )
 }
 SECTION_PROVIDERS = {
@@ -445,7 +401,7 @@ VARIANT_REFERENCES = ("sdpa_flash", "flex", "sdpa_efficient")
 """The accuracy reference of a variant case: the first of these that has its features."""
 
 
-# ---------------------------------------------------------------- shapes and rows
+# ---------------------------------------------------------------- shapes
 
 
 @dataclass(frozen=True)
@@ -460,9 +416,9 @@ class Case:
     causal: bool
 
     @classmethod
-    def standard(cls, dtype: str, d: int, n: int, causal: bool) -> Case:
-        """B·N = TOTAL_TOKENS and H·D = HIDDEN."""
-        return cls(dtype, TOTAL_TOKENS // n, n, HIDDEN // d, d, causal)
+    def standard(cls, dtype: str, d: int, n: int, causal: bool, total_tokens: int = TOTAL_TOKENS) -> Case:
+        """B·N = ``total_tokens`` and H·D = HIDDEN (at most: H is at least 1)."""
+        return cls(dtype, max(1, total_tokens // n), n, max(1, HIDDEN // d), d, causal)
 
     def flops(self, pass_: str) -> float:
         """4·B·H·N²·D for the forward, halved when causal; 2.5 × that for the backward."""
@@ -470,15 +426,28 @@ class Case:
         return fwd if pass_ == "fwd" else BWD_FLOPS_FACTOR * fwd
 
     def __str__(self) -> str:
-        """'bf16 D=128 N=4096 B=4 H=16 causal=yes'."""
-        causal = "yes" if self.causal else "no"
-        return f"{self.dtype} D={self.D} N={self.N} B={self.B} H={self.H} causal={causal}"
+        """'bf16 D=128 N=4096 B=4 H=16 causal'."""
+        return f"{self.dtype} D={self.D} N={self.N} B={self.B} H={self.H}{' causal' if self.causal else ''}"
 
-    def inputs(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def inputs(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Fresh q, k, v (leaves requiring grad) and dout, all (B, N, H, D), from N(0, 1)."""
         shape, dtype = (self.B, self.N, self.H, self.D), DTYPES[self.dtype]
-        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-        return q, k, v, torch.randn(shape, device="cuda", dtype=dtype)
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        return q, k, v, torch.randn(shape, device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class StandardSizes:
+    """The lengths and head dims of the standard table (B·N = total_tokens, H·D = HIDDEN)."""
+
+    lengths: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    total_tokens: int = TOTAL_TOKENS
+
+
+STANDARD = StandardSizes((512, 1024, 2048, 4096, 8192, 16384), (64, 128, 256))
+QUICK = StandardSizes((1024, 4096, 16384), (64, 128))
+DRY_RUN_STANDARD = StandardSizes((64, 128), (64, 128), total_tokens=256)
 
 
 @dataclass(frozen=True)
@@ -490,7 +459,7 @@ class VariantSizes:
     window: tuple[int, int]
     """flash_attn's window_size of the windowed rows (with causal=True)."""
     headline_n: int
-    """The sequence length of the headline comparison (window against full causal), run first."""
+    """The sequence length of the main comparison (window against full causal), run first."""
     window_n: tuple[int, ...]
     window_batch: int
     feature_n: tuple[int, ...]
@@ -510,7 +479,7 @@ VARIANT_SIZES = VariantSizes(
     mask_n=4096,
     total_tokens=TOTAL_TOKENS,
 )
-DRY_RUN_SIZES = VariantSizes(
+DRY_RUN_VARIANTS = VariantSizes(
     head_dim=32,
     nheads=4,
     window=(16, 0),
@@ -610,6 +579,11 @@ class VariantCase:
         """'features softcap=30 bf16 D=128 N=4096 B=4 H=16'."""
         return f"{self.section} {self.label} {self.dtype} D={self.D} N={self.N} B={self.B} H={self.H}"
 
+    def shape(self) -> dict[str, Any]:
+        """The record's shape: dtype, B, N, H, H_k, D, causal."""
+        return {"dtype": self.dtype, "B": self.B, "N": self.N, "H": self.H, "H_k": self.H_k, "D": self.D,
+                "causal": self.causal}  # fmt: skip
+
     def inputs(self, device: torch.device) -> VariantInputs:
         """Fresh tensors from a fixed seed: q, k, v, dout from N(0, 1); sinks N(0, 1); a boolean mask with
         MASK_TRUE_FRACTION of the keys visible, or an additive one from N(0, 1)."""
@@ -634,10 +608,10 @@ class VariantCase:
         return t
 
 
-def _variant_cases(dtypes: Sequence[str], sizes: VariantSizes) -> list[VariantCase]:
+def variant_cases(dtypes: Sequence[str], sizes: VariantSizes) -> list[VariantCase]:
     """Every variants case, most important first (after --budget-s only flashtile runs): window against full
-    causal at the headline length; the window at the other lengths; features; masks; full causal at the
-    other lengths last (context for the window's flat cost, and the peers' causal rows cost compilations)."""
+    causal at the main length; the window at the other lengths; features; masks; full causal at the other
+    lengths last (context for the window's flat cost, and the peers' causal rows cost compilations)."""
     d, h = sizes.head_dim, sizes.nheads
     others = [n for n in sizes.window_n if n != sizes.headline_n]
     options: dict[str, dict[str, Any]] = {
@@ -672,36 +646,15 @@ def _variant_cases(dtypes: Sequence[str], sizes: VariantSizes) -> list[VariantCa
     return cases
 
 
-def _variant_row(provider: str, case: VariantCase, pass_: str) -> dict[str, Any]:
-    """A variants row, every field present; ``error`` stays None when the row was measured."""
-    return {
-        "provider": provider,
-        **asdict(case),
-        "label": case.label,
-        "pass": pass_,
-        "pairs": case.pairs,
-        "reference": None,
-        "ms": None,
-        "tflops": None,
-        "max_abs_diff": None,
-        "flagged": False,
-        "error": None,
-        "note": None,
-    }
-
-
-def _speed_row(provider: str, case: Case, pass_: str) -> dict[str, Any]:
-    """A speed row, every field present; ``error`` stays None when the row was measured."""
-    return {
-        "provider": provider,
-        **asdict(case),
-        "pass": pass_,
-        "ms": None,
-        "tflops": None,
-        "max_abs_diff": None,
-        "flagged": False,
-        "error": None,
-    }
+def speed_cases(dtypes: Sequence[str], sizes: StandardSizes) -> list[Case]:
+    """The standard shapes for every dtype, causal and not."""
+    return [
+        Case.standard(dtype, d, n, causal, sizes.total_tokens)
+        for dtype in dtypes
+        for d in sizes.head_dims
+        for n in sizes.lengths
+        for causal in (False, True)
+    ]
 
 
 def _describe(exc: BaseException, caught: Sequence[warnings.WarningMessage] = ()) -> str:
@@ -737,25 +690,30 @@ def _max_abs_diff(got: Sequence[Tensor], want: Sequence[Tensor]) -> float:
 
 
 class Run:
-    """Collects the header and rows, writes the JSON after every shape, remembers fatal errors."""
+    """Measures cases into records, rewrites the JSON-lines file after every case, remembers fatal errors."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.device = torch.device("cpu" if args.dry_run else "cuda")
-        self.json_path: Path = args.out / "attention.json"
-        self.header = _header(args)
-        self.rows: list[dict[str, Any]] = []
-        self.memory: list[dict[str, Any]] = []
-        self.variants: list[dict[str, Any]] = []
+        self.path: Path = args.out / "attention.jsonl"
+        self.env = results.environment(self.device, args.commit)
+        self.records: list[Record] = []
         self.fatal: str | None = None
         self.peers_until = math.inf if args.budget_s is None else time.perf_counter() + args.budget_s
 
     def save(self) -> None:
-        """Rewrite the JSON (atomically, so an interrupted run leaves a readable file)."""
-        data = {"header": self.header, "rows": self.rows, "memory": self.memory, "variants": self.variants}
-        tmp = self.json_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
-        os.replace(tmp, self.json_path)
+        """Rewrite the JSON-lines file with every record so far."""
+        results.write(self.path, self.records)
+
+    def _new(
+        self, benchmark: str, provider: str, shape: dict[str, Any], pass_: str, config: dict[str, Any] | None = None
+    ) -> Record:
+        """A record without a measurement yet, appended to the run's records."""
+        rec = results.record(self.env, benchmark, provider, shape, pass_, config=config)
+        if self.device.type == "cpu":
+            rec["extra"]["dry_run"] = True
+        self.records.append(rec)
+        return rec
 
     def _bench(self, fn: Callable[[], Any], grad_to_none: list[Tensor] | None = None) -> float:
         """Median milliseconds of ``fn``: do_bench on the GPU, a wall clock over DRY_RUN_REPS calls on the CPU."""
@@ -768,6 +726,8 @@ class Run:
                 fn()
                 times.append((time.perf_counter() - begin) * 1e3)
             return sorted(times)[len(times) // 2]
+        from triton.testing import do_bench
+
         ms = do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, grad_to_none=grad_to_none, return_mode="median")
         return float(ms)
 
@@ -779,38 +739,37 @@ class Run:
     def _budget_spent(self) -> bool:
         return time.perf_counter() > self.peers_until
 
+    def _empty_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # ------------------------------------------------------------ speed
 
-    def speed_case(self, case: Case, providers: Sequence[Provider]) -> None:
-        """Check and time every provider on one shape, fwd and bwd."""
+    def speed_case(self, case: Case, providers: Sequence[Provider]) -> list[Record]:
+        """Check and time every provider on one shape, fwd and bwd; the records added."""
+        first = len(self.records)
         torch.manual_seed(0)
-        q, k, v, dout = case.inputs()
+        q, k, v, dout = case.inputs(self.device)
         reference = self._reference(case, q, k, v, dout)
         for provider in providers:
-            fwd_row, bwd_row = _speed_row(provider.name, case, "fwd"), _speed_row(provider.name, case, "bwd")
-            self.rows += [fwd_row, bwd_row]
+            shape = asdict(case)
+            fwd, bwd = (self._new("attention", provider.name, shape, p) for p in ("fwd", "bwd"))
             if self.fatal:
-                fwd_row["error"] = bwd_row["error"] = self.fatal
+                fwd["error"] = bwd["error"] = self.fatal
                 continue
             self._measure(
-                functools.partial(provider.build, q, k, v, case.causal),
-                case.flops,
-                [q, k, v],
-                dout,
-                reference,
-                TOLERANCE[case.dtype],
-                fwd_row,
-                bwd_row,
-                f"{provider.name} on {case}",
-            )
+                functools.partial(provider.build, q, k, v, case.causal), case.flops, [q, k, v], dout, reference,
+                TOLERANCE[case.dtype], fwd, bwd, f"{provider.name} on {case}",
+            )  # fmt: skip
             for x in (q, k, v):
                 x.grad = None
-            torch.cuda.empty_cache()
+            self._empty_cache()
+        return self.records[first:]
 
     def _reference(
         self, case: Case, q: Tensor, k: Tensor, v: Tensor, dout: Tensor
     ) -> tuple[Tensor, tuple[Tensor, ...]] | None:
-        """sdpa_flash's output and (dq, dk, dv) on these inputs; None if it fails (its own rows say why)."""
+        """sdpa_flash's output and (dq, dk, dv) on these inputs; None if it fails (its own records say why)."""
         if self.fatal:
             return None
         try:
@@ -831,11 +790,11 @@ class Run:
         dout: Tensor,
         reference: tuple[Tensor, tuple[Tensor, ...] | None] | None,
         tol: float,
-        fwd_row: dict[str, Any],
-        bwd_row: dict[str, Any],
+        fwd: Record,
+        bwd: Record,
         where: str,
     ) -> Forward | None:
-        """Fill the fwd and bwd rows of one provider on one shape; the forward it built, None if it failed.
+        """Fill the fwd and bwd records of one provider on one shape; the forward it built, None if it failed.
 
         ``leaves``: the inputs that get gradients, q, k, v first (compared with the reference's, when it
         has gradients); the backward's timing sets all of them to None outside the timed region.
@@ -848,73 +807,66 @@ class Run:
                 out = forward()  # compiles or JITs where the provider does
             if reference is not None:
                 diff = _max_abs_diff([out], [reference[0]])
-                fwd_row["max_abs_diff"] = diff if math.isfinite(diff) else None
-                fwd_row["flagged"] = not diff <= tol
+                fwd["extra"].update(max_abs_diff=diff if math.isfinite(diff) else None, flagged=not diff <= tol)
             ms = self._bench(forward)
-            fwd_row.update(ms=ms, tflops=flops("fwd") / ms * 1e-9)
+            fwd.update(time_ms=ms, tflops=flops("fwd") / ms * 1e-9)
         except Unsupported as exc:
-            fwd_row["error"] = bwd_row["error"] = f"unsupported: {exc}"
+            fwd["error"] = bwd["error"] = f"unsupported: {exc}"
             return None
         except Exception as exc:
-            fwd_row["error"] = _describe(exc, caught)
-            bwd_row["error"] = FORWARD_FAILED
-            self._after_failure(where, fwd_row["error"])
+            fwd["error"] = _describe(exc, caught)
+            bwd["error"] = FORWARD_FAILED
+            self._after_failure(where, fwd["error"])
             return None
         try:
             out.backward(dout, retain_graph=True)
             if reference is not None and reference[1] is not None:
-                grads = [x.grad for x in leaves[:3]]
-                diff = _max_abs_diff(grads, reference[1])
+                diff = _max_abs_diff([x.grad for x in leaves[:3]], reference[1])
                 scale = max(1.0, max(g.abs().max().item() for g in reference[1]))
-                bwd_row["max_abs_diff"] = diff if math.isfinite(diff) else None
-                bwd_row["flagged"] = not diff <= tol * scale
+                bwd["extra"].update(max_abs_diff=diff if math.isfinite(diff) else None, flagged=not diff <= tol * scale)
             ms = self._bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=list(leaves))
-            bwd_row.update(ms=ms, tflops=flops("bwd") / ms * 1e-9)
+            bwd.update(time_ms=ms, tflops=flops("bwd") / ms * 1e-9)
         except Exception as exc:
-            bwd_row["error"] = _describe(exc)
-            self._after_failure(where, bwd_row["error"])
+            bwd["error"] = _describe(exc)
+            self._after_failure(where, bwd["error"])
         return forward
 
     # ------------------------------------------------------------ variants
 
-    def variant_case(self, case: VariantCase, providers: Sequence[Provider]) -> None:
-        """Check and time every provider that has the case's features, fwd and bwd.
+    def variant_case(self, case: VariantCase, providers: Sequence[Provider]) -> list[Record]:
+        """Check and time every provider that has the case's features, fwd and bwd; the records added.
 
-        After the time budget only flashtile runs; the peers' rows record why they are empty.
+        After the time budget only flashtile runs; the peers' records say why they are empty.
         """
+        first = len(self.records)
         t = case.inputs(self.device)
         forwards: dict[str, Forward] = {}
         reference_name, reference = self._variant_reference(case, t, providers, forwards)
+        config = {"section": case.section, "variant": case.label}
         for provider in providers:
-            fwd_row, bwd_row = _variant_row(provider.name, case, "fwd"), _variant_row(provider.name, case, "bwd")
-            fwd_row["reference"] = bwd_row["reference"] = reference_name
-            self.variants += [fwd_row, bwd_row]
+            fwd, bwd = (self._new("attention-variants", provider.name, case.shape(), p, config) for p in ("fwd", "bwd"))
+            for rec in (fwd, bwd):
+                rec["extra"].update(pairs=case.pairs, reference=reference_name)
             if self.fatal:
-                fwd_row["error"] = bwd_row["error"] = self.fatal
+                fwd["error"] = bwd["error"] = self.fatal
                 continue
             if provider.name != OURS and self._budget_spent():
-                fwd_row["error"] = bwd_row["error"] = (
+                fwd["error"] = bwd["error"] = (
                     f"not run: the time budget (--budget-s {self.args.budget_s:g}) was spent; "
                     "only flashtile ran after it"
                 )
                 continue
             built = forwards.get(provider.name)
             forward = self._measure(
-                (lambda built=built, provider=provider: built or provider.variant(case, t)),
-                case.flops,
-                t.leaves,
-                t.dout,
-                reference,
-                TOLERANCE[case.dtype],
-                fwd_row,
-                bwd_row,
-                f"{provider.name} on {case}",
-            )
-            if case.deterministic and provider.name == OURS and forward is not None and bwd_row["error"] is None:
-                bwd_row["note"] = self._repeatable(forward, t)
+                (lambda built=built, provider=provider: built or provider.variant(case, t)), case.flops, t.leaves,
+                t.dout, reference, TOLERANCE[case.dtype], fwd, bwd, f"{provider.name} on {case}",
+            )  # fmt: skip
+            if case.deterministic and provider.name == OURS and forward is not None and bwd["error"] is None:
+                bwd["extra"]["bitwise_repeatable"] = self._repeatable(forward, t)
             for x in t.leaves:
                 x.grad = None
-            torch.cuda.empty_cache()
+            self._empty_cache()
+        return self.records[first:]
 
     def _variant_reference(
         self, case: VariantCase, t: VariantInputs, providers: Sequence[Provider], forwards: dict[str, Forward]
@@ -932,7 +884,7 @@ class Run:
                     forward = PROVIDERS[name].variant(case, t)
                     out = forward()
             except Exception:
-                continue  # Unsupported, or a failure its own rows will record
+                continue  # Unsupported, or a failure its own records will carry
             forwards[name] = forward
             try:
                 out.backward(t.dout)
@@ -946,31 +898,27 @@ class Run:
         return None, None
 
     @staticmethod
-    def _repeatable(forward: Forward, t: VariantInputs) -> str:
+    def _repeatable(forward: Forward, t: VariantInputs) -> bool:
         """Whether two backward passes of one forward give bitwise equal gradients."""
         out = forward()
         first = torch.autograd.grad(out, t.leaves, t.dout, retain_graph=True)
         second = torch.autograd.grad(out, t.leaves, t.dout)
-        same = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
-        return "backward bitwise repeatable over 2 runs: " + ("yes" if same else "NO")
+        return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
     # ------------------------------------------------------------ memory
 
-    def memory_case(self, case: Case, provider: Provider) -> None:
-        """Peak extra memory of one forward+backward (after a warm-up call), in MiB."""
-        row: dict[str, Any] = {
-            "provider": provider.name,
-            **asdict(case),
-            "peak_extra_mib": None,
-            "error": None,
-        }
-        self.memory.append(row)
+    def memory_case(self, case: Case, provider: Provider) -> list[Record]:
+        """Peak extra memory of one forward+backward (after a warm-up call), in MiB; the record added."""
+        rec = self._new("attention-memory", provider.name, asdict(case), "fwd+bwd")
         if self.fatal:
-            row["error"] = self.fatal
-            return
+            rec["error"] = self.fatal
+            return [rec]
+        if self.device.type != "cuda":
+            rec["error"] = "not measured: GPU memory only"
+            return [rec]
         try:
             torch.manual_seed(0)
-            q, k, v, dout = case.inputs()
+            q, k, v, dout = case.inputs(self.device)
             forward = provider.build(q, k, v, case.causal)
             forward().backward(dout)  # warm-up: compilation, workspaces, library handles
             grad_bytes = sum(x.grad.numel() * x.grad.element_size() for x in (q, k, v))
@@ -981,121 +929,89 @@ class Run:
             torch.cuda.reset_peak_memory_stats()
             forward().backward(dout)
             torch.cuda.synchronize()
-            row["peak_extra_mib"] = (torch.cuda.max_memory_allocated() - before - grad_bytes) / MIB
+            rec["memory_mib"] = (torch.cuda.max_memory_allocated() - before - grad_bytes) / MIB
         except Exception as exc:
-            row["error"] = _describe(exc)
-            self._after_failure(f"{provider.name} on {case}", row["error"])
+            rec["error"] = _describe(exc)
+            self._after_failure(f"{provider.name} on {case}", rec["error"])
         finally:
-            torch.cuda.empty_cache()
+            self._empty_cache()
+        return [rec]
 
 
-# ---------------------------------------------------------------- header and command line
+# ---------------------------------------------------------------- reports
 
 
-def _git_commit() -> str | None:
-    """HEAD of the repository holding this file, '+dirty' if it has changes; None without git."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return sha + ("+dirty" if dirty else "")
+def tables(records: Sequence[Record]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of every table the records make: speed per dtype, memory, variants. Implementations
+    without a single measurement in a table are left out of it (their reasons are listed by ``_errors``)."""
+    dry_run = any(r["extra"].get("dry_run") for r in records)
+    sections = [
+        ("attention", ("D", "N", "causal", "pass"), "time_ms" if dry_run else "tflops"),
+        ("attention-memory", ("dtype", "N"), "memory_mib"),
+        ("attention-variants", ("section", "variant", "N", "pass"), "time_ms"),
+    ]
+    found = []
+    for benchmark, keys, value in sections:
+        chosen = [r for r in records if r["benchmark"] == benchmark]
+        splits = dict.fromkeys(r["shape"]["dtype"] for r in chosen) if benchmark == "attention" else [None]
+        for dtype in splits:
+            rows = [r for r in chosen if dtype is None or r["shape"]["dtype"] == dtype]
+            measured = list(dict.fromkeys(r["implementation"] for r in rows if r[value] is not None))
+            if not measured:
+                continue
+            peers = [p for p in measured if p != OURS]
+            digits = 3 if value == "time_ms" else 0
+            header, body = results.table(rows, keys, value, measured, ratios_against=peers, digits=digits)
+            found.append((TITLES[benchmark].format(dtype=dtype, unit=UNITS[value]), header, body))
+    return found
 
 
-def _driver_version() -> str | None:
-    """The NVIDIA driver version from nvidia-smi (a read-only query); None where it is absent."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.splitlines()[0].strip() if out.strip() else None
+TITLES = {
+    "attention": "{dtype}, {unit}, B·N = 16384, H·D = 2048 (a dry run: tiny sizes); vs X: flashtile's speed over X's",
+    "attention-memory": f"Peak extra memory of forward+backward, {{unit}} (B={MEMORY_B}, H={MEMORY_H}, D={MEMORY_D}, "
+    "causal); vs X: X's over flashtile's",
+    "attention-variants": "Variants, {unit}, D=128, H=16 (a dry run: tiny sizes); vs X: X's time over flashtile's",
+}
+UNITS = {"tflops": "TFLOP/s", "time_ms": "ms", "memory_mib": "MiB"}
 
 
-def _version(distribution: str) -> str | None:
-    """An installed distribution's version, None if it is not installed."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _errors(records: Sequence[Record]) -> list[str]:
+    """One line per distinct reason a record has no measurement, with how many records it covers."""
+    reasons: dict[tuple[str, str], int] = {}
+    for rec in records:
+        if rec["error"] and rec["error"] != FORWARD_FAILED:
+            key = (rec["implementation"], rec["error"])
+            reasons[key] = reasons.get(key, 0) + 1
+    return [f"- {results.label(impl)} ({count}×): {error}" for (impl, error), count in reasons.items()]
 
 
-def _cudnn_version() -> str | None:
-    """'9.19.0' from torch's integer 91900."""
-    v = torch.backends.cudnn.version()
-    return None if v is None else f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+def markdown(records: Sequence[Record]) -> str:
+    """The run's tables as markdown, with its provenance and the reasons for missing numbers."""
+    lines = ["# Attention benchmark", "", results.provenance(records), ""]
+    if any(r["extra"].get("dry_run") for r in records):
+        lines += ["**Dry run on the CPU at tiny sizes: it checks the set-up; the times mean nothing.**", ""]
+    for title, header, body in tables(records):
+        lines += [title, "", results.markdown(header, body)]
+    errors = _errors(records)
+    if errors:
+        lines += ["Missing numbers:", "", *errors, ""]
+    return "\n".join(lines)
 
 
-def _header(args: argparse.Namespace) -> dict[str, Any]:
-    """Provenance: GPU, versions, commit, date, command, and how the numbers were taken."""
-    if args.dry_run:
-        device: dict[str, Any] = {"gpu": "none: --dry-run on the CPU, times mean nothing", "sm_count": None}
-        device |= {"capability": None, "driver": None}
-    else:
-        props = torch.cuda.get_device_properties(0)
-        device = {
-            "gpu": torch.cuda.get_device_name(0),
-            "sm_count": props.multi_processor_count,
-            "capability": f"{props.major}.{props.minor}",
-            "driver": _driver_version(),
-        }
-    notes = {
-        "timing": f"triton.testing.do_bench median (warmup {args.warmup} ms, rep {args.rep} ms, "
-        "L2 flushed); fwd with inputs requiring grad; bwd = out.backward(dout, retain_graph=True) "
-        "alone, grads set to None outside the timed region",
-        "flops": "fwd 4·B·H·N²·D, halved when causal; bwd 2.5 × fwd",
-        "accuracy": f"max abs diff vs {REFERENCE} on the same inputs; flagged above "
-        + ", ".join(f"{k} {v}" for k, v in TOLERANCE.items())
-        + " (gradients: tolerance × max(1, max |ref grad|))",
-        "memory": "peak allocated during one fwd+bwd minus memory held before it, "
-        "q, k, v, dout and their grads counted as held before",
-    }
-    if args.shapes == "variants":
-        notes["flops"] = (
-            "variants: only visible (query, key) pairs count: fwd 4·B·H·D·pairs, bwd 2.5 × fwd; "
-            "pairs per (batch, head) N(N+1)/2 for full causal, each query's band for a window, N² with an attn_mask"
-        )
-        notes["accuracy"] = (
-            f"variants: max abs diff vs the first of {', '.join(VARIANT_REFERENCES)} that computes the same "
-            "case (column reference; none for dropout and sinks); flagged above "
-            + ", ".join(f"{k} {v}" for k, v in TOLERANCE.items())
-            + " (gradients: tolerance × max(1, max |ref grad|))"
-        )
-        notes["budget"] = (
-            f"peers run until {args.budget_s:g} s into the run (--budget-s), flashtile always"
-            if args.budget_s is not None
-            else "no time budget"
-        )
-        del notes["memory"]
-    if args.dry_run:
-        notes["timing"] = f"dry run: wall clock, median of {DRY_RUN_REPS} calls on the CPU, tiny shapes"
-    return {
-        **device,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "cudnn": _cudnn_version(),
-        "flash_attn_4": _version("flash-attn-4"),
-        "python": platform.python_version(),
-        "commit": args.commit or _git_commit(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "total_tokens": TOTAL_TOKENS,
-        "hidden": HIDDEN,
-        "shapes": args.shapes,
-        "dry_run": args.dry_run,
-        "notes": notes,
-        "providers": {p: PROVIDERS[p].description for p in args.providers},
-    }
+def print_tables(console: Console, records: Sequence[Record]) -> None:
+    """The run's tables as rich tables."""
+    for title, header, body in tables(records):
+        table = Table(title=title, show_edge=False, pad_edge=False)
+        for name in header:
+            table.add_column(name, justify="left" if name in ("section", "variant", "pass") else "right")
+        for row in body:
+            table.add_row(*row)
+        console.print(table)
+    for line in _errors(records):
+        console.print(line, markup=False, highlight=False)
+
+
+# ---------------------------------------------------------------- command line
 
 
 def _choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
@@ -1111,16 +1027,18 @@ def _choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     """The command line; ``--help`` works without a GPU."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="folder for attention.{json,md,png}")
-    parser.add_argument("--quick", action="store_true", help=f"D in {QUICK_D}, N in {QUICK_N} only")
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for attention.jsonl, .md and the plots")
+    parser.add_argument("--quick", action="store_true", help=f"D in {QUICK.head_dims}, N in {QUICK.lengths} only")
     parser.add_argument(
         "--shapes",
         choices=("standard", "memory", "all", "variants"),
         default="standard",
-        help="all = standard + memory; variants: windows, features and masks (issue 4), on its own",
+        help="all = standard + memory; variants: windows, features and masks, on its own",
     )
     parser.add_argument(
         "--providers",
@@ -1129,7 +1047,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, default all: {','.join(PROVIDERS)}",
     )
     parser.add_argument("--dtypes", type=_choices(list(DTYPES)), default=["bf16"], help="bf16 (default), fp16")
-    parser.add_argument("--commit", default=None, help="flashtile commit to record (default: git rev-parse HEAD)")
+    parser.add_argument("--commit", default=None, help="flashtile commit to record (default: from git, if a checkout)")
     parser.add_argument(
         "--warmup", type=int, default=None, help=f"do_bench warm-up, ms (default 25; variants {VARIANT_WARMUP_MS})"
     )
@@ -1140,16 +1058,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--budget-s",
         type=float,
         default=None,
-        help=f"seconds after which only flashtile rows still run (default: variants {VARIANT_BUDGET_S:g}, else none)",
+        help=f"seconds after which only flashtile still runs (default: variants {VARIANT_BUDGET_S:g}, else none)",
     )
     parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="variants only: the same cases at tiny sizes on the CPU, to check the plumbing (times mean nothing)",
+        "--dry-run", action="store_true", help="tiny sizes on the CPU, to check the set-up (times mean nothing)"
     )
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     args = parser.parse_args(argv)
-    if args.dry_run and args.shapes != "variants":
-        parser.error("--dry-run covers --shapes variants only")
     variants = args.shapes == "variants"
     if args.warmup is None:
         args.warmup = VARIANT_WARMUP_MS if variants else 25
@@ -1160,93 +1075,79 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _speed_cases(args: argparse.Namespace) -> list[Case]:
-    """The standard (or ``--quick``) shapes, for every requested dtype, causal and not."""
-    dims, lengths = (QUICK_D, QUICK_N) if args.quick else (STANDARD_D, STANDARD_N)
-    return [
-        Case.standard(dtype, d, n, causal)
-        for dtype in args.dtypes
-        for d in dims
-        for n in lengths
-        for causal in (False, True)
-    ]
-
-
-def _summary(rows: Sequence[dict[str, Any]]) -> str:
-    """'flashtile 512/430 | sdpa_flash 300/250 | ...': fwd/bwd TFLOP/s, '-' where missing."""
+def _summary(records: Sequence[Record]) -> str:
+    """'flashtile 512/430 | sdpa_flash 300/- | ...': TFLOP/s (or ms, or MiB) per provider and pass."""
     cells: dict[str, list[str]] = {}
-    for row in rows:
-        cells.setdefault(row["provider"], []).append("-" if row["tflops"] is None else f"{row['tflops']:.0f}")
+    for rec in records:
+        if rec["memory_mib"] is not None or rec["benchmark"] == "attention-memory":
+            value = "-" if rec["memory_mib"] is None else f"{rec['memory_mib']:.0f} MiB"
+        elif rec["benchmark"] == "attention-variants":
+            value = "-" if rec["time_ms"] is None else f"{rec['time_ms']:.3g} ms"
+        else:
+            value = "-" if rec["tflops"] is None else f"{rec['tflops']:.0f}"
+        cells.setdefault(rec["implementation"], []).append(value)
     return " | ".join(f"{p} {'/'.join(v)}" for p, v in cells.items())
 
 
-def _ms_summary(rows: Sequence[dict[str, Any]]) -> str:
-    """'flashtile 0.412/1.31 ms | sdpa_flash -/- | ...': fwd/bwd milliseconds, '-' where missing."""
-    cells: dict[str, list[str]] = {}
-    for row in rows:
-        cells.setdefault(row["provider"], []).append("-" if row["ms"] is None else f"{row['ms']:.3g}")
-    return " | ".join(f"{p} {'/'.join(v)}" for p, v in cells.items()) + " ms"
-
-
-def _memory_summary(rows: Sequence[dict[str, Any]]) -> str:
-    """'flashtile 70 MiB, sdpa_flash 72 MiB', '-' where missing."""
-    return ", ".join(
-        f"{r['provider']} " + ("-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f} MiB") for r in rows
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Run the requested shapes, write attention.{json,md,png}, print the markdown."""
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Run the requested shapes, write attention.{jsonl,md,png}, print the tables; the exit code."""
+    args = parse_args(argv, prog)
+    console = Console()
+    if not args.no_plot and not plot.available():
+        console.print(
+            "The plot needs matplotlib, which is not installed: install the benchmark extra with "
+            f"pip install 'flashtile[{EXTRA}]', or pass --no-plot.",
+            markup=False, highlight=False, soft_wrap=True,
+        )  # fmt: skip
+        return 1
     if not args.dry_run and not torch.cuda.is_available():
-        sys.exit(
-            "bench_attention.py needs a CUDA GPU (or --shapes variants --dry-run); "
-            "`python benchmarks/report.py FILE.json` runs on a CPU."
-        )
+        console.print("The benchmark needs a CUDA GPU; --dry-run runs tiny sizes on the CPU to check the set-up.")
+        return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
     run = Run(args)
     providers = [PROVIDERS[p] for p in args.providers]
 
+    work: list[tuple[str, Callable[[], list[Record]]]] = []
     if args.shapes == "variants":
-        cases = _variant_cases(args.dtypes, DRY_RUN_SIZES if args.dry_run else VARIANT_SIZES)
-        for i, case in enumerate(cases, 1):
-            first = len(run.variants)
-            run.variant_case(case, [PROVIDERS[n] for n in SECTION_PROVIDERS[case.section] if n in args.providers])
-            run.save()
-            elapsed = time.perf_counter() - start
-            print(f"[{i}/{len(cases)} {elapsed:6.0f}s] {case}: {_ms_summary(run.variants[first:])}", flush=True)
-
+        for case in variant_cases(args.dtypes, DRY_RUN_VARIANTS if args.dry_run else VARIANT_SIZES):
+            section = [PROVIDERS[n] for n in SECTION_PROVIDERS[case.section] if n in args.providers]
+            work.append((str(case), functools.partial(run.variant_case, case, section)))
     if args.shapes in ("standard", "all"):
-        cases = _speed_cases(args)
-        for i, case in enumerate(cases, 1):
-            first = len(run.rows)
-            run.speed_case(case, providers)
-            run.save()
-            elapsed = time.perf_counter() - start
-            print(f"[{i}/{len(cases)} {elapsed:6.0f}s] {case}: {_summary(run.rows[first:])}", flush=True)
-
+        sizes = DRY_RUN_STANDARD if args.dry_run else (QUICK if args.quick else STANDARD)
+        for case in speed_cases(args.dtypes, sizes):
+            work.append((str(case), functools.partial(run.speed_case, case, providers)))
     if args.shapes in ("memory", "all"):
+        lengths = DRY_RUN_STANDARD.lengths if args.dry_run else MEMORY_N
         for dtype in args.dtypes:
-            for n in MEMORY_N:
+            for n in lengths:
                 case = Case(dtype, MEMORY_B, n, MEMORY_H, MEMORY_D, causal=True)
-                first = len(run.memory)
                 for provider in (p for p in providers if p.name in MEMORY_PROVIDERS):
-                    run.memory_case(case, provider)
-                run.save()
-                elapsed = time.perf_counter() - start
-                print(f"[memory {elapsed:6.0f}s] {case}: {_memory_summary(run.memory[first:])}", flush=True)
+                    work.append((f"memory {case} {provider.name}", functools.partial(run.memory_case, case, provider)))
 
-    md_path, png_path = write_reports(run.json_path)
-    written = ", ".join(str(p) for p in (run.json_path, md_path, png_path) if p)
-    print(f"\nwrote {written} in {time.perf_counter() - start:.0f} s\n", flush=True)
-    result = load(run.json_path)
-    print(markdown(result, provenance=False), flush=True)  # provenance: in the files
-    if run.variants:
-        print("\n".join(variant_summary(result)), flush=True)
+    start = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("attention benchmark", total=len(work))
+        for description, measure in work:
+            progress.update(task, description=description)
+            added = measure()
+            run.save()
+            progress.console.print(f"{description}: {_summary(added)}", markup=False, highlight=False)
+            progress.advance(task)
+
+    md_path = args.out / "attention.md"
+    md_path.write_text(markdown(run.records))
+    written = [run.path, md_path]
+    if not args.no_plot:
+        written += plot.plot_files(run.records, args.out)
+    print_tables(console, run.records)
+    elapsed = time.perf_counter() - start
+    console.print(f"wrote {', '.join(str(p) for p in written)} in {elapsed:.0f} s", soft_wrap=True, highlight=False)
     if run.fatal:
-        sys.exit(run.fatal)
+        console.print(run.fatal, markup=False)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(prog="python -m flashtile.bench.attention"))
