@@ -230,8 +230,9 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def records(header: dict[str, Any], rows: Sequence[dict[str, Any]]) -> list[results.Record]:
-    """The rows as records: per row flashtile replayed from a CUDA graph (with the bandwidth), eager, eager with
-    value checks off, SDPA, cuDNN, and the page gather of paged rows."""
+    """The rows as records: per row flashtile replayed from a CUDA graph, eager, eager with value checks off, SDPA,
+    cuDNN, and the page gather of paged rows; the bandwidth (K and V bytes over the time) of the graph replay and
+    the peers."""
     found = []
     for r in rows:
         shape = {"dtype": "bf16", "layout": r["layout"], "page_size": r["page_size"], "B": r["batch"],
@@ -250,9 +251,10 @@ def records(header: dict[str, Any], rows: Sequence[dict[str, Any]]) -> list[resu
             measured.append(("gather", {}, r["gather_us"], {}))
         for implementation, config, us, extra in measured:
             error = r["error"] or (r["cudnn_error"] if implementation == "cudnn" and us is None else None)
+            reads_cache = implementation != "gather" and config.get("launch", "graph") == "graph"
             found.append(results.record(
                 header, "decode", implementation, shape, "decode", config=config,
-                time_ms=None if us is None else us / 1e3, nbytes=kv_bytes if implementation != "gather" else None,
+                time_ms=None if us is None else us / 1e3, nbytes=kv_bytes if reads_cache else None,
                 error=error or (None if us is not None else "not measured"), extra=extra,
             ))  # fmt: skip
     return found

@@ -9,7 +9,7 @@ Rows (bf16, H=16, D=128, causal and not, forward and forward+backward):
 - 64 sequences of uniform random length in [1, 4096]: packed against padded to the longest.
 Timing: ``triton.testing.do_bench`` median; the backward's dout is all ones. Writes ``varlen.jsonl`` (the
 records of ``flashtile.bench.results``: per row the packed batch, the padded batch and the longest sequence
-alone, ``config["batch"]`` saying which) and prints a markdown table.
+alone, ``config["layout"]`` saying which) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def records(env: dict[str, Any], rows: Sequence[dict[str, Any]]) -> list[results
         ):
             ms = r[key]
             error = None if ms is not None else "not timed: the padded batch is too large"
-            found.append(results.record(env, "varlen", "flashtile", shape, r["pass"], config={"batch": config},
+            found.append(results.record(env, "varlen", "flashtile", shape, r["pass"], config={"layout": config},
                                         time_ms=ms, error=error))  # fmt: skip
     return found
 

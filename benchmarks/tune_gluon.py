@@ -43,8 +43,8 @@ import torch
 from triton.testing import do_bench
 
 import flashtile
-from flashtile.bench.attention import DTYPES
 from flashtile import _backend
+from flashtile.bench.attention import DTYPES
 from flashtile.ops.attention import backward_sm90, forward_sm90
 
 CAUSAL_HEAD_DIM = "GLUON_CAUSAL_D"

@@ -36,8 +36,9 @@ def parse_row(text: str) -> Case:
 def round_ratios(rows: list[dict[str, Any]], peer: str) -> dict[tuple, list[float]]:
     """Per (dtype, D, N, causal, pass), flashtile's TFLOP/s over the peer's, one ratio per round in round order.
 
-    ``rows``: flat speed rows (dtype, D, N, causal, pass, provider, tflops, flagged), each with a "round"; a round where either side has no time (an error) or
-    was flagged (its output or gradients off the reference's beyond tolerance) gives no ratio."""
+    ``rows``: flat speed rows (dtype, D, N, causal, pass, provider, tflops, flagged), each with a "round"; a round
+    where either side has no time (an error) or was flagged (its output or gradients off the reference's beyond
+    tolerance) gives no ratio."""
     times: dict[tuple, dict[str, float | None]] = {}
     for row in rows:
         key = (row["dtype"], row["D"], row["N"], row["causal"], row["pass"], row["round"])

@@ -78,7 +78,7 @@ def test_decode_records():
     kv_bytes = 2 * 2 * 4096 * 8 * 128 * 2
     assert graph["time_ms"] == pytest.approx(0.02) and graph["tbps"] == pytest.approx(kv_bytes / 20e-6 / 1e12)
     assert graph["extra"]["num_splits"] == 4 and graph["shape"]["Hq"] == 32
-    assert records[4]["error"] == "refused" and records[5]["tbps"] is None
+    assert records[4]["error"] == "refused" and records[5]["tbps"] is None and records[1]["tbps"] is None
     failed = bench_decode.records(ENV, [dict(row, error="RuntimeError: out of memory", graph_us=None)])
     assert {r["error"] for r in failed} == {"RuntimeError: out of memory"}
 
@@ -99,7 +99,7 @@ def test_ring_varlen_latency_records():
     row = {"batch": "16k + 63 x 256", "causal": True, "pass": "fwd", "packed_ms": 3.2, "padded_ms": None,
            "longest_alone_ms": 2.7}  # fmt: skip
     varlen = bench_varlen.records(ENV, [row])
-    assert [(r["config"]["batch"], r["time_ms"]) for r in varlen] == [
+    assert [(r["config"]["layout"], r["time_ms"]) for r in varlen] == [
         ("packed", 3.2), ("padded", None), ("longest sequence alone", 2.7)]  # fmt: skip
     assert varlen[1]["error"].startswith("not timed")
 

@@ -36,7 +36,7 @@ import importlib.metadata
 import json
 import os
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -230,20 +230,23 @@ def table(
     implementations: Sequence[str] | None = None,
     ratios_against: Sequence[str] = (),
     digits: int = 0,
+    column: Callable[[Record], str] | None = None,
 ) -> tuple[list[str], list[list[str]]]:
     """Records pivoted to one row per problem and one column per implementation.
 
     ``keys`` name the columns that identify a row: fields of ``shape`` or ``config``, or ``pass``. ``value`` is the
     field shown (``tflops``, ``time_ms``, ``tbps``, ``memory_mib``); ``ratios_against`` adds a column 'vs X' of
-    flashtile's TFLOP/s over X's (or X's time over flashtile's for times and memory). A record flagged by its
+    flashtile's TFLOP/s over X's (or X's time over flashtile's for times and memory). ``column`` names a record's
+    column (default: its implementation); ``implementations`` picks and orders the columns. A record flagged by its
     accuracy check (``extra["flagged"]``) is marked '(!)'. Returns (header, rows) of strings.
     """
-    implementations = list(implementations or dict.fromkeys(r["implementation"] for r in records))
+    column = column or (lambda rec: rec["implementation"])
+    implementations = list(implementations or dict.fromkeys(column(r) for r in records))
     cells: dict[tuple, dict[str, Record]] = {}
     for rec in records:
         fields = {**rec["shape"], **rec["config"], "pass": rec["pass"]}
         row = tuple(_cell(fields.get(k)) for k in keys)
-        cells.setdefault(row, {})[rec["implementation"]] = rec
+        cells.setdefault(row, {})[column(rec)] = rec
     higher_is_better = value in ("tflops", "tbps")
     header = [*keys, *(label(i) for i in implementations), *(f"vs {label(p)}" for p in ratios_against)]
     body = []
@@ -272,7 +275,8 @@ def markdown(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
 
 
 def provenance(records: Sequence[Record]) -> str:
-    """One line per distinct environment: 'NVIDIA H200, 2026-12-01, driver ..., torch ..., commit ...'."""
+    """One line per distinct environment: 'NVIDIA H200, 2026-12-01, driver ..., torch ..., commit ...' (runs of one
+    day and commit on the same versions share a line)."""
     seen = dict.fromkeys(
         tuple((name, rec.get(name)) for name in ("gpu", "gpus", "date", "driver", "torch", "triton", "cudnn", "commit"))
         for rec in records
@@ -285,4 +289,4 @@ def provenance(records: Sequence[Record]) -> str:
         parts += [f"{name} {e[name]}" for name in ("driver", "torch", "triton", "cudnn") if e[name]]
         parts.append(f"flashtile commit {e['commit']}")
         lines.append(", ".join(parts))
-    return "\n".join(lines)
+    return "\n".join(dict.fromkeys(lines))
