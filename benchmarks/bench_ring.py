@@ -560,7 +560,7 @@ def markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         met = "met" if min(goal) >= EFFICIENCY_GOAL else "NOT met"
         lines += [
             "",
-            f"Goal (issue 7): fwd+bwd efficiency >= {EFFICIENCY_GOAL:.0%} at N >= {GOAL_FROM_N // 1024}k: {met} "
+            f"Aim: fwd+bwd efficiency >= {EFFICIENCY_GOAL:.0%} at N >= {GOAL_FROM_N // 1024}k: {met} "
             f"(lowest {min(goal):.3f}).",
         ]
     longest = [r for r in rows if r["kind"] == "longest"]

@@ -92,7 +92,7 @@ def host_time(fn, calls: int = 50, during: contextlib.AbstractContextManager | N
     """Median seconds of Python per call of ``fn``, queued behind a GPU sleep long enough that no call waits
     for a result (the timed calls inside ``during`` if given; the warm-up call before it outside). The median,
     not the mean: 60 traced fwd+bwd steps once averaged 18 ms while their traced functions summed to ~1 ms
-    (results/2026-11-30-h200x2-hosttrace-17afec5.txt); the likely cause, a launch that finds the launch queue
+    (docs/tuning/host-path.md, "Host trace fixed"); the likely cause, a launch that finds the launch queue
     full waiting for the sleep to end, stalls a few calls, not the median."""
     fn()
     torch.cuda.synchronize()

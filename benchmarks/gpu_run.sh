@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device call, in steps: bash benchmarks/gpu_session.sh STEP [STEP ...]
+# Tests and benchmarks on a GPU machine, in steps: bash benchmarks/gpu_run.sh STEP [STEP ...]
 #   test     the whole test suite on the GPU (larger shapes, int64 offsets, races)
 #   ptest    the GPU-relevant test files as fourteen pytest processes side by side (kernel compiles are CPU-bound;
 #            PTEST_GPUS=2 spreads them over two GPUs; test_gluon_sm90 in four shards: one process took 291 s, four
-#            took 60-82 s each in session 11; test_kvcache in two: 203-238 s as one in session 12, over a 240 s
-#            PTEST_TIMEOUT once). From a branch's folder (.branches/NAME, carried) it tests that tree.
+#            took 60-82 s each; test_kvcache in two: 203-238 s as one, over a 240 s PTEST_TIMEOUT once). From a
+#            branch's folder (see `branches`) it tests that tree.
 #   tune     tile-config sweep per pass and head dim (benchmarks/tune_configs.py)
 #   decode   the decode (KV cache) benchmark (DECODE_ARGS="--batches 1" for a subset)
 #   tunedecode  decode tile-config and split-count sweep, host profile (benchmarks/tune_decode.py)
@@ -15,9 +15,9 @@
 #   latency  launch overhead (eager vs CUDA graph) and first-call compile time
 #   hosttrace  where the host time of eager forward (+ backward) steps goes, per function (latency.py --host-trace)
 #   gputests tests/test_gpu.py and the deterministic backward test
-#   quick    the benchmark's quick table against every peer
+#   quick    the benchmark's quick table against every peer (flashtile bench --quick)
 #   bench    the full standard table (bf16) against every peer (BENCH_TIMEOUT, default 400 s; with FA4 and the
-#            D=256 rows it has taken over 390 s: give it ~540 and the call 580)
+#            D=256 rows it has taken over 390 s: give it ~540)
 #   memory   fwd+bwd peak extra memory against SDPA flash
 #   versus   flashtile against one peer on chosen standard rows in interleaved rounds (benchmarks/versus.py;
 #            VERSUS_ARGS, e.g. "--row bf16,128,2048,0 --row bf16,64,1024,1 --peer cudnn --rounds 5")
@@ -27,19 +27,18 @@
 #            source page (SASS with its stall samples) as text in $OUT
 #   ncufwd   the same for one forward (the Gluon kernel; NCU_KERNEL=_attention_forward_kernel for the Triton one)
 #   ncudecode   the same for decode steps (benchmarks/ncu_decode.py): NCUDECODE_CASES "B,CONTEXT,SPLITS ...", default
-#            "1,1024,0 1,16384,0" (0: the heuristic's split count); the same three pages per case (three files
-#            each: the device tool brings back eight)
+#            "1,1024,0 1,16384,0" (0: the heuristic's split count); the same three pages per case
 #   tunegluon   config variants of the sm_90 Gluon kernels (benchmarks/tune_gluon.py; TUNEGLUON_ARGS="--variant ...")
-#   branches    (2 GPUs) unmerged branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
+#   branches    (2 GPUs) other branches against this tree: each branch's GPU tests (BRANCH_TESTS, default
 #            tests/test_gluon_sm90.py) side by side on GPU 1 (compiles are CPU-bound), while GPU 0 times this tree
-#            and then each branch with tune_gluon.py $TUNEGLUON_ARGS (branches.log). BRANCH_DIRS: their folders, made here
+#            and then each branch with tune_gluon.py $TUNEGLUON_ARGS (branches.log). BRANCH_DIRS: their folders, made
 #            beforehand with `git archive BRANCH pyproject.toml src tests benchmarks | tar -x -C .branches/BRANCH`
-#            (.branches/ in .git/info/exclude; carry it). The tests' compiles perturb the timing (session 10: +-5%,
-#            some rows 15%); for clean numbers run the two halves in separate calls:
+#            (.branches/ in .git/info/exclude). The tests' compiles perturb the timing (+-5%, some rows 15%); for
+#            clean numbers run the two halves apart:
 #   branchtests  the branches' GPU tests alone, spread over both GPUs (BRANCH_K: a pytest -k expression;
 #            BRANCH_SHARDS: several processes per branch, see branch_tests)
 #   branchtimes  the timing alone on GPU 0
-# Everything lands in $OUT (the device tool brings it back); the last lines printed are summaries.
+# Everything lands in $OUT; the last lines printed are summaries.
 set -uo pipefail
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps a path set before (fa4_setup.sh)
 OUT=${OUT:-/tmp/flashtile-out}
@@ -66,7 +65,7 @@ branch_tests() {
     done
   done
   wait
-  # one file back: the device tool returns at most 8 (three branches x four shards would be 12)
+  # one file for all branches and shards
   for log in /tmp/branchtests/*.log; do echo "=== $(basename "$log" .log)"; cat "$log"; done > "$OUT/branchtests.log"
   for log in /tmp/branchtests/*.log; do echo "--- $(basename "$log" .log)"; tail -n 2 "$log"; done
 }
@@ -119,20 +118,20 @@ for step in "$@"; do
       for i in "${!groups[@]}"; do echo "--- ${groups[$i]}"; grep -E "passed|failed|error|FAILED|Timeout" "/tmp/ptest$i.log" | tail -6; done ;;
     tune) timeout 400 python3 benchmarks/tune_configs.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -12 ;;
     decode) timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$OUT/decode" --commit "$commit" ${DECODE_ARGS:-} 2>&1 | tail -40 ;;
-    varlen) timeout ${VARLEN_TIMEOUT:-300} python3 benchmarks/bench_varlen.py --out "$OUT/varlen" 2>&1 | tail -12 ;;
+    varlen) timeout ${VARLEN_TIMEOUT:-300} python3 benchmarks/bench_varlen.py --out "$OUT/varlen" --commit "$commit" 2>&1 | tail -12 ;;
     tunedecode) timeout ${TUNEDECODE_TIMEOUT:-300} python3 benchmarks/tune_decode.py --out "$OUT" ${TUNEDECODE_ARGS:-} 2>&1 | tee "$OUT/tunedecode.log" | grep -v '^ *[0-9]' | tail -40 ;;
     profdecode) timeout ${PROFDECODE_TIMEOUT:-150} python3 benchmarks/profile_decode.py --out "$OUT" ${PROFDECODE_ARGS:-} 2>&1 | tee "$OUT/profdecode.log" | tail -60 ;;
     kvtests) timeout 200 python3 -m pytest tests/test_kvcache.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/kvtests.log" | tail -6 ;;
-    latency) timeout ${LATENCY_TIMEOUT:-320} python3 benchmarks/latency.py --out "$OUT" 2>&1 | tail -22 ;;
+    latency) timeout ${LATENCY_TIMEOUT:-320} python3 benchmarks/latency.py --out "$OUT" --commit "$commit" 2>&1 | tail -22 ;;
     hosttrace) timeout 120 python3 benchmarks/latency.py --out "$OUT" --host-trace 2>&1 | tail -8 ;;
     firstcall) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import latency; print(latency.first_call(Path('$OUT')))" 2>&1 | tail -4 ;;
     gputests) timeout 240 python3 -m pytest tests/test_gpu.py tests/test_attention.py -k "gpu or determin" -q -p no:cacheprovider 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;
     ring) mkdir -p "$OUT/ring"; timeout 270 python3 -m pytest tests/test_distributed.py -k nccl -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/ring/test.log" | tail -8; timeout ${RING_TIMEOUT:-300} python3 benchmarks/bench_ring.py --out "$OUT/ring" --time-budget ${RING_BUDGET:-240} --commit "$commit" 2>&1 | tee "$OUT/ring/bench.log" | tail -45 ;;
-    quick) timeout 400 python3 benchmarks/bench_attention.py --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
-    bench) timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_attention.py --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
+    quick) timeout 400 python3 -m flashtile.bench.attention --out "$OUT" --quick --commit "$commit" 2>&1 | tail -60 ;;
+    bench) timeout ${BENCH_TIMEOUT:-400} python3 -m flashtile.bench.attention --out "$OUT" --commit "$commit" 2>&1 | tail -80 ;;
     versus) timeout ${VERSUS_TIMEOUT:-400} python3 benchmarks/versus.py --out "$OUT" ${VERSUS_ARGS:-} 2>&1 | tail -30 ;;
-    memory) timeout 80 python3 benchmarks/bench_attention.py --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
-    variants) timeout 300 python3 benchmarks/bench_attention.py --out "$OUT/variants" --shapes variants --commit "$commit" 2>&1 | tail -40 ;;
+    memory) timeout 80 python3 -m flashtile.bench.attention --out "$OUT/memory" --shapes memory --commit "$commit" 2>&1 | tail -15 ;;
+    variants) timeout 300 python3 -m flashtile.bench.attention --out "$OUT/variants" --shapes variants --commit "$commit" 2>&1 | tail -40 ;;
     sanitize) timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py 2>&1 | tee "$OUT/sanitize.log" | tail -8 ;;
     ncubwd|ncufwd)
       pass=backward kernel=_attention_backward_sm90
