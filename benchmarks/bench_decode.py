@@ -25,9 +25,9 @@ Measured, ``triton.testing.do_bench`` median with L2 flushed:
   both, ``cudnn_us`` is None and ``cudnn_error`` says why (markdown: 'missing');
 - ``gather_us`` (paged rows): gathering the pages into that contiguous cache, which SDPA needs first.
 ``kv_tbps`` = bytes of K and V read (B * context * Hkv * D * 2 * 2) / graph_us, and ``pct_of_copy`` its
-share of the H200's measured copy bandwidth, 4.24 TB/s (goal: >= 80% at long contexts).
+share of the H200's measured copy bandwidth, 4.24 TB/s (the aim: >= 80% at long contexts).
 ``speedup`` = (sdpa_us + gather_us) / graph_us; ``vs_cudnn`` = cudnn_us / graph_us, attention alone
-(no gather credit on paged rows: the bar of BENCHMARKS.md). The step time is the per-token latency of
+(no gather credit on paged rows). The step time is the per-token latency of
 every sequence in the batch. Before timing, flashtile's output is compared with SDPA's and cuDNN's on
 the same cache, and the graph replay's with the eager call's (``max_abs_diff``, ``cudnn_max_abs_diff``,
 ``graph_max_abs_diff``; a row is flagged above 0.02).
@@ -36,7 +36,8 @@ the same cache, and the graph replay's with the eager call's (``max_abs_diff``, 
 tensors and the launches replaced by no-ops, value checks on and off; on CUDA the checks also cost the
 device-to-host copy, which this does not see. Writes ``host.json``.
 
-Writes ``decode.json`` (header + rows, rewritten after every row) and ``decode.md``.
+Writes ``decode.jsonl`` (the records of ``flashtile.bench.results``, rewritten after every row: one per
+implementation and launch mode) and ``decode.md``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +61,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from flashtile import _backend
+from flashtile.bench import results
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.ops.decode import configs
 from host_overhead import stubbed_launches, time_calls  # benchmarks/, beside this script
@@ -76,16 +76,6 @@ NHEADS_KV = 8
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
 TOLERANCE = 0.02
-
-
-def _git_commit() -> str | None:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _error(exc: BaseException) -> str:
@@ -235,20 +225,39 @@ def measure(caches: Caches, layout: str, nheads_q: int, args: argparse.Namespace
 
 
 def _header(args: argparse.Namespace) -> dict[str, Any]:
-    props = torch.cuda.get_device_properties(0)
-    return {
-        "gpu": torch.cuda.get_device_name(0),
-        "sm_count": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cudnn": torch.backends.cudnn.version(),
-        "python": platform.python_version(),
-        "commit": args.commit or _git_commit(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "copy_tbps": COPY_TBPS,
-        "notes": __doc__.split("Measured,")[1].split("``--host-overhead``")[0].strip(),
-    }
+    """The run's environment (``flashtile.bench.results.environment``) and the copy bandwidth of the GPU."""
+    return {**results.environment(torch.device("cuda"), args.commit), "copy_tbps": COPY_TBPS}
+
+
+def records(header: dict[str, Any], rows: Sequence[dict[str, Any]]) -> list[results.Record]:
+    """The rows as records: per row flashtile replayed from a CUDA graph, eager, eager with value checks off, SDPA,
+    cuDNN, and the page gather of paged rows; the bandwidth (K and V bytes over the time) of the graph replay and
+    the peers."""
+    found = []
+    for r in rows:
+        shape = {"dtype": "bf16", "layout": r["layout"], "page_size": r["page_size"], "B": r["batch"],
+                 "context": r["context"], "Hq": r["nheads_q"], "Hkv": r["nheads_kv"], "D": r["head_dim"]}  # fmt: skip
+        kv_bytes = 2 * r["batch"] * r["context"] * r["nheads_kv"] * r["head_dim"] * DTYPE.itemsize
+        checks = {"max_abs_diff": r["max_abs_diff"], "graph_max_abs_diff": r["graph_max_abs_diff"],
+                  "flagged": r["flagged"]}  # fmt: skip
+        measured = [
+            ("flashtile", {"launch": "graph"}, r["graph_us"], {"num_splits": r["num_splits"], **checks}),
+            ("flashtile", {"launch": "eager"}, r["eager_us"], {"num_splits": r["num_splits"]}),
+            ("flashtile", {"launch": "eager, value checks off"}, r["eager_unchecked_us"], {}),
+            ("sdpa", {}, r["sdpa_us"], {}),
+            ("cudnn", {}, r["cudnn_us"], {"variant": r["cudnn_variant"], "max_abs_diff": r["cudnn_max_abs_diff"]}),
+        ]
+        if r["layout"] == "paged":
+            measured.append(("gather", {}, r["gather_us"], {}))
+        for implementation, config, us, extra in measured:
+            error = r["error"] or (r["cudnn_error"] if implementation == "cudnn" and us is None else None)
+            reads_cache = implementation != "gather" and config.get("launch", "graph") == "graph"
+            found.append(results.record(
+                header, "decode", implementation, shape, "decode", config=config,
+                time_ms=None if us is None else us / 1e3, nbytes=kv_bytes if reads_cache else None,
+                error=error or (None if us is not None else "not measured"), extra=extra,
+            ))  # fmt: skip
+    return found
 
 
 def _fmt(value: Any, spec: str, missing: str = "-") -> str:
@@ -290,12 +299,6 @@ def markdown(data: dict[str, Any]) -> str:
             f"- {r['layout']} B={r['batch']} ctx={r['context']} Hq={r['nheads_q']}: {r['cudnn_error']}" for r in missing
         ]
     return "\n".join(lines) + "\n"
-
-
-def _write_json(data: dict[str, Any], path: Path) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 # --host-overhead ----------------------------------------------------------------------------------------
@@ -343,7 +346,7 @@ def host_overhead(args: argparse.Namespace) -> dict[str, Any]:
             "torch": torch.__version__,
             "triton": triton.__version__,
             "python": platform.python_version(),
-            "commit": args.commit or _git_commit(),
+            "commit": args.commit or results.git_commit(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "notes": "min over 7 repetitions of the mean of --host-calls calls; Hq 32, Hkv 8, D 128, bf16; "
             "kernel launches replaced by no-ops; CPU tensors",
@@ -367,14 +370,14 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="folder for decode.{json,md} (or host.json)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for decode.{jsonl,md} (or host.json)")
     parser.add_argument("--quick", action="store_true", help=f"B in {QUICK_BATCHES}, context in {QUICK_CONTEXTS}")
     parser.add_argument("--batches", type=_ints, default=None, help=f"comma-separated batch sizes (default {BATCHES})")
     parser.add_argument(
         "--contexts", type=_ints, default=None, help=f"comma-separated context lengths (default {CONTEXTS})"
     )
     parser.add_argument("--page-size", type=int, default=256, help="paged cache page size (default 256)")
-    parser.add_argument("--commit", default=None, help="flashtile commit to record (default: git rev-parse HEAD)")
+    parser.add_argument("--commit", default=None, help="flashtile commit to record (default: from git)")
     parser.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms (default 10)")
     parser.add_argument("--rep", type=int, default=50, help="do_bench repetition time, ms (default 50)")
     parser.add_argument(
@@ -397,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.host_overhead:
-        _write_json(host_overhead(args), args.out / "host.json")
+        (args.out / "host.json").write_text(json.dumps(host_overhead(args), indent=1) + "\n")
         return
     if not torch.cuda.is_available():
         sys.exit(
@@ -405,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "--host-overhead measures the Python path on any machine."
         )
     data: dict[str, Any] = {"header": _header(args), "rows": []}
-    json_path = args.out / "decode.json"
+    jsonl_path = args.out / "decode.jsonl"
     start = time.perf_counter()
     for batch in args.batches:
         for context in args.contexts:
@@ -432,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     except Exception as exc:  # recorded in the row; the run goes on
                         row["error"] = _error(exc)
                     torch.cuda.empty_cache()
-                    _write_json(data, json_path)
+                    results.write(jsonl_path, records(data["header"], data["rows"]))
                     result = row["error"] or (
                         f"graph {row['graph_us']:.1f} us ({row['pct_of_copy']:.0f}% of copy), eager "
                         f"{row['eager_us']:.1f}/{row['eager_unchecked_us']:.1f} us, {row['speedup']:.2f}x SDPA, "

@@ -42,26 +42,25 @@ peer that failed, the run stops there (what was measured is kept).
 
 --time-budget S: nothing starts that is predicted to end more than S seconds after the start
 (predictions from the previous N: x4 for plain causal, x2 in the windowed search, x2.25 and x1.5 for the
-1.5x trial); the rows skipped say so. Outputs in --out: ``ring.json`` (header + rows, rewritten after
-every row, so a killed run keeps what it measured) and ``ring.md`` (the tables, printed at the end).
+1.5x trial); the rows skipped say so. Outputs in --out: ``ring.jsonl`` (the records of
+``flashtile.bench.results``, rewritten after every row, so a stopped run keeps what it measured) and ``ring.md``
+(the tables, printed at the end).
 """
 
 from __future__ import annotations
 
 import os
 
-# NVLink multicast off before torch, NCCL or NVSHMEM can start: it can take a shared host's GPUs out of
-# service (the GPU machines' notes). The worker processes inherit these, and set them again.
+# NVLink multicast off before torch, NCCL or NVSHMEM can start: on a shared host it can take GPUs out of service.
+# The worker processes inherit these, and set them again.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(MULTICAST_OFF)
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -76,14 +75,16 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import triton  # noqa: E402
 
+import flashtile  # noqa: E402
 from flashtile import flash_attn_func  # noqa: E402
+from flashtile.bench import results  # noqa: E402
 from flashtile.distributed import ring_flash_attn_func  # noqa: E402
 
 GIB = 1 << 30
 SEQLENS = (32768, 65536, 131072, 262144)
 BATCH, NHEADS, HEAD_DIM, DTYPE = 1, 16, 128, "bf16"
 LONGEST_START, LONGEST_WINDOW, LONGEST_CAP = 65536, 4096, 1 << 26
-EFFICIENCY_GOAL, GOAL_FROM_N = 0.85, 65536  # issue 7: >= 85% at N >= 64k
+EFFICIENCY_GOAL, GOAL_FROM_N = 0.85, 65536  # the aim: >= 85% at N >= 64k
 # --cpu: the same logic on flashtile's CPU path over gloo, shapes small enough for seconds.
 CPU_SEQLENS, CPU_NHEADS, CPU_HEAD_DIM = (256, 512), 2, 32
 CPU_LONGEST_START, CPU_LONGEST_WINDOW, CPU_CAPACITY_TOKENS = 128, 64, 1536  # W = 1, 2 fit 1.5x their last doubling
@@ -482,10 +483,43 @@ def _worker(rank: int, s: Settings) -> None:
 # Output
 
 
+def records(header: dict[str, Any], rows: list[dict[str, Any]]) -> list[results.Record]:
+    """The rows as records: per scaling row fwd+bwd (with the peak memory) and fwd, benchmark ``ring``; per
+    longest-sequence trial its peak memory, or why there is none, benchmark ``ring-longest``."""
+    settings = header.get("settings", {})
+    found = []
+    for row in rows:
+        if row["kind"] not in ("scaling", "longest"):
+            continue
+        env = {**header, "gpus": row["world"]}
+        shape = {"dtype": settings.get("dtype"), "B": settings.get("batch"), "N": row["N"],
+                 "H": settings.get("nheads"), "D": settings.get("head_dim"), "causal": True}  # fmt: skip
+        method = row.get("method") or ("flash_attn_func" if row["world"] == 1 else "ring_flash_attn_func")
+        if row["kind"] == "longest":
+            ok = row["status"] == "fits"
+            peak = row.get("peak_gib_per_gpu")
+            found.append(results.record(
+                env, "ring-longest", "flashtile", shape, "fwd+bwd", config={"method": method, "window": row["window"]},
+                memory_mib=peak * 1024 if ok and peak is not None else None, error=None if ok else row["status"],
+            ))  # fmt: skip
+            continue
+        ok = row["status"] == "ok"
+        for name, pass_ in (("fwd_bwd", "fwd+bwd"), ("fwd", "fwd")):
+            peak = row.get("peak_gib_per_gpu") if pass_ == "fwd+bwd" else None
+            extra = {"efficiency": row.get(f"{name}_efficiency"), "tokens_per_s": row.get(f"{name}_tokens_per_s"),
+                     "N_requested": row["N_requested"]}  # fmt: skip
+            found.append(results.record(
+                env, "ring", "flashtile", shape, pass_, config={"method": method}, time_ms=row.get(f"{name}_ms"),
+                memory_mib=None if peak is None else peak * 1024, error=None if ok else row["status"],
+                extra=extra if ok else {},
+            ))  # fmt: skip
+    return found
+
+
 def write_outputs(out: Path, header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """Write ring.json and ring.md to ``out``; returns the markdown."""
+    """Write ring.jsonl and ring.md to ``out``; returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ring.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
+    results.write(out / "ring.jsonl", records(header, rows))
     text = markdown(header, rows)
     (out / "ring.md").write_text(text)
     return text
@@ -526,7 +560,7 @@ def markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         met = "met" if min(goal) >= EFFICIENCY_GOAL else "NOT met"
         lines += [
             "",
-            f"Goal (issue 7): fwd+bwd efficiency >= {EFFICIENCY_GOAL:.0%} at N >= {GOAL_FROM_N // 1024}k: {met} "
+            f"Aim: fwd+bwd efficiency >= {EFFICIENCY_GOAL:.0%} at N >= {GOAL_FROM_N // 1024}k: {met} "
             f"(lowest {min(goal):.3f}).",
         ]
     longest = [r for r in rows if r["kind"] == "longest"]
@@ -579,19 +613,13 @@ def _predicted_longest(scaling: list[dict[str, Any]], w: int, capacity: float | 
 
 
 def _commit(given: str | None) -> str | None:
-    """--commit, else benchmarks/.commit (written where the tree travels without .git), else git."""
+    """--commit, else benchmarks/.commit (written where the tree is copied without .git), else git."""
     if given:
         return given
-    here = Path(__file__).resolve().parent
-    marker = here / ".commit"
+    marker = Path(__file__).resolve().parent / ".commit"
     if marker.exists():
         return marker.read_text().strip() or None
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    return results.git_commit()
 
 
 def _device_info() -> dict[str, Any]:
@@ -608,7 +636,7 @@ def _device_info() -> dict[str, Any]:
 def _header(args: argparse.Namespace, settings: dict[str, Any], world: int) -> dict[str, Any]:
     """Provenance; rank 0 adds the GPU's name and memory and NCCL's version (``_device_info``)."""
     return {
-        "gpu": "none: --cpu smoke run, times mean nothing" if args.cpu else None,
+        "gpu": "cpu" if args.cpu else None,  # a --cpu smoke run: its times mean nothing
         "device_count": 0 if args.cpu else torch.cuda.device_count(),
         "world": world,
         "gpu_memory_gib": None,
@@ -617,6 +645,7 @@ def _header(args: argparse.Namespace, settings: dict[str, Any], world: int) -> d
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
         "python": platform.python_version(),
+        "flashtile": flashtile.__version__,
         "commit": _commit(args.commit),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -640,7 +669,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--out", required=True, type=Path, help="folder for ring.json and ring.md")
+    parser.add_argument("--out", required=True, type=Path, help="folder for ring.jsonl and ring.md")
     parser.add_argument("--time-budget", type=float, default=300.0, help="seconds; nothing starts that would end later")
     parser.add_argument("--max-world", type=int, default=None, help="largest W (default: every GPU; --cpu: 2)")
     parser.add_argument("--seqlens", type=_ints, default=None, help="N of the scaling table, comma-separated")
@@ -717,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mp.start_processes(_worker, args=(s,), nprocs=world, join=True)
     print()
     print((args.out / "ring.md").read_text())
-    print(f"wrote {args.out / 'ring.json'} and ring.md in {time.time() - start:.0f} s")
+    print(f"wrote {args.out / 'ring.jsonl'} and ring.md in {time.time() - start:.0f} s")
     return 0
 
 

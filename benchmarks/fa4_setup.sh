@@ -1,17 +1,16 @@
 # shellcheck shell=bash
-# flash-attn-4 (FA4) as a benchmark peer on the device machine, in two device calls.
+# flash-attn-4 (FA4) as a benchmark peer on a GPU machine without access to a package index, in two parts.
 #
-# FA4 is pure Python over nvidia-cutlass-dsl, whose CUDA 13 library wheel (~92 MB) is over one
-# call's 64 MiB carry limit. So that wheel travels unpacked, as one `tar | xz -9e` stream split in
-# two byte ranges, and the two calls must follow each other at once (a machine stays warm ~30 s).
+# FA4 is pure Python over nvidia-cutlass-dsl, whose CUDA 13 library wheel (~92 MB) is larger than what one
+# transfer to such a machine may hold (64 MiB). So that wheel travels unpacked, as one `tar | xz -9e` stream split
+# in two byte ranges (.fa4a/ and .fa4b/, copied to the machine one after the other):
 #
-#   call 1:  run(command="bash benchmarks/fa4_setup.sh part1", carry=[".fa4a"], timeout_s=120)
-#   call 2:  run(command="source benchmarks/fa4_setup.sh part2 && bash benchmarks/gpu_session.sh quick",
-#                carry=[".fa4b"])
+#   bash benchmarks/fa4_setup.sh part1                       # with .fa4a/ present
+#   source benchmarks/fa4_setup.sh part2 && bash benchmarks/gpu_run.sh quick     # with .fa4b/ present
 #            (any steps after the `&&`; `source ... part2 check &&` also runs a small forward
 #             against SDPA first; `source ... part2 && python3 ...` works the same way)
 #
-#   part1   copies .fa4a/cu13.tar.xz.part1 to /root/fa4 (kept only while the machine stays warm)
+#   part1   copies .fa4a/cu13.tar.xz.part1 to /root/fa4 (FA4_STASH), where part2 finds it
 #           and prints the versions of the packages FA4 takes from the image.
 #   part2   1. pip install --no-deps --target /tmp/site the small wheels in .fa4b/ (FIRST: pip
 #              --target --upgrade replaces the whole nvidia_cutlass_dsl/ folder);
@@ -19,7 +18,7 @@
 #              untars it into /tmp/site (adds nvidia_cutlass_dsl/cu13/ and the cu13 _cutlass_ir .so);
 #           3. exports PYTHONPATH=src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages and also
 #              writes those two folders into a .pth file in python3's site-packages, because
-#              benchmarks/gpu_session.sh resets PYTHONPATH=src;
+#              benchmarks/gpu_run.sh resets PYTHONPATH=src;
 #           4. checks `python3 -c "from flash_attn.cute import flash_attn_func"`.
 #   check   (after part2, or as `part2 check`) a small causal bf16 forward against SDPA.
 #
@@ -32,7 +31,7 @@
 #           nvidia_cutlass_dsl_libs_core-4.8.1, quack_kernels-0.6.5, apache_tvm_ffi-0.1.15.post2,
 #           torch_c_dlpack_ext-0.1.5
 #   Their other needs (torch, einops, typing-extensions, cuda-bindings, protobuf, packaging) are
-#   on the device image; nvidia-cutlass-dsl's hard need of -libs-cu12 is left out on purpose (the
+#   expected on the machine; nvidia-cutlass-dsl's hard need of -libs-cu12 is left out on purpose (the
 #   cu13 flavour is the one that matches torch 2.11+cu130 and the 580 driver).
 #   Rebuild (here, in the repo root):
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -55,9 +54,9 @@
 
 _fa4_part1() {
   local stash=${FA4_STASH:-/root/fa4} py=${FA4_PYTHON:-python3}
-  [ -f .fa4a/cu13.tar.xz.part1 ] || { echo "fa4_setup: .fa4a/cu13.tar.xz.part1 missing (carry \".fa4a\")" >&2; return 1; }
+  [ -f .fa4a/cu13.tar.xz.part1 ] || { echo "fa4_setup: .fa4a/cu13.tar.xz.part1 missing (copy .fa4a/ to the machine)" >&2; return 1; }
   mkdir -p "$stash" && cp .fa4a/cu13.tar.xz.part1 "$stash/" || return 1
-  echo "fa4_setup part1: $(stat -c %s "$stash/cu13.tar.xz.part1") bytes in $stash; make call 2 NOW (warm ~30 s)"
+  echo "fa4_setup part1: $(stat -c %s "$stash/cu13.tar.xz.part1") bytes in $stash; part2 next"
   "$py" - <<'EOF'
 import importlib.metadata as m
 for name in ("torch", "einops", "typing-extensions", "cuda-bindings", "protobuf", "packaging",
@@ -75,11 +74,10 @@ _fa4_part2() {
   local part1=$stash/cu13.tar.xz.part1 sum pth
   [ -f "$part1" ] || part1=.fa4a/cu13.tar.xz.part1
   if [ ! -f "$part1" ]; then
-    echo "fa4_setup: $stash/cu13.tar.xz.part1 missing: the machine went cold after call 1;" \
-         "make call 1 again and call 2 right after it" >&2
+    echo "fa4_setup: $stash/cu13.tar.xz.part1 missing: run part1 on this machine first" >&2
     return 1
   fi
-  [ -f .fa4b/cu13.tar.xz.part2 ] || { echo "fa4_setup: .fa4b/cu13.tar.xz.part2 missing (carry \".fa4b\")" >&2; return 1; }
+  [ -f .fa4b/cu13.tar.xz.part2 ] || { echo "fa4_setup: .fa4b/cu13.tar.xz.part2 missing (copy .fa4b/ to the machine)" >&2; return 1; }
   # 1. The small wheels first: pip --target --upgrade replaces whole top-level folders.
   mkdir -p "$site"
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -103,7 +101,7 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filt
   if [ "${FA4_PTH:-1}" != 0 ]; then
     pth=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/fa4_tmp_site.pth
     if printf '%s\n%s\n' "$site" "$site/nvidia_cutlass_dsl/dsl_packages" > "$pth" 2>/dev/null; then
-      echo "fa4_setup: wrote $pth (so gpu_session.sh's PYTHONPATH=src still sees FA4)"
+      echo "fa4_setup: wrote $pth (so gpu_run.sh's PYTHONPATH=src still sees FA4)"
     else
       echo "fa4_setup: could not write $pth: run FA4 scripts with the PYTHONPATH above" >&2
     fi

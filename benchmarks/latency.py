@@ -17,7 +17,9 @@
 ``--host-trace`` instead reports where the host time of eager steps goes, function by function (host-trace.txt).
 ``--host-overhead`` runs on any machine, no GPU: the host time of eager calls with CPU tensors on a pretended sm_90
 GPU whose launches do nothing (``cpu_host_overhead``); it prints a table and writes nothing.
-Writes ``latency.json`` and prints a table.
+Writes ``latency.jsonl`` (the records of ``flashtile.bench.results``: benchmark ``latency`` with
+``config["launch"]`` eager or graph, the host time in the eager record's ``extra``; benchmark ``first-call``)
+and prints a table.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from triton.compiler import CompiledKernel
 
 import flashtile
 from bench_decode import capture
+from flashtile.bench import results
 from host_overhead import call_means
 
 FIRST_CALL = """
@@ -89,7 +92,7 @@ def host_time(fn, calls: int = 50, during: contextlib.AbstractContextManager | N
     """Median seconds of Python per call of ``fn``, queued behind a GPU sleep long enough that no call waits
     for a result (the timed calls inside ``during`` if given; the warm-up call before it outside). The median,
     not the mean: 60 traced fwd+bwd steps once averaged 18 ms while their traced functions summed to ~1 ms
-    (results/2026-11-30-h200x2-hosttrace-17afec5.txt); the likely cause, a launch that finds the launch queue
+    (docs/tuning/host-path.md, "Host trace fixed"); the likely cause, a launch that finds the launch queue
     full waiting for the sleep to end, stalls a few calls, not the median."""
     fn()
     torch.cuda.synchronize()
@@ -378,11 +381,40 @@ def cpu_host_overhead(repeats: int = 7, calls: int = 200, shape: tuple[int, int,
     return rows
 
 
+def records(env: dict, launch: list[dict], first: list[dict]) -> list[results.Record]:
+    """``launch_overhead``'s and ``first_call``'s rows as records."""
+    found = []
+    names = {"flashtile": ("flashtile", {}), "flashtile-binder": ("flashtile", {"gluon launch": "Triton's binder"}),
+             "fa2": ("sdpa_flash", {})}  # fmt: skip
+    for row in launch:
+        name, pass_ = row["what"].split()
+        implementation, config = names[name]
+        batch = 16384 // row["N"]
+        shape = {"dtype": "bf16", "B": batch, "N": row["N"], "H": 16, "D": 128, "causal": row["causal"]}
+        for launch_mode in ("eager", "graph"):
+            extra = (
+                {"host_us": row["host_us"], "host_us_rounds": row["host_us_rounds"]} if launch_mode == "eager" else {}
+            )
+            found.append(results.record(env, "latency", implementation, shape, pass_,
+                                        config={"launch": launch_mode, **config},
+                                        time_ms=row[f"{launch_mode}_ms"], extra=extra))  # fmt: skip
+    for row in first:
+        cache, shape_text = row["what"].rsplit(" ", 1)
+        b, n, h, d = (int(x) for x in shape_text.split(","))
+        shape = {"dtype": "bf16", "B": b, "N": n, "H": h, "D": d, "causal": True}
+        seconds = row.get("first_call_s")
+        found.append(results.record(env, "first-call", "flashtile", shape, "fwd+bwd", config={"kernel cache": cache},
+                                    time_ms=None if seconds is None else seconds * 1e3, error=row.get("error"),
+                                    extra={"process_s": row["process_s"]} if "process_s" in row else {}))  # fmt: skip
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="folder for the results (all modes but --host-overhead)")
     parser.add_argument("--host-trace", action="store_true", help="only trace the host path (host-trace.txt)")
     parser.add_argument("--host-overhead", action="store_true", help="host time on the CPU, launches stubbed")
+    parser.add_argument("--commit", default=None, help="flashtile commit to record (default: from git)")
     args = parser.parse_args()
     if args.host_overhead:
         for row in cpu_host_overhead():
@@ -395,15 +427,17 @@ def main() -> None:
     if args.host_trace:
         host_trace(args.out)
         return
-    result = {"gpu": torch.cuda.get_device_name(), "first_call": first_call(args.out), "launch": launch_overhead()}
-    (args.out / "latency.json").write_text(json.dumps(result, indent=1))
+    env = results.environment(torch.device("cuda"), args.commit)
+    first = first_call(args.out)
+    launch = launch_overhead()
+    results.write(args.out / "latency.jsonl", records(env, launch, first))
     print("\n| what | N | causal | eager ms | graph ms | host µs |\n|---|---|---|---|---|---|")
-    for row in result["launch"]:
+    for row in launch:
         print(
             f"| {row['what']} | {row['N']} | {row['causal']} | {row['eager_ms']:.3f} | {row['graph_ms']:.3f} "
             f"| {row['host_us']:.0f} |"
         )
-    for row in result["first_call"]:
+    for row in first:
         print(row)
 
 

@@ -1,4 +1,4 @@
-"""One attention forward or backward for Nsight Compute (gpu_session.sh's ``ncufwd`` / ``ncubwd`` steps): the
+"""One attention forward or backward for Nsight Compute (gpu_run.sh's ``ncufwd`` / ``ncubwd`` steps): the
 first launch compiles, the second is the one ncu profiles (``-s 1 -c 1`` with a kernel-name filter).
 
     PYTHONPATH=src ncu --set full -k regex:_attention_backward_sm90 -s 1 -c 1 -o REPORT \\

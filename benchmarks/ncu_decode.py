@@ -1,4 +1,4 @@
-"""One decode step for Nsight Compute (gpu_session.sh's ``ncudecode`` step): the first launches compile and warm up,
+"""One decode step for Nsight Compute (gpu_run.sh's ``ncudecode`` step): the first launches compile and warm up,
 the last one runs between cudaProfilerStart and cudaProfilerStop.
 
     PYTHONPATH=src ncu --set full -k regex:_split_kv_kernel -s 1 -c 1 -o REPORT \\

@@ -8,7 +8,7 @@ sizes). Each instruction's "Instructions Executed" divided by it is how many tim
 n > 1 times form a loop body of n trips, those run once the straight-line part, fractions the parts only some programs
 run (the merge of the last split, a masked tail tile). Per group the summary gives the instruction count, the
 instructions per warp, the stall samples by reason and the opcode mix; then the most-sampled instructions.
-docs/tuning-log.md (sessions 24 and 25) compares decode steps with cuDNN's kernel this way."""
+docs/tuning/decode.md compares decode steps with cuDNN's kernel this way (2026-12-03)."""
 
 from __future__ import annotations
 

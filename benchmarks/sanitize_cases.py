@@ -1,4 +1,4 @@
-"""Forward + backward cases for ``compute-sanitizer --tool memcheck`` (gpu_session.sh's ``sanitize`` step): each
+"""Forward + backward cases for ``compute-sanitizer --tool memcheck`` (gpu_run.sh's ``sanitize`` step): each
 path's edges on the GPU it runs on, small enough for the sanitizer's slowdown.
 
     PYTHONPATH=src compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py

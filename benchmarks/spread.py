@@ -1,16 +1,16 @@
-"""Does a short causal forward's speed follow where its inputs lie in memory? (session 11's per-process spread)
+"""Does a short causal forward's speed follow where its inputs lie in memory, or the host?
 
     PYTHONPATH=src python3 benchmarks/spread.py [--copies 6] [--dtype bf16|fp16] [--grad] [--out DIR]
 
-Session 11 saw a short causal forward (D=256 N=512, D=64 N=1k) keep one speed within a process and change it from
+A short causal forward (D=256 N=512, D=64 N=1k) was seen to keep one speed within a process and change it from
 one process to the next (~200 against ~320 TFLOP/s), while D=128 N=1k stayed put. This times, in one process,
 several copies of the same inputs (each a fresh allocation, kept alive, so each lies on other memory), each copy
 three times (do_bench median, L2 flushed), beside the host time of one call (``latency.host_time``: queued behind a
 GPU sleep, so no call waits for the GPU). Speeds that follow the copy point at placement (L2 slices, pages); speeds
 that stay per process and track the host time point at the launch path. Run it in several fresh processes to see
-both. In session 11 (results/2026-11-30-h200x2-s11-call10-spread-d36b862.json) every slow sample sat beside a
-host-time spike, whatever the copy. ``--grad``: the inputs require grad, as in the standard table's forward rows
-(bench_attention.py), so the forward goes through the autograd Function's path; ``--dtype fp16`` for its fp16 rows.
+both. On the H200 (2026-11-30, d36b862; docs/tuning/host-path.md) every slow sample sat beside a host-time spike,
+whatever the copy. ``--grad``: the inputs require grad, as in the standard table's forward rows
+(``flashtile bench``), so the forward goes through the autograd Function's path; ``--dtype fp16`` for its fp16 rows.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from triton.testing import do_bench
 
 import flashtile
-from bench_attention import DTYPES  # benchmarks/, beside this script
+from flashtile.bench.attention import DTYPES
 from latency import host_time
 
 SHAPES = [(32, 512, 8, 256), (16, 1024, 32, 64), (16, 1024, 16, 128)]

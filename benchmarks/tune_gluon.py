@@ -16,7 +16,7 @@ dv from the shipped config's (bf16 rounding and the atomic dQ's order make it no
     --variant d64-causal-3wg:FORWARD_D=64,NUM_WG=3,CONSUMER_REGS=160  (D=64 causal forwards with three warpgroups:
         FORWARD_D's keys reach its CAUSAL_CHANGES too)
     --variant d64-2wg:FORWARD_D=64,NUM_WG=2,CONSUMER_REGS=240  (the D=64 forward with two consumer warpgroups,
-        as before session 11; without FORWARD_D the register split would change every config, the backward's too)
+        as before 39629e4; without FORWARD_D the register split would change every config, the backward's too)
     --variant d256-unpaired:BACKWARD_D=256,KEY_PAIRS=0  (the D=256 backward without causal key pairs, alone)
 
 A key in both modules' configs changes both kernels; the causal pairs have a name per kernel (forward
@@ -43,8 +43,8 @@ import torch
 from triton.testing import do_bench
 
 import flashtile
-from bench_attention import DTYPES  # benchmarks/, beside this script
 from flashtile import _backend
+from flashtile.bench.attention import DTYPES
 from flashtile.ops.attention import backward_sm90, forward_sm90
 
 CAUSAL_HEAD_DIM = "GLUON_CAUSAL_D"

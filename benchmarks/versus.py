@@ -4,12 +4,12 @@
         [--out DIR]
 
 The standard table times each provider once per row, one after the other, so a row within a few percent of a peer
-says little: the peers move by as much between runs (cuDNN's D=128 N=2k backward read 482 and 517 TFLOP/s in
-sessions 12 and 13). This times the rows named by ``--row DTYPE,D,N,CAUSAL`` (the standard shapes, B·N = 16384
-and H·D = 2048) with bench_attention.py's own protocol (``Run.speed_case``: same inputs, accuracy check, do_bench
-median, fwd and bwd), ``--rounds`` times, flashtile first in even rounds and the peer first in odd ones, the
-inputs drawn again each round (same seed, new memory). Prints and writes (``--out``: versus.json) per row and
-pass the ratio flashtile / peer of each round and their median, which is the number to read against 1.0.
+says little: the peers move by as much between runs (cuDNN's D=128 N=2k backward read 482 and 517 TFLOP/s in two
+runs on 2026-11-30 and 2026-12-01). This times the rows named by ``--row DTYPE,D,N,CAUSAL`` (the standard shapes,
+B·N = 16384 and H·D = 2048) with ``flashtile bench``'s own protocol (``Run.speed_case``: same inputs, accuracy
+check, do_bench median, fwd and bwd), ``--rounds`` times, flashtile first in even rounds and the peer first in odd
+ones, the inputs drawn again each round (same seed, new memory). Prints and writes (``--out``: versus.json) per row
+and pass the ratio flashtile / peer of each round and their median, which is the number to read against 1.0.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench_attention import DTYPES, PROVIDERS, Case, Run, parse_args  # benchmarks/, beside this script
+from flashtile.bench.attention import DTYPES, PROVIDERS, Case, Run, parse_args
 
 OURS = "flashtile"
 
@@ -36,8 +36,9 @@ def parse_row(text: str) -> Case:
 def round_ratios(rows: list[dict[str, Any]], peer: str) -> dict[tuple, list[float]]:
     """Per (dtype, D, N, causal, pass), flashtile's TFLOP/s over the peer's, one ratio per round in round order.
 
-    ``rows``: bench_attention speed rows, each with a "round"; a round where either side has no time (an error) or
-    was flagged (its output or gradients off the reference's beyond tolerance) gives no ratio."""
+    ``rows``: flat speed rows (dtype, D, N, causal, pass, provider, tflops, flagged), each with a "round"; a round
+    where either side has no time (an error) or was flagged (its output or gradients off the reference's beyond
+    tolerance) gives no ratio."""
     times: dict[tuple, dict[str, float | None]] = {}
     for row in rows:
         key = (row["dtype"], row["D"], row["N"], row["causal"], row["pass"], row["round"])
@@ -62,9 +63,9 @@ def main() -> None:
     for r in range(args.rounds):
         order = [OURS, args.peer] if r % 2 == 0 else [args.peer, OURS]
         for case in args.row:
-            first = len(run.rows)
-            run.speed_case(case, [PROVIDERS[name] for name in order])
-            rows += [dict(row, round=r) for row in run.rows[first:]]
+            for rec in run.speed_case(case, [PROVIDERS[name] for name in order]):
+                flags = {"provider": rec["implementation"], "tflops": rec["tflops"], "pass": rec["pass"]}
+                rows.append({**rec["shape"], **flags, "flagged": bool(rec["extra"].get("flagged")), "round": r})
     ratios = round_ratios(rows, args.peer)
     for (dtype, head_dim, seqlen, causal, pass_), values in ratios.items():
         print(f"{dtype} D={head_dim} N={seqlen} causal={int(causal)} {pass_}: flashtile / {args.peer} median "

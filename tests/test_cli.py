@@ -1,7 +1,9 @@
 """The command line: ``flashtile info``, ``check`` and ``bench``, in-process through ``main`` and as
 ``python -m flashtile``."""
 
+import contextlib
 import math
+import os
 import re
 import subprocess
 import sys
@@ -46,9 +48,34 @@ def test_check_quick_cpu(capsys, monkeypatch):
     assert "FAIL" not in out
     assert out.count("PASS") == len(cli.CASES) + 1  # one per case, and the verdict
     assert cli.SPEED_SETUPS["cpu"].quick_seqlens == (1024, 2048)
-    assert re.search(r"^\s*1024 │.*│ +\d+\.\d ", out, re.MULTILINE)  # flashtile and standard timed
-    assert re.search(r"^\s*2048 │[^│]*│ +skipped │", out, re.MULTILINE)
+    timed = r" +\d+\.\d \(\d+\) │"
+    # flashtile, torch's SDPA and standard attention timed, then the two ratios
+    assert re.search(rf"^\s*1024 │{timed}{timed}{timed} +\d+\.\d\d× │ +\d+\.\d\d×$", out, re.MULTILINE), out
+    assert re.search(rf"^\s*2048 │{timed}{timed} +skipped │ +\d+\.\d\d× │ +-$", out, re.MULTILINE), out
     assert "N=2048: standard attention skipped (would need 0.1 GiB" in out
+
+
+def test_check_names_each_step_while_it_runs(monkeypatch):
+    """The progress bar names every correctness case and every timed step before it runs."""
+    named = []
+
+    @contextlib.contextmanager
+    def progress(console, description, total):
+        steps = []
+        yield steps.append
+        named.append((description, total, steps))
+
+    monkeypatch.setattr(cli, "_progress", progress)
+    monkeypatch.setattr(
+        cli, "check_case", lambda case, device, seed: {"out": within_tolerance(*[torch.ones(1)] * 3, factor=2.0)}
+    )
+    monkeypatch.setattr(cli, "_measure", lambda step, seqlen, setup, device: (1.0, 2.0))
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
+    assert cli.main(["check", "--quick", "--device", "cpu"]) == 0
+    (_, cases, case_steps), (_, timings, timing_steps) = named
+    assert cases == len(case_steps) == len(cli.CASES)
+    assert timings == len(timing_steps) == 2 * len(cli.STEPS)
+    assert timing_steps[:3] == ["flashtile N=1024", "torch SDPA N=1024", "standard N=1024"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -74,12 +101,33 @@ def test_within_tolerance(x, ok):
     assert within_tolerance(torch.tensor(x), ref, base, factor=2.0).ok is ok
 
 
-def test_bench_forwards_arguments(capfd):
-    assert cli.main(["bench", "--help"]) == 0
-    assert "bench_attention.py" in capfd.readouterr().out
+def test_bench_help(capsys):
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["bench", "--help"])
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: flashtile bench") and "--dry-run" in out
 
 
-def test_bench_without_repository(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "missing.py")
-    assert cli.main(["bench"]) == 1
-    assert "benchmarks/" in capsys.readouterr().out
+def test_bench_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
+    from flashtile.bench import plot
+
+    monkeypatch.setattr(plot, "available", lambda: False)
+    assert cli.main(["bench", "--out", str(tmp_path)]) == 1
+    assert "pip install 'flashtile[bench]'" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_without_gpu_points_to_the_dry_run(capsys, tmp_path):
+    assert cli.main(["bench", "--out", str(tmp_path), "--no-plot"]) == 1
+    assert "--dry-run" in capsys.readouterr().out
+
+
+def test_info_without_triton():
+    """The CPU path needs no Triton (it is not installed on macOS or Windows): ``flashtile info`` says so."""
+    code = "import sys; sys.modules['triton'] = None; from flashtile import cli; sys.exit(cli.main(['info']))"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "not installed" in result.stdout

@@ -19,7 +19,7 @@ from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.padding import pad_input, unpad_input
 from flashtile.sdpa import scaled_dot_product_attention
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "InputError",

@@ -5,12 +5,15 @@
                                                  verify flashtile against the exact oracle on this
                                                  machine, then time it and measure its memory next
                                                  to standard attention; exit code 1 on a failure
-    flashtile bench [ARGS...]                    the repository's benchmarks/bench_attention.py
+    flashtile bench [ARGS...]                    flashtile against its peers on a GPU
+                                                 (``flashtile.bench.attention``; try --help)
 
-``check`` applies the tolerance rule of DESIGN.md (``within_tolerance``) to out, softmax_lse, dq,
-dk and dv for a handful of cases, then runs forward+backward of flashtile and of standard
-attention (``attention_reference`` in the inputs' dtype: the score matrix materialised, as a
-plain PyTorch implementation does) at a few sequence lengths.
+``check`` applies flashtile's tolerance rule (``flashtile.reference.within_tolerance``: the error against
+the exact oracle within a small factor of the error the oracle itself makes in fp16/bf16) to out,
+softmax_lse, dq, dk and dv for a handful of cases, then times forward+backward of flashtile, of torch's
+``scaled_dot_product_attention`` (whichever kernel torch picks) and of standard attention
+(``attention_reference`` in the inputs' dtype: the score matrix materialised, as a plain PyTorch
+implementation does) at a few sequence lengths, with a progress bar while it works.
 """
 
 from __future__ import annotations
@@ -19,21 +22,21 @@ import argparse
 import multiprocessing
 import platform
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import triton
+import torch.nn.functional as F
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import flashtile
 from flashtile import _backend
-from flashtile.ops.attention import configs
 from flashtile.reference import (
     GRADIENT_FACTOR,
     OUTPUT_FACTOR,
@@ -44,13 +47,15 @@ from flashtile.reference import (
     within_tolerance,
 )
 
+if TYPE_CHECKING:
+    from flashtile.ops.attention.configs import TileConfig
+
 PATH_DESCRIPTIONS = {
     "triton": "Triton kernels, compiled",
     "triton-interpreter": "Triton kernels run by the Triton interpreter, TRITON_INTERPRET=1",
     "cpu": "flashtile.cpu: the tiled algorithm in PyTorch",
 }
 MAX_SCORE_BYTES = 4 * 2**30  # standard attention is skipped when its score matrix alone is larger
-BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_attention.py"
 
 
 # ----------------------------------------------------------------------------------------- info
@@ -78,11 +83,20 @@ def _path_description(device: torch.device) -> str:
 def _gluon_description() -> str:
     """Whether the sm_90 Gluon kernels are switched on, and whether this machine's GPU would run them."""
     state = "on" if _backend.GLUON else "off (FLASHTILE_GLUON=0)"
-    here = torch.cuda.is_available() and configs.compute_capability(None) == (9, 0)
+    here = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     return f"{state}; {'this GPU is sm_90' if here else 'they run on sm_90 GPUs only'}"
 
 
-def _format_config(cfg: configs.TileConfig) -> str:
+def _triton_version() -> str:
+    """Triton's version, or why there is none (the CPU path does not need it)."""
+    try:
+        import triton
+    except ImportError:
+        return "not installed (the CPU path does not need it; CUDA tensors do)"
+    return triton.__version__
+
+
+def _format_config(cfg: TileConfig) -> str:
     """'128×64 w8 s3': block_m × block_n, warps, pipeline stages."""
     return f"{cfg.block_m}×{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
 
@@ -95,7 +109,7 @@ def info(console: Console) -> int:
     for name, value in (
         ("flashtile", flashtile.__version__),
         ("torch", torch.__version__),
-        ("triton", triton.__version__),
+        ("triton", _triton_version()),
         ("python", platform.python_version()),
         ("device", _device_description()),
         ("CUDA tensors", _path_description(torch.device("cuda"))),
@@ -108,6 +122,8 @@ def info(console: Console) -> int:
     if not torch.cuda.is_available():
         console.print("Tile configs: chosen per GPU generation and head dim; no CUDA device here.")
         return 0
+    from flashtile.ops.attention import configs  # imports Triton, which a CUDA machine has
+
     device = torch.device("cuda")
     tiles = _table(f"Tile configs on {torch.cuda.get_device_name()}")
     tiles.add_column("head dim", justify="right")
@@ -195,22 +211,41 @@ def _closeness(result: ToleranceResult) -> float:
     return result.error / result.bound if result.bound else 0.0
 
 
+@contextmanager
+def _progress(console: Console, description: str, total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar of ``total`` steps, cleared when done; yields ``step(what)``: name the step about to run
+    (the first call starts the bar, each later one counts the step before it as done)."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        started = False
+
+        def step(what: str) -> None:
+            nonlocal started
+            progress.update(task, description=f"{description}: {what}", advance=1 if started else 0)
+            started = True
+
+        yield step
+
+
 def check_correctness(console: Console, device: torch.device) -> bool:
     """Run every case and print one row each, for the tensor closest to (or furthest over) its bound."""
     table = _table(f"Correctness against the exact oracle, batch {CASE_BATCH}")
     for column in ("case", "worst", "max error", "plain error", "ratio", "result"):
         table.add_column(column, justify="left" if column in ("case", "worst") else "right")
     passed = True
-    for seed, case in enumerate(CASES):
-        results = check_case(case, device, seed)
-        name, worst = max(results.items(), key=lambda item: _closeness(item[1]))
-        ok = all(r.ok for r in results.values())
-        passed &= ok
-        ratio = f"{worst.error / worst.base_error:.2g}" if worst.base_error else "-"
-        table.add_row(
-            str(case), name, f"{worst.error:.2e}", f"{worst.base_error:.2e}", ratio,
-            "[green]PASS[/]" if ok else "[bold red]FAIL[/]",
-        )  # fmt: skip
+    with _progress(console, "correctness", len(CASES)) as step:
+        for seed, case in enumerate(CASES):
+            step(str(case))
+            results = check_case(case, device, seed)
+            name, worst = max(results.items(), key=lambda item: _closeness(item[1]))
+            ok = all(r.ok for r in results.values())
+            passed &= ok
+            ratio = f"{worst.error / worst.base_error:.2g}" if worst.base_error else "-"
+            table.add_row(
+                str(case), name, f"{worst.error:.2e}", f"{worst.base_error:.2e}", ratio,
+                "[green]PASS[/]" if ok else "[bold red]FAIL[/]",
+            )  # fmt: skip
     console.print(table)
     precise = "float64" if device.type == "cpu" else "float32"
     console.print(
@@ -256,10 +291,21 @@ def flashtile_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
     flashtile.flash_attn_func(q, k, v).backward(dout)
 
 
+def sdpa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> None:
+    """One forward+backward of torch's scaled_dot_product_attention, whichever kernel torch picks for it."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out.transpose(1, 2).backward(dout)
+
+
 def standard_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> None:
     """One forward+backward of standard attention: the score matrix materialised, in the inputs' dtype."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     attention_reference(q, k, v)[0].backward(dout)
+
+
+STEPS = {"flashtile": flashtile_step, "torch SDPA": sdpa_step, "standard": standard_step}
+"""What ``check`` times, by the name its table gives each: flashtile first, the others compared with it."""
 
 
 def measure_cuda(step: Step, seqlen: int, setup: SpeedSetup) -> tuple[float, float]:
@@ -338,43 +384,51 @@ def _measure(step: Step, seqlen: int, setup: SpeedSetup, device: torch.device) -
 
 
 def check_speed(console: Console, device: torch.device, quick: bool) -> None:
-    """Time forward+backward and measure peak extra memory of flashtile and of standard attention."""
+    """Time forward+backward and measure the peak extra memory of flashtile, torch's SDPA and standard attention."""
     setup = SPEED_SETUPS[device.type]
     if _backend.path_name(device) == "triton-interpreter":
         console.print("Speed and memory: skipped, the Triton interpreter is for tests; unset TRITON_INTERPRET.")
         return
-    table = _table(f"Forward+backward, B=1 H={setup.nheads} D={setup.head_dim} bf16, no mask")
-    for column in ("N", "flashtile ms", "standard ms", "speed-up", "flashtile MiB", "standard MiB"):
-        table.add_column(column, justify="right")
+    seqlens = setup.quick_seqlens if quick else setup.seqlens
+    others = [name for name in STEPS if name != "flashtile"]
+    table = _table(f"Forward+backward, B=1 H={setup.nheads} D={setup.head_dim} bf16, no mask: ms (MiB)")
+    table.add_column("N", justify="right")
+    for name in STEPS:
+        table.add_column(name, justify="right")
+    for name in others:
+        table.add_column(f"vs {name}", justify="right")
     skipped = []
-    for seqlen in setup.quick_seqlens if quick else setup.seqlens:
-        flash_ms, flash_mib = _measure(flashtile_step, seqlen, setup, device)
-        score_bytes = setup.nheads * seqlen * seqlen * SPEED_DTYPE.itemsize
-        if score_bytes > MAX_SCORE_BYTES:
-            gib = score_bytes / 2**30
-            skipped.append(f"N={seqlen}: standard attention skipped (would need {gib:.1f} GiB for its score matrix).")
-            table.add_row(str(seqlen), f"{flash_ms:.1f}", "skipped", "-", f"{flash_mib:.0f}", "-")
-            continue
-        std_ms, std_mib = _measure(standard_step, seqlen, setup, device)
-        table.add_row(
-            str(seqlen), f"{flash_ms:.1f}", f"{std_ms:.1f}", f"{std_ms / flash_ms:.2f}×", f"{flash_mib:.0f}",
-            f"{std_mib:.0f}",
-        )  # fmt: skip
+    with _progress(console, "timing", len(seqlens) * len(STEPS)) as step:
+        for seqlen in seqlens:
+            measured: dict[str, tuple[float, float] | None] = {}
+            for name, function in STEPS.items():
+                step(f"{name} N={seqlen}")
+                score_bytes = setup.nheads * seqlen * seqlen * SPEED_DTYPE.itemsize
+                if name == "standard" and score_bytes > MAX_SCORE_BYTES:
+                    gib = score_bytes / 2**30
+                    skipped.append(f"N={seqlen}: standard attention skipped (would need {gib:.1f} GiB for its score "
+                                   "matrix).")  # fmt: skip
+                    measured[name] = None
+                    continue
+                measured[name] = _measure(function, seqlen, setup, device)
+            ours_ms = measured["flashtile"][0]
+            cells = ["skipped" if m is None else f"{m[0]:.1f} ({m[1]:.0f})" for m in map(measured.get, STEPS)]
+            ratios = [f"{measured[name][0] / ours_ms:.2f}×" if measured[name] else "-" for name in others]
+            table.add_row(str(seqlen), *cells, *ratios)
     console.print(table)
     for line in skipped:
         console.print(line)
+    ratio = "vs X: X's time over flashtile's (above 1: flashtile is faster)"
     if device.type == "cuda":
         console.print(
-            f"Time: median of {setup.reps} runs by CUDA events after {CUDA_WARMUP} warm-up runs; speed-up: "
-            "standard ms / flashtile ms. Memory: "
-            "torch.cuda.max_memory_allocated during one run minus what was allocated before it (the inputs)."
+            f"Time: median of {setup.reps} runs by CUDA events after {CUDA_WARMUP} warm-up runs; {ratio}. Memory "
+            "(MiB): torch.cuda.max_memory_allocated during one run minus what was allocated before it (the inputs)."
         )
     else:
         console.print(
-            f"Time: median of {setup.reps} runs by time.perf_counter; speed-up: standard ms / flashtile ms. "
-            "Memory: growth of the peak resident set "
-            "size (ru_maxrss) of a fresh process during one run, after a small warm-up; inputs not counted. "
-            "Each size and implementation runs in its own process."
+            f"Time: median of {setup.reps} runs by time.perf_counter; {ratio}. Memory (MiB): growth of the peak "
+            "resident set size (ru_maxrss) of a fresh process during one run, after a small warm-up; inputs not "
+            "counted. Each size and implementation runs in its own process."
         )
 
 
@@ -393,16 +447,11 @@ def check(console: Console, device: torch.device, quick: bool) -> int:
 # ---------------------------------------------------------------------------------------- bench
 
 
-def bench(console: Console, args: Sequence[str]) -> int:
-    """Run the repository's benchmarks/bench_attention.py with ``args``; its exit code."""
-    if not BENCH_SCRIPT.is_file():
-        console.print(
-            "The benchmark lives in the flashtile repository's benchmarks/ folder (bench_attention.py), "
-            "which this installation does not include. Clone the repository and run "
-            "`python benchmarks/bench_attention.py --help` there."
-        )
-        return 1
-    return subprocess.call([sys.executable, str(BENCH_SCRIPT), *args])
+def bench(args: Sequence[str]) -> int:
+    """``flashtile bench ARGS``: ``flashtile.bench.attention`` with ``args``; its exit code."""
+    from flashtile.bench import attention
+
+    return attention.main(args, prog="flashtile bench")
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -413,14 +462,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
     commands.add_parser("info", help="versions, device, which path runs, tile configs")
     check_parser = commands.add_parser(
-        "check", help="verify flashtile against the exact oracle, then time it next to standard attention"
+        "check", help="verify flashtile against the exact oracle, then time it next to torch's SDPA and plain attention"
     )
     check_parser.add_argument(
         "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available, else cpu"
     )
     check_parser.add_argument("--quick", action="store_true", help="fewer sequence lengths for the timing")
     commands.add_parser(
-        "bench", add_help=False, help="run benchmarks/bench_attention.py (arguments are passed on; try -h)"
+        "bench", add_help=False, help="flashtile against its peers on a GPU (arguments are passed on; try --help)"
     )
     return parser
 
@@ -431,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     console = Console()
     if args.command == "bench":
-        return bench(console, rest)
+        return bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "info":

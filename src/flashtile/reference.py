@@ -3,7 +3,7 @@
 It materialises the full (seqlen_q, seqlen_k) score matrix, so it is only for small problems.
 Inputs use flash_attn's layout; computation happens in the dtype of the inputs, so passing
 float64 tensors gives a float64-exact answer and passing fp16/bf16 tensors gives the error a
-plain low-precision implementation makes (the ``base`` of the tolerance rule in DESIGN.md).
+plain low-precision implementation makes (the ``base`` of the tolerance rule, ``within_tolerance``).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class ToleranceResult:
 
 
 def within_tolerance(x: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, factor: float) -> ToleranceResult:
-    """The tolerance rule of the project (shared DESIGN.md) for a result ``x`` of flashtile.
+    """flashtile's tolerance rule (the one of flash-attention's own tests) for a result ``x`` of flashtile.
 
     ref is the oracle in high precision cast to x's dtype, base the oracle computed in x's dtype.
     Pass when max|x - ref| <= factor * max|base - ref| + 2 ulps of ref's dtype at max|ref| (at 1.0

@@ -12,13 +12,12 @@ at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths mult
 ``forward_sm90.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
 sm_90 without a GPU, and the GPU tests run it against the oracle.
 
-Measured on an H200 (bf16, TFLOP/s, backward = 2.5 x the forward's FLOP; benchmarks/results/
-2026-11-30-h200x2-gluonbwd-70b5b21.log, the prototype of this kernel): D=128 N=16k 437 / 443 causal against
-406 / 388 for the Triton kernels (cuDNN 543 / 527), three stages 446 / 445; D=64 N=16k 394 / 405 against
-346 / 296 (cuDNN 451 / 439). GQA (results/2026-11-30-h200x2-branchcmp-be635c4.log, B=4 N=4k causal unless
-said, against the Triton kernels): D=128 4 and 8 query heads per K/V head 361 / 347 against 341 / 332, D=64 2
-and 8 (B=2 N=8k) 331 / 309 against 271 / 259; at 16 and 32 causal the Triton kernels were faster (see
-MAX_CAUSAL_GROUP), without causal this kernel at every group size (415-420 against 404-407).
+Measured on an H200 (bf16, TFLOP/s, backward = 2.5 x the forward's FLOP; the prototype of this kernel): D=128 N=16k 437
+/ 443 causal against 406 / 388 for the Triton kernels (cuDNN 543 / 527), three stages 446 / 445; D=64 N=16k 394 / 405
+against 346 / 296 (cuDNN 451 / 439). GQA (B=4 N=4k causal unless said, against the Triton kernels): D=128 4 and 8 query
+heads per K/V head 361 / 347 against 341 / 332, D=64 2 and 8 (B=2 N=8k) 331 / 309 against 271 / 259; at 16 and 32 causal
+the Triton kernels were faster (see MAX_CAUSAL_GROUP), without causal this kernel at every group size (415-420 against
+404-407).
 
 Math (as backward.py): with s = softmax_scale * q k^T, P = exp(s - lse), dP = dO V^T, delta = rowsum(dO * O)
 - dlse (``backward.attention_delta``), dS = P * (dP - delta):
@@ -192,12 +191,12 @@ Register-pressure notes (what keeps D=128 and D=64 from spilling; keep them in m
     zero above did not lower it; an unswizzled staging tile (8-way bank conflicts on its stores) gave 16-40
     bytes depending on the variant.
 
-DQ_TMA on the H200 (session 8, results/2026-11-30-h200x2-s8-call1-branches-a21fbac.log): the GPU tests pass
+DQ_TMA on the H200 (2026-11-30): the GPU tests pass
 (test_gluon_sm90.py, with test_backward_dq_tma_matches_the_atomics), and the backward gains 18-30% at D=128 and
 3-10% at D=64 over the atomics (``CONFIGS``); at D=256 (with one dO stage) the GPU tests and a compute-sanitizer
-memcheck pass and the backward gains 30-44% (results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log).
+memcheck pass and the backward gains 30-44%.
 
-D=64 at BLOCK_M = 128 (session 9, results/2026-11-30-h200x2-s9-call1-gluon-d64m128-3727350.log): backward
+D=64 at BLOCK_M = 128 (2026-11-30): backward
 TFLOP/s, bf16, against BLOCK_M = 64 with three stages (the config before), each tree's default in one call: B=4
 N=4k 448 / 403 full / causal against 416 / 367, N=16k 460 / 447 against 441 / 407, GQA 4:1 causal 369 against
 353, B=16 N=1k causal 258 against 254 (+2-10%; predicted +5-15%); GPU tests (test_gluon_sm90.py) pass, and a
@@ -240,7 +239,7 @@ from flashtile.ops.attention.tiles import LOG2E
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (measured with the
     # atomics, 198 KiB of shared memory then); a fourth at D=64 gained nothing with the atomics, and with DQ_TMA
-    # went -8% to +6% by row (session 8, results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
+    # went -8% to +6% by row (2026-11-30)
     128: {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "DO_STAGES": 3, "DQ_SPLIT": True, "OUTPUT_SPLIT": False,
           "DQ_TMA": True, "DQ_PERMUTED": True, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
     # FA-3's hdim-64 tiles: 128 query rows x 128 keys, dQ split by rows; two stages fill 199,168 bytes (a third
@@ -252,7 +251,7 @@ CONFIGS = {
     # one dO stage (FA-3's hdim-256 choice) leave room for DQ_TMA's staging tiles: 230,992-231,008 bytes of
     # shared memory. Main's config (two dO stages, atomics: --variant DQ_TMA=0,DO_STAGES=2, the same SASS),
     # H200, B=4 N=4k H=8 bf16: 281 / 271 TFLOP/s full / causal, this one 405 / 355 (N=16k 302 / 308 -> 422 / 407;
-    # GQA 4:1 causal 240 -> 317; the Triton kernel 189 / 212; results/2026-11-30-h200x2-s8-call5-gluon-07485eb.log)
+    # GQA 4:1 causal 240 -> 317; the Triton kernel 189 / 212)
     256: {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 2, "DO_STAGES": 1, "DQ_SPLIT": True, "OUTPUT_SPLIT": True,
           "DQ_TMA": True, "DQ_PERMUTED": False, "KEY_PAIRS": True, "CONSUMER_REGS": 240, "PRODUCER_REGS": 24},
 }  # fmt: skip
@@ -276,8 +275,8 @@ KEY_PAIRS (every head dim): a causal launch gets one CTA per pair of a (K/V head
 and then the lightest (``programs``; module docstring, "Causal key-tile pairs"), as the forward's CAUSAL_PAIRS does with
 query tiles; no effect without causal. Predicted +3-8% for causal D=128 and D=64 backwards at N=1k-4k, ~0 at 16k;
 measured on the H200 (bf16, B * N = 16k, H = 16 at D=128 / 32 at D=64, backward TFLOP/s, median of three interleaved
-rounds, docs/tuning-log.md session 11): D=128 N=1k 313.8 -> 321.2, 2k 395.0 -> 408.0, 4k 448.6 -> 469.5, 8k 483.8 ->
-507.6; D=64 1k 263.7 -> 266.6, 2k 344.1 -> 346.0; D=256 (H = 8, session 12) 1k 263.5 -> 274.7, 2k 309.1 -> 335.1, 4k
+rounds, docs/tuning/backward.md, 2026-11-30): D=128 N=1k 313.8 -> 321.2, 2k 395.0 -> 408.0, 4k 448.6 -> 469.5, 8k 483.8
+-> 507.6; D=64 1k 263.7 -> 266.6, 2k 344.1 -> 346.0; D=256 (H = 8, 2026-11-30) 1k 263.5 -> 274.7, 2k 309.1 -> 335.1, 4k
 351.8 -> 377.2, 8k 383.5 -> 397.1 (no stack either way). The forward's key is CAUSAL_PAIRS, so this one has its own
 name: ``--variant unpaired:KEY_PAIRS=0`` switches the backward alone. A persistent walk over the pairs or key tiles
 (KEY_PERSISTENT, branch gluon-bwd-persistent) lost 10-22% at causal N=1k-4k and was dropped.
@@ -292,7 +291,7 @@ per thread). 2 x 16 KiB of shared memory: D=128 231,488-231,504 bytes of 232,448
 atomics), D=64 199,168-199,184 (166,384-166,400; BLOCK_M = 64 with three stages 149,568-149,584 and
 116,784-116,800), D=256 230,992-231,008 with one dO stage (the 32 KiB of the second). H200, bf16, B * N = 16k
 tokens, D=64 at BLOCK_M = 64, backward TFLOP/s with DQ_TMA
-against the atomics in one process (``--variant dq-atomics:DQ_TMA=0``; s8-call1-branches-a21fbac.log): D=128
+against the atomics in one process (``--variant dq-atomics:DQ_TMA=0``): D=128
 N=4k 533 / 459 full / causal against 411 / 387, N=16k 552 / 535 against 432 / 448; D=64 N=4k 421 / 368 against
 387 / 358, N=16k 444 / 423 against 403 / 398 (predicted +5-10% at D=128: the atomics cost far more than the
 profile's issue-slot share suggested; a reducer warp at D=64 gained less, 414 / 422 full)."""
@@ -320,7 +319,7 @@ def dq_staging_block(rows: int, permuted: bool) -> list[int]:
     Why reorder: a warp's fragment of a wgmma accumulator holds, per 8-column group, rows l // 4 (and + 8) and
     columns 2 (l % 4) + {0, 1} of lane l, so each 64-bit store writes 8 rows x 32 bytes, one half-warp 4 adjacent
     rows. The tile's 128-byte swizzle puts 16-byte chunk j of staging row s at chunk j ^ (s % 8), so rows s and s ^ 1
-    land on the same two chunks: every store is a 2-way bank conflict (ncu at D=128 N=4k, session 13: 4 wavefronts
+    land on the same two chunks: every store is a 2-way bank conflict (ncu at D=128 N=4k, 2026-12-01: 4 wavefronts
     per STS.64 where 2 would do, 67M of the kernel's 400M shared-memory wavefronts). With DQ_PERMUTED, row r = 8 R
     + 4 a + b (a < 2, b < 4) of the partial goes to staging row 8 R + 2 b + a, so a half-warp's rows land on s % 8 =
     0, 2, 4, 6 (or 1, 3, 5, 7): eight distinct chunks, no conflict. The tile's dims are (R, b, a, columns), and
@@ -328,7 +327,7 @@ def dq_staging_block(rows: int, permuted: bool) -> list[int]:
     staging row into its own row of dq_accum, which keeps its plain layout.
 
     Measured on the H200 (bf16, backward TFLOP/s, without -> with, median of three interleaved rounds, tune_gluon.py
-    ``--variant plain:DQ_PERMUTED=0``; results/2026-12-01-h200-s13-call5-tune-dq-permuted-4ec1235.json): D=128 N=1k
+    ``--variant plain:DQ_PERMUTED=0``): D=128 N=1k
     423 -> 427 full, 322 -> 322 causal; 4k 521 -> 519, 470 -> 470; 16k 532 -> 553, 523 -> 526; D=64 N=4k 444 -> 450,
     400 -> 405; D=256 N=4k 402 -> 394 (three rounds each, so off there). Predicted +2-4%: the conflicts doubled a
     sixth of the shared-memory wavefronts, but that pipe ran at 75% of its peak, so they were mostly off the

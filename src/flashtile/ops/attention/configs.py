@@ -1,6 +1,6 @@
 """Tile shapes, warps and pipeline depth per (GPU generation, pass, head dim).
 
-The tables are measured, not guessed: docs/tuning-log.md records each entry's numbers. The
+The tables are measured, not guessed: docs/tuning/forward.md records each entry's numbers. The
 Triton interpreter (CPU tensors) gets small tiles so the tests run fast. ``override`` swaps in other
 configs for a tuning sweep without touching the tables.
 """
@@ -35,7 +35,7 @@ class TileConfig:
 # pass -> [(largest padded head dim it serves, config)], smallest first.
 _HOPPER = {
     # Tensor-descriptor loads at D <= 128 (N=8k, full/causal: D=64 450/425 against 426/398 with pointer
-    # loads, D=128 567/518 against 480/447; docs/tuning-log.md, session 2, step 11).
+    # loads, D=128 567/518 against 480/447; docs/tuning/forward.md, 2026-11-30).
     "forward": [
         (64, TileConfig(128, 64, 8, 4, tma=True)),
         (128, TileConfig(128, 128, 8, 3, tma=True)),
@@ -52,8 +52,8 @@ _HOPPER = {
     # Banded (causal or windowed) with seqlen_k <= SHORT_SEQLEN: smaller query tiles, fewer masked
     # diagonal tiles per program (N=1k causal: 286 vs 260 at D=64, 317 vs 287 at D=128). D=64 (the Triton
     # kernel serves its causal forwards on sm_90 too): three stages with tensor descriptors, 336 TFLOP/s
-    # against 300 with pointer loads and 284 for (64, 64, 4, 2) in the standard table (session 9 sweep,
-    # results/2026-11-30-h200x2-s9-tune-d64causal-bb16cd4.json); 333 in the next table. With softcap, ALiBi, a
+    # against 300 with pointer loads and 284 for (64, 64, 4, 2) in the standard table (2026-11-30 sweep);
+    # 333 in the next table. With softcap, ALiBi, a
     # sink, dropout and a mask all on it spills 472-544 bytes on Triton 3.7.1 (0 on 3.6; 16-72 before), unmeasured.
     "forward_banded_short": [
         (64, TileConfig(64, 64, 4, 3, tma=True)),

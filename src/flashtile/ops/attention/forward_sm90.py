@@ -9,13 +9,13 @@ q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
 it against the oracle.
 
-Measured on an H200 (D=128, bf16, TFLOP/s; benchmarks/results/2026-11-30-h200x2-gluon-3a0d6e0.log): N=1k
+Measured on an H200 (D=128, bf16, TFLOP/s): N=1k
 555 / 389 causal against 393 / 316 for the Triton kernel, N=4k 642 / 530 against 536 / 478, N=16k 646 / 586
-against 548 / 541 (cuDNN in the same session's table: 565 / 437, 605 / 541, 630 / 577). Those runs read
+against 548 / 541 (cuDNN in the same run's table: 565 / 437, 605 / 541, 630 / 577). Those runs read
 through 2-D (batch * seqlen, nheads * headdim) descriptors (lengths multiples of 128 only). With the rank-3
-ones below (benchmarks/results/2026-11-30-h200x2-quick-af06b80.md): N=1k 553 / 389, N=4k 655 / 537, N=16k
+ones below: N=1k 553 / 389, N=4k 655 / 537, N=16k
 647 / 615; lengths that are not multiples of 128, which took the Triton kernel before, B=4 N=4000 624 / 521
-against 543 / 463 and B=8 N=1000 causal 340 against 273 (results/2026-11-30-h200x2-branchcmp-04d26b7.log).
+against 543 / 463 and B=8 N=1000 causal 340 against 273.
 
 q, k, v and out are read and written through rank-3 tensor descriptors of the (batch, seqlen, nheads *
 headdim) view with [1, rows, headdim] boxes (``batch_descriptor``), so a tile never crosses a batch entry:
@@ -101,7 +101,7 @@ Three at D=64: a warpgroup's softmax of its [64, 128] scores (8192 exp2, 512 cyc
 sum, scale and convert instructions) lasts as long as its two products (~512 tensor cycles) or longer, so with two
 warpgroups the tensor pipe idles whenever one softmax outlasts the other's products; with three the other two
 warpgroups' products cover it. Predicted +5-15% at N >= 4k; measured on the H200 (bf16, H = 32, B * N = 16k,
-TFLOP/s, median of three interleaved rounds, docs/tuning-log.md session 11): N=1k 414.8 -> 416.2 (its 192-row
+TFLOP/s, median of three interleaved rounds, docs/tuning/forward.md, 2026-11-30): N=1k 414.8 -> 416.2 (its 192-row
 tiles pad 1024 rows to 1152), 2k 435.7 -> 476.8, 4k 448.2 -> 497.6, 8k 444.0 -> 513.6. Shared memory 147972 bytes;
 compiled (tests/sm90_compile.py, Triton 3.6 and 3.7) no spills without causal and with EVEN_K, 8 bytes of stack
 with a ragged last key tile (one value stored at an item's start and loaded in its epilogue), none with causal
@@ -112,8 +112,8 @@ CAUSAL_PAIRS: a causal launch gets one CTA per pair of a head's query tiles, the
 (``_paired_item``), so every CTA walks about n_m + 1 key tiles (N=1k: 1024 CTAs of 9 tiles instead of 2048 of 1-8)
 and its second item's Q and K/V load while the first finishes (the ring and barrier phases carry on, as in the
 persistent launches). Both items read one head's K and V (L2 hits), unlike the global heaviest-first walks that
-lost (O_TILE below). On the H200 (bf16, docs/tuning-log.md) at D=128 it gave +6% at N=1k, +3-8% at 2k and 4k,
-0-2% at 8k and 16k. At D=256 one run-off in session 10 gave N=1k -7%, but in session 11 the pairs' own three runs
+lost (O_TILE below). On the H200 (bf16, docs/tuning/forward.md) at D=128 it gave +6% at N=1k, +3-8% at 2k and 4k,
+0-2% at 8k and 16k. At D=256 a first run-off gave N=1k -7%, but in interleaved rounds the pairs' own three runs
 at N=1k spread from 310 to 442 TFLOP/s; the median of three rounds gave N=2k 507.1 -> 543.8, 1k 325.3 -> 394.3.
 
 CAUSAL_PERSISTENT (with causal and CAUSAL_PAIRS): the pairs become slots walked by min(slots, SMs) persistent CTAs,
@@ -123,7 +123,7 @@ D=128 causal N=1k (1024 paired CTAs, one per SM at a time: 7.76 waves) had the t
 work in 271k cycles, where the full kernel's efficiency would take ~201k; each CTA's start (launch, barrier init,
 setmaxnreg, its first Q/K/V loads, the pipeline's ramp) is exposed 7.76 times per SM, and a persistent CTA pays it
 once, loading each next slot while it finishes the last. Predicted +3-10% at D=128 causal N=1k-4k; measured (H200,
-bf16, TFLOP/s, median of three interleaved rounds, session 11): D=128 N=1k 402.4 -> 444.7, 2k 501.3 -> 532.1, 4k
+bf16, TFLOP/s, median of three interleaved rounds, 2026-11-30): D=128 N=1k 402.4 -> 444.7, 2k 501.3 -> 532.1, 4k
 553.0 -> 566.4, 8k 576.4 -> 592.1, GQA 32/8 at 2k 501.7 -> 535.5; D=256 (with CAUSAL_PAIRS, against neither) N=512
 310.7 -> 320.4, 1k 325.3 -> 341.3, 2k 507.1 -> 550.2.
 
@@ -133,7 +133,7 @@ per shape (``causal_schedule``). Why: a pair slot costs n_m + 1 key tiles, but s
 (D=64 at 2k: 16 query tiles x 256 heads = 2048 slots over 132 CTAs, 15 or 16 each), and every slot decodes its two
 items; greedy dealing of single items evens the loads to within one item (computed makespans: pairs 2-3% above the
 greedy deal at two warpgroups, ~10% at three warpgroups and 8k, whose 43 tiles pair oddly). Measured on the H200
-(bf16, H = 32, B * N = 16k, forward TFLOP/s, median of rounds; docs/tuning-log.md session 17), list / pair slots:
+(bf16, H = 32, B * N = 16k, forward TFLOP/s, median of rounds; docs/tuning/forward.md, 2026-12-01), list / pair slots:
 D=64 2k 392.4 / 380.8 and 392.6 / 379.5, GQA 32/8 2k 394.9 / 385.0, 4k 412.1 / 415.1, 8k 468.9 / 452.7 and 459.8 /
 449.3, 16k 480.9 / 476.3 and 484.7 / 479.0; D=128 8k 575.0 / 602.7 and 586.5 / 580.0, 1k 346.8 / 439.1 (noisy),
 16k 615.3 / 599.7 and 602.9 / 600.1; D=256 2k 549.4 / 552.4. So lists at D=64 only; D=128 and 256 keep pair slots
@@ -153,36 +153,31 @@ CAUSAL_CHANGES = {64: {"NUM_WG": 2, "CONSUMER_REGS": 240}}
 """Per head dim, the CONFIGS entries a causal launch shorter than CAUSAL_CHANGES_UNTIL changes (``config``). D=64:
 128-row items of two consumer warpgroups, as at D=128, up to seqlen_q 16k; from there the 192-row items of three, as
 without causal. H200, bf16, H = 32, B * N = 16k, causal forward TFLOP/s, median of three interleaved rounds, two
-warpgroups against three (with the pairs walked persistently): session 12 (results/2026-11-30-h200x2-s12-call{3,4}-
-tune-d64-causal-90c5640.log) N=1k 309.5 / 166.5, 2k 368.6 / 278.4, 4k 408.0 / 380.1, 16k 436.8 / 467.7; session 13
-(results/2026-12-01-h200-s13-call10-tune-d64-causal-3wg-fa95de2.json) 2k 381.8 / 279.5, 4k 414.9 / 384.1, 8k 438.4
-/ 431.3, 16k 441.9 / 461.8. Why three lost at short lengths, Nsight Compute at N=2k (session 14, results/2026-12-01-
-h200-s14-call6-ncu-fwd-d64-causal-2k-{2wg,3wg}-details-f4b2240.csv and -s14-ncu-stall-samples-f4b2240.txt): 22%
-more instructions executed, and 21% of the stall samples wait for instructions (2.8% with two): the causal kernel
-of three warpgroups was 6,760 SASS instructions (cuobjdump, Triton 3.7; 3,912 with two, 4,184 for three without
-causal), the diagonal tile's mask inlined in each consumer warpgroup's prologue and loop, and the three warpgroups
-run different copies of it through one instruction cache. Since session 16 three causal warpgroups fold the first
-key tile into the loop (``_consumer``'s FOLD): 4,440 instructions, no stack. Session 16, median of three interleaved
-rounds (results/2026-12-01-h200-s16-call6-tune-fold-1f3f8b3.json, the fold in every config there), two warpgroups /
-three with the fold / three without: 2k 374.0 / 343.6 / 278.7, 4k 403.5 / 408.0 / 389.1, 8k 438.3 / 451.0 /
+warpgroups against three (with the pairs walked persistently): 2026-11-30 N=1k 309.5 / 166.5, 2k 368.6 / 278.4, 4k 408.0
+/ 380.1, 16k 436.8 / 467.7; 2026-12-01 2k 381.8 / 279.5, 4k 414.9 / 384.1, 8k 438.4 / 431.3, 16k 441.9 / 461.8. Why
+three lost at short lengths, Nsight Compute at N=2k (2026-12-01): 22% more instructions executed, and 21% of the stall
+samples wait for instructions (2.8% with two): the causal kernel of three warpgroups was 6,760 SASS instructions
+(cuobjdump, Triton 3.7; 3,912 with two, 4,184 for three without causal), the diagonal tile's mask inlined in each
+consumer warpgroup's prologue and loop, and the three warpgroups run different copies of it through one instruction
+cache. Since 2026-12-01 three causal warpgroups fold the first key tile into the loop (``_consumer``'s FOLD): 4,440
+instructions, no stack. 2026-12-01, median of three interleaved rounds (the fold in every config there), two warpgroups
+/ three with the fold / three without: 2k 374.0 / 343.6 / 278.7, 4k 403.5 / 408.0 / 389.1, 8k 438.3 / 451.0 /
 432.0, so two warpgroups stay below 8k."""
 CAUSAL_CHANGES_UNTIL = {64: 8192}
 """Per head dim with CAUSAL_CHANGES, the seqlen_q from which causal launches take CONFIGS as they are (D=64: three
-warpgroups from 8k; CAUSAL_CHANGES). Session 13, three warpgroups before the fold against two (median of three
-rounds, results/2026-12-01-h200-s13-call11-tune-d64-causal-long-a3abc59.json): 8k 439.0 / 439.9, 16k 462.7 / 444.9,
-32k (B=1) 487.9 / 440.5; then 16k and up took three. Session 16, B*N = 16k up to 16k, B=1 at 32k, H=32, forward
-TFLOP/s, median of three do_bench runs per process, two processes per tree alternating (results/2026-12-01-h200-s16-
-call7-fold-8k-69a87e9.txt): main (two warpgroups at 8k, three without the fold from 16k) / three with the fold: 8k
+warpgroups from 8k; CAUSAL_CHANGES). 2026-12-01, three warpgroups before the fold against two (median of three rounds):
+8k 439.0 / 439.9, 16k 462.7 / 444.9, 32k (B=1) 487.9 / 440.5; then 16k and up took three. 2026-12-01, B*N = 16k up to
+16k, B=1 at 32k, H=32, forward TFLOP/s, median of three do_bench runs per process, two processes per tree alternating:
+main (two warpgroups at 8k, three without the fold from 16k) / three with the fold: 8k
 442.5, 444.8 / 463.9, 461.0; 16k 471.4, 470.6 / 489.3, 485.6; 32k 504.1, 491.6 / 504.2, 507.0."""
 CAUSAL_MIN_SEQLEN_Q = {64: 1, 128: 1, 256: 1}
 """Per head dim, the shortest seqlen_q whose causal forwards run here (shorter ones run the Triton kernel): every
-length since session 19. D=64 took the Triton kernel below N=2k from session 12 (H200, bf16, as in CAUSAL_CHANGES,
-this kernel against the Triton one: N=1k 309.5 against 322.0, 2k 368.6 against 348.6). Since then this kernel walks
-its causal items in pair slots or lists and its host path keeps a plan per layout; session 18 (median of three
-interleaved rounds, results/2026-12-01-h200-s18-call1-tune-42b182b.json) N=1k 327.0 [325.9-327.2] against the Triton
-kernel's 317.2-341.7 (one kernel's spread over the run's columns); session 19 (five rounds, results/2026-12-02-h200-
-s19-call4-tune-gluon-f2933cd.json) N=1k 323.2 [298.5-326.2] against 236.8 [197.3-264.4], N=512 187.9 [136.1-225.2]
-against 143.4 [134.4-166.7] TFLOP/s: never behind, and far ahead where the host is slow (the Triton route's host path
+length since 2026-12-02. D=64 took the Triton kernel below N=2k from 2026-11-30 (H200, bf16, as in CAUSAL_CHANGES, this
+kernel against the Triton one: N=1k 309.5 against 322.0, 2k 368.6 against 348.6). Since then this kernel walks its
+causal items in pair slots or lists and its host path keeps a plan per layout; 2026-12-01 (median of three interleaved
+rounds) N=1k 327.0 [325.9-327.2] against the Triton kernel's 317.2-341.7 (one kernel's spread over the run's columns);
+2026-12-02 (five rounds) N=1k 323.2 [298.5-326.2] against 236.8 [197.3-264.4], N=512 187.9 [136.1-225.2] against 143.4
+[134.4-166.7] TFLOP/s: never behind, and far ahead where the host is slow (the Triton route's host path
 is the longer one)."""
 
 
@@ -890,16 +885,15 @@ def launch(
     it, on the current device and stream: ``ops._launch.launch`` with this module's key and 4 warps.
 
     ``JITFunction.run`` binds, specializes and hashes every argument on each call: in the traced host path of the H200
-    machine (results/2026-11-30-h200x2-hosttrace-be635c4.log) the forward's JITFunction.run took 50.5 µs per call,
-    19.9 of them in the launcher that still runs here. Against binding every call (latency.py's flashtile-binder
-    rows, median of three rounds with the order alternating, alone on the machine; results/2026-11-30-h200x2-s10-
-    latency-8f914ec.json) host time per forward call 119 / 114 / 108 / 113 µs against 127 / 188 / 128 / 138 (B*N =
-    16k, D=128: N=512 full, causal; N=1k full, causal): it saves 8-75 µs (sessions 7 and 8 had disagreed, each
-    beside other work on the machine or in one round). The first launch of a key goes through the binder
-    (compiling, or loading from Triton's disk cache) and keeps the compiled kernel it returns; later launches of
-    the key hand that kernel the same arguments directly: ``args`` are the kernel's leading non-constexpr
-    parameters in order, ``constexprs`` name all the rest. ``keyed``: the constexprs' values in parameter order and
-    the ``launch_key`` of these arguments, kept by the caller (``ForwardPlan``); computed here when None.
+    machine the forward's JITFunction.run took 50.5 µs per call, 19.9 of them in the launcher that still runs here.
+    Against binding every call (latency.py's flashtile-binder rows, median of three rounds with the order alternating,
+    alone on the machine): host time per forward call 119 / 114 / 108 / 113 µs against 127 / 188 / 128 / 138 (B*N = 16k,
+    D=128: N=512 full, causal; N=1k full, causal): it saves 8-75 µs (two earlier runs had disagreed, each beside other
+    work on the machine or in one round). The first launch of a key goes through the binder (compiling, or loading from
+    Triton's disk cache) and keeps the compiled kernel it returns; later launches of the key hand that kernel the same
+    arguments directly: ``args`` are the kernel's leading non-constexpr parameters in order, ``constexprs`` name all the
+    rest. ``keyed``: the constexprs' values in parameter order and the ``launch_key`` of these arguments, kept by the
+    caller (``ForwardPlan``); computed here when None.
     """
     if keyed is None:
         keyed = keyed_for(kernel, args, constexprs)

@@ -62,14 +62,13 @@ from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_ro
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
 MERGE_CHUNK = 4
 """The most splits per unrolled step of the merge (``_merge_splits``, ``merge_chunk``) for tiles of more than 16 query
-rows. H200, B=1, Hkv 8, Hq 32, D 128, contiguous: kernel 10.9 / 14.3 / 27.7 -> 10.6 / 12.8 / 26.7 µs at contexts 1k /
-4k / 16k against one split per step; loading the chunk as one [4, BLOCK_M, DV] tensor instead took 16.8 / 34.0 / 47.5
-(results/2026-11-30-h200x2-s8-call5-profdecode-07485eb.log)."""
+rows. H200, B=1, Hkv 8, Hq 32, D 128, contiguous: kernel 10.9 / 14.3 / 27.7 -> 10.6 / 12.8 / 26.7 µs at contexts 1k / 4k
+/ 16k against one split per step; loading the chunk as one [4, BLOCK_M, DV] tensor instead took 16.8 / 34.0 / 47.5."""
 MERGE_CHUNK_16_ROWS = 8
 """The same for 16-row tiles (one token of a GQA group up to 16 heads, the decode steps' usual tile): H200, B=1, Hkv 8,
 Hq 32, D 128, graph µs per step, chunk 4 / 8 / 16: contiguous 1k 13.6 / 13.4 / 14.3, 4k 19.7 / 19.2 / 19.4, 16k 35.2
-/ 34.8 / 34.8; paged 4k 24.0 / 23.2 / 26.3, 16k 40.3 / 39.8 / 44.3 (docs/tuning-log.md session 14, item 8); this
-rule against chunk 4 everywhere, one process (results/2026-12-01-h200-s15-call1-tune-decode-*): contiguous 1k 13.7 ->
+/ 34.8 / 34.8; paged 4k 24.0 / 23.2 / 26.3, 16k 40.3 / 39.8 / 44.3 (docs/tuning/decode.md, 2026-12-01); this
+rule against chunk 4 everywhere, one process: contiguous 1k 13.7 ->
 13.3, 4k 19.6 -> 19.1, 16k 35.4 -> 34.7, paged 4k 24.1 -> 23.3, 16k 40.6 -> 39.6, B=4 unchanged. Eight at 32-64 rows
 spills (sm90_compile: D=64 64 rows 0 -> 56 bytes of stack), so those keep MERGE_CHUNK."""
 
@@ -78,8 +77,7 @@ NEW_SPLIT_MAX = min(BLOCK_NEW.value, BLOCK_T.value)
 of them, a decode step's (or a few speculative tokens'); more are divided among the splits with the cache keys."""
 NEW_SPLIT_MAX_KEYS = 1024
 """The most cache positions per split for which the new keys get their own split. H200, Hkv 8, Hq 32, D 128, one new
-token, graph µs per step, main / with the split, two interleaved rounds each (results/2026-12-02-h200-s21-call2-
-rounds-5091f2c.log, docs/tuning-log.md session 21): B=1
+token, graph µs per step, main / with the split, two interleaved rounds each (docs/tuning/decode.md, 2026-12-02): B=1
 contiguous 1k 11.7-12.0 / 11.3-11.4, 2k 13.8 / 13.3-13.4, 4k 17.8-17.9 / 17.3-17.6, 16k 32.8-33.0 / 32.2-32.5 (1024
 positions per split); but 64k 79.7-79.8 / 80.3-80.5 (4096) and B=4 16k 80.0-80.4 / 80.6-81.5 (2048): with long splits
 the one latency it hides weighs less than the extra program and merge step."""
@@ -90,13 +88,12 @@ in that loop's first iteration instead of before it (``append_late`` in ``_split
 copies tile i + num_stages - 1 in iteration i, so a tile at least num_stages tiles in is copied after the barrier that
 follows the stores; at least every decode config's num_stages (tests/test_kvcache.py checks it).
 
-The late append (one-split launches, one new token): the token's load is in flight with the first key tiles instead
-of ahead of them. H200, Hkv 8, D 128, graph µs per step, before -> after, two alternating processes each
-(results/2026-12-03-h200-s27-call7-ab-late-append-one-token.json): B=16 1k Hq 32 28.48 / 28.38 -> 28.26 / 28.19, Hq 64
-28.93 / 28.86 -> 28.77 / 28.64, 4k 76.29 / 76.03 -> 75.58 / 75.65; B=64 1k, 4k and B=16 16k unchanged (B=64 runs two
-programs per SM, which hide the round trip). Split launches keep the append before the loop: with it late there
-(the token held in a 16-row tile) B=4 1k and B=1 4k lost 0.5-0.6 µs to the registers (docs/tuning-log.md, session
-27)."""
+The late append (one-split launches, one new token): the token's load is in flight with the first key tiles instead of
+ahead of them. H200, Hkv 8, D 128, graph µs per step, before -> after, two alternating processes each: B=16 1k Hq 32
+28.48 / 28.38 -> 28.26 / 28.19, Hq 64 28.93 / 28.86 -> 28.77 / 28.64, 4k 76.29 / 76.03 -> 75.58 / 75.65; B=64 1k, 4k and
+B=16 16k unchanged (B=64 runs two programs per SM, which hide the round trip). Split launches keep the append before the
+loop: with it late there (the token held in a 16-row tile) B=4 1k and B=1 4k lost 0.5-0.6 µs to the registers
+(docs/tuning/decode.md, 2026-12-03)."""
 
 INTERPRETED = tl.constexpr(TRITON_INTERPRET)
 
@@ -138,8 +135,8 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
 def cta_barrier():
     """A barrier of all the program's threads, which also orders their global stores before the others' later loads
     (bar.sync). Unlike ``tl.debug_barrier`` it leaves a loop that holds it to Triton's software pipeliner (Triton
-    3.6-3.7 do not pipeline a loop with a debug_barrier in it; sm_90 SASS of the decode kernel, docs/tuning-log.md
-    session 27). The interpreter, which has no inline assembly, takes the debug_barrier."""
+    3.6-3.7 do not pipeline a loop with a debug_barrier in it; sm_90 SASS of the decode kernel, docs/tuning/decode.md,
+    2026-12-03). The interpreter, which has no inline assembly, takes the debug_barrier."""
     if INTERPRETED:
         tl.debug_barrier()
     else:
@@ -525,7 +522,7 @@ def _split_kv_kernel(
     # to cache_end, then the new keys from max(start, new_lo) in tiles of BLOCK_NEW. An empty segment is skipped
     # before its loop: the software pipeline's prologue would otherwise compute the addresses of its first tiles
     # and issue their (predicated-off) loads. Decode steps are chains of dependent instructions with one warp
-    # per SM sub-partition, so every instruction counts (docs/tuning-log.md, session 20).
+    # per SM sub-partition, so every instruction counts (docs/tuning/decode.md, 2026-12-02).
     # With NEW_SPLIT the last split takes the new keys alone: they are read (and appended) off the other splits'
     # path, each of which would otherwise add a dependent load after its pipelined loop.
     shared_hi = hi
@@ -545,7 +542,7 @@ def _split_kv_kernel(
     mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N * BLOCK_N, mid_lo), cache_end)
     # APPEND_FIRST: this split's new tokens, keys [max(start, first_new), end), go to the cache its loops read, either
     # here or (append_late) in the first iteration of the unmasked loop (segment 1 below), where the key tiles in flight
-    # hide the token's load (docs/tuning-log.md, session 27). Late only in one-split launches of one new token
+    # hide the token's load (docs/tuning/decode.md, 2026-12-03). Late only in one-split launches of one new token
     # (LATE_APPEND), where that loop runs and the token lies LATE_APPEND_TILES tiles or more past its first key (so
     # that its tile, in the loop or after it, is copied after the barrier that follows the stores).
     append_late = False
@@ -572,7 +569,7 @@ def _split_kv_kernel(
     # The softmax sums. Sixteen rows (one matrix-product height) are shared by all the warps, each holding other key
     # columns of a tile, so a sum per row and tile would be a cross-warp exchange through shared memory, three
     # barriers on every tile: they are kept by key column instead, an FFMA per element, and summed once after the
-    # loop (docs/tuning-log.md, session 26). Taller tiles keep row sums: their BLOCK_M x BLOCK_N columns would cost
+    # loop (docs/tuning/decode.md, 2026-12-03). Taller tiles keep row sums: their BLOCK_M x BLOCK_N columns would cost
     # 32-64 registers a thread, and spill.
     SUMS_BY_COLUMN: tl.constexpr = BLOCK_M == 16
     if SUMS_BY_COLUMN:
@@ -704,10 +701,10 @@ def appends_first(has_new: bool, seqlen_q: int, m_tiles: int, window_left: int |
 
     H200, Hkv 8, Hq 32, D 128, one new token, graph µs per step against the previous path (a 16-key tile of the new
     keys after the pipelined loop, the append after attending, NEW_SPLIT where it applied), two processes of two
-    rounds (results/2026-12-03-h200-s24-call4-ab-b3489b7-vs-21caa26.log): contiguous B=1 1k 11.4 -> 10.8, B=16 1k
+    rounds: contiguous B=1 1k 11.4 -> 10.8, B=16 1k
     31.9 -> 30.2, 4k 80.1-80.6 -> 78.1-78.7, B=64 1k 81.4-81.6 -> 78.6-78.8, paged B=1 4k 18.5 -> 18.0; where the
     cache's last tile stays partly empty (40 positions short) B=16 1k 31.5-31.7 -> 29.9-30.1 but B=1 4k 16.0-16.1 ->
-    16.3: the split holding the new token waits for it before its loop (docs/tuning-log.md, session 24)."""
+    16.3: the split holding the new token waits for it before its loop (docs/tuning/decode.md, 2026-12-03)."""
     return has_new and seqlen_q > 0 and m_tiles == 1 and window_left is None
 
 
@@ -718,7 +715,7 @@ def merge_chunk(block_m: int, num_splits: int) -> int:
     [block_m, DV] tile is not). 1 without splits.
 
     H200, Hkv 8, Hq 32, D 128, one new token, graph µs per step, the rule before (8 or 4 whatever the split count) ->
-    this one, two interleaved rounds in one process (results/2026-12-03-h200-s25-call2-ab-merge-configs.log): two
+    this one, two interleaved rounds in one process: two
     splits, contiguous B=16 1k 30.05 -> 29.57, 4k 77.63 -> 77.28, paged B=16 1k 31.74 -> 31.31; B=1 (16 splits, the
     same chunk) and B=64 1k (no split) unchanged."""
     return min(MERGE_CHUNK_16_ROWS if block_m == 16 else MERGE_CHUNK, configs.next_power_of_2(num_splits))
@@ -740,15 +737,15 @@ def use_tma(
     engine can address (``tiles.tma_ready``).
 
     Paged caches only, as measured on the H200 (Hkv 8, Hq 32, D 128, one new token, graph µs per step, two
-    interleaved rounds against pointer loads, results/2026-12-02-h200-s22-call4-rounds-9f56669.log): paged B=1 4k
+    interleaved rounds against pointer loads): paged B=1 4k
     19.0-19.1 -> 18.2-18.5, 16k 35.6-35.8 -> 33.7-34.2, 64k 84.6-84.8 -> 82.0-82.4, B=4 4k 33.0-33.1 -> 31.6-31.9,
     B=16 4k 83.0 -> 81.1-81.2, B=64 16k 983 -> 966. Contiguous caches gained at most 1-4% (B=4 4k 32.1-32.3 ->
     31.2-31.5) and lost badly on some rows (B=64 1k 81.3 -> 87.5, 16k 960 -> 1092 µs, though the attention alone
-    took as long as before), not understood yet (docs/tuning-log.md, session 22): they keep pointer loads.
+    took as long as before), not understood yet (docs/tuning/decode.md, 2026-12-02): they keep pointer loads.
 
     Captured launches only: Triton encodes a launch's descriptors and walks its arguments in Python on every launch,
     which a graph replay skips but an eager call pays. Eager paged steps (check_values(False), wall clock per call
-    over 2000 calls, three interleaved rounds, results/2026-12-03-h200-s23-call1-eager-tma.log): B=1 1k 105-145 µs
+    over 2000 calls, three interleaved rounds): B=1 1k 105-145 µs
     with pointer loads against 129-135 with descriptors, B=1 4k 79-110 against 132-138, B=4 4k 107-116 against
     133-138, B=1 64k 89-102 against 117-126: ~25 µs more per step, where a step's kernel gains 1-3 µs."""
     return (
