@@ -42,11 +42,18 @@ def public_names() -> list[tuple[str, str, object]]:
 
 
 def _signature(name: str, obj: object) -> str:
-    """'name(a, b=1, *, c=None)', one argument per line when it does not fit 100 columns."""
+    """'name(a, b=1, *, c=None)', one argument per line when it does not fit 100 columns. A default that is a
+    function shows as its name (its repr holds a memory address, different in every process)."""
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):
         return name
+    signature = signature.replace(
+        parameters=[
+            p.replace(default=_Named(p.default.__name__)) if inspect.isfunction(p.default) else p
+            for p in signature.parameters.values()
+        ]
+    )
     text = f"{name}{signature}"
     if len(text) <= 100:
         return text
@@ -58,6 +65,13 @@ def _signature(name: str, obj: object) -> str:
         lines.append(str(p))
     ret = "" if signature.return_annotation is inspect.Signature.empty else f" -> {signature.return_annotation}"
     return f"{name}(\n" + "".join(f"    {line},\n" for line in lines) + f"){ret}"
+
+
+class _Named(str):
+    """A default rendered as a bare name."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _anchor(module_name: str, name: str) -> str:

@@ -2,7 +2,7 @@
 
 Without CUDA the Triton kernels run in the Triton interpreter, which must be switched on before any
 kernel module is imported, so it happens here first. Two of the interpreter's gaps are mended for the
-tests (shared CI.md): its bf16 ``tl.dot`` multiplies raw bit patterns, and its fp32 -> bf16 cast
+tests: its bf16 ``tl.dot`` multiplies raw bit patterns, and its fp32 -> bf16 cast
 truncates where GPUs round to nearest even. Both patches make the interpreter do what the GPU does.
 """
 

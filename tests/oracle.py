@@ -1,4 +1,4 @@
-"""The tolerance rule of shared DESIGN.md as test assertions (the rule itself lives in
+"""The project's tolerance rule as test assertions (the rule itself lives in
 ``flashtile.reference.within_tolerance``, shared with ``flashtile check``).
 
 For an output or gradient X that flashtile computes in dtype t:

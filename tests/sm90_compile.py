@@ -3,7 +3,7 @@
 The Triton interpreter runs the kernels' arithmetic but never lowers them, so a config that does not fit
 in shared memory, a ptxas failure or a register-pressure regression only shows on the GPU. The triton
 wheel carries ptxas, and ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` lowers a
-kernel for sm_90 here (shared CI.md, "Compiling for the H200 without a GPU"). This module compiles:
+kernel for sm_90 on a machine without a GPU. This module compiles:
 
 * the attention kernels for every entry of the Hopper table (``configs._HOPPER``): each pass at each head
   dim bucket, causal and full (``forward_banded_short`` serves only banded launches, so it is compiled

@@ -3,7 +3,7 @@
 flash_attn_func: each example draws a shape (batch 1-3, lengths 1-80 with Sq != Sk, MHA / GQA / MQA, head dims
 that run as they are or get padded to a multiple of 8) and options (causal, a sliding window, softcap, ALiBi per
 head or per batch entry, softmax_scale, a gradient at the LSE), runs the forward and the backward through the
-public API and checks out, lse, dq, dk, dv with the tolerance rule of shared DESIGN.md
+public API and checks out, lse, dq, dk, dv with the tolerance rule (``flashtile.reference.within_tolerance``)
 (``oracle.check_against_oracle``).
 
 flash_attn_with_kvcache: each example draws a ``test_kvcache.Case`` (contiguous or paged cache with a page size

@@ -29,7 +29,7 @@ functions call: while nothing compiles, traces or intercepts torch calls (no tor
 mode, no functorch transform) and every tensor is a plain one, they call the ops' implementations directly,
 through ``_EagerAttention`` / ``_EagerVarlenAttention`` (``torch.autograd.Function``) when a gradient is
 wanted; otherwise they call the custom ops. Dispatching a custom op costs tens of µs of Python per call,
-more than everything else before the launches (docs/tuning-log.md, "Attention host path"). Both routes
+more than everything else before the launches (docs/tuning/host-path.md). Both routes
 run the same functions: the custom ops wrap ``_attention_forward`` etc., and the autograd Functions'
 ``setup_context`` and ``backward`` are those registered with ``register_autograd``, given the
 implementations (``_DIRECT``) instead of the ops (``_OPS``) for the backward's launches.

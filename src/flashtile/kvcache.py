@@ -8,7 +8,7 @@ interpreted under ``TRITON_INTERPRET=1``) or ``flashtile.cpu_decode``. The work 
 ``torch.compile(fullgraph=True)`` traces through it. In plain eager calls (no tracing, no torch function
 or dispatch mode, plain tensors, no gradient wanted) the implementation is called directly instead: the
 custom op's Python dispatch costs tens of µs per call, more than everything else before the launch
-(docs/tuning-log.md, "Decode host path").
+(docs/tuning/host-path.md).
 
 Host cost per call is part of decoding's latency, so the checks that run on every call build their
 messages only on failure, and the checks of index values (a device-to-host copy on CUDA) can be switched

@@ -43,7 +43,7 @@ _HOPPER = {
     ],
     # Not banded, seqlen_k <= SHORT_SEQLEN: at N=1k the 128 x 128 tiles leave each program 8 key tiles,
     # and D=128 fell to 289 TFLOP/s against 394 for (128, 64, 8, 3) with pointer loads (standard table
-    # at 5cca84e against aa5bb66; tuning log step 12).
+    # at 5cca84e against aa5bb66; docs/tuning/forward.md).
     "forward_short": [
         (64, TileConfig(128, 64, 8, 4, tma=True)),
         (128, TileConfig(128, 64, 8, 3)),
@@ -61,7 +61,7 @@ _HOPPER = {
         (256, TileConfig(64, 64, 4, 3)),
     ],
     # D=128 keeps pointer loads: in the shipped kernel (GQA loop, options) TMA made dK/dV slower there
-    # (whole backward at N=8k 340 against 371 TFLOP/s; tuning log step 12).
+    # (whole backward at N=8k 340 against 371 TFLOP/s; docs/tuning/forward.md).
     "backward_dkdv": [
         (64, TileConfig(32, 64, 4, 4, tma=True)),
         (128, TileConfig(64, 128, 8, 3)),
