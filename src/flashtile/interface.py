@@ -15,7 +15,7 @@ import torch
 from flashtile import _backend, _ops, paged
 from flashtile.reference import attention_probs
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 NO_WINDOW = (-1, -1)
 """``window_size`` for full attention: a side of -1 (any negative value) is unbounded."""
