@@ -5,17 +5,20 @@ It computes exact attention
     S = scale * Q K^T,    P = softmax(S) (row-wise),    O = P V
 
 without ever holding the (seqlen_q, seqlen_k) matrices S or P, so the extra memory is linear in the
-sequence length. A call takes one of two routes, chosen by one rule (``torch_kernel_causal``):
+sequence length. A call takes one of two routes, chosen by one rule (``torch_kernel_route``):
 
 - **torch's fused kernel** (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, what
   ``torch.nn.functional.scaled_dot_product_attention`` runs on a CPU) when the call needs nothing it lacks:
-  no window other than none or causal with Sq == Sk (top-left causal in general), no softcap, ALiBi or
-  dropout, a mask only of the kinds it reads. Its results are flashtile's: the kernel takes flash_attn's
-  (batch, seqlen, nheads, headdim) layout as transposed views, handles GQA itself, and its LSE is the
-  natural-log (batch, nheads, seqlen_q) one flashtile returns (made float32 and contiguous, -inf for a row
-  the mask hides entirely, where the kernel writes 0).
-- **the tiled path** below for everything else (windows, bottom-right causal with Sq != Sk, softcap, ALiBi,
-  dropout, gradients at the LSE or at an additive mask, headdim_v != headdim, empty inputs).
+  no softcap, ALiBi or dropout, no gradient at the LSE or at the mask, a mask only of the kinds it reads.
+  With no window, or causal with Sq == Sk (top-left causal in general), one call computes it; under any
+  other window (sliding windows, flash_attn's bottom-right causal with Sq != Sk) one call per block of
+  BAND_BLOCK_M query rows does, on the keys that block sees, with the band's edges as an additive mask.
+  Its results are flashtile's: the kernel takes flash_attn's (batch, seqlen, nheads, headdim) layout as
+  transposed views, handles GQA itself, and its LSE is the natural-log (batch, nheads, seqlen_q) one
+  flashtile returns (made float32 and contiguous, -inf for a row that sees no key, where the kernel writes 0).
+- **the tiled path** below for everything else (softcap, ALiBi, dropout, gradients at the LSE or at an
+  additive mask, a float mask of another dtype than q's, headdim_v != headdim, empty inputs), or for every
+  call with ``TORCH_KERNEL = False``.
 
 A learnable sink is added to either route's results afterwards (``_add_sink``).
 
@@ -97,6 +100,8 @@ built only for tiles that the band's edges cut. A query row that sees no key
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +111,10 @@ from flashtile import paged
 
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
 BLOCK_N = 512  # key columns per tile
+BAND_BLOCK_M = 256  # query rows per call of torch's kernel under a window
 
 TORCH_KERNEL = True
-"""Whether the calls that torch's fused kernel can compute run it (``torch_kernel_causal``); False sends every call
+"""Whether the calls that torch's fused kernel can compute run it (``torch_kernel_route``); False sends every call
 down the tiled path (the tests and benchmarks use it to compare the two routes)."""
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -172,12 +178,20 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _key_span(q0: int, q1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None) -> range:
-    """Start of each key tile that a query row in [q0, q1) may see (empty if none sees any key)."""
+def _visible_keys(
+    q0: int, q1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None
+) -> tuple[int, int]:
+    """The keys [k0, k1) that some query row in [q0, q1) may see (k0 >= k1 if none sees any key)."""
     diag = seqlen_k - seqlen_q
-    lo = 0 if left is None else max(0, q0 + diag - left)
-    hi = seqlen_k if right is None else min(seqlen_k, q1 + diag + right)
-    return range(lo, hi, BLOCK_N)
+    k0 = 0 if left is None else max(0, q0 + diag - left)
+    k1 = seqlen_k if right is None else min(seqlen_k, q1 + diag + right)
+    return k0, k1
+
+
+def _key_span(q0: int, q1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None) -> range:
+    """Start of each key tile (a multiple of BLOCK_N) that a query row in [q0, q1) may see (empty if none)."""
+    k0, k1 = _visible_keys(q0, q1, seqlen_q, seqlen_k, left, right)
+    return range(k0 // BLOCK_N * BLOCK_N, k1, BLOCK_N)
 
 
 def _band_mask(
@@ -199,7 +213,7 @@ def _band_mask(
     return visible
 
 
-def torch_kernel_causal(
+def torch_kernel_route(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -212,25 +226,30 @@ def torch_kernel_causal(
     attn_mask: Tensor | None = None,
     dlse: Tensor | None = None,
     dmask: Tensor | None = None,
-) -> bool | None:
-    """The route rule: the ``is_causal`` with which torch's fused kernel computes this call, or None when the
-    tiled path must (arguments as ``attention_forward`` / ``attention_backward`` take them; dropout: whether
-    the call drops probabilities).
+) -> str | None:
+    """The route rule: how torch's fused kernel computes this call, or None when the tiled path must (arguments as
+    ``attention_forward`` / ``attention_backward`` take them; dropout: whether the call drops probabilities).
 
     torch's kernel computes softmax(scale * Q K^T + mask) V for fp16/bf16/fp32/fp64, with GQA, an optional
     causal mask aligned to the top left (query i sees keys j <= i) and an additive mask of q's dtype, and
-    its backward takes the forward's output and LSE. A call runs it when all of these hold:
+    its backward takes the forward's output and LSE. It serves a call when all of these hold:
 
     - ``TORCH_KERNEL`` is on;
     - batch, seqlen_q, seqlen_k and nheads are all > 0 (the kernel divides by zero on an empty sequence)
       and headdim_v == headdim;
     - no softcap, no ALiBi, no dropout; in the backward, no gradient at the LSE (dlse) and none wanted at
       the mask (dmask);
-    - attn_mask is None, boolean (given to the kernel as 0 / -inf of q's dtype) or of q's dtype;
-    - window_left is None or >= seqlen_k - 1 (it hides nothing), and window_right is None or
-      >= seqlen_q - 1 (it hides nothing: is_causal False) or == seqlen_q - seqlen_k (flash_attn's
-      bottom-right diagonal is then the top-left one: is_causal True; with seqlen_q == seqlen_k that is
-      flash_attn's causal=True).
+    - attn_mask is None, boolean (given to the kernel as 0 / -inf of q's dtype) or of q's dtype.
+
+    The route then follows the window (bottom-right aligned, as flash_attn's):
+
+    - "full": window_left is None or >= seqlen_k - 1 and window_right is None or >= seqlen_q - 1 (the
+      window hides nothing): one call, is_causal=False;
+    - "causal": window_left as above and window_right == seqlen_q - seqlen_k (the bottom-right diagonal is
+      then the top-left one; with seqlen_q == seqlen_k that is flash_attn's causal=True): one call,
+      is_causal=True;
+    - "band": any other window, without attn_mask: one call per BAND_BLOCK_M query rows on the keys they
+      see, the band's edges given as an additive mask of that block (``_banded_forward``).
 
     A learnable sink does not matter here: it is added to either route's results (``_add_sink``).
     """
@@ -242,13 +261,12 @@ def torch_kernel_causal(
     seqlen_k = k.shape[1]
     if min(batch, seqlen_q, seqlen_k, nheads) == 0 or v.shape[-1] != head_dim:
         return None
-    if window_left is not None and window_left < seqlen_k - 1:
-        return None
-    if window_right is None or window_right >= seqlen_q - 1:
-        return False
-    if window_right == seqlen_q - seqlen_k:
-        return True
-    return None
+    if window_left is None or window_left >= seqlen_k - 1:
+        if window_right is None or window_right >= seqlen_q - 1:
+            return "full"
+        if window_right == seqlen_q - seqlen_k:
+            return "causal"
+    return "band" if attn_mask is None else None
 
 
 def _kernel_mask(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -265,8 +283,8 @@ def _kernel_mask(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 def _fused_forward(
     q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool, attn_mask: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """(out, lse) of torch's fused kernel in flashtile's layouts: out (B, Sq, H, D) contiguous, lse (B, H, Sq)
-    float32 contiguous, -inf for a row that the mask hides entirely (the kernel gives it out 0 and LSE 0)."""
+    """(out, lse) of one call of torch's fused kernel in flashtile's layouts: out (B, Sq, H, D) contiguous, lse
+    (B, H, Sq) float32 contiguous, -inf for a row that the mask hides entirely (the kernel gives it out 0, LSE 0)."""
     mask = _kernel_mask(attn_mask, q.dtype)
     out, lse = _FLASH(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, attn_mask=mask, scale=scale
@@ -288,8 +306,8 @@ def _fused_backward(
     is_causal: bool,
     attn_mask: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of torch's fused kernel, contiguous in flashtile's layouts (dk, dv summed over each GQA group
-    by the kernel)."""
+    """(dq, dk, dv) of one call of torch's fused backward, contiguous in flashtile's layouts (dk, dv summed over
+    each GQA group by the kernel)."""
     mask = _kernel_mask(attn_mask, q.dtype)
     lse = lse.to(_compute_dtype(q.dtype))  # the kernel reads the LSE in its accumulation dtype
     if mask is not None:  # a row the mask hides entirely: any finite LSE gives P = exp(-inf - LSE) = 0
@@ -298,6 +316,52 @@ def _fused_backward(
         *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, 0.0, is_causal, attn_mask=mask, scale=scale
     )  # fmt: skip
     return tuple(g.transpose(1, 2).contiguous() for g in grads)
+
+
+def _band_blocks(
+    seqlen_q: int, seqlen_k: int, left: int | None, right: int | None
+) -> Iterator[tuple[int, int, int, int, Tensor | None]]:
+    """(q0, q1, k0, k1, mask) per block of BAND_BLOCK_M query rows that sees a key: keys [k0, k1) are the ones its
+    rows may see, mask the boolean (q1 - q0, k1 - k0) band over them (None if it hides nothing)."""
+    for q0 in range(0, seqlen_q, BAND_BLOCK_M):
+        q1 = min(q0 + BAND_BLOCK_M, seqlen_q)
+        k0, k1 = _visible_keys(q0, q1, seqlen_q, seqlen_k, left, right)
+        if k0 < k1:
+            yield q0, q1, k0, k1, _band_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, left, right)
+
+
+def _banded_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, left: int | None, right: int | None
+) -> tuple[Tensor, Tensor]:
+    """``_fused_forward`` under a window: one call per block of query rows (``_band_blocks``), whose band is its
+    additive mask. A row that sees no key gets out 0 and LSE -inf."""
+    B, Sq, H, _ = q.shape
+    out = torch.zeros(B, Sq, H, v.shape[-1], dtype=q.dtype)
+    lse = torch.full((B, H, Sq), float("-inf"))
+    for q0, q1, k0, k1, mask in _band_blocks(Sq, k.shape[1], left, right):
+        out[:, q0:q1], lse[:, :, q0:q1] = _fused_forward(
+            q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], scale, False, None if mask is None else mask[None, None]
+        )
+    return out, lse
+
+
+def _banded_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, left: int | None,
+    right: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``_fused_backward`` under a window, block by block as ``_banded_forward``; dK and dV summed in float32."""
+    dtype = _compute_dtype(q.dtype)
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros(k.shape, dtype=dtype)
+    dv = torch.zeros(v.shape, dtype=dtype)
+    for q0, q1, k0, k1, mask in _band_blocks(q.shape[1], k.shape[1], left, right):
+        dq[:, q0:q1], dk_block, dv_block = _fused_backward(
+            dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1], scale, False,
+            None if mask is None else mask[None, None],
+        )  # fmt: skip
+        dk[:, k0:k1] += dk_block
+        dv[:, k0:k1] += dv_block
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _add_sink(out: Tensor, lse: Tensor, learnable_sink: Tensor) -> tuple[Tensor, Tensor]:
@@ -335,14 +399,15 @@ def _score_mods(
 
 
 def _scores(
-    q_t: Tensor, k_t: Tensor, mods: _ScoreMods, mask: Tensor | None, group: int, q0: int, k0: int
+    q_t: Tensor, k_t: Tensor, mods: _ScoreMods, mask: Tensor | None, group: int, q0: int, k0: int, out: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """Scores of one tile, and tanh of the scaled scores if they are capped (for the backward).
 
-    q_t: (B * Hk, group * M, D) holding query rows from q0, multiplied by ``mods.query_scale``; k_t: (B * Hk, N, D)
-    holding keys from k0; mask: (M, N) or None -> s: (B * Hk, group * M, N), masked entries -inf; t: like s, or None.
+    q_t: (B * Hk, group * M, D) holding query rows from q0, multiplied by ``mods.query_scale``; k_t: (B * Hk, D, N)
+    holding keys from k0, transposed; mask: (M, N) or None; out: scratch (``_scratch``) -> s: (B * Hk, group * M, N),
+    masked entries -inf, in out's memory unless capped; t: like s, or None.
     """
-    s = torch.bmm(q_t, k_t.transpose(1, 2))  # [gM, D] @ [D, N] -> [gM, N]
+    s = torch.bmm(q_t, k_t, out=_scratch(out, (*q_t.shape[:2], k_t.shape[2])))  # [gM, D] @ [D, N] -> [gM, N]
     t = None
     if mods.softcap > 0.0:
         t = s.tanh_()
@@ -372,11 +437,27 @@ def _apply_attn_mask(s: Tensor, attn_mask: Tensor | None, q0: int, q1: int, k0: 
         s_heads.add_(tile)
 
 
-def _heads_major(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x (B, S, Hk, D) as a contiguous (B * Hk, S, D) tensor of ``dtype``: one copy per call, after which a tile of
-    every (batch, head) pair is one batched matrix."""
-    B, S, Hk, D = x.shape
-    return torch.empty(B, Hk, S, D, dtype=dtype).copy_(x.transpose(1, 2)).view(B * Hk, S, D)
+def _key_tiles(x: Tensor, dtype: torch.dtype, transposed: bool = False) -> list[Tensor]:
+    """x (B, Sk, Hk, D) cut into tiles of BLOCK_N keys, tile t = keys [t * BLOCK_N, (t + 1) * BLOCK_N), each a
+    contiguous (B * Hk, N, D) tensor of ``dtype``, or (B * Hk, D, N) if transposed: one copy of x per call, after
+    which every tile is a plain batched matrix (a matrix product copies an operand whose batch is strided)."""
+    B, Sk, Hk, D = x.shape
+    tiles = []
+    for k0 in range(0, Sk, BLOCK_N):
+        tile = x[:, k0 : k0 + BLOCK_N].permute(0, 2, 3, 1) if transposed else x[:, k0 : k0 + BLOCK_N].transpose(1, 2)
+        tiles.append(torch.empty(tile.shape, dtype=dtype).copy_(tile).view(B * Hk, *tile.shape[2:]))
+    return tiles
+
+
+def _scratch(buffer: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A contiguous tensor of ``shape`` over the start of a flat buffer: per-tile results written with ``out=``
+    reuse one allocation for the whole call."""
+    return buffer[: math.prod(shape)].view(shape)
+
+
+def _in_dtype(x: Tensor, buffer: Tensor) -> Tensor:
+    """x in the flat buffer's dtype, written over its start (``_scratch``), or x itself if it has that dtype."""
+    return x if x.dtype == buffer.dtype else _scratch(buffer, x.shape).copy_(x)
 
 
 def _query_tile(x: Tensor, q0: int, q1: int, nheads_k: int, dtype: torch.dtype) -> Tensor:
@@ -419,7 +500,7 @@ def attention_forward(
     _drop: _Dropout | None = None,
     attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Exact attention, by torch's fused kernel or by tiles with online softmax (``torch_kernel_causal`` decides).
+    """Exact attention, by torch's fused kernel or by tiles with online softmax (``torch_kernel_route`` decides).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32/fp64, last dimension contiguous
@@ -454,15 +535,17 @@ def attention_forward(
            for a row that sees no key -inf, or the sink's value
     """
     drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, q.shape[2], q.shape[1])
-    is_causal = torch_kernel_causal(
+    route = torch_kernel_route(
         q, k, v, window_left, window_right, alibi_slopes=alibi_slopes, softcap=softcap, dropout=drop is not None,
         attn_mask=attn_mask,
     )  # fmt: skip
-    if is_causal is None:
+    if route is None:
         out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
                                   attn_mask)  # fmt: skip
+    elif route == "band":
+        out, lse = _banded_forward(q, k, v, softmax_scale, window_left, window_right)
     else:
-        out, lse = _fused_forward(q, k, v, softmax_scale, is_causal, attn_mask)
+        out, lse = _fused_forward(q, k, v, softmax_scale, route == "causal", attn_mask)
     if learnable_sink is not None:
         out, lse = _add_sink(out, lse, learnable_sink)
     return out, lse
@@ -486,10 +569,12 @@ def _tiled_forward(
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
     mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype)
-    keys = _heads_major(k, dtype)  # (B * Hk, Sk, D), operand of the scores
-    values = _heads_major(v, v.dtype)  # (B * Hk, Sk, Dv), operand of P V
+    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    values = _key_tiles(v, v.dtype)  # (B * Hk, N, Dv) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
+    tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
+    scores, probs = torch.empty(tile_size, dtype=dtype), torch.empty(tile_size, dtype=v.dtype)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_t = _query_tile(q, q0, q1, Hk, dtype).mul_(mods.query_scale(softmax_scale))  # (B * Hk, gM, D)
@@ -499,7 +584,7 @@ def _tiled_forward(
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
             mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
-            s, _ = _scores(q_t, keys[:, k0:k1], mods, mask, group, q0, k0)
+            s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, mask, group, q0, k0, scores)
             _apply_attn_mask(s, attn_mask, q0, q1, k0, k1)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             p = s.sub_(m_new).exp_()
@@ -507,7 +592,7 @@ def _tiled_forward(
             l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             if drop is not None:  # l_i keeps every probability; only P V sees the mask
                 p.mul_(_dropout_keep(drop, B, Hk, group, q0, q1, k0, k1).view(p.shape))
-            acc.mul_(alpha).add_(torch.bmm(p.to(values.dtype), values[:, k0:k1]))  # [gM, N] @ [N, Dv]
+            acc.mul_(alpha).add_(torch.bmm(_in_dtype(p, probs), values[k0 // BLOCK_N]))  # [gM, N] @ [N, Dv]
             m_i = m_new
         if drop is not None:
             acc.mul_(1.0 / (1.0 - drop.p))
@@ -539,7 +624,7 @@ def attention_backward(
     deterministic: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention, by torch's fused kernel or by tiles recomputing P from the saved LSE
-    (``torch_kernel_causal`` decides).
+    (``torch_kernel_route`` decides).
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim_v), gradient of ``out``
@@ -561,23 +646,27 @@ def attention_backward(
         dv: (batch, seqlen_k, nheads_k, headdim_v) in v.dtype, likewise
     """
     drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, q.shape[2], q.shape[1])
-    is_causal = torch_kernel_causal(
+    route = torch_kernel_route(
         q, k, v, window_left, window_right, alibi_slopes=alibi_slopes, softcap=softcap, dropout=drop is not None,
         attn_mask=attn_mask, dlse=dlse, dmask=dmask,
     )  # fmt: skip
-    if is_causal is not None:
-        return _fused_backward(dout, q, k, v, out, lse, softmax_scale, is_causal, attn_mask)
+    if route == "band":
+        return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right)
+    if route is not None:
+        return _fused_backward(dout, q, k, v, out, lse, softmax_scale, route == "causal", attn_mask)
     B, Sq, H, D = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
     mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype)
-    keys = _heads_major(k, dtype)  # (B * Hk, Sk, D), operand of the scores
-    values = _heads_major(v, dtype)  # (B * Hk, Sk, Dv), operand of dP = dO V^T
-    keys_low = _heads_major(k, k.dtype)  # operand of dQ = dS K
+    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    values = _key_tiles(v, dtype, transposed=True)  # (B * Hk, Dv, N) each, operands of dP = dO V^T
+    keys_low = _key_tiles(k, k.dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.zeros(B * Hk, Sk, D, dtype=dtype)  # accumulators, heads-major
     dv = torch.zeros(B * Hk, Sk, Dv, dtype=dtype)
+    tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
+    scores, dprobs, low = (torch.empty(tile_size, dtype=t) for t in (dtype, dtype, q.dtype))
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_low = _query_tile(q, q0, q1, Hk, q.dtype)  # (B * Hk, gM, D), operand of dK = dS^T Q
@@ -591,23 +680,23 @@ def attention_backward(
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
             mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
-            s, t = _scores(q_t, keys[:, k0:k1], mods, mask, group, q0, k0)
+            s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, mask, group, q0, k0, scores)
             _apply_attn_mask(s, attn_mask, q0, q1, k0, k1)
             p = s.sub_(lse_t).exp_()  # (B * Hk, gM, N)
-            dp = torch.bmm(do_t, values[:, k0:k1].transpose(1, 2))  # [gM, Dv] @ [Dv, N] -> [gM, N]
-            if drop is None:
-                dv[:, k0:k1] += torch.bmm(p.to(do_low.dtype).transpose(1, 2), do_low)  # [N, gM] @ [gM, Dv]
-            else:  # the gradient at P is Z / (1 - p) * dP; dV's 1 / (1 - p) is applied at the end
+            dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(dprobs, p.shape))  # [gM, Dv] @ [Dv, N]
+            p_kept = p
+            if drop is not None:  # the gradient at P is Z / (1 - p) * dP; dV's 1 / (1 - p) is applied at the end
                 keep = _dropout_keep(drop, B, Hk, group, q0, q1, k0, k1).view(p.shape)
-                dv[:, k0:k1] += torch.bmm((p * keep).to(do_low.dtype).transpose(1, 2), do_low)
+                p_kept = p * keep
                 dp.mul_(keep).mul_(1.0 / (1.0 - drop.p))
+            dv[:, k0:k1] += torch.bmm(_in_dtype(p_kept, low).transpose(1, 2), do_low)  # [N, gM] @ [gM, Dv]
             ds = p.mul_(dp.sub_(delta))  # reuses p's memory: p is not needed after this
             if dmask is not None:  # the gradient at the mask: dS before the cap's derivative
                 dmask[:, :, q0:q1, k0:k1] = ds.view(B, H, q1 - q0, k1 - k0)
             if t is not None:
                 ds.mul_(t.mul_(t).neg_().add_(1.0))  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
-            ds_low = ds.to(q.dtype)
-            dq_t += torch.bmm(ds_low, keys_low[:, k0:k1])  # [gM, N] @ [N, D]
+            ds_low = _in_dtype(ds, low)
+            dq_t += torch.bmm(ds_low, keys_low[k0 // BLOCK_N])  # [gM, N] @ [N, D]
             dk[:, k0:k1] += torch.bmm(ds_low.transpose(1, 2), q_low)  # [N, gM] @ [gM, D]
         _store_query_tile(dq, q0, q1, dq_t.mul_(softmax_scale))
     if drop is not None:
