@@ -8,36 +8,41 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from flashtile import cpu
 
 MEMORY_SCRIPT = """
-import resource, torch
+import resource, sys, torch
 from flashtile import cpu
 
 def peak_rss():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
+cpu.TORCH_KERNEL = sys.argv[1] != "tiled"
+window = (1000, 0) if sys.argv[1] == "band" else (None, None)
 S = 8192
 q, k, v, dout = (torch.randn(1, S, 1, 64).half() for _ in range(4))
-small = [x[:, :300] for x in (q, k, v, dout)]  # warm up the allocator and matmul buffers
-out, lse = cpu.attention_forward(*small[:3], 0.125, None, 0)
-cpu.attention_backward(small[3], *small[:3], out, lse, 0.125, None, 0)
+small = [x[:, :600] for x in (q, k, v, dout)]  # warm up the allocator and matmul buffers
+out, lse = cpu.attention_forward(*small[:3], 0.125, *window)
+cpu.attention_backward(small[3], *small[:3], out, lse, 0.125, *window)
 before = peak_rss()
-out, lse = cpu.attention_forward(q, k, v, 0.125, None, None)
-cpu.attention_backward(dout, q, k, v, out, lse, 0.125, None, None)
+out, lse = cpu.attention_forward(q, k, v, 0.125, *window)
+cpu.attention_backward(dout, q, k, v, out, lse, 0.125, *window)
 print(peak_rss() - before)
 """
 
 
-def test_memory_is_linear_in_seqlen():
-    """Sq = Sk = 8192: one float32 (Sq, Sk) matrix is 256 MiB; forward + backward must grow the peak
-    RSS of a fresh process by far less (tiles of 128 x 256 need well under 1 MiB; with 8192 x 8192
-    tiles the same script grew by 543 MiB)."""
+@pytest.mark.parametrize("route", ["torch", "band", "tiled"])
+def test_memory_is_linear_in_seqlen(route):
+    """Sq = Sk = 8192: one float32 (Sq, Sk) matrix is 256 MiB; forward + backward must grow the peak RSS of a
+    fresh process by far less, on each route: torch's kernel in one call, torch's kernel block by block under a
+    window of 1000 keys, the tiled path (tiles of 128 x 512 need 1 MiB; with 8192 x 8192 tiles the same script
+    grew by 543 MiB)."""
     src = str(Path(cpu.__file__).parents[1])  # the folder that holds the flashtile package
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, route], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     growth = int(run.stdout.split()[-1])
     assert growth < 64 * 2**20, f"peak RSS grew by {growth / 2**20:.0f} MiB"

@@ -128,7 +128,10 @@ def test_same_seed_same_results_other_seed_different(path):
     plain = run_dropout(5, q, k, v, dout, causal=True)
     for name in first:
         assert torch.equal(first[name], again[name]), name
-    assert torch.equal(first["lse"], plain["lse"]), "dropout must leave the LSE unchanged"
+    # the LSE is unchanged up to rounding (on the CPU path a call without dropout may take torch's fused kernel)
+    torch.testing.assert_close(
+        first["lse"], plain["lse"], rtol=1e-4, atol=1e-4, msg="dropout must leave the LSE unchanged"
+    )
     for name in ("out", "dq", "dk", "dv"):
         assert not torch.equal(first[name], other[name]), name
         assert not torch.equal(first[name], plain[name]), name

@@ -1,19 +1,34 @@
-"""FlashAttention on the CPU: the tiled online-softmax algorithm in plain PyTorch.
+"""FlashAttention on the CPU in plain PyTorch: the path flashtile takes for CPU tensors.
 
-This is the path flashtile takes for CPU tensors. It computes exact attention
+It computes exact attention
 
     S = scale * Q K^T,    P = softmax(S) (row-wise),    O = P V
 
-without ever holding the (seqlen_q, seqlen_k) matrices S or P: it works on a query tile of
-BLOCK_M rows against a key tile of BLOCK_N columns at a time, so the extra memory is
-O(seqlen * headdim + BLOCK_M * BLOCK_N), linear in the sequence length. It is the same algorithm
-as the Triton kernels, written to be read.
+without ever holding the (seqlen_q, seqlen_k) matrices S or P, so the extra memory is linear in the
+sequence length. A call takes one of two routes, chosen by one rule (``torch_kernel_route``):
 
-Forward: online softmax
------------------------
-For one query tile, stream the key/value tiles j = 0, 1, ... and keep, per query row, the
-running max ``m_i`` of the scores seen so far, the running sum ``l_i = sum exp(s - m_i)`` over
-them and an unnormalised output ``acc = sum exp(s - m_i) v``. On each new score tile S_j:
+- **torch's fused kernel** (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, what
+  ``torch.nn.functional.scaled_dot_product_attention`` runs on a CPU) when the call needs nothing it lacks:
+  no softcap, ALiBi or dropout, no gradient at the LSE or at the mask, a mask only of the kinds it reads.
+  With no window, or causal with Sq == Sk (top-left causal in general), one call computes it; under any
+  other window (sliding windows, flash_attn's bottom-right causal with Sq != Sk) one call per block of
+  BAND_BLOCK_M query rows does, on the keys that block sees, with the band's edges as an additive mask.
+  Its results are flashtile's: the kernel takes flash_attn's (batch, seqlen, nheads, headdim) layout as
+  transposed views, handles GQA itself, and its LSE is the natural-log (batch, nheads, seqlen_q) one
+  flashtile returns (made float32 and contiguous, -inf for a row that sees no key, where the kernel writes 0).
+- **the tiled path** below for everything else (softcap, ALiBi, dropout, gradients at the LSE or at an
+  additive mask, a float mask of another dtype than q's, headdim_v != headdim, empty inputs), or for every
+  call with ``TORCH_KERNEL = False``.
+
+A learnable sink is added to either route's results afterwards (``_add_sink``).
+
+The tiled path: forward by online softmax
+-----------------------------------------
+It works on a query tile of BLOCK_M rows against a key tile of BLOCK_N columns at a time (extra memory
+O(seqlen * headdim + BLOCK_M * BLOCK_N) per head). For one query tile, stream the key/value tiles j = 0, 1,
+... and keep, per query row, the running max ``m_i`` of the scores seen so far, the running sum
+``l_i = sum exp(s - m_i)`` over them and an unnormalised output ``acc = sum exp(s - m_i) v``. On each new
+score tile S_j:
 
     m_new = max(m_i, rowmax(S_j))
     P_j   = exp(S_j - m_new)
@@ -23,7 +38,9 @@ them and an unnormalised output ``acc = sum exp(s - m_i) v``. On each new score 
     m_i   = m_new
 
 After the last tile, ``O = acc / l_i`` and the log-sum-exp ``LSE = m_i + log(l_i)`` is saved for
-the backward. Subtracting the running max keeps every exp() <= 1, so nothing overflows.
+the backward. Subtracting the running max keeps every exp() <= 1, so nothing overflows. ``m_i`` starts at
+the dtype's most negative finite value rather than -inf, so that ``exp(m_i - m_new)`` is never
+``exp(-inf + inf)``; a row that sees no key ends with ``l_i = 0``, output 0 and LSE -inf.
 
 Backward: recompute P from the LSE
 ----------------------------------
@@ -43,22 +60,26 @@ in place), the inner over key tiles; dK and dV are float32 accumulators of size 
 
 Layout and precision
 --------------------
-Inputs are flash_attn's (batch, seqlen, nheads, headdim) with any strides; they are viewed as
-(batch, nheads, seqlen, headdim) without a copy, and all (batch, head) pairs of a tile go through
-one batched matmul. With grouped-query attention (nheads = group * nheads_k) the query tile of
-the ``group`` heads that share a key/value head is reshaped to (batch, nheads_k, group * BLOCK_M,
-headdim), so each key/value tile is used once per query tile. Tiles are upcast to float32
-(float64 stays float64) and accumulated there; results are cast back at the end.
+K and V are copied once per call into a heads-major (batch * nheads_k, seqlen_k, headdim) layout, so that
+a tile of every (batch, head) pair is one batched matrix product. With grouped-query attention (nheads =
+group * nheads_k) the query tile of the ``group`` heads that share a key/value head is laid out as
+(batch * nheads_k, group * BLOCK_M, headdim), so each key/value tile is used once per query tile. The
+products that make scores (Q K^T, and dO V^T in the backward) run in float32 (float64 for float64 inputs),
+with the softmax scale folded into the query tile; the softmax and every accumulator are float32 too. The
+products whose left operand is a probability or its gradient (P V, P^T dO, dS K, dS^T Q) take it rounded
+to the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile results are added to the
+float32 accumulators.
 
 Score modifications and sinks
 -----------------------------
 With ``softcap > 0`` the scaled scores are capped, ``S = softcap * tanh(scale * Q K^T / softcap)``,
 and with ALiBi slopes a bias ``-slope * |i + seqlen_k - seqlen_q - j|`` is added (flash_attn's order).
 In the backward the cap multiplies dS by its derivative ``1 - tanh^2`` before dQ and dK. A learnable
-sink joins each row's softmax denominator as one more score with no value: the online softmax starts
-from ``m_i = sink, l_i = 1`` instead of ``-inf, 0``, so the LSE includes it and a row that sees no key
-gets output 0 and LSE = sink. P computed from that LSE is already right for the backward; the sink's
-own gradient is ``-sum_i exp(sink - LSE_i) * Delta_i``, from ``attention_delta`` (see ``flashtile._ops``).
+sink joins each row's softmax denominator as one more score with no value: ``LSE' = log(exp(LSE) +
+exp(sink))`` and ``O' = O * exp(LSE - LSE')``, so a row that sees no key gets output 0 and LSE = sink.
+P computed from that LSE is already right for the backward, and Delta = rowsum(dO * O') too, so either
+route's backward serves unchanged; the sink's own gradient is ``-sum_i exp(sink - LSE_i) * Delta_i``,
+from ``attention_delta`` (see ``flashtile._ops``).
 
 Dropout
 -------
@@ -79,6 +100,8 @@ built only for tiles that the band's edges cut. A query row that sees no key
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -87,8 +110,15 @@ from torch import Tensor
 from flashtile import paged
 
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
-BLOCK_N = 256  # key columns per tile; 128x256 to 256x512 all ran within ~10% here
+BLOCK_N = 512  # key columns per tile
+BAND_BLOCK_M = 256  # query rows per call of torch's kernel under a window
 
+TORCH_KERNEL = True
+"""Whether the calls that torch's fused kernel can compute run it (``torch_kernel_route``); False sends every call
+down the tiled path (the tests and benchmarks use it to compare the two routes)."""
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 _M32 = 0xFFFFFFFF
 
@@ -148,12 +178,20 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _key_span(q0: int, q1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None) -> range:
-    """Start of each key tile that a query row in [q0, q1) may see (empty if none sees any key)."""
+def _visible_keys(
+    q0: int, q1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None
+) -> tuple[int, int]:
+    """The keys [k0, k1) that some query row in [q0, q1) may see (k0 >= k1 if none sees any key)."""
     diag = seqlen_k - seqlen_q
-    lo = 0 if left is None else max(0, q0 + diag - left)
-    hi = seqlen_k if right is None else min(seqlen_k, q1 + diag + right)
-    return range(lo, hi, BLOCK_N)
+    k0 = 0 if left is None else max(0, q0 + diag - left)
+    k1 = seqlen_k if right is None else min(seqlen_k, q1 + diag + right)
+    return k0, k1
+
+
+def _key_span(q0: int, q1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None) -> range:
+    """Start of each key tile (a multiple of BLOCK_N) that a query row in [q0, q1) may see (empty if none)."""
+    k0, k1 = _visible_keys(q0, q1, seqlen_q, seqlen_k, left, right)
+    return range(k0 // BLOCK_N * BLOCK_N, k1, BLOCK_N)
 
 
 def _band_mask(
@@ -175,78 +213,262 @@ def _band_mask(
     return visible
 
 
+def torch_kernel_route(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_left: int | None,
+    window_right: int | None,
+    *,
+    alibi_slopes: Tensor | None = None,
+    softcap: float = 0.0,
+    dropout: bool = False,
+    attn_mask: Tensor | None = None,
+    dlse: Tensor | None = None,
+    dmask: Tensor | None = None,
+) -> str | None:
+    """The route rule: how torch's fused kernel computes this call, or None when the tiled path must (arguments as
+    ``attention_forward`` / ``attention_backward`` take them; dropout: whether the call drops probabilities).
+
+    torch's kernel computes softmax(scale * Q K^T + mask) V for fp16/bf16/fp32/fp64, with GQA, an optional
+    causal mask aligned to the top left (query i sees keys j <= i) and an additive mask of q's dtype, and
+    its backward takes the forward's output and LSE. It serves a call when all of these hold:
+
+    - ``TORCH_KERNEL`` is on;
+    - batch, seqlen_q, seqlen_k and nheads are all > 0 (the kernel divides by zero on an empty sequence)
+      and headdim_v == headdim;
+    - no softcap, no ALiBi, no dropout; in the backward, no gradient at the LSE (dlse) and none wanted at
+      the mask (dmask);
+    - attn_mask is None, boolean (given to the kernel as 0 / -inf of q's dtype) or of q's dtype.
+
+    The route then follows the window (bottom-right aligned, as flash_attn's):
+
+    - "full": window_left is None or >= seqlen_k - 1 and window_right is None or >= seqlen_q - 1 (the
+      window hides nothing): one call, is_causal=False;
+    - "causal": window_left as above and window_right == seqlen_q - seqlen_k (the bottom-right diagonal is
+      then the top-left one; with seqlen_q == seqlen_k that is flash_attn's causal=True): one call,
+      is_causal=True;
+    - "band": any other window, without attn_mask: one call per BAND_BLOCK_M query rows on the keys they
+      see, the band's edges given as an additive mask of that block (``_banded_forward``).
+
+    A learnable sink does not matter here: it is added to either route's results (``_add_sink``).
+    """
+    if not TORCH_KERNEL or softcap > 0.0 or alibi_slopes is not None or dropout or dlse is not None:
+        return None
+    if dmask is not None or (attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype)):
+        return None
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    if min(batch, seqlen_q, seqlen_k, nheads) == 0 or v.shape[-1] != head_dim:
+        return None
+    if window_left is None or window_left >= seqlen_k - 1:
+        if window_right is None or window_right >= seqlen_q - 1:
+            return "full"
+        if window_right == seqlen_q - seqlen_k:
+            return "causal"
+    return "band" if attn_mask is None else None
+
+
+def _kernel_mask(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """SDPA's (B, H, Sq, Sk) mask view as torch's kernel takes it: its broadcast (stride 0) dimensions back to
+    size 1, without a copy; a boolean mask as 0 / -inf of ``dtype`` (a tensor the size of the mask as given)."""
+    if attn_mask is None:
+        return None
+    mask = attn_mask[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in attn_mask.stride())]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return mask
+
+
+def _fused_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool, attn_mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of one call of torch's fused kernel in flashtile's layouts: out (B, Sq, H, D) contiguous, lse
+    (B, H, Sq) float32 contiguous, -inf for a row that the mask hides entirely (the kernel gives it out 0, LSE 0)."""
+    mask = _kernel_mask(attn_mask, q.dtype)
+    out, lse = _FLASH(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, attn_mask=mask, scale=scale
+    )  # out: (B, H, Sq, D) over (B, Sq, H, D) memory; lse: (B, H, Sq) over (B, Sq, H) memory
+    lse = lse.float().contiguous()
+    if mask is not None:
+        lse.masked_fill_((mask == float("-inf")).all(dim=-1), float("-inf"))
+    return out.transpose(1, 2).contiguous(), lse
+
+
+def _fused_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    is_causal: bool,
+    attn_mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one call of torch's fused backward, contiguous in flashtile's layouts (dk, dv summed over
+    each GQA group by the kernel)."""
+    mask = _kernel_mask(attn_mask, q.dtype)
+    lse = lse.to(_compute_dtype(q.dtype))  # the kernel reads the LSE in its accumulation dtype
+    if mask is not None:  # a row the mask hides entirely: any finite LSE gives P = exp(-inf - LSE) = 0
+        lse = lse.masked_fill(lse == float("-inf"), 0.0)
+    grads = _FLASH_BACKWARD(
+        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, 0.0, is_causal, attn_mask=mask, scale=scale
+    )  # fmt: skip
+    return tuple(g.transpose(1, 2).contiguous() for g in grads)
+
+
+def _band_blocks(
+    seqlen_q: int, seqlen_k: int, left: int | None, right: int | None
+) -> Iterator[tuple[int, int, int, int, Tensor | None]]:
+    """(q0, q1, k0, k1, mask) per block of BAND_BLOCK_M query rows that sees a key: keys [k0, k1) are the ones its
+    rows may see, mask the boolean (q1 - q0, k1 - k0) band over them (None if it hides nothing)."""
+    for q0 in range(0, seqlen_q, BAND_BLOCK_M):
+        q1 = min(q0 + BAND_BLOCK_M, seqlen_q)
+        k0, k1 = _visible_keys(q0, q1, seqlen_q, seqlen_k, left, right)
+        if k0 < k1:
+            yield q0, q1, k0, k1, _band_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, left, right)
+
+
+def _banded_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, left: int | None, right: int | None
+) -> tuple[Tensor, Tensor]:
+    """``_fused_forward`` under a window: one call per block of query rows (``_band_blocks``), whose band is its
+    additive mask. A row that sees no key gets out 0 and LSE -inf."""
+    B, Sq, H, _ = q.shape
+    out = torch.zeros(B, Sq, H, v.shape[-1], dtype=q.dtype)
+    lse = torch.full((B, H, Sq), float("-inf"))
+    for q0, q1, k0, k1, mask in _band_blocks(Sq, k.shape[1], left, right):
+        out[:, q0:q1], lse[:, :, q0:q1] = _fused_forward(
+            q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], scale, False, None if mask is None else mask[None, None]
+        )
+    return out, lse
+
+
+def _banded_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, left: int | None,
+    right: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``_fused_backward`` under a window, block by block as ``_banded_forward``; dK and dV summed in float32."""
+    dtype = _compute_dtype(q.dtype)
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros(k.shape, dtype=dtype)
+    dv = torch.zeros(v.shape, dtype=dtype)
+    for q0, q1, k0, k1, mask in _band_blocks(q.shape[1], k.shape[1], left, right):
+        dq[:, q0:q1], dk_block, dv_block = _fused_backward(
+            dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1], scale, False,
+            None if mask is None else mask[None, None],
+        )  # fmt: skip
+        dk[:, k0:k1] += dk_block
+        dv[:, k0:k1] += dv_block
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _add_sink(out: Tensor, lse: Tensor, learnable_sink: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) with a sink's logit (H,) joined to each row's softmax: LSE' = log(exp(LSE) + exp(sink)) and
+    out' = out * exp(LSE - LSE') (the sink takes its share of the probability and brings no value)."""
+    with_sink = torch.logaddexp(lse, learnable_sink.float()[None, :, None])  # (B, H, Sq)
+    finite = with_sink.clamp(min=torch.finfo(torch.float32).min)  # a sink of -inf and no key: -inf - min = -inf
+    share = torch.exp(lse - finite).transpose(1, 2)[..., None]  # (B, Sq, H, 1); 0 where no key was seen
+    return (out * share).to(out.dtype), with_sink
+
+
 @dataclass(frozen=True)
 class _ScoreMods:
-    """What changes a scaled score besides the mask: a tanh cap (0 = off) and ALiBi slopes, shaped
-    (B or 1, Hk, group, 1, 1) in the compute dtype (None = off); ``diag`` is seqlen_k - seqlen_q."""
+    """What changes a score besides the mask: a tanh cap (0 = off) and ALiBi slopes, shaped
+    (B * Hk, group, 1, 1) in the compute dtype (None = off); ``diag`` is seqlen_k - seqlen_q."""
 
     softcap: float = 0.0
     slopes: Tensor | None = None
     diag: int = 0
 
+    def query_scale(self, softmax_scale: float) -> float:
+        """What the query tile is multiplied by, so that Q K^T is the scaled score (or the cap's tanh argument)."""
+        return softmax_scale / self.softcap if self.softcap > 0.0 else softmax_scale
+
 
 def _score_mods(
-    alibi_slopes: Tensor | None, softcap: float, nheads_k: int, diag: int, dtype: torch.dtype
+    alibi_slopes: Tensor | None, softcap: float, batch: int, nheads_k: int, diag: int, dtype: torch.dtype
 ) -> _ScoreMods:
     """The score modifications of a call, slopes reshaped to broadcast against a tile's scores."""
     slopes = None
-    if alibi_slopes is not None:  # (H,) or (B, H) -> (B or 1, Hk, group, 1, 1)
-        slopes = alibi_slopes.to(dtype).reshape(-1, nheads_k, alibi_slopes.shape[-1] // nheads_k, 1, 1)
+    if alibi_slopes is not None:  # (H,) or (B, H) -> (B * Hk, group, 1, 1)
+        nheads = alibi_slopes.shape[-1]
+        slopes = alibi_slopes.to(dtype).expand(batch, nheads).reshape(batch * nheads_k, nheads // nheads_k, 1, 1)
     return _ScoreMods(softcap, slopes, diag)
 
 
 def _scores(
-    q_t: Tensor, k_t: Tensor, scale: float, mask: Tensor | None, group: int, mods: _ScoreMods, q0: int, k0: int
+    q_t: Tensor, k_t: Tensor, mods: _ScoreMods, mask: Tensor | None, group: int, q0: int, k0: int, out: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """Scores of one tile, and tanh of the scaled scores if they are capped (for the backward).
 
-    q_t: (B, Hk, group * M, D) holding query rows from q0, k_t: (B, Hk, N, D) holding keys from k0,
-    mask: (M, N) or None -> s: (B, Hk, group * M, N), masked entries -inf; t: like s, or None.
+    q_t: (B * Hk, group * M, D) holding query rows from q0, multiplied by ``mods.query_scale``; k_t: (B * Hk, D, N)
+    holding keys from k0, transposed; mask: (M, N) or None; out: scratch (``_scratch``) -> s: (B * Hk, group * M, N),
+    masked entries -inf, in out's memory unless capped; t: like s, or None.
     """
-    s = torch.matmul(q_t, k_t.transpose(-1, -2))  # [gM, D] @ [D, N] -> [gM, N]
+    s = torch.bmm(q_t, k_t, out=_scratch(out, (*q_t.shape[:2], k_t.shape[2])))  # [gM, D] @ [D, N] -> [gM, N]
     t = None
     if mods.softcap > 0.0:
-        t = s.mul_(scale / mods.softcap).tanh_()
+        t = s.tanh_()
         s = t * mods.softcap
-    else:
-        s.mul_(scale)
-    B, Hk, _, N = s.shape
-    s_heads = s.view(B, Hk, group, -1, N)  # query heads of a group apart
+    if mods.slopes is None and mask is None:
+        return s, t
+    rows, n = s.shape[1:]
+    s_heads = s.view(s.shape[0], group, rows // group, n)  # query heads of a group apart: (B * Hk, group, M, N)
     if mods.slopes is not None:
-        i = torch.arange(q0, q0 + s_heads.shape[3])[:, None]
-        j = torch.arange(k0, k0 + N)[None, :]
+        i = torch.arange(q0, q0 + s_heads.shape[2])[:, None]
+        j = torch.arange(k0, k0 + n)[None, :]
         s_heads.sub_(mods.slopes * (i + mods.diag - j).abs().to(s.dtype))  # -slope * |i + Sk - Sq - j|
     if mask is not None:
         s_heads.masked_fill_(~mask, float("-inf"))
     return s, t
 
 
-def _apply_attn_mask(
-    s: Tensor, attn_mask: Tensor | None, q0: int, q1: int, k0: int, k1: int, nheads_k: int, dtype: torch.dtype
-) -> None:
-    """Apply the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask view to s (B, Hk, group * M, N) in place."""
+def _apply_attn_mask(s: Tensor, attn_mask: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> None:
+    """Apply the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask view to s (B * Hk, group * M, N) in place."""
     if attn_mask is None:
         return
-    tile = attn_mask[:, :, q0:q1, k0:k1].reshape(s.shape[0], nheads_k, -1, k1 - k0)  # copies one tile at most
+    tile = attn_mask[:, :, q0:q1, k0:k1]  # (B, H, M, N), read through the broadcast view
+    s_heads = s.view(tile.shape)
     if tile.dtype == torch.bool:
-        s.masked_fill_(~tile, float("-inf"))
+        s_heads.masked_fill_(~tile, float("-inf"))
     else:
-        s.add_(tile.to(dtype))
+        s_heads.add_(tile)
+
+
+def _key_tiles(x: Tensor, dtype: torch.dtype, transposed: bool = False) -> list[Tensor]:
+    """x (B, Sk, Hk, D) cut into tiles of BLOCK_N keys, tile t = keys [t * BLOCK_N, (t + 1) * BLOCK_N), each a
+    contiguous (B * Hk, N, D) tensor of ``dtype``, or (B * Hk, D, N) if transposed: one copy of x per call, after
+    which every tile is a plain batched matrix (a matrix product copies an operand whose batch is strided)."""
+    B, Sk, Hk, D = x.shape
+    tiles = []
+    for k0 in range(0, Sk, BLOCK_N):
+        tile = x[:, k0 : k0 + BLOCK_N].permute(0, 2, 3, 1) if transposed else x[:, k0 : k0 + BLOCK_N].transpose(1, 2)
+        tiles.append(torch.empty(tile.shape, dtype=dtype).copy_(tile).view(B * Hk, *tile.shape[2:]))
+    return tiles
+
+
+def _scratch(buffer: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A contiguous tensor of ``shape`` over the start of a flat buffer: per-tile results written with ``out=``
+    reuse one allocation for the whole call."""
+    return buffer[: math.prod(shape)].view(shape)
+
+
+def _in_dtype(x: Tensor, buffer: Tensor) -> Tensor:
+    """x in the flat buffer's dtype, written over its start (``_scratch``), or x itself if it has that dtype."""
+    return x if x.dtype == buffer.dtype else _scratch(buffer, x.shape).copy_(x)
 
 
 def _query_tile(x: Tensor, q0: int, q1: int, nheads_k: int, dtype: torch.dtype) -> Tensor:
-    """Rows [q0, q1) of x (B, S, H, D) as (B, Hk, group * (q1 - q0), D) in ``dtype``."""
+    """Rows [q0, q1) of x (B, S, H, D) as a new (B * Hk, group * (q1 - q0), D) tensor of ``dtype``."""
     B, _, H, D = x.shape
-    return x[:, q0:q1].transpose(1, 2).to(dtype).reshape(B, nheads_k, -1, D)
-
-
-def _key_tile(x: Tensor, k0: int, k1: int, dtype: torch.dtype) -> Tensor:
-    """Rows [k0, k1) of x (B, S, Hk, D) as (B, Hk, k1 - k0, D) in ``dtype``."""
-    return x[:, k0:k1].transpose(1, 2).to(dtype)
+    tile = torch.empty(B, H, q1 - q0, D, dtype=dtype)
+    return tile.copy_(x[:, q0:q1].transpose(1, 2)).view(B * nheads_k, H // nheads_k * (q1 - q0), D)
 
 
 def _store_query_tile(dst: Tensor, q0: int, q1: int, tile: Tensor) -> None:
-    """Write tile (B, Hk, group * M, D) into rows [q0, q1) of dst (B, S, H, D), casting."""
+    """Write tile (B * Hk, group * M, D) into rows [q0, q1) of dst (B, S, H, D), casting."""
     B, _, H, D = dst.shape
     dst[:, q0:q1] = tile.view(B, H, q1 - q0, D).transpose(1, 2)
 
@@ -254,13 +476,11 @@ def _store_query_tile(dst: Tensor, q0: int, q1: int, tile: Tensor) -> None:
 def _delta_tile(
     dout: Tensor, out: Tensor, dlse: Tensor | None, q0: int, q1: int, nheads_k: int, dtype: torch.dtype
 ) -> Tensor:
-    """rowsum(dO * O) - dLSE for rows [q0, q1) as (B, Hk, group * (q1 - q0), 1) in ``dtype``."""
-    B = dout.shape[0]
-    delta = (_query_tile(dout, q0, q1, nheads_k, dtype) * _query_tile(out, q0, q1, nheads_k, dtype)).sum(
-        dim=-1, keepdim=True
-    )
+    """rowsum(dO * O) - dLSE for rows [q0, q1) as (B * Hk, group * (q1 - q0), 1) in ``dtype``."""
+    do_t = _query_tile(dout, q0, q1, nheads_k, dtype)
+    delta = do_t.mul_(_query_tile(out, q0, q1, nheads_k, dtype)).sum(dim=-1, keepdim=True)
     if dlse is not None:
-        delta -= dlse[:, :, q0:q1].reshape(B, nheads_k, -1, 1).to(dtype)
+        delta -= dlse[:, :, q0:q1].reshape(delta.shape).to(dtype)
     return delta
 
 
@@ -280,10 +500,10 @@ def attention_forward(
     _drop: _Dropout | None = None,
     attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Exact attention by tiles with online softmax.
+    """Exact attention, by torch's fused kernel or by tiles with online softmax (``torch_kernel_route`` decides).
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32/fp64, any strides
+        q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32/fp64, last dimension contiguous
         k: (batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0; query head h uses
            key/value head h // (nheads // nheads_k)
         v: (batch, seqlen_k, nheads_k, headdim_v)
@@ -307,51 +527,77 @@ def attention_forward(
         rng_state: with dropout, int64 (2,) [seed, offset] (see the module docstring)
         _drop: the varlen path's per-sequence dropout (replaces dropout_p and rng_state)
         attn_mask: SDPA's mask as a (batch, nheads, seqlen_q, seqlen_k) view (broadcast dimensions of stride 0,
-           never expanded in memory): boolean (True = attend) or additive (added to the scaled scores);
-           read one (query tile, key tile) at a time
+           never expanded in memory): boolean (True = attend) or additive (added to the scaled scores)
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v) in q.dtype, contiguous; 0 for a row that sees no key
         lse: (batch, nheads, seqlen_q) float32, natural-log sum of exp of the scores (and the sink);
            for a row that sees no key -inf, or the sink's value
     """
+    drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, q.shape[2], q.shape[1])
+    route = torch_kernel_route(
+        q, k, v, window_left, window_right, alibi_slopes=alibi_slopes, softcap=softcap, dropout=drop is not None,
+        attn_mask=attn_mask,
+    )  # fmt: skip
+    if route is None:
+        out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
+                                  attn_mask)  # fmt: skip
+    elif route == "band":
+        out, lse = _banded_forward(q, k, v, softmax_scale, window_left, window_right)
+    else:
+        out, lse = _fused_forward(q, k, v, softmax_scale, route == "causal", attn_mask)
+    if learnable_sink is not None:
+        out, lse = _add_sink(out, lse, learnable_sink)
+    return out, lse
+
+
+def _tiled_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    alibi_slopes: Tensor | None,
+    softcap: float,
+    drop: _Dropout | None,
+    attn_mask: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """``attention_forward`` by tiles with online softmax (the module docstring), without the sink."""
     B, Sq, H, _ = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, Hk, Sk - Sq, dtype)
-    drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, H, Sq)
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype)
+    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    values = _key_tiles(v, v.dtype)  # (B * Hk, N, Dv) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
+    tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
+    scores, probs = torch.empty(tile_size, dtype=dtype), torch.empty(tile_size, dtype=v.dtype)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
-        q_t = _query_tile(q, q0, q1, Hk, dtype)  # (B, Hk, gM, D)
-        if learnable_sink is None:
-            m_i = torch.full((*q_t.shape[:-1], 1), float("-inf"), dtype=dtype)  # running row max
-            l_i = torch.zeros_like(m_i)  # running row sum of exp(s - m_i)
-        else:  # the sink is the first score seen: m = sink, l = exp(sink - m) = 1
-            m_i = learnable_sink.to(dtype).view(1, Hk, group, 1, 1).expand(B, Hk, group, q1 - q0, 1)
-            m_i = m_i.reshape(B, Hk, -1, 1)
-            l_i = torch.ones_like(m_i)
-        acc = torch.zeros(*q_t.shape[:-1], Dv, dtype=dtype)  # running sum of exp(s - m_i) v
+        q_t = _query_tile(q, q0, q1, Hk, dtype).mul_(mods.query_scale(softmax_scale))  # (B * Hk, gM, D)
+        m_i = torch.full((*q_t.shape[:2], 1), torch.finfo(dtype).min, dtype=dtype)  # running row max
+        l_i = torch.zeros_like(m_i)  # running row sum of exp(s - m_i)
+        acc = torch.zeros(*q_t.shape[:2], Dv, dtype=dtype)  # running sum of exp(s - m_i) v
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
             mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
-            s, _ = _scores(q_t, _key_tile(k, k0, k1, dtype), softmax_scale, mask, group, mods, q0, k0)
-            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1, Hk, dtype)
+            s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, mask, group, q0, k0, scores)
+            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key seen yet
-            p = torch.exp_(s.sub_(m_safe))
-            alpha = torch.exp(m_i - m_safe)
-            l_i = l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            p = s.sub_(m_new).exp_()
+            alpha = m_i.sub_(m_new).exp_()
+            l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             if drop is not None:  # l_i keeps every probability; only P V sees the mask
-                p.mul_(_dropout_keep(drop, B, Hk, group, q0, q1, k0, k1))
-            acc = acc.mul_(alpha).add_(torch.matmul(p, _key_tile(v, k0, k1, dtype)))  # [gM, N] @ [N, Dv]
+                p.mul_(_dropout_keep(drop, B, Hk, group, q0, q1, k0, k1).view(p.shape))
+            acc.mul_(alpha).add_(torch.bmm(_in_dtype(p, probs), values[k0 // BLOCK_N]))  # [gM, N] @ [N, Dv]
             m_i = m_new
         if drop is not None:
             acc.mul_(1.0 / (1.0 - drop.p))
-        _store_query_tile(out, q0, q1, acc / l_i.masked_fill(l_i == 0, 1.0))
-        lse[:, :, q0:q1] = (m_i + torch.log(l_i)).view(B, H, q1 - q0)  # -inf + log 0 = -inf if nothing seen
+        _store_query_tile(out, q0, q1, acc.div_(l_i.masked_fill(l_i == 0, 1.0)))
+        lse[:, :, q0:q1] = m_i.add_(l_i.log_()).view(B, H, q1 - q0)  # log 0 = -inf if nothing was seen
     return out, lse
 
 
@@ -377,7 +623,8 @@ def attention_backward(
     dmask: Tensor | None = None,
     deterministic: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of attention, recomputing P tile by tile from the saved LSE.
+    """Gradients of attention, by torch's fused kernel or by tiles recomputing P from the saved LSE
+    (``torch_kernel_route`` decides).
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim_v), gradient of ``out``
@@ -391,57 +638,76 @@ def attention_backward(
         attn_mask: as given to ``attention_forward``
         dmask: None, or a (batch, nheads, seqlen_q, seqlen_k) float buffer that receives dS = P (dP - delta),
            the gradient at an additive mask before any reduction over its broadcast dimensions
-        deterministic: unused: this path is always deterministic
+        deterministic: unused: both routes are deterministic
 
     Returns:
         dq: (batch, seqlen_q, nheads, headdim) in q.dtype
         dk: (batch, seqlen_k, nheads_k, headdim) in k.dtype, summed over each group of query heads
         dv: (batch, seqlen_k, nheads_k, headdim_v) in v.dtype, likewise
     """
-    B, Sq, H, _ = q.shape
-    _, Sk, Hk, _ = k.shape
+    drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, q.shape[2], q.shape[1])
+    route = torch_kernel_route(
+        q, k, v, window_left, window_right, alibi_slopes=alibi_slopes, softcap=softcap, dropout=drop is not None,
+        attn_mask=attn_mask, dlse=dlse, dmask=dmask,
+    )  # fmt: skip
+    if route == "band":
+        return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right)
+    if route is not None:
+        return _fused_backward(dout, q, k, v, out, lse, softmax_scale, route == "causal", attn_mask)
+    B, Sq, H, D = q.shape
+    _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, Hk, Sk - Sq, dtype)
-    drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, H, Sq)
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype)
+    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    values = _key_tiles(v, dtype, transposed=True)  # (B * Hk, Dv, N) each, operands of dP = dO V^T
+    keys_low = _key_tiles(k, k.dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
     dq = torch.empty(q.shape, dtype=q.dtype)
-    dk = torch.zeros(B, Sk, Hk, k.shape[-1], dtype=dtype)
-    dv = torch.zeros(B, Sk, Hk, v.shape[-1], dtype=dtype)
-    dk_acc, dv_acc = dk.transpose(1, 2), dv.transpose(1, 2)  # (B, Hk, Sk, D) views of the accumulators
+    dk = torch.zeros(B * Hk, Sk, D, dtype=dtype)  # accumulators, heads-major
+    dv = torch.zeros(B * Hk, Sk, Dv, dtype=dtype)
+    tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
+    scores, dprobs, low = (torch.empty(tile_size, dtype=t) for t in (dtype, dtype, q.dtype))
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
-        q_t = _query_tile(q, q0, q1, Hk, dtype)  # (B, Hk, gM, D)
-        do_t = _query_tile(dout, q0, q1, Hk, dtype)  # (B, Hk, gM, Dv)
-        delta = _delta_tile(dout, out, dlse, q0, q1, Hk, dtype)  # (B, Hk, gM, 1)
-        lse_t = lse[:, :, q0:q1].reshape(B, Hk, -1, 1).to(dtype)
+        q_low = _query_tile(q, q0, q1, Hk, q.dtype)  # (B * Hk, gM, D), operand of dK = dS^T Q
+        q_t = q_low.to(dtype).mul(mods.query_scale(softmax_scale))
+        do_t = _query_tile(dout, q0, q1, Hk, dtype)  # (B * Hk, gM, Dv)
+        do_low = do_t.to(dout.dtype)
+        delta = _delta_tile(dout, out, dlse, q0, q1, Hk, dtype)  # (B * Hk, gM, 1)
+        lse_t = lse[:, :, q0:q1].reshape(delta.shape).to(dtype)
         lse_t = lse_t.masked_fill(lse_t == float("-inf"), 0.0)  # rows with no key: P = exp(-inf) = 0
-        dq_t = torch.zeros_like(q_t)
+        dq_t = torch.zeros(*q_t.shape[:2], D, dtype=dtype)
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
             mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
-            k_t = _key_tile(k, k0, k1, dtype)
-            v_t = _key_tile(v, k0, k1, dtype)
-            s, t = _scores(q_t, k_t, softmax_scale, mask, group, mods, q0, k0)
-            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1, Hk, dtype)
-            p = torch.exp_(s.sub_(lse_t))  # (B, Hk, gM, N)
-            dp = torch.matmul(do_t, v_t.transpose(-1, -2))  # [gM, Dv] @ [Dv, N] -> [gM, N]
-            if drop is None:
-                dv_acc[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), do_t)  # [N, gM] @ [gM, Dv]
-            else:  # the gradient at P is Z / (1 - p) * dP; dV's 1 / (1 - p) is applied at the end
-                keep = _dropout_keep(drop, B, Hk, group, q0, q1, k0, k1)
-                dv_acc[:, :, k0:k1] += torch.matmul((p * keep).transpose(-1, -2), do_t)
+            s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, mask, group, q0, k0, scores)
+            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1)
+            p = s.sub_(lse_t).exp_()  # (B * Hk, gM, N)
+            dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(dprobs, p.shape))  # [gM, Dv] @ [Dv, N]
+            p_kept = p
+            if drop is not None:  # the gradient at P is Z / (1 - p) * dP; dV's 1 / (1 - p) is applied at the end
+                keep = _dropout_keep(drop, B, Hk, group, q0, q1, k0, k1).view(p.shape)
+                p_kept = p * keep
                 dp.mul_(keep).mul_(1.0 / (1.0 - drop.p))
+            dv[:, k0:k1] += torch.bmm(_in_dtype(p_kept, low).transpose(1, 2), do_low)  # [N, gM] @ [gM, Dv]
             ds = p.mul_(dp.sub_(delta))  # reuses p's memory: p is not needed after this
             if dmask is not None:  # the gradient at the mask: dS before the cap's derivative
-                dmask[:, :, q0:q1, k0:k1] = ds.view(B, -1, q1 - q0, k1 - k0)
+                dmask[:, :, q0:q1, k0:k1] = ds.view(B, H, q1 - q0, k1 - k0)
             if t is not None:
                 ds.mul_(t.mul_(t).neg_().add_(1.0))  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
-            dq_t += torch.matmul(ds, k_t)  # [gM, N] @ [N, D]
-            dk_acc[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), q_t)  # [N, gM] @ [gM, D]
+            ds_low = _in_dtype(ds, low)
+            dq_t += torch.bmm(ds_low, keys_low[k0 // BLOCK_N])  # [gM, N] @ [N, D]
+            dk[:, k0:k1] += torch.bmm(ds_low.transpose(1, 2), q_low)  # [N, gM] @ [gM, D]
         _store_query_tile(dq, q0, q1, dq_t.mul_(softmax_scale))
     if drop is not None:
         dv.mul_(1.0 / (1.0 - drop.p))
-    return dq, dk.mul_(softmax_scale).to(k.dtype), dv.to(v.dtype)
+    return dq, _heads_minor(dk.mul_(softmax_scale), k), _heads_minor(dv, v)
+
+
+def _heads_minor(x: Tensor, like: Tensor) -> Tensor:
+    """A heads-major (B * Hk, S, D) accumulator as a contiguous (B, S, Hk, D) tensor of like's dtype."""
+    B, S, Hk, D = like.shape
+    return torch.empty(like.shape, dtype=like.dtype).copy_(x.view(B, Hk, S, D).transpose(1, 2))
 
 
 @torch.no_grad()

@@ -7,18 +7,22 @@ Same inputs and results as the Triton kernels (``flashtile.ops.decode``), comput
 2. Attend, one batch entry at a time. Its keys are the cache positions ``[leftpad_b, cache_seqlens[b] +
    seqlen_new)``, gathered from the contiguous or paged cache; the query is rotated at positions
    ``cache_seqlens[b] + i`` (or all at ``cache_seqlens[b]``) and rounded to its dtype, as the kernels do.
-   Scores ``softcap * tanh(scale * q k / softcap)`` (or ``scale * q k``) minus the ALiBi bias, the
-   bottom-right aligned mask, softmax and ``P V`` are computed in fp32 on the whole row of keys.
+   Then ``flashtile.cpu.attention_forward`` attends the query to those keys (scores ``softcap * tanh(scale *
+   q k / softcap)`` or ``scale * q k``, minus the ALiBi bias, under the bottom-right aligned window): torch's
+   fused kernel where it serves (no softcap or ALiBi, a window it has), the tiled path otherwise.
 
-Memory: one batch entry's scores, nheads x seqlen_q x seqlen_k floats, beyond the inputs. Where a cache
-position lives: ``[cache_batch_idx[b], pos]`` in a contiguous cache, ``[block_table[b, pos // page],
-pos % page]`` in a paged one. ``num_splits`` does not apply here: the result is the unsplit one.
+Memory: one batch entry's gathered keys and values beyond the inputs (the attention itself is linear in
+seqlen_k). Where a cache position lives: ``[cache_batch_idx[b], pos]`` in a contiguous cache,
+``[block_table[b, pos // page], pos % page]`` in a paged one. ``num_splits`` does not apply here: the result
+is the unsplit one.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from flashtile import cpu
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -103,14 +107,12 @@ def kvcache_forward(
         lse: (batch, nheads, seqlen_q) float32; -inf for a row that sees no key
     """
     batch, seqlen_q, nheads, _ = q.shape
-    nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
-    group = nheads // nheads_k
+    head_dim_v = v_cache.shape[3]
     page_size = k_cache.shape[1]
     seqlen_cache = block_table.shape[1] * page_size if block_table is not None else page_size
     seqlen_new = 0 if k is None else k.shape[1]
     lengths = [seqlen_cache] * batch if cache_seqlens is None else cache_seqlens.tolist()
     leftpads = [0] * batch if cache_leftpad is None else cache_leftpad.tolist()
-    dtype = _compute_dtype(q.dtype)
     out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype)
     lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32)
 
@@ -125,35 +127,13 @@ def kvcache_forward(
     for b in range(batch):
         slot, row = _slots(b, torch.arange(leftpads[b], lengths[b] + seqlen_new), cache_batch_idx, block_table,
                            page_size)  # fmt: skip
-        keys = k_cache[slot, row].to(dtype)  # (seqlen_k, nheads_k, headdim)
-        values = v_cache[slot, row].to(dtype)  # (seqlen_k, nheads_k, headdim_v)
-        seqlen_k = keys.shape[0]
         q_b = q[b]
         if rotary_cos is not None:
             offsets = torch.arange(seqlen_q) if rotary_per_token else torch.zeros(seqlen_q, dtype=torch.long)
-            q_pos = lengths[b] + offsets
-            q_b = rotate(q_b, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-        q_b = q_b.to(dtype).view(seqlen_q, nheads_k, group, q.shape[3])
-        s = torch.einsum("ihgd,jhd->hgij", q_b, keys)  # (nheads_k, group, seqlen_q, seqlen_k)
-        if softcap > 0.0:
-            s = torch.tanh(s * (softmax_scale / softcap)) * softcap
-        else:
-            s = s * softmax_scale
-        i = torch.arange(seqlen_q)[:, None]
-        j = torch.arange(seqlen_k)[None, :]
-        diag = seqlen_k - seqlen_q
-        if alibi_slopes is not None:
-            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
-            s = s - slopes.to(dtype).view(nheads_k, group, 1, 1) * (i + diag - j).abs().to(dtype)
-        visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
-        if window_left is not None:
-            visible &= j >= i + diag - window_left
-        if window_right is not None:
-            visible &= j <= i + diag + window_right
-        s = s.masked_fill(~visible, float("-inf"))
-        lse_b = torch.logsumexp(s, dim=-1, keepdim=True)  # -inf for a row that sees no key
-        p = torch.exp(s - lse_b.masked_fill(lse_b == float("-inf"), 0.0))
-        o = torch.einsum("hgij,jhd->ihgd", p, values)  # (seqlen_q, nheads_k, group, headdim_v)
-        out[b] = o.reshape(seqlen_q, nheads, head_dim_v)
-        lse[b] = lse_b.view(nheads, seqlen_q)
+            q_b = rotate(q_b, rotary_cos, rotary_sin, lengths[b] + offsets, rotary_interleaved)
+        out_b, lse_b = cpu.attention_forward(
+            q_b[None], k_cache[slot, row][None], v_cache[slot, row][None], softmax_scale, window_left, window_right,
+            cpu._slopes_of(alibi_slopes, b), softcap,
+        )  # fmt: skip
+        out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse
