@@ -9,9 +9,9 @@
 Nothing else in flashtile reads the environment. Under the interpreter, this module first installs
 ``flashtile._interpreter``'s fixes (the interpreter computes bf16 products and casts, and reads some masks, unlike a
 GPU). On a Hopper GPU (sm_90) the forwards and backwards that qualify run Gluon kernels instead of the Triton ones
-(``ops.attention.forward_sm90``, ``backward_sm90``; ``FLASHTILE_GLUON=0`` turns them off). It also holds the value-check switch: whether checks
-that need the *values* of index tensors (``cache_seqlens``, ``block_table``, ``cu_seqlens``, ...) run
-(``values_checked``); see docs/validation.md. Each path module provides
+(``ops.attention.forward_sm90``, ``backward_sm90``; ``FLASHTILE_GLUON=0`` turns them off). It also holds the
+value-check switch: whether checks that need the *values* of index tensors (``cache_seqlens``, ``block_table``,
+``cu_seqlens``, ...) run (``values_checked``); see docs/validation.md. Each path module provides
 ``attention_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap,
 learnable_sink, dropout_p, rng_state) -> (out, lse)``, ``attention_backward(dout, q, k, v, out, lse,
 softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink, dropout_p,
