@@ -12,8 +12,9 @@ another, and three of its operations differ from a GPU's (triton 3.7.1 and 3.9.0
 * **fp32 -> bf16 casts** drop the low 16 bits (round toward zero), where GPUs round to nearest even; outputs
   rounded to bf16 would err up to twice as much as on a GPU. Fixed: rounded to nearest even, by torch's cast.
 * **Masks of loads and stores.** A comparison of scalars (``split < num_splits``) combined into a block mask
-  reaches the load as int32 zeros and ones (the interpreter keeps the comparison's operand type on its result);
-  triton 3.7 reads those as true and false, triton 3.9 refuses them (``ValueError: mask has unsupported dtype``).
+  reaches the load as int32 zeros and ones (the scalar comparison's handle keeps its operands' int32 type, and
+  broadcasting it to a block converts its data to that type); triton 3.7 reads those as true and false, triton
+  3.9 refuses them (``ValueError: mask has unsupported dtype``).
   Fixed: every mask is read as bool, as the GPU's one-bit mask is.
 
 The fixes replace methods of the interpreter's ``InterpreterBuilder`` (``create_dot``, ``cast_impl``,
