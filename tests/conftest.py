@@ -1,9 +1,8 @@
 """Test set-up: which device runs, the Triton interpreter on CPU-only machines, and poisoned outputs.
 
 Without CUDA the Triton kernels run in the Triton interpreter, which must be switched on before any
-kernel module is imported, so it happens here first. Two of the interpreter's gaps are mended for the
-tests: its bf16 ``tl.dot`` multiplies raw bit patterns, and its fp32 -> bf16 cast
-truncates where GPUs round to nearest even. Both patches make the interpreter do what the GPU does.
+kernel module is imported, so it happens here first (flashtile then mends the interpreter's bf16 and
+masks itself: ``flashtile._interpreter``).
 """
 
 import os
@@ -16,7 +15,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import flashtile  # noqa: E402, F401
@@ -27,37 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  
 from bench_decode import capture  # noqa: E402, F401  (a CUDA-graph capture, for the tests too)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _patch_interpreter_bf16() -> None:
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    dot, cast = builder.create_dot, builder.cast_impl
-
-    def bf16_to_fp32(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return dot(self, bf16_to_fp32(a), bf16_to_fp32(b), d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    builder.create_dot = create_dot
-    builder.cast_impl = cast_impl  # create_fp_trunc and friends call self.cast_impl
-
-
-if _backend.TRITON_INTERPRET:
-    _patch_interpreter_bf16()
 
 
 @pytest.fixture(autouse=True)

@@ -6,11 +6,12 @@
 | CPU tensor and ``TRITON_INTERPRET=1`` set before import      | the same Triton kernels, interpreted |
 | CPU tensor otherwise                                         | ``flashtile.cpu``: PyTorch, tiled  |
 
-Nothing else in flashtile reads the environment. On a Hopper GPU (sm_90) the forwards and backwards that
-qualify run Gluon kernels instead of the Triton ones (``ops.attention.forward_sm90``, ``backward_sm90``;
-``FLASHTILE_GLUON=0`` turns them off). It also holds the value-check switch: whether checks
-that need the *values* of index tensors (``cache_seqlens``, ``block_table``, ``cu_seqlens``, ...) run
-(``values_checked``); see docs/validation.md. Each path module provides
+Nothing else in flashtile reads the environment. Under the interpreter, this module first installs
+``flashtile._interpreter``'s fixes (the interpreter computes bf16 products and casts, and reads some masks, unlike a
+GPU). On a Hopper GPU (sm_90) the forwards and backwards that qualify run Gluon kernels instead of the Triton ones
+(``ops.attention.forward_sm90``, ``backward_sm90``; ``FLASHTILE_GLUON=0`` turns them off). It also holds the
+value-check switch: whether checks that need the *values* of index tensors (``cache_seqlens``, ``block_table``,
+``cu_seqlens``, ...) run (``values_checked``); see docs/validation.md. Each path module provides
 ``attention_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap,
 learnable_sink, dropout_p, rng_state) -> (out, lse)``, ``attention_backward(dout, q, k, v, out, lse,
 softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink, dropout_p,
@@ -35,6 +36,10 @@ import torch
 from flashtile.errors import InputError
 
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if TRITON_INTERPRET:  # before any kernel runs: the interpreter computes bf16 and some masks unlike a GPU
+    from flashtile import _interpreter
+
+    _interpreter.apply()
 
 
 def _env_flag(name: str, default: str) -> bool:

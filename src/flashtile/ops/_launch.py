@@ -30,6 +30,8 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashtile import _interpreter
+
 MAX_KEYS = 1024
 """Keys kept before ``_COMPILED`` starts over (ints are keyed by value, so each new shape adds one): a key then
 launches through the binder once more, which finds its kernel in Triton's own cache."""
@@ -90,8 +92,10 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, ke
     Through ``JITFunction.run`` on the first launch of a ``specialization_key``, directly after it (``launch_keyed``).
     ``keyed``: ``keyed_for(kernel, args, constexprs, options)``, kept by a caller for arguments it knows to key alike
     (``split_kv.DecodePlan``); computed here when None. A kernel that is not a compiled ``JITFunction`` (the
-    interpreter's, under TRITON_INTERPRET=1, or a stand-in) is called as it is, whatever ``keyed`` holds."""
+    interpreter's, under TRITON_INTERPRET=1, or a stand-in) is called as it is, whatever ``keyed`` holds, once
+    ``_interpreter.check_launch`` has let its arguments through."""
     if not isinstance(kernel, JITFunction):
+        _interpreter.check_launch(args)
         kernel[grid](*args, **constexprs, **options)
         return
     launch_keyed(kernel, grid, args, constexprs, *(keyed or keyed_for(kernel, args, constexprs, options)), options)

@@ -233,6 +233,8 @@ from flashtile.ops.attention.forward_sm90 import (
     partition_barrier,
     rows_view_ok,
     shared_layout,
+    tma_load,
+    tma_store,
 )
 from flashtile.ops.attention.tiles import LOG2E
 
@@ -358,8 +360,8 @@ def async_reduce_add(tensor_desc, coord, src, _semantic=None):
     ``tensor_desc`` at ``coord``: cp.reduce.async.bulk.tensor .add, issued (like a TMA store) by one elected
     thread per box message; each element's add is atomic, relaxed; the tile is read asynchronously, and
     ``tma.store_wait`` waits for that read as for a TMA store (both are bulk async-groups).
-    Gluon 3.6 and 3.7 have no wrapper for it; this is ``tma.async_copy_shared_to_global`` (same coordinate
-    conversion in both versions) on the IR builder's ``create_async_tma_reduce``."""
+    Gluon 3.6 and 3.7 have no wrapper for it (3.9 has ``tma.async_atomic_add``); this is ``tma_store``
+    (``forward_sm90``: the same coordinate conversion in 3.6 to 3.9) on the IR builder's ``create_async_tma_reduce``."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
@@ -465,8 +467,8 @@ def _producer(
         if pairs is not None:
             mbarrier.wait(pairs[0], (item & 1) ^ 1)  # (the first item passes: a fresh barrier, parity 1)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
-        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem.index(0))
+        tma_load(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
+        tma_load(v_desc, [kv_row, kv_col], kv_bar, v_smem.index(0))
         for i in range(it0, it0 + n_iters):
             s = i % STAGES
             # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
@@ -480,14 +482,14 @@ def _producer(
             delta = gl.load(delta_ptr + offs)
             mbarrier.wait(q_empty.index(s), ph)
             mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
+            tma_load(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
             sd = i % DO_STAGES
             if DO_STAGES != STAGES:
                 # lse/delta ride Q's ring: out before the wait for dO's slot, which frees later (_consumer_by_output)
                 _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
                 mbarrier.wait(do_empty.index(sd), ((i // DO_STAGES) & 1) ^ 1)
             mbarrier.expect(do_ready.index(sd), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(sd), do_smem.index(sd))
+            tma_load(do_desc, [row, col], do_ready.index(sd), do_smem.index(sd))
             if DO_STAGES == STAGES:
                 _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
         if pairs is not None:
@@ -681,7 +683,7 @@ def _write_back(acc, tile, desc, row, col):
     tile.store(acc.to(tile.dtype))
     fence_async_shared()
     partition_barrier()  # every thread of the warpgroup has written (and fenced) its part
-    tma.async_copy_shared_to_global(desc, [row, col], tile)
+    tma_store(desc, [row, col], tile)
 
 
 @gluon.jit

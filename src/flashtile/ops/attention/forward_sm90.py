@@ -72,6 +72,11 @@ from flashtile.ops._device import sm_count
 from flashtile.ops.attention.configs import cdiv
 from flashtile.ops.attention.tiles import LN2, LOG2E
 
+# Gluon's TMA copies are tma.async_load / tma.async_store since triton 3.9, where the older names (the only ones
+# triton 3.6 and 3.7 have) raise; the arguments are the same. Both kernels call them by these names.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
 CONFIGS = {
     # 192-row items of three warpgroups, three stages of 128-key tiles: 24 KiB of Q, 96 KiB of K and V, 24 KiB of O
     64: {"M_WG": 64, "NUM_WG": 3, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": True, "O_TILE": True,
@@ -402,17 +407,17 @@ def _producer(
             # ring below) does not block
             mbarrier.wait(q_empty.index(w), (item & 1) ^ 1)
             mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, m0 + w * M_WG, h * HEAD_D], q_bar.index(w), q_smem.index(w))
+            tma_load(q_desc, [b, m0 + w * M_WG, h * HEAD_D], q_bar.index(w), q_smem.index(w))
         for i in range(n_blocks):
             s = it % STAGES
             ph = ((it // STAGES) & 1) ^ 1
             row = i * BLOCK_N
             mbarrier.wait(k_empty.index(s), ph)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, row, kv_col], k_ready.index(s), k_smem.index(s))
+            tma_load(k_desc, [b, row, kv_col], k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
+            tma_load(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
             it += 1
         item += 1
 
@@ -621,7 +626,7 @@ def _consumer(
             partition_barrier()
         o_tile.store(o.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, q_pos0, h * HEAD_D], o_smem.index(WG))
+        tma_store(o_desc, [b, q_pos0, h * HEAD_D], o_smem.index(WG))
 
         lse = (m_i + gl.log2(l_i)) * LN2  # l_i == 0 (no key seen) gives -inf
         rows = q_pos0 + gl.arange(0, M_WG, layout=row_s)
