@@ -59,11 +59,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_attention import _git_commit
 from rich.console import Console
 from rich.table import Table
 
 import flashtile
-from bench_attention import _git_commit
 from flashtile import cpu
 
 BATCH, NHEADS, HEAD_DIM = 1, 8, 64

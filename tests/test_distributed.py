@@ -6,8 +6,8 @@ spawns four gloo processes once and runs every case in them: the 4-rank cases on
 the 2-rank cases on two subgroups {0, 1} and {2, 3} (so group ranks differ from global ranks), then the
 error cases. Each case shards full-sequence inputs with ``shard``, runs forward and backward, gathers
 the results with ``unshard`` and saves them; the tests then hold them to the tolerance rule
-(``flashtile.reference.within_tolerance``) against the oracle on the full sequence, here in the test process: the same rule, on the
-same full-sequence inputs, that ``flash_attn_func`` is held to.
+(``flashtile.reference.within_tolerance``) against the oracle on the full sequence, here in the test process:
+the same rule, on the same full-sequence inputs, that ``flash_attn_func`` is held to.
 
 The gloo children take flashtile's CPU path (fast); one case runs the Triton kernels in the interpreter.
 Every case runs the ring in head groups (``ring.MIN_GROUP_ROWS = 1``: as many as nheads_k allows, up to 4),

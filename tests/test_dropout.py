@@ -7,7 +7,7 @@ rows of the keys (v[j] = e_j, headdim_v = seqlen_k padded to a multiple of 8), o
 generator and on (batch, head, query row, key column), not on q, k, v or the head dims, so a second call
 after the same ``torch.manual_seed`` with the real v uses the same mask. q is scaled down for the
 extraction call so that no visible probability underflows to 0. The oracle then applies that mask
-(``attention_reference(dropout_mask=...)``) and the tolerance rule (``flashtile.reference.within_tolerance``) holds as always.
+(``attention_reference(dropout_mask=...)``) and the tolerance rule (``reference.within_tolerance``) holds as always.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The oracle gathers each batch entry's logical cache (through cache_batch_idx or 
 rotates q and the new k with a plain rotary written here, appends, and runs
 ``flashtile.reference.attention_reference`` on the visible keys (with softcap or ALiBi, the same naive
 attention with those terms added). It runs in float64 (``ref``) and in the low dtype (``base``); the
-tolerance rule (``flashtile.reference.within_tolerance``) compares them (tests/oracle.py). After every call the cache must hold the
-new rows where they belong and be bitwise unchanged everywhere else.
+tolerance rule (``reference.within_tolerance``) compares them (tests/oracle.py). After every call the cache must
+hold the new rows where they belong and be bitwise unchanged everywhere else.
 """
 
 from __future__ import annotations

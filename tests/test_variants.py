@@ -2,7 +2,7 @@
 
 Each case runs through the public ``flash_attn_func`` (fixture ``path``: the Triton kernels in the
 interpreter and ``flashtile.cpu`` on a CPU-only machine, the GPU otherwise) and is checked with the
-tolerance rule (``flashtile.reference.within_tolerance``); the sink's gradient is one more result ("dsink"), whose ``base``
+tolerance rule (``reference.within_tolerance``); the sink's gradient is one more result ("dsink"), whose ``base``
 is the oracle run with q, k, v (and the sink) in the low dtype.
 """
 

@@ -4,8 +4,8 @@ Each case runs through the public API on every reachable path (fixture ``path``)
 (``flashtile.reference``) runs on each sequence alone (a batch of one); its results are gathered back
 into the packed layouts (out/dq rows, lse columns of (nheads, total_q), dk/dv rows, zeros for keys of a
 sequence without queries, the sink's gradient summed over sequences) and the tolerance rule
-(``flashtile.reference.within_tolerance``) is applied to the whole packed tensors. Outputs start as NaN (conftest), so a row no program
-writes fails.
+(``flashtile.reference.within_tolerance``) is applied to the whole packed tensors. Outputs start as NaN
+(conftest), so a row no program writes fails.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each case draws random pages and a shuffled block table: sequences' pages in no 
 sequence uses, entries past a sequence's last page set to -1 (never read) and, where said, a page shared
 by two sequences. The packed keys the oracle sees are gathered from the pages by hand; the oracle's key
 gradients are added back into pages by hand (a page's gradient sums over the keys it holds, zero for an
-unused page) and the tolerance rule (``flashtile.reference.within_tolerance``) is applied to the page tensors. The same call
+unused page) and the tolerance rule (``reference.within_tolerance``) is applied to the page tensors. The same call
 without pages on the gathered keys must give the same bits on every path (same kernels, same tiles,
 dropout's mask included). Outputs start as NaN (conftest), so a row no program writes fails.
 """
