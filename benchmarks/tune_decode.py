@@ -52,7 +52,7 @@ def fixed(cfg: DecodeConfig):
     """A stand-in for ``configs.config_and_splits`` that always takes ``cfg``, with ``configs.num_splits``' count
     for it (no switch to another config)."""
 
-    def config_and_splits(requested, device, head_dim, programs, paged, seqlen_cache):
+    def config_and_splits(requested, device, head_dim, programs, paged, seqlen_cache, element_size=2):
         return cfg, configs.num_splits(requested, device, programs, seqlen_cache, cfg)
 
     return config_and_splits

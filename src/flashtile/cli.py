@@ -122,7 +122,11 @@ def info(console: Console) -> int:
     if not torch.cuda.is_available():
         console.print("Tile configs: chosen per GPU generation and head dim; no CUDA device here.")
         return 0
-    from flashtile.ops.attention import configs  # imports Triton, which a CUDA machine has
+    try:
+        from flashtile.ops.attention import configs  # imports Triton
+    except ImportError:
+        console.print("Tile configs: Triton is not installed, so CUDA tensors cannot run (pip install triton).")
+        return 0
 
     device = torch.device("cuda")
     tiles = _table(f"Tile configs on {torch.cuda.get_device_name()}")
