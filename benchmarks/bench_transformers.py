@@ -17,9 +17,11 @@ and 4 key/value heads of 64, vocab 32000), random weights, bf16. Measured for ea
   tokens per second = batch x (new tokens - 1) / (time of generate(new) - time of generate(1)).
 
 Before timing, the script checks flashtile's logits against SDPA's on a padded batch (max difference printed).
-Each row is one JSON line on stdout (and appended to --out): GPU, versions, commit, implementation, mode, batch
-kind, seqlen, tokens, milliseconds, tokens/s, peak memory; an "error" key where a case could not run (e.g. out of
-memory). A summary table of flashtile's speed-ups over SDPA ends the run.
+Each row is one JSON line on stdout: implementation, mode, batch kind, seqlen, tokens, milliseconds, tokens/s, peak
+memory; an "error" key where a case could not run (e.g. out of memory). --out appends them as records of the one
+results format (``flashtile.bench.results``, benchmark "transformers": pass "fwd+bwd" for a training step, "decode"
+for generation; tokens/s and the batch's padding in "extra"). A summary table of flashtile's speed-ups over SDPA
+ends the run.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 import transformers
 
 import flashtile.integrations.transformers as fth
+from flashtile.bench import results
 
 TOKENS_PER_STEP = 16384
 DEVICE = "cuda"
@@ -151,14 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     rows = []
 
+    env = results.environment(torch.device(DEVICE))
+
     def emit(row: dict) -> None:
         row = {**common, **row}
         rows.append(row)
-        line = json.dumps(row)
-        print(line, flush=True)
-        if args.out is not None:
+        print(json.dumps(row), flush=True)
+        if args.out is not None and "impl" in row:
             with args.out.open("a") as f:
-                f.write(line + "\n")
+                f.write(json.dumps(as_record(env, row), allow_nan=False) + "\n")
 
     emit(dict(mode="check", max_abs_logit_diff_vs_sdpa=check(model, name, min(300, seqlens[0]))))
     for seqlen in seqlens:
@@ -174,6 +178,26 @@ def main(argv: list[str] | None = None) -> None:
                 emit(dict(row, **measure(partial(training_step, model, inputs), real, warmup, repeats)))
         emit_generation(model, implementations, seqlen, new_tokens, emit, warmup, repeats)
     summary(rows, name)
+
+
+IMPLEMENTATIONS = {"sdpa": "sdpa", "flash_attention_2": "fa2"}
+"""Record names of transformers' own implementations; flashtile's registered name is recorded as "flashtile"."""
+
+
+def as_record(env: dict, row: dict) -> dict:
+    """One printed row as a record of ``flashtile.bench.results``."""
+    shape = {"model": f"llama-{row['params_b']}b", "layers": row["layers"], "dtype": "bf16", "batch": row["batch"],
+             "N": row["seqlen"]}  # fmt: skip
+    extra = {key: row[key] for key in ("tokens", "slots", "tokens_per_s", "new_tokens", "prefill_ms") if key in row}
+    extra["transformers"] = row["transformers"]
+    if "slots" in row:
+        extra["padding"] = round(1 - row["tokens"] / row["slots"], 4)
+    memory = row.get("peak_gb")
+    return results.record(
+        env, "transformers", IMPLEMENTATIONS.get(row["impl"], "flashtile"), shape,
+        "fwd+bwd" if row["mode"] == "train" else "decode", time_ms=row.get("ms"),
+        memory_mib=None if memory is None else memory * 1024, error=row.get("error"), extra=extra,
+    )  # fmt: skip
 
 
 def training_step(model: torch.nn.Module, inputs: dict) -> None:
