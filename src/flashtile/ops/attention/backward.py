@@ -37,14 +37,12 @@ from flashtile._backend import imported
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
-from flashtile.ops.attention.configs import cdiv, config, gluon_device, head_grid
+from flashtile.ops.attention.configs import config, gluon_device
 from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
-    LOG2E,
     alibi_batch_stride,
     alibi_slope,
     batch_head,
-    dot,
     dropout_keep,
     dropout_rows,
     head_base,
@@ -63,9 +61,11 @@ from flashtile.ops.attention.tiles import (
     seq_bounds,
     store_rows,
     tile_sources,
-    tma_ready,
     visible,
 )
+from flashtile.ops.common.descriptors import tma_ready
+from flashtile.ops.common.grid import cdiv, head_grid
+from flashtile.ops.common.math import LOG2E, dot
 
 
 @triton.jit

@@ -222,8 +222,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch
 from flashtile.ops._alloc import empty_output
-from flashtile.ops._descriptor import Template, per_layout, rebase, template
-from flashtile.ops.attention.configs import head_grid
 from flashtile.ops.attention.forward_sm90 import (
     ROWS,
     descriptor,
@@ -236,7 +234,9 @@ from flashtile.ops.attention.forward_sm90 import (
     tma_load,
     tma_store,
 )
-from flashtile.ops.attention.tiles import LOG2E
+from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
+from flashtile.ops.common.grid import head_grid
+from flashtile.ops.common.math import LOG2E
 
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (measured with the

@@ -48,21 +48,11 @@ from flashtile._backend import imported
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
-from flashtile.ops.attention.configs import (
-    SHORT_SEQLEN,
-    cdiv,
-    config,
-    gluon_device,
-    head_grid,
-    padded_head_dim,
-)
+from flashtile.ops.attention.configs import SHORT_SEQLEN, config, gluon_device
 from flashtile.ops.attention.tiles import (
-    LN2,
-    LOG2E,
     alibi_batch_stride,
     alibi_slope,
     batch_head,
-    dot,
     dropout_keep,
     dropout_rows,
     head_base,
@@ -78,11 +68,13 @@ from flashtile.ops.attention.tiles import (
     seq_bounds,
     store_rows,
     tile_sources,
-    tma_ready,
     visible,
 )
-from flashtile.ops.decode.tiles import cache_slots
-from flashtile.ops.decode.tiles import load_rows as load_cache_rows
+from flashtile.ops.common.descriptors import tma_ready
+from flashtile.ops.common.grid import cdiv, head_grid, padded_head_dim
+from flashtile.ops.common.math import LN2, LOG2E, dot
+from flashtile.ops.common.paged import cache_slots
+from flashtile.ops.common.paged import load_rows as load_cache_rows
 
 
 @triton.jit

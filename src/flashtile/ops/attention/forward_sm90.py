@@ -67,10 +67,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch
-from flashtile.ops._descriptor import Template, per_layout, rebase, template
 from flashtile.ops._device import sm_count
-from flashtile.ops.attention.configs import cdiv
-from flashtile.ops.attention.tiles import LN2, LOG2E
+from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
+from flashtile.ops.common.grid import cdiv
+from flashtile.ops.common.math import LN2, LOG2E
 
 # Gluon's TMA copies are tma.async_load / tma.async_store since triton 3.9, where the older names (the only ones
 # triton 3.6 and 3.7 have) raise; the arguments are the same. Both kernels call them by these names.
@@ -975,7 +975,7 @@ def causal_schedule(
 
 class ForwardPlan(NamedTuple):
     """What a launch follows from its inputs' layouts (``forward_plan``'s key), kept per key: the grid, the descriptor
-    templates of q, k, v and out (``_descriptor.template``), the kernel's int arguments (seqlen_q, seqlen_k, batch,
+    templates of q, k, v and out (``descriptors.template``), the kernel's int arguments (seqlen_q, seqlen_k, batch,
     nheads, group), the causal schedule or None, the constexprs, and ``launch``'s ``keyed`` (their values in parameter
     order and the arguments' ``launch_key``)."""
 
