@@ -100,7 +100,7 @@ _overrides: dict[str, TileConfig] = {}
 
 
 def gluon_device(device: torch.device) -> bool:
-    """Whether calls on ``device`` may take the sm_90 Gluon kernels (``forward_sm90``, ``backward_sm90``):
+    """Whether calls on ``device`` may take the sm_90 Gluon kernels (``ops.sm90``):
     switched on (``flashtile._backend.GLUON``) and an sm_90 GPU. The launchers ask this first, so other
     devices pay for nothing else and never import Gluon."""
     return _backend.GLUON and device.type == "cuda" and compute_capability(device.index) == (9, 0)
