@@ -110,12 +110,12 @@ def host_time(fn, calls: int = 50, during: contextlib.AbstractContextManager | N
 TRACED = (
     ("flashtile._ops", "attention"), ("flashtile.ops.attention.forward", "attention_forward"),
     ("flashtile.ops.attention.backward", "attention_backward"), ("flashtile.ops.attention.backward", "attention_delta"),
-    ("flashtile.ops.attention.forward_sm90", "attention_forward_sm90"),
-    ("flashtile.ops.attention.backward_sm90", "attention_backward_sm90"),
-    ("flashtile.ops.attention.forward_sm90", "descriptor"),
-    ("flashtile.ops.attention.forward_sm90", "batch_descriptor"), ("flashtile.ops.attention.forward_sm90", "launch"),
-    ("flashtile.ops.attention.forward_sm90", "qualifies"),
-    ("flashtile.ops.attention.backward_sm90", "qualifies"), ("flashtile.ops._launch", "launch"), ("torch", "empty"),
+    ("flashtile.ops.sm90.forward", "attention_forward_sm90"),
+    ("flashtile.ops.sm90.backward", "attention_backward_sm90"),
+    ("flashtile.ops.sm90.common", "descriptor"),
+    ("flashtile.ops.sm90.forward", "batch_descriptor"), ("flashtile.ops.sm90.common", "launch"),
+    ("flashtile.ops.sm90.forward", "qualifies"),
+    ("flashtile.ops.sm90.backward", "qualifies"), ("flashtile.ops._launch", "launch"), ("torch", "empty"),
     ("torch", "zeros"),
 )  # fmt: skip
 """(module, function) pairs whose inclusive host time ``host_trace`` reports (each also where imported by name)."""
@@ -193,12 +193,14 @@ def host_trace(out: Path, steps: int = 20) -> None:
 @contextlib.contextmanager
 def _binder_launches() -> Iterator[None]:
     """The Gluon kernels launched through Triton's binder on every call inside the block (the A/B of
-    ``forward_sm90.launch``)."""
-    from flashtile.ops.attention import backward_sm90, forward_sm90
+    ``sm90.common.launch``)."""
+    from flashtile.ops.sm90 import backward as backward_sm90
+    from flashtile.ops.sm90 import forward as forward_sm90
+    from flashtile.ops.sm90.common import launch_through_binder
 
     with (
-        mock.patch.object(forward_sm90, "launch", forward_sm90.launch_through_binder),
-        mock.patch.object(backward_sm90, "launch", forward_sm90.launch_through_binder),
+        mock.patch.object(forward_sm90, "launch", launch_through_binder),
+        mock.patch.object(backward_sm90, "launch", launch_through_binder),
     ):
         yield
 
@@ -312,7 +314,9 @@ def pretend_sm90() -> Iterator[None]:
     from triton.runtime.jit import JITFunction
 
     from flashtile.ops import _launch
-    from flashtile.ops.attention import backward, backward_sm90, configs, forward, forward_sm90
+    from flashtile.ops.attention import backward, configs, forward
+    from flashtile.ops.sm90 import backward as backward_sm90
+    from flashtile.ops.sm90 import forward as forward_sm90
 
     cuda = torch.device("cuda", 0)
     kernels = (forward._attention_forward_kernel, backward._attention_dkdv_kernel, backward._attention_dq_kernel,

@@ -1,4 +1,4 @@
-"""Config variants of the sm_90 Gluon kernels (ops/attention/forward_sm90.py, backward_sm90.py) on a Hopper GPU.
+"""Config variants of the sm_90 Gluon kernels (ops/sm90/forward.py, backward.py) on a Hopper GPU.
 
     PYTHONPATH=src python3 benchmarks/tune_gluon.py [--variant NAME:KEY=VALUE,...] [--shape B,Sq,Sk,H,Hk,D,causal]
         [--rounds R] [--out DIR]
@@ -45,7 +45,8 @@ from triton.testing import do_bench
 import flashtile
 from flashtile import _backend
 from flashtile.bench.attention import DTYPES
-from flashtile.ops.attention import backward_sm90, forward_sm90
+from flashtile.ops.sm90 import backward as backward_sm90
+from flashtile.ops.sm90 import forward as forward_sm90
 
 CAUSAL_HEAD_DIM = "GLUON_CAUSAL_D"
 """A variant key that is no CONFIGS entry: GLUON_CAUSAL_D=64 sets ``forward_sm90.CAUSAL_MIN_SEQLEN_Q[64]`` to 1

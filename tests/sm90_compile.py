@@ -15,7 +15,7 @@ kernel for sm_90 on a machine without a GPU. This module compiles:
 * the decode kernel (split-KV, which also appends the new keys) at each head dim bucket of
   ``decode.configs.config`` (also with a paged cache read through tensor descriptors), and its few-programs
   config of contiguous caches;
-* the Gluon forward of ``forward_sm90`` and backward of ``backward_sm90`` (each head dim's config, and the
+* the Gluon forward of ``ops.sm90.forward`` and backward of ``ops.sm90.backward`` (each head dim's config, and the
   forward's D=64 config with two consumer warpgroups, 128-row items, as D=128 has), causal and full; the
   forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off); the other setting
   of each causal schedule key (the forward's CAUSAL_PAIRS and CAUSAL_PERSISTENT, the backward's KEY_PAIRS) and of
@@ -62,10 +62,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from flashtile.ops.attention import backward, backward_sm90, forward, forward_sm90  # noqa: E402
+from flashtile.ops.attention import backward, forward  # noqa: E402
 from flashtile.ops.attention.configs import _HOPPER, _OTHER, PASSES, with_mask  # noqa: E402
 from flashtile.ops.decode import configs as decode_configs  # noqa: E402
 from flashtile.ops.decode import split_kv  # noqa: E402
+from flashtile.ops.sm90 import backward as backward_sm90  # noqa: E402
+from flashtile.ops.sm90 import common as sm90_common  # noqa: E402
+from flashtile.ops.sm90 import forward as forward_sm90  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
@@ -296,7 +299,7 @@ def gluon_source(kernel_name: str, consts: dict):
     def descriptor(*block: int, dtype: torch.dtype = torch.bfloat16) -> str:
         """A descriptor with this block: [rows, head_dim] (2-D rows view) or [1, rows, head_dim] (rank 3) of the
         q/k/v dtype, or of float32 (the backward's dq_accum)."""
-        layout = forward_sm90.shared_layout(block, dtype)
+        layout = sm90_common.shared_layout(block, dtype)
         element = "fp32" if dtype == torch.float32 else DATA
         return f"tensordesc<{element}[{','.join(map(str, block))}],{layout!r}>"
 

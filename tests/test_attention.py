@@ -18,6 +18,7 @@ from flashtile.ops.attention import backward as attention_backward_module
 from flashtile.ops.attention import configs
 from flashtile.ops.attention import forward as attention_forward_module
 from flashtile.ops.attention.configs import TileConfig, override
+from flashtile.ops.common.grid import MAX_GRID_YZ
 from flashtile.reference import visibility_mask
 from oracle import check_against_oracle
 
@@ -271,6 +272,6 @@ class _NoLaunch:
 @pytest.mark.skipif(DEVICE == "cpu" and not _backend.TRITON_INTERPRET, reason="the CPU path has no grid")
 def test_too_many_batch_entries_for_the_kernels_raise_before_launch(monkeypatch):
     monkeypatch.setattr(attention_forward_module, "_attention_forward_kernel", _NoLaunch())
-    q = torch.randn(configs.MAX_GRID_YZ + 1, 1, 1, 8, dtype=torch.float16, device=DEVICE)
+    q = torch.randn(MAX_GRID_YZ + 1, 1, 1, 8, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="at most 65535 batch entries"):
         flashtile.flash_attn_func(q, q, q)

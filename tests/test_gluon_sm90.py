@@ -1,4 +1,4 @@
-"""The Gluon kernels of sm_90 (``ops.attention.forward_sm90``, ``backward_sm90``): which calls take them,
+"""The Gluon kernels of sm_90 (``ops.sm90.forward``, ``ops.sm90.backward``): which calls take them,
 and their results.
 
 Which calls qualify is checked on any machine; the kernels themselves only run on a Hopper GPU (Gluon has
@@ -18,7 +18,10 @@ import flashtile
 from conftest import DEVICE, capture
 from flashtile import _backend
 from flashtile.ops import _launch
-from flashtile.ops.attention import backward, backward_sm90, configs, forward, forward_sm90
+from flashtile.ops.attention import backward, configs, forward
+from flashtile.ops.sm90 import backward as backward_sm90
+from flashtile.ops.sm90 import common as sm90_common
+from flashtile.ops.sm90 import forward as forward_sm90
 from test_attention import check, make_inputs, run_flashtile
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -1158,7 +1161,7 @@ def test_launch_key_follows_triton_specialization(monkeypatch):
 
     def key(desc=None, tensor=lse, n=300, scale=0.5, **constexprs):
         args = (desc or forward_sm90.batch_descriptor(x, 64), tensor, scale, n)
-        return forward_sm90.launch_key("kernel", args, list((constexprs or consts).values()), {"num_warps": 4})
+        return sm90_common.launch_key("kernel", args, list((constexprs or consts).values()), {"num_warps": 4})
 
     base = key()
     other_x = torch.empty(1, 17, 2, 128, dtype=torch.bfloat16)

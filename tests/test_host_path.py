@@ -176,7 +176,8 @@ def test_latency_binder_launches_swap_both_gluon_launchers():
     """latency.py's A/B of the direct launches: inside the block the Gluon forward and backward launch through
     the kernel's binder (kernel[grid](..., num_warps=4)) on every call; after it, ``launch`` is back."""
     import latency
-    from flashtile.ops.attention import backward_sm90, forward_sm90
+    from flashtile.ops.sm90 import backward as backward_sm90
+    from flashtile.ops.sm90 import forward as forward_sm90
 
     calls = []
 
@@ -201,7 +202,8 @@ def test_latency_cpu_host_overhead_runs_and_restores(monkeypatch):
     import host_overhead
     import latency
     from flashtile.ops import _launch
-    from flashtile.ops.attention import backward, forward, forward_sm90
+    from flashtile.ops.attention import backward, forward
+    from flashtile.ops.sm90 import forward as forward_sm90
 
     for module, name in host_overhead.ATTENTION_KERNELS:
         monkeypatch.setattr(module, name, host_overhead._NoLaunch())
@@ -222,13 +224,14 @@ def _fields(descriptor) -> dict:
 
 
 def test_per_layout_descriptors_follow_their_tensor(monkeypatch):
-    """``ops._descriptor.per_layout``: every descriptor after a key's first has its own tensor as base and the
+    """``ops.common.descriptors.per_layout``: every descriptor after a key's first has its own tensor as base and the
     fields a fresh construction gives, across tensors of another address, strides, dtype or shape; a misaligned
     base raises on every call, as the constructor does; at MAX_LAYOUTS the cache starts over."""
-    from flashtile.ops import _descriptor
-    from flashtile.ops.attention import forward_sm90, tiles
+    from flashtile.ops.common import descriptors
+    from flashtile.ops.sm90 import common as sm90_common
+    from flashtile.ops.sm90 import forward as forward_sm90
 
-    monkeypatch.setattr(_descriptor, "_CHECKED", {})
+    monkeypatch.setattr(descriptors, "_CHECKED", {})
     wide = torch.empty(2, 64, 4, 192, dtype=torch.bfloat16)
     tensors = [
         torch.empty(2, 64, 4, 128, dtype=torch.bfloat16),
@@ -238,11 +241,11 @@ def test_per_layout_descriptors_follow_their_tensor(monkeypatch):
         torch.empty(1, 64, 4, 128, dtype=torch.bfloat16),  # another shape
         torch.empty(2, 64, 4, 128, dtype=torch.float32),
     ]
-    builders = [(forward_sm90.descriptor, (64,)), (forward_sm90.descriptor, (64, 32)),
-                (forward_sm90.batch_descriptor, (64,)), (tiles.tile_descriptor, (64, 128))]  # fmt: skip
+    builders = [(sm90_common.descriptor, (64,)), (sm90_common.descriptor, (64, 32)),
+                (forward_sm90.batch_descriptor, (64,)), (descriptors.tile_descriptor, (64, 128))]  # fmt: skip
     for build, params in builders:
         for x in tensors * 2:
-            if x.dtype == torch.float32 and build is not forward_sm90.descriptor:
+            if x.dtype == torch.float32 and build is not sm90_common.descriptor:
                 continue
             made = build(x, *params)
             assert made.base is x
@@ -251,21 +254,21 @@ def test_per_layout_descriptors_follow_their_tensor(monkeypatch):
     misaligned = torch.empty(2 * 64 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 64, 4, 128)
     for _ in range(2):
         with pytest.raises(AssertionError, match="16-byte aligned"):
-            forward_sm90.descriptor(misaligned, 64)
-    monkeypatch.setattr(_descriptor, "MAX_LAYOUTS", 2)
+            sm90_common.descriptor(misaligned, 64)
+    monkeypatch.setattr(descriptors, "MAX_LAYOUTS", 2)
     for seqlen in (16, 32, 48, 16):  # new keys, then a key dropped when the cache started over
         x = torch.empty(1, seqlen, 4, 128, dtype=torch.bfloat16)
         assert _fields(forward_sm90.batch_descriptor(x, 64)) == _fields(
             forward_sm90.batch_descriptor.__wrapped__(x, 64)
         )
-        assert 1 <= len(_descriptor._CHECKED) <= 2
+        assert 1 <= len(descriptors._CHECKED) <= 2
 
 
 def test_tma_ready_matches_its_definition():
-    """``tiles.tma_ready`` (unrolled for speed) against its docstring, dimension by dimension, over layouts that
+    """``descriptors.tma_ready`` (unrolled for speed) against its docstring, dimension by dimension, over layouts that
     fail each condition: 3-D, strided last dimension, misaligned start, a stride of odd bytes, broadcast
     dimensions of size 1 and longer, and several tensors at once."""
-    from flashtile.ops.attention.tiles import tma_ready
+    from flashtile.ops.common.descriptors import tma_ready
 
     def ready(x):
         if x.dim() != 4 or x.stride(3) != 1 or x.data_ptr() % 16:

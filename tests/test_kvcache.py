@@ -25,6 +25,7 @@ import tune_decode  # benchmarks/, on the path from conftest
 from conftest import DEVICE, capture
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.ops._launch import Plans
+from flashtile.ops.common.grid import cdiv
 from flashtile.ops.decode import configs, split_kv
 from flashtile.reference import attention_reference, visibility_mask
 from oracle import assert_within_rule
@@ -954,7 +955,7 @@ def test_host_helpers_match_triton(n):
     import triton
 
     assert configs.next_power_of_2(n) == triton.next_power_of_2(n)
-    assert configs.cdiv(n, 16) == triton.cdiv(n, 16)
+    assert cdiv(n, 16) == triton.cdiv(n, 16)
 
 
 # Splits merged in the kernel ----------------------------------------------------------------------------

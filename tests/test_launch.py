@@ -22,8 +22,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import flashtile
 from flashtile import _backend
 from flashtile.ops import _launch
-from flashtile.ops.attention import backward, configs, forward, forward_sm90
+from flashtile.ops.attention import backward, configs, forward
 from flashtile.ops.decode import split_kv
+from flashtile.ops.sm90 import common as sm90_common
 
 INTS = (1, 0, 16, 17, 32, 48, 2, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 16,
         2**32, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16)  # fmt: skip
@@ -332,15 +333,15 @@ def test_direct_launches_call_registered_launch_hooks(monkeypatch, runs):
 
 
 def test_gluon_launch_keys_ints_by_width(runs):
-    """``forward_sm90.launch``: the first launch of a ``launch_key`` goes through JITFunction.run with 4 warps; the
+    """``sm90.common.launch``: the first launch of a ``launch_key`` goes through JITFunction.run with 4 warps; the
     next ones hand the kept compiled kernel every argument in parameter order, constexprs after the runtime ones,
     whatever the order of the constexprs dict, for other int values (not specialized) and floats too; another
     constexpr value is another key."""
     kernel = JITFunction(_kernel, do_not_specialize=["n", "m"])
     out = torch.empty(64)
-    forward_sm90.launch(kernel, (1, 2, 3), (out, None, 5, 0.5), {"FLAG": True, "BLOCK": 7})
-    forward_sm90.launch(kernel, (4, 2, 3), (out, None, 6, 0.25), {"FLAG": True, "BLOCK": 7})
-    forward_sm90.launch(kernel, (4, 2, 3), (out, None, 6, 0.25), {"FLAG": False, "BLOCK": 7})
+    sm90_common.launch(kernel, (1, 2, 3), (out, None, 5, 0.5), {"FLAG": True, "BLOCK": 7})
+    sm90_common.launch(kernel, (4, 2, 3), (out, None, 6, 0.25), {"FLAG": True, "BLOCK": 7})
+    sm90_common.launch(kernel, (4, 2, 3), (out, None, 6, 0.25), {"FLAG": False, "BLOCK": 7})
     assert runs == [
         ("run", (1, 2, 3), (out, None, 5, 0.5), {"FLAG": True, "BLOCK": 7, "num_warps": 4}),
         ("direct", (4, 2, 3), (out, None, 6, 0.25, 7, True)),

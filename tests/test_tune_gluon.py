@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import tune_gluon  # benchmarks/, on the path from conftest
-from flashtile.ops.attention import backward_sm90, forward_sm90
+from flashtile.ops.sm90 import backward as backward_sm90
+from flashtile.ops.sm90 import forward as forward_sm90
 
 
 def test_variant_keys_reach_the_configs_they_name_and_are_undone(monkeypatch):

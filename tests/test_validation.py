@@ -9,7 +9,7 @@ import flashtile
 from conftest import DEVICE
 from flashtile.interface import varlen_attention
 from flashtile.ops import attention as triton_attention
-from flashtile.ops.attention import configs
+from flashtile.ops.common import grid
 
 
 @pytest.fixture(autouse=True)
@@ -161,9 +161,9 @@ def test_sdpa_errors():
 
 
 def test_grid_limits():
-    most = configs.MAX_GRID_YZ
-    assert configs.head_grid(7, most, most) == (7, most, most)
+    most = grid.MAX_GRID_YZ
+    assert grid.head_grid(7, most, most) == (7, most, most)
     with pytest.raises(ValueError, match="at most 65535 batch entries"):
-        configs.head_grid(1, configs.MAX_GRID_YZ + 1, 1)
+        grid.head_grid(1, grid.MAX_GRID_YZ + 1, 1)
     with pytest.raises(ValueError, match="split the batch"):
-        configs.head_grid(1, 1, configs.MAX_GRID_YZ + 1)
+        grid.head_grid(1, 1, grid.MAX_GRID_YZ + 1)

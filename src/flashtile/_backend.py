@@ -9,7 +9,7 @@
 Nothing else in flashtile reads the environment. Under the interpreter, this module first installs
 ``flashtile._interpreter``'s fixes (the interpreter computes bf16 products and casts, and reads some masks, unlike a
 GPU). On a Hopper GPU (sm_90) the forwards and backwards that qualify run Gluon kernels instead of the Triton ones
-(``ops.attention.forward_sm90``, ``backward_sm90``; ``FLASHTILE_GLUON=0`` turns them off). It also holds the
+(``ops.sm90.forward``, ``ops.sm90.backward``; ``FLASHTILE_GLUON=0`` turns them off). It also holds the
 value-check switch: whether checks that need the *values* of index tensors (``cache_seqlens``, ``block_table``,
 ``cu_seqlens``, ...) run (``values_checked``); see docs/validation.md. Each path module provides
 ``attention_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap,
@@ -50,8 +50,8 @@ def _env_flag(name: str, default: str) -> bool:
 
 
 GLUON = _env_flag("FLASHTILE_GLUON", "1")
-"""Whether the calls that qualify run the Gluon kernels on sm_90 (``ops.attention.forward_sm90``,
-``backward_sm90``): ``FLASHTILE_GLUON=0`` keeps every launch on the portable Triton kernels."""
+"""Whether the calls that qualify run the Gluon kernels on sm_90 (``ops.sm90.forward``,
+``ops.sm90.backward``): ``FLASHTILE_GLUON=0`` keeps every launch on the portable Triton kernels."""
 
 CHECK_VALUES = _env_flag("FLASHTILE_CHECK_VALUES", "1")
 """The process-wide default of the value checks on CUDA tensors: ``FLASHTILE_CHECK_VALUES=0`` turns them off."""

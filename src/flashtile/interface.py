@@ -289,7 +289,7 @@ def attention(
     """Validated entry to the custom op (``_ops.attention``): returns (out, lse) in flash_attn's layouts.
 
     attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
-    deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.attention.backward_sm90``).
+    deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.sm90.backward``).
     rng_state: the dropout's randomness (``dropout_rng_state``), drawn here when None and dropout_p > 0.
     A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
     padded = pad_head_dim(q, k, v, softmax_scale)

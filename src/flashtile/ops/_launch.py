@@ -13,7 +13,7 @@ arguments directly: to Triton's launcher (``compiled.run``) on the current strea
 The key is finer than Triton's specialization, never coarser: every int by value (Triton looks at its class), so
 arguments with equal keys specialize equally (tests/test_launch.py compares keys with the binder's specialization on
 Triton 3.6 and 3.7). The Gluon kernels come through ``launch_keyed`` with a coarser key
-(``forward_sm90.launch_key``: their ints are not specialized, so one compile, and one entry here, serves every
+(``sm90.common.launch_key``: their ints are not specialized, so one compile, and one entry here, serves every
 length). The decode launcher keeps ``keyed_for``'s constexpr tail and key per input layout (``split_kv.DecodePlan``)
 and hands them to ``launch``. What the direct launches skip: the check that the kernel's globals kept their values
 since it compiled, ``JITFunction``'s pre-run hooks, and options read from the environment (``TRITON_DEBUG``) changing

@@ -2,7 +2,7 @@
 
 Nothing of size seqlen_q x seqlen_k is stored: P is recomputed from Q, K and the saved LSE.
 Three launches, no atomics (so the backward is deterministic; on sm_90 ``deterministic=False`` backwards
-without options run the Gluon kernel of ``backward_sm90`` instead, whose dQ sums are unordered):
+without options run the Gluon kernel of ``ops.sm90.backward`` instead, whose dQ sums are unordered):
   1. delta = rowsum(dO * O) - dLSE                                    (B, H, Sq) fp32
   2. per key tile and kv head: dV = sum P^T dO, dK = scale * sum dS^T Q over the tile's query tiles
      and over every query head of the kv head's group (GQA sums happen in registers)
@@ -37,14 +37,12 @@ from flashtile._backend import imported
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
-from flashtile.ops.attention.configs import cdiv, config, gluon_device, head_grid
+from flashtile.ops.attention.configs import config, gluon_device
 from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
-    LOG2E,
     alibi_batch_stride,
     alibi_slope,
     batch_head,
-    dot,
     dropout_keep,
     dropout_rows,
     head_base,
@@ -63,9 +61,11 @@ from flashtile.ops.attention.tiles import (
     seq_bounds,
     store_rows,
     tile_sources,
-    tma_ready,
     visible,
 )
+from flashtile.ops.common.descriptors import tma_ready
+from flashtile.ops.common.grid import cdiv, head_grid
+from flashtile.ops.common.math import LOG2E, dot
 
 
 @triton.jit
@@ -630,7 +630,7 @@ def attention_backward(
     deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels (on sm_90, without options and with ``deterministic=False``, the Gluon
-    kernel of ``backward_sm90``, whose dQ atomics make the bits vary from run to run).
+    kernel of ``ops.sm90.backward``, whose dQ atomics make the bits vary from run to run).
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim_v), the gradient of out; last dimension contiguous
@@ -653,7 +653,7 @@ def attention_backward(
         and window_left is None and window_right in (None, 0) and softcap == 0.0 and dropout_p == 0.0
         and alibi_slopes is None and attn_mask is None
     ):  # fmt: skip
-        backward_sm90 = imported("flashtile.ops.attention.backward_sm90")  # Gluon: on sm_90 GPUs only
+        backward_sm90 = imported("flashtile.ops.sm90.backward")  # Gluon: on sm_90 GPUs only
 
         causal = window_right == 0
         grads = backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=causal)

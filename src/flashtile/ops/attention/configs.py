@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,13 +16,14 @@ import torch
 
 from flashtile import _backend
 from flashtile.errors import InputError
+from flashtile.ops.common.grid import compute_capability, padded_head_dim
 
 
 @dataclass(frozen=True)
 class TileConfig:
     """block_m: query rows per tile; block_n: key rows per tile; num_warps, num_stages: as in Triton;
     tma: tiles move through the copy engine (tensor descriptors, Hopper and later) where the kernel and the
-    tensors allow it (``tiles.tma_ready``), otherwise through pointer loads."""
+    tensors allow it (``descriptors.tma_ready``), otherwise through pointer loads."""
 
     block_m: int
     block_n: int
@@ -99,42 +99,8 @@ PASSES = ("forward", "forward_short", "forward_banded_short", "backward_dkdv", "
 _overrides: dict[str, TileConfig] = {}
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) in plain Python: the launchers (attention and decode) run it on every call, and
-    ``triton.cdiv``, a constexpr function, costs microseconds per host call."""
-    return -(-a // b)
-
-
-MAX_GRID_YZ = 65535
-"""The largest y and z of a CUDA grid."""
-
-
-def head_grid(tiles: int, batch: int, nheads: int) -> tuple[int, int, int]:
-    """The grid (tiles, nheads, batch) of an attention kernel (``tiles.batch_head`` reads it back); a clear
-    error, before any launch, for more batch entries or heads than a grid holds."""
-    if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
-        raise InputError(
-            f"flashtile's CUDA kernels take at most {MAX_GRID_YZ} batch entries (sequences) and {MAX_GRID_YZ} heads "
-            f"per call, got batch {batch} and nheads {nheads}: split the batch into several calls."
-        )
-    return tiles, nheads, batch
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The power-of-two tile width (at least 16, the smallest matrix-product width) for a head dim (plain
-    Python: it runs on every launch, and triton.next_power_of_2 costs ~2 µs a call)."""
-    return max(16, 1 << (head_dim - 1).bit_length())
-
-
-@functools.cache
-def compute_capability(device_index: int | None) -> tuple[int, int]:
-    """(major, minor) of a CUDA device ((9, 0) for Hopper), looked up once per device: the launchers ask on
-    every call."""
-    return torch.cuda.get_device_capability(device_index)
-
-
 def gluon_device(device: torch.device) -> bool:
-    """Whether calls on ``device`` may take the sm_90 Gluon kernels (``forward_sm90``, ``backward_sm90``):
+    """Whether calls on ``device`` may take the sm_90 Gluon kernels (``ops.sm90``):
     switched on (``flashtile._backend.GLUON``) and an sm_90 GPU. The launchers ask this first, so other
     devices pay for nothing else and never import Gluon."""
     return _backend.GLUON and device.type == "cuda" and compute_capability(device.index) == (9, 0)

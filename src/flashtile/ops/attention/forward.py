@@ -34,8 +34,8 @@ A row that the mask hides entirely behaves as a row that sees no key: output 0, 
 signature and SASS are those without it (sm_90 SASS of every features-off variant compared).
 
 On sm_90 the launcher hands the forwards without options (causal or not, head dims 64, 128 and 256, any lengths;
-see ``forward_sm90.qualifies``) to the warp-specialized Gluon kernel of ``forward_sm90``, which launches the ones
-that qualify (``attention_forward_sm90`` returns whether it did).
+see ``ops.sm90.forward.qualifies``) to the warp-specialized Gluon kernel of ``ops.sm90.forward``, which launches
+the ones that qualify (``attention_forward_sm90`` returns whether it did).
 """
 
 import functools
@@ -48,21 +48,11 @@ from flashtile._backend import imported
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
-from flashtile.ops.attention.configs import (
-    SHORT_SEQLEN,
-    cdiv,
-    config,
-    gluon_device,
-    head_grid,
-    padded_head_dim,
-)
+from flashtile.ops.attention.configs import SHORT_SEQLEN, config, gluon_device
 from flashtile.ops.attention.tiles import (
-    LN2,
-    LOG2E,
     alibi_batch_stride,
     alibi_slope,
     batch_head,
-    dot,
     dropout_keep,
     dropout_rows,
     head_base,
@@ -78,11 +68,13 @@ from flashtile.ops.attention.tiles import (
     seq_bounds,
     store_rows,
     tile_sources,
-    tma_ready,
     visible,
 )
-from flashtile.ops.decode.tiles import cache_slots
-from flashtile.ops.decode.tiles import load_rows as load_cache_rows
+from flashtile.ops.common.descriptors import tma_ready
+from flashtile.ops.common.grid import cdiv, head_grid, padded_head_dim
+from flashtile.ops.common.math import LN2, LOG2E, dot
+from flashtile.ops.common.paged import cache_slots
+from flashtile.ops.common.paged import load_rows as load_cache_rows
 
 
 @triton.jit
@@ -483,7 +475,7 @@ def _launch(
         and alibi_slopes is None and learnable_sink is None and attn_mask is None
         and softmax_scale > 0  # the Gluon kernel scales masked (-inf) scores: 0 * -inf would be NaN
     ):  # fmt: skip
-        forward_sm90 = imported("flashtile.ops.attention.forward_sm90")  # Gluon: on sm_90 GPUs only
+        forward_sm90 = imported("flashtile.ops.sm90.forward")  # Gluon: on sm_90 GPUs only
 
         if forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=window_right == 0):
             return

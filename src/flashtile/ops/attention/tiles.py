@@ -29,13 +29,9 @@ derivative 1 - tanh^2 in the backward kernels.
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashtile.ops._descriptor import per_layout
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-MINUS_TWO_LOG2E = tl.constexpr(-2.8853900817779268)
+from flashtile.ops.common.descriptors import tile_descriptor
+from flashtile.ops.common.math import LOG2E, tanh
 
 
 def score_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -54,7 +50,7 @@ def alibi_batch_stride(alibi_slopes: torch.Tensor | None) -> int:
 @triton.jit
 def batch_head(nheads):
     """(batch entry, head, batch entry * nheads + head) of this program: the launchers' grids are (tiles,
-    nheads, batch) (``configs.head_grid``), so neither count meets the 65535 limit of a grid's y and z."""
+    nheads, batch) (``grid.head_grid``), so neither count meets the 65535 limit of a grid's y and z."""
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     return off_b, off_h, off_b * nheads + off_h
@@ -198,27 +194,6 @@ def visible(
 
 
 @triton.jit
-def dot(a, b, acc=None):
-    """a @ b (+ acc) with a float32 accumulator. float32 operands (float32 inputs) are multiplied in IEEE float32:
-    Triton's default for them is TF32 (10-bit mantissas), which would give float32 inputs bf16-like errors.
-    16-bit operands compile exactly as a plain ``tl.dot``."""
-    if a.dtype == tl.float32:
-        result = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        result = tl.dot(a, b, acc)
-    return result
-
-
-@triton.jit
-def tanh(x):
-    """tanh from exp2 (the interpreter has no libdevice): with e = exp(-2|x|) in (0, 1] nothing
-    overflows for any x, tanh(|x|) = (1 - e) / (1 + e), and the sign is restored at the end."""
-    e = tl.math.exp2(tl.abs(x) * MINUS_TWO_LOG2E)
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0.0, -t, t)
-
-
-@triton.jit
 def alibi_slope(Alibi, off_b, off_h, stride_ab, HAS_ALIBI: tl.constexpr):
     """The ALiBi slope of one (batch entry, head) in log2 units (Alibi is (H,) with stride_ab = 0,
     or (B, H)); 0.0 when ALiBi is off."""
@@ -336,30 +311,6 @@ def store_rows(
         offs_rows = start + tl.arange(0, BLOCK_ROWS)
         ptrs = rows_at(dst, start, stride_row, offs_cols, BLOCK_ROWS)
         store_tile(ptrs, value, offs_rows, n_rows, offs_cols, n_cols, CHECK_COLS)
-
-
-def tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether the copy engine can read these (batch, seqlen, heads, d) tensors through tensor descriptors:
-    4-D, last dimension contiguous, the start address and every other stride 16-byte aligned, and no
-    dimension longer than 1 broadcast (stride 0, as an expanded dout). A fresh contiguous output of such a
-    shape always is (head dims are multiples of 8), so the launchers ask about their inputs only."""
-    for x in tensors:
-        if x.dim() != 4:
-            return False
-        batch, seqlen, nheads, _ = x.shape
-        s_b, s_s, s_h, s_d = x.stride()
-        size = x.element_size()  # unrolled over the dimensions: this runs for every input of every launch
-        if s_d != 1 or x.data_ptr() % 16 or s_b * size % 16 or s_s * size % 16 or s_h * size % 16:
-            return False
-        if (s_b == 0 and batch > 1) or (s_s == 0 and seqlen > 1) or (s_h == 0 and nheads > 1):
-            return False
-    return True
-
-
-@per_layout
-def tile_descriptor(x: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
-    """A tensor descriptor of (batch, seqlen, nheads, d) ``x`` with [1, rows, 1, cols] blocks."""
-    return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, rows, 1, cols])
 
 
 def tile_sources(tma: bool, *tiles: tuple[torch.Tensor, int, int]):

@@ -1,6 +1,6 @@
 """The new keys and values of a decode step, as the split-KV kernel reads them and appends them to the cache.
 
-Token t of batch entry b goes to cache position ``cache_seqlens[b] + t`` (``tiles.cache_slots`` says where
+Token t of batch entry b goes to cache position ``cache_seqlens[b] + t`` (``paged.cache_slots`` says where
 that is); nothing else in the cache is written. One program per (batch entry, kv head, token) writes them to the
 cache (``append_new``), the keys rotated. With APPEND_FIRST (``split_kv.appends_first``) that program is the one
 whose keys include the token, before it attends, and it reads them back from the cache after a barrier of its own
@@ -11,7 +11,8 @@ threads; otherwise no program reads those cache rows: a program that attends to 
 import triton
 import triton.language as tl
 
-from flashtile.ops.decode.tiles import cache_slots, load_rotated, load_rows
+from flashtile.ops.common.paged import cache_slots, load_rows
+from flashtile.ops.decode.tiles import load_rotated
 
 BLOCK_T = tl.constexpr(16)  # new tokens per store
 BLOCK_NEW = tl.constexpr(16)  # new keys per attention tile (the smallest tl.dot width)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtile.ops._device import sm_count
-from flashtile.ops.attention.configs import cdiv
+from flashtile.ops.common.grid import cdiv
 
 MAX_SPLITS = 128
 MAX_BLOCK_M = 64  # packed query rows (tokens x heads of one kv group) per program

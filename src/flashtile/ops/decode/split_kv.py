@@ -53,11 +53,13 @@ import triton.language as tl
 from flashtile._backend import TRITON_INTERPRET
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._launch import Plans, keyed_for, launch
-from flashtile.ops.attention.configs import cdiv, compute_capability, padded_head_dim
-from flashtile.ops.attention.tiles import LN2, LOG2E, dot, tanh, tile_descriptor, tma_ready
+from flashtile.ops.common.descriptors import tile_descriptor, tma_ready
+from flashtile.ops.common.grid import cdiv, compute_capability, padded_head_dim
+from flashtile.ops.common.math import LN2, LOG2E, dot, tanh
+from flashtile.ops.common.paged import cache_slots, clamp, load_rows, load_tile
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new, store_new
-from flashtile.ops.decode.tiles import cache_length, cache_slots, clamp, load_rotated, load_rows, load_tile
+from flashtile.ops.decode.tiles import cache_length, load_rotated
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
 MERGE_CHUNK = 4
@@ -734,7 +736,7 @@ def use_tma(
     whose tiles never straddle two pages (``block_n`` divides the page size and no ``leftpad`` shifts the tiles off
     the page boundaries), in a launch ``captured`` in a CUDA graph, on a device with a copy engine
     (``has_copy_engine``), with head dims that fill their tiles (powers of two, at least 16) and caches the copy
-    engine can address (``tiles.tma_ready``).
+    engine can address (``descriptors.tma_ready``).
 
     Paged caches only, as measured on the H200 (Hkv 8, Hq 32, D 128, one new token, graph µs per step, two
     interleaved rounds against pointer loads): paged B=1 4k

@@ -3,13 +3,13 @@
 On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
 dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's default)
 run this kernel instead
-of the portable Triton ones (``backward.py``): five matrix products per (query tile, key tile) pair instead of
+of the portable Triton ones (ops/attention/backward.py): five matrix products per (query tile, key tile) pair instead of
 seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory,
 ``CONFIGS``' DQ_TMA, at every head dim; per-thread atomics with it off), in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
 64, 128 or 256 (256: the OUTPUT_SPLIT variant below); MHA, GQA or MQA (nheads a multiple of nheads_k; causal:
 at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; the layouts of
-``forward_sm90.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
+``common.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
 sm_90 without a GPU, and the GPU tests run it against the oracle.
 
 Measured on an H200 (bf16, TFLOP/s, backward = 2.5 x the forward's FLOP; the prototype of this kernel): D=128 N=16k 437
@@ -19,13 +19,13 @@ heads per K/V head 361 / 347 against 341 / 332, D=64 2 and 8 (B=2 N=8k) 331 / 30
 the Triton kernels were faster (see MAX_CAUSAL_GROUP), without causal this kernel at every group size (415-420 against
 404-407).
 
-Math (as backward.py): with s = softmax_scale * q k^T, P = exp(s - lse), dP = dO V^T, delta = rowsum(dO * O)
+Math (as the Triton backward): with s = softmax_scale * q k^T, P = exp(s - lse), dP = dO V^T, delta = rowsum(dO * O)
 - dlse (``backward.attention_delta``), dS = P * (dP - delta):
     dV = P^T dO,   dK = softmax_scale * dS^T Q,   dQ = softmax_scale * dS K.
 softmax_scale is folded into dS (before its cast to the input dtype), so dK and dQ need no final scaling.
 
 Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros (with DQ_TMA also a TMA descriptor of
-its 2-D (B * Sq, H * D) view, ``forward_sm90.descriptor``); the kernel, grid (Sk / BLOCK_N, Hk, B), adds dQ
+its 2-D (B * Sq, H * D) view, ``common.descriptor``); the kernel, grid (Sk / BLOCK_N, Hk, B), adds dQ
 partials into dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input dtype.
 
 Head dims 64 and 128 (the key split, ``_consumer``): one CTA per (BLOCK_N = 128 key rows, K/V head hk, batch
@@ -131,7 +131,7 @@ only the query tiles from its diagonal on, so the CTAs of a (K/V head, batch ent
 (``programs``: n_n - n_n // 2 CTAs for n_n key tiles): CTA p walks key tile p, the heaviest of its pair, then tile
 n_n - 1 - p, the lightest, so at Sq = Sk every CTA walks n_m + BLOCK_N / BLOCK_M query tiles per head (n_m: the
 query tiles; N=1k, D=128: 18), half as many CTAs as key tiles; an odd n_n's middle tile has a CTA of its own. The
-same trick in the forward (forward_sm90's CAUSAL_PAIRS) gained +6% at N=1k, +3-8% at 2k and 4k and 0-2% at 8k and
+same trick in the forward (forward.py's CAUSAL_PAIRS) gained +6% at N=1k, +3-8% at 2k and 4k and 0-2% at 8k and
 16k on the H200; by analogy the prediction here was +3-8% for causal D=128 and D=64 backwards at N=1k-4k and ~0 at
 16k; measured +2-5% at D=128 N=1k-8k, +1% at D=64 and +4-8% at D=256 (``CONFIGS``). GQA: each item walks its key tile
 for every query head of the group, as without pairs. The two items run one after the other in the same partitions:
@@ -178,7 +178,7 @@ Register-pressure notes (what keeps D=128 and D=64 from spilling; keep them in m
     1 load per diagonal tile, none on the others), the rest outside the loop, and in the GQA producer warp (24
     registers, 8 scalar lse/delta loads at 128 rows) 4 local loads and 1 store per iteration. ptxas issues WG
     0's dP^T only once S^T has retired (WARPGROUP.DEPBAR before it) and computes P^T while dP^T runs; WG 1 keeps
-    both in flight. A lse/delta fold needs qk_scale > 0: the caller (backward.py) sends other scales to the
+    both in flight. A lse/delta fold needs qk_scale > 0: the caller (the Triton backward) sends other scales to the
     Triton kernels.
   * KEY_PAIRS: the second item's flat index runs from a runtime it0. Read plainly, LLVM strength-reduced the
     ring's shared-memory addresses in it into per-item values held across the query-tile loop, and ptxas
@@ -222,10 +222,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch
 from flashtile.ops._alloc import empty_output
-from flashtile.ops._descriptor import Template, per_layout, rebase, template
-from flashtile.ops.attention.configs import head_grid
-from flashtile.ops.attention.forward_sm90 import (
-    ROWS,
+from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
+from flashtile.ops.common.grid import head_grid
+from flashtile.ops.common.math import LOG2E
+from flashtile.ops.sm90.common import (
     descriptor,
     keyed_for,
     launch,
@@ -236,7 +236,7 @@ from flashtile.ops.attention.forward_sm90 import (
     tma_load,
     tma_store,
 )
-from flashtile.ops.attention.tiles import LOG2E
+from flashtile.ops.sm90.forward import ROWS
 
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (measured with the
@@ -361,7 +361,7 @@ def async_reduce_add(tensor_desc, coord, src, _semantic=None):
     thread per box message; each element's add is atomic, relaxed; the tile is read asynchronously, and
     ``tma.store_wait`` waits for that read as for a TMA store (both are bulk async-groups).
     Gluon 3.6 and 3.7 have no wrapper for it (3.9 has ``tma.async_atomic_add``); this is ``tma_store``
-    (``forward_sm90``: the same coordinate conversion in 3.6 to 3.9) on the IR builder's ``create_async_tma_reduce``."""
+    (``common``: the same coordinate conversion in 3.6 to 3.9) on the IR builder's ``create_async_tma_reduce``."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
@@ -1012,7 +1012,7 @@ def _consumer_by_output(
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "group"])  # forward_sm90.launch
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "group"])  # common.launch
 def _attention_backward_sm90_kernel(
     q_desc,
     do_desc,

@@ -1,4 +1,6 @@
-"""Tensor descriptors whose constructor checks run once per layout.
+"""Tensor descriptors: whether tensors can be read through them (``tma_ready``), the Triton kernels' descriptor of
+a (batch, seqlen, nheads, d) tensor (``tile_descriptor``), and descriptors whose constructor checks run once per
+layout (``per_layout``).
 
 Triton's and Gluon's ``TensorDescriptor`` check their fields in ``__post_init__`` (rank, 16-byte aligned base and
 strides, power-of-2 block, positive shape; Gluon's also the shared layout's element width and swizzle): three
@@ -14,6 +16,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 MAX_LAYOUTS = 256
 """Keys kept before ``_CHECKED`` starts over (shapes are keyed by value, so each new shape adds some)."""
@@ -59,3 +62,27 @@ def per_layout(build: Callable[..., object]) -> Callable[..., object]:
         return rebase(checked, x)
 
     return cached
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine can read these (batch, seqlen, heads, d) tensors through tensor descriptors:
+    4-D, last dimension contiguous, the start address and every other stride 16-byte aligned, and no
+    dimension longer than 1 broadcast (stride 0, as an expanded dout). A fresh contiguous output of such a
+    shape always is (head dims are multiples of 8), so the launchers ask about their inputs only."""
+    for x in tensors:
+        if x.dim() != 4:
+            return False
+        batch, seqlen, nheads, _ = x.shape
+        s_b, s_s, s_h, s_d = x.stride()
+        size = x.element_size()  # unrolled over the dimensions: this runs for every input of every launch
+        if s_d != 1 or x.data_ptr() % 16 or s_b * size % 16 or s_s * size % 16 or s_h * size % 16:
+            return False
+        if (s_b == 0 and batch > 1) or (s_s == 0 and seqlen > 1) or (s_h == 0 and nheads > 1):
+            return False
+    return True
+
+
+@per_layout
+def tile_descriptor(x: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """A tensor descriptor of (batch, seqlen, nheads, d) ``x`` with [1, rows, 1, cols] blocks."""
+    return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, rows, 1, cols])

@@ -1,9 +1,9 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
 
-On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in forward.py:
-no options) run this kernel instead of the portable Triton one (which every other GPU and the CPU interpreter run):
-no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or 256 for q, k and v
-(``CONFIGS``), causal or not (``CAUSAL_MIN_SEQLEN_Q``: every length); bf16/fp16; any seqlen_q
+On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in
+ops/attention/forward.py: no options) run this kernel instead of the portable Triton one (which every other GPU and
+the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or
+256 for q, k and v (``CONFIGS``), causal or not (``CAUSAL_MIN_SEQLEN_Q``: every length); bf16/fp16; any seqlen_q
 and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous tensor, or
 q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
@@ -67,15 +67,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch
-from flashtile.ops._descriptor import Template, per_layout, rebase, template
 from flashtile.ops._device import sm_count
-from flashtile.ops.attention.configs import cdiv
-from flashtile.ops.attention.tiles import LN2, LOG2E
-
-# Gluon's TMA copies are tma.async_load / tma.async_store since triton 3.9, where the older names (the only ones
-# triton 3.6 and 3.7 have) raise; the arguments are the same. Both kernels call them by these names.
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
+from flashtile.ops.common.grid import cdiv
+from flashtile.ops.common.math import LN2, LOG2E
+from flashtile.ops.sm90.common import (
+    keyed_for,
+    launch,
+    mma_layout,
+    partition_barrier,
+    rows_view_ok,
+    shared_layout,
+    tma_load,
+    tma_store,
+)
 
 CONFIGS = {
     # 192-row items of three warpgroups, three stages of 128-key tiles: 24 KiB of Q, 96 KiB of K and V, 24 KiB of O
@@ -197,20 +202,8 @@ def config(head_dim: int, causal: bool, seqlen_q: int) -> dict:
 ROWS = CONFIGS[128]["NUM_WG"] * CONFIGS[128]["M_WG"]
 """Query rows per CTA (= BLOCK_N); the Gluon backward's lengths must be multiples of this (``descriptor``)."""
 
-# Triton 3.6 and 3.7 differ in mbarrier.expect's byte-count keyword (bytes / bytes_per_cta): it is always
-# passed positionally here.
-
-# Triton 3.6: gl.thread_barrier(); 3.7: gl.barrier() (both: a barrier among the warps of the calling partition).
-partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-
 
 # ------------------------------------------------------------------------------------------------ layouts
-@gluon.constexpr_function
-def mma_layout(n):
-    # one warpgroup, wgmma m64nNk16 tiles (bf16/fp16: k = 16), N = the full tile width
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-
 @gluon.jit
 def _tile(boxes, i):
     """Buffer i of ``boxes`` ([n, 1, rows, D] shared memory in a rank-3 descriptor's layout, what its TMA copies
@@ -784,16 +777,6 @@ def _attention_forward_sm90_kernel(
     )  # fmt: skip
 
 
-def rows_view_ok(x: torch.Tensor) -> bool:
-    """Whether (batch, seqlen, nheads, headdim) ``x`` reads as the 2-D (batch * seqlen, nheads * headdim) rows
-    of a tensor descriptor: heads of a token contiguous, tokens evenly strided across batch entries, and the
-    start address and the row stride 16-byte aligned."""
-    batch, seqlen, nheads, head_dim = x.shape
-    s_b, s_s, s_h, s_d = x.stride()
-    evenly = batch == 1 or s_b == seqlen * s_s
-    return s_d == 1 and s_h == head_dim and evenly and (s_s * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
-
-
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
     """The kernel's own conditions on q, k, v (any device): bf16/fp16, one head dim of CONFIGS for q, k and v
     (with causal, seqlen_q from CAUSAL_MIN_SEQLEN_Q), any lengths but neither q nor k empty (a descriptor's
@@ -811,27 +794,6 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     return rows_view_ok(q) and rows_view_ok(k) and rows_view_ok(v)
 
 
-@functools.cache
-def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
-    """The swizzled shared-memory layout of a TMA block: [rows, head_dim] or [1, rows, head_dim], both with the
-    128-byte swizzle of head_dim 64 and above (what TMA writes and wgmma reads); float32 for the backward's dQ
-    reduce (dq_accum's ``descriptor``), 128-byte swizzle from 32 columns on."""
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
-
-
-@per_layout
-def descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
-    """A tensor descriptor of the (batch * seqlen, nheads * headdim) rows of ``x`` (``rows_view_ok``) with
-    [rows, cols] tiles, cols = headdim by default (the backward's dq_accum takes [rows, DQ_TILE_COLS] blocks): a
-    tile never crosses a batch entry when seqlen is a multiple of rows (the Gluon backward's), nor a head when
-    cols divides headdim."""
-    batch, seqlen, nheads, head_dim = x.shape
-    block = [rows, cols or head_dim]
-    layout = shared_layout(tuple(block), x.dtype)
-    return TensorDescriptor(x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], block, layout)
-
-
 @per_layout
 def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """A rank-3 tensor descriptor of the (batch, seqlen, nheads * headdim) view of ``x`` (``rows_view_ok``) with
@@ -842,67 +804,6 @@ def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     # seqlen * stride(1) is stride(0) when batch > 1 (rows_view_ok), and 16-byte aligned when batch == 1 too
     strides = [seqlen * x.stride(1), x.stride(1), 1]
     return TensorDescriptor(x, [batch, seqlen, nheads * head_dim], strides, [1, rows, head_dim], layout)
-
-
-def launch_key(kernel, args: tuple, constexprs: list, options: dict) -> tuple:
-    """What Triton specializes a compiled Gluon kernel of this module on, for these arguments, these constexpr
-    values (in parameter order) and options (the kernel by ``id``, as in ``_launch.specialization_key``): the device,
-    every constexpr and option, each tensor's dtype and 16-byte alignment, each descriptor's dtype and box (its
-    swizzle follows from them, ``shared_layout``), whether each int fits in 32 bits, and the type of any other
-    argument. The kernels list their int parameters in ``do_not_specialize`` (tests/test_gluon_sm90.py checks the
-    launches' ints against it), so no other property of an int (1, or a multiple of 16) changes the compiled code and
-    one compile serves every length; floats compile as fp32 whatever their value."""
-    parts = []
-    for a in args:
-        kind = type(a)
-        if kind is int:
-            parts.append(-(2**31) <= a < 2**31)
-        elif kind is TensorDescriptor:
-            parts.append((a.base.dtype, *a.block_shape))
-        elif isinstance(a, torch.Tensor):
-            parts.append((a.dtype, a.data_ptr() % 16 == 0))
-        else:
-            parts.append(kind)
-    return (id(kernel), torch.cuda.current_device(), *options.items(), *constexprs, *parts)
-
-
-GLUON_OPTIONS = {"num_warps": 4}
-"""Triton's options of every Gluon launch (its warp count is the default partition's; workers set their own)."""
-
-
-def keyed_for(kernel, args: tuple, constexprs: dict) -> tuple[list, tuple]:
-    """``launch``'s ``keyed`` for these arguments: the constexprs' values in parameter order and the ``launch_key``."""
-    tail = _launch.constexpr_tail(kernel, args, constexprs)
-    return tail, launch_key(kernel, args, tail, GLUON_OPTIONS)
-
-
-def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, keyed=None):
-    """``kernel[grid](*args, **constexprs, num_warps=4)``: a launch through Triton's JITFunction.run (binding,
-    specializing and hashing every argument, compiling on a new key; ``keyed`` is not used); returns the compiled
-    kernel."""
-    return kernel[grid](*args, **constexprs, **GLUON_OPTIONS)
-
-
-def launch(
-    kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, keyed: tuple[list, tuple] | None = None
-) -> None:
-    """The first launch of a ``launch_key`` through Triton's binder (as ``launch_through_binder``), later ones past
-    it, on the current device and stream: ``ops._launch.launch`` with this module's key and 4 warps.
-
-    ``JITFunction.run`` binds, specializes and hashes every argument on each call: in the traced host path of the H200
-    machine the forward's JITFunction.run took 50.5 µs per call, 19.9 of them in the launcher that still runs here.
-    Against binding every call (latency.py's flashtile-binder rows, median of three rounds with the order alternating,
-    alone on the machine): host time per forward call 119 / 114 / 108 / 113 µs against 127 / 188 / 128 / 138 (B*N = 16k,
-    D=128: N=512 full, causal; N=1k full, causal): it saves 8-75 µs (two earlier runs had disagreed, each beside other
-    work on the machine or in one round). The first launch of a key goes through the binder (compiling, or loading from
-    Triton's disk cache) and keeps the compiled kernel it returns; later launches of the key hand that kernel the same
-    arguments directly: ``args`` are the kernel's leading non-constexpr parameters in order, ``constexprs`` name all the
-    rest. ``keyed``: the constexprs' values in parameter order and the ``launch_key`` of these arguments, kept by the
-    caller (``ForwardPlan``); computed here when None.
-    """
-    if keyed is None:
-        keyed = keyed_for(kernel, args, constexprs)
-    _launch.launch_keyed(kernel, grid, args, constexprs, *keyed, GLUON_OPTIONS)
 
 
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
@@ -975,7 +876,7 @@ def causal_schedule(
 
 class ForwardPlan(NamedTuple):
     """What a launch follows from its inputs' layouts (``forward_plan``'s key), kept per key: the grid, the descriptor
-    templates of q, k, v and out (``_descriptor.template``), the kernel's int arguments (seqlen_q, seqlen_k, batch,
+    templates of q, k, v and out (``descriptors.template``), the kernel's int arguments (seqlen_q, seqlen_k, batch,
     nheads, group), the causal schedule or None, the constexprs, and ``launch``'s ``keyed`` (their values in parameter
     order and the arguments' ``launch_key``)."""
 

@@ -1,0 +1,29 @@
+"""Constants and math of the Triton kernels of every operation (attention forward and backward, decode)."""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+MINUS_TWO_LOG2E = tl.constexpr(-2.8853900817779268)
+
+
+@triton.jit
+def dot(a, b, acc=None):
+    """a @ b (+ acc) with a float32 accumulator. float32 operands (float32 inputs) are multiplied in IEEE float32:
+    Triton's default for them is TF32 (10-bit mantissas), which would give float32 inputs bf16-like errors.
+    16-bit operands compile exactly as a plain ``tl.dot``."""
+    if a.dtype == tl.float32:
+        result = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        result = tl.dot(a, b, acc)
+    return result
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp2 (the interpreter has no libdevice): with e = exp(-2|x|) in (0, 1] nothing
+    overflows for any x, tanh(|x|) = (1 - e) / (1 + e), and the sign is restored at the end."""
+    e = tl.math.exp2(tl.abs(x) * MINUS_TWO_LOG2E)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)

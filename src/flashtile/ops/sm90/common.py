@@ -1,0 +1,125 @@
+"""What the sm_90 Gluon forward (``forward``) and backward (``backward``) share: Gluon's Hopper API under the names
+both Triton versions answer to, the wgmma and shared-memory layouts, the 2-D tensor descriptors of (batch, seqlen,
+nheads, headdim) tensors, and the launch past Triton's binder with its key."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashtile.ops import _launch
+from flashtile.ops.common.descriptors import per_layout
+
+# Gluon's TMA copies are tma.async_load / tma.async_store since triton 3.9, where the older names (the only ones
+# triton 3.6 and 3.7 have) raise; the arguments are the same. Both kernels call them by these names.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+# Triton 3.6 and 3.7 differ in mbarrier.expect's byte-count keyword (bytes / bytes_per_cta): it is always
+# passed positionally here.
+
+# Triton 3.6: gl.thread_barrier(); 3.7: gl.barrier() (both: a barrier among the warps of the calling partition).
+partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@gluon.constexpr_function
+def mma_layout(n):
+    # one warpgroup, wgmma m64nNk16 tiles (bf16/fp16: k = 16), N = the full tile width
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+def rows_view_ok(x: torch.Tensor) -> bool:
+    """Whether (batch, seqlen, nheads, headdim) ``x`` reads as the 2-D (batch * seqlen, nheads * headdim) rows
+    of a tensor descriptor: heads of a token contiguous, tokens evenly strided across batch entries, and the
+    start address and the row stride 16-byte aligned."""
+    batch, seqlen, nheads, head_dim = x.shape
+    s_b, s_s, s_h, s_d = x.stride()
+    evenly = batch == 1 or s_b == seqlen * s_s
+    return s_d == 1 and s_h == head_dim and evenly and (s_s * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+
+
+@functools.cache
+def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The swizzled shared-memory layout of a TMA block: [rows, head_dim] or [1, rows, head_dim], both with the
+    128-byte swizzle of head_dim 64 and above (what TMA writes and wgmma reads); float32 for the backward's dQ
+    reduce (dq_accum's ``descriptor``), 128-byte swizzle from 32 columns on."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+@per_layout
+def descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
+    """A tensor descriptor of the (batch * seqlen, nheads * headdim) rows of ``x`` (``rows_view_ok``) with
+    [rows, cols] tiles, cols = headdim by default (the backward's dq_accum takes [rows, DQ_TILE_COLS] blocks): a
+    tile never crosses a batch entry when seqlen is a multiple of rows (the Gluon backward's), nor a head when
+    cols divides headdim."""
+    batch, seqlen, nheads, head_dim = x.shape
+    block = [rows, cols or head_dim]
+    layout = shared_layout(tuple(block), x.dtype)
+    return TensorDescriptor(x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], block, layout)
+
+
+def launch_key(kernel, args: tuple, constexprs: list, options: dict) -> tuple:
+    """What Triton specializes a compiled Gluon kernel of this package on, for these arguments, these constexpr
+    values (in parameter order) and options (the kernel by ``id``, as in ``_launch.specialization_key``): the device,
+    every constexpr and option, each tensor's dtype and 16-byte alignment, each descriptor's dtype and box (its
+    swizzle follows from them, ``shared_layout``), whether each int fits in 32 bits, and the type of any other
+    argument. The kernels list their int parameters in ``do_not_specialize`` (tests/test_gluon_sm90.py checks the
+    launches' ints against it), so no other property of an int (1, or a multiple of 16) changes the compiled code and
+    one compile serves every length; floats compile as fp32 whatever their value."""
+    parts = []
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            parts.append(-(2**31) <= a < 2**31)
+        elif kind is TensorDescriptor:
+            parts.append((a.base.dtype, *a.block_shape))
+        elif isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            parts.append(kind)
+    return (id(kernel), torch.cuda.current_device(), *options.items(), *constexprs, *parts)
+
+
+GLUON_OPTIONS = {"num_warps": 4}
+"""Triton's options of every Gluon launch (its warp count is the default partition's; workers set their own)."""
+
+
+def keyed_for(kernel, args: tuple, constexprs: dict) -> tuple[list, tuple]:
+    """``launch``'s ``keyed`` for these arguments: the constexprs' values in parameter order and the ``launch_key``."""
+    tail = _launch.constexpr_tail(kernel, args, constexprs)
+    return tail, launch_key(kernel, args, tail, GLUON_OPTIONS)
+
+
+def launch_through_binder(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, keyed=None):
+    """``kernel[grid](*args, **constexprs, num_warps=4)``: a launch through Triton's JITFunction.run (binding,
+    specializing and hashing every argument, compiling on a new key; ``keyed`` is not used); returns the compiled
+    kernel."""
+    return kernel[grid](*args, **constexprs, **GLUON_OPTIONS)
+
+
+def launch(
+    kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, keyed: tuple[list, tuple] | None = None
+) -> None:
+    """The first launch of a ``launch_key`` through Triton's binder (as ``launch_through_binder``), later ones past
+    it, on the current device and stream: ``ops._launch.launch`` with this module's key and 4 warps.
+
+    ``JITFunction.run`` binds, specializes and hashes every argument on each call: in the traced host path of the H200
+    machine the forward's JITFunction.run took 50.5 µs per call, 19.9 of them in the launcher that still runs here.
+    Against binding every call (latency.py's flashtile-binder rows, median of three rounds with the order alternating,
+    alone on the machine): host time per forward call 119 / 114 / 108 / 113 µs against 127 / 188 / 128 / 138 (B*N = 16k,
+    D=128: N=512 full, causal; N=1k full, causal): it saves 8-75 µs (two earlier runs had disagreed, each beside other
+    work on the machine or in one round). The first launch of a key goes through the binder (compiling, or loading from
+    Triton's disk cache) and keeps the compiled kernel it returns; later launches of the key hand that kernel the same
+    arguments directly: ``args`` are the kernel's leading non-constexpr parameters in order, ``constexprs`` name all the
+    rest. ``keyed``: the constexprs' values in parameter order and the ``launch_key`` of these arguments, kept by the
+    caller (``forward.ForwardPlan``); computed here when None.
+    """
+    if keyed is None:
+        keyed = keyed_for(kernel, args, constexprs)
+    _launch.launch_keyed(kernel, grid, args, constexprs, *keyed, GLUON_OPTIONS)
