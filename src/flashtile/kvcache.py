@@ -24,8 +24,7 @@ import torch
 
 from flashtile import _backend
 from flashtile._backend import path_name
-from flashtile.errors import InputError, InputTypeError
-from flashtile.interface import (
+from flashtile.checks import (
     NO_WINDOW,
     bounded_window,
     check_block_table,
@@ -37,11 +36,10 @@ from flashtile.interface import (
     check_qkv,
     check_softmax_scale,
     last_dim_contiguous,
-    pad_head_dim,
-    require,
-    sliced,
     window_bounds,
 )
+from flashtile.errors import InputError, InputTypeError, require
+from flashtile.interface import pad_head_dim, sliced
 
 INDEX_DTYPE = torch.int32
 

@@ -135,19 +135,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 import flashtile._ops  # noqa: F401  (registers torch.ops.flashtile.*)
-from flashtile.distributed.layout import LAYOUTS, Segment, check_layout, segments
-from flashtile.errors import InputTypeError
-from flashtile.interface import (
+from flashtile.checks import (
     NO_WINDOW,
     SUPPORTED_DTYPES,
     check_options,
     check_qkv,
     check_softmax_scale,
     check_unimplemented,
-    require,
     window_bounds,
     window_size_of,
 )
+from flashtile.distributed.layout import LAYOUTS, Segment, check_layout, segments
+from flashtile.errors import InputTypeError, require
 from flashtile.ops._alloc import empty_output
 
 

@@ -37,18 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flashtile.checks import NO_WINDOW, check_options, check_qkv, check_unimplemented, window_bounds, window_size_of
 from flashtile.distributed.ring import _check_across_ranks, _Ring, _Setup, _signature, check_device, on_device
-from flashtile.errors import InputTypeError
-from flashtile.interface import (
-    NO_WINDOW,
-    check_options,
-    check_qkv,
-    check_unimplemented,
-    flash_attn_func,
-    require,
-    window_bounds,
-    window_size_of,
-)
+from flashtile.errors import InputTypeError, require
+from flashtile.interface import flash_attn_func
 
 
 class _AllToAll(torch.autograd.Function):
