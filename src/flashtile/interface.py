@@ -30,8 +30,8 @@ from flashtile.checks import (
     window_bounds,
     window_size_of,
 )
+from flashtile.dense import attention_probs
 from flashtile.errors import InputError, require
-from flashtile.reference import attention_probs
 
 
 def pad_head_dim(
@@ -255,7 +255,7 @@ def dropout_probabilities(
     attention probabilities P, negated where the dropout dropped them (flash_attn's encoding: negative means
     dropped; a key that is hidden from a row has P = 0). For tests: it takes O(seqlen_q * seqlen_k) memory.
 
-    P comes from ``reference.attention_probs`` in float32 (``options``: softcap, alibi_slopes, learnable_sink);
+    P comes from ``dense.attention_probs`` in float32 (``options``: softcap, alibi_slopes, learnable_sink);
     the keep mask is the forward's own, read back by ``_dropout_keep_mask``."""
     batch, seqlen_q, nheads, _ = q.shape
     window = window_size_of(window_left, window_right)
