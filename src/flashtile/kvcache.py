@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from flashtile import _backend
+from flashtile import _backend, cpu_decode
 from flashtile._backend import path_name
 from flashtile.checks import (
     NO_WINDOW,
@@ -45,10 +45,11 @@ INDEX_DTYPE = torch.int32
 
 
 def _implementation(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``kvcache_forward`` of the path that runs for ``device`` (``flashtile._backend.path_name``); its module is
-    imported on first use (``flashtile.ops.decode`` imports Triton)."""
-    module = "flashtile.cpu_decode" if path_name(device) == "cpu" else "flashtile.ops.decode"
-    return _backend.imported(module).kvcache_forward
+    """``kvcache_forward`` of the path that runs for ``device`` (``flashtile._backend.path_name``): ``cpu_decode``'s,
+    or that of ``flashtile.ops.decode``, imported on first use (it imports Triton, which the CPU path does not need)."""
+    if path_name(device) == "cpu":
+        return cpu_decode.kvcache_forward
+    return _backend.imported("flashtile.ops.decode").kvcache_forward
 
 
 @torch.library.custom_op("flashtile::kvcache_forward", mutates_args=("k_cache", "v_cache"))
