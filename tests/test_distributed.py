@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 from flashtile import _backend
 from flashtile.distributed import (
+    group,
     ring,
     ring_flash_attn_func,
     ring_flash_attn_qkvpacked_func,
@@ -747,25 +748,25 @@ def test_needs_an_initialised_process_group():
 
 
 def test_which_backends_need_cuda_tensors():
-    assert ring.backend_needs_cuda("nccl")
-    assert not ring.backend_needs_cuda("gloo")
-    assert not ring.backend_needs_cuda("cpu:gloo,cuda:nccl")  # CPU tensors go through gloo
-    assert not ring.backend_needs_cuda("undefined")
+    assert group.backend_needs_cuda("nccl")
+    assert not group.backend_needs_cuda("gloo")
+    assert not group.backend_needs_cuda("cpu:gloo,cuda:nccl")  # CPU tensors go through gloo
+    assert not group.backend_needs_cuda("undefined")
 
 
 def test_cpu_inputs_on_an_nccl_group_are_rejected_before_any_transfer():
-    class NcclRing:  # what check_device reads of a _Ring over NCCL
+    class NcclRing:  # what check_device reads of a Ring over NCCL
         caller, backend, needs_cuda = "ring_flash_attn_func", "nccl", True
 
         def collective_device(self, device):
-            return ring._Ring.collective_device(self, device)
+            return group.Ring.collective_device(self, device)
 
     q = torch.randn(1, 8, 2, 32).half()
     with pytest.raises(ValueError, match="'nccl', which moves CUDA tensors only, but q is on cpu"):
-        ring.check_device(q, NcclRing())
+        group.check_device(q, NcclRing())
     assert NcclRing().collective_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
     gloo = NcclRing()
     gloo.backend, gloo.needs_cuda = "gloo", False
-    ring.check_device(q, gloo)
+    group.check_device(q, gloo)
     assert gloo.collective_device(q.device) == q.device
-    assert isinstance(ring.on_device(q), type(ring.on_device(None)))  # no device switch for CPU tensors
+    assert isinstance(group.on_device(q), type(group.on_device(None)))  # no device switch for CPU tensors

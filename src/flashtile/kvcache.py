@@ -22,10 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from flashtile import _backend
+from flashtile import _backend, cpu_decode
 from flashtile._backend import path_name
-from flashtile.errors import InputError, InputTypeError
-from flashtile.interface import (
+from flashtile.checks import (
     NO_WINDOW,
     bounded_window,
     check_block_table,
@@ -37,20 +36,20 @@ from flashtile.interface import (
     check_qkv,
     check_softmax_scale,
     last_dim_contiguous,
-    pad_head_dim,
-    require,
-    sliced,
     window_bounds,
 )
+from flashtile.errors import InputError, InputTypeError, require
+from flashtile.interface import pad_head_dim, sliced
 
 INDEX_DTYPE = torch.int32
 
 
 def _implementation(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``kvcache_forward`` of the path that runs for ``device`` (``flashtile._backend.path_name``); its module is
-    imported on first use (``flashtile.ops.decode`` imports Triton)."""
-    module = "flashtile.cpu_decode" if path_name(device) == "cpu" else "flashtile.ops.decode"
-    return _backend.imported(module).kvcache_forward
+    """``kvcache_forward`` of the path that runs for ``device`` (``flashtile._backend.path_name``): ``cpu_decode``'s,
+    or that of ``flashtile.ops.decode``, imported on first use (it imports Triton, which the CPU path does not need)."""
+    if path_name(device) == "cpu":
+        return cpu_decode.kvcache_forward
+    return _backend.imported("flashtile.ops.decode").kvcache_forward
 
 
 @torch.library.custom_op("flashtile::kvcache_forward", mutates_args=("k_cache", "v_cache"))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.checks import shape_of
 from flashtile.errors import InputError, InputTypeError
-from flashtile.interface import _shape_of, attention, varlen_attention
+from flashtile.interface import attention, varlen_attention
 from flashtile.padding import _gather_rows, unpad_input
 
 
@@ -123,7 +124,7 @@ def _any_leading_dims(
         if not isinstance(attn_mask, torch.Tensor) or attn_mask.dim() > dims:
             raise InputError(
                 f"attn_mask must broadcast to (..., nheads, seqlen_q, seqlen_k) = "
-                f"{(*query.shape[:-1], key.shape[-2])}, got {_shape_of(attn_mask)}."
+                f"{(*query.shape[:-1], key.shape[-2])}, got {shape_of(attn_mask)}."
             )
         mask = attn_mask.reshape((1,) * (dims - attn_mask.dim()) + tuple(attn_mask.shape))
         attn_mask = mask.expand(*leading, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flashtile.interface import require
+from flashtile.errors import require
 
 LAYOUTS = ("zigzag", "contiguous")
 

@@ -105,7 +105,7 @@ Every rank computes on the device of its q (the ring runs under ``torch.cuda.dev
 the kernels and NCCL use that GPU whatever the current device was), and the group's backend must
 reach that device: a group that only speaks NCCL needs CUDA tensors (checked on every rank, with
 the same all_gather as the shapes). NCCL runs the transfers on its own stream, ordered after the work
-already queued on the current stream when ``pass_on`` is called; ``_Incoming.wait`` makes the current
+already queued on the current stream when ``pass_on`` is called; ``Incoming.wait`` makes the current
 stream wait for them. So a buffer handed to ``pass_on`` is never written afterwards (an accumulator is
 added to after it arrives and before it is passed on, never after), a received buffer is read only after
 ``wait``, and every transfer is waited for before its buffers are dropped (the process group keeps them
@@ -125,9 +125,7 @@ watchdog aborts after its timeout): then they raise a RuntimeError that says so.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import struct
 from dataclasses import dataclass, replace
 
 import torch
@@ -135,19 +133,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 import flashtile._ops  # noqa: F401  (registers torch.ops.flashtile.*)
-from flashtile.distributed.layout import LAYOUTS, Segment, check_layout, segments
-from flashtile.errors import InputTypeError
-from flashtile.interface import (
+from flashtile.checks import (
     NO_WINDOW,
-    SUPPORTED_DTYPES,
     check_options,
     check_qkv,
     check_softmax_scale,
     check_unimplemented,
-    require,
     window_bounds,
-    window_size_of,
 )
+from flashtile.distributed.group import Incoming, Ring, Setup, check_across_ranks, check_device, on_device, signature_of
+from flashtile.distributed.layout import Segment, check_layout, segments
+from flashtile.errors import InputTypeError, require
 from flashtile.ops._alloc import empty_output
 
 
@@ -235,131 +231,6 @@ def _stackable(upper: list[Block], lower: list[Block]) -> bool:
     )
 
 
-class _Ring:
-    """This rank's place in ``group``: it sends to the next rank and receives from the previous one.
-    ``caller`` names the public function in error messages."""
-
-    def __init__(self, group: dist.ProcessGroup | None, caller: str = "ring_flash_attn_func") -> None:
-        self.caller = caller
-        require(
-            dist.is_available() and dist.is_initialized(),
-            "torch.distributed is not initialised: call torch.distributed.init_process_group first.",
-            RuntimeError,
-        )
-        self.group = dist.group.WORLD if group is None else group
-        self.rank = dist.get_rank(self.group)
-        require(self.rank >= 0, "This process is not a member of the given process group.")
-        self.size = dist.get_world_size(self.group)
-        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
-        self.backend = str(dist.get_backend(self.group))
-
-    @property
-    def needs_cuda(self) -> bool:
-        """Whether the group's backend only moves CUDA tensors (NCCL without a CPU backend beside it)."""
-        return backend_needs_cuda(self.backend)
-
-    def collective_device(self, device: torch.device) -> torch.device:
-        """Where this rank's small collectives (the input check) run: ``device``, unless the backend cannot
-        reach it (a CPU tensor on an NCCL group); then the current CUDA device, so that a rank with inputs
-        on the wrong device can still take part in the check and make every rank raise."""
-        return (
-            torch.device("cuda", torch.cuda.current_device()) if self.needs_cuda and device.type != "cuda" else device
-        )
-
-    def pass_on(self, *tensors: Tensor) -> _Incoming:
-        """Start sending the contiguous ``tensors`` to the next rank and receiving the previous rank's
-        tensors of the same shapes into new buffers (one ``batch_isend_irecv``); returns at once. With one
-        rank, the incoming tensors are ``tensors`` themselves.
-
-        Until ``wait()`` on the result: ``tensors`` must not be written (NCCL reads them on its own stream)
-        and the received tensors must not be read."""
-        if self.size == 1:
-            return _Incoming(self, [], list(tensors))
-        assert all(x.is_contiguous() for x in tensors), "point-to-point buffers must be contiguous"
-        incoming = [torch.empty_like(x) for x in tensors]
-        ops = [dist.P2POp(dist.isend, x, self.next, self.group) for x in tensors]
-        ops += [dist.P2POp(dist.irecv, x, self.prev, self.group) for x in incoming]
-        return _Incoming(self, dist.batch_isend_irecv(ops), incoming)
-
-    def all_gather(self, x: Tensor) -> list[Tensor]:
-        """Every rank's ``x``, in group rank order."""
-        gathered = [torch.empty_like(x) for _ in range(self.size)]
-        try:
-            dist.all_gather(gathered, x, group=self.group)
-        except RuntimeError as err:
-            raise self.timeout_error("comparing the inputs of the ranks") from err
-        return gathered
-
-    def all_to_all(self, x: Tensor, scatter_dim: int, gather_dim: int) -> Tensor:
-        """Cut ``x`` into ``size`` equal pieces along ``scatter_dim`` and send piece i to group rank i; return
-        the pieces received, concatenated along ``gather_dim`` in group rank order. With one rank, ``x``."""
-        if self.size == 1:
-            return x
-        parts = x.unflatten(scatter_dim, (self.size, -1)).movedim(scatter_dim, 0).contiguous()
-        received = torch.empty_like(parts)
-        try:
-            dist.all_to_all_single(received, parts, group=self.group)
-        except RuntimeError as err:
-            raise self.timeout_error("exchanging sequence and head shards (all_to_all)") from err
-        return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
-
-    def timeout_error(self, doing: str) -> RuntimeError:
-        return RuntimeError(
-            f"{self.caller} on rank {self.rank} of {self.size}: {doing} failed or timed out. Another rank of "
-            f"the group failed, exited, or did not call {self.caller} (every rank must call it, and "
-            "its backward) within the process group's timeout, set by "
-            "torch.distributed.init_process_group(timeout=...). The cause is on the other rank."
-        )
-
-
-def backend_needs_cuda(backend: str) -> bool:
-    """Whether a process group with ``dist.get_backend`` name ``backend`` only moves CUDA tensors: "nccl",
-    but not "gloo", nor a mixed "cpu:gloo,cuda:nccl"."""
-    name = backend.lower()
-    return "nccl" in name and "gloo" not in name and "cpu:" not in name
-
-
-def check_device(q: Tensor, ring: _Ring) -> None:
-    """Raise ValueError unless the group's backend can move tensors of q's device."""
-    require(
-        q.device.type == "cuda" or not ring.needs_cuda,
-        f"{ring.caller}: the process group's backend is {ring.backend!r}, which moves CUDA tensors only, but q is "
-        f"on {q.device}. Move q, k and v to this rank's GPU (torch.cuda.set_device(local_rank) and "
-        "tensor.cuda()), or use a gloo group for CPU tensors.",
-    )
-
-
-def on_device(x: object) -> contextlib.AbstractContextManager:
-    """``torch.cuda.device(x.device)`` for a CUDA tensor ``x``: the kernels and NCCL then use x's GPU even
-    when another one is current. A no-op for anything else."""
-    if isinstance(x, Tensor) and x.device.type == "cuda":
-        return torch.cuda.device(x.device)
-    return contextlib.nullcontext()
-
-
-class _Incoming:
-    """A transfer in flight; ``wait()`` returns the received tensors."""
-
-    def __init__(self, ring: _Ring, works: list[dist.Work], buffers: list[Tensor]) -> None:
-        self.ring, self.works, self.buffers = ring, works, buffers
-
-    def wait(self) -> list[Tensor]:
-        """The received tensors, once the transfers both ways are done. Lets go of everything it held (the
-        works hold the sent tensors too), so that a sent tensor is freed as soon as its caller drops it."""
-        try:
-            for work in self.works:
-                work.wait()
-        except RuntimeError as err:
-            ring = self.ring
-            raise ring.timeout_error(
-                f"passing shards on from rank {(ring.rank - 1) % ring.size} through rank {ring.rank} "
-                f"to rank {(ring.rank + 1) % ring.size}"
-            ) from err
-        buffers, self.works, self.buffers = self.buffers, [], []
-        return buffers
-
-
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
     """Fold a partial result over more keys into the running one, in place.
 
@@ -406,33 +277,18 @@ def _query_heads(kv_heads: slice, group: int) -> slice:
     return slice(kv_heads.start * group, kv_heads.stop * group)
 
 
-@dataclass(frozen=True)
-class _Setup:
-    """What every step needs besides the tensors."""
-
-    ring: _Ring
-    layout: str
-    softmax_scale: float
-    left: int | None
-    right: int | None
-    softcap: float = 0.0
-
-    def blocks(self, source: int, shard_len: int) -> list[Block]:
-        """The calls of the step in which this rank holds the K/V shard of group rank ``source``."""
-        return plan_step(
-            segments(self.ring.rank, self.ring.size, self.layout, shard_len),
-            segments(source, self.ring.size, self.layout, shard_len),
-            self.left,
-            self.right,
-        )
-
-    def sendable(self, *tensors: Tensor) -> list[Tensor]:
-        """``tensors`` as they can go into ``pass_on``: contiguous (a copy of a head group's view) when the
-        ring has more than one rank."""
-        return [x if self.ring.size == 1 or x.is_contiguous() else x.contiguous() for x in tensors]
+def _blocks(setup: Setup, source: int, shard_len: int) -> list[Block]:
+    """The calls of the step in which this rank holds the K/V shard of group rank ``source``."""
+    ring = setup.ring
+    return plan_step(
+        segments(ring.rank, ring.size, setup.layout, shard_len),
+        segments(source, ring.size, setup.layout, shard_len),
+        setup.left,
+        setup.right,
+    )
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: _Setup) -> tuple[Tensor, Tensor]:
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: Setup) -> tuple[Tensor, Tensor]:
     """q (B, S, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv): this rank's shards, sink (H,) fp32 or None ->
     out (B, S, H, Dv) in q's dtype, lse (B, H, S) fp32, this rank's rows of the full-sequence attention.
 
@@ -452,7 +308,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: _
     return out, lse
 
 
-def _forward_pass(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, sink: Tensor | None, setup: _Setup) -> Tensor:
+def _forward_pass(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, sink: Tensor | None, setup: Setup) -> Tensor:
     """One pass of the ring: attention of q over every rank's k, v, in q's dtype; its LSE goes into ``lse``.
 
     The sink joins each row's softmax once, after the ring: it is one more partial result with LSE = sink
@@ -464,7 +320,7 @@ def _forward_pass(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, sink: Tensor | N
     k_s, v_s = setup.sendable(k, v)
     for step in range(ring.size):
         incoming = ring.pass_on(k_s, v_s) if step + 1 < ring.size else None
-        for b in setup.blocks((ring.rank - step) % ring.size, shard_len):
+        for b in _blocks(setup, (ring.rank - step) % ring.size, shard_len):
             block_out, block_lse = torch.ops.flashtile.attention_forward(
                 q[:, b.q0 : b.q1], k_s[:, b.k0 : b.k1], v_s[:, b.k0 : b.k1], setup.softmax_scale, b.left, b.right,
                 softcap=setup.softcap,
@@ -480,7 +336,7 @@ def _forward_pass(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, sink: Tensor | N
 
 
 def _ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, setup: _Setup
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, setup: Setup
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of this rank's shards, shaped and typed like (q, k, v).
 
@@ -505,7 +361,7 @@ def _ring_backward(
 
 
 def _backward_pass(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, setup: _Setup
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, setup: Setup
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One pass of the ring backward: dq, dk, dv of this rank's q, k, v, in their dtypes.
 
@@ -516,11 +372,11 @@ def _backward_pass(
     shard_len = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     k_s, v_s = setup.sendable(k, v)
-    dkv_incoming: _Incoming | None = None  # the accumulator of the shard this rank holds next
+    dkv_incoming: Incoming | None = None  # the accumulator of the shard this rank holds next
     for step in range(ring.size):
         kv_incoming = ring.pass_on(k_s, v_s) if step + 1 < ring.size else None
         blocks = []  # (block, dk_b, dv_b) of this step, for the accumulator of this K/V shard
-        for b in setup.blocks((ring.rank - step) % ring.size, shard_len):
+        for b in _blocks(setup, (ring.rank - step) % ring.size, shard_len):
             dq_b, dk_b, dv_b = torch.ops.flashtile.attention_backward(
                 dout[:, b.q0 : b.q1],
                 q[:, b.q0 : b.q1],
@@ -575,7 +431,7 @@ class _RingFlashAttention(torch.autograd.Function):
     """Autograd for ring attention: the backward is a collective over the group, like the forward."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: _Setup) -> tuple[Tensor, Tensor]:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sink: Tensor | None, setup: Setup) -> tuple[Tensor, Tensor]:
         out, lse = _ring_forward(q, k, v, sink, setup)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.setup = setup
@@ -602,58 +458,6 @@ class _RingFlashAttention(torch.autograd.Function):
         return dq, dk, dv, dsink, None
 
 
-_SIGNATURE = (
-    "batch",
-    "seqlen per rank",
-    "nheads",
-    "nheads_k",
-    "headdim",
-    "headdim_v",
-    "dtype",
-    "window left (-1: unbounded)",
-    "window right (-1: unbounded, causal: 0)",
-    "layout",
-    "softmax_scale",
-    "softcap",
-    "learnable_sink (1: given)",
-    "alibi_slopes (1: given)",
-)
-_SHOW = {
-    "dtype": lambda code: str(SUPPORTED_DTYPES[code]),
-    "layout": lambda code: repr(LAYOUTS[code]),
-    "softmax_scale": lambda bits: repr(_float_of(bits)),
-    "softcap": lambda bits: repr(_float_of(bits)),
-}
-
-
-def _bits_of(x: float) -> int:
-    """A float as an int64 with the same bits, to compare it exactly across ranks."""
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _float_of(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", bits))[0]
-
-
-def _signature(
-    q: Tensor, k: Tensor, v: Tensor, setup: _Setup, has_sink: bool, has_alibi: bool = False
-) -> tuple[int, ...]:
-    """The ints of ``_SIGNATURE`` for this rank's call; every rank of the group must agree on them."""
-    left, right = setup.left, setup.right
-    return (
-        *q.shape,
-        k.shape[2],
-        v.shape[3],
-        SUPPORTED_DTYPES.index(q.dtype),
-        *window_size_of(left, right),
-        LAYOUTS.index(setup.layout),
-        _bits_of(setup.softmax_scale),
-        _bits_of(setup.softcap),
-        int(has_sink),
-        int(has_alibi),
-    )
-
-
 def _check_shard(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
     """Raise TypeError/ValueError unless q, k, v are valid shards of one sequence for ``layout``."""
     check_qkv(q, k, v)
@@ -667,32 +471,6 @@ def _check_shard(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
         layout != "zigzag" or q.shape[1] % 2 == 0,
         f"A layout='zigzag' shard holds two equal chunks, so its length must be even, got {q.shape[1]}. "
         "Shard the full sequence with flashtile.distributed.shard (it must be a multiple of 2 * world_size).",
-    )
-
-
-def _check_across_ranks(ring: _Ring, device: torch.device, signature: tuple[int, ...] | None) -> None:
-    """Raise on every rank unless every rank passed valid inputs (``signature`` not None) with one signature."""
-    mine = [0] * len(_SIGNATURE) if signature is None else list(signature)
-    mine_t = torch.tensor([int(signature is not None), *mine], dtype=torch.int64, device=device)
-    table = torch.stack(ring.all_gather(mine_t)).tolist()  # one row per rank
-    if signature is None:
-        return  # the caller raises its own error
-    rejected = [rank for rank, row in enumerate(table) if not row[0]]
-    require(
-        not rejected,
-        f"Rank(s) {rejected} of the group rejected their inputs to {ring.caller} (their error says why); "
-        "no rank started the ring.",
-    )
-    lines = []
-    for i, name in enumerate(_SIGNATURE, start=1):
-        values = [row[i] for row in table]
-        if len(set(values)) > 1:
-            show = _SHOW.get(name, str)
-            lines.append(f"  {name}: " + ", ".join(f"rank {r}: {show(x)}" for r, x in enumerate(values)))
-    require(
-        not lines,
-        f"{ring.caller} needs the same shapes and options on every rank of the group; they differ:\n"
-        + "\n".join(lines),
     )
 
 
@@ -765,7 +543,7 @@ def ring_flash_attn_func(
         raise NotImplementedError(_ALIBI_NOT_IMPLEMENTED)
     check_layout(layout)
     left, right = window_bounds(window_size, causal)
-    ring = _Ring(group)
+    ring = Ring(group)
     device = ring.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
     with on_device(q):
         try:
@@ -775,12 +553,12 @@ def ring_flash_attn_func(
             softcap, _, learnable_sink = check_options(q, softcap, None, learnable_sink)
             check_softmax_scale(softmax_scale)
         except (TypeError, ValueError):
-            _check_across_ranks(ring, device, None)
+            check_across_ranks(ring, device, None)
             raise
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-        setup = _Setup(ring, layout, float(softmax_scale), left, right, softcap)
-        _check_across_ranks(ring, device, _signature(q, k, v, setup, learnable_sink is not None))
+        setup = Setup(ring, layout, float(softmax_scale), left, right, softcap)
+        check_across_ranks(ring, device, signature_of(q, k, v, setup, learnable_sink is not None))
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out, lse = _RingFlashAttention.apply(q, k, v, learnable_sink, setup)
     return (out, lse, None) if return_attn_probs else out

@@ -37,25 +37,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashtile.distributed.ring import _check_across_ranks, _Ring, _Setup, _signature, check_device, on_device
-from flashtile.errors import InputTypeError
-from flashtile.interface import (
-    NO_WINDOW,
-    check_options,
-    check_qkv,
-    check_unimplemented,
-    flash_attn_func,
-    require,
-    window_bounds,
-    window_size_of,
-)
+from flashtile.checks import NO_WINDOW, check_options, check_qkv, check_unimplemented, window_bounds, window_size_of
+from flashtile.distributed.group import Ring, Setup, check_across_ranks, check_device, on_device, signature_of
+from flashtile.errors import InputTypeError, require
+from flashtile.interface import flash_attn_func
 
 
 class _AllToAll(torch.autograd.Function):
-    """``_Ring.all_to_all`` with autograd: the gradient goes back by the inverse exchange."""
+    """``Ring.all_to_all`` with autograd: the gradient goes back by the inverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, scatter_dim: int, gather_dim: int, comm: _Ring) -> Tensor:
+    def forward(ctx, x: Tensor, scatter_dim: int, gather_dim: int, comm: Ring) -> Tensor:
         ctx.dims, ctx.comm = (scatter_dim, gather_dim), comm
         return comm.all_to_all(x, scatter_dim, gather_dim)
 
@@ -137,7 +129,7 @@ def ulysses_flash_attn_func(
     """
     check_unimplemented(dropout_p)
     left, right = window_bounds(window_size, causal)
-    comm = _Ring(group, caller="ulysses_flash_attn_func")
+    comm = Ring(group, caller="ulysses_flash_attn_func")
     device = comm.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
     with on_device(q):
         try:
@@ -146,13 +138,13 @@ def ulysses_flash_attn_func(
             check_device(q, comm)
             softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
         except (TypeError, ValueError):
-            _check_across_ranks(comm, device, None)
+            check_across_ranks(comm, device, None)
             raise
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-        setup = _Setup(comm, "contiguous", float(softmax_scale), left, right, softcap)
-        signature = _signature(q, k, v, setup, learnable_sink is not None, alibi_slopes is not None)
-        _check_across_ranks(comm, device, signature)
+        setup = Setup(comm, "contiguous", float(softmax_scale), left, right, softcap)
+        signature = signature_of(q, k, v, setup, learnable_sink is not None, alibi_slopes is not None)
+        check_across_ranks(comm, device, signature)
 
         world, nheads, nheads_k = comm.size, q.shape[2], k.shape[2]
         if nheads_k % world != 0:  # world % nheads_k == 0: rank r's query heads use key/value head r // repeats
