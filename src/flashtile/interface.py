@@ -24,7 +24,9 @@ INT32_MAX = torch.iinfo(torch.int32).max
 
 def require(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
     """Raise ``error(message)`` unless ``condition``. The message is built before the call, so checks
-    that run on every call of an entry point use a plain ``if`` instead."""
+    that run on every call of an entry point use a plain ``if`` instead, as do checks whose message holds a
+    size: under torch.compile an f-string of a symbolic size would fix the size (a recompile for every new
+    one) or fail to trace."""
     if not condition:
         raise error(message)
 
@@ -160,11 +162,11 @@ def dropout_rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | 
     """
     if dropout_p == 0.0:
         return None
-    require(
-        isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and 0.0 <= dropout_p < 1.0,
-        f"dropout_p must be a number in [0, 1) (the probability of dropping an attention probability), "
-        f"got {dropout_p!r}.",
-    )
+    if not (isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and 0.0 <= dropout_p < 1.0):
+        raise ValueError(
+            f"dropout_p must be a number in [0, 1) (the probability of dropping an attention probability), "
+            f"got {dropout_p!r}."
+        )
     return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
@@ -181,27 +183,25 @@ def check_options(
     Returns them ready for the kernels: softcap as a float, the tensors with a contiguous last dimension.
     """
     if softcap != 0.0:
-        require(
-            isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0.0,
-            f"softcap must be a finite number >= 0 (0 turns it off), got {softcap!r}.",
-        )
+        if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0.0):
+            raise ValueError(f"softcap must be a finite number >= 0 (0 turns it off), got {softcap!r}.")
     nheads = q.shape[-2]
     batch = q.shape[0] if batch is None else batch
     if alibi_slopes is not None:
         _check_fp32_tensor("alibi_slopes", alibi_slopes, q.device)
-        require(
-            tuple(alibi_slopes.shape) in ((nheads,), (batch, nheads)),
-            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch_size, nheads) = ({batch}, {nheads}), "
-            f"got {tuple(alibi_slopes.shape)}.",
-        )
+        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+            raise ValueError(
+                f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch_size, nheads) = ({batch}, {nheads}), "
+                f"got {tuple(alibi_slopes.shape)}."
+            )
         alibi_slopes = last_dim_contiguous(alibi_slopes)
     if learnable_sink is not None:
         _check_fp32_tensor("learnable_sink", learnable_sink, q.device)
-        require(
-            tuple(learnable_sink.shape) == (nheads,),
-            f"learnable_sink must have shape (nheads,) = ({nheads},), one logit per query head, "
-            f"got {tuple(learnable_sink.shape)}.",
-        )
+        if tuple(learnable_sink.shape) != (nheads,):
+            raise ValueError(
+                f"learnable_sink must have shape (nheads,) = ({nheads},), one logit per query head, "
+                f"got {tuple(learnable_sink.shape)}."
+            )
         learnable_sink = last_dim_contiguous(learnable_sink)
     return float(softcap), alibi_slopes, learnable_sink
 
@@ -472,10 +472,8 @@ def flash_attn_qkvpacked_func(
         out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask) if
             return_attn_probs (as flash_attn_func)
     """
-    require(
-        isinstance(qkv, torch.Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3,
-        f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got {_shape_of(qkv)}.",
-    )
+    if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3):
+        raise ValueError(f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got {_shape_of(qkv)}.")
     q, k, v = qkv.unbind(2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -508,10 +506,8 @@ def flash_attn_kvpacked_func(
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) if
             return_attn_probs (as flash_attn_func)
     """
-    require(
-        isinstance(kv, torch.Tensor) and kv.dim() == 5 and kv.shape[2] == 2,
-        f"kv must be (batch_size, seqlen_k, 2, nheads_k, headdim), got {_shape_of(kv)}.",
-    )
+    if not (isinstance(kv, torch.Tensor) and kv.dim() == 5 and kv.shape[2] == 2):
+        raise ValueError(f"kv must be (batch_size, seqlen_k, 2, nheads_k, headdim), got {_shape_of(kv)}.")
     k, v = kv.unbind(2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -582,19 +578,18 @@ def _check_cu_seqlens(name: str, cu: object, device: torch.device) -> None:
         f"Cast it with {name}.to(torch.int32).",
         TypeError,
     )
-    require(
-        cu.dim() == 1 and cu.shape[0] >= 2,
-        f"{name} must be 1-D of shape (batch_size + 1,) with batch_size >= 1, got shape {tuple(cu.shape)}.",
-    )
+    if not (cu.dim() == 1 and cu.shape[0] >= 2):
+        raise ValueError(
+            f"{name} must be 1-D of shape (batch_size + 1,) with batch_size >= 1, got shape {tuple(cu.shape)}."
+        )
     require(cu.device == device, f"{name} must be on the device of q ({device}), got {cu.device}.")
 
 
 def _max_seqlen(name: str, value: object) -> int:
-    require(
-        isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and value >= 0,
-        f"{name} must be a Python int >= 0 (the longest sequence; it sizes the launch grid), got {value!r}.",
-        TypeError,
-    )
+    if not (isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and value >= 0):
+        raise TypeError(
+            f"{name} must be a Python int >= 0 (the longest sequence; it sizes the launch grid), got {value!r}."
+        )
     return value
 
 
@@ -705,18 +700,19 @@ def varlen_attention(
         _check_pages(k, v)
         keys, values = k[:, 0], v[:, 0]  # row 0 of each page, for check_qkv's dtypes, devices, heads, head dims
     elif isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
-        require(
-            k.shape[:2] == v.shape[:2],
-            f"k and v must share total_k (dim 0) and nheads_k (dim 1), got k {tuple(k.shape)} and v {tuple(v.shape)}.",
-        )
+        if k.shape[:2] != v.shape[:2]:
+            raise ValueError(
+                f"k and v must share total_k (dim 0) and nheads_k (dim 1), got k {tuple(k.shape)} and "
+                f"v {tuple(v.shape)}."
+            )
     check_qkv(*(t[None] if isinstance(t, torch.Tensor) else t for t in (q, keys, values)))
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
-    require(
-        cu_seqlens_q.shape == cu_seqlens_k.shape,
-        f"cu_seqlens_q and cu_seqlens_k must hold the same batch_size + 1 entries, got {cu_seqlens_q.shape[0]} "
-        f"and {cu_seqlens_k.shape[0]}.",
-    )
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must hold the same batch_size + 1 entries, got {cu_seqlens_q.shape[0]} "
+            f"and {cu_seqlens_k.shape[0]}."
+        )
     batch = cu_seqlens_q.shape[0] - 1
     total_k = k.shape[0]
     if paged:
@@ -950,10 +946,8 @@ def flash_attn_varlen_qkvpacked_func(
     Returns:
         out: (total, nheads, headdim), or (out, softmax_lse (nheads, total), None) if return_attn_probs
     """
-    require(
-        isinstance(qkv, torch.Tensor) and qkv.dim() == 4 and qkv.shape[1] == 3,
-        f"qkv must be (total, 3, nheads, headdim), got {_shape_of(qkv)}.",
-    )
+    if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 4 and qkv.shape[1] == 3):
+        raise ValueError(f"qkv must be (total, 3, nheads, headdim), got {_shape_of(qkv)}.")
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
@@ -989,10 +983,8 @@ def flash_attn_varlen_kvpacked_func(
     Returns:
         out: (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), None) if return_attn_probs
     """
-    require(
-        isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.shape[1] == 2,
-        f"kv must be (total_k, 2, nheads_k, headdim), got {_shape_of(kv)}.",
-    )
+    if not (isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.shape[1] == 2):
+        raise ValueError(f"kv must be (total_k, 2, nheads_k, headdim), got {_shape_of(kv)}.")
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
