@@ -46,49 +46,29 @@ def test_opcheck(path):
     torch.library.opcheck(torch.ops.flashtile.attention_forward.default, (q, k, v, 0.2, None, 0))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compile_fullgraph_matches_eager(path, backend):
-    q, k, v, dout = make_inputs(2, 45, 45, 2, 2, 32, dtype=torch.bfloat16)
-
-    def attention_block(q, k, v):
-        return flashtile.flash_attn_func(q * 1.5, k, v, causal=True).float().square()
-
-    torch._dynamo.reset()
-    compiled = torch.compile(attention_block, fullgraph=True, backend=backend)
-    results = []
-    for fn in (attention_block, compiled):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(dout.float())
-        results.append([out, *(t.grad for t in leaves)])
-    for eager, traced in zip(*results, strict=True):
-        assert torch.equal(eager, traced)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Changing shapes
 
 
-def compiled_matches_eager(fn, calls, backend, dynamic, grads=(), fullgraph=True, compare=None):
+def compiled_matches_eager(fn, calls, backend, dynamic, grads=(), fullgraph=True):
     """Run ``fn(*args)`` eagerly and compiled for each ``args`` of ``calls``, on copies of the inputs.
 
     grads: the positions of the arguments to differentiate: the backward of (out * dout).sum() over every
     floating point output (dout drawn per call) runs in both, and the gradients are compared too. The
     tensors among the arguments are compared after each call as well (in-place updates, e.g. a KV cache).
-    compare(eager, compiled): asserts that two results agree; default bitwise equality.
+    Every result must be equal bit for bit.
     Only the first call (dynamic=True) or the first two (dynamic=None: the first call's sizes, then symbolic
     ones) may compile: the later calls run with torch.compile's stance "fail_on_recompile".
     """
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
-    compare = compare or _assert_equal
     compiling_calls = 1 if dynamic else 2
     for number, args in enumerate(calls):
         stance = "default" if number < compiling_calls else "fail_on_recompile"
         with torch.compiler.set_stance(stance):
             results = [_run(f, args, grads, seed=number) for f in (fn, compiled)]
         for eager, traced in zip(*results, strict=True):
-            compare(eager, traced)
+            _assert_equal(eager, traced)
 
 
 def _run(fn, args, grads, seed):
@@ -121,10 +101,10 @@ def _assert_equal(eager, traced):
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flash_attn_func_dynamic(path, backend, dynamic):
-    """Batch, seqlen_q and seqlen_k change, four times; MQA, causal, an options-free call."""
+    """Batch, seqlen_q and seqlen_k change, four times; MQA, causal, softmax_lse returned (and differentiated)."""
 
     def attention_block(q, k, v):
-        return flashtile.flash_attn_func(q * 1.5, k, v, causal=True)
+        return flashtile.flash_attn_func(q * 1.5, k, v, causal=True, return_attn_probs=True)
 
     shapes = [*SHAPES, (2, 5, 19)]
     calls = [make_inputs(b, sq, sk, H, HK, D, dtype=torch.bfloat16)[:3] for b, sq, sk in shapes]
@@ -134,14 +114,14 @@ def test_flash_attn_func_dynamic(path, backend, dynamic):
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flash_attn_qkvpacked_func_dynamic(path, backend, dynamic):
-    """Batch and seqlen change; ALiBi slopes (nheads,) and softcap."""
+    """Batch and seqlen change; ALiBi slopes (nheads,), softcap and a head dim of 36 (zero-padded to 40)."""
 
     def attention_block(qkv, slopes):
         return flashtile.flash_attn_qkvpacked_func(qkv, causal=True, softcap=5.0, alibi_slopes=slopes)
 
     calls = []
     for b, s in ((2, 17), (4, 9), (5, 13)):
-        q, k, v, _ = make_inputs(b, s, s, H, H, D)
+        q, k, v, _ = make_inputs(b, s, s, H, H, 36)
         calls.append((torch.stack([q, k, v], dim=2), slopes_like((H,))))
     compiled_matches_eager(attention_block, calls, backend, dynamic, grads=(0,))
 
@@ -173,11 +153,11 @@ def _varlen_call(seqlens_q, seqlens_k, nheads_k=HK, **kwargs):
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flash_attn_varlen_func_dynamic(path, backend, dynamic):
-    """Batch, token counts and max_seqlen change; causal, softcap and a learnable sink."""
+    """Batch, token counts and max_seqlen change; causal, softcap, a learnable sink, softmax_lse returned."""
 
     def attention_block(q, k, v, cu_q, cu_k, max_q, max_k, sink):
         return flashtile.flash_attn_varlen_func(q * 1.5, k, v, cu_q, cu_k, max_q, max_k, causal=True, softcap=5.0,
-                                               learnable_sink=sink)  # fmt: skip
+                                               return_attn_probs=True, learnable_sink=sink)  # fmt: skip
 
     calls = [(*_varlen_call(lq, lk, dtype=torch.bfloat16), sinks_like(H)) for lq, lk in VARLEN_LENGTHS]
     compiled_matches_eager(attention_block, calls, backend, dynamic, grads=(0, 1, 2, 7))
@@ -373,3 +353,21 @@ def test_pad_input_dynamic(path, backend, dynamic):
         x_packed, indices, *_ = flashtile.unpad_input(x, _key_padding(b, s, s))
         calls.append((x_packed, indices, b, s))
     compiled_matches_eager(pad, calls, backend, dynamic, grads=(0,))
+
+
+@pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
+def test_inductor_dynamic(path, dynamic):
+    """Inductor generates code for the operations around the custom ops (C++ on a CPU) and calls the ops as
+    they are: flash_attn_func and flash_attn_varlen_func with a learnable sink, in one function."""
+
+    def attention_block(q, k, v, q_packed, k_packed, v_packed, cu_q, cu_k, max_q, max_k, sink):
+        out = flashtile.flash_attn_func(q * 1.5, k, v, causal=True)
+        out_packed = flashtile.flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_q, cu_k, max_q, max_k,
+                                                      learnable_sink=sink)  # fmt: skip
+        return out.float().square(), out_packed
+
+    calls = [
+        (*make_inputs(b, sq, sk, H, HK, D, dtype=torch.bfloat16)[:3], *_varlen_call(lq, lk), sinks_like(H))
+        for (b, sq, sk), (lq, lk) in zip(SHAPES, VARLEN_LENGTHS, strict=True)
+    ]
+    compiled_matches_eager(attention_block, calls, "inductor", dynamic, grads=(0, 1, 2, 3, 4, 5, 10))
