@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError, UnsupportedHeadDimError, require
+from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError, UnsupportedHeadDimError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -118,39 +118,36 @@ def check_options(
     Returns them ready for the kernels: softcap as a float, the tensors with a contiguous last dimension.
     """
     if softcap != 0.0:
-        require(
-            isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0.0,
-            f"softcap must be a finite number >= 0 (0 turns it off), got {softcap!r}.",
-        )
+        if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0.0):
+            raise InputError(f"softcap must be a finite number >= 0 (0 turns it off), got {softcap!r}.")
     nheads = q.shape[-2]
     batch = q.shape[0] if batch is None else batch
     if alibi_slopes is not None:
         _check_fp32_tensor("alibi_slopes", alibi_slopes, q.device)
-        require(
-            tuple(alibi_slopes.shape) in ((nheads,), (batch, nheads)),
-            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch_size, nheads) = ({batch}, {nheads}), "
-            f"got {tuple(alibi_slopes.shape)}.",
-        )
+        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+            raise InputError(
+                f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch_size, nheads) = ({batch}, {nheads}), "
+                f"got {tuple(alibi_slopes.shape)}."
+            )
         alibi_slopes = last_dim_contiguous(alibi_slopes)
     if learnable_sink is not None:
         _check_fp32_tensor("learnable_sink", learnable_sink, q.device)
-        require(
-            tuple(learnable_sink.shape) == (nheads,),
-            f"learnable_sink must have shape (nheads,) = ({nheads},), one logit per query head, "
-            f"got {tuple(learnable_sink.shape)}.",
-        )
+        if not (tuple(learnable_sink.shape) == (nheads,)):
+            raise InputError(
+                f"learnable_sink must have shape (nheads,) = ({nheads},), one logit per query head, "
+                f"got {tuple(learnable_sink.shape)}."
+            )
         learnable_sink = last_dim_contiguous(learnable_sink)
     return float(softcap), alibi_slopes, learnable_sink
 
 
 def _check_fp32_tensor(name: str, t: object, device: torch.device) -> None:
-    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}.", InputTypeError)
-    require(
-        t.dtype == torch.float32,
-        f"{name} must be float32, got {t.dtype}. Cast it with {name}.float().",
-        InputTypeError,
-    )
-    require(t.device == device, f"{name} must be on the device of q ({device}), got {t.device}.")
+    if not (isinstance(t, torch.Tensor)):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+    if not (t.dtype == torch.float32):
+        raise InputTypeError(f"{name} must be float32, got {t.dtype}. Cast it with {name}.float().")
+    if not (t.device == device):
+        raise InputError(f"{name} must be on the device of q ({device}), got {t.device}.")
 
 
 def window_bounds(window_size: tuple[int, int], causal: bool) -> tuple[int | None, int | None]:
@@ -270,26 +267,26 @@ def check_block_table_entries(table: torch.Tensor, used: torch.Tensor, num_block
 
 
 def check_cu_seqlens(name: str, cu: object, device: torch.device) -> None:
-    require(isinstance(cu, torch.Tensor), f"{name} must be a torch.Tensor, got {type(cu).__name__}.", InputTypeError)
-    require(
-        cu.dtype == torch.int32,
-        f"{name} must be int32 (the cumulative sequence lengths, as flash_attn takes them), got {cu.dtype}. "
-        f"Cast it with {name}.to(torch.int32).",
-        InputTypeError,
-    )
-    require(
-        cu.dim() == 1 and cu.shape[0] >= 2,
-        f"{name} must be 1-D of shape (batch_size + 1,) with batch_size >= 1, got shape {tuple(cu.shape)}.",
-    )
-    require(cu.device == device, f"{name} must be on the device of q ({device}), got {cu.device}.")
+    if not (isinstance(cu, torch.Tensor)):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}.")
+    if not (cu.dtype == torch.int32):
+        raise InputTypeError(
+            f"{name} must be int32 (the cumulative sequence lengths, as flash_attn takes them), got {cu.dtype}. "
+            f"Cast it with {name}.to(torch.int32)."
+        )
+    if not (cu.dim() == 1 and cu.shape[0] >= 2):
+        raise InputError(
+            f"{name} must be 1-D of shape (batch_size + 1,) with batch_size >= 1, got shape {tuple(cu.shape)}."
+        )
+    if not (cu.device == device):
+        raise InputError(f"{name} must be on the device of q ({device}), got {cu.device}.")
 
 
 def check_max_seqlen(name: str, value: object) -> int:
-    require(
-        isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and value >= 0,
-        f"{name} must be a Python int >= 0 (the longest sequence; it sizes the launch grid), got {value!r}.",
-        InputTypeError,
-    )
+    if not (isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and value >= 0):
+        raise InputTypeError(
+            f"{name} must be a Python int >= 0 (the longest sequence; it sizes the launch grid), got {value!r}."
+        )
     return value
 
 

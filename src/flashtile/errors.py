@@ -27,7 +27,9 @@ class UnsupportedHeadDimError(InputError):
 
 
 def require(condition: bool, message: str, error: type[Exception] = InputError) -> None:
-    """Raise ``error(message)`` unless ``condition``. The message is built before the call, so checks
-    that run on every call of an entry point use a plain ``if`` instead."""
+    """Raise ``error(message)`` unless ``condition``. The message is built before the call, so checks that run on
+    every call of an entry point use a plain ``if`` instead, as do checks whose message holds a size: under
+    torch.compile an f-string of a symbolic size would fix the size (a recompile for every new one) or fail to
+    trace."""
     if not condition:
         raise error(message)

@@ -31,7 +31,7 @@ from flashtile.checks import (
     window_size_of,
 )
 from flashtile.dense import attention_probs
-from flashtile.errors import InputError, require
+from flashtile.errors import InputError
 
 
 def pad_head_dim(
@@ -78,11 +78,11 @@ def dropout_rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | 
     """
     if dropout_p == 0.0:
         return None
-    require(
-        isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and 0.0 <= dropout_p < 1.0,
-        f"dropout_p must be a number in [0, 1) (the probability of dropping an attention probability), "
-        f"got {dropout_p!r}.",
-    )
+    if not (isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and 0.0 <= dropout_p < 1.0):
+        raise InputError(
+            f"dropout_p must be a number in [0, 1) (the probability of dropping an attention probability), "
+            f"got {dropout_p!r}."
+        )
     return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
@@ -311,10 +311,8 @@ def flash_attn_qkvpacked_func(
         out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask) if
             return_attn_probs (as flash_attn_func)
     """
-    require(
-        isinstance(qkv, torch.Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3,
-        f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got {shape_of(qkv)}.",
-    )
+    if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3):
+        raise InputError(f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got {shape_of(qkv)}.")
     q, k, v = qkv.unbind(2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -347,10 +345,8 @@ def flash_attn_kvpacked_func(
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) if
             return_attn_probs (as flash_attn_func)
     """
-    require(
-        isinstance(kv, torch.Tensor) and kv.dim() == 5 and kv.shape[2] == 2,
-        f"kv must be (batch_size, seqlen_k, 2, nheads_k, headdim), got {shape_of(kv)}.",
-    )
+    if not (isinstance(kv, torch.Tensor) and kv.dim() == 5 and kv.shape[2] == 2):
+        raise InputError(f"kv must be (batch_size, seqlen_k, 2, nheads_k, headdim), got {shape_of(kv)}.")
     k, v = kv.unbind(2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -403,18 +399,19 @@ def varlen_attention(
         check_pages(k, v)
         keys, values = k[:, 0], v[:, 0]  # row 0 of each page, for check_qkv's dtypes, devices, heads, head dims
     elif isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
-        require(
-            k.shape[:2] == v.shape[:2],
-            f"k and v must share total_k (dim 0) and nheads_k (dim 1), got k {tuple(k.shape)} and v {tuple(v.shape)}.",
-        )
+        if k.shape[:2] != v.shape[:2]:
+            raise InputError(
+                f"k and v must share total_k (dim 0) and nheads_k (dim 1), got k {tuple(k.shape)} and "
+                f"v {tuple(v.shape)}."
+            )
     check_qkv(*(t[None] if isinstance(t, torch.Tensor) else t for t in (q, keys, values)))
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
-    require(
-        cu_seqlens_q.shape == cu_seqlens_k.shape,
-        f"cu_seqlens_q and cu_seqlens_k must hold the same batch_size + 1 entries, got {cu_seqlens_q.shape[0]} "
-        f"and {cu_seqlens_k.shape[0]}.",
-    )
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise InputError(
+            f"cu_seqlens_q and cu_seqlens_k must hold the same batch_size + 1 entries, got {cu_seqlens_q.shape[0]} "
+            f"and {cu_seqlens_k.shape[0]}."
+        )
     batch = cu_seqlens_q.shape[0] - 1
     total_k = k.shape[0]
     if paged:
@@ -633,10 +630,8 @@ def flash_attn_varlen_qkvpacked_func(
     Returns:
         out: (total, nheads, headdim), or (out, softmax_lse (nheads, total), None) if return_attn_probs
     """
-    require(
-        isinstance(qkv, torch.Tensor) and qkv.dim() == 4 and qkv.shape[1] == 3,
-        f"qkv must be (total, 3, nheads, headdim), got {shape_of(qkv)}.",
-    )
+    if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 4 and qkv.shape[1] == 3):
+        raise InputError(f"qkv must be (total, 3, nheads, headdim), got {shape_of(qkv)}.")
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
@@ -672,10 +667,8 @@ def flash_attn_varlen_kvpacked_func(
     Returns:
         out: (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), None) if return_attn_probs
     """
-    require(
-        isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.shape[1] == 2,
-        f"kv must be (total_k, 2, nheads_k, headdim), got {shape_of(kv)}.",
-    )
+    if not (isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.shape[1] == 2):
+        raise InputError(f"kv must be (total_k, 2, nheads_k, headdim), got {shape_of(kv)}.")
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,

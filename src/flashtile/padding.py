@@ -83,7 +83,7 @@ def _check_indices(indices: object, rows: object, rows_name: str, num_rows: int 
             f"indices has {indices.shape[0]} entries but {rows_name} has {rows.shape[0]} rows (shape "
             f"{tuple(rows.shape)}); they must match: one position per packed row."
         )
-    if indices.device.type == "cpu" and indices.numel() > 0 and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and indices.device.type == "cpu" and indices.numel() > 0:
         low, high = int(indices.min()), int(indices.max())
         if low < 0 or high >= num_rows:
             raise InputError(f"indices must lie in [0, {num_rows}), got values in [{low}, {high}].{hint}")
@@ -222,6 +222,7 @@ def unpad_input(
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=SEQLEN_DTYPE), (1, 0))
     indices = torch.nonzero(selected.flatten(), as_tuple=False).flatten()  # host sync (output size)
     max_seqlen_in_batch = int(seqlens.max().item()) if batch > 0 else 0  # host sync, as flash_attn
+    torch._check(max_seqlen_in_batch >= 0)  # a length, so torch.compile can trace on (capture_scalar_outputs)
     rows = hidden_states.reshape(batch * seqlen, *hidden_states.shape[2:])
     return _gather_rows(rows, indices), indices, cu_seqlens, max_seqlen_in_batch, seqused
 

@@ -65,7 +65,7 @@ from flashtile.ops.attention.tiles import (
 )
 from flashtile.ops.common.descriptors import tma_ready
 from flashtile.ops.common.grid import cdiv, head_grid
-from flashtile.ops.common.math import LOG2E, dot
+from flashtile.ops.common.math import IEEE, LOG2E
 
 
 @triton.jit
@@ -175,7 +175,8 @@ def _dkdv_tile(
         do_src, off_qb, off_h, start_m, stride_dom, offs_dv, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, PAD_DV, TMA
     )  # [BLOCK_M, DV]
     lse, delta = _load_row_stats(lse_base, delta_base, offs_m, offs_m, seqlen_q)
-    qk_t = dot(k, tl.trans(q))  # [BLOCK_N, D] @ [D, BLOCK_M] -> [BLOCK_N, BLOCK_M]
+    # [BLOCK_N, D] @ [D, BLOCK_M] -> [BLOCK_N, BLOCK_M]
+    qk_t = tl.dot(k, tl.trans(q), input_precision=IEEE if q.dtype == tl.float32 else None)
     s_t, t_t = score_mod(
         qk_t, offs_m[None, :], offs_n[:, None], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
     )  # [BLOCK_N, BLOCK_M], log2 units
@@ -190,15 +191,21 @@ def _dkdv_tile(
     if HAS_DROPOUT:  # the forward's mask, regenerated; dV's 1 / (1 - p) is applied once at the end
         seed, rng_rows = dropout_rows(Rng, row_base + offs_m, rng_stride)  # [BLOCK_M]
         keep_t = tl.trans(dropout_keep(seed, rng_rows, start_n, dropout_p, BLOCK_N))  # [BLOCK_N, BLOCK_M]
-        dv = dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV]
+        # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV]
+        dv = tl.dot(
+            tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=IEEE if do.dtype == tl.float32 else None
+        )
     else:
-        dv = dot(p_t.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
+        # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=IEEE if do.dtype == tl.float32 else None)
     p_t = score_mod_grad(p_t, t_t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
-    dp_t = dot(v, tl.trans(do))  # [BLOCK_N, DV] @ [DV, BLOCK_M] -> [BLOCK_N, BLOCK_M]
+    # [BLOCK_N, DV] @ [DV, BLOCK_M] -> [BLOCK_N, BLOCK_M]
+    dp_t = tl.dot(v, tl.trans(do), input_precision=IEEE if do.dtype == tl.float32 else None)
     if HAS_DROPOUT:  # the gradient at P is Z / (1 - p) * dP; delta = rowsum(dO * O) already includes Z
         dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk = dot(ds_t.to(q.dtype), q, dk)  # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]
+    # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=IEEE if q.dtype == tl.float32 else None)
     return dk, dv
 
 
@@ -413,7 +420,8 @@ def _dq_tile(
     v = load_rows(
         v_src, off_kb, off_hk, start_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED, PAD_DV, TMA
     )  # [BLOCK_N, DV]
-    qk = dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    qk = tl.dot(q, tl.trans(k), input_precision=IEEE if k.dtype == tl.float32 else None)
     s, t = score_mod(
         qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
     )  # [BLOCK_M, BLOCK_N], log2 units
@@ -426,7 +434,8 @@ def _dq_tile(
         p = tl.where(visible(offs_m, offs_n, seqlen_k, diag, left, right, MASK_LEFT, MASK_RIGHT), p, 0.0)
     p_scores = p  # the gradient at the additive mask is P (dP - delta), without the cap's derivative
     p = score_mod_grad(p, t, HAS_SOFTCAP)  # before dP's product, so tanh need not live through it
-    dp = dot(do, tl.trans(v))  # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    dp = tl.dot(do, tl.trans(v), input_precision=IEEE if v.dtype == tl.float32 else None)
     if HAS_DROPOUT:  # the gradient at P is Z / (1 - p) * dP, Z the forward's mask regenerated
         keep = dropout_keep(seed, rng_base, start_n, dropout_p, BLOCK_N)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
@@ -435,7 +444,8 @@ def _dq_tile(
         dm_ptrs = DMask + lse_offs[:, None] * seqlen_k + offs_n[None, :]
         in_bounds = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
         tl.store(dm_ptrs, p_scores * (dp - delta[:, None]), mask=in_bounds)
-    dq = dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
+    # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=IEEE if k.dtype == tl.float32 else None)
     return dq
 
 

@@ -72,7 +72,7 @@ from flashtile.ops.attention.tiles import (
 )
 from flashtile.ops.common.descriptors import tma_ready
 from flashtile.ops.common.grid import cdiv, head_grid, padded_head_dim
-from flashtile.ops.common.math import LN2, LOG2E, dot
+from flashtile.ops.common.math import IEEE, LN2, LOG2E
 from flashtile.ops.common.paged import cache_slots
 from flashtile.ops.common.paged import load_rows as load_cache_rows
 
@@ -148,7 +148,8 @@ def _forward_tile(
             v_src, off_kb, off_hk, start_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, MASKED, PAD_DV,
             TMA,
         )  # [BLOCK_N, DV]  # fmt: skip
-    qk = dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    qk = tl.dot(q, tl.trans(k), input_precision=IEEE if k.dtype == tl.float32 else None)
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or HAS_MASK:
         s, _ = score_mod(
             qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, softcap, slope, HAS_SOFTCAP, HAS_ALIBI
@@ -174,7 +175,8 @@ def _forward_tile(
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:  # the softmax sum l keeps every p; only P V sees the mask (1 / (1 - p) at the end)
         p = tl.where(dropout_keep(seed, rng_base, start_n, dropout_p, BLOCK_N), p, 0.0)
-    acc = dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
+    # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=IEEE if v.dtype == tl.float32 else None)
     return acc, m_new, l_i
 
 

@@ -55,7 +55,7 @@ from flashtile.ops._alloc import empty_output
 from flashtile.ops._launch import Plans, keyed_for, launch
 from flashtile.ops.common.descriptors import tile_descriptor, tma_ready
 from flashtile.ops.common.grid import cdiv, compute_capability, padded_head_dim
-from flashtile.ops.common.math import LN2, LOG2E, dot, tanh
+from flashtile.ops.common.math import IEEE, LN2, LOG2E, tanh
 from flashtile.ops.common.paged import cache_slots, clamp, load_rows, load_tile
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new, store_new
@@ -249,7 +249,8 @@ def _decode_tile(
         v_tile = VCache + slot * stride_vb + first * stride_vn + off_hk * stride_vh
         k = load_tile(k_tile, rel[:, None] * stride_kn + offs_d[None, :], n_ok, offs_d, HEAD_DIM, MASKED)
         v = load_tile(v_tile, rel[:, None] * stride_vn + offs_dv[None, :], n_ok, offs_dv, HEAD_DIM_V, MASKED)
-    qk = dot(q, tl.trans(k))  # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
+    qk = tl.dot(q, tl.trans(k), input_precision=IEEE if k.dtype == tl.float32 else None)
     if HAS_SOFTCAP:
         s = tanh(qk * qk_scale) * softcap  # softcap * tanh(scale * qk / softcap), in log2 units
     else:
@@ -274,7 +275,8 @@ def _decode_tile(
     else:
         l_sums = l_sums * alpha[:, None] + p
     acc = acc * alpha[:, None]
-    acc = dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
+    # [BLOCK_M, BLOCK_N] @ [BLOCK_N, DV] -> [BLOCK_M, DV]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=IEEE if v.dtype == tl.float32 else None)
     return acc, m_new, l_sums
 
 
