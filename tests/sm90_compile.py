@@ -63,7 +63,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashtile.ops.attention import backward, forward  # noqa: E402
-from flashtile.ops.attention.configs import _HOPPER, _OTHER, PASSES, with_mask  # noqa: E402
+from flashtile.ops.attention.configs import _HOPPER, FLOAT32, PASSES, with_mask  # noqa: E402
 from flashtile.ops.decode import configs as decode_configs  # noqa: E402
 from flashtile.ops.decode import split_kv  # noqa: E402
 from flashtile.ops.sm90 import backward as backward_sm90  # noqa: E402
@@ -442,13 +442,12 @@ def attention_variants() -> list[Variant]:
                         Variant(kname, cfg_name(pass_name, head_dim, launch), mask, flags, consts, launch.num_warps,
                                 launch.num_stages)
                     )  # fmt: skip
-    # Float32 inputs: the shallow-pipeline table (``configs.config``'s element_size 4), pointer loads, features
-    # off and every feature on.
+    # Float32 inputs: ``configs.FLOAT32`` for every pass, pointer loads, features off and every feature on.
     for pass_name in PASSES:
         kname = PASS_KERNEL[pass_name]
         constexprs = {p.name for p in KERNELS[kname].params if p.is_constexpr}
         features = [f for f in ATTENTION_FEATURES if f in constexprs]
-        for head_dim, cfg in _OTHER[pass_name]:
+        for head_dim, cfg in ((64, FLOAT32), (128, FLOAT32), (256, FLOAT32)):
             for mask in PASS_MASKS.get(pass_name, ("full", "causal")):
                 for on_set in ((), features):
                     consts = {

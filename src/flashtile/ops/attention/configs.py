@@ -93,6 +93,10 @@ _OTHER = {
 }
 _OTHER["forward_short"] = _OTHER["forward_banded_short"] = _OTHER["forward"]  # not tuned apart there
 INTERPRETER = TileConfig(32, 64, 4, 1)
+FLOAT32 = TileConfig(32, 32, 4, 1)
+"""Every pass on float32 inputs (CUDA): IEEE float32 products run on the FMA units with both operands in registers,
+so the tiles are small (sm_90 compile: no spills at head dim 64, spills from 128). float32 on a GPU is for
+correctness, not speed: use bf16 for speed."""
 SHORT_SEQLEN = 1024
 PASSES = ("forward", "forward_short", "forward_banded_short", "backward_dkdv", "backward_dq")
 
@@ -129,13 +133,14 @@ def config(
     element_size: int = 2,
 ) -> TileConfig:
     """The tile config for ``pass_name`` (one of PASSES) on ``device`` (``has_mask``: with an attn_mask) for inputs
-    of ``element_size`` bytes. Float32 inputs (4 bytes) take the shallow pipelines of ``_OTHER`` on every GPU: their
-    tiles are twice the bytes the Hopper table was sized for, and its tensor-descriptor configs assume 16-bit rows."""
+    of ``element_size`` bytes (float32: ``FLOAT32``)."""
     if pass_name in _overrides:
         return _overrides[pass_name]
     if device.type != "cuda":
         return INTERPRETER
-    table = _HOPPER if compute_capability(device.index)[0] == 9 and element_size == 2 else _OTHER
+    if element_size == 4:
+        return FLOAT32
+    table = _HOPPER if compute_capability(device.index)[0] == 9 else _OTHER
     width = padded_head_dim(max(head_dim, head_dim_v))
     cfg = next(cfg for largest, cfg in table[pass_name] if width <= largest)
     return with_mask(cfg, width) if has_mask else cfg
