@@ -77,6 +77,8 @@ def apply() -> None:
     setattr(builder, _APPLIED, True)
 
     def as_bool(mask):
+        if isinstance(mask, np.ndarray):  # tensor-descriptor loads pass a plain array
+            return mask if mask.dtype == np.bool_ else mask.astype(np.bool_)
         if mask is None or mask.data.dtype == np.bool_:
             return mask
         return handle(mask.data.astype(np.bool_), tl.int1)
