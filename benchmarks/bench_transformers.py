@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(
         bench="transformers", gpu=gpu, torch=torch.__version__,
         transformers=transformers.__version__, commit=commit(), layers=config["num_hidden_layers"],
+        dtype={torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
         params_b=round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
     )  # fmt: skip
     rows = []
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             with args.out.open("a") as f:
                 f.write(json.dumps(as_record(env, row), allow_nan=False) + "\n")
 
-    emit(dict(mode="check", max_abs_logit_diff_vs_sdpa=check(model, name, min(300, seqlens[0]))))
+    common["max_abs_logit_diff_vs_sdpa"] = check(model, name, min(300, seqlens[0]))
+    emit(dict(mode="check"))
     for seqlen in seqlens:
         for kind in ("dense", "padded", "packed"):
             generator = torch.Generator().manual_seed(seqlen)
@@ -186,9 +188,10 @@ IMPLEMENTATIONS = {"sdpa": "sdpa", "flash_attention_2": "fa2"}
 
 def as_record(env: dict, row: dict) -> dict:
     """One printed row as a record of ``flashtile.bench.results``."""
-    shape = {"model": f"llama-{row['params_b']}b", "layers": row["layers"], "dtype": "bf16", "batch": row["batch"],
+    shape = {"model": f"llama-{row['params_b']}b", "layers": row["layers"], "dtype": row["dtype"], "batch": row["batch"],
              "N": row["seqlen"]}  # fmt: skip
-    extra = {key: row[key] for key in ("tokens", "slots", "tokens_per_s", "new_tokens", "prefill_ms") if key in row}
+    keys = ("tokens", "slots", "tokens_per_s", "new_tokens", "prefill_ms", "max_abs_logit_diff_vs_sdpa")
+    extra = {key: row[key] for key in keys if key in row}
     extra["transformers"] = row["transformers"]
     if "slots" in row:
         extra["padding"] = round(1 - row["tokens"] / row["slots"], 4)

@@ -79,7 +79,9 @@ def test_variants_dry_run(tmp_path):
     assert all(r["time_ms"] is not None and r["error"] is None and not r["extra"].get("flagged") for r in ours), ours
     assert all((r["time_ms"] is None) != (r["error"] is None) for r in records)
     # the spot check ran where a peer computes the same thing (FA2 for causal and GQA, FlexAttention for windows)
-    checked = {(r["config"]["variant"], r["extra"]["reference"]) for r in ours if r["extra"].get("max_abs_diff")}
+    checked = {  # a difference of 0.0 counts: the CPU path runs torch's own kernel where it can
+        (r["config"]["variant"], r["extra"]["reference"]) for r in ours if r["extra"].get("max_abs_diff") is not None
+    }
     assert {("causal", "sdpa_flash"), ("window (16, 0)", "flex"), ("GQA H_k=1", "sdpa_flash")} <= checked
     window_fa2 = [
         r for r in records if r["config"]["variant"].startswith("window") and r["implementation"] == "sdpa_flash"

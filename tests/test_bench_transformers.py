@@ -21,11 +21,13 @@ def test_dry_run_writes_every_case(tmp_path, monkeypatch):
 
     out = tmp_path / "rows.jsonl"
     bench_transformers.main(["--dry-run", "--out", str(out)])
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows[0]["mode"] == "check" and rows[0]["max_abs_logit_diff_vs_sdpa"] < 1e-4
-    cases = {(r["mode"], r["batch"], r["impl"]) for r in rows[1:]}
-    for impl in ("tile_attention", "sdpa"):
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["benchmark"] for r in records} == {"transformers"}
+    assert all(r["extra"]["max_abs_logit_diff_vs_sdpa"] < 1e-4 for r in records)
+    cases = {(r["pass"], r["shape"]["batch"], r["implementation"]) for r in records}
+    for impl in ("flashtile", "sdpa"):
         for batch in ("dense", "padded", "packed"):
-            assert ("train", batch, impl) in cases
-        assert ("generate", "left-padded", impl) in cases
-    assert all(r["tokens_per_s"] > 0 and r["tokens"] <= r["slots"] for r in rows[1:] if r["mode"] == "train")
+            assert ("fwd+bwd", batch, impl) in cases
+        assert ("decode", "left-padded", impl) in cases
+    training = [r for r in records if r["pass"] == "fwd+bwd"]
+    assert all(r["extra"]["tokens_per_s"] > 0 and r["extra"]["tokens"] <= r["extra"]["slots"] for r in training)
