@@ -188,8 +188,8 @@ IMPLEMENTATIONS = {"sdpa": "sdpa", "flash_attention_2": "fa2"}
 
 def as_record(env: dict, row: dict) -> dict:
     """One printed row as a record of ``flashtile.bench.results``."""
-    shape = {"model": f"llama-{row['params_b']}b", "layers": row["layers"], "dtype": row["dtype"], "batch": row["batch"],
-             "N": row["seqlen"]}  # fmt: skip
+    shape = {"model": f"llama-{row['params_b']}b", "layers": row["layers"], "dtype": row["dtype"],
+             "batch": row["batch"], "N": row["seqlen"]}  # fmt: skip
     keys = ("tokens", "slots", "tokens_per_s", "new_tokens", "prefill_ms", "max_abs_logit_diff_vs_sdpa")
     extra = {key: row[key] for key in keys if key in row}
     extra["transformers"] = row["transformers"]
