@@ -29,7 +29,8 @@ implementation's output and gradients from sdpa's (for the option rows, none: th
 
 Memory (``fwd+bwd`` only): each (implementation, shape) runs in a fresh Python process, which makes one warm-up
 call on N=256 (so that allocator and thread pools exist), draws the inputs of the measured N, reads its peak resident
-set size (``resource.getrusage(...).ru_maxrss``), runs one forward and backward, and reads it again. The
+set size (``VmHWM`` of /proc/self/status, Linux; not ``ru_maxrss``, which a child starts with its parent's peak),
+runs one forward and backward, and reads it again. The
 reported figure is the growth of the peak RSS: the extra memory the call needed at its peak beyond the inputs
 (q, k, v, dout and everything allocated before), including the outputs and gradients (4 x N x 512 values), memory
 freed but kept by the allocator, and page granularity. It is an upper bound on the attention's own working memory.
@@ -47,7 +48,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -182,9 +182,14 @@ def memory_child(name: str, n: int, dtype_name: str, causal: bool) -> None:
     impl = IMPLS[name]
     call(impl, inputs(WARMUP_N, DTYPES[dtype_name]), causal, backward=True)
     tensors = inputs(n, DTYPES[dtype_name])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss()
     call(impl, tensors, causal, backward=True)
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)  # Linux reports KiB
+    print(peak_rss() - before)
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes (VmHWM: kept per address space, so not inherited)."""
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 
 
 def measure_memory(name: str, n: int, dtype_name: str, causal: bool, header: dict) -> dict:

@@ -187,7 +187,9 @@ def check_softmax_scale(softmax_scale: object) -> None:
         raise InputTypeError(
             f"softmax_scale must be a float or None (1 / sqrt(headdim)), got {type(softmax_scale).__name__}."
         )
-    if isinstance(softmax_scale, (int, float)) and not math.isfinite(softmax_scale):
+    # x - x is 0 for every finite x and NaN for NaN and +-inf; unlike math.isfinite it also traces under torch.compile
+    # (a symbolic scale, e.g. 1 / sqrt(headdim) of a padded head dim, simplifies to 0 there).
+    if not softmax_scale - softmax_scale == 0:
         raise InputError(f"softmax_scale must be a finite number (or None for 1 / sqrt(headdim)), got {softmax_scale}.")
 
 

@@ -60,8 +60,9 @@ in place), the inner over key tiles; dK and dV are float32 accumulators of size 
 
 Layout and precision
 --------------------
-K and V are copied once per call into a heads-major (batch * nheads_k, seqlen_k, headdim) layout, so that
-a tile of every (batch, head) pair is one batched matrix product. With grouped-query attention (nheads =
+K and V are copied once per call into key tiles, each a contiguous (batch * nheads_k, BLOCK_N, headdim)
+matrix batch (transposed where the product wants it), so that a tile of every (batch, head) pair is one
+batched matrix product that copies nothing. With grouped-query attention (nheads =
 group * nheads_k) the query tile of the ``group`` heads that share a key/value head is laid out as
 (batch * nheads_k, group * BLOCK_M, headdim), so each key/value tile is used once per query tile. The
 products that make scores (Q K^T, and dO V^T in the backward) run in float32 (float64 for float64 inputs),
