@@ -10,6 +10,7 @@ import math
 import operator
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError, UnsupportedHeadDimError
 
@@ -163,6 +164,11 @@ def window_bounds(window_size: tuple[int, int], causal: bool) -> tuple[int | Non
     return (None if left < 0 else left), (None if right < 0 else right)
 
 
+FAR_SIDE = 2**30
+"""A window side at least this large is unbounded whatever the lengths: the kernels add sides to 32-bit positions,
+so a side this far past a sequence of fewer than 2**30 tokens still fits in int32 (``bounded_window``)."""
+
+
 def bounded_window(left: int | None, right: int | None, seqlen_q: int, seqlen_k: int) -> tuple[int | None, int | None]:
     """The kernels' (left, right) with every side that cannot hide a key made unbounded (None).
 
@@ -170,12 +176,21 @@ def bounded_window(left: int | None, right: int | None, seqlen_q: int, seqlen_k:
     side >= seqlen_k or a right side >= seqlen_q bounds no row, so it is the same as no bound. flash_attn
     treats any side >= the sequence lengths as unbounded, and callers pass "no limit" as INT32_MAX or
     ``sys.maxsize``; the kernels add the sides to 32-bit positions, so such values must never reach them.
-    For packed batches pass the token counts (each sequence is at most that long)."""
-    if left is not None and left >= seqlen_k:
+    For packed batches pass the token counts (each sequence is at most that long).
+
+    Under torch.compile a length can be a size known only at run time (the token count of an unpadded batch):
+    a side is then dropped when it is at least 2**30 (``FAR_SIDE``: past any sequence the kernels' 32-bit
+    positions serve), and kept otherwise, which is still exact."""
+    if left is not None and (left >= FAR_SIDE or guard_or_false(left >= seqlen_k)):
         left = None
-    if right is not None and right >= seqlen_q:
+    if right is not None and (right >= FAR_SIDE or guard_or_false(right >= seqlen_q)):
         right = None
     return left, right
+
+
+def at_most(value: int, bound: int) -> int:
+    """min(value, bound), where ``bound`` may be a size torch.compile knows only at run time (then ``value``)."""
+    return bound if guard_or_false(bound < value) else value
 
 
 def check_softmax_scale(softmax_scale: object) -> None:

@@ -16,6 +16,7 @@ from flashtile.checks import (
     INT32_MAX,
     MAX_HEAD_DIM,
     NO_WINDOW,
+    at_most,
     bounded_window,
     check_block_table,
     check_cu_seqlens,
@@ -436,8 +437,8 @@ def varlen_attention(
     # No sequence is longer than its tensor's tokens (or, paged, its block-table row): the grid is sized by
     # what the batch can hold, whatever max_seqlen claims, and no window side reaches the kernels past it.
     keys_per_sequence = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
-    max_seqlen_q = min(max_seqlen_q, q.shape[0])
-    max_seqlen_k = min(max_seqlen_k, keys_per_sequence)
+    max_seqlen_q = at_most(max_seqlen_q, q.shape[0])
+    max_seqlen_k = at_most(max_seqlen_k, keys_per_sequence)
     window_left, window_right = bounded_window(window_left, window_right, q.shape[0], keys_per_sequence)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
