@@ -227,6 +227,7 @@ def torch_kernel_route(
     attn_mask: Tensor | None = None,
     dlse: Tensor | None = None,
     dmask: Tensor | None = None,
+    softmax_scale: float = 1.0,
 ) -> str | None:
     """The route rule: how torch's fused kernel computes this call, or None when the tiled path must (arguments as
     ``attention_forward`` / ``attention_backward`` take them; dropout: whether the call drops probabilities).
@@ -240,6 +241,7 @@ def torch_kernel_route(
       and headdim_v == headdim;
     - no softcap, no ALiBi, no dropout; in the backward, no gradient at the LSE (dlse) and none wanted at
       the mask (dmask);
+    - softmax_scale != 0 (torch's kernel gives NaN for masked keys at scale 0: it scales the -inf scores);
     - attn_mask is None, boolean (given to the kernel as 0 / -inf of q's dtype) or of q's dtype.
 
     The route then follows the window (bottom-right aligned, as flash_attn's):
@@ -255,6 +257,8 @@ def torch_kernel_route(
     A learnable sink does not matter here: it is added to either route's results (``_add_sink``).
     """
     if not TORCH_KERNEL or softcap > 0.0 or alibi_slopes is not None or dropout or dlse is not None:
+        return None
+    if softmax_scale == 0:
         return None
     if dmask is not None or (attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype)):
         return None
@@ -538,7 +542,7 @@ def attention_forward(
     drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, q.shape[2], q.shape[1])
     route = torch_kernel_route(
         q, k, v, window_left, window_right, alibi_slopes=alibi_slopes, softcap=softcap, dropout=drop is not None,
-        attn_mask=attn_mask,
+        attn_mask=attn_mask, softmax_scale=softmax_scale,
     )  # fmt: skip
     if route is None:
         out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
@@ -649,7 +653,7 @@ def attention_backward(
     drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, q.shape[2], q.shape[1])
     route = torch_kernel_route(
         q, k, v, window_left, window_right, alibi_slopes=alibi_slopes, softcap=softcap, dropout=drop is not None,
-        attn_mask=attn_mask, dlse=dlse, dmask=dmask,
+        attn_mask=attn_mask, dlse=dlse, dmask=dmask, softmax_scale=softmax_scale,
     )  # fmt: skip
     if route == "band":
         return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right)
