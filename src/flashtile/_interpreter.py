@@ -77,7 +77,9 @@ def apply() -> None:
     setattr(builder, _APPLIED, True)
 
     def as_bool(mask):
-        if mask is None or mask.data.dtype == np.bool_:
+        """A mask handle's data as bool; other masks (None, or triton 3.7's numpy masks of tensor descriptors,
+        bool already) as they are."""
+        if not isinstance(mask, handle) or mask.data.dtype == np.bool_:
             return mask
         return handle(mask.data.astype(np.bool_), tl.int1)
 
