@@ -16,10 +16,10 @@ import triton
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 
 STACK_TRITON = (3, 7)
-"""The Triton whose compiles EXPECTED_STACK records (3.7.1; 3.6 fits the same sizes). Later versions allocate
-registers otherwise (triton 3.9.0 gives 19 of these variants larger stacks, 2 smaller), so under them the sizes are
-not compared; every shipped config must compile and fit under any version."""
-NEWER_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) > STACK_TRITON
+"""The Triton whose compiles EXPECTED_STACK records (3.7.1). Other versions allocate registers otherwise (of these 62
+variants, triton 3.6.0 gives 10 larger stacks and 3.9.0 gives 20), so under them the sizes are not compared; every
+shipped config must compile and fit under any version."""
+OTHER_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) != STACK_TRITON
 
 # Stack bytes per thread of every variant with its features off, as of STACK_TRITON (cuobjdump -res-usage).
 # A larger stack than recorded here means a register-pressure regression (spills) to look at before
@@ -116,8 +116,10 @@ EXPECTED_STACK = {
 def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("sm90") / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # Compiling every variant from an empty cache takes about 9 minutes with triton 3.7.1 and 11 with 3.9.0 on a
+    # busy two-core machine (two processes): the limit only stops a compile that hangs.
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--json", str(out)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(SCRIPT), "--json", str(out)], env=env, capture_output=True, text=True, timeout=1200
     )
     if not out.exists():
         pytest.fail(f"tests/sm90_compile.py wrote no results (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -129,7 +131,7 @@ def test_every_shipped_config_compiles_for_sm90(rows):
     assert not failed, f"{len(failed)} of {len(rows)} kernel variants failed for sm_90:\n" + "\n".join(failed)
 
 
-@pytest.mark.skipif(NEWER_TRITON, reason=f"stack sizes are recorded as triton 3.7 compiles, not {triton.__version__}")
+@pytest.mark.skipif(OTHER_TRITON, reason=f"stack sizes are recorded as triton 3.7 compiles, not {triton.__version__}")
 def test_stack_frames_do_not_grow(rows):
     off = {r["label"]: r for r in rows if r["flags"] == "off" and "error" not in r}
     unrecorded = sorted(set(off) - set(EXPECTED_STACK))
