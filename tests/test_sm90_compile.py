@@ -133,7 +133,8 @@ def test_every_shipped_config_compiles_for_sm90(rows):
 
 @pytest.mark.skipif(OTHER_TRITON, reason=f"stack sizes are recorded as triton 3.7 compiles, not {triton.__version__}")
 def test_stack_frames_do_not_grow(rows):
-    off = {r["label"]: r for r in rows if r["flags"] == "off" and "error" not in r}
+    # float32 variants ("... fp32") spill by design (configs.FLOAT32): they are checked to compile and fit only
+    off = {r["label"]: r for r in rows if r["flags"] == "off" and "error" not in r and not r["label"].endswith(" fp32")}
     unrecorded = sorted(set(off) - set(EXPECTED_STACK))
     assert not unrecorded, f"no recorded stack size for {unrecorded}: add them to EXPECTED_STACK"
     grown = [
