@@ -10,7 +10,6 @@ import math
 import operator
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError, UnsupportedHeadDimError
 
@@ -181,16 +180,26 @@ def bounded_window(left: int | None, right: int | None, seqlen_q: int, seqlen_k:
     Under torch.compile a length can be a size known only at run time (the token count of an unpadded batch):
     a side is then dropped when it is at least 2**30 (``FAR_SIDE``: past any sequence the kernels' 32-bit
     positions serve), and kept otherwise, which is still exact."""
-    if left is not None and (left >= FAR_SIDE or guard_or_false(left >= seqlen_k)):
+    if left is not None and (left >= FAR_SIDE or _known_true(left >= seqlen_k)):
         left = None
-    if right is not None and (right >= FAR_SIDE or guard_or_false(right >= seqlen_q)):
+    if right is not None and (right >= FAR_SIDE or _known_true(right >= seqlen_q)):
         right = None
     return left, right
 
 
 def at_most(value: int, bound: int) -> int:
     """min(value, bound), where ``bound`` may be a size torch.compile knows only at run time (then ``value``)."""
-    return bound if guard_or_false(bound < value) else value
+    return bound if _known_true(bound < value) else value
+
+
+def _known_true(condition: bool | torch.SymBool) -> bool:
+    """``condition``, where a symbolic one that torch.compile can decide only at run time counts as False. The
+    symbolic module imports sympy (a third of a second), so only calls under torch.compile import it."""
+    if not torch.compiler.is_compiling():
+        return bool(condition)
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return guard_or_false(condition)
 
 
 def check_softmax_scale(softmax_scale: object) -> None:
