@@ -112,7 +112,7 @@ def launch(
     ``JITFunction.run`` binds, specializes and hashes every argument on each call: in the traced host path of the H200
     machine the forward's JITFunction.run took 50.5 µs per call, 19.9 of them in the launcher that still runs here.
     Against binding every call (latency.py's flashtile-binder rows, median of three rounds with the order alternating,
-    alone on the machine): host time per forward call 119 / 114 / 108 / 113 µs against 127 / 188 / 128 / 138 (B*N = 16k,
+    alone on the machine): host time per forward 119 / 114 / 108 / 113 µs against 127 / 188 / 128 / 138 (B*N = 16k,
     D=128: N=512 full, causal; N=1k full, causal): it saves 8-75 µs (two earlier runs had disagreed, each beside other
     work on the machine or in one round). The first launch of a key goes through the binder (compiling, or loading from
     Triton's disk cache) and keeps the compiled kernel it returns; later launches of the key hand that kernel the same
