@@ -7,6 +7,7 @@ import torch
 
 import flashtile
 from conftest import DEVICE
+from flashtile import cpu
 from oracle import assert_within_rule, check_against_oracle
 from test_attention import make_inputs
 
@@ -107,9 +108,12 @@ def test_sdpa_attn_mask_matches_oracle(path, kind, shape, seqlens):
 
 
 @pytest.mark.parametrize("shape", ["SqSk", "BHSqSk"])
-def test_sdpa_attn_mask_fully_masked_rows(path, shape):
+def test_sdpa_attn_mask_fully_masked_rows(path, shape, monkeypatch):
     """A query row that sees no key returns 0 with zero gradients (torch returns NaN), for a boolean mask and
-    for an additive one of -inf, and the other rows are as the oracle's."""
+    for an additive one of -inf, and the other rows are as the oracle's. Both masks take the same arithmetic (on
+    the CPU path the tiled route: a mask that wants its gradient takes it; tests/test_cpu_fused.py covers torch's
+    kernel with such rows), so their results must match bit for bit."""
+    monkeypatch.setattr(cpu, "TORCH_KERNEL", False)
     seqlen_q, seqlen_k = 29, 45
     q, k, v, dout = make_inputs(B, seqlen_q, seqlen_k, H, HK, D, dtype=torch.bfloat16, seed=3)
     hidden = _mask("bool", MASK_SHAPES[shape](seqlen_q, seqlen_k), seed=11, hide_rows=True)
@@ -120,10 +124,8 @@ def test_sdpa_attn_mask_fully_masked_rows(path, shape):
     # the same visibility as an additive mask: 0 where visible, -inf where hidden
     additive = torch.zeros(hidden.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill(~hidden, float("-inf"))
     from_bias = _run_masked(q, k, v, dout, additive)
-    assert torch.equal(from_bias["out"], results["out"])
-    # gradients by the rule: on the CPU path a mask that wants its gradient takes the tiled backward
-    grads = {name: from_bias[name] for name in ("dq", "dk", "dv")}
-    check_against_oracle(grads, q, k, v, dout, softmax_scale=0.3, mask=hidden)
+    for name in ("out", "dq", "dk", "dv"):
+        assert torch.equal(from_bias[name], results[name]), name
     assert torch.isfinite(from_bias["dbias"]).all()
     assert (from_bias["dbias"][..., [0, 5], :] == 0).all()
 
