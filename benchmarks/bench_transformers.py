@@ -30,7 +30,6 @@ import argparse
 import importlib.util
 import json
 import statistics
-import subprocess
 import time
 from functools import partial
 from pathlib import Path
@@ -47,13 +46,6 @@ CONFIG = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
     num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-5, pad_token_id=0,
 )  # fmt: skip
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def synchronize() -> None:
@@ -149,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "none (dry run)"
     common = dict(
         bench="transformers", gpu=gpu, torch=torch.__version__,
-        transformers=transformers.__version__, commit=commit(), layers=config["num_hidden_layers"],
+        transformers=transformers.__version__, layers=config["num_hidden_layers"],
         dtype={torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
         params_b=round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
     )  # fmt: skip
