@@ -35,7 +35,7 @@ def check_head_dim(name: str, head_dim: int) -> None:
 def check_dtype(name: str, t: torch.Tensor) -> None:
     """Raise UnsupportedDtypeError unless ``t`` is float16, bfloat16 or float32. Float32 computes in float32 on
     every path: the CPU path, the Triton interpreter, and on CUDA the Triton kernels with IEEE float32 products
-    (not TF32; the sm_90 Gluon kernels take 16-bit inputs only, so float32 is slower than bf16 there)."""
+    (not TF32; the sm_90 Gluon kernels take 16-bit inputs only)."""
     if t.dtype not in SUPPORTED_DTYPES:
         raise UnsupportedDtypeError(
             f"{name} has dtype {t.dtype}; flashtile supports torch.float16 and torch.bfloat16 (and torch.float32). "
