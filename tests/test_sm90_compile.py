@@ -53,14 +53,15 @@ EXPECTED_STACK = {
     "_delta_kernel delta D64 64/w4/s3 - off": 0,
     "_delta_kernel delta D128 64/w4/s3 - off": 0,
     "_delta_kernel delta D256 64/w4/s3 - off": 0,
-    # 16-row tiles: 0 before the column sums by key column (efde7ca, 2026-12-03); now values kept across the loops, stored before them and
-    # loaded after (not in a loop)
+    # 16-row tiles: 0 before the column sums by key column (efde7ca, 2026-12-03); now values kept across the
+    # loops, stored before them and loaded after (not in a loop)
     "_split_kv_kernel split_kv D64 16x128/w4/s2 - off": 16,
     "_split_kv_kernel split_kv D64 32x128/w4/s2 - off": 0,
     "_split_kv_kernel split_kv D64 64x128/w4/s2 - off": 0,
     "_split_kv_kernel split_kv D128 16x128/w4/s2 - off": 8,  # as D64 16x128
     "_split_kv_kernel split_kv D128 32x128/w4/s2 - off": 0,
-    "_split_kv_kernel split_kv D128 64x128/w4/s2 - off": 72,  # 96 before the decode loop's instruction trim (2026-12-02)
+    # 96 before the decode loop's instruction trim (2026-12-02)
+    "_split_kv_kernel split_kv D128 64x128/w4/s2 - off": 72,
     "_split_kv_kernel split_kv D256 16x64/w8/s2 - off": 0,
     "_split_kv_kernel split_kv D256 32x64/w8/s2 - off": 0,
     "_split_kv_kernel split_kv D256 64x64/w8/s2 - off": 0,
