@@ -61,8 +61,8 @@ _check_values: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fla
 
 @contextlib.contextmanager
 def check_values(enabled: bool) -> Iterator[None]:
-    """Turn the checks of index *values* on CUDA tensors on or off inside a ``with`` block (or a function,
-    as a decorator); the default comes from ``FLASHTILE_CHECK_VALUES`` (1: on).
+    """Turn the checks of index *values* on CUDA tensors on (``enabled`` true) or off (false) inside a ``with``
+    block (or a function, as a decorator); the default comes from ``FLASHTILE_CHECK_VALUES`` (1: on).
 
     These checks copy the index tensors to the host, a synchronisation that drains the GPU's queue, on
     every call; a serving loop that builds its indices itself turns them off::

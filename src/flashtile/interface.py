@@ -222,6 +222,16 @@ def flash_attn_func(
         learnable_sink: keyword only, (nheads,) float32 on q's device, one logit per query head that
             joins the softmax denominator (as in gpt-oss and FlashAttention-4); differentiable
 
+    Raises:
+        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
+            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
+        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
+            headdim_v and either not a multiple of 8)
+        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
+            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
+            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
+            All are raised before anything launches.
+
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim_v)
         if return_attn_probs: (out, softmax_lse, S_dmask) with softmax_lse (batch_size, nheads, seqlen_q),
@@ -308,6 +318,16 @@ def flash_attn_qkvpacked_func(
         qkv: (batch_size, seqlen, 3, nheads, headdim)
         the rest: as ``flash_attn_func``
 
+    Raises:
+        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
+            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
+        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
+            headdim_v and either not a multiple of 8)
+        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
+            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
+            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
+            All are raised before anything launches.
+
     Returns:
         out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask) if
             return_attn_probs (as flash_attn_func)
@@ -341,6 +361,16 @@ def flash_attn_kvpacked_func(
         q: (batch_size, seqlen_q, nheads, headdim)
         kv: (batch_size, seqlen_k, 2, nheads_k, headdim)
         the rest: as ``flash_attn_func``
+
+    Raises:
+        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
+            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
+        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
+            headdim_v and either not a multiple of 8)
+        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
+            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
+            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
+            All are raised before anything launches.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) if
@@ -535,6 +565,18 @@ def flash_attn_varlen_func(
             sequence's keys and values, in order (above)
         learnable_sink: keyword only, (nheads,) float32, as ``flash_attn_func``
 
+    Raises:
+        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
+            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
+        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
+            headdim_v and either not a multiple of 8)
+        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
+            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
+            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
+            cu_seqlens that are not int32 (batch + 1,) running sums, max_seqlen below the longest sequence;
+            on CPU tensors, and on CUDA unless ``check_values(False)``, their values too. All are raised before
+            anything launches.
+
     Returns:
         out: (total_q, nheads, headdim_v)
         if return_attn_probs: (out, softmax_lse, S_dmask) with softmax_lse (nheads, total_q), float32 (flash_attn
@@ -628,6 +670,18 @@ def flash_attn_varlen_qkvpacked_func(
         cu_seqlens: (batch_size + 1,), int32; max_seqlen: int
         the rest: as ``flash_attn_varlen_func``
 
+    Raises:
+        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
+            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
+        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
+            headdim_v and either not a multiple of 8)
+        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
+            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
+            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
+            cu_seqlens that are not int32 (batch + 1,) running sums, max_seqlen below the longest sequence;
+            on CPU tensors, and on CUDA unless ``check_values(False)``, their values too. All are raised before
+            anything launches.
+
     Returns:
         out: (total, nheads, headdim), or (out, softmax_lse (nheads, total), None) if return_attn_probs
     """
@@ -664,6 +718,18 @@ def flash_attn_varlen_kvpacked_func(
         q: (total_q, nheads, headdim)
         kv: (total_k, 2, nheads_k, headdim)
         the rest: as ``flash_attn_varlen_func``
+
+    Raises:
+        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
+            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
+        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
+            headdim_v and either not a multiple of 8)
+        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
+            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
+            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
+            cu_seqlens that are not int32 (batch + 1,) running sums, max_seqlen below the longest sequence;
+            on CPU tensors, and on CUDA unless ``check_values(False)``, their values too. All are raised before
+            anything launches.
 
     Returns:
         out: (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), None) if return_attn_probs

@@ -33,6 +33,11 @@ def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
         input: (num_rows, ...), any dtype, any trailing dims
         indices: (n,), int64, distinct row numbers in [0, num_rows) (``unpad_input``'s indices)
 
+    Raises:
+        flashtile.InputTypeError (a TypeError): an argument that is not a tensor (or an int where one is expected)
+        flashtile.InputError (a ValueError and a RuntimeError): shapes or devices that do not fit together, or
+            indices outside the rows they index.
+
     Returns:
         (n, ...) = input[indices]; differentiable: the gradient is scattered back into those rows (each written
         once, as the indices are distinct), and its own gradient gathers again, so double backward works.
@@ -49,6 +54,11 @@ def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis
         values: (n, ...), any dtype, any trailing dims
         indices: (n,), int64, distinct row numbers in [0, first_axis_dim)
         first_axis_dim: int, rows of the result
+
+    Raises:
+        flashtile.InputTypeError (a TypeError): an argument that is not a tensor (or an int where one is expected)
+        flashtile.InputError (a ValueError and a RuntimeError): shapes or devices that do not fit together, or
+            indices outside the rows they index.
 
     Returns:
         (first_axis_dim, ...), zeros but for rows ``indices``; differentiable in ``values`` (its gradient is
@@ -177,6 +187,11 @@ def unpad_input(
         attention_mask: (batch, seqlen), bool or integer, nonzero (1) = valid token, 0 = padding
         unused_mask: optional (batch, seqlen), bool or integer, nonzero (1) = allocated but unused token
 
+    Raises:
+        flashtile.InputTypeError (a TypeError): an argument that is not a tensor (or an int where one is expected)
+        flashtile.InputError (a ValueError and a RuntimeError): shapes or devices that do not fit together, or
+            indices outside the rows they index.
+
     Returns:
         hidden_states: (total_nnz, ...), the selected tokens, total_nnz = number of selected tokens;
             differentiable: its gradient flows back into the selected rows of the input
@@ -237,6 +252,11 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
             in [0, batch * seqlen): the ``indices`` returned by ``unpad_input``
         batch: int, batch size of the padded output
         seqlen: int, sequence length of the padded output
+
+    Raises:
+        flashtile.InputTypeError (a TypeError): an argument that is not a tensor (or an int where one is expected)
+        flashtile.InputError (a ValueError and a RuntimeError): shapes or devices that do not fit together, or
+            indices outside the rows they index.
 
     Returns:
         hidden_states: (batch, seqlen, ...), row ``indices[i]`` of the flattened output is

@@ -57,6 +57,14 @@ def scaled_dot_product_attention(
         scale: scaling of query @ key^T; default 1 / sqrt(headdim)
         enable_gqa: allow nheads_k < nheads (nheads divisible by nheads_k), as in torch
 
+    Raises:
+        flashtile.InputTypeError (a TypeError): a non-tensor input, a dtype other than float16, bfloat16 or
+            float32, or an attn_mask neither boolean nor of query's dtype
+        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take
+        flashtile.InputError (a ValueError and a RuntimeError): shapes that do not broadcast as torch's SDPA
+            requires (leading dims, GQA without enable_gqa, an attn_mask of another shape), attn_mask with
+            is_causal=True, dropout_p outside [0, 1), scale NaN or infinite; raised before anything launches.
+
     Returns:
         (batch, nheads, seqlen_q, headdim_v) (query's leading dimensions), for 4-D inputs a transposed view of a
         (batch, seqlen_q, nheads, headdim_v) tensor

@@ -101,6 +101,10 @@ def shard(
         layout: "zigzag" (rank r holds chunks r and 2W - 1 - r of 2W) or "contiguous" (chunk r of W)
         dim: the sequence dimension
 
+    Raises:
+        flashtile.InputError (a ValueError and a RuntimeError): an unknown layout, or a seqlen on ``dim`` that
+            the chunks do not divide; raised before anything is sliced.
+
     Returns:
         a new tensor like x with seqlen / world_size positions on ``dim``
     """
@@ -119,6 +123,10 @@ def unshard(
     Args:
         x: this rank's shard, (..., seqlen / world_size, ...) with the sequence on ``dim``
         group, layout, dim: as given to ``shard``
+
+    Raises:
+        flashtile.InputError (a ValueError and a RuntimeError): an unknown layout, or a shard length the held
+            chunks do not divide; raised before the collective.
 
     Returns:
         (..., seqlen, ...) on every rank, positions in sequence order

@@ -595,6 +595,10 @@ def ring_flash_attn_qkvpacked_func(
         qkv: (batch_size, seqlen, 3, nheads, headdim), this rank's shard
         the rest: as ``ring_flash_attn_func``
 
+    Raises:
+        flashtile.InputError: qkv not (batch_size, seqlen, 3, nheads, headdim); the rest as
+            ``ring_flash_attn_func``.
+
     Returns:
         out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, None) if return_attn_probs
     """

@@ -79,6 +79,10 @@ def register(name: str | None = None) -> str:
         name: the implementation name; default ``DEFAULT_NAME`` ("tile_attention"). It must not contain "flash"
             (transformers would look for a hub kernel), "sdpa", "eager", "flex_attention", "paged", "/" or ":".
 
+    Raises:
+        TypeError: ``name`` is not a non-empty str
+        ValueError: ``name`` holds one of the substrings above, which transformers would not route to flashtile
+
     Returns:
         the registered name, to pass as ``attn_implementation``.
     """
@@ -280,6 +284,15 @@ def attention_forward(
         s_aux: (nheads,) learnable sinks (gpt-oss), one extra logit per head in each softmax denominator
         kwargs: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` (packed sequences, as
             transformers' DataCollatorWithFlattening gives them); the rest (position_ids, ...) is not needed
+
+    Raises:
+        NotImplementedError: what flashtile's attention does not serve (a T5-style ``position_bias``,
+            continuous batching's paged ``cache``, a 4-D mask with softcap or sinks), naming the implementation
+            to use instead
+        TypeError: an attention_mask that is neither this module's ``Visibility``, a tensor nor None (the mask
+            function was not registered with the attention function)
+        ValueError: a tensor mask that is not 4-D; flashtile.InputError from the attention functions for inputs
+            they cannot take
 
     Returns:
         (out (batch, seqlen_q, nheads, headdim_v), None): no attention weights are formed
