@@ -121,7 +121,7 @@ def _gluon_missing(op: str, pass_: str, a: dict[str, Any]) -> str | None:
         qualifies = sm90.qualifies(q, k, v, a["dout"], causal, a["softmax_scale"])
     if not qualifies:
         lengths = "; lengths multiples of 128" if pass_ == "bwd" else ""
-        return f"the inputs miss its conditions (bf16/fp16, head dim 64, 128 or 256, a descriptor-ready layout{lengths})"
+        return f"the inputs miss its conditions (bf16/fp16, head dim 64, 128 or 256, descriptor-ready layouts{lengths})"
     return None
 
 
@@ -253,16 +253,14 @@ def _decode_model(a: dict[str, Any]) -> tuple[dict[str, Any], Model]:
     shape = {"B": batch, "Sq": seqlen_q, "seqlen_cache": seqlen_cache, "seqlen_new": seqlen_new,
              "H": q.shape[2], "Hk": k_cache.shape[2], "D": q.shape[3], "Dv": v_cache.shape[3]}  # fmt: skip
     cache_seqlens, leftpad = _host(a["cache_seqlens"]), _host(a["cache_leftpad"])
+    one = iomodel.Problem(1, seqlen_q, seqlen_cache, shape["H"], shape["Hk"], shape["D"], shape["Dv"], q.element_size(),
+                          a["window_left"], a["window_right"])  # fmt: skip
 
     def model() -> tuple[float, float, float]:
         lengths = [seqlen_cache] * batch if cache_seqlens is None else [n + seqlen_new for n in cache_seqlens.tolist()]
         if leftpad is not None:
             lengths = [n - pad for n, pad in zip(lengths, leftpad.tolist(), strict=True)]
-        found = [
-            iomodel.Problem(1, seqlen_q, n, shape["H"], shape["Hk"], shape["D"], shape["Dv"], q.element_size(),
-                            a["window_left"], a["window_right"])  # fmt: skip
-            for n in lengths
-        ]
+        found = [dataclasses.replace(one, seqlen_k=n) for n in lengths]
         moved = iomodel.total(found, "decode_bytes", seqlen_new)
         return iomodel.total(found, "flops", "fwd"), moved, iomodel.total(found, "standard_bytes", "fwd")
 
@@ -489,4 +487,3 @@ def profile() -> Profile:
         ``to_json(path)``
     """
     return Profile()
-
