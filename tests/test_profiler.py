@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
 from rich.console import Console
 
 import flashtile
-from flashtile import _backend, iomodel, profiler
+from flashtile import _backend, cli, iomodel, profiler
 
 KEYS = {"op", "pass", "path", "reason", "shape", "dtype", "flops", "hbm_bytes", "standard_bytes", "time_ms", "tflops",
         "gbps", "fraction_of_peak", "causal", "window", "softcap", "alibi", "sink", "dropout", "mask"}  # fmt: skip
@@ -232,3 +233,43 @@ def test_cuda_passes_are_timed_without_synchronising(monkeypatch):
     fwd, bwd = prof.records
     assert fwd["path"] in ("triton", "gluon-sm90") and fwd["time_ms"] > 0 and bwd["time_ms"] > 0
     assert fwd["reason"]
+
+
+def test_longest_fitting_doubles_then_bisects_to_a_multiple():
+    probes = []
+
+    def fits(n):
+        probes.append(n)
+        return n <= 5000
+
+    assert cli.longest_fitting(fits, multiple=1024) == 4096
+    assert probes == [1024, 2048, 4096, 8192, 6144, 5120]
+    probes.clear()
+    assert cli.longest_fitting(fits, multiple=1024, guess=lambda longest: 4096 + 1024) == 4096
+    assert probes[4:] == [5120]  # the guess, then its neighbour is already known to fit: done
+    probes.clear()
+    limit = 5 * 2**20
+    assert cli.longest_fitting(lambda n: probes.append(n) or n <= limit, guess=lambda longest: limit) == limit
+    assert len(probes) == 14 + 2  # doubling from 1k to 8M, which fails; then the guess and its neighbour
+    assert cli.longest_fitting(lambda n: False) == 0
+
+
+def test_max_context_says_it_needs_a_gpu(capsys):
+    assert cli.main(["check", "--max-context", "--device", "cpu"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("--max-context needs a CUDA GPU")
+    assert "longest sequence (B=1, H=16, D=128, bf16, causal" in out
+
+
+@pytest.mark.gpu
+def test_max_context_on_a_gpu(capsys, monkeypatch):
+    """With a 1 GiB cap (the allocator's fraction of the card): flashtile fits far longer than standard attention."""
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.set_per_process_memory_fraction(2**30 / total)
+    try:
+        assert cli.main(["check", "--max-context"]) == 0
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    out = capsys.readouterr().out
+    found = dict(re.findall(r"^\s*(flashtile|standard)\s+│\s+(\d+)", out, re.MULTILINE))
+    assert int(found["flashtile"]) % 1024 == 0 and int(found["flashtile"]) > 4 * int(found["standard"]) > 0, out
