@@ -13,6 +13,7 @@ from rich.console import Console
 
 import flashtile
 from flashtile import _backend, cli, iomodel, profiler
+from flashtile.bench import hbm, results
 
 KEYS = {"op", "pass", "path", "reason", "shape", "dtype", "flops", "hbm_bytes", "standard_bytes", "time_ms", "tflops",
         "gbps", "fraction_of_peak", "causal", "window", "softcap", "alibi", "sink", "dropout", "mask"}  # fmt: skip
@@ -162,6 +163,7 @@ def test_nothing_is_recorded_or_synchronised_outside_a_profile(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("synchronize"))
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: calls.append("Event"))
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast
     q, k, v = _qkv(1, 16, 16, 2, 2, 16, grad=True)
     flashtile.flash_attn_func(q, k, v).sum().backward()
     with flashtile.profile() as prof:
@@ -206,7 +208,8 @@ def test_times_are_read_when_the_records_are():
     assert prof.records == [rec] and _Event.synchronized == 1  # resolved once
 
 
-def test_table_and_json(tmp_path):
+def test_table_and_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast
     q, k, v = _qkv(1, 16, 16, 2, 2, 16, grad=True)
     with flashtile.profile() as prof:
         flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
@@ -273,3 +276,27 @@ def test_max_context_on_a_gpu(capsys, monkeypatch):
     out = capsys.readouterr().out
     found = dict(re.findall(r"^\s*(flashtile|standard)\s+│\s+(\d+)", out, re.MULTILINE))
     assert int(found["flashtile"]) % 1024 == 0 and int(found["flashtile"]) > 4 * int(found["standard"]) > 0, out
+
+
+def test_ncu_io_script_help_and_dry_run(tmp_path, capsys, monkeypatch):
+    import ncu_io  # benchmarks/, on the path by conftest
+
+    with pytest.raises(SystemExit) as raised:
+        ncu_io.main(["--help"])
+    assert raised.value.code == 0 and "dram__bytes_read.sum" in capsys.readouterr().out
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast at any size
+    assert ncu_io.main(["--out", str(tmp_path), "--dry-run", "--commit", "test"]) == 0
+    records = results.load(tmp_path / "ncu_io.jsonl")
+    assert len(records) == 2 * 2 * 2 and all(list(r) == list(results.FIELDS) for r in records)
+    assert {r["benchmark"] for r in records} == {"io"} and {r["pass"] for r in records} == {"fwd", "bwd"}
+    assert all(r["extra"]["model_bytes"] > 0 and r["extra"]["ncu_bytes"] is None and r["error"] for r in records)
+    assert "| D | N | causal | pass | path | model MB | ncu MB |" in (tmp_path / "ncu_io.md").read_text()
+
+
+def test_parse_ncu_csv():
+    text = ('==PROF== Connected\n"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+            '"0","fwd","dram__bytes_read.sum","byte","1,024"\n"0","fwd","dram__bytes_write.sum","byte","512"\n'
+            '"1","bwd","dram__bytes_read.sum","byte","100"\n')  # fmt: skip
+    assert hbm.parse_ncu_csv(text) == 1024 + 512 + 100
+    with pytest.raises(hbm.NcuUnavailable, match="ERR_NVGPUCTRPERM"):
+        hbm.parse_ncu_csv("==ERROR== ERR_NVGPUCTRPERM - no permission to access NVIDIA GPU Performance Counters\n")

@@ -17,7 +17,7 @@ softmax_lse, dq, dk and dv for a handful of cases, then times forward+backward o
 ``scaled_dot_product_attention`` (whichever kernel torch picks) and of standard attention
 (``attention_reference`` in the inputs' dtype: the score matrix materialised, as a plain PyTorch
 implementation does) at a few sequence lengths, with a progress bar while it works, and gives the HBM bytes
-each moves (``flashtile.bench.io``: Nsight Compute's DRAM counters where ``ncu`` is on PATH and can read them on a
+each moves (``flashtile.bench.hbm``: Nsight Compute's DRAM counters where ``ncu`` is on PATH and can read them on a
 GPU, else the model of ``flashtile.iomodel``, labelled as such).
 """
 
@@ -44,7 +44,7 @@ from rich.table import Table
 
 import flashtile
 from flashtile import _backend
-from flashtile.bench import io
+from flashtile.bench import hbm
 from flashtile.reference import (
     GRADIENT_FACTOR,
     OUTPUT_FACTOR,
@@ -452,16 +452,16 @@ def io_claim(seqlen: int, setup: SpeedSetup, device: torch.device, standard: boo
     """(flashtile's bytes, standard attention's bytes, source of flashtile's, source of standard's) moved in HBM by
     one forward+backward of ``check_speed``'s problem at ``seqlen``: measured by Nsight Compute on a GPU where it can
     (standard attention only where ``standard``: it was timed), else the model."""
-    problem = io.Problem(1, seqlen, setup.nheads, setup.head_dim, dtype="bf16")
-    model = io.model_bytes(problem, device)
+    problem = hbm.Problem(1, seqlen, setup.nheads, setup.head_dim, dtype="bf16")
+    model = hbm.model_bytes(problem, device)
     ours = sum(rec["hbm_bytes"] for rec in model.values())
     theirs = sum(rec["standard_bytes"] for rec in model.values())
     found = [ours, theirs, "model", "model"]
-    if device.type == "cuda" and io.ncu_available():
-        with contextlib.suppress(io.NcuUnavailable):  # the model stands where ncu cannot count
-            found[0], found[2] = io.ncu_bytes(problem, "flashtile", "fwd+bwd"), "ncu"
+    if device.type == "cuda" and hbm.ncu_available():
+        with contextlib.suppress(hbm.NcuUnavailable):  # the model stands where ncu cannot count
+            found[0], found[2] = hbm.ncu_bytes(problem, "flashtile", "fwd+bwd"), "ncu"
             if standard:
-                found[1], found[3] = io.ncu_bytes(problem, "standard", "fwd+bwd"), "ncu"
+                found[1], found[3] = hbm.ncu_bytes(problem, "standard", "fwd+bwd"), "ncu"
     return found[0], found[1], found[2], found[3]
 
 
@@ -487,7 +487,7 @@ def check_io(console: Console, device: torch.device, seqlens: Sequence[int], sta
     )
 
 
-MAX_CONTEXT = io.Problem(batch=1, seqlen=0, nheads=16, head_dim=128, causal=True, dtype="bf16")
+MAX_CONTEXT = hbm.Problem(batch=1, seqlen=0, nheads=16, head_dim=128, causal=True, dtype="bf16")
 """The problem ``--max-context`` grows: B=1, H=16, D=128, bf16, causal; seqlen is what it finds."""
 MAX_CONTEXT_MULTIPLE = 1024
 
@@ -512,14 +512,14 @@ def longest_fitting(
 
 
 def _peak_bytes(impl: str, seqlen: int) -> int | None:
-    """Peak bytes allocated by one forward+backward of ``impl`` (``flashtile.bench.io.forward``) on MAX_CONTEXT at
+    """Peak bytes allocated by one forward+backward of ``impl`` (``flashtile.bench.hbm.forward``) on MAX_CONTEXT at
     ``seqlen``, inputs and gradients included; None when it runs out of GPU memory."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     try:
         q, k, v, dout = dataclasses.replace(MAX_CONTEXT, seqlen=seqlen).inputs("cuda")
-        io.forward(impl, q, k, v, MAX_CONTEXT.causal).backward(dout)
+        hbm.forward(impl, q, k, v, MAX_CONTEXT.causal).backward(dout)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     except torch.OutOfMemoryError:
@@ -549,7 +549,7 @@ def max_context(console: Console, device: torch.device) -> int:
     for column in ("implementation", "N", "peak GiB", "probes"):
         table.add_column(column, justify="left" if column == "implementation" else "right")
     found = {}
-    for impl in io.IMPLEMENTATIONS:
+    for impl in hbm.IMPLEMENTATIONS:
         peaks: dict[int, int] = {}
 
         def fits(seqlen: int, impl: str = impl, peaks: dict[int, int] = peaks) -> bool:

@@ -71,7 +71,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtile import iomodel
-from flashtile.bench import io, plot, results
+from flashtile.bench import hbm, plot, results
 from flashtile.bench.results import OURS, Record
 
 TOTAL_TOKENS = 16384
@@ -766,11 +766,11 @@ class Run:
         return self.records[first:]
 
     def _io(self, case: Case, fwd: Record, bwd: Record) -> None:
-        """Add to flashtile's records the HBM bytes it moves (``flashtile.bench.io``: the model, or Nsight Compute
+        """Add to flashtile's records the HBM bytes it moves (``flashtile.bench.hbm``: the model, or Nsight Compute
         with --ncu) and standard attention's (the model), in ``extra``, and the bandwidth (``tbps``)."""
-        problem = io.Problem(case.B, case.N, case.H, case.D, case.causal, case.dtype)
+        problem = hbm.Problem(case.B, case.N, case.H, case.D, case.causal, case.dtype)
         try:
-            model = io.model_bytes(problem, self.device)
+            model = hbm.model_bytes(problem, self.device)
         except Exception as exc:  # the timing stands; the reason goes with it
             fwd["extra"]["io_error"] = bwd["extra"]["io_error"] = _describe(exc)
             return
@@ -779,8 +779,8 @@ class Run:
             moved, source = found["hbm_bytes"], "model"
             if self.args.ncu:
                 try:
-                    moved, source = io.ncu_bytes(problem, OURS, rec["pass"]), "ncu"
-                except io.NcuUnavailable as exc:
+                    moved, source = hbm.ncu_bytes(problem, OURS, rec["pass"]), "ncu"
+                except hbm.NcuUnavailable as exc:
                     rec["extra"]["io_error"] = str(exc)[:REASON_CHARS]
             rec["extra"].update(hbm_bytes=moved, bytes_source=source, standard_bytes=found["standard_bytes"],
                                 path=found["path"])  # fmt: skip

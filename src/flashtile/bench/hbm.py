@@ -10,7 +10,7 @@ benchmarks/ncu_attention.py runs a warm-up launch before the profiled one. ncu f
 (its default ``--cache-control all``), so a kernel's K/V re-reads that the L2 would catch in a hot loop are counted
 only as far as one kernel's own L2 reuse does not serve them.
 
-    python -m flashtile.bench.io --impl flashtile --pass bwd --batch 1 --seqlen 4096 --nheads 16 --head-dim 128
+    python -m flashtile.bench.hbm --impl flashtile --pass bwd --batch 1 --seqlen 4096 --nheads 16 --head-dim 128
 
 runs one such child pass on its own (without ncu it just runs).
 """
@@ -120,7 +120,7 @@ def ncu_bytes(problem: Problem, impl: str, pass_: str, timeout_s: float = NCU_TI
     if ncu is None:
         raise NcuUnavailable("ncu (Nsight Compute) is not on PATH")
     options = ["--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv", "--print-units", "base"]
-    child = [sys.executable, "-m", "flashtile.bench.io", "--impl", impl, "--pass", pass_, *problem.arguments()]
+    child = [sys.executable, "-m", "flashtile.bench.hbm", "--impl", impl, "--pass", pass_, *problem.arguments()]
     here = str(Path(flashtile.__file__).resolve().parents[1])  # the child imports this flashtile
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     try:
