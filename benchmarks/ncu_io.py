@@ -11,10 +11,11 @@ pass under ``ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__b
 ``torch.cuda.profiler.start()`` and ``stop()``), summed over the pass's kernels. ``--causal`` adds the causal rows.
 Standard attention's bytes (S and P in HBM) are the model's.
 
-Writes ``DIR/ncu_io.jsonl`` (``flashtile.bench.results`` records, benchmark ``io``: ``extra`` holds ``model_bytes``,
-``ncu_bytes``, ``ncu_over_model``, ``standard_bytes`` and the ``path``; ``tbps`` stays empty, nothing is timed) and
-``DIR/ncu_io.md`` (the table for docs/performance.md). Each ncu run takes ~10-30 s (a fresh process; kernels compile
-once, into Triton's cache): the default 6 lengths x 2 head dims x 2 passes take ~5-10 minutes.
+Writes ``DIR/ncu_io.jsonl`` (``flashtile.bench.results`` records, benchmark ``io``: ``extra`` holds
+``model_bytes``, ``floor_bytes``, ``ncu_bytes``, ``ncu_over_model``, ``standard_bytes`` and the ``path``; ``tbps``
+stays empty, nothing is timed) and ``DIR/ncu_io.md`` (the table for docs/profiling.md; floor: each tensor once,
+``flashtile.iomodel``'s ``compulsory_bytes``). Each ncu run takes ~10-30 s (a fresh process; kernels compile once,
+into Triton's cache): the default 6 lengths x 2 head dims x 2 passes take ~5-10 minutes.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def measure(problem: hbm.Problem, device: torch.device, env: results.Record, use
     model = hbm.model_bytes(problem, device)
     found = []
     for pass_ in ("fwd", "bwd"):
-        extra = {"model_bytes": model[pass_]["hbm_bytes"], "standard_bytes": model[pass_]["standard_bytes"],
-                 "path": model[pass_]["path"], "ncu_bytes": None, "ncu_over_model": None}  # fmt: skip
+        found_model = model[pass_]
+        extra = {"model_bytes": found_model["hbm_bytes"], "floor_bytes": found_model["min_hbm_bytes"],
+                 "standard_bytes": found_model["standard_bytes"], "path": found_model["path"], "ncu_bytes": None,
+                 "ncu_over_model": None}  # fmt: skip
         error = None if use_ncu else "not measured: a dry run on the CPU (ncu counts GPU memory)"
         if use_ncu:
             try:
@@ -70,14 +73,15 @@ def measure(problem: hbm.Problem, device: torch.device, env: results.Record, use
 
 def markdown(records: list[results.Record]) -> str:
     """The table: per shape and pass, the model's and ncu's MB, their ratio, and standard attention's MB."""
-    header = ["D", "N", "causal", "pass", "path", "model MB", "ncu MB", "ncu / model", "standard MB (model)"]
+    header = ["D", "N", "causal", "pass", "path", "floor MB", "model MB", "ncu MB", "ncu / model", "standard MB"]
     body = []
     for rec in records:
         s, x = rec["shape"], rec["extra"]
         ncu = "-" if x["ncu_bytes"] is None else f"{x['ncu_bytes'] / 1e6:.1f}"
         ratio = "-" if x["ncu_over_model"] is None else f"{x['ncu_over_model']:.2f}"
         body.append([str(s["D"]), str(s["N"]), "yes" if s["causal"] else "no", rec["pass"], x["path"],
-                     f"{x['model_bytes'] / 1e6:.1f}", ncu, ratio, f"{x['standard_bytes'] / 1e6:.1f}"])  # fmt: skip
+                     f"{x['floor_bytes'] / 1e6:.1f}", f"{x['model_bytes'] / 1e6:.1f}", ncu, ratio,
+                     f"{x['standard_bytes'] / 1e6:.1f}"])  # fmt: skip
     errors = dict.fromkeys(rec["error"] for rec in records if rec["error"])
     lines = ["# HBM bytes: the model against Nsight Compute", "", results.provenance(records), "",
              results.markdown(header, body)]  # fmt: skip

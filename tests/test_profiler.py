@@ -15,8 +15,9 @@ import flashtile
 from flashtile import _backend, cli, iomodel, profiler
 from flashtile.bench import hbm, results
 
-KEYS = {"op", "pass", "path", "reason", "shape", "dtype", "flops", "hbm_bytes", "standard_bytes", "time_ms", "tflops",
-        "gbps", "fraction_of_peak", "causal", "window", "softcap", "alibi", "sink", "dropout", "mask"}  # fmt: skip
+KEYS = {"op", "pass", "path", "reason", "shape", "dtype", "flops", "hbm_bytes", "min_hbm_bytes", "standard_bytes",
+        "time_ms", "tflops", "gbps", "fraction_of_peak", "causal", "window", "softcap", "alibi", "sink", "dropout",
+        "mask"}  # fmt: skip
 
 
 def _brute_pairs(sq: int, sk: int, left: int | None, right: int | None) -> int:
@@ -72,6 +73,15 @@ def test_backward_bytes_by_hand():
     accumulator = 64 * 2 * 16 * 4
     atomic = delta + accumulator + KV_BYTES + 2 * 64 * (32 * 2 + 8) + 2 * 64 * 16 * 4 * 2 + KV_BYTES
     assert SMALL.backward_bytes(64, 32, dq_atomic=True) == atomic + accumulator + Q_BYTES
+
+
+def test_compulsory_bytes_by_hand():
+    assert SMALL.compulsory_bytes("fwd") == Q_BYTES + KV_BYTES + Q_BYTES + STATS
+    # q, k, v, out, dout, lse read; delta written and read; dq, dk, dv written
+    assert SMALL.compulsory_bytes("bwd") == 3 * Q_BYTES + KV_BYTES + STATS + 2 * STATS + Q_BYTES + KV_BYTES
+    assert SMALL.compulsory_bytes("fwd") < SMALL.forward_bytes(128) and SMALL.compulsory_bytes(
+        "bwd"
+    ) < SMALL.backward_bytes(128, 128)
 
 
 def test_standard_and_decode_bytes_by_hand():
@@ -200,7 +210,9 @@ class _Event:
 def test_times_are_read_when_the_records_are():
     prof = flashtile.profile()
     record = {"dtype": "bf16"}
-    prof._pending.append(profiler._Pending(record, lambda: (4e9, 2e6, 8e6), torch.device("cpu"), (_Event(), _Event())))
+    prof._pending.append(
+        profiler._Pending(record, lambda: (4e9, 2e6, 1e6, 8e6), torch.device("cpu"), (_Event(), _Event()))
+    )
     assert _Event.synchronized == 0
     (rec,) = prof.records
     assert _Event.synchronized == 1
@@ -290,7 +302,7 @@ def test_ncu_io_script_help_and_dry_run(tmp_path, capsys, monkeypatch):
     assert len(records) == 2 * 2 * 2 and all(list(r) == list(results.FIELDS) for r in records)
     assert {r["benchmark"] for r in records} == {"io"} and {r["pass"] for r in records} == {"fwd", "bwd"}
     assert all(r["extra"]["model_bytes"] > 0 and r["extra"]["ncu_bytes"] is None and r["error"] for r in records)
-    assert "| D | N | causal | pass | path | model MB | ncu MB |" in (tmp_path / "ncu_io.md").read_text()
+    assert "| D | N | causal | pass | path | floor MB | model MB | ncu MB |" in (tmp_path / "ncu_io.md").read_text()
 
 
 def test_parse_ncu_csv():

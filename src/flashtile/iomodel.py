@@ -22,6 +22,8 @@ comes out at or below the model):
   tile, adds dQ partials into an fp32 accumulator (a read and a write of its rows per key tile, zeroed first and
   cast to dQ at the end) and writes dK and dV.
 - decode: q, the visible part of the K/V cache once, the new keys and values read and appended, out and LSE written.
+- the floor (``compulsory_bytes``): every input read once, every output written once, what a GPU whose L2 cache
+  served all repeated reads would move; real traffic lies between it and the model.
 - standard attention (``standard_bytes``): the same problem with the score matrix S (B, H, Sq, Sk) in HBM, in the
   inputs' dtype: the forward writes S, reads it, writes P = softmax(S) and reads P (4 S-sized transfers) besides
   reading Q, K, V and writing O; the backward writes dP, reads P and dP and writes dS, reads dS twice (dQ, dK) and P
@@ -161,6 +163,20 @@ class Problem:
         kv_reads = self.batch * self.nheads * self._sweeps(block_m, True) * (d + dv) * e
         dq = q_rows + kv_reads + self._rows(self.seqlen_q, self.nheads, d) + mask
         return delta + dkdv + dq
+
+    def compulsory_bytes(self, pass_: str = "fwd") -> float:
+        """The bytes no implementation of ``pass_`` can avoid: each input read once and each output written once
+        (forward: Q, K, V, an attn_mask's visible part; O and LSE; backward: Q, K, V, O, dO, LSE, and delta written
+        and read; dQ, dK, dV). A GPU whose L2 served every repeated K/V read would move this; the model's figure
+        (``forward_bytes``, ``backward_bytes``) assumes it serves none, so measurements fall in between."""
+        q = self._rows(self.seqlen_q, self.nheads, self.head_dim)
+        o = self._rows(self.seqlen_q, self.nheads, self.head_dim_v)  # O, or dO
+        kv = self._rows(self.seqlen_k, self.nheads_k, self.head_dim + self.head_dim_v)  # K and V, or dK and dV
+        stats = self.batch * self.nheads * self.seqlen_q * LSE_BYTES
+        mask = self.batch * self.nheads * self.pairs * self.mask_element_size
+        forward = q + kv + mask + o + stats
+        backward = q + kv + o + o + stats + 2 * stats + mask + q + kv
+        return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[pass_]
 
     def decode_bytes(self, seqlen_new: int = 0) -> float:
         """HBM bytes of decoding with a KV cache: q, the seqlen_k visible cache rows of K and V once (per K/V

@@ -207,8 +207,8 @@ def _options(a: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-Model = Callable[[], tuple[float, float, float]]
-"""Computes (flops, hbm_bytes, standard_bytes) of a pass once its host copies are readable."""
+Model = Callable[[], tuple[float, float, float, float]]
+"""Computes (flops, hbm_bytes, min_hbm_bytes, standard_bytes) of a pass once its host copies are readable."""
 
 
 def _attention_model(op: str, pass_: str, a: dict[str, Any], tiles: Tiles) -> tuple[dict[str, Any], Model]:
@@ -232,14 +232,15 @@ def _attention_model(op: str, pass_: str, a: dict[str, Any], tiles: Tiles) -> tu
             lengths_q, lengths_k = cu_q.diff().tolist(), cu_k.diff().tolist()
             return [_problem(a, 1, sq, sk) for sq, sk in zip(lengths_q, lengths_k, strict=True)]
 
-    def model() -> tuple[float, float, float]:
+    def model() -> tuple[float, float, float, float]:
         found = sequences()
         flops = iomodel.total(found, "flops", pass_)
         if pass_ == "fwd":
             moved = iomodel.total(found, "forward_bytes", tiles.forward_m)
         else:
             moved = iomodel.total(found, "backward_bytes", tiles.backward_n, tiles.backward_m, tiles.dq_atomic)
-        return flops, moved, iomodel.total(found, "standard_bytes", pass_)
+        floor = iomodel.total(found, "compulsory_bytes", pass_)
+        return flops, moved, floor, iomodel.total(found, "standard_bytes", pass_)
 
     return shape, model
 
@@ -256,13 +257,13 @@ def _decode_model(a: dict[str, Any]) -> tuple[dict[str, Any], Model]:
     one = iomodel.Problem(1, seqlen_q, seqlen_cache, shape["H"], shape["Hk"], shape["D"], shape["Dv"], q.element_size(),
                           a["window_left"], a["window_right"])  # fmt: skip
 
-    def model() -> tuple[float, float, float]:
+    def model() -> tuple[float, float, float, float]:
         lengths = [seqlen_cache] * batch if cache_seqlens is None else [n + seqlen_new for n in cache_seqlens.tolist()]
         if leftpad is not None:
             lengths = [n - pad for n, pad in zip(lengths, leftpad.tolist(), strict=True)]
         found = [dataclasses.replace(one, seqlen_k=n) for n in lengths]
-        moved = iomodel.total(found, "decode_bytes", seqlen_new)
-        return iomodel.total(found, "flops", "fwd"), moved, iomodel.total(found, "standard_bytes", "fwd")
+        moved = iomodel.total(found, "decode_bytes", seqlen_new)  # each byte once: the floor too
+        return iomodel.total(found, "flops", "fwd"), moved, moved, iomodel.total(found, "standard_bytes", "fwd")
 
     return shape, model
 
@@ -284,9 +285,9 @@ class _Pending:
             start, end = self.events
             end.synchronize()
             ms = start.elapsed_time(end)
-        flops, moved, standard = self.model()
+        flops, moved, floor, standard = self.model()
         rec = self.record
-        rec.update(flops=flops, hbm_bytes=moved, standard_bytes=standard, time_ms=ms)
+        rec.update(flops=flops, hbm_bytes=moved, min_hbm_bytes=floor, standard_bytes=standard, time_ms=ms)
         measured = ms is not None and ms > 0
         rec["tflops"] = flops / ms * 1e-9 if measured else None
         rec["gbps"] = moved / ms * 1e-6 if measured else None
@@ -307,8 +308,9 @@ class Profile:
     ('cpu', 'triton-interpreter', 'triton', 'gluon-sm90'), ``reason`` (why that path, and why a faster one did
     not run), ``shape`` (a dict: B, Sq, Sk, H, Hk, D, Dv, or the packed and cache sizes), ``dtype`` ('bf16',
     'fp16', 'fp32'), ``device``, ``flops`` (FlashAttention's convention over the visible pairs), ``hbm_bytes`` (the
-    model of the bytes this pass moves in HBM; ``flashtile.iomodel``), ``standard_bytes`` (the bytes standard
-    attention would move), ``time_ms`` (CUDA events; wall time on the CPU; None inside a CUDA graph capture),
+    model of the bytes this pass moves in HBM with no L2 reuse; ``flashtile.iomodel``), ``min_hbm_bytes`` (the
+    floor: each input read and each output written once), ``standard_bytes`` (the bytes standard attention would
+    move), ``time_ms`` (CUDA events; wall time on the CPU; None inside a CUDA graph capture),
     ``tflops``, ``gbps``, ``fraction_of_peak`` (of the GPU's dense bf16/fp16 TFLOP/s or HBM GB/s, whichever is
     nearer; None for float32, the CPU or a GPU ``PEAKS`` does not list), ``bound`` ('compute' or 'memory'), and
     the options: ``causal``, ``window``, ``softcap``, ``alibi``, ``sink``, ``dropout``, ``mask``,

@@ -87,12 +87,14 @@ def forward(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 
 
 def model_bytes(problem: Problem, device: torch.device | str) -> dict[str, dict[str, object]]:
-    """Per pass ('fwd', 'bwd'): the model's ``hbm_bytes`` of flashtile, ``standard_bytes`` and the ``path`` that
-    ran, from one forward and backward of flashtile inside ``flashtile.profile()`` on ``device``."""
+    """Per pass ('fwd', 'bwd'): the model's ``hbm_bytes`` of flashtile and its floor ``min_hbm_bytes``,
+    ``standard_bytes`` and the ``path`` that ran, from one forward and backward of flashtile inside
+    ``flashtile.profile()`` on ``device``."""
     q, k, v, dout = problem.inputs(device)
     with flashtile.profile() as prof:
         forward("flashtile", q, k, v, problem.causal).backward(dout)
-    return {rec["pass"]: {key: rec[key] for key in ("hbm_bytes", "standard_bytes", "path")} for rec in prof.records}
+    keys = ("hbm_bytes", "min_hbm_bytes", "standard_bytes", "path")
+    return {rec["pass"]: {key: rec[key] for key in keys} for rec in prof.records}
 
 
 def ncu_available() -> bool:
