@@ -301,21 +301,8 @@ class _Pending:
 
 
 class Profile:
-    """What ``flashtile.profile()`` returns: the records of the flashtile passes run inside its ``with`` block.
-
-    ``records`` lists one dict per kernel pass (a forward, a backward, a decoding step), in launch order, with
-    the keys ``op`` ('attention', 'varlen_attention' or 'kvcache'), ``pass`` ('fwd' or 'bwd'), ``path``
-    ('cpu', 'triton-interpreter', 'triton', 'gluon-sm90'), ``reason`` (why that path, and why a faster one did
-    not run), ``shape`` (a dict: B, Sq, Sk, H, Hk, D, Dv, or the packed and cache sizes), ``dtype`` ('bf16',
-    'fp16', 'fp32'), ``device``, ``flops`` (FlashAttention's convention over the visible pairs), ``hbm_bytes`` (the
-    model of the bytes this pass moves in HBM with no L2 reuse; ``flashtile.iomodel``), ``min_hbm_bytes`` (the
-    floor: each input read and each output written once), ``standard_bytes`` (the bytes standard attention would
-    move), ``time_ms`` (CUDA events; wall time on the CPU; None inside a CUDA graph capture),
-    ``tflops``, ``gbps``, ``fraction_of_peak`` (of the GPU's dense bf16/fp16 TFLOP/s or HBM GB/s, whichever is
-    nearer; None for float32, the CPU or a GPU ``PEAKS`` does not list), ``bound`` ('compute' or 'memory'), and
-    the options: ``causal``, ``window``, ``softcap``, ``alibi``, ``sink``, ``dropout``, ``mask``,
-    ``deterministic``, ``paged``. Reading ``records`` waits for the passes recorded so far to finish.
-    """
+    """What ``flashtile.profile()`` returns: the records of the flashtile passes run inside its ``with`` block (their
+    keys: ``profile``'s docstring). Reading ``records`` waits for the passes recorded so far to finish."""
 
     def __init__(self) -> None:
         self._pending: list[_Pending] = []
@@ -475,17 +462,29 @@ def profile() -> Profile:
 
     Recorded: the forwards of ``flash_attn_func`` and its packed and varlen forms, SDPA and ring attention's steps,
     their backwards when autograd runs them inside the block, and ``flash_attn_with_kvcache``, also under
-    torch.compile (the passes are custom ops). ``Profile``'s docstring lists each record's keys. Times come from
-    CUDA events around each pass, read when ``records`` (or ``table``, ``to_json``, the block's end) asks, so the
-    passes run without synchronisation; on the CPU they are wall times. Bytes and FLOPs are ``flashtile.iomodel``'s
-    model at the tile sizes of the kernels that run, not a measurement.
+    torch.compile (the passes are custom ops). Times come from CUDA events around each pass, read when ``records``
+    (or ``table``, ``to_json``, the block's end) asks, so the passes run without synchronisation; on the CPU they
+    are wall times. Bytes and FLOPs are ``flashtile.iomodel``'s model at the tile sizes of the kernels that run, not
+    a measurement (docs/profiling.md says what it assumes).
+
+    Each record is a dict: ``op`` ('attention', 'varlen_attention', 'kvcache'), ``pass`` ('fwd', 'bwd'), ``path``
+    ('gluon-sm90', 'triton', 'triton-interpreter', 'cpu'), ``reason`` (why that path, and why a faster one did not
+    run), ``shape`` (dict: B, Sq, Sk, H, Hk, D, Dv, or the packed or cache sizes), ``dtype`` ('bf16', 'fp16',
+    'fp32'), ``device``, ``flops`` (float: 4 * D per visible (query, key) pair and head forward, 2.5 x that
+    backward), ``hbm_bytes`` (float: the model, no L2 reuse), ``min_hbm_bytes`` (each tensor once),
+    ``standard_bytes`` (standard attention's, S and P in HBM), ``time_ms`` (float, or None inside a CUDA graph
+    capture), ``tflops``, ``gbps``, ``fraction_of_peak`` and ``bound`` (of the GPU's dense bf16/fp16 TFLOP/s or HBM
+    GB/s, whichever is nearer, 'compute' or 'memory'; None for float32, the CPU or a GPU not in
+    ``flashtile.profiler.PEAKS``), and the options ``causal``, ``window``, ``softcap``, ``alibi``, ``sink``,
+    ``dropout``, ``mask``, ``deterministic``, ``paged``.
 
     Outside the block recording costs one check of a module variable per pass. The block holds for the whole
     process, not one thread; nested blocks record into the innermost. Raises nothing itself; errors of the calls
     inside propagate (a failed pass is not recorded).
 
     Returns:
-        a ``Profile`` (the ``with`` target): ``records`` (list of dicts), ``table(console=None)``,
-        ``to_json(path)``
+        a ``Profile`` (the ``with`` target) with ``records`` (list of dicts, in launch order),
+        ``table(console=None)`` (prints a rich table to ``console`` or stdout) and ``to_json(path)`` (writes the
+        records as a JSON list)
     """
     return Profile()
