@@ -98,6 +98,8 @@ def test_peaks_by_device_name():
     assert profiler.device_peak("NVIDIA H100 80GB HBM3") == (989.0, 3350.0)
     assert profiler.device_peak("NVIDIA H100 PCIe") == (756.0, 2000.0)
     assert profiler.device_peak("NVIDIA H200") == (989.0, 4800.0)
+    assert profiler.device_peak("NVIDIA GH200 480GB") == (989.0, 4000.0)  # not the H200's
+    assert profiler.device_peak("NVIDIA L40") == (181.0, 864.0)  # not the L4's
     assert profiler.device_peak("NVIDIA A100-SXM4-80GB") == (312.0, 2039.0)
     assert profiler.device_peak("Some Future GPU") is None
 
