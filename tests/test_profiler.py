@@ -187,7 +187,8 @@ def test_nothing_is_recorded_or_synchronised_outside_a_profile(monkeypatch):
     assert calls == []  # the CPU path times by the wall clock; off, nothing at all
 
 
-def test_nested_profiles_record_into_the_innermost():
+def test_nested_profiles_record_into_the_innermost(monkeypatch):
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast
     q, k, v = _qkv(1, 16, 16, 2, 2, 16)
     with flashtile.profile() as outer:
         with flashtile.profile() as inner:
@@ -314,3 +315,13 @@ def test_parse_ncu_csv():
     assert hbm.parse_ncu_csv(text) == 1024 + 512 + 100
     with pytest.raises(hbm.NcuUnavailable, match="ERR_NVGPUCTRPERM"):
         hbm.parse_ncu_csv("==ERROR== ERR_NVGPUCTRPERM - no permission to access NVIDIA GPU Performance Counters\n")
+
+
+def test_compiled_calls_are_recorded(monkeypatch):
+    """Under torch.compile the passes are custom ops whose implementations run at run time: recorded as in eager."""
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast
+    q, k, v = _qkv(1, 16, 16, 2, 2, 16, grad=True)
+    step = torch.compile(lambda *qkv: flashtile.flash_attn_func(*qkv, causal=True), backend="eager", fullgraph=True)
+    with flashtile.profile() as prof:
+        step(q, k, v).sum().backward()
+    assert [(r["op"], r["pass"]) for r in prof.records] == [("attention", "fwd"), ("attention", "bwd")]
