@@ -1,7 +1,7 @@
 """The ``flashtile`` command line (also ``python -m flashtile``).
 
     flashtile info                               versions, device, which path runs, tile configs
-    flashtile check [--device cuda|cpu] [--quick]
+    flashtile check [--device cuda|cpu] [--quick] [--no-ncu]
                                                  verify flashtile against the exact oracle on this
                                                  machine, then time it and measure its memory and
                                                  HBM bytes next to standard attention; exit code 1
@@ -395,8 +395,9 @@ def _measure(step: Step, seqlen: int, setup: SpeedSetup, device: torch.device) -
     return in_fresh_process(measure_cpu, step, seqlen, setup)
 
 
-def check_speed(console: Console, device: torch.device, quick: bool) -> None:
-    """Time forward+backward and measure the peak extra memory of flashtile, torch's SDPA and standard attention."""
+def check_speed(console: Console, device: torch.device, quick: bool, ncu: bool = True) -> None:
+    """Time forward+backward and measure the peak extra memory of flashtile, torch's SDPA and standard attention,
+    then give the HBM bytes each moves (``check_io``; ``ncu`` False: the model only)."""
     setup = SPEED_SETUPS[device.type]
     if _backend.path_name(device) == "triton-interpreter":
         console.print("Speed and memory: skipped, the Triton interpreter is for tests; unset TRITON_INTERPRET.")
@@ -445,19 +446,21 @@ def check_speed(console: Console, device: torch.device, quick: bool) -> None:
             "counted. Each size and implementation runs in its own process."
         )
     console.print()
-    check_io(console, device, seqlens, timed_standard)
+    check_io(console, device, seqlens, timed_standard, ncu)
 
 
-def io_claim(seqlen: int, setup: SpeedSetup, device: torch.device, standard: bool) -> tuple[float, float, str, str]:
+def io_claim(
+    seqlen: int, setup: SpeedSetup, device: torch.device, standard: bool, ncu: bool = True
+) -> tuple[float, float, str, str]:
     """(flashtile's bytes, standard attention's bytes, source of flashtile's, source of standard's) moved in HBM by
     one forward+backward of ``check_speed``'s problem at ``seqlen``: measured by Nsight Compute on a GPU where it can
-    (standard attention only where ``standard``: it was timed), else the model."""
+    and ``ncu`` allows (standard attention only where ``standard``: it was timed), else the model."""
     problem = hbm.Problem(1, seqlen, setup.nheads, setup.head_dim, dtype="bf16")
     model = hbm.model_bytes(problem, device)
     ours = sum(rec["hbm_bytes"] for rec in model.values())
     theirs = sum(rec["standard_bytes"] for rec in model.values())
     found = [ours, theirs, "model", "model"]
-    if device.type == "cuda" and hbm.ncu_available():
+    if ncu and device.type == "cuda" and hbm.ncu_available():
         with contextlib.suppress(hbm.NcuUnavailable):  # the model stands where ncu cannot count
             found[0], found[2] = hbm.ncu_bytes(problem, "flashtile", "fwd+bwd"), "ncu"
             if standard:
@@ -465,16 +468,19 @@ def io_claim(seqlen: int, setup: SpeedSetup, device: torch.device, standard: boo
     return found[0], found[1], found[2], found[3]
 
 
-def check_io(console: Console, device: torch.device, seqlens: Sequence[int], standard: Sequence[int]) -> None:
+def check_io(
+    console: Console, device: torch.device, seqlens: Sequence[int], standard: Sequence[int], ncu: bool = True
+) -> None:
     """Print the HBM bytes one forward+backward moves, flashtile's against standard attention's, per length
-    (``standard``: the lengths at which standard attention was timed, measured there where ncu can)."""
+    (``standard``: the lengths at which standard attention was timed, measured there where ncu can; ``ncu`` False:
+    the model only)."""
     setup = SPEED_SETUPS[device.type]
     memory = "HBM" if device.type == "cuda" else "Memory"
     table = _table(f"{memory} bytes of forward+backward, B=1 H={setup.nheads} D={setup.head_dim} bf16: MB")
     for column in ("N", "flashtile", "standard", "standard / flashtile"):
         table.add_column(column, justify="right")
     for seqlen in seqlens:
-        ours, theirs, our_source, their_source = io_claim(seqlen, setup, device, seqlen in standard)
+        ours, theirs, our_source, their_source = io_claim(seqlen, setup, device, seqlen in standard, ncu)
         table.add_row(
             str(seqlen), f"{ours / 1e6:.1f} ({our_source})", f"{theirs / 1e6:.1f} ({their_source})",
             f"{theirs / ours:.1f}×",
@@ -583,13 +589,13 @@ def max_context(console: Console, device: torch.device) -> int:
     return 0
 
 
-def check(console: Console, device: torch.device, quick: bool) -> int:
-    """``flashtile check``: 0 when every correctness case passes, 1 otherwise."""
+def check(console: Console, device: torch.device, quick: bool, ncu: bool = True) -> int:
+    """``flashtile check``: 0 when every correctness case passes, 1 otherwise (``ncu``: as ``check_speed``)."""
     where = _device_description() if device.type == "cuda" else f"the CPU ({torch.get_num_threads()} threads)"
     console.print(f"flashtile {flashtile.__version__} check on {where}\npath: {_path_description(device)}\n")
     start = time.perf_counter()
     passed = check_correctness(console, device)
-    check_speed(console, device, quick)
+    check_speed(console, device, quick, ncu)
     verdict = "[green]all cases PASS[/]" if passed else "[bold red]FAIL: see the table above[/]"
     console.print(f"{verdict} ({time.perf_counter() - start:.0f} s)")
     return 0 if passed else 1
@@ -620,6 +626,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     check_parser.add_argument("--quick", action="store_true", help="fewer sequence lengths for the timing")
     check_parser.add_argument(
+        "--no-ncu",
+        action="store_true",
+        help="HBM bytes from the model even where Nsight Compute (ncu) could count them",
+    )
+    check_parser.add_argument(
         "--max-context",
         action="store_true",
         help="instead: the longest sequence whose forward+backward fits in GPU memory (B=1, H=16, D=128, bf16, "
@@ -647,4 +658,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     if args.max_context:
         return max_context(console, device)
-    return check(console, device, args.quick)
+    return check(console, device, args.quick, ncu=not args.no_ncu)

@@ -229,6 +229,8 @@ def _attention_model(op: str, pass_: str, a: dict[str, Any], tiles: Tiles) -> tu
         cu_q, cu_k = _host(a["cu_seqlens_q"]), _host(a["cu_seqlens_k"])
         shape = {"batch": a["cu_seqlens_q"].shape[0] - 1, "total_q": q.shape[0], "total_k": k.shape[0],
                  "max_seqlen_q": a["max_seqlen_q"], "max_seqlen_k": a["max_seqlen_k"], **heads}  # fmt: skip
+        if a.get("block_table") is not None:  # k and v are pages: (num_blocks, page_block_size, Hk, D)
+            shape.update(total_k=None, num_blocks=k.shape[0], page_block_size=k.shape[1])
 
         def sequences() -> list[iomodel.Problem]:
             lengths_q, lengths_k = cu_q.diff().tolist(), cu_k.diff().tolist()
