@@ -325,3 +325,28 @@ def test_compiled_calls_are_recorded(monkeypatch):
     with flashtile.profile() as prof:
         step(q, k, v).sum().backward()
     assert [(r["op"], r["pass"]) for r in prof.records] == [("attention", "fwd"), ("attention", "bwd")]
+
+
+def test_why_the_sm90_kernels_do_not_run(monkeypatch):
+    """The reasons of ``profiler._gluon_missing`` as an H100/H200 would give them (the capability faked; the
+    kernels' ``qualifies`` read only shapes, dtypes and strides)."""
+    monkeypatch.setattr(_backend, "GLUON", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    q, k, v = _qkv(1, 128, 128, 2, 2, 64)
+    base = {"q": q, "k": k, "v": v, "dout": q, "window_left": None, "window_right": 0, "softcap": 0.0,
+            "alibi_slopes": None, "dropout_p": 0.0, "learnable_sink": None, "softmax_scale": 0.125}  # fmt: skip
+    assert profiler._gluon_missing("attention", "fwd", base) is None
+    assert profiler._gluon_missing("attention", "bwd", {**base, "deterministic": False}) is None
+    assert "deterministic=True" in profiler._gluon_missing("attention", "bwd", {**base, "deterministic": True})
+    assert "softcap" in profiler._gluon_missing("attention", "fwd", {**base, "softcap": 30.0})
+    assert "a window" in profiler._gluon_missing("attention", "fwd", {**base, "window_left": 16})
+    assert "packed" in profiler._gluon_missing("varlen_attention", "fwd", base)
+    fp32 = {**base, "q": q.float(), "k": k.float(), "v": v.float()}
+    assert "bf16/fp16" in profiler._gluon_missing("attention", "fwd", fp32)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "sm_80" in profiler._gluon_missing("attention", "fwd", base)
+    monkeypatch.setattr(_backend, "GLUON", False)
+    assert profiler._gluon_missing("attention", "fwd", base) == "FLASHTILE_GLUON=0"
+    # the tile sizes the model takes for that path: the Gluon kernels' configs at D=64 (192-row forward items)
+    tiles = profiler._tiles("gluon-sm90", {**base, "window_right": None})
+    assert (tiles.forward_m, tiles.backward_n, tiles.dq_atomic) == (192, 128, True)
