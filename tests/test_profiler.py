@@ -92,6 +92,8 @@ def test_standard_and_decode_bytes_by_hand():
     new_rows = 2 * 2 * 2 * 16 * 2  # 2 new tokens x batch 2 x 2 heads x (8 + 8) x 2 bytes, read and written
     q_out = 2 * 1 * 4 * 8 * 2
     assert one_token.decode_bytes(2) == q_out + 2 * 100 * 2 * 16 * 2 + 2 * new_rows + q_out + 2 * 4 * 4
+    windowed = iomodel.Problem(2, 1, 100, 4, 2, 8, 8, 2, 9, 0)  # the last token sees the 10 newest keys
+    assert windowed.decode_bytes(0) == q_out + 2 * 10 * 2 * 16 * 2 + q_out + 2 * 4 * 4
 
 
 def test_peaks_by_device_name():

@@ -179,11 +179,14 @@ class Problem:
         return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[pass_]
 
     def decode_bytes(self, seqlen_new: int = 0) -> float:
-        """HBM bytes of decoding with a KV cache: q, the seqlen_k visible cache rows of K and V once (per K/V
-        head: the query heads of a group share the read), ``seqlen_new`` new keys and values read and written into
-        the cache, out and LSE written."""
+        """HBM bytes of decoding with a KV cache of seqlen_k keys (the new ones included): q, the cache rows some query
+        sees (all of them without a window) of K and V once (per K/V head: the query heads of a group share the
+        read), ``seqlen_new`` new keys and values read and written into the cache, out and LSE written."""
         q = self._rows(self.seqlen_q, self.nheads, self.head_dim)
-        cache = self._rows(self.seqlen_k, self.nheads_k, self.head_dim + self.head_dim_v)
+        offset = self.seqlen_k - self.seqlen_q
+        first = 0 if self.window_left is None else max(0, offset - self.window_left)
+        last = self.seqlen_k if self.window_right is None else min(self.seqlen_k, self.seqlen_k + self.window_right)
+        cache = self._rows(max(0, last - first), self.nheads_k, self.head_dim + self.head_dim_v)
         new = 2 * self._rows(seqlen_new, self.nheads_k, self.head_dim + self.head_dim_v)
         out = self._rows(self.seqlen_q, self.nheads, self.head_dim_v)
         lse = self.batch * self.nheads * self.seqlen_q * LSE_BYTES
