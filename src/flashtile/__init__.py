@@ -17,6 +17,7 @@ from flashtile.interface import (
 )
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.padding import pad_input, unpad_input
+from flashtile.profiler import profile
 from flashtile.sdpa import scaled_dot_product_attention
 
 __version__ = "0.2.0"
@@ -33,6 +34,7 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "pad_input",
+    "profile",
     "scaled_dot_product_attention",
     "unpad_input",
 ]

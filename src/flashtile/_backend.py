@@ -106,9 +106,16 @@ def path_name(device: torch.device) -> str:
     )
 
 
+RECORDING = None
+"""The active ``flashtile.profile()`` (a ``flashtile.profiler.Profile``) or None: while set, the attention passes
+(``attention_path``) and decoding steps (``kvcache``) record into it; None costs one check per pass."""
+
+
 def attention_path(device: torch.device) -> ModuleType:
-    """The module that implements attention for tensors on ``device``."""
-    return imported("flashtile.cpu" if path_name(device) == "cpu" else "flashtile.ops.attention")
+    """The module that implements attention for tensors on ``device`` (inside ``flashtile.profile()``, that module
+    with its passes recorded)."""
+    path = imported("flashtile.cpu" if path_name(device) == "cpu" else "flashtile.ops.attention")
+    return path if RECORDING is None else RECORDING.attention_path(path)
 
 
 @functools.cache

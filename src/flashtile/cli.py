@@ -1,10 +1,13 @@
 """The ``flashtile`` command line (also ``python -m flashtile``).
 
     flashtile info                               versions, device, which path runs, tile configs
-    flashtile check [--device cuda|cpu] [--quick]
+    flashtile check [--device cuda|cpu] [--quick] [--no-ncu]
                                                  verify flashtile against the exact oracle on this
-                                                 machine, then time it and measure its memory next
-                                                 to standard attention; exit code 1 on a failure
+                                                 machine, then time it and measure its memory and
+                                                 HBM bytes next to standard attention; exit code 1
+                                                 on a failure
+    flashtile check --max-context                the longest sequence whose forward+backward fits in
+                                                 this GPU's memory, flashtile's and standard attention's
     flashtile bench [ARGS...]                    flashtile against its peers on a GPU
                                                  (``flashtile.bench.attention``; try --help)
 
@@ -13,12 +16,16 @@ the exact oracle within a small factor of the error the oracle itself makes in f
 softmax_lse, dq, dk and dv for a handful of cases, then times forward+backward of flashtile, of torch's
 ``scaled_dot_product_attention`` (whichever kernel torch picks) and of standard attention
 (``attention_reference`` in the inputs' dtype: the score matrix materialised, as a plain PyTorch
-implementation does) at a few sequence lengths, with a progress bar while it works.
+implementation does) at a few sequence lengths, with a progress bar while it works, and gives the HBM bytes
+each moves (``flashtile.bench.hbm``: Nsight Compute's DRAM counters where ``ncu`` is on PATH and can read them on a
+GPU, else the model of ``flashtile.iomodel``, labelled as such).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import multiprocessing
 import platform
 import statistics
@@ -37,6 +44,7 @@ from rich.table import Table
 
 import flashtile
 from flashtile import _backend
+from flashtile.bench import hbm
 from flashtile.reference import (
     GRADIENT_FACTOR,
     OUTPUT_FACTOR,
@@ -387,8 +395,9 @@ def _measure(step: Step, seqlen: int, setup: SpeedSetup, device: torch.device) -
     return in_fresh_process(measure_cpu, step, seqlen, setup)
 
 
-def check_speed(console: Console, device: torch.device, quick: bool) -> None:
-    """Time forward+backward and measure the peak extra memory of flashtile, torch's SDPA and standard attention."""
+def check_speed(console: Console, device: torch.device, quick: bool, ncu: bool = True) -> None:
+    """Time forward+backward and measure the peak extra memory of flashtile, torch's SDPA and standard attention,
+    then give the HBM bytes each moves (``check_io``; ``ncu`` False: the model only)."""
     setup = SPEED_SETUPS[device.type]
     if _backend.path_name(device) == "triton-interpreter":
         console.print("Speed and memory: skipped, the Triton interpreter is for tests; unset TRITON_INTERPRET.")
@@ -401,7 +410,7 @@ def check_speed(console: Console, device: torch.device, quick: bool) -> None:
         table.add_column(name, justify="right")
     for name in others:
         table.add_column(f"vs {name}", justify="right")
-    skipped = []
+    skipped, timed_standard = [], []
     with _progress(console, "timing", len(seqlens) * len(STEPS)) as step:
         for seqlen in seqlens:
             measured: dict[str, tuple[float, float] | None] = {}
@@ -415,6 +424,8 @@ def check_speed(console: Console, device: torch.device, quick: bool) -> None:
                     measured[name] = None
                     continue
                 measured[name] = _measure(function, seqlen, setup, device)
+            if measured["standard"] is not None:
+                timed_standard.append(seqlen)
             ours_ms = measured["flashtile"][0]
             cells = ["skipped" if m is None else f"{m[0]:.1f} ({m[1]:.0f})" for m in map(measured.get, STEPS)]
             ratios = [f"{measured[name][0] / ours_ms:.2f}×" if measured[name] else "-" for name in others]
@@ -434,15 +445,157 @@ def check_speed(console: Console, device: torch.device, quick: bool) -> None:
             "resident set size (ru_maxrss) of a fresh process during one run, after a small warm-up; inputs not "
             "counted. Each size and implementation runs in its own process."
         )
+    console.print()
+    check_io(console, device, seqlens, timed_standard, ncu)
 
 
-def check(console: Console, device: torch.device, quick: bool) -> int:
-    """``flashtile check``: 0 when every correctness case passes, 1 otherwise."""
+def io_claim(
+    seqlen: int, setup: SpeedSetup, device: torch.device, standard: bool, ncu: bool = True
+) -> tuple[float, float, str, str]:
+    """(flashtile's bytes, standard attention's bytes, source of flashtile's, source of standard's) moved in HBM by
+    one forward+backward of ``check_speed``'s problem at ``seqlen``: measured by Nsight Compute on a GPU where it can
+    and ``ncu`` allows (standard attention only where ``standard``: it was timed), else the model."""
+    problem = hbm.Problem(1, seqlen, setup.nheads, setup.head_dim, dtype="bf16")
+    model = hbm.model_bytes(problem, device)
+    ours = sum(rec["hbm_bytes"] for rec in model.values())
+    theirs = sum(rec["standard_bytes"] for rec in model.values())
+    found = [ours, theirs, "model", "model"]
+    if ncu and device.type == "cuda" and hbm.ncu_available():
+        with contextlib.suppress(hbm.NcuUnavailable):  # the model stands where ncu cannot count
+            found[0], found[2] = hbm.ncu_bytes(problem, "flashtile", "fwd+bwd"), "ncu"
+            if standard:
+                found[1], found[3] = hbm.ncu_bytes(problem, "standard", "fwd+bwd"), "ncu"
+    return found[0], found[1], found[2], found[3]
+
+
+def check_io(
+    console: Console, device: torch.device, seqlens: Sequence[int], standard: Sequence[int], ncu: bool = True
+) -> None:
+    """Print the HBM bytes one forward+backward moves, flashtile's against standard attention's, per length
+    (``standard``: the lengths at which standard attention was timed, measured there where ncu can; ``ncu`` False:
+    the model only)."""
+    setup = SPEED_SETUPS[device.type]
+    memory = "HBM" if device.type == "cuda" else "Memory"
+    table = _table(f"{memory} bytes of forward+backward, B=1 H={setup.nheads} D={setup.head_dim} bf16: MB")
+    for column in ("N", "flashtile", "standard", "standard / flashtile"):
+        table.add_column(column, justify="right")
+    for seqlen in seqlens:
+        ours, theirs, our_source, their_source = io_claim(seqlen, setup, device, seqlen in standard, ncu)
+        table.add_row(
+            str(seqlen), f"{ours / 1e6:.1f} ({our_source})", f"{theirs / 1e6:.1f} ({their_source})",
+            f"{theirs / ours:.1f}×",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        "model: flashtile.iomodel (flashtile: each tensor once, K and V once per query tile, at the tile sizes that "
+        "ran, no L2 reuse; standard: S and P written and read in HBM); ncu: Nsight Compute's DRAM counters "
+        "(dram__bytes_read.sum + dram__bytes_write.sum over the pass's kernels).\n"
+    )
+
+
+MAX_CONTEXT = hbm.Problem(batch=1, seqlen=0, nheads=16, head_dim=128, causal=True, dtype="bf16")
+"""The problem ``--max-context`` grows: B=1, H=16, D=128, bf16, causal; seqlen is what it finds."""
+MAX_CONTEXT_MULTIPLE = 1024
+
+
+def longest_fitting(
+    fits: Callable[[int], bool], multiple: int = MAX_CONTEXT_MULTIPLE, guess: Callable[[int], int | None] | None = None
+) -> int:
+    """The largest multiple of ``multiple`` for which ``fits`` holds (0 if not even ``multiple`` does), assuming it
+    holds up to some length and fails beyond: doubling from ``multiple`` until it fails, then bisecting. ``guess``,
+    given the largest length that fitted while doubling, may name a first probe (then its neighbour) for the bisection,
+    which saves probes at lengths where each costs a long run."""
+    lo, hi = 0, multiple
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    probe = guess(lo) if guess is not None and lo else None
+    while hi - lo > multiple:
+        mid = probe if probe is not None and lo < probe < hi else (lo + hi) // (2 * multiple) * multiple
+        ok = fits(mid)
+        lo, hi = (mid, hi) if ok else (lo, mid)
+        probe = (mid + multiple if ok else mid - multiple) if mid == probe else None
+    return lo
+
+
+def _peak_bytes(impl: str, seqlen: int) -> int | None:
+    """Peak bytes allocated by one forward+backward of ``impl`` (``flashtile.bench.hbm.forward``) on MAX_CONTEXT at
+    ``seqlen``, inputs and gradients included; None when it runs out of GPU memory."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    try:
+        q, k, v, dout = dataclasses.replace(MAX_CONTEXT, seqlen=seqlen).inputs("cuda")
+        hbm.forward(impl, q, k, v, MAX_CONTEXT.causal).backward(dout)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    except RuntimeError as exc:  # torch.OutOfMemoryError, or a library's own allocation failure (cuBLAS)
+        if isinstance(exc, torch.OutOfMemoryError) or "ALLOC_FAILED" in str(exc):
+            return None
+        raise
+    finally:
+        q = k = v = dout = None
+        torch.cuda.empty_cache()
+
+
+def max_context(console: Console, device: torch.device) -> int:
+    """``flashtile check --max-context``: the longest MAX_CONTEXT sequence (a multiple of 1024) whose
+    forward+backward fits in this GPU's memory, for flashtile and for standard attention; 1 without a GPU."""
+    shape = (f"B={MAX_CONTEXT.batch}, H={MAX_CONTEXT.nheads}, D={MAX_CONTEXT.head_dim}, {MAX_CONTEXT.dtype}, causal, "
+             "forward+backward with inputs and gradients")  # fmt: skip
+    if device.type != "cuda":
+        console.print(
+            f"--max-context needs a CUDA GPU: it finds the longest sequence ({shape}) whose forward and backward fit "
+            "in the GPU's memory, by running them at growing lengths. This machine runs flashtile on its CPU, whose "
+            "memory is the host's: flashtile's grows linearly with the length and standard attention's "
+            "quadratically (the score matrix), which `flashtile check` shows at a few lengths.",
+            markup=False, highlight=False,
+        )  # fmt: skip
+        return 1
+    free, total = torch.cuda.mem_get_info(device)
+    console.print(f"{_device_description()}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} free); {shape}")
+    table = _table("Longest sequence that fits")
+    for column in ("implementation", "N", "peak GiB", "probes"):
+        table.add_column(column, justify="left" if column == "implementation" else "right")
+    found = {}
+    for impl in hbm.IMPLEMENTATIONS:
+        peaks: dict[int, int] = {}
+
+        def fits(seqlen: int, impl: str = impl, peaks: dict[int, int] = peaks) -> bool:
+            console.print(f"{impl}: N={seqlen} ...", end=" ", highlight=False)
+            peak = _peak_bytes(impl, seqlen)
+            console.print("out of memory" if peak is None else f"{peak / 2**30:.2f} GiB", highlight=False)
+            if peak is not None:
+                peaks[seqlen] = peak
+            return peak is not None
+
+        def linear_guess(longest: int, peaks: dict[int, int] = peaks) -> int | None:
+            """flashtile's memory grows linearly: the length at which the line through the last two fits meets the
+            free memory."""
+            if longest // 2 not in peaks:
+                return None
+            per_token = (peaks[longest] - peaks[longest // 2]) / (longest // 2)
+            fixed = peaks[longest] - per_token * longest
+            return int((free - fixed) / per_token) // MAX_CONTEXT_MULTIPLE * MAX_CONTEXT_MULTIPLE
+
+        n = longest_fitting(fits, guess=linear_guess if impl == "flashtile" else None)
+        found[impl] = n
+        peak = peaks.get(n)
+        table.add_row(impl, str(n), "-" if peak is None else f"{peak / 2**30:.1f}", str(len(peaks)))
+    console.print(table)
+    if found["standard"]:
+        console.print(
+            f"flashtile fits {found['flashtile'] / found['standard']:.1f}× the context of standard attention."
+        )
+    return 0
+
+
+def check(console: Console, device: torch.device, quick: bool, ncu: bool = True) -> int:
+    """``flashtile check``: 0 when every correctness case passes, 1 otherwise (``ncu``: as ``check_speed``)."""
     where = _device_description() if device.type == "cuda" else f"the CPU ({torch.get_num_threads()} threads)"
     console.print(f"flashtile {flashtile.__version__} check on {where}\npath: {_path_description(device)}\n")
     start = time.perf_counter()
     passed = check_correctness(console, device)
-    check_speed(console, device, quick)
+    check_speed(console, device, quick, ncu)
     verdict = "[green]all cases PASS[/]" if passed else "[bold red]FAIL: see the table above[/]"
     console.print(f"{verdict} ({time.perf_counter() - start:.0f} s)")
     return 0 if passed else 1
@@ -472,6 +625,17 @@ def _parser() -> argparse.ArgumentParser:
         "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available, else cpu"
     )
     check_parser.add_argument("--quick", action="store_true", help="fewer sequence lengths for the timing")
+    check_parser.add_argument(
+        "--no-ncu",
+        action="store_true",
+        help="HBM bytes from the model even where Nsight Compute (ncu) could count them",
+    )
+    check_parser.add_argument(
+        "--max-context",
+        action="store_true",
+        help="instead: the longest sequence whose forward+backward fits in GPU memory (B=1, H=16, D=128, bf16, "
+        "causal), flashtile's and standard attention's (a CUDA GPU; minutes on a large one)",
+    )
     commands.add_parser(
         "bench", add_help=False, help="flashtile against its peers on a GPU (arguments are passed on; try --help)"
     )
@@ -492,4 +656,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here; use --device cpu")
-    return check(console, device, args.quick)
+    if args.max_context:
+        return max_context(console, device)
+    return check(console, device, args.quick, ncu=not args.no_ncu)

@@ -46,10 +46,13 @@ INDEX_DTYPE = torch.int32
 
 def _implementation(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``kvcache_forward`` of the path that runs for ``device`` (``flashtile._backend.path_name``): ``cpu_decode``'s,
-    or that of ``flashtile.ops.decode``, imported on first use (it imports Triton, which the CPU path does not need)."""
+    or that of ``flashtile.ops.decode``, imported on first use (it imports Triton, which the CPU path does not need);
+    inside ``flashtile.profile()``, recording each call."""
     if path_name(device) == "cpu":
-        return cpu_decode.kvcache_forward
-    return _backend.imported("flashtile.ops.decode").kvcache_forward
+        implementation = cpu_decode.kvcache_forward
+    else:
+        implementation = _backend.imported("flashtile.ops.decode").kvcache_forward
+    return implementation if _backend.RECORDING is None else _backend.RECORDING.decode(implementation)
 
 
 @torch.library.custom_op("flashtile::kvcache_forward", mutates_args=("k_cache", "v_cache"))

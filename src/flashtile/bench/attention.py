@@ -1,7 +1,7 @@
 """flashtile against its peers on one GPU: same inputs, same process, forward and backward.
 
     flashtile bench --out DIR [--quick] [--shapes standard|memory|all|variants] [--providers flashtile,cudnn,...]
-        [--dtypes bf16,fp16] [--commit SHA] [--dry-run]
+        [--dtypes bf16,fp16] [--commit SHA] [--ncu] [--dry-run]
 
 (also ``python -m flashtile.bench.attention``). Writes ``DIR/attention.jsonl`` (the records of
 ``flashtile.bench.results``, rewritten after every shape, so a stopped run keeps what it measured),
@@ -21,7 +21,10 @@ Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call), 
 - fwd: one forward with the inputs requiring grad (as in training, so the softmax statistics are kept);
 - bwd: the backward alone, ``out.backward(dout, retain_graph=True)`` on a graph built once, gradients set to
   None outside the timed region.
-FLOPs: fwd 4·B·H·N²·D, halved when causal; bwd 2.5 × fwd.
+FLOPs: fwd 4·B·H·N²·D, halved when causal; bwd 2.5 × fwd (``flashtile.iomodel``).
+IO: flashtile's records carry the HBM bytes it moves per pass in ``extra`` (``hbm_bytes``, ``bytes_source``: 'model'
+from ``flashtile.iomodel`` at the tile sizes that ran, or 'ncu' with ``--ncu``: Nsight Compute's DRAM counters) beside
+standard attention's (``standard_bytes``, the model with S and P in HBM), and ``tbps`` from them; a table shows both.
 
 Accuracy spot check before timing each shape, against ``sdpa_flash`` on the same inputs: the max abs
 difference of the output (fwd) or of dq, dk, dv (bwd); a record is flagged above the dtype's tolerance
@@ -67,7 +70,8 @@ from rich.table import Table
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtile.bench import plot, results
+from flashtile import iomodel
+from flashtile.bench import hbm, plot, results
 from flashtile.bench.results import OURS, Record
 
 TOTAL_TOKENS = 16384
@@ -78,7 +82,6 @@ MEMORY_PROVIDERS = ("flashtile", "sdpa_flash")
 REFERENCE = "sdpa_flash"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {"bf16": 0.05, "fp16": 0.01}
-BWD_FLOPS_FACTOR = 2.5
 MIB = 1 << 20
 REASON_CHARS = 400
 FORWARD_FAILED = "not run: the forward failed"
@@ -421,9 +424,9 @@ class Case:
         return cls(dtype, max(1, total_tokens // n), n, max(1, HIDDEN // d), d, causal)
 
     def flops(self, pass_: str) -> float:
-        """4·B·H·N²·D for the forward, halved when causal; 2.5 × that for the backward."""
-        fwd = 4.0 * self.B * self.H * self.N * self.N * self.D * (0.5 if self.causal else 1.0)
-        return fwd if pass_ == "fwd" else BWD_FLOPS_FACTOR * fwd
+        """4·B·H·N²·D for the forward, halved when causal; 2.5 × that for the backward
+        (``flashtile.iomodel.convention_flops``)."""
+        return iomodel.convention_flops(self.B, self.H, self.N, self.D, self.causal, pass_)
 
     def __str__(self) -> str:
         """'bf16 D=128 N=4096 B=4 H=16 causal'."""
@@ -560,20 +563,14 @@ class VariantCase:
     def pairs(self) -> int:
         """Visible (query, key) pairs per (batch, head): N² without a mask (also with an attn_mask, which
         hides keys by value, not by position); N(N+1)/2 causal; each query's band under a window."""
-        n = self.N
-        if not self.causal and self.window is None:
-            return n * n
-        left, right = self.window if self.window is not None else (-1, -1)
-        left = n if left < 0 else left
-        right = n if right < 0 else right
+        left, right = (None if w < 0 else w for w in self.window) if self.window is not None else (None, None)
         if self.causal:
-            right = min(right, 0)
-        return sum(max(0, min(n - 1, i + right) - max(0, i - left) + 1) for i in range(n))
+            right = 0 if right is None else min(right, 0)
+        return iomodel.visible_pairs(self.N, self.N, left, right)
 
     def flops(self, pass_: str) -> float:
-        """4·B·H·D·pairs forward, 2.5 × that backward: only visible pairs count."""
-        fwd = 4.0 * self.B * self.H * self.D * self.pairs
-        return fwd if pass_ == "fwd" else BWD_FLOPS_FACTOR * fwd
+        """4·B·H·D·pairs forward, 2.5 × that backward: only visible pairs count (``flashtile.iomodel``)."""
+        return iomodel.attention_flops(self.B * self.pairs, self.H, self.D, pass_=pass_)
 
     def __str__(self) -> str:
         """'features softcap=30 bf16 D=128 N=4096 B=4 H=16'."""
@@ -763,8 +760,32 @@ class Run:
             )  # fmt: skip
             for x in (q, k, v):
                 x.grad = None
+            if provider.name == OURS and fwd["error"] is None:
+                self._io(case, fwd, bwd)
             self._empty_cache()
         return self.records[first:]
+
+    def _io(self, case: Case, fwd: Record, bwd: Record) -> None:
+        """Add to flashtile's records the HBM bytes it moves (``flashtile.bench.hbm``: the model, or Nsight Compute
+        with --ncu) and standard attention's (the model), in ``extra``, and the bandwidth (``tbps``)."""
+        problem = hbm.Problem(case.B, case.N, case.H, case.D, case.causal, case.dtype)
+        try:
+            model = hbm.model_bytes(problem, self.device)
+        except Exception as exc:  # the timing stands; the reason goes with it
+            fwd["extra"]["io_error"] = bwd["extra"]["io_error"] = _describe(exc)
+            return
+        for rec in (fwd, bwd):
+            found = model[rec["pass"]]
+            moved, source = found["hbm_bytes"], "model"
+            if self.args.ncu:
+                try:
+                    moved, source = hbm.ncu_bytes(problem, OURS, rec["pass"]), "ncu"
+                except hbm.NcuUnavailable as exc:
+                    rec["extra"]["io_error"] = str(exc)[:REASON_CHARS]
+            rec["extra"].update(hbm_bytes=moved, bytes_source=source, standard_bytes=found["standard_bytes"],
+                                path=found["path"])  # fmt: skip
+            if rec["time_ms"]:
+                rec["tbps"] = moved / rec["time_ms"] * 1e-9
 
     def _reference(
         self, case: Case, q: Tensor, k: Tensor, v: Tensor, dout: Tensor
@@ -963,7 +984,26 @@ def tables(records: Sequence[Record]) -> list[tuple[str, list[str], list[list[st
             digits = 3 if value == "time_ms" else 0
             header, body = results.table(rows, keys, value, measured, ratios_against=peers, digits=digits)
             found.append((TITLES[benchmark].format(dtype=dtype, unit=UNITS[value]), header, body))
-    return found
+    io_table = _io_table(records)
+    return found if io_table is None else [*found, io_table]
+
+
+def _io_table(records: Sequence[Record]) -> tuple[str, list[str], list[list[str]]] | None:
+    """(title, header, rows) of the HBM bytes flashtile moves against standard attention's, per shape and pass, from
+    flashtile's records (``Run._io``); None without any."""
+    rows = [r for r in records if r["benchmark"] == "attention" and "hbm_bytes" in r["extra"]]
+    if not rows:
+        return None
+    header = ["dtype", "D", "N", "causal", "pass", "flashtile MB", "source", "standard MB", "standard / flashtile"]
+    body = []
+    for rec in rows:
+        s, x = rec["shape"], rec["extra"]
+        body.append([s["dtype"], str(s["D"]), str(s["N"]), "yes" if s["causal"] else "no", rec["pass"],
+                     f"{x['hbm_bytes'] / 1e6:.1f}", x["bytes_source"], f"{x['standard_bytes'] / 1e6:.1f}",
+                     f"{x['standard_bytes'] / x['hbm_bytes']:.1f}×"])  # fmt: skip
+    title = ("HBM bytes moved, flashtile (model: flashtile.iomodel; ncu: Nsight Compute's DRAM counters) against "
+             "standard attention's (S and P in HBM, model)")  # fmt: skip
+    return title, header, body
 
 
 TITLES = {
@@ -1064,6 +1104,12 @@ def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> ar
         "--dry-run", action="store_true", help="tiny sizes on the CPU, to check the set-up (times mean nothing)"
     )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    parser.add_argument(
+        "--ncu",
+        action="store_true",
+        help="measure flashtile's HBM bytes with Nsight Compute (ncu on PATH; two child runs per shape) instead of "
+        "the model",
+    )
     args = parser.parse_args(argv)
     variants = args.shapes == "variants"
     if args.warmup is None:

@@ -1,0 +1,354 @@
+"""flashtile.profile() and its model (flashtile.iomodel): records per pass, their keys, FLOPs and bytes against
+hand computations, and nothing (no record, no event, no synchronisation) outside a profile block."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+import torch
+from rich.console import Console
+
+import flashtile
+from flashtile import _backend, cli, iomodel, profiler
+from flashtile.bench import hbm, results
+
+KEYS = {"op", "pass", "path", "reason", "shape", "dtype", "flops", "hbm_bytes", "min_hbm_bytes", "standard_bytes",
+        "time_ms", "tflops", "gbps", "fraction_of_peak", "causal", "window", "softcap", "alibi", "sink", "dropout",
+        "mask"}  # fmt: skip
+
+
+def _brute_pairs(sq: int, sk: int, left: int | None, right: int | None) -> int:
+    offset = sk - sq
+    return sum(
+        1
+        for i in range(sq)
+        for j in range(sk)
+        if (left is None or j >= i + offset - left) and (right is None or j <= i + offset + right)
+    )
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (7, 7), (5, 13), (13, 5), (0, 4), (33, 17)])
+@pytest.mark.parametrize("window", [(None, None), (None, 0), (3, 0), (2, 5), (0, 0), (None, 2), (4, None), (40, 40)])
+def test_visible_pairs_counts_every_pair_the_mask_leaves(sq, sk, window):
+    assert iomodel.visible_pairs(sq, sk, *window) == _brute_pairs(sq, sk, *window)
+
+
+def test_flops_follow_flash_attentions_convention():
+    # causal 100 x 100: 5050 visible pairs; 4 * D per pair and head forward, 2.5 x that backward
+    assert iomodel.attention_flops(2 * 5050, 4, 32) == 4 * 32 * 5050 * 2 * 4
+    assert iomodel.attention_flops(10, 1, 64, pass_="bwd") == 2.5 * 4 * 64 * 10
+    assert iomodel.attention_flops(10, 1, 64, 32, pass_="fwd+bwd") == 3.5 * 2 * (64 + 32) * 10
+    assert iomodel.convention_flops(2, 4, 100, 32, causal=True) == 0.5 * 4 * 2 * 4 * 100 * 100 * 32
+    with pytest.raises(ValueError, match="pass must be one of"):
+        iomodel.pass_factor("forward")
+
+
+# B=1, Sq=Sk=64, H=2 query heads on Hk=1 key/value head (GQA), D=Dv=16, bf16 (2 bytes), no mask
+SMALL = iomodel.Problem(1, 64, 64, 2, 1, 16, 16, 2)
+Q_BYTES = 64 * 2 * 16 * 2  # q, out, dq, dout: 4096 each
+KV_BYTES = 64 * 1 * 32 * 2  # k and v together (and dk, dv): 4096
+STATS = 2 * 64 * 4  # one of lse, delta: 512
+
+
+def test_forward_bytes_by_hand():
+    # 32-row query tiles: 2 tiles per head, each reads all 64 keys of K and V (32 values of 2 bytes per key row)
+    kv_reads = 2 * 2 * 64 * 32 * 2  # heads x tiles x keys x (D + Dv) x bytes
+    assert SMALL.forward_bytes(32) == Q_BYTES + kv_reads + Q_BYTES + STATS
+    # causal: 2080 of 4096 pairs visible; 128-row tiles: one tile per head
+    causal = iomodel.Problem(1, 64, 64, 2, 1, 16, 16, 2, None, 0)
+    assert causal.forward_bytes(128) == Q_BYTES + 2 * 1 * 2080 / 64 * 32 * 2 + Q_BYTES + STATS
+
+
+def test_backward_bytes_by_hand():
+    delta = 2 * Q_BYTES + STATS  # read out and dout, write delta
+    # dK/dV: K, V once; one 64-key tile per K/V head, which reads the 64 rows of Q, dO, lse, delta of each query head
+    dkdv = KV_BYTES + 2 * 64 * (32 * 2 + 2 * 4) + KV_BYTES
+    # dQ: Q, dO, lse, delta once; K and V once per 32-row query tile (2 per head); dq written
+    dq = 2 * Q_BYTES + 2 * STATS + 2 * 2 * 64 * 32 * 2 + Q_BYTES
+    assert SMALL.backward_bytes(64, 32) == delta + dkdv + dq
+    # dQ through an fp32 accumulator: zeroed, a read and a write of 64 rows x 16 fp32 per key tile and head, cast
+    accumulator = 64 * 2 * 16 * 4
+    atomic = delta + accumulator + KV_BYTES + 2 * 64 * (32 * 2 + 8) + 2 * 64 * 16 * 4 * 2 + KV_BYTES
+    assert SMALL.backward_bytes(64, 32, dq_atomic=True) == atomic + accumulator + Q_BYTES
+
+
+def test_compulsory_bytes_by_hand():
+    assert SMALL.compulsory_bytes("fwd") == Q_BYTES + KV_BYTES + Q_BYTES + STATS
+    # q, k, v, out, dout, lse read; delta written and read; dq, dk, dv written
+    assert SMALL.compulsory_bytes("bwd") == 3 * Q_BYTES + KV_BYTES + STATS + 2 * STATS + Q_BYTES + KV_BYTES
+    assert SMALL.compulsory_bytes("fwd") < SMALL.forward_bytes(128) and SMALL.compulsory_bytes(
+        "bwd"
+    ) < SMALL.backward_bytes(128, 128)
+
+
+def test_standard_and_decode_bytes_by_hand():
+    scores = 2 * 64 * 64 * 2  # (B, H, Sq, Sk) in bf16
+    assert SMALL.standard_bytes("fwd") == Q_BYTES + KV_BYTES + 4 * scores + Q_BYTES
+    assert SMALL.standard_bytes("bwd") == Q_BYTES + Q_BYTES + KV_BYTES + 7 * scores + Q_BYTES + KV_BYTES
+    one_token = iomodel.Problem(2, 1, 100, 4, 2, 8, 8, 2)  # two sequences of 100 cached keys, one query each
+    new_rows = 2 * 2 * 2 * 16 * 2  # 2 new tokens x batch 2 x 2 heads x (8 + 8) x 2 bytes, read and written
+    q_out = 2 * 1 * 4 * 8 * 2
+    assert one_token.decode_bytes(2) == q_out + 2 * 100 * 2 * 16 * 2 + 2 * new_rows + q_out + 2 * 4 * 4
+    windowed = iomodel.Problem(2, 1, 100, 4, 2, 8, 8, 2, 9, 0)  # the last token sees the 10 newest keys
+    assert windowed.decode_bytes(0) == q_out + 2 * 10 * 2 * 16 * 2 + q_out + 2 * 4 * 4
+
+
+def test_peaks_by_device_name():
+    assert profiler.device_peak("NVIDIA H100 80GB HBM3") == (989.0, 3350.0)
+    assert profiler.device_peak("NVIDIA H100 PCIe") == (756.0, 2000.0)
+    assert profiler.device_peak("NVIDIA H200") == (989.0, 4800.0)
+    assert profiler.device_peak("NVIDIA GH200 480GB") == (989.0, 4000.0)  # not the H200's
+    assert profiler.device_peak("NVIDIA L40") == (181.0, 864.0)  # not the L4's
+    assert profiler.device_peak("NVIDIA A100-SXM4-80GB") == (312.0, 2039.0)
+    assert profiler.device_peak("Some Future GPU") is None
+
+
+def _qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16, grad=False):
+    q = torch.randn(b, sq, h, d, dtype=dtype, requires_grad=grad)
+    k, v = (torch.randn(b, sk, hk, d, dtype=dtype, requires_grad=grad) for _ in range(2))
+    return q, k, v
+
+
+def test_forward_only_is_one_record_with_every_key(path):
+    q, k, v = _qkv(1, 64, 64, 2, 1, 16)
+    with flashtile.profile() as prof:
+        flashtile.flash_attn_func(q, k, v)
+    (rec,) = prof.records
+    assert KEYS <= rec.keys()
+    expected_path = "cpu" if path == "cpu" else "triton-interpreter"
+    assert (rec["op"], rec["pass"], rec["path"], rec["dtype"]) == ("attention", "fwd", expected_path, "bf16")
+    assert rec["shape"] == {"B": 1, "Sq": 64, "Sk": 64, "H": 2, "Hk": 1, "D": 16, "Dv": 16}
+    assert rec["flops"] == 4 * 16 * 64 * 64 * 2
+    block_m = 128 if path == "cpu" else 32  # flashtile.cpu.BLOCK_M; the interpreter's config
+    assert rec["hbm_bytes"] == Q_BYTES + 2 * -(-64 // block_m) * 64 * 32 * 2 + Q_BYTES + STATS
+    assert rec["standard_bytes"] == SMALL.standard_bytes("fwd")
+    assert rec["time_ms"] > 0 and rec["tflops"] > 0 and rec["gbps"] > 0
+    assert rec["fraction_of_peak"] is None  # no peak on a CPU
+    assert rec["causal"] is False and rec["window"] is None
+
+
+def test_forward_and_backward_are_two_records(path):
+    q, k, v = _qkv(2, 17, 33, 2, 2, 16, grad=True)
+    with flashtile.profile() as prof:
+        out = flashtile.flash_attn_func(q, k, v, causal=True, window_size=(8, 0))
+        out.sum().backward()
+    fwd, bwd = prof.records
+    assert (fwd["pass"], bwd["pass"]) == ("fwd", "bwd")
+    assert fwd["window"] == [8, 0] and not fwd["causal"]
+    problem = iomodel.Problem(2, 17, 33, 2, 2, 16, 16, 2, 8, 0)
+    assert fwd["flops"] == problem.flops("fwd") and bwd["flops"] == problem.flops("bwd")
+    assert bwd["flops"] == 2.5 * fwd["flops"]
+    assert bwd["hbm_bytes"] > fwd["hbm_bytes"] and bwd["standard_bytes"] > fwd["standard_bytes"]
+
+
+def test_varlen_records_count_each_sequence():
+    lengths = [5, 20, 1]
+    cu = torch.tensor([0, 5, 25, 26], dtype=torch.int32)
+    q, k, v = (torch.randn(26, 2, 16, requires_grad=True) for _ in range(3))
+    with flashtile.profile() as prof:
+        flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 20, 20, causal=True).sum().backward()
+    fwd, bwd = prof.records
+    assert (fwd["op"], fwd["pass"], bwd["op"], bwd["pass"]) == ("varlen_attention", "fwd", "varlen_attention", "bwd")
+    assert fwd["shape"]["batch"] == 3 and fwd["dtype"] == "fp32"
+    assert fwd["flops"] == sum(4 * 16 * 2 * n * (n + 1) // 2 for n in lengths)
+
+
+def test_kvcache_records_the_visible_cache(path):
+    q = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = torch.randn(2, 100, 2, 8), torch.randn(2, 100, 2, 8)
+    k, v = torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
+    seqlens = torch.tensor([10, 50], dtype=torch.int32)
+    with flashtile.profile() as prof:
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
+    (rec,) = prof.records
+    assert (rec["op"], rec["pass"], rec["path"]) == ("kvcache", "fwd", "cpu" if path == "cpu" else "triton-interpreter")
+    assert rec["shape"]["seqlen_cache"] == 100 and rec["shape"]["seqlen_new"] == 1
+    visible = [11, 51]  # the cache lengths after appending one token
+    assert rec["flops"] == sum(4 * 8 * 4 * n for n in visible)
+    cache_reads = sum(n * 2 * 16 * 4 for n in visible)  # keys x heads_k x (D + Dv) x fp32
+    q_out_lse = 2 * (2 * 4 * 8 * 4) + 2 * 4 * 4
+    assert rec["hbm_bytes"] == cache_reads + 2 * (2 * 2 * 16 * 4) + q_out_lse
+
+
+def test_nothing_is_recorded_or_synchronised_outside_a_profile(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: calls.append("Event"))
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast
+    q, k, v = _qkv(1, 16, 16, 2, 2, 16, grad=True)
+    flashtile.flash_attn_func(q, k, v).sum().backward()
+    with flashtile.profile() as prof:
+        flashtile.flash_attn_func(q, k, v).sum().backward()
+    assert _backend.RECORDING is None
+    assert not isinstance(_backend.attention_path(q.device), profiler._RecordedPath)
+    flashtile.flash_attn_func(q, k, v).sum().backward()
+    assert len(prof.records) == 2
+    assert calls == []  # the CPU path times by the wall clock; off, nothing at all
+
+
+def test_nested_profiles_record_into_the_innermost(monkeypatch):
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast
+    q, k, v = _qkv(1, 16, 16, 2, 2, 16)
+    with flashtile.profile() as outer:
+        with flashtile.profile() as inner:
+            flashtile.flash_attn_func(q, k, v)
+        assert _backend.RECORDING is outer
+        flashtile.flash_attn_func(q, k, v)
+    assert (len(outer.records), len(inner.records)) == (1, 1)
+
+
+class _Event:
+    """A CUDA event stand-in that counts synchronisations."""
+
+    synchronized = 0
+
+    def synchronize(self):
+        _Event.synchronized += 1
+
+    def elapsed_time(self, end):
+        return 2.0
+
+
+def test_times_are_read_when_the_records_are():
+    prof = flashtile.profile()
+    record = {"dtype": "bf16"}
+    prof._pending.append(
+        profiler._Pending(record, lambda: (4e9, 2e6, 1e6, 8e6), torch.device("cpu"), (_Event(), _Event()))
+    )
+    assert _Event.synchronized == 0
+    (rec,) = prof.records
+    assert _Event.synchronized == 1
+    assert (rec["time_ms"], rec["tflops"], rec["gbps"]) == (2.0, 2.0, 1.0)
+    assert prof.records == [rec] and _Event.synchronized == 1  # resolved once
+
+
+def test_table_and_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast
+    q, k, v = _qkv(1, 16, 16, 2, 2, 16, grad=True)
+    with flashtile.profile() as prof:
+        flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
+    console = Console(file=io.StringIO(), width=200)
+    prof.table(console)
+    text = console.file.getvalue()
+    assert "attention fwd" in text and "attention bwd" in text and "total" in text and "causal" in text
+    path = tmp_path / "profile.json"
+    prof.to_json(path)
+    saved = json.loads(path.read_text())
+    assert [r["pass"] for r in saved] == ["fwd", "bwd"] and KEYS <= saved[0].keys()
+
+
+@pytest.mark.gpu
+def test_cuda_passes_are_timed_without_synchronising(monkeypatch):
+    q, k, v = (torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    flashtile.flash_attn_func(q, k, v).sum().backward()  # compile first
+    synchronized = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synchronized.append(a) or real(*a))
+    with flashtile.profile() as prof:
+        flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
+        assert synchronized == [] and len(prof._pending) == 2
+    fwd, bwd = prof.records
+    assert fwd["path"] in ("triton", "gluon-sm90") and fwd["time_ms"] > 0 and bwd["time_ms"] > 0
+    assert fwd["reason"]
+
+
+def test_longest_fitting_doubles_then_bisects_to_a_multiple():
+    probes = []
+
+    def fits(n):
+        probes.append(n)
+        return n <= 5000
+
+    assert cli.longest_fitting(fits, multiple=1024) == 4096
+    assert probes == [1024, 2048, 4096, 8192, 6144, 5120]
+    probes.clear()
+    assert cli.longest_fitting(fits, multiple=1024, guess=lambda longest: 4096 + 1024) == 4096
+    assert probes[4:] == [5120]  # the guess, then its neighbour is already known to fit: done
+    probes.clear()
+    limit = 5 * 2**20
+    assert cli.longest_fitting(lambda n: probes.append(n) or n <= limit, guess=lambda longest: limit) == limit
+    assert len(probes) == 14 + 2  # doubling from 1k to 8M, which fails; then the guess and its neighbour
+    assert cli.longest_fitting(lambda n: False) == 0
+
+
+def test_max_context_says_it_needs_a_gpu(capsys):
+    assert cli.main(["check", "--max-context", "--device", "cpu"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("--max-context needs a CUDA GPU")
+    assert "longest sequence (B=1, H=16, D=128, bf16, causal" in out
+
+
+@pytest.mark.gpu
+def test_max_context_on_a_gpu(capsys, monkeypatch):
+    """With a 1 GiB cap (the allocator's fraction of the card): flashtile fits far longer than standard attention."""
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.set_per_process_memory_fraction(2**30 / total)
+    try:
+        assert cli.main(["check", "--max-context"]) == 0
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    out = capsys.readouterr().out
+    found = dict(re.findall(r"^\s*(flashtile|standard)\s+│\s+(\d+)", out, re.MULTILINE))
+    assert int(found["flashtile"]) % 1024 == 0 and int(found["flashtile"]) > 4 * int(found["standard"]) > 0, out
+
+
+def test_ncu_io_script_help_and_dry_run(tmp_path, capsys, monkeypatch):
+    import ncu_io  # benchmarks/, on the path by conftest
+
+    with pytest.raises(SystemExit) as raised:
+        ncu_io.main(["--help"])
+    assert raised.value.code == 0 and "dram__bytes_read.sum" in capsys.readouterr().out
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast at any size
+    assert ncu_io.main(["--out", str(tmp_path), "--dry-run", "--commit", "test"]) == 0
+    records = results.load(tmp_path / "ncu_io.jsonl")
+    assert len(records) == 2 * 2 * 2 and all(list(r) == list(results.FIELDS) for r in records)
+    assert {r["benchmark"] for r in records} == {"io"} and {r["pass"] for r in records} == {"fwd", "bwd"}
+    assert all(r["extra"]["model_bytes"] > 0 and r["extra"]["ncu_bytes"] is None and r["error"] for r in records)
+    assert "| D | N | causal | pass | path | floor MB | model MB | ncu MB |" in (tmp_path / "ncu_io.md").read_text()
+
+
+def test_parse_ncu_csv():
+    text = ('==PROF== Connected\n"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+            '"0","fwd","dram__bytes_read.sum","byte","1,024"\n"0","fwd","dram__bytes_write.sum","byte","512"\n'
+            '"1","bwd","dram__bytes_read.sum","byte","100"\n')  # fmt: skip
+    assert hbm.parse_ncu_csv(text) == 1024 + 512 + 100
+    with pytest.raises(hbm.NcuUnavailable, match="ERR_NVGPUCTRPERM"):
+        hbm.parse_ncu_csv("==ERROR== ERR_NVGPUCTRPERM - no permission to access NVIDIA GPU Performance Counters\n")
+
+
+def test_compiled_calls_are_recorded(monkeypatch):
+    """Under torch.compile the passes are custom ops whose implementations run at run time: recorded as in eager."""
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu: fast
+    q, k, v = _qkv(1, 16, 16, 2, 2, 16, grad=True)
+    step = torch.compile(lambda *qkv: flashtile.flash_attn_func(*qkv, causal=True), backend="eager", fullgraph=True)
+    with flashtile.profile() as prof:
+        step(q, k, v).sum().backward()
+    assert [(r["op"], r["pass"]) for r in prof.records] == [("attention", "fwd"), ("attention", "bwd")]
+
+
+def test_why_the_sm90_kernels_do_not_run(monkeypatch):
+    """The reasons of ``profiler._gluon_missing`` as an H100/H200 would give them (the capability faked; the
+    kernels' ``qualifies`` read only shapes, dtypes and strides)."""
+    monkeypatch.setattr(_backend, "GLUON", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    q, k, v = _qkv(1, 128, 128, 2, 2, 64)
+    base = {"q": q, "k": k, "v": v, "dout": q, "window_left": None, "window_right": 0, "softcap": 0.0,
+            "alibi_slopes": None, "dropout_p": 0.0, "learnable_sink": None, "softmax_scale": 0.125}  # fmt: skip
+    assert profiler._gluon_missing("attention", "fwd", base) is None
+    assert profiler._gluon_missing("attention", "bwd", {**base, "deterministic": False}) is None
+    assert "deterministic=True" in profiler._gluon_missing("attention", "bwd", {**base, "deterministic": True})
+    assert "softcap" in profiler._gluon_missing("attention", "fwd", {**base, "softcap": 30.0})
+    assert "a window" in profiler._gluon_missing("attention", "fwd", {**base, "window_left": 16})
+    assert "packed" in profiler._gluon_missing("varlen_attention", "fwd", base)
+    fp32 = {**base, "q": q.float(), "k": k.float(), "v": v.float()}
+    assert "bf16/fp16" in profiler._gluon_missing("attention", "fwd", fp32)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "sm_80" in profiler._gluon_missing("attention", "fwd", base)
+    monkeypatch.setattr(_backend, "GLUON", False)
+    assert profiler._gluon_missing("attention", "fwd", base) == "FLASHTILE_GLUON=0"
+    # the tile sizes the model takes for that path: the Gluon kernels' configs at D=64 (192-row forward items)
+    tiles = profiler._tiles("gluon-sm90", {**base, "window_right": None})
+    assert (tiles.forward_m, tiles.backward_n, tiles.dq_atomic) == (192, 128, True)
