@@ -119,9 +119,13 @@ def rows(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # Compiling every variant from an empty cache takes about 9 minutes with triton 3.7.1 and 11 with 3.9.0 on a
     # busy two-core machine (two processes): the limit only stops a compile that hangs.
+    # Under another Triton (CI's newest) the stack sizes are not compared: one variant per config is compiled
+    # (``sample_variants``), so that every config still meets that compiler.
+    sample = ["--sample"] if OTHER_TRITON else []
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--json", str(out)], env=env, capture_output=True, text=True, timeout=1200
-    )
+        [sys.executable, str(SCRIPT), "--json", str(out), *sample], env=env, capture_output=True, text=True,
+        timeout=1200,
+    )  # fmt: skip
     if not out.exists():
         pytest.fail(f"tests/sm90_compile.py wrote no results (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return json.loads(out.read_text())
