@@ -5,17 +5,17 @@
 
 bf16, the standard table's shapes (B * N = 16384 tokens, at least one sequence; H * D = 2048). Per shape and pass,
 the model's bytes come from one forward and backward inside ``flashtile.profile()``
-(``flashtile.bench.hbm.model_bytes``: for the kernels that ran), and ncu's from one child process per
-pass under ``ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum``
+(``flashtile.bench.hbm.model_bytes``: the model of the kernels that ran), and ncu's from one child process per pass
+under ``ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum``
 (``flashtile.bench.hbm.ncu_bytes``: warm-up passes first, then the measured one between
 ``torch.cuda.profiler.start()`` and ``stop()``), summed over the pass's kernels. ``--causal`` adds the causal rows.
 Standard attention's bytes (S and P in HBM) are the model's.
 
 Writes ``DIR/ncu_io.jsonl`` (``flashtile.bench.results`` records, benchmark ``io``: ``extra`` holds
 ``model_bytes``, ``floor_bytes``, ``ncu_bytes``, ``ncu_over_model``, ``standard_bytes`` and the ``path``; ``tbps``
-stays empty, nothing is timed) and ``DIR/ncu_io.md`` (the table for docs/profiling.md; floor: each tensor once,
-``flashtile.iomodel``'s ``compulsory_bytes``). Each ncu run takes ~10-30 s (a fresh process; kernels compile once,
-into Triton's cache): the default 6 lengths x 2 head dims x 2 passes take ~5-10 minutes.
+stays empty, nothing is timed) and ``DIR/ncu_io.md`` (the table for docs/profiling.md, with standard / ncu; floor:
+each tensor once, ``flashtile.iomodel``'s ``compulsory_bytes``). Each ncu run takes ~10-30 s (a fresh process;
+kernels compile once, into Triton's cache): the default 6 lengths x 2 head dims x 2 passes take ~5-10 minutes.
 """
 
 from __future__ import annotations
