@@ -5,17 +5,17 @@
 
 bf16, the standard table's shapes (B * N = 16384 tokens, at least one sequence; H * D = 2048). Per shape and pass,
 the model's bytes come from one forward and backward inside ``flashtile.profile()``
-(``flashtile.bench.hbm.model_bytes``: the tile sizes of the kernels that ran), and ncu's from one child process per
-pass under ``ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum``
+(``flashtile.bench.hbm.model_bytes``: the model of the kernels that ran), and ncu's from one child process per pass
+under ``ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum``
 (``flashtile.bench.hbm.ncu_bytes``: warm-up passes first, then the measured one between
 ``torch.cuda.profiler.start()`` and ``stop()``), summed over the pass's kernels. ``--causal`` adds the causal rows.
 Standard attention's bytes (S and P in HBM) are the model's.
 
 Writes ``DIR/ncu_io.jsonl`` (``flashtile.bench.results`` records, benchmark ``io``: ``extra`` holds
 ``model_bytes``, ``floor_bytes``, ``ncu_bytes``, ``ncu_over_model``, ``standard_bytes`` and the ``path``; ``tbps``
-stays empty, nothing is timed) and ``DIR/ncu_io.md`` (the table for docs/profiling.md; floor: each tensor once,
-``flashtile.iomodel``'s ``compulsory_bytes``). Each ncu run takes ~10-30 s (a fresh process; kernels compile once,
-into Triton's cache): the default 6 lengths x 2 head dims x 2 passes take ~5-10 minutes.
+stays empty, nothing is timed) and ``DIR/ncu_io.md`` (the table for docs/profiling.md, with standard / ncu; floor:
+each tensor once, ``flashtile.iomodel``'s ``compulsory_bytes``). Each ncu run takes ~10-30 s (a fresh process;
+kernels compile once, into Triton's cache): the default 6 lengths x 2 head dims x 2 passes take ~5-10 minutes.
 """
 
 from __future__ import annotations
@@ -72,16 +72,20 @@ def measure(problem: hbm.Problem, device: torch.device, env: results.Record, use
 
 
 def markdown(records: list[results.Record]) -> str:
-    """The table: per shape and pass, the model's and ncu's MB, their ratio, and standard attention's MB."""
-    header = ["D", "N", "causal", "pass", "path", "floor MB", "model MB", "ncu MB", "ncu / model", "standard MB"]
+    """The table: per shape and pass, the floor's, the model's and ncu's MB, ncu over the model, standard attention's
+    MB and its ratio to ncu's (what flashtile saves)."""
+    header = ["D", "N", "causal", "pass", "path", "floor MB", "model MB", "ncu MB", "ncu / model", "standard MB",
+              "standard / ncu"]  # fmt: skip
     body = []
     for rec in records:
         s, x = rec["shape"], rec["extra"]
-        ncu = "-" if x["ncu_bytes"] is None else f"{x['ncu_bytes'] / 1e6:.1f}"
+        measured = x["ncu_bytes"] is not None
+        ncu = f"{x['ncu_bytes'] / 1e6:.1f}" if measured else "-"
         ratio = "-" if x["ncu_over_model"] is None else f"{x['ncu_over_model']:.2f}"
+        saved = f"{x['standard_bytes'] / x['ncu_bytes']:.1f}×" if measured else "-"
         body.append([str(s["D"]), str(s["N"]), "yes" if s["causal"] else "no", rec["pass"], x["path"],
                      f"{x['floor_bytes'] / 1e6:.1f}", f"{x['model_bytes'] / 1e6:.1f}", ncu, ratio,
-                     f"{x['standard_bytes'] / 1e6:.1f}"])  # fmt: skip
+                     f"{x['standard_bytes'] / 1e6:.1f}", saved])  # fmt: skip
     errors = dict.fromkeys(rec["error"] for rec in records if rec["error"])
     lines = ["# HBM bytes: the model against Nsight Compute", "", results.provenance(records), "",
              results.markdown(header, body)]  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,34 +55,63 @@ STATS = 2 * 64 * 4  # one of lse, delta: 512
 
 
 def test_forward_bytes_by_hand():
-    # 32-row query tiles: 2 tiles per head, each reads all 64 keys of K and V (32 values of 2 bytes per key row)
-    kv_reads = 2 * 2 * 64 * 32 * 2  # heads x tiles x keys x (D + Dv) x bytes
-    assert SMALL.forward_bytes(32) == Q_BYTES + kv_reads + Q_BYTES + STATS
-    # causal: 2080 of 4096 pairs visible; 128-row tiles: one tile per head
+    # one kernel: q, k, v read once (the L2 serves the repeated K/V reads of a head's query tiles), out and lse written
+    assert SMALL.hbm_bytes("fwd") == Q_BYTES + KV_BYTES + Q_BYTES + STATS
     causal = iomodel.Problem(1, 64, 64, 2, 1, 16, 16, 2, None, 0)
-    assert causal.forward_bytes(128) == Q_BYTES + 2 * 1 * 2080 / 64 * 32 * 2 + Q_BYTES + STATS
+    assert causal.hbm_bytes("fwd") == SMALL.hbm_bytes("fwd")  # every key row is seen by some query
+    masked = iomodel.Problem(1, 64, 64, 2, 1, 16, 16, 2, None, None, 1)  # a bool attn_mask, all of it visible
+    assert masked.hbm_bytes("fwd") == SMALL.hbm_bytes("fwd") + 2 * 64 * 64
 
 
 def test_backward_bytes_by_hand():
     delta = 2 * Q_BYTES + STATS  # read out and dout, write delta
-    # dK/dV: K, V once; one 64-key tile per K/V head, which reads the 64 rows of Q, dO, lse, delta of each query head
-    dkdv = KV_BYTES + 2 * 64 * (32 * 2 + 2 * 4) + KV_BYTES
-    # dQ: Q, dO, lse, delta once; K and V once per 32-row query tile (2 per head); dq written
-    dq = 2 * Q_BYTES + 2 * STATS + 2 * 2 * 64 * 32 * 2 + Q_BYTES
-    assert SMALL.backward_bytes(64, 32) == delta + dkdv + dq
-    # dQ through an fp32 accumulator: zeroed, a read and a write of 64 rows x 16 fp32 per key tile and head, cast
+    reads = Q_BYTES + KV_BYTES + Q_BYTES + 2 * STATS  # q, k, v, dout, lse, delta: what a backward kernel reads
+    # the Triton backward: the dK/dV kernel writes dk, dv; the dQ kernel writes dq
+    assert SMALL.hbm_bytes("bwd") == delta + (reads + KV_BYTES) + (reads + Q_BYTES)
+    # the Gluon backward: an fp32 accumulator of dq's 64 x 2 x 16 values zeroed, read and written back once by the
+    # kernel's adds (besides its reads and dk, dv), read once more and cast to dq
     accumulator = 64 * 2 * 16 * 4
-    atomic = delta + accumulator + KV_BYTES + 2 * 64 * (32 * 2 + 8) + 2 * 64 * 16 * 4 * 2 + KV_BYTES
-    assert SMALL.backward_bytes(64, 32, dq_atomic=True) == atomic + accumulator + Q_BYTES
+    gluon = delta + accumulator + (reads + 2 * accumulator + KV_BYTES) + (accumulator + Q_BYTES)
+    assert SMALL.hbm_bytes("bwd", dq_atomic=True) == gluon
+    assert SMALL.hbm_bytes("fwd+bwd") == SMALL.hbm_bytes("fwd") + SMALL.hbm_bytes("bwd")
+    with pytest.raises(ValueError, match="pass must be one of fwd, bwd, fwd\\+bwd, got 'backward'"):
+        SMALL.hbm_bytes("backward")
 
 
 def test_compulsory_bytes_by_hand():
     assert SMALL.compulsory_bytes("fwd") == Q_BYTES + KV_BYTES + Q_BYTES + STATS
     # q, k, v, out, dout, lse read; delta written and read; dq, dk, dv written
     assert SMALL.compulsory_bytes("bwd") == 3 * Q_BYTES + KV_BYTES + STATS + 2 * STATS + Q_BYTES + KV_BYTES
-    assert SMALL.compulsory_bytes("fwd") < SMALL.forward_bytes(128) and SMALL.compulsory_bytes(
-        "bwd"
-    ) < SMALL.backward_bytes(128, 128)
+    # the forward is one kernel: the model is the floor; the backward's kernels read some tensors more than once
+    assert SMALL.compulsory_bytes("fwd") == SMALL.hbm_bytes("fwd")
+    assert SMALL.compulsory_bytes("bwd") < SMALL.hbm_bytes("bwd") < SMALL.hbm_bytes("bwd", dq_atomic=True)
+
+
+MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h100-io.jsonl"
+TOLERANCE = 0.10
+"""The model's promise (docs/profiling.md): Nsight Compute's DRAM bytes within 10% of it."""
+L2_LIMIT = {("fwd", 128, 32768), ("bwd", 64, 32768), ("bwd", 128, 16384), ("bwd", 128, 32768)}
+"""(pass, D, N) of the measured rows where a head's working set (16.8 MB or more) outgrows the L2's share of the
+heads in flight: the model does not count those re-reads (docs/profiling.md, the limit)."""
+
+
+def test_model_against_nsight_compute_on_an_h100():
+    """The H100 table of docs/profiling.md: the model within TOLERANCE of ncu's DRAM bytes on every row but the
+    documented L2 limit, where ncu exceeds it (the limit holds: a better model fails this and moves the docs)."""
+    rows = results.load(MEASURED)
+    assert len(rows) == 16 and {r["extra"]["path"] for r in rows} == {"gluon-sm90"}
+    for rec in rows:
+        s, x = rec["shape"], rec["extra"]
+        window_right = 0 if s["causal"] else None
+        problem = iomodel.Problem(s["B"], s["N"], s["N"], s["H"], s["H"], s["D"], s["D"], 2, None, window_right)
+        model = problem.hbm_bytes(rec["pass"], dq_atomic=True)
+        assert x["model_bytes"] == model and x["floor_bytes"] == problem.compulsory_bytes(rec["pass"])
+        assert x["standard_bytes"] == problem.standard_bytes(rec["pass"])
+        ratio = x["ncu_bytes"] / model
+        if (rec["pass"], s["D"], s["N"]) in L2_LIMIT:
+            assert ratio > 1 + TOLERANCE, (rec["pass"], s, ratio)
+        else:
+            assert abs(ratio - 1) <= TOLERANCE, (rec["pass"], s, ratio)
 
 
 def test_standard_and_decode_bytes_by_hand():
@@ -122,8 +152,7 @@ def test_forward_only_is_one_record_with_every_key(path):
     assert (rec["op"], rec["pass"], rec["path"], rec["dtype"]) == ("attention", "fwd", expected_path, "bf16")
     assert rec["shape"] == {"B": 1, "Sq": 64, "Sk": 64, "H": 2, "Hk": 1, "D": 16, "Dv": 16}
     assert rec["flops"] == 4 * 16 * 64 * 64 * 2
-    block_m = 128 if path == "cpu" else 32  # flashtile.cpu.BLOCK_M; the interpreter's config
-    assert rec["hbm_bytes"] == Q_BYTES + 2 * -(-64 // block_m) * 64 * 32 * 2 + Q_BYTES + STATS
+    assert rec["hbm_bytes"] == rec["min_hbm_bytes"] == Q_BYTES + KV_BYTES + Q_BYTES + STATS
     assert rec["standard_bytes"] == SMALL.standard_bytes("fwd")
     assert rec["time_ms"] > 0 and rec["tflops"] > 0 and rec["gbps"] > 0
     assert rec["fraction_of_peak"] is None  # no peak on a CPU
@@ -142,6 +171,7 @@ def test_forward_and_backward_are_two_records(path):
     assert fwd["flops"] == problem.flops("fwd") and bwd["flops"] == problem.flops("bwd")
     assert bwd["flops"] == 2.5 * fwd["flops"]
     assert bwd["hbm_bytes"] > fwd["hbm_bytes"] and bwd["standard_bytes"] > fwd["standard_bytes"]
+    assert (fwd["hbm_bytes"], bwd["hbm_bytes"]) == (problem.hbm_bytes("fwd"), problem.hbm_bytes("bwd"))
 
 
 def test_varlen_records_count_each_sequence():
@@ -349,6 +379,3 @@ def test_why_the_sm90_kernels_do_not_run(monkeypatch):
     assert "sm_80" in profiler._gluon_missing("attention", "fwd", base)
     monkeypatch.setattr(_backend, "GLUON", False)
     assert profiler._gluon_missing("attention", "fwd", base) == "FLASHTILE_GLUON=0"
-    # the tile sizes the model takes for that path: the Gluon kernels' configs at D=64 (192-row forward items)
-    tiles = profiler._tiles("gluon-sm90", {**base, "window_right": None})
-    assert (tiles.forward_m, tiles.backward_n, tiles.dq_atomic) == (192, 128, True)

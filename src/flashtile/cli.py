@@ -487,8 +487,8 @@ def check_io(
         )  # fmt: skip
     console.print(table)
     console.print(
-        "model: flashtile.iomodel (flashtile: each tensor once, K and V once per query tile, at the tile sizes that "
-        "ran, no L2 reuse; standard: S and P written and read in HBM); ncu: Nsight Compute's DRAM counters "
+        "model: flashtile.iomodel (flashtile: each tensor once per kernel, repeated K/V reads served by the L2; "
+        "standard: S and P written and read in HBM); ncu: Nsight Compute's DRAM counters "
         "(dram__bytes_read.sum + dram__bytes_write.sum over the pass's kernels).\n"
     )
 

@@ -8,34 +8,36 @@ FLOPs follow FlashAttention's convention: the two matrix products of the forward
 products against the forward's two), nothing for the softmax. Only visible pairs count: a causal mask or a window
 hides the rest (``visible_pairs``, exact); the field's tables halve N^2 for causal instead (``convention_flops``).
 
-Bytes are a model of the algorithm, not a measurement (``benchmarks/ncu_io.py`` checks it against Nsight Compute's
-DRAM counters). It counts each tensor a kernel reads or writes in HBM, at the tile sizes of the kernels that run,
-and assumes no reuse through the L2 cache (a real GPU's L2 serves some of the repeated K/V reads, so a measurement
-comes out at or below the model):
+Bytes are a model of the algorithm, checked against Nsight Compute's DRAM counters (``benchmarks/ncu_io.py``;
+docs/profiling.md has the table and the tolerance). The programs of one head run together, so the L2 cache serves the
+repeated reads of what they share (K and V forward; Q, dO, LSE, delta backward) and each kernel moves every tensor
+it touches once. Each kernel of a pass counts separately (the L2 does not carry data from one kernel to the next
+in the model, nor in the measurement, which flushes it between kernels):
 
-- forward: Q once; K and V once per query tile, for the key tiles that tile sees (n_query_tiles x the visible
-  fraction of the keys); O and LSE written; an attn_mask read where visible.
-- backward (``dq_atomic`` False, the Triton kernels): delta = rowsum(dO * O) reads O and dO and writes delta; the
-  dK/dV kernel reads K and V once and Q, dO, LSE and delta once per key tile (n_key_tiles x visible fraction), and
-  writes dK and dV; the dQ kernel reads Q, dO, LSE and delta once and K and V once per query tile, and writes dQ.
-  With ``dq_atomic`` (the sm_90 Gluon backward): one kernel reads K and V once and Q, dO, LSE, delta once per key
-  tile, adds dQ partials into an fp32 accumulator (a read and a write of its rows per key tile, zeroed first and
-  cast to dQ at the end) and writes dK and dV.
+- forward (one kernel): Q, K, V (an attn_mask's visible part) read; O and LSE written.
+- backward: the delta kernel reads O and dO and writes delta = rowsum(dO * O). The Triton backward (``dq_atomic``
+  False): the dK/dV kernel and the dQ kernel each read Q, K, V, dO, LSE, delta (an attn_mask); the first writes dK
+  and dV, the second dQ. The sm_90 Gluon backward (``dq_atomic``): an fp32 dQ accumulator is zeroed (written);
+  the kernel reads Q, K, V, dO, LSE and delta, reduce-adds its dQ partials into the accumulator (each row read and
+  written back once: the adds meet in the L2), and writes dK and dV; a last kernel reads the accumulator and writes
+  dQ in the inputs' dtype.
+- The limit: where the working set of the heads in flight (K and V of a head forward; Q, dO and the fp32 dQ rows of
+  a head backward, about two heads at a time at the benchmark's grids) outgrows the L2, re-reads reach HBM again and
+  the measurement exceeds the model (on an H100, 8.4 MB per head holds and 16.8 MB does not; docs/profiling.md).
 - decode: q, the visible part of the K/V cache once, the new keys and values read and appended, out and LSE written.
-- the floor (``compulsory_bytes``): every input read once, every output written once, what a GPU whose L2 cache
-  served all repeated reads would move; real traffic lies between it and the model.
+- the floor (``compulsory_bytes``): every input read once, every output written once, across all the kernels of a
+  pass; the model equals it forward and adds the backward's extra kernels and its dQ accumulator.
 - standard attention (``standard_bytes``): the same problem with the score matrix S (B, H, Sq, Sk) in HBM, in the
   inputs' dtype: the forward writes S, reads it, writes P = softmax(S) and reads P (4 S-sized transfers) besides
   reading Q, K, V and writing O; the backward writes dP, reads P and dP and writes dS, reads dS twice (dQ, dK) and P
   once (dV): 7 transfers, besides Q, K, V, dO and the gradients. Causal attention materialises the full S.
 
-GQA: the query heads of one K/V head each read its K and V (a program per query head), so K/V reads scale with the
-query heads; K and V themselves, and dK and dV, have nheads_k heads.
+GQA: K and V (and dK, dV) have nheads_k heads and are counted once; the L2 serves the query heads of a group that
+share them (not measured yet).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,11 +76,16 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, window_left: int | None = None, 
     return max(0, upper - lower)
 
 
-def pass_factor(pass_: str) -> float:
-    """FLOPs of ``pass_`` ('fwd', 'bwd' or 'fwd+bwd') over the forward's: 1, 2.5, 3.5."""
+def _by_pass(pass_: str, forward: float, backward: float) -> float:
+    """The figure of ``pass_`` ('fwd', 'bwd' or 'fwd+bwd') from the forward's and the backward's."""
     if pass_ not in PASSES:
         raise ValueError(f"pass must be one of {', '.join(PASSES)}, got {pass_!r}.")
-    return {"fwd": 1.0, "bwd": BWD_FLOPS_FACTOR, "fwd+bwd": 1.0 + BWD_FLOPS_FACTOR}[pass_]
+    return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[pass_]
+
+
+def pass_factor(pass_: str) -> float:
+    """FLOPs of ``pass_`` ('fwd', 'bwd' or 'fwd+bwd') over the forward's: 1, 2.5, 3.5."""
+    return _by_pass(pass_, 1.0, BWD_FLOPS_FACTOR)
 
 
 def attention_flops(pairs: int, nheads: int, head_dim: int, head_dim_v: int | None = None, pass_: str = "fwd") -> float:
@@ -126,57 +133,40 @@ class Problem:
         """Bytes of a (batch, seqlen, heads, width) tensor in the inputs' dtype."""
         return self.batch * seqlen * heads * width * self.element_size
 
-    def _sweeps(self, block: int, along_q: bool) -> float:
-        """Per head: how many times the other side's rows are read when tiles of ``block`` rows walk one side
-        (queries if ``along_q``), each reading only the rows it sees: tiles x visible fraction x the other side's
-        length = ceil(n / block) * pairs / n."""
-        n = self.seqlen_q if along_q else self.seqlen_k
-        return 0.0 if n == 0 else math.ceil(n / block) * self.pairs / n
-
-    def forward_bytes(self, block_m: int) -> float:
-        """HBM bytes of the forward with query tiles of ``block_m`` rows (see the module's model)."""
+    def _tensors(self) -> tuple[int, int, int, int, int]:
+        """Bytes of Q (or dQ), O (or dO), K and V together (or dK and dV), one row statistic (LSE or delta) and an
+        attn_mask's visible part."""
         q = self._rows(self.seqlen_q, self.nheads, self.head_dim)
-        kv = self.batch * self.nheads * self._sweeps(block_m, True) * (self.head_dim + self.head_dim_v)
-        out = self._rows(self.seqlen_q, self.nheads, self.head_dim_v)
-        lse = self.batch * self.nheads * self.seqlen_q * LSE_BYTES
-        mask = self.batch * self.nheads * self.pairs * self.mask_element_size
-        return q + kv * self.element_size + out + lse + mask
-
-    def backward_bytes(self, block_n: int, block_m: int, dq_atomic: bool = False) -> float:
-        """HBM bytes of the backward: key tiles of ``block_n`` rows (the dK/dV pass), query tiles of ``block_m``
-        rows (the dQ kernel; unused with ``dq_atomic``, whose dQ partials go through an fp32 accumulator)."""
-        d, dv, e = self.head_dim, self.head_dim_v, self.element_size
-        stats = self.batch * self.nheads * self.seqlen_q * LSE_BYTES  # one of LSE, delta
-        o = self._rows(self.seqlen_q, self.nheads, dv)
-        delta = 2 * o + stats  # read O and dO, write delta
-        kv = self._rows(self.seqlen_k, self.nheads_k, d + dv)  # K and V, or dK and dV
-        key_tiles = self.batch * self.nheads * self._sweeps(block_n, False)  # rows of Q read per head, summed
-        per_key_tile = key_tiles * ((d + dv) * e + 2 * LSE_BYTES)  # Q, dO, LSE, delta per key tile
-        mask = self.batch * self.nheads * self.pairs * self.mask_element_size
-        if dq_atomic:
-            accumulator = self.batch * self.seqlen_q * self.nheads * d * LSE_BYTES  # fp32 dQ rows
-            adds = key_tiles * d * LSE_BYTES * 2  # each partial: a read and a write of its accumulator rows
-            cast = accumulator + self._rows(self.seqlen_q, self.nheads, d)  # read the accumulator, write dQ
-            return delta + accumulator + kv + per_key_tile + adds + kv + cast + mask
-        dkdv = kv + per_key_tile + kv + mask
-        q_rows = self._rows(self.seqlen_q, self.nheads, d + dv) + 2 * stats  # Q, dO, LSE, delta once
-        kv_reads = self.batch * self.nheads * self._sweeps(block_m, True) * (d + dv) * e
-        dq = q_rows + kv_reads + self._rows(self.seqlen_q, self.nheads, d) + mask
-        return delta + dkdv + dq
-
-    def compulsory_bytes(self, pass_: str = "fwd") -> float:
-        """The bytes no implementation of ``pass_`` can avoid: each input read once and each output written once
-        (forward: Q, K, V, an attn_mask's visible part; O and LSE; backward: Q, K, V, O, dO, LSE, and delta written
-        and read; dQ, dK, dV). A GPU whose L2 served every repeated K/V read would move this; the model's figure
-        (``forward_bytes``, ``backward_bytes``) assumes it serves none, so measurements fall in between."""
-        q = self._rows(self.seqlen_q, self.nheads, self.head_dim)
-        o = self._rows(self.seqlen_q, self.nheads, self.head_dim_v)  # O, or dO
-        kv = self._rows(self.seqlen_k, self.nheads_k, self.head_dim + self.head_dim_v)  # K and V, or dK and dV
+        o = self._rows(self.seqlen_q, self.nheads, self.head_dim_v)
+        kv = self._rows(self.seqlen_k, self.nheads_k, self.head_dim + self.head_dim_v)
         stats = self.batch * self.nheads * self.seqlen_q * LSE_BYTES
         mask = self.batch * self.nheads * self.pairs * self.mask_element_size
+        return q, o, kv, stats, mask
+
+    def hbm_bytes(self, pass_: str = "fwd", dq_atomic: bool = False) -> float:
+        """HBM bytes of ``pass_``, the prediction (see the module's model): every tensor each kernel of the pass
+        touches, once per kernel. ``dq_atomic``: the backward of the sm_90 Gluon kernels (dQ through an fp32
+        accumulator), else the Triton backward (a dK/dV kernel and a dQ kernel)."""
+        q, o, kv, stats, mask = self._tensors()
+        forward = q + kv + mask + o + stats  # read Q, K, V, an attn_mask; write O, LSE
+        delta = 2 * o + stats  # read O and dO, write delta
+        reads = q + kv + o + 2 * stats + mask  # a backward kernel reads Q, K, V, dO, LSE, delta, an attn_mask
+        if dq_atomic:
+            accumulator = self.batch * self.seqlen_q * self.nheads * self.head_dim * LSE_BYTES  # fp32 dQ rows
+            zero, cast = accumulator, accumulator + q  # zeroed; read and cast to dQ
+            backward = delta + zero + (reads + 2 * accumulator + kv) + cast  # the kernel's adds: a read, a write
+        else:
+            backward = delta + (reads + kv) + (reads + q)  # the dK/dV kernel, the dQ kernel
+        return _by_pass(pass_, forward, backward)
+
+    def compulsory_bytes(self, pass_: str = "fwd") -> float:
+        """The floor of ``pass_``: each input read once and each output written once (forward: Q, K, V, an
+        attn_mask's visible part; O and LSE; backward: Q, K, V, O, dO, LSE, and delta written and read; dQ, dK, dV),
+        whatever the kernels."""
+        q, o, kv, stats, mask = self._tensors()
         forward = q + kv + mask + o + stats
         backward = q + kv + o + o + stats + 2 * stats + mask + q + kv
-        return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[pass_]
+        return _by_pass(pass_, forward, backward)
 
     def decode_bytes(self, seqlen_new: int = 0) -> float:
         """HBM bytes of decoding with a KV cache of seqlen_k keys (the new ones included): q, the cache rows some query
@@ -197,12 +187,10 @@ class Problem:
         model): forward 4 S-sized transfers, backward 7, besides the inputs and outputs."""
         scores = self.batch * self.nheads * self.seqlen_q * self.seqlen_k * self.element_size
         mask = self.batch * self.nheads * self.seqlen_q * self.seqlen_k * self.mask_element_size
-        q = self._rows(self.seqlen_q, self.nheads, self.head_dim)
-        o = self._rows(self.seqlen_q, self.nheads, self.head_dim_v)  # O, or dO
-        kv = self._rows(self.seqlen_k, self.nheads_k, self.head_dim + self.head_dim_v)  # K and V, or dK and dV
+        q, o, kv, _, _ = self._tensors()
         forward = q + kv + 4 * scores + mask + o
         backward = o + q + kv + 7 * scores + q + kv  # dO, Q, K, V read; dQ, dK, dV written
-        return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[pass_]
+        return _by_pass(pass_, forward, backward)
 
 
 def total(problems: Sequence[Problem], method: str, *args, **kwargs) -> float:

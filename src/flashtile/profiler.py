@@ -7,9 +7,9 @@ decode path of ``flash_attn_with_kvcache`` (``kvcache._implementation``) hand th
 it are all that recording costs: no hooks, no events, no synchronisation.
 
 Per pass: CUDA events on the tensors' stream around it (read when the records are: no synchronisation per call), or
-the wall time on the CPU; FLOPs and HBM bytes from ``flashtile.iomodel`` at the tile sizes of the kernels that run,
-and the bytes standard attention would move on the same problem. Index tensors whose values the model needs
-(cu_seqlens, cache_seqlens) are copied to the host without blocking and read with the times.
+the wall time on the CPU; FLOPs and HBM bytes from ``flashtile.iomodel`` for the kernels that run, and the bytes
+standard attention would move on the same problem. Index tensors whose values the model needs (cu_seqlens,
+cache_seqlens) are copied to the host without blocking and read with the times.
 """
 
 from __future__ import annotations
@@ -145,42 +145,6 @@ def _kernel_path(op: str, pass_: str, a: dict[str, Any]) -> tuple[str, str]:
     return "triton", f"Triton kernels: the sm_90 Gluon kernel does not run, {missing}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """The tile sizes the bytes model needs: query rows per forward tile, key rows per dK/dV tile, query rows per dQ
-    tile, and whether dQ is added through an fp32 accumulator (the Gluon backward)."""
-
-    forward_m: int
-    backward_n: int
-    backward_m: int
-    dq_atomic: bool = False
-
-
-def _tiles(path: str, a: dict[str, Any]) -> Tiles:
-    """The tile sizes of the kernels ``path`` runs for these arguments."""
-    q, k, v = a["q"], a["k"], a["v"]
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    if path == "cpu":
-        cpu = _backend.imported("flashtile.cpu")
-        return Tiles(cpu.BLOCK_M, cpu.BLOCK_N, cpu.BLOCK_M)
-    causal = a["window_left"] is None and a["window_right"] == 0
-    if path == "gluon-sm90":
-        forward = _backend.imported("flashtile.ops.sm90.forward").config(head_dim, causal, q.shape[-3])
-        backward = _backend.imported("flashtile.ops.sm90.backward").CONFIGS.get(head_dim, {"BLOCK_N": 128})
-        return Tiles(forward["NUM_WG"] * forward["M_WG"], backward["BLOCK_N"], backward["BLOCK_N"], dq_atomic=True)
-    configs = _backend.imported("flashtile.ops.attention.configs")
-    seqlen_k = a.get("max_seqlen_k", k.shape[-3])
-    has_mask = a.get("attn_mask") is not None
-    name = "forward"
-    if seqlen_k <= configs.SHORT_SEQLEN:
-        name = "forward_banded_short" if a["window_right"] is not None else "forward_short"
-
-    def cfg(pass_name: str):
-        return configs.config(pass_name, q.device, head_dim, head_dim_v, has_mask, q.element_size())
-
-    return Tiles(cfg(name).block_m, cfg("backward_dkdv").block_n, cfg("backward_dq").block_m)
-
-
 # -------------------------------------------------------------------------------------------------- records
 
 
@@ -213,8 +177,9 @@ Model = Callable[[], tuple[float, float, float, float]]
 """Computes (flops, hbm_bytes, min_hbm_bytes, standard_bytes) of a pass once its host copies are readable."""
 
 
-def _attention_model(op: str, pass_: str, a: dict[str, Any], tiles: Tiles) -> tuple[dict[str, Any], Model]:
-    """The record's shape and the model of one attention pass (dense or packed)."""
+def _attention_model(op: str, pass_: str, a: dict[str, Any], dq_atomic: bool) -> tuple[dict[str, Any], Model]:
+    """The record's shape and the model of one attention pass (dense or packed); ``dq_atomic``: the backward that
+    runs is the sm_90 Gluon kernel's (dQ through an fp32 accumulator)."""
     q, k, v = a["q"], a["k"], a["v"]
     heads = {"H": q.shape[-2], "Hk": k.shape[-2], "D": q.shape[-1], "Dv": v.shape[-1]}
     if op == "attention":
@@ -239,10 +204,7 @@ def _attention_model(op: str, pass_: str, a: dict[str, Any], tiles: Tiles) -> tu
     def model() -> tuple[float, float, float, float]:
         found = sequences()
         flops = iomodel.total(found, "flops", pass_)
-        if pass_ == "fwd":
-            moved = iomodel.total(found, "forward_bytes", tiles.forward_m)
-        else:
-            moved = iomodel.total(found, "backward_bytes", tiles.backward_n, tiles.backward_m, tiles.dq_atomic)
+        moved = iomodel.total(found, "hbm_bytes", pass_, dq_atomic)
         floor = iomodel.total(found, "compulsory_bytes", pass_)
         return flops, moved, floor, iomodel.total(found, "standard_bytes", pass_)
 
@@ -343,7 +305,7 @@ class Profile:
         if op == "kvcache":
             shape, model = _decode_model(a)
         else:
-            shape, model = _attention_model(op, pass_, a, _tiles(path, a))
+            shape, model = _attention_model(op, pass_, a, dq_atomic=path == "gluon-sm90")
         record = {"op": op, "pass": pass_, "path": path, "reason": reason, "shape": shape,
                   "dtype": DTYPE_NAMES.get(a["q"].dtype, str(a["q"].dtype)), "device": str(device),
                   **_options(a)}  # fmt: skip
@@ -468,14 +430,14 @@ def profile() -> Profile:
     their backwards when autograd runs them inside the block, and ``flash_attn_with_kvcache``, also under
     torch.compile (the passes are custom ops). Times come from CUDA events around each pass, read when ``records``
     (or ``table``, ``to_json``, the block's end) asks, so the passes run without synchronisation; on the CPU they
-    are wall times. Bytes and FLOPs are ``flashtile.iomodel``'s model at the tile sizes of the kernels that run, not
-    a measurement (docs/profiling.md says what it assumes).
+    are wall times. Bytes and FLOPs are ``flashtile.iomodel``'s model of the kernels that run, not a
+    measurement (docs/profiling.md says what it assumes).
 
     Each record is a dict: ``op`` ('attention', 'varlen_attention', 'kvcache'), ``pass`` ('fwd', 'bwd'), ``path``
     ('gluon-sm90', 'triton', 'triton-interpreter', 'cpu'), ``reason`` (why that path, and why a faster one did not
     run), ``shape`` (dict: B, Sq, Sk, H, Hk, D, Dv, or the packed or cache sizes), ``dtype`` ('bf16', 'fp16',
     'fp32'), ``device``, ``flops`` (float: 4 * D per visible (query, key) pair and head forward, 2.5 x that
-    backward), ``hbm_bytes`` (float: the model, no L2 reuse), ``min_hbm_bytes`` (each tensor once),
+    backward), ``hbm_bytes`` (float: the model, K/V reuse through the L2), ``min_hbm_bytes`` (each tensor once),
     ``standard_bytes`` (standard attention's, S and P in HBM), ``time_ms`` (float, or None inside a CUDA graph
     capture), ``tflops``, ``gbps``, ``fraction_of_peak`` and ``bound`` (of the GPU's dense bf16/fp16 TFLOP/s or HBM
     GB/s, whichever is nearer, 'compute' or 'memory'; None for float32, the CPU or a GPU not in

@@ -23,7 +23,7 @@ Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call), 
   None outside the timed region.
 FLOPs: fwd 4·B·H·N²·D, halved when causal; bwd 2.5 × fwd (``flashtile.iomodel``).
 IO: flashtile's records carry the HBM bytes it moves per pass in ``extra`` (``hbm_bytes``, ``bytes_source``: 'model'
-from ``flashtile.iomodel`` at the tile sizes that ran, or 'ncu' with ``--ncu``: Nsight Compute's DRAM counters) beside
+from ``flashtile.iomodel`` for the kernels that ran, or 'ncu' with ``--ncu``: Nsight Compute's DRAM counters) beside
 standard attention's (``standard_bytes``, the model with S and P in HBM), and ``tbps`` from them; a table shows both.
 
 Accuracy spot check before timing each shape, against ``sdpa_flash`` on the same inputs: the max abs

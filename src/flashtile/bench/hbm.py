@@ -1,8 +1,8 @@
 """HBM bytes of one attention problem: flashtile's against standard attention's, from the model or from Nsight Compute.
 
 ``model_bytes`` runs flashtile's forward and backward once inside ``flashtile.profile()`` and returns what its model
-(``flashtile.iomodel``, at the tile sizes of the kernels that ran) says each pass moves, beside standard attention's
-bytes for the same problem. ``ncu_bytes`` measures instead: it runs one pass in a child process under Nsight Compute
+(``flashtile.iomodel``, for the kernels that ran) says each pass moves, beside standard attention's bytes for the
+same problem. ``ncu_bytes`` measures instead: it runs one pass in a child process under Nsight Compute
 (``ncu`` on PATH) with the DRAM counters ``dram__bytes_read.sum`` and ``dram__bytes_write.sum``, summed over every
 kernel the pass launches. The child warms up (compiles) first, then brackets the measured pass with
 ``torch.cuda.profiler.start()`` / ``stop()``, which ``ncu --profile-from-start off`` honours, as
