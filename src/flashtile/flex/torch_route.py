@@ -1,0 +1,101 @@
+"""flex_attention in PyTorch operations: the CPU path, and the CUDA path for mods the Triton kernel cannot take.
+
+For each query block of the block mask, an online softmax runs over that block's computed key blocks (partial or
+full for some batch entry or head; skipped blocks are never touched), a chunk of at most ``KV_CHUNK`` keys at a
+time: scores in float32, score_mod and mask_mod evaluated on the chunk's index tensors (``mods``), mask_mod only
+where some block of the chunk is partial. Each query block runs under ``torch.utils.checkpoint``, so the backward
+recomputes its scores instead of keeping them: memory stays linear in the lengths, and autograd reaches q, k, v
+and every tensor the mods capture (a bias table that requires grad gets its gradient).
+
+A row that attends to no key gets output 0 and LSE -inf, as FlexAttention gives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from flashtile.flex.block_mask import FULL, PARTIAL, BlockMask, block_kinds
+from flashtile.flex.mods import MaskMod, ScoreMod, apply_score_mod, evaluate_mask, index
+
+KV_CHUNK = 512
+"""The most keys one step of the online softmax takes (whole key blocks; at least one block)."""
+
+
+def _chunks(blocks: list[int], kv_block: int) -> list[list[int]]:
+    """The key blocks in groups of at most KV_CHUNK keys (at least one block each)."""
+    per = max(1, KV_CHUNK // kv_block)
+    return [blocks[i : i + per] for i in range(0, len(blocks), per)]
+
+
+def _query_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, blocks: list[int], kinds: torch.Tensor,
+    score_mod: ScoreMod | None, mask_mod: MaskMod, scale: float, kv_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Output (B, Hq, M, Ev) in q's dtype and LSE (B, Hq, M) float32 of the query rows q (B, Hq, M, E), which start
+    at row ``start``, over the key blocks ``blocks`` (kinds: (Bm, Hm, Kb) int8 of this query block)."""
+    batch, nheads, rows, _ = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    device = q.device
+    b, h, q_idx = index(0, batch, device), index(0, nheads, device), index(start, start + rows, device)
+    q32 = q.float().reshape(batch, nheads_k, group * rows, -1)  # the query heads of a kv head side by side
+    m = torch.full((batch, nheads, rows), float("-inf"), device=device)
+    l = torch.zeros((batch, nheads, rows), device=device)  # noqa: E741
+    acc = torch.zeros((batch, nheads, rows, v.shape[-1]), device=device)
+    for chunk in _chunks(blocks, kv_block):
+        cols = torch.cat([index(j * kv_block, min((j + 1) * kv_block, seqlen_k), device) for j in chunk])
+        k_c, v_c = k.index_select(2, cols).float(), v.index_select(2, cols).float()
+        # [B, Hk, G*M, E] @ [B, Hk, E, n] -> [B, Hq, M, n]
+        s = (q32 @ k_c.transpose(-2, -1)).reshape(batch, nheads, rows, -1) * scale
+        if score_mod is not None:
+            s = apply_score_mod(score_mod, s, b, h, q_idx, cols)
+        kind = kinds[:, :, (cols // kv_block).long()][:, :, None, :]  # (Bm, Hm, 1, n)
+        attend = kind == FULL
+        if (kind == PARTIAL).any():
+            attend = attend | ((kind == PARTIAL) & evaluate_mask(mask_mod, b, h, q_idx, cols))
+        s = torch.where(attend, s, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1)).detach()  # a shift only: the softmax does not depend on it
+        shift = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: exp gives 0
+        p = torch.exp(s - shift[..., None])
+        alpha = torch.exp(m - shift)
+        l = l * alpha + p.sum(-1)  # noqa: E741
+        # [B, Hk, G*M, n] @ [B, Hk, n, Ev] -> [B, Hq, M, Ev]
+        pv = (p.reshape(batch, nheads_k, group * rows, -1) @ v_c).reshape(batch, nheads, rows, -1)
+        acc = acc * alpha[..., None] + pv
+        m = m_new
+    seen = l > 0
+    l_safe = torch.where(seen, l, 1.0)  # keeps the gradient of a row that saw no key finite (it is 0)
+    out = torch.where(seen[..., None], acc / l_safe[..., None], 0.0)
+    lse = torch.where(seen, torch.where(seen, m, 0.0) + torch.log(l_safe), float("-inf"))
+    return out.to(q.dtype), lse
+
+
+def flex_attention_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod | None, block_mask: BlockMask,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out (B, Hq, L, Ev) in q's dtype, lse (B, Hq, L) float32) for q (B, Hq, L, E), k (B, Hk, S, E), v (B, Hk, S, Ev)
+    with Hq a multiple of Hk, and a block mask of shape (1 or B, 1 or Hq, L, S) (checked by the caller)."""
+    batch, nheads, seqlen_q, _ = q.shape
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    kinds = block_kinds(block_mask)  # (Bm, Hm, Qb, Kb)
+    computed = kinds.amax((0, 1)).bool().cpu()  # (Qb, Kb): blocks some batch entry or head computes
+    checkpointed = torch.is_grad_enabled()
+    outs, lses = [], []
+    for r in range(-(-seqlen_q // q_block)):
+        start, stop = r * q_block, min((r + 1) * q_block, seqlen_q)
+        blocks = computed[r].nonzero().flatten().tolist()
+        if not blocks:  # no key attended: output 0, LSE -inf
+            outs.append(q.new_zeros((batch, nheads, stop - start, v.shape[-1])))
+            lses.append(torch.full((batch, nheads, stop - start), float("-inf"), device=q.device))
+            continue
+        args = (q[:, :, start:stop], k, v, start, blocks, kinds[:, :, r], score_mod, block_mask.mask_mod, scale,
+                kv_block)  # fmt: skip
+        out, lse = checkpoint(_query_block, *args, use_reentrant=False) if checkpointed else _query_block(*args)
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return q.new_zeros((batch, nheads, 0, v.shape[-1])), q.new_zeros((batch, nheads, 0), dtype=torch.float32)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
