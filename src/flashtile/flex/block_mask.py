@@ -152,12 +152,15 @@ class BlockMask:
         return dense.to(torch.int32)
 
     def sparsity(self) -> float:
-        """The percentage of the mask's area in skipped blocks (0 when every block is computed), counted in whole
-        blocks as FlexAttention counts it."""
-        computed = int(self.kv_num_blocks.sum())
-        if self.full_kv_num_blocks is not None:
-            computed += int(self.full_kv_num_blocks.sum())
-        return 100 * (1 - computed * self.BLOCK_SIZE[0] * self.BLOCK_SIZE[1] / max(self.numel(), 1))
+        """The percentage of the mask's positions that lie in skipped blocks (0 when every block is computed). The
+        blocks at the ends count only their positions within the lengths (FlexAttention counts whole blocks, which
+        gives negative values for lengths shorter than a block)."""
+        (q_len, kv_len), (q_block, kv_block) = self.seq_lengths, self.BLOCK_SIZE
+        device = self.kv_indices.device
+        rows = (q_len - torch.arange(0, q_len, q_block, device=device)).clamp(max=q_block)
+        cols = (kv_len - torch.arange(0, kv_len, kv_block, device=device)).clamp(max=kv_block)
+        computed = (self.to_dense() * rows[:, None] * cols[None, :]).sum().item()
+        return 100 * (1 - computed / max(self.numel(), 1))
 
     def to_string(self, grid_size: int = 20, limit: int = 4) -> str:
         """A drawing of the block table of the first ``limit`` (batch, head) pairs, at most grid_size x grid_size
