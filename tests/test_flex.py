@@ -25,12 +25,12 @@ def _document_ids(n: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(DOCS)), torch.tensor(DOCS))[:n].to(DEVICE)
 
 
-def _params(nheads: int, seqlen_q: int, seqlen_k: int) -> dict[str, torch.Tensor]:
-    """The tensors the mods capture: float ones require grad."""
+def _params(nheads: int, seqlen_q: int, seqlen_k: int, grads: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors the mods capture: with ``grads`` the float ones require grad."""
     return {
-        "bias": torch.randn(nheads, seqlen_q, seqlen_k, device=DEVICE, requires_grad=True),
-        "rel": torch.randn(nheads, seqlen_q + seqlen_k, device=DEVICE, requires_grad=True),
-        "slopes": torch.rand(nheads, device=DEVICE).mul(0.5).requires_grad_(),
+        "bias": torch.randn(nheads, seqlen_q, seqlen_k, device=DEVICE, requires_grad=grads),
+        "rel": torch.randn(nheads, seqlen_q + seqlen_k, device=DEVICE, requires_grad=grads),
+        "slopes": torch.rand(nheads, device=DEVICE).mul(0.5).requires_grad_(grads),
         "doc": _document_ids(max(seqlen_q, seqlen_k)),
         "rel_offset": torch.tensor(seqlen_k - 1, device=DEVICE),  # rel[h, q_idx - kv_idx + seqlen_k - 1]
     }
@@ -121,20 +121,23 @@ def _oracle(name, inputs, params, mask, scale, dtype, dout):
     """Output, LSE and gradients (q, k, v, then float params) of the oracle in ``dtype``, cast to the dtypes of
     flashtile's results."""
     xs = [x.detach().to(dtype).requires_grad_() for x in inputs]
-    ps = {n: t.detach().to(dtype).requires_grad_() if t.is_floating_point() else t for n, t in params.items()}
+    ps = {n: t.detach().to(dtype).requires_grad_(t.requires_grad) if t.is_floating_point() else t
+          for n, t in params.items()}  # fmt: skip
     score_mod, _ = _mods(name, ps)
     out, lse = dense_flex(*xs, score_mod, mask, scale)
-    wrt = xs + [t for t in ps.values() if t.is_floating_point()]
+    wrt = xs + [t for t in ps.values() if t.requires_grad]
     grads = torch.autograd.grad(out, wrt, dout.to(dtype), allow_unused=True)
-    floats = [t for t in params.values() if t.is_floating_point()]
+    floats = [t for t in params.values() if t.requires_grad]
     grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
     like = list(inputs) + floats
     return [out.to(inputs[0].dtype), lse.float()] + [g.to(x.dtype) for g, x in zip(grads, like)]
 
 
-def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True):
-    """flashtile's output, LSE and gradients for case ``name`` against the oracle's, by the tolerance rule."""
-    params = _params(H, L, S)
+def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True,
+             param_grads=True):  # fmt: skip
+    """flashtile's output, LSE and gradients for case ``name`` against the oracle's, by the tolerance rule (the
+    gradients of captured tensors too, with ``param_grads``)."""
+    params = _params(H, L, S, grads and param_grads)
     score_mod, mask_mod = _mods(name, params)
     q = torch.randn(B, H, L, D, device=DEVICE, dtype=dtype, requires_grad=grads)
     k = torch.randn(B, H_kv, S, D, device=DEVICE, dtype=dtype, requires_grad=grads)
@@ -151,7 +154,7 @@ def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D
     results = {"out": out, "lse": lse}
     dout = torch.randn_like(out)
     if grads:
-        floats = {n: t for n, t in params.items() if t.is_floating_point()}
+        floats = {n: t for n, t in params.items() if t.requires_grad}
         got = torch.autograd.grad(out, [q, k, v, *floats.values()], dout, allow_unused=True)
         names = ["dq", "dk", "dv", *(f"d{n}" for n in floats)]
         results.update({n: torch.zeros_like(t) if g is None else g for n, g, t in
@@ -239,6 +242,50 @@ def test_matches_torch_flex_attention():
                                              kernel_options={"BACKEND": "TORCH"})  # fmt: skip
     torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse, their_lse, atol=2e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- the Triton kernel
+# In the interpreter on a CPU (compiled on a GPU): tiny shapes, block size 32, head dim 32.
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "prefix_lm", "alibi", "softcap", "relative_bias", "empty_rows"])
+def test_kernel_mods(name):
+    run_case(name, "TRITON", B=1, L=50, S=50, D=32, block=32, param_grads=False)
+
+
+def test_kernel_gqa_lengths_bf16():
+    run_case("sliding_window", "TRITON", dtype=torch.bfloat16, B=1, H=4, H_kv=2, L=33, S=70, D=32, block=32)
+
+
+def test_kernel_without_mods_and_key_batch_shared():
+    """No score_mod, no block mask (every block full), and a key/value batch of 1 shared by two query entries."""
+    q = torch.randn(2, 2, 40, 32, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 2, 40, 32, device=DEVICE, requires_grad=True) for _ in range(2))
+    out = flashtile.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
+    for x, y in zip((out, *grads), (expected, *torch.autograd.grad(expected, (q, k, v), torch.ones_like(out)))):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_falls_back_or_explains():
+    """What the kernel cannot take runs on the PyTorch route under AUTO, and BACKEND='TRITON' says why not."""
+    q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE) for _ in range(3))
+    bias = torch.randn(2, 20, 20, device=DEVICE, requires_grad=True)
+    table = bias.detach()
+    cases = [
+        ((lambda s, b, h, q_idx, kv_idx: s + torch.cos(table[h, q_idx, kv_idx])), "aten.cos"),
+        ((lambda s, b, h, q_idx, kv_idx: s + bias[h, q_idx, kv_idx]), "requires grad"),
+        ((lambda s, b, h, q_idx, kv_idx: s if h > 0 else -s), "value in Python"),
+    ]
+    for score_mod, reason in cases[:2]:
+        out = flashtile.flex_attention(q, k, v, score_mod)
+        expected = flashtile.flex_attention(q, k, v, score_mod, kernel_options={"BACKEND": "TORCH"})
+        torch.testing.assert_close(out, expected)
+        with pytest.raises(flashtile.InputError, match=reason):
+            flashtile.flex_attention(q, k, v, score_mod, kernel_options={"BACKEND": "TRITON"})
+    with pytest.raises(flashtile.InputError, match=cases[2][1]):
+        flashtile.flex_attention(q, k, v, cases[2][0], kernel_options={"BACKEND": "TRITON"})
 
 
 # ------------------------------------------------------------------------------------------------ block masks

@@ -36,22 +36,38 @@ def _identity(score, b, h, q_idx, kv_idx):
     return score
 
 
+class _Same:
+    """An object compared by identity (a tensor's ``==`` compares values), kept alive by the key holding it so that
+    its id is not reused while the key exists."""
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def _refers_to(fn, depth: int = 0) -> tuple:
-    """The identities of the tensors and functions ``fn`` refers to (closure cells and globals it names), followed
-    into the functions it calls: what a cached translation of ``fn`` depends on."""
+    """The tensors and functions ``fn`` refers to (closure cells and globals it names), followed into the functions
+    it calls, by identity: what a cached translation of ``fn`` depends on."""
     code = getattr(fn, "__code__", None)
     if code is None or depth > 4:
-        return (id(fn),)
-    found = [id(fn)]
+        return (_Same(fn),)
+    found = [_Same(fn)]
     values = [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not None]
     values += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
     for value in values:
         if isinstance(value, torch.Tensor):
-            found.append(id(value))
+            found.append(_Same(value))
         elif isinstance(value, types.FunctionType):
             found.extend(_refers_to(value, depth + 1))
-        elif isinstance(value, (tuple, list)):
-            found.extend(_refers_to(v, depth + 1) for v in value if callable(v))
+        elif isinstance(value, (tuple, list, dict)):
+            items = value.values() if isinstance(value, dict) else value
+            found.extend(_Same(v) if isinstance(v, torch.Tensor) else _refers_to(v, depth + 1)
+                         for v in items if callable(v) or isinstance(v, torch.Tensor))  # fmt: skip
     return tuple(found)
 
 
