@@ -200,6 +200,17 @@ def test_empty_rows_are_zero_with_lse_minus_inf():
 def test_random_block_masks(L, S, block, per_head, seed):
     """Any block table: skipped, partial and full blocks at random (rows with no block, blocks hidden entirely
     by mask_mod), per head or shared; the oracle expands the same table position by position."""
+    check_random_block_mask(L, S, block, per_head, seed, "TORCH")
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(L=st.integers(3, 40), S=st.integers(3, 40), per_head=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_random_block_masks(L, S, per_head, seed):
+    check_random_block_mask(L, S, 16, per_head, seed, "TRITON")
+
+
+def check_random_block_mask(L, S, block, per_head, seed, backend):
+    """flashtile on a random block table (kinds drawn from ``seed``) against the oracle expanding the same table."""
     generator = torch.Generator().manual_seed(seed)
     H = 2
     rows, cols = -(-L // block), -(-S // block)
@@ -212,7 +223,7 @@ def test_random_block_masks(L, S, block, per_head, seed):
                                           mask_mod=mask_mod, seq_lengths=(L, S))  # fmt: skip
     q, k, v = (torch.randn(1, H, n, 16, device=DEVICE, requires_grad=True) for n in (L, S, S))
     out, lse = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
-                                        kernel_options={"BACKEND": "TORCH"})  # fmt: skip
+                                        kernel_options={"BACKEND": backend})  # fmt: skip
     dout = torch.randn_like(out)
     got = dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *torch.autograd.grad(out, (q, k, v), dout))))
     mask = _dense_mask(block_mask, mask_mod, 1, H, L, S)

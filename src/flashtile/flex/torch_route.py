@@ -71,6 +71,20 @@ def _query_block(
     return out.to(q.dtype), lse
 
 
+class _NoKeySeen(torch.autograd.Function):
+    """The output (all 0) of a call in which no query attends to any key, connected to q, k and v so that their
+    gradients exist (all 0), as any other call's do."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v):
+        ctx.inputs = [(x.shape, x.dtype, x.device) for x in (q, k, v)]
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, dout):
+        return None, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+
+
 def flex_attention_torch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod | None, block_mask: BlockMask,
     scale: float,
@@ -95,7 +109,9 @@ def flex_attention_torch(
         out, lse = checkpoint(_query_block, *args, use_reentrant=False) if checkpointed else _query_block(*args)
         outs.append(out)
         lses.append(lse)
-    if not outs:
-        return q.new_zeros((batch, nheads, 0, v.shape[-1])), q.new_zeros((batch, nheads, 0), dtype=torch.float32)
-    return torch.cat(outs, 2), torch.cat(lses, 2)
+    out = torch.cat(outs, 2) if outs else q.new_zeros((batch, nheads, 0, v.shape[-1]))
+    lse = torch.cat(lses, 2) if lses else q.new_zeros((batch, nheads, 0), dtype=torch.float32)
+    if checkpointed and not out.requires_grad and any(x.requires_grad for x in (q, k, v)):
+        out = _NoKeySeen.apply(out, q, k, v)
+    return out, lse
 
