@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from oracle import assert_within_rule
 
 import flashtile
+from flashtile import _backend
+from flashtile.bench import results
 from flashtile.flex.block_mask import FULL, PARTIAL, BlockMask, _ordered
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -297,6 +299,26 @@ def test_kernel_falls_back_or_explains():
             flashtile.flex_attention(q, k, v, score_mod, kernel_options={"BACKEND": "TRITON"})
     with pytest.raises(flashtile.InputError, match=cases[2][1]):
         flashtile.flex_attention(q, k, v, cases[2][0], kernel_options={"BACKEND": "TRITON"})
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+
+
+def test_benchmark_dry_run(tmp_path, monkeypatch):
+    """benchmarks/bench_flex.py --dry-run on the CPU path (the interpreter switched off, as the ``path`` fixture
+    does): records in the one schema, flashtile measured and matching FlexAttention, FlexAttention's missing CPU
+    backward recorded."""
+    import bench_flex  # benchmarks/ is on the path (conftest)
+
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
+    bench_flex.main(["--dry-run", "--out", str(tmp_path), "--commit", "test", "--mods", "alibi"])
+    records = results.load(tmp_path / "flex.jsonl")
+    assert len(records) == 2 * 2 and all(list(r) == list(results.FIELDS) for r in records)
+    ours = [r for r in records if r["implementation"] == "flashtile"]
+    assert all(r["time_ms"] > 0 and r["tflops"] > 0 and not r["extra"]["flagged"] for r in ours), ours
+    assert {r["error"] for r in records if r["implementation"] == "flex" and r["pass"] == "fwd+bwd"} == {
+        "FlexAttention has no backward on the CPU"
+    }
 
 
 # ------------------------------------------------------------------------------------------------ block masks
