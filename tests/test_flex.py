@@ -24,7 +24,9 @@ DOCS = (5, 17, 1, 30, 9, 64, 3, 100)  # packed document lengths (cut to the sequ
 
 
 def _document_ids(n: int) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(len(DOCS)), torch.tensor(DOCS))[:n].to(DEVICE)
+    """Document ids of n packed tokens: the lengths DOCS, repeated as often as needed."""
+    lengths = torch.tensor(DOCS).repeat(n // sum(DOCS) + 1)
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)[:n].to(DEVICE)
 
 
 def _params(nheads: int, seqlen_q: int, seqlen_k: int, grads: bool = True) -> dict[str, torch.Tensor]:
@@ -299,6 +301,31 @@ def test_kernel_falls_back_or_explains():
             flashtile.flex_attention(q, k, v, score_mod, kernel_options={"BACKEND": "TRITON"})
     with pytest.raises(flashtile.InputError, match=cases[2][1]):
         flashtile.flex_attention(q, k, v, cases[2][0], kernel_options={"BACKEND": "TRITON"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap", "relative_bias"])
+def test_gpu_kernel_long(name, D):
+    """Compiled kernels at lengths past one block (and not a multiple of it), GQA, bf16, the default block size."""
+    run_case(name, "TRITON", dtype=torch.bfloat16, B=2, H=4, H_kv=2, L=1000, S=1023, D=D, block=128,
+             param_grads=False)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_matches_compiled_flex_attention():
+    """Against torch.compile'd FlexAttention with the same mods and torch's own block mask, forward and backward."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    params = _params(4, 1024, 1024, grads=False)
+    score_mod, mask_mod = _mods("alibi", params)
+    q, k, v = (torch.randn(2, 4, 1024, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    block_mask = flex.create_block_mask(mask_mod, None, None, 1024, 1024, device=DEVICE)
+    results_ = []
+    for fn in (flashtile.flex_attention, torch.compile(flex.flex_attention)):
+        out = fn(q, k, v, score_mod, block_mask)
+        results_.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    for ours, theirs in zip(*results_):
+        torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
 
 
 # ------------------------------------------------------------------------------------------------ benchmark
