@@ -283,6 +283,19 @@ def test_kernel_without_mods_and_key_batch_shared():
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
 
 
+def test_inside_torch_compile():
+    """In a torch.compile'd function flex_attention runs eagerly (a graph break), forward and backward."""
+    q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    score_mod = _mods("softcap", {})[0]
+    compiled = torch.compile(lambda q, k, v: flashtile.flex_attention(q, k, v, score_mod) * 2, backend="eager")
+    out = compiled(q, k, v)
+    expected = flashtile.flex_attention(q, k, v, score_mod) * 2
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    for x, y in zip(grads, torch.autograd.grad(expected, (q, k, v), torch.ones_like(out))):
+        torch.testing.assert_close(x, y)
+
+
 def test_kernel_falls_back_or_explains():
     """What the kernel cannot take runs on the PyTorch route under AUTO, and BACKEND='TRITON' says why not."""
     q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE) for _ in range(3))

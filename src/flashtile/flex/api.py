@@ -146,8 +146,11 @@ def flex_attention(
     return (out, lse) if return_lse else out
 
 
+@torch.compiler.disable
 def _run(query, key, value, score_mod, mask, scale, backend) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) from the implementation ``backend`` asks for (``flex_attention``'s docstring)."""
+    """(out, lse) from the implementation ``backend`` asks for (``flex_attention``'s docstring). Inside a
+    torch.compile'd function this runs eagerly (a graph break): the mods are traced and the kernels launched here,
+    which dynamo cannot follow."""
     if backend == "TORCH" or (backend == "AUTO" and _backend.path_name(query.device) == "cpu"):
         return flex_attention_torch(query, key, value, score_mod, mask, scale)
     if _backend.path_name(query.device) == "cpu":
