@@ -82,6 +82,7 @@ def _implementations(score_mod, mask_mod, n: int, block: int, device: torch.devi
     ours = flashtile.create_block_mask(mask_mod, None, None, n, n, device=device, BLOCK_SIZE=block)
     theirs = flex.create_block_mask(mask_mod, None, None, n, n, device=device, BLOCK_SIZE=block)
     if device.type == "cpu":  # eager, and on inputs that do not require grad (FlexAttention refuses them there)
+
         def theirs_fn(q, k, v):
             return flex.flex_attention(q.detach(), k.detach(), v.detach(), score_mod, theirs)
     else:

@@ -12,12 +12,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import assert_within_rule
 
 import flashtile
 from flashtile import _backend
 from flashtile.bench import results
 from flashtile.flex.block_mask import FULL, PARTIAL, BlockMask, _ordered
+from oracle import assert_within_rule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DOCS = (5, 17, 1, 30, 9, 64, 3, 100)  # packed document lengths (cut to the sequence)
@@ -63,9 +63,8 @@ def _mods(name: str, p: dict[str, torch.Tensor]):
     if name == "relative_bias":
         return (lambda s, b, h, q_idx, kv_idx: s + p["rel"][h, q_idx - kv_idx + p["rel_offset"]]), causal
     if name == "empty_rows":  # rows q_idx % 7 == 3 attend to nothing
-        return (lambda s, b, h, q_idx, kv_idx: s * (1 + b) - h), lambda b, h, q_idx, kv_idx: (q_idx % 7 != 3) & (
-            (q_idx + kv_idx) % 3 != 0
-        )
+        score_mod = lambda s, b, h, q_idx, kv_idx: s * (1 + b) - h  # noqa: E731
+        return score_mod, lambda b, h, q_idx, kv_idx: (q_idx % 7 != 3) & ((q_idx + kv_idx) % 3 != 0)
     raise ValueError(name)
 
 
@@ -132,9 +131,9 @@ def _oracle(name, inputs, params, mask, scale, dtype, dout):
     wrt = xs + [t for t in ps.values() if t.requires_grad]
     grads = torch.autograd.grad(out, wrt, dout.to(dtype), allow_unused=True)
     floats = [t for t in params.values() if t.requires_grad]
-    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
+    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt, strict=True)]
     like = list(inputs) + floats
-    return [out.to(inputs[0].dtype), lse.float()] + [g.to(x.dtype) for g, x in zip(grads, like)]
+    return [out.to(inputs[0].dtype), lse.float()] + [g.to(x.dtype) for g, x in zip(grads, like, strict=True)]
 
 
 def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True,
@@ -162,7 +161,7 @@ def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D
         got = torch.autograd.grad(out, [q, k, v, *floats.values()], dout, allow_unused=True)
         names = ["dq", "dk", "dv", *(f"d{n}" for n in floats)]
         results.update({n: torch.zeros_like(t) if g is None else g for n, g, t in
-                        zip(names, got, [q, k, v, *floats.values()])})  # fmt: skip
+                        zip(names, got, [q, k, v, *floats.values()], strict=True)})  # fmt: skip
     precise = _oracle(name, (q, k, v), params, mask, scale, torch.float64, dout)
     base = _oracle(name, (q, k, v), params, mask, scale, dtype, dout)
     for i, (result_name, x) in enumerate(results.items()):
@@ -229,12 +228,13 @@ def check_random_block_mask(L, S, block, per_head, seed, backend):
     out, lse = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
                                         kernel_options={"BACKEND": backend})  # fmt: skip
     dout = torch.randn_like(out)
-    got = dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *torch.autograd.grad(out, (q, k, v), dout))))
+    names = ("out", "lse", "dq", "dk", "dv")
+    got = dict(zip(names, (out, lse, *torch.autograd.grad(out, (q, k, v), dout)), strict=True))
     mask = _dense_mask(block_mask, mask_mod, 1, H, L, S)
     for dtype, found in ((torch.float64, {}), (torch.float32, {})):
         xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         o, s = dense_flex(*xs, None, mask, 1 / 4)
-        found.update(zip(("out", "lse", "dq", "dk", "dv"), (o, s, *torch.autograd.grad(o, xs, dout.to(dtype)))))
+        found.update(zip(names, (o, s, *torch.autograd.grad(o, xs, dout.to(dtype))), strict=True))
         if dtype == torch.float64:
             precise = found
         else:
@@ -279,7 +279,8 @@ def test_kernel_without_mods_and_key_batch_shared():
     out = flashtile.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
-    for x, y in zip((out, *grads), (expected, *torch.autograd.grad(expected, (q, k, v), torch.ones_like(out)))):
+    expected_grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(out))
+    for x, y in zip((out, *grads), (expected, *expected_grads), strict=True):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
 
 
@@ -292,7 +293,7 @@ def test_inside_torch_compile():
     expected = flashtile.flex_attention(q, k, v, score_mod) * 2
     torch.testing.assert_close(out, expected)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    for x, y in zip(grads, torch.autograd.grad(expected, (q, k, v), torch.ones_like(out))):
+    for x, y in zip(grads, torch.autograd.grad(expected, (q, k, v), torch.ones_like(out)), strict=True):
         torch.testing.assert_close(x, y)
 
 
@@ -337,7 +338,7 @@ def test_gpu_matches_compiled_flex_attention():
     for fn in (flashtile.flex_attention, torch.compile(flex.flex_attention)):
         out = fn(q, k, v, score_mod, block_mask)
         results_.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
-    for ours, theirs in zip(*results_):
+    for ours, theirs in zip(*results_, strict=True):
         torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
 
 

@@ -38,7 +38,7 @@ def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             f"flex_attention: query, key and value must be on one device, got {query.device}, {key.device}, "
             f"{value.device}."
         )
-    (batch, nheads, _, dim), (batch_k, nheads_k, seqlen_k, dim_k) = query.shape, key.shape
+    (batch, nheads, _, dim), (batch_k, nheads_k, _, dim_k) = query.shape, key.shape
     if dim != dim_k:
         raise InputError(f"flex_attention: query and key must have the same head dim E, got {dim} and {dim_k}.")
     if value.shape[:3] != key.shape[:3]:

@@ -175,7 +175,8 @@ class BlockMask:
                 break
             lines = [f"(batch {b}, head {h})"]
             for r in range(0, rows, row_step):
-                cells = [dense[b, h, r : r + row_step, c : c + col_step].float().mean() for c in range(0, cols, col_step)]
+                cells = [dense[b, h, r : r + row_step, c : c + col_step].float().mean()
+                         for c in range(0, cols, col_step)]  # fmt: skip
                 lines.append("".join(("█" if x == 1 else " " if x == 0 else "░") * 2 for x in cells))
             pictures.append("\n".join(lines))
         return "\n".join(pictures)

@@ -97,7 +97,8 @@ _BINARY = {
 
 _UNARY = {
     aten.neg: "(-{0})", aten.abs: "tl.abs({0})", aten.exp: "tl.exp({0})", aten.exp2: "tl.math.exp2({0})",
-    aten.log: "tl.log({0})", aten.log2: "tl.math.log2({0})", aten.sqrt: "tl.sqrt({0})", aten.rsqrt: "tl.math.rsqrt({0})",
+    aten.log: "tl.log({0})", aten.log2: "tl.math.log2({0})", aten.sqrt: "tl.sqrt({0})",
+    aten.rsqrt: "tl.math.rsqrt({0})",
     aten.tanh: "tanh({0})", aten.sigmoid: "(1.0 / (1.0 + tl.exp(-{0})))", aten.logical_not: "({0} == 0)",
     aten.bitwise_not: "_bitwise_not({0})", aten.detach: "{0}", aten.clone: "{0}", aten.alias: "{0}",
     aten.lift_fresh_copy: "{0}", aten.lift_fresh: "{0}",
@@ -108,7 +109,7 @@ OPS = sorted({str(op) for op in (*_BINARY, *_UNARY)} | {"aten.where", "aten.clam
               "aten.ones_like", "aten.zeros_like"})  # fmt: skip
 """The aten operations the translation covers."""
 
-HELPERS = '''
+HELPERS = """
 @triton.jit
 def _remainder(a, b):
     r = a % b
@@ -126,7 +127,7 @@ def _bitwise_not(x):
     if x.dtype == tl.int1:
         return x == 0
     return ~x
-'''
+"""
 """Triton functions the translated lines call where PyTorch's semantics differ from Triton's operators (the sign
 of a remainder, floor division, ``~`` on booleans)."""
 
@@ -214,7 +215,8 @@ def translate(gm: torch.fx.GraphModule, fn_name: str, names: tuple[str, ...], ca
         if node.op == "output":
             (out,) = node.args
             value = ref(out[0] if isinstance(out, (tuple, list)) else out)
-            lines.append(f"    return tl.cast({value}, tl.float32)" if result == "score" else f"    return ({value}) != 0")
+            returned = f"tl.cast({value}, tl.float32)" if result == "score" else f"({value}) != 0"
+            lines.append(f"    return {returned}")
             continue
         if node.op != "call_function":
             raise Unsupported(f"graph node {node.op}")

@@ -111,8 +111,13 @@ def kernels_for(score_mod: ScoreMod | None, mask_mod: MaskMod | None) -> tuple[t
         parts = [
             codegen.translate(codegen.trace(score_mod, names), "score_mod", names, captured, "score"),
             codegen.translate(codegen.trace(mask_mod, names[1:]), "mask_mod", names[1:], captured, "mask"),
-            codegen.translate(codegen.trace(codegen.score_grad_function(score_mod), (*names, "grad")), "score_grad",
-                              (*names, "grad"), captured, "score"),  # fmt: skip
+            codegen.translate(
+                codegen.trace(codegen.score_grad_function(score_mod), (*names, "grad")),
+                "score_grad",
+                (*names, "grad"),
+                captured,
+                "score",
+            ),  # fmt: skip
         ]
     except codegen.Unsupported as error:
         found = str(error)
@@ -133,7 +138,7 @@ def _tiles(sparse: tuple[int, int], head_dim: int, backward: bool) -> tuple[int,
     else:
         wanted = (128, 64) if head_dim <= 128 else (64, 32)
     tiles = []
-    for want, size in zip(wanted, sparse):
+    for want, size in zip(wanted, sparse, strict=True):
         tile = min(want, size & -size)  # the largest power of two dividing the block size, capped
         if tile < 16:
             return None

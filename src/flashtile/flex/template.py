@@ -76,6 +76,32 @@ def _forward_tile(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, start_n,
 
 
 @triton.jit
+def _query_program(
+    Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_vb, stride_vh, stride_nb, stride_nh,
+    stride_ib, stride_ih, stride_ir, group, seqlen_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr,
+):  # fmt: skip
+    """What a program of one query tile (the forward's and dQ's) starts from: its batch entry and head, row and
+    column offsets, its Q tile [BLOCK_M, D], the K and V of its kv head, and where its row of the block table's
+    lists starts."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hk = off_h // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load(Q + off_b.to(tl.int64) * stride_qb + off_h * stride_qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM,
+              True)  # fmt: skip
+    k_src = K + off_b.to(tl.int64) * stride_kb + off_hk * stride_kh
+    v_src = V + off_b.to(tl.int64) * stride_vb + off_hk * stride_vh
+    row = start_m // SPARSE_Q
+    num_base = off_b * stride_nb + off_h * stride_nh + row
+    idx_base = off_b * stride_ib + off_h * stride_ih + row * stride_ir
+    return off_b, off_h, offs_m, offs_d, offs_dv, q, k_src, v_src, num_base, idx_base
+
+
+@triton.jit
 def flex_forward(
     Q, K, V, Out, Lse, KvNum, KvIdx, FullNum, FullIdx,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -86,20 +112,10 @@ def flex_forward(
     HAS_FULL: tl.constexpr,
 ):  # fmt: skip
     """Out (B, H, L, DV) and Lse (B, H, L) fp32 (natural log) for one query tile of one head."""
-    start_m = tl.program_id(0) * BLOCK_M
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
-    off_hk = off_h // group
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load(Q + off_b.to(tl.int64) * stride_qb + off_h * stride_qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM,
-              True)  # [BLOCK_M, D]  # fmt: skip
-    k_src = K + off_b.to(tl.int64) * stride_kb + off_hk * stride_kh
-    v_src = V + off_b.to(tl.int64) * stride_vb + off_hk * stride_vh
-    row = start_m // SPARSE_Q
-    num_base = off_b * stride_nb + off_h * stride_nh + row
-    idx_base = off_b * stride_ib + off_h * stride_ih + row * stride_ir
+    off_b, off_h, offs_m, offs_d, offs_dv, q, k_src, v_src, num_base, idx_base = _query_program(
+        Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_vb, stride_vh, stride_nb, stride_nh,
+        stride_ib, stride_ih, stride_ir, group, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, SPARSE_Q,
+    )  # fmt: skip
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -171,35 +187,29 @@ def flex_backward_dq(
     HAS_FULL: tl.constexpr,
 ):  # fmt: skip
     """dQ (B, H, L, D) of one query tile of one head, over the key blocks of its row of the block table."""
-    start_m = tl.program_id(0) * BLOCK_M
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
-    off_hk = off_h // group
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load(Q + off_b.to(tl.int64) * stride_qb + off_h * stride_qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM,
-              True)  # fmt: skip
+    off_b, off_h, offs_m, offs_d, offs_dv, q, k_src, v_src, num_base, idx_base = _query_program(
+        Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_vb, stride_vh, stride_nb, stride_nh,
+        stride_ib, stride_ih, stride_ir, group, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, SPARSE_Q,
+    )  # fmt: skip
     do = _load(DOut + off_b.to(tl.int64) * stride_dob + off_h * stride_doh, offs_m, stride_dom, seqlen_q, offs_dv,
-               HEAD_DIM_V, True)  # fmt: skip
+               HEAD_DIM_V, True)  # [BLOCK_M, DV]  # fmt: skip
     lse, delta = _row_stats(Lse, Delta, (off_b * nheads + off_h).to(tl.int64) * seqlen_q + offs_m, offs_m, seqlen_q)
-    k_src = K + off_b.to(tl.int64) * stride_kb + off_hk * stride_kh
-    v_src = V + off_b.to(tl.int64) * stride_vb + off_hk * stride_vh
-    row = start_m // SPARSE_Q
-    num_base = off_b * stride_nb + off_h * stride_nh + row
-    idx_base = off_b * stride_ib + off_h * stride_ih + row * stride_ir
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for i in range(tl.load(KvNum + num_base)):
         start = tl.load(KvIdx + idx_base + i) * SPARSE_KV
         for sub in range(0, SPARSE_KV, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start + sub, offs_m, offs_d,
-                          offs_dv, seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True)  # fmt: skip
+            dq = _dq_tile(
+                dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start + sub, offs_m, offs_d, offs_dv,
+                seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True,
+            )  # fmt: skip
     if HAS_FULL:
         for i in range(tl.load(FullNum + num_base)):
             start = tl.load(FullIdx + idx_base + i) * SPARSE_KV
             for sub in range(0, SPARSE_KV, BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start + sub, offs_m, offs_d,
-                              offs_dv, seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False)  # fmt: skip
+                dq = _dq_tile(
+                    dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start + sub, offs_m, offs_d, offs_dv,
+                    seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
+                )  # fmt: skip
     dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h * stride_dqh + offs_m[:, None].to(tl.int64) * stride_dqm
     tl.store(dq_ptrs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
@@ -263,9 +273,11 @@ def flex_backward_dkdv(
             for i in range(tl.load(FullQNum + num_base)):
                 start = tl.load(FullQIdx + idx_base + i) * SPARSE_Q
                 for sub in range(0, SPARSE_Q, BLOCK_M):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, stride_qm, stride_dom, Lse + row_base,
-                                        Delta + row_base, start + sub, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k,
-                                        scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_M, False)  # fmt: skip
+                    dk, dv = _dkdv_tile(
+                        dk, dv, k, v, q_src, do_src, stride_qm, stride_dom, Lse + row_base, Delta + row_base,
+                        start + sub, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, scale, off_b, off_h, CAPTURED,
+                        HEAD_DIM, HEAD_DIM_V, BLOCK_M, False,
+                    )  # fmt: skip
     dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_hk * stride_dkh + offs_n[:, None].to(tl.int64) * stride_dkn
     tl.store(dk_ptrs + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM))  # fmt: skip

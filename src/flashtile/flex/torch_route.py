@@ -114,4 +114,3 @@ def flex_attention_torch(
     if checkpointed and not out.requires_grad and any(x.requires_grad for x in (q, k, v)):
         out = _NoKeySeen.apply(out, q, k, v)
     return out, lse
-
