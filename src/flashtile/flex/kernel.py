@@ -132,7 +132,8 @@ def kernels_for(score_mod: ScoreMod | None, mask_mod: MaskMod | None) -> tuple[t
 
 def _tiles(sparse: tuple[int, int], head_dim: int, backward: bool) -> tuple[int, int] | None:
     """(BLOCK_M, BLOCK_N) dividing the block mask's (query, key) block sizes, or None when none fits (a sparse block
-    smaller than 16 or not a multiple of a power of two >= 16)."""
+    smaller than 16 or not a multiple of a power of two >= 16). Not tuned: the shapes (and the forward's 8 warps
+    at BLOCK_M 128, 3 stages up to head dim 128) follow the attention kernels' configurations on Hopper."""
     if backward:
         wanted = (64, 64) if head_dim <= 128 else (32, 32)
     else:
@@ -206,7 +207,8 @@ def _forward(q, k, v, module, captured, block_mask: BlockMask, scale: float):
     args = (q, k, v, out, lse, *lists, *_strides(q, k, v, out), *list_strides, nheads, nheads // k.shape[1],
             seqlen_q, k.shape[2], scale, *captured.args())  # fmt: skip
     grid = head_grid(cdiv(seqlen_q, tiles[0]), batch, nheads)
-    launch(module.flex_forward, grid, args, _constexprs(q, v, block_mask, tiles, has_full), num_warps=4, num_stages=2)
+    options = {"num_warps": 8 if tiles[0] == 128 else 4, "num_stages": 3 if q.shape[-1] <= 128 else 2}
+    launch(module.flex_forward, grid, args, _constexprs(q, v, block_mask, tiles, has_full), **options)
     return out, lse
 
 
