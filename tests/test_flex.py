@@ -35,6 +35,8 @@ def _params(nheads: int, seqlen_q: int, seqlen_k: int, grads: bool = True) -> di
         "bias": torch.randn(nheads, seqlen_q, seqlen_k, device=DEVICE, requires_grad=grads),
         "rel": torch.randn(nheads, seqlen_q + seqlen_k, device=DEVICE, requires_grad=grads),
         "slopes": torch.rand(nheads, device=DEVICE).mul(0.5).requires_grad_(grads),
+        "key_bias": torch.randn(seqlen_k, device=DEVICE, requires_grad=grads),
+        "query_scale": (1 + 0.1 * torch.randn(seqlen_q, device=DEVICE)).requires_grad_(grads),
         "doc": _document_ids(max(seqlen_q, seqlen_k)),
         "rel_offset": torch.tensor(seqlen_k - 1, device=DEVICE),  # rel[h, q_idx - kv_idx + seqlen_k - 1]
     }
@@ -59,7 +61,11 @@ def _mods(name: str, p: dict[str, torch.Tensor]):
     if name == "softcap":
         return (lambda s, b, h, q_idx, kv_idx: 2.0 * torch.tanh(s / 2.0)), None
     if name == "bias":
-        return (lambda s, b, h, q_idx, kv_idx: s + p["bias"][h, q_idx, kv_idx]), None
+        return (
+            lambda s, b, h, q_idx, kv_idx: (
+                (s + p["bias"][h, q_idx, kv_idx] + p["key_bias"][kv_idx]) * p["query_scale"][q_idx]
+            )
+        ), None
     if name == "relative_bias":
         return (lambda s, b, h, q_idx, kv_idx: s + p["rel"][h, q_idx - kv_idx + p["rel_offset"]]), causal
     if name == "empty_rows":  # rows q_idx % 7 == 3 attend to nothing
@@ -136,11 +142,10 @@ def _oracle(name, inputs, params, mask, scale, dtype, dout):
     return [out.to(inputs[0].dtype), lse.float()] + [g.to(x.dtype) for g, x in zip(grads, like, strict=True)]
 
 
-def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True,
-             param_grads=True):  # fmt: skip
-    """flashtile's output, LSE and gradients for case ``name`` against the oracle's, by the tolerance rule (the
-    gradients of captured tensors too, with ``param_grads``)."""
-    params = _params(H, L, S, grads and param_grads)
+def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True):
+    """flashtile's output, LSE and gradients (of captured tensors too) for case ``name`` against the oracle's, by
+    the tolerance rule."""
+    params = _params(H, L, S, grads)
     score_mod, mask_mod = _mods(name, params)
     q = torch.randn(B, H, L, D, device=DEVICE, dtype=dtype, requires_grad=grads)
     k = torch.randn(B, H_kv, S, D, device=DEVICE, dtype=dtype, requires_grad=grads)
@@ -179,7 +184,7 @@ def test_torch_route_mods(name):
 
 @pytest.mark.parametrize("L, S", [(37, 53), (53, 29), (1, 17)], ids=lambda n: str(n))
 def test_torch_route_lengths(L, S):
-    run_case("bias", "TORCH", L=L, S=S)
+    run_case("softcap", "TORCH", L=L, S=S)
     run_case("prefix_lm", "TORCH", L=L, S=S, block=8)
 
 
@@ -197,7 +202,7 @@ def test_empty_rows_are_zero_with_lse_minus_inf():
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    L=st.integers(3, 40), S=st.integers(3, 40), block=st.sampled_from([8, 16]), per_head=st.booleans(),
+    L=st.integers(1, 40), S=st.integers(1, 40), block=st.sampled_from([8, 16]), per_head=st.booleans(),
     seed=st.integers(0, 2**16),
 )  # fmt: skip
 def test_random_block_masks(L, S, block, per_head, seed):
@@ -207,13 +212,14 @@ def test_random_block_masks(L, S, block, per_head, seed):
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(L=st.integers(3, 40), S=st.integers(3, 40), per_head=st.booleans(), seed=st.integers(0, 2**16))
+@given(L=st.integers(1, 40), S=st.integers(1, 40), per_head=st.booleans(), seed=st.integers(0, 2**16))
 def test_kernel_random_block_masks(L, S, per_head, seed):
     check_random_block_mask(L, S, 16, per_head, seed, "TRITON")
 
 
 def check_random_block_mask(L, S, block, per_head, seed, backend):
-    """flashtile on a random block table (kinds drawn from ``seed``) against the oracle expanding the same table."""
+    """flashtile on a random block table against the oracle expanding the same table (table and float16 inputs
+    drawn from ``seed``)."""
     generator = torch.Generator().manual_seed(seed)
     H = 2
     rows, cols = -(-L // block), -(-S // block)
@@ -224,14 +230,15 @@ def check_random_block_mask(L, S, block, per_head, seed, backend):
 
     block_mask = BlockMask.from_kv_blocks(*_ordered(kinds == PARTIAL), *_ordered(kinds == FULL), BLOCK_SIZE=block,
                                           mask_mod=mask_mod, seq_lengths=(L, S))  # fmt: skip
-    q, k, v = (torch.randn(1, H, n, 16, device=DEVICE, requires_grad=True) for n in (L, S, S))
+    q, k, v = (torch.randn(1, H, n, 16, generator=generator).to(DEVICE, torch.float16).requires_grad_()
+               for n in (L, S, S))  # fmt: skip
     out, lse = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
                                         kernel_options={"BACKEND": backend})  # fmt: skip
-    dout = torch.randn_like(out)
+    dout = torch.randn(out.shape, generator=generator).to(DEVICE, out.dtype)
     names = ("out", "lse", "dq", "dk", "dv")
     got = dict(zip(names, (out, lse, *torch.autograd.grad(out, (q, k, v), dout)), strict=True))
     mask = _dense_mask(block_mask, mask_mod, 1, H, L, S)
-    for dtype, found in ((torch.float64, {}), (torch.float32, {})):
+    for dtype, found in ((torch.float64, {}), (torch.float16, {})):
         xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         o, s = dense_flex(*xs, None, mask, 1 / 4)
         found.update(zip(names, (o, s, *torch.autograd.grad(o, xs, dout.to(dtype))), strict=True))
@@ -263,9 +270,11 @@ def test_matches_torch_flex_attention():
 # In the interpreter on a CPU (compiled on a GPU): tiny shapes, block size 32, head dim 32.
 
 
-@pytest.mark.parametrize("name", ["causal", "document", "prefix_lm", "alibi", "softcap", "relative_bias", "empty_rows"])
+@pytest.mark.parametrize(
+    "name", ["causal", "document", "prefix_lm", "alibi", "softcap", "bias", "relative_bias", "empty_rows"]
+)
 def test_kernel_mods(name):
-    run_case(name, "TRITON", B=1, L=50, S=50, D=32, block=32, param_grads=False)
+    run_case(name, "TRITON", B=1, L=50, S=50, D=32, block=32)
 
 
 def test_kernel_gqa_lengths_bf16():
@@ -300,11 +309,11 @@ def test_inside_torch_compile():
 def test_kernel_falls_back_or_explains():
     """What the kernel cannot take runs on the PyTorch route under AUTO, and BACKEND='TRITON' says why not."""
     q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE) for _ in range(3))
-    bias = torch.randn(2, 20, 20, device=DEVICE, requires_grad=True)
-    table = bias.detach()
+    table = torch.randn(2, 20, 20, device=DEVICE)
+    temperature = torch.tensor(2.0, device=DEVICE, requires_grad=True)
     cases = [
         ((lambda s, b, h, q_idx, kv_idx: s + torch.cos(table[h, q_idx, kv_idx])), "aten.cos"),
-        ((lambda s, b, h, q_idx, kv_idx: s + bias[h, q_idx, kv_idx]), "requires grad"),
+        ((lambda s, b, h, q_idx, kv_idx: s / temperature), "used other than read at indices"),
         ((lambda s, b, h, q_idx, kv_idx: s if h > 0 else -s), "value in Python"),
     ]
     for score_mod, reason in cases[:2]:
@@ -313,33 +322,9 @@ def test_kernel_falls_back_or_explains():
         torch.testing.assert_close(out, expected)
         with pytest.raises(flashtile.InputError, match=reason):
             flashtile.flex_attention(q, k, v, score_mod, kernel_options={"BACKEND": "TRITON"})
+    assert torch.autograd.grad(out.sum(), temperature)[0] != 0  # the PyTorch route gave temperature its gradient
     with pytest.raises(flashtile.InputError, match=cases[2][1]):
         flashtile.flex_attention(q, k, v, cases[2][0], kernel_options={"BACKEND": "TRITON"})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap", "relative_bias"])
-def test_gpu_kernel_long(name, D):
-    """Compiled kernels at lengths past one block (and not a multiple of it), GQA, bf16, the default block size."""
-    run_case(name, "TRITON", dtype=torch.bfloat16, B=2, H=4, H_kv=2, L=1000, S=1023, D=D, block=128,
-             param_grads=False)  # fmt: skip
-
-
-@pytest.mark.gpu
-def test_gpu_matches_compiled_flex_attention():
-    """Against torch.compile'd FlexAttention with the same mods and torch's own block mask, forward and backward."""
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    params = _params(4, 1024, 1024, grads=False)
-    score_mod, mask_mod = _mods("alibi", params)
-    q, k, v = (torch.randn(2, 4, 1024, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    block_mask = flex.create_block_mask(mask_mod, None, None, 1024, 1024, device=DEVICE)
-    results_ = []
-    for fn in (flashtile.flex_attention, torch.compile(flex.flex_attention)):
-        out = fn(q, k, v, score_mod, block_mask)
-        results_.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
-    for ours, theirs in zip(*results_, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
 
 
 # ------------------------------------------------------------------------------------------------ benchmark

@@ -13,8 +13,11 @@ line computes the op for the whole tile by broadcasting. The translated subset (
   a masked pointer load (indices out of range read 0; negative ones count from the end, as in PyTorch), and a
   captured 0-d tensor used as a value.
 
-Anything else raises ``Unsupported`` (the caller then runs the PyTorch route), as does a mod that reads an index's
-value in Python (``if q_idx > 5``, ``int(h)``), which a trace cannot follow.
+Captured tensors that require grad get their gradients from the dQ kernel: the chain rule through score_mod gives
+the gradient at every read ``t[i, j]`` (``score_grad_function``), which is added atomically into a float32 buffer
+at the same indices (``_accumulate``); such a tensor must only be read at indices (one used whole, a 0-d one
+included, is outside the subset). Anything else raises ``Unsupported`` (the caller then runs the PyTorch route), as
+does a mod that reads an index's value in Python (``if q_idx > 5``, ``int(h)``), which a trace cannot follow.
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ _VALUE_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, 
 
 class _TraceMode(TorchFunctionMode):
     """While tracing: ``x[i, j]`` with index tensors becomes ``aten.index`` (a gather the translation reads as a
-    load), and reading a tensor's value in Python stops the trace (its branch would be fixed at the traced values)."""
+    load), and reading a tensor's value in Python stops the trace (its branch would be fixed at the traced values).
+    With ``leaves`` (a list), a read of a captured tensor that requires grad comes from ``x.detach()`` and is made a
+    leaf of its own, appended to ``leaves``: the gradient at that read is what the backward scatters into x's."""
+
+    def __init__(self, leaves: list | None = None) -> None:
+        super().__init__()
+        self.leaves = leaves
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _VALUE_READS:
@@ -49,16 +58,20 @@ class _TraceMode(TorchFunctionMode):
             x, idx = args
             idx = idx if isinstance(idx, tuple) else (idx,)
             if all(isinstance(i, torch.Tensor) for i in idx):
+                if self.leaves is not None and x.requires_grad and x.grad_fn is None:
+                    leaf = aten.index.Tensor(x.detach(), list(idx)).requires_grad_()
+                    self.leaves.append(leaf)
+                    return leaf
                 return aten.index.Tensor(x, list(idx))
         return func(*args, **(kwargs or {}))
 
 
-def trace(fn: Callable, names: tuple[str, ...]) -> torch.fx.GraphModule:
+def trace(fn: Callable, names: tuple[str, ...], leaves: list | None = None) -> torch.fx.GraphModule:
     """The aten graph of ``fn`` called with 0-d tensors, one per name (float32 for 'score' and 'grad', int32 for the
-    indices)."""
+    indices); ``leaves``: as ``_TraceMode``'s."""
     args = [torch.zeros((), dtype=torch.float32 if n in ("score", "grad") else INDEX_DTYPE) for n in names]
     try:
-        with _TraceMode():
+        with _TraceMode(leaves):
             return make_fx(fn)(*args)
     except Unsupported:
         raise
@@ -66,14 +79,18 @@ def trace(fn: Callable, names: tuple[str, ...]) -> torch.fx.GraphModule:
         raise Unsupported(f"tracing the mod failed ({type(error).__name__}: {error})") from error
 
 
-def score_grad_function(score_mod: Callable) -> Callable:
-    """(score, b, h, q_idx, kv_idx, grad) -> grad * d score_mod / d score: the chain rule through score_mod."""
+def score_grad_function(score_mod: Callable, leaves: list) -> Callable:
+    """(score, b, h, q_idx, kv_idx, grad) -> (grad * d score_mod / d score, then grad * d score_mod / d r for each
+    read r of a captured tensor that requires grad, in the order of ``leaves``): the chain rule through score_mod.
+    Trace it with ``trace(..., leaves=leaves)``."""
 
     def score_grad(score, b, h, q_idx, kv_idx, grad):
+        leaves.clear()
         with torch.enable_grad():
             score = score.detach().requires_grad_()
-            (result,) = torch.autograd.grad(score_mod(score, b, h, q_idx, kv_idx), score, grad, allow_unused=True)
-        return torch.zeros_like(grad) if result is None else result
+            out = score_mod(score, b, h, q_idx, kv_idx)
+            found = torch.autograd.grad(out, [score, *leaves], grad, allow_unused=True)
+        return tuple(torch.zeros_like(grad) if g is None else g for g in found)
 
     return score_grad
 
@@ -134,7 +151,8 @@ of a remainder, floor division, ``~`` on booleans)."""
 
 class Captured:
     """The tensors the mods read, each once (by identity), and the kernel parameters that pass them: a pointer
-    C<i>, then per dimension d its size C<i>_n<d> and stride C<i>_s<d>. Translated sources name them all with the
+    C<i>, then per dimension d its size C<i>_n<d> and stride C<i>_s<d>; for a tensor that requires grad, also its
+    gradient buffer G<i> (float32) and the buffer's strides G<i>_s<d>. Translated sources name them all with the
     token ``CAPTURED`` (``, CAPTURED`` in a signature or a call), replaced by ``params()`` once every mod is
     translated."""
 
@@ -148,20 +166,32 @@ class Captured:
         self.tensors.append(tensor)
         return f"C{len(self.tensors) - 1}"
 
+    @property
+    def needing_grad(self) -> list[torch.Tensor]:
+        """The captured tensors that require grad, in order."""
+        return [t for t in self.tensors if t.requires_grad]
+
     def params(self) -> str:
         """', C0, C0_n0, C0_s0, ...' for the kernel's and the mods' signatures ('' without captured tensors)."""
         names = []
         for i, t in enumerate(self.tensors):
             names += [f"C{i}"] + [f"C{i}_{kind}{d}" for d in range(t.dim()) for kind in ("n", "s")]
+            if t.requires_grad:
+                names += [f"G{i}"] + [f"G{i}_s{d}" for d in range(t.dim())]
         return "".join(f", {n}" for n in names)
 
-    def args(self) -> list:
-        """The launch arguments matching ``params``."""
+    def args(self, grads: list[torch.Tensor] | None = None) -> list:
+        """The launch arguments matching ``params``: ``grads`` are the gradient buffers of ``needing_grad`` (None
+        outside the backward, where each tensor stands in for its buffer, which is then not written)."""
         found = []
+        grads = iter(grads or [t for t in self.tensors if t.requires_grad])
         for t in self.tensors:
             found.append(t)
             for d in range(t.dim()):
                 found += [t.shape[d], t.stride(d)]
+            if t.requires_grad:
+                g = next(grads)
+                found += [g, *(g.stride(d) for d in range(t.dim()))]
         return found
 
 
@@ -181,8 +211,12 @@ def _literal(value) -> str:
 
 def translate(gm: torch.fx.GraphModule, fn_name: str, names: tuple[str, ...], captured: Captured, result: str) -> str:
     """The source of ``@triton.jit def fn_name(<names><captured params>)`` computing the graph ``gm`` on blocks;
-    ``result`` casts what it returns: 'score' to float32, 'mask' to a boolean."""
-    lines = ["@triton.jit", f"def {fn_name}({', '.join(names)}, CAPTURED):"]
+    ``result`` says what it returns: 'score' (cast to float32), 'mask' (a boolean), or 'grad' for the graph of
+    ``score_grad_function``: it returns the score's gradient and, under its constexpr parameter ACCUMULATE, adds the
+    gradient at each read of a captured tensor that requires grad into that tensor's buffer (``_accumulate``)."""
+    extra = ", ACCUMULATE: tl.constexpr" if result == "grad" else ""
+    lines = ["@triton.jit", f"def {fn_name}({', '.join(names)}, CAPTURED{extra}):"]
+    reads: list[tuple[torch.fx.Node, str, torch.Tensor]] = []  # reads of tensors that require grad
     values: dict[str, str] = {}
     tensors: dict[str, tuple[str, torch.Tensor]] = {}  # captured tensors by node: pointer parameter, tensor
     zero_dim: dict[str, str] = {}  # a captured 0-d tensor used as a value: its load
@@ -205,8 +239,12 @@ def translate(gm: torch.fx.GraphModule, fn_name: str, names: tuple[str, ...], ca
             tensor = getattr(gm, node.target)
             if not isinstance(tensor, torch.Tensor):
                 raise Unsupported(f"a captured object of type {type(tensor).__name__}")
-            if tensor.requires_grad:
-                raise Unsupported("a captured tensor requires grad (its gradient comes from the PyTorch route)")
+            if (
+                result == "grad"
+                and tensor.requires_grad
+                and any(_overload_packet(user.target) is not aten.detach for user in node.users)
+            ):
+                raise Unsupported("a captured tensor that requires grad is used other than read at indices")
             pointer = captured.name(tensor)
             if tensor.dim() == 0:
                 zero_dim[node.name] = f"tl.load({pointer})"
@@ -214,14 +252,28 @@ def translate(gm: torch.fx.GraphModule, fn_name: str, names: tuple[str, ...], ca
             continue
         if node.op == "output":
             (out,) = node.args
-            value = ref(out[0] if isinstance(out, (tuple, list)) else out)
-            returned = f"tl.cast({value}, tl.float32)" if result == "score" else f"({value}) != 0"
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            if result == "grad":
+                if len(outs) != len(reads) + 1:
+                    raise Unsupported("reads of captured tensors that require grad the trace could not follow")
+                lines += _accumulate(reads, outs[1:], ref, values)
+            value = ref(outs[0])
+            returned = f"({value}) != 0" if result == "mask" else f"tl.cast({value}, tl.float32)"
             lines.append(f"    return {returned}")
             continue
         if node.op != "call_function":
             raise Unsupported(f"graph node {node.op}")
-        if _overload_packet(node.target) is aten.index and node.args[0].name in tensors:
-            expression = _load(*tensors[node.args[0].name], node.args[1], ref)
+        op = _overload_packet(node.target)
+        if op in (aten.detach, aten.alias) and node.args[0].name in tensors:  # the same tensor: its reads are leaves
+            tensors[node.name] = tensors[node.args[0].name]
+            if tensors[node.name][1].dim() == 0:
+                zero_dim[node.name] = zero_dim[node.args[0].name]
+            continue
+        if op is aten.index and node.args[0].name in tensors:
+            pointer, tensor = tensors[node.args[0].name]
+            expression = _load(pointer, tensor, node.args[1], ref)
+            if result == "grad" and tensor.requires_grad:
+                reads.append((node, pointer, tensor))
         else:
             expression = _expression(node, ref)
         lines.append(f"    v_{node.name} = {expression}")  # prefixed: a node named 'tanh' must not hide tanh()
@@ -283,15 +335,56 @@ def _constant(op, args, kwargs) -> str:
     return f"tl.full([], {_literal(value)}, {_tl_dtype(dtype)})"
 
 
-def _load(pointer: str, tensor: torch.Tensor, indices, ref) -> str:
-    """A masked load of captured ``tensor`` (parameter ``pointer``) at the index expressions (all dimensions
-    indexed)."""
+def _offsets(pointer: str, tensor: torch.Tensor, indices, ref, strides: str) -> tuple[str, str]:
+    """(offset, in-range mask) of ``tensor`` (parameter ``pointer``) at the index expressions, all dimensions
+    indexed; ``strides`` names the stride parameters (``C<i>_s`` or a gradient buffer's ``G<i>_s``)."""
     if len(indices) != tensor.dim() or any(i is None for i in indices):
         raise Unsupported("a captured tensor indexed in some but not all dimensions (the result must be 0-d)")
     offsets, in_range = [], []
     for d, index in enumerate(indices):
         i = f"tl.cast({ref(index)}, tl.int64)"
         i = f"tl.where({i} < 0, {i} + {pointer}_n{d}, {i})"  # negative indices count from the end
-        offsets.append(f"({i}) * {pointer}_s{d}")
+        offsets.append(f"({i}) * {strides}{d}")
         in_range.append(f"(({i}) >= 0) & (({i}) < {pointer}_n{d})")
-    return f"tl.load({pointer} + {' + '.join(offsets)}, mask={' & '.join(in_range)}, other=0)"
+    return " + ".join(offsets) or "0", " & ".join(in_range) or "True"
+
+
+def _load(pointer: str, tensor: torch.Tensor, indices, ref) -> str:
+    """A masked load of captured ``tensor`` (parameter ``pointer``) at the index expressions."""
+    offset, in_range = _offsets(pointer, tensor, indices, ref, f"{pointer}_s")
+    return f"tl.load({pointer} + {offset}, mask={in_range}, other=0)"
+
+
+def _depends_on(node: torch.fx.Node, values: dict[str, str]) -> set[str]:
+    """The arguments (score, b, h, q_idx, kv_idx, grad) a node's value depends on (``values`` names the graph's
+    placeholders by them)."""
+    found, todo, seen = set(), [node], set()
+    while todo:
+        n = todo.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        if n.op == "placeholder":
+            found.add(values[n.name])
+        todo += n.all_input_nodes
+    return found
+
+
+def _accumulate(reads, grads, ref, values: dict[str, str]) -> list[str]:
+    """Lines that add, under ACCUMULATE, the gradient at each read (``grads``, [BLOCK_M, BLOCK_N] blocks) into the
+    gradient buffer of the tensor read, at the read's indices: summed first over the tile dimensions the indices do
+    not depend on (a per-head slope gets one atomic add per tile, not one per position)."""
+    lines = ["    if ACCUMULATE:"]
+    for (node, pointer, tensor), grad in zip(reads, grads, strict=True):
+        indices = node.args[1]
+        depends = set().union(*(_depends_on(i, values) for i in indices if isinstance(i, torch.fx.Node)))
+        offset, in_range = _offsets(pointer, tensor, indices, ref, f"G{pointer[1:]}_s")
+        value = f"{ref(grad)} + tl.zeros_like(grad)"  # [BLOCK_M, BLOCK_N]
+        if "q_idx" not in depends and "kv_idx" not in depends:
+            value = f"tl.sum(tl.sum({value}, 1), 0)"
+        elif "kv_idx" not in depends:
+            value = f"tl.sum({value}, 1, keep_dims=True)"
+        elif "q_idx" not in depends:
+            value = f"tl.sum({value}, 0, keep_dims=True)"
+        lines.append(f"        tl.atomic_add(G{pointer[1:]} + {offset}, {value}, mask={in_range})")
+    return lines if reads else []

@@ -61,12 +61,12 @@ def _refers_to(fn, depth: int = 0) -> tuple:
     values += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
     for value in values:
         if isinstance(value, torch.Tensor):
-            found.append(_Same(value))
+            found += [_Same(value), value.requires_grad]
         elif isinstance(value, types.FunctionType):
             found.extend(_refers_to(value, depth + 1))
         elif isinstance(value, (tuple, list, dict)):
             items = value.values() if isinstance(value, dict) else value
-            found.extend(_Same(v) if isinstance(v, torch.Tensor) else _refers_to(v, depth + 1)
+            found.extend((_Same(v), v.requires_grad) if isinstance(v, torch.Tensor) else _refers_to(v, depth + 1)
                          for v in items if callable(v) or isinstance(v, torch.Tensor))  # fmt: skip
     return tuple(found)
 
@@ -108,16 +108,12 @@ def kernels_for(score_mod: ScoreMod | None, mask_mod: MaskMod | None) -> tuple[t
     try:
         captured = codegen.Captured()
         names = ("score", "b", "h", "q_idx", "kv_idx")
+        leaves: list[torch.Tensor] = []
+        joint = codegen.trace(codegen.score_grad_function(score_mod, leaves), (*names, "grad"), leaves)
         parts = [
             codegen.translate(codegen.trace(score_mod, names), "score_mod", names, captured, "score"),
             codegen.translate(codegen.trace(mask_mod, names[1:]), "mask_mod", names[1:], captured, "mask"),
-            codegen.translate(
-                codegen.trace(codegen.score_grad_function(score_mod), (*names, "grad")),
-                "score_grad",
-                (*names, "grad"),
-                captured,
-                "score",
-            ),  # fmt: skip
+            codegen.translate(joint, "score_grad", (*names, "grad"), captured, "grad"),
         ]
     except codegen.Unsupported as error:
         found = str(error)
@@ -149,8 +145,7 @@ def _tiles(sparse: tuple[int, int], head_dim: int, backward: bool) -> tuple[int,
 
 def unsupported(query, key, value, score_mod: ScoreMod | None, block_mask: BlockMask) -> str | None:
     """Why the Triton kernel cannot run this call (None if it can): head dims over MAX_HEAD_DIM, block sizes the
-    tiles cannot divide, mods outside the translated subset, captured tensors that require grad or live on another
-    device."""
+    tiles cannot divide, mods outside the translated subset (``codegen``), captured tensors on another device."""
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
         return f"head dims above {MAX_HEAD_DIM}"
     if _tiles(block_mask.BLOCK_SIZE, query.shape[-1], False) is None:
@@ -213,6 +208,7 @@ def _forward(q, k, v, module, captured, block_mask: BlockMask, scale: float):
 
 
 def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: BlockMask, scale: float):
+    """(dq, dk, dv, gradients of the captured tensors that require grad, in their dtypes)."""
     batch, nheads, seqlen_q, _ = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
@@ -224,7 +220,8 @@ def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: Block
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
     tiles = _tiles(block_mask.BLOCK_SIZE, q.shape[-1], True)
-    common = (nheads, nheads // nheads_k, seqlen_q, seqlen_k, scale, *captured.args())
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in captured.needing_grad]
+    common = (nheads, nheads // nheads_k, seqlen_q, seqlen_k, scale, *captured.args(grads))
     kv_lists, kv_strides, has_full = _lists(block_mask, "kv")
     launch(module.flex_backward_dq, head_grid(cdiv(seqlen_q, tiles[0]), batch, nheads),
            (q, k, v, dout, lse, delta, dq, *kv_lists, *_strides(q, k, v, dout, dq), *kv_strides, *common),
@@ -233,15 +230,15 @@ def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: Block
     launch(module.flex_backward_dkdv, head_grid(cdiv(seqlen_k, tiles[1]), batch, nheads_k),
            (q, k, v, dout, lse, delta, dk, dv, *q_lists, *_strides(q, k, v, dout, dk, dv), *q_strides, *common),
            _constexprs(q, v, block_mask, tiles, has_full), num_warps=4, num_stages=1)  # fmt: skip
-    return dq, dk, dv
+    return dq, dk, dv, [g.to(t.dtype) for g, t in zip(grads, captured.needing_grad, strict=True)]
 
 
 class _FlexFunction(torch.autograd.Function):
-    """out, lse = flex attention of q, k, v (B, H, N, D) with the translated mods; gradients for q, k, v (the
-    captured tensors do not require grad: ``unsupported`` sends those calls to the PyTorch route)."""
+    """out, lse = flex attention of q, k, v (B, H, N, D) with the translated mods; gradients for q, k, v and for the
+    captured tensors that require grad (passed last, so that autograd hands them theirs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, module, captured, block_mask, scale):
+    def forward(ctx, q, k, v, module, captured, block_mask, scale, *needing_grad):
         out, lse = _forward(q, k, v, module, captured, block_mask, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.module, ctx.captured, ctx.block_mask, ctx.scale = module, captured, block_mask, scale
@@ -250,12 +247,14 @@ class _FlexFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.module, ctx.captured, ctx.block_mask, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv, grads = _backward(
+            dout, q, k, v, out, lse, dlse, ctx.module, ctx.captured, ctx.block_mask, ctx.scale
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, *grads
 
 
 def flex_attention_triton(q, k, v, score_mod: ScoreMod | None, block_mask: BlockMask, scale: float):
     """(out, lse) by the Triton kernels, for a call ``unsupported`` lets through."""
     module, captured = kernels_for(score_mod, block_mask.mask_mod)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return _FlexFunction.apply(q, k, v, module, captured, block_mask, scale)
+    return _FlexFunction.apply(q, k, v, module, captured, block_mask, scale, *captured.needing_grad)

@@ -30,8 +30,9 @@ def mask_mod(b, h, q_idx, kv_idx, CAPTURED):
 
 
 @triton.jit
-def score_grad(score, b, h, q_idx, kv_idx, grad, CAPTURED):
-    """Stub: grad * d score_mod / d score, translated, replaces it."""
+def score_grad(score, b, h, q_idx, kv_idx, grad, CAPTURED, ACCUMULATE: tl.constexpr):
+    """Stub: grad * d score_mod / d score, translated, replaces it (with ACCUMULATE it also adds the gradients of
+    captured tensors that require grad into their buffers)."""
     return grad
 
 
@@ -153,13 +154,15 @@ def _row_stats(Lse, Delta, lse_offs, offs_m, seqlen_q):
 
 @triton.jit
 def _grad_scores(q, k, v, do, lse, delta, scale, off_b, off_h, offs_m, offs_n, seqlen_k, CAPTURED,
-                 MASKED: tl.constexpr):  # fmt: skip
-    """(P, dL/d(q k^T * scale)) of a [BLOCK_M, BLOCK_N] tile, recomputed from the saved LSE."""
+                 MASKED: tl.constexpr, ACCUMULATE: tl.constexpr):  # fmt: skip
+    """(P, dL/d(q k^T * scale)) of a [BLOCK_M, BLOCK_N] tile, recomputed from the saved LSE; with ACCUMULATE (the dQ
+    kernel, which sees every position once) also the gradients of captured tensors (``score_grad``)."""
     qk, s = _scores(q, k, scale, off_b, off_h, offs_m, offs_n, seqlen_k, CAPTURED, MASKED)
     p = tl.math.exp2(s - lse[:, None])
     # [BLOCK_M, DV] @ [DV, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     dp = tl.dot(do, tl.trans(v), input_precision=IEEE if v.dtype == tl.float32 else None)
-    ds = score_grad(qk, off_b, off_h, offs_m[:, None], offs_n[None, :], p * (dp - delta[:, None]), CAPTURED)
+    ds = score_grad(qk, off_b, off_h, offs_m[:, None], offs_n[None, :], p * (dp - delta[:, None]), CAPTURED,
+                    ACCUMULATE)  # fmt: skip
     return p, tl.where(p > 0.0, ds, 0.0)
 
 
@@ -170,7 +173,8 @@ def _dq_tile(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_n,
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load(k_src, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, True)
     v = _load(v_src, offs_n, stride_vn, seqlen_k, offs_dv, HEAD_DIM_V, True)
-    _, ds = _grad_scores(q, k, v, do, lse, delta, scale, off_b, off_h, offs_m, offs_n, seqlen_k, CAPTURED, MASKED)
+    _, ds = _grad_scores(q, k, v, do, lse, delta, scale, off_b, off_h, offs_m, offs_n, seqlen_k, CAPTURED, MASKED,
+                         True)  # fmt: skip
     # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=IEEE if k.dtype == tl.float32 else None)
 
@@ -223,7 +227,8 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, stride_qm, stride_dom, lse_base, del
     q = _load(q_src, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, True)  # [BLOCK_M, D]
     do = _load(do_src, offs_m, stride_dom, seqlen_q, offs_dv, HEAD_DIM_V, True)  # [BLOCK_M, DV]
     lse, delta = _row_stats(lse_base, delta_base, offs_m, offs_m, seqlen_q)
-    p, ds = _grad_scores(q, k, v, do, lse, delta, scale, off_b, off_h, offs_m, offs_n, seqlen_k, CAPTURED, MASKED)
+    p, ds = _grad_scores(q, k, v, do, lse, delta, scale, off_b, off_h, offs_m, offs_n, seqlen_k, CAPTURED, MASKED,
+                         False)  # fmt: skip
     # [BLOCK_N, BLOCK_M] @ [BLOCK_M, DV] -> [BLOCK_N, DV]
     dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=IEEE if do.dtype == tl.float32 else None)
     # [BLOCK_N, BLOCK_M] @ [BLOCK_M, D] -> [BLOCK_N, D]

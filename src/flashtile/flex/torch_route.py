@@ -3,7 +3,8 @@
 For each query block of the block mask, an online softmax runs over that block's computed key blocks (partial or
 full for some batch entry or head; skipped blocks are never touched), a chunk of at most ``KV_CHUNK`` keys at a
 time: scores in float32, score_mod and mask_mod evaluated on the chunk's index tensors (``mods``), mask_mod only
-where some block of the chunk is partial. Each query block runs under ``torch.utils.checkpoint``, so the backward
+where some block of the chunk is partial. With autograd on, a second pass builds the output so that its gradient
+is FlashAttention's (``_query_block``). Each query block runs under ``torch.utils.checkpoint``, so the backward
 recomputes its scores instead of keeping them: memory stays linear in the lengths, and autograd reaches q, k, v
 and every tensor the mods capture (a bias table that requires grad gets its gradient).
 
@@ -33,18 +34,26 @@ def _query_block(
     score_mod: ScoreMod | None, mask_mod: MaskMod, scale: float, kv_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Output (B, Hq, M, Ev) in q's dtype and LSE (B, Hq, M) float32 of the query rows q (B, Hq, M, E), which start
-    at row ``start``, over the key blocks ``blocks`` (kinds: (Bm, Hm, Kb) int8 of this query block)."""
+    at row ``start``, over the key blocks ``blocks`` (kinds: (Bm, Hm, Kb) int8 of this query block).
+
+    Without autograd, one online-softmax pass. With it, a first pass without autograd finds each row's LSE, and a
+    second sums P V with P = exp(S - LSE) and the LSE held fixed, its dependence on the scores restored by a term
+    Z - Z.detach() (Z = sum P, whose value is 0 and whose gradient is P): autograd then differentiates as
+    FlashAttention's backward does, dS = P (dP - delta) with delta = rowsum(dO * O), instead of through the online
+    rescaling, whose gradient loses accuracy where P is close to 0 or 1."""
     batch, nheads, rows, _ = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
     device = q.device
     b, h, q_idx = index(0, batch, device), index(0, nheads, device), index(start, start + rows, device)
     q32 = q.float().reshape(batch, nheads_k, group * rows, -1)  # the query heads of a kv head side by side
-    m = torch.full((batch, nheads, rows), float("-inf"), device=device)
-    l = torch.zeros((batch, nheads, rows), device=device)  # noqa: E741
-    acc = torch.zeros((batch, nheads, rows, v.shape[-1]), device=device)
-    for chunk in _chunks(blocks, kv_block):
-        cols = torch.cat([index(j * kv_block, min((j + 1) * kv_block, seqlen_k), device) for j in chunk])
+    chunks = [
+        torch.cat([index(j * kv_block, min((j + 1) * kv_block, seqlen_k), device) for j in chunk])
+        for chunk in _chunks(blocks, kv_block)
+    ]
+
+    def scores(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores after the mods, -inf where hidden) [B, Hq, M, n] and V [B, Hk, n, Ev] of the keys ``cols``."""
         k_c, v_c = k.index_select(2, cols).float(), v.index_select(2, cols).float()
         # [B, Hk, G*M, E] @ [B, Hk, E, n] -> [B, Hq, M, n]
         s = (q32 @ k_c.transpose(-2, -1)).reshape(batch, nheads, rows, -1) * scale
@@ -54,21 +63,42 @@ def _query_block(
         attend = kind == FULL
         if (kind == PARTIAL).any():
             attend = attend | ((kind == PARTIAL) & evaluate_mask(mask_mod, b, h, q_idx, cols))
-        s = torch.where(attend, s, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1)).detach()  # a shift only: the softmax does not depend on it
-        shift = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: exp gives 0
-        p = torch.exp(s - shift[..., None])
-        alpha = torch.exp(m - shift)
-        l = l * alpha + p.sum(-1)  # noqa: E741
+        return torch.where(attend, s, float("-inf")), v_c
+
+    def pv(p: torch.Tensor, v_c: torch.Tensor) -> torch.Tensor:
         # [B, Hk, G*M, n] @ [B, Hk, n, Ev] -> [B, Hq, M, Ev]
-        pv = (p.reshape(batch, nheads_k, group * rows, -1) @ v_c).reshape(batch, nheads, rows, -1)
-        acc = acc * alpha[..., None] + pv
-        m = m_new
+        return (p.reshape(batch, nheads_k, group * rows, -1) @ v_c).reshape(batch, nheads, rows, -1)
+
+    differentiable = torch.is_grad_enabled()
+    m = torch.full((batch, nheads, rows), float("-inf"), device=device)
+    l = torch.zeros((batch, nheads, rows), device=device)  # noqa: E741
+    acc = torch.zeros((batch, nheads, rows, v.shape[-1]), device=device)
+    with torch.no_grad():
+        for cols in chunks:
+            s, v_c = scores(cols)
+            m_new = torch.maximum(m, s.amax(-1))
+            shift = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: exp gives 0
+            p = torch.exp(s - shift[..., None])
+            alpha = torch.exp(m - shift)
+            l = l * alpha + p.sum(-1)  # noqa: E741
+            if not differentiable:
+                acc = acc * alpha[..., None] + pv(p, v_c)
+            m = m_new
     seen = l > 0
-    l_safe = torch.where(seen, l, 1.0)  # keeps the gradient of a row that saw no key finite (it is 0)
-    out = torch.where(seen[..., None], acc / l_safe[..., None], 0.0)
+    l_safe = torch.where(seen, l, 1.0)
     lse = torch.where(seen, torch.where(seen, m, 0.0) + torch.log(l_safe), float("-inf"))
-    return out.to(q.dtype), lse
+    if not differentiable:
+        return torch.where(seen[..., None], acc / l_safe[..., None], 0.0).to(q.dtype), lse
+    shift = torch.where(seen, lse, 0.0)
+    z = torch.zeros((batch, nheads, rows), device=device)
+    for cols in chunks:
+        s, v_c = scores(cols)
+        p = torch.exp(s - shift[..., None])
+        z = z + p.sum(-1)
+        acc = acc + pv(p, v_c)
+    dz = torch.where(seen, z - z.detach(), 0.0)  # 0, with the gradient of the LSE: P
+    out = torch.where(seen[..., None], acc * torch.exp(-dz)[..., None], 0.0)
+    return out.to(q.dtype), torch.where(seen, lse + dz, float("-inf"))
 
 
 class _NoKeySeen(torch.autograd.Function):
