@@ -293,6 +293,19 @@ def test_kernel_without_mods_and_key_batch_shared():
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
 
 
+def test_kernel_takes_torch_block_masks():
+    """torch's own BlockMask (its q_* lists used as they are) gives what flashtile's gives, forward and backward."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = (torch.randn(1, 2, 40, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    found = []
+    for create in (flashtile.create_block_mask, flex.create_block_mask):
+        block_mask = create(causal, None, None, 40, 40, device=DEVICE, BLOCK_SIZE=32)
+        out = flashtile.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "TRITON"})
+        found.append([out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))])
+    for ours, theirs in zip(*found, strict=True):
+        assert torch.equal(ours, theirs)
+
+
 def test_inside_torch_compile():
     """In a torch.compile'd function flex_attention runs eagerly (a graph break), forward and backward."""
     q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE, requires_grad=True) for _ in range(3))

@@ -10,6 +10,7 @@ size 1 broadcast over the attention's batch and heads.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -266,21 +267,30 @@ def create_block_mask(
 
 def as_block_mask(block_mask) -> BlockMask:
     """flashtile's BlockMask for a BlockMask of flashtile or of torch (``torch.nn.attention.flex_attention``),
-    whose fields it shares; InputTypeError for anything else."""
+    whose fields it shares (its q_* lists are used as they are where torch computed them); InputTypeError for
+    anything else."""
     if isinstance(block_mask, BlockMask):
         return block_mask
     if not all(hasattr(block_mask, name) for name in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE", "seq_lengths")):
         raise InputTypeError(
             f"block_mask must be a BlockMask (flashtile.create_block_mask, or torch's), got {type(block_mask)}."
         )
+    fields = {name: getattr(block_mask, name, None) for name in _TENSORS}
+    if fields["q_indices"] is not None:
+        return BlockMask(
+            tuple(block_mask.seq_lengths), **fields, BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE),
+            mask_mod=block_mask.mask_mod,
+        )  # fmt: skip
     return BlockMask.from_kv_blocks(
         block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
         BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths,
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=64)
 def full_block_mask(q_len: int, kv_len: int, device: torch.device) -> BlockMask:
-    """The BlockMask of attention without a mask: every block full (mask_mod never evaluated)."""
+    """The BlockMask of attention without a mask: every block full (mask_mod never evaluated). Kept per lengths and
+    device (it is never changed), so that calls without a block mask do not build one each time."""
     rows, cols = -(-q_len // DEFAULT_BLOCK_SIZE), -(-kv_len // DEFAULT_BLOCK_SIZE)
     full = torch.ones(1, 1, rows, cols, dtype=torch.bool, device=device)
     return BlockMask.from_kv_blocks(*_ordered(~full), *_ordered(full), seq_lengths=(q_len, kv_len))
