@@ -306,6 +306,26 @@ def test_kernel_takes_torch_block_masks():
         assert torch.equal(ours, theirs)
 
 
+HEAD_SCALE = torch.ones(2)
+SHIFT = 0.0
+
+
+def _scaled(score, b, h, q_idx, kv_idx):
+    return score * HEAD_SCALE[h] + SHIFT * kv_idx
+
+
+def test_kernel_follows_rebound_globals():
+    """A mod's global rebound to another tensor or number between calls is read anew (not from the first trace)."""
+    global HEAD_SCALE, SHIFT
+    q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE) for _ in range(3))
+    options = {"BACKEND": "TRITON"}
+    other = torch.tensor([3.0, -2.0], device=DEVICE)
+    for scale, shift in ((torch.ones(2, device=DEVICE), 0.0), (other, 0.0), (other, 0.5)):  # one change at a time
+        HEAD_SCALE, SHIFT = scale, shift
+        out = flashtile.flex_attention(q, k, v, _scaled, kernel_options=options)
+        torch.testing.assert_close(out, flashtile.flex_attention(q, k, v, _scaled, kernel_options={"BACKEND": "TORCH"}))
+
+
 def test_inside_torch_compile():
     """In a torch.compile'd function flex_attention runs eagerly (a graph break), forward and backward."""
     q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE, requires_grad=True) for _ in range(3))

@@ -2,15 +2,17 @@
 
 ``kernels_for(score_mod, mask_mod)`` translates the mods (``codegen``), fills the template (``template.py``) with
 them, writes the source to a cache file named by its hash (``@triton.jit`` reads a function's source from its
-file) and imports it; modules are kept per source, and translations per mod (with the identities of the tensors
-and functions it refers to, so a rebound global or closure variable is traced again). ``unsupported`` says why a
-call cannot run here (the caller then takes the PyTorch route).
+file) and imports it; modules are kept per source, and translations per mod (keyed by what the mod reads,
+``_key``: a global, closure variable or attribute rebound to another tensor or number is traced again).
+``unsupported`` says why a call cannot run here (the caller then takes the PyTorch route).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import inspect
 import sys
 import tempfile
 import types
@@ -50,25 +52,49 @@ class _Same:
         return id(self.obj)
 
 
-def _refers_to(fn, depth: int = 0) -> tuple:
-    """The tensors and functions ``fn`` refers to (closure cells and globals it names), followed into the functions
-    it calls, by identity: what a cached translation of ``fn`` depends on."""
-    code = getattr(fn, "__code__", None)
-    if code is None or depth > 4:
-        return (_Same(fn),)
-    found = [_Same(fn)]
-    values = [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not None]
-    values += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            found += [_Same(value), value.requires_grad]
-        elif isinstance(value, types.FunctionType):
-            found.extend(_refers_to(value, depth + 1))
-        elif isinstance(value, (tuple, list, dict)):
-            items = value.values() if isinstance(value, dict) else value
-            found.extend((_Same(v), v.requires_grad) if isinstance(v, torch.Tensor) else _refers_to(v, depth + 1)
-                         for v in items if callable(v) or isinstance(v, torch.Tensor))  # fmt: skip
-    return tuple(found)
+def _referred(fn) -> list:
+    """What ``fn`` reads besides its arguments: its closure cells and the globals it names; for a bound method or a
+    callable object also the object's attributes (and the values of dict attributes: a module's parameters and
+    buffers); for a functools.partial its function and bound arguments."""
+    if isinstance(fn, functools.partial):
+        return [fn.func, *fn.args, *fn.keywords.values()]
+    owner = getattr(fn, "__self__", None) if inspect.ismethod(fn) else None
+    func = getattr(fn, "__func__", fn)
+    if not isinstance(func, types.FunctionType) and callable(fn):  # a callable object
+        owner, func = fn, getattr(type(fn).__call__, "__func__", type(fn).__call__)
+    values = []
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        for cell in func.__closure__ or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        values += [func.__globals__[n] for n in code.co_names if n in func.__globals__]
+    if owner is not None and hasattr(owner, "__dict__"):
+        attrs = list(vars(owner).values())
+        values += attrs + [v for d in attrs if isinstance(d, dict) for v in d.values()]
+    return values
+
+
+def _key(value, depth: int = 0) -> object:
+    """What a translation depends on in ``value``: a tensor by identity (with its requires_grad), a Python scalar by
+    value (a trace writes it into the graph as a constant), containers and functions by what they hold and read
+    (``_referred``; callable objects only as the mod itself, at depth 0), anything else by identity."""
+    if isinstance(value, torch.Tensor):
+        return _Same(value), value.requires_grad
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(value), value
+    if depth > 4:
+        return _Same(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_key(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return tuple((str(k), _key(v, depth + 1)) for k, v in value.items())
+    function = isinstance(value, (types.FunctionType, types.MethodType, functools.partial))
+    if function or (depth == 0 and callable(value) and not isinstance(value, type)):
+        return _Same(value), *(_key(v, depth + 1) for v in _referred(value))
+    return _Same(value)
 
 
 def _cache_dir() -> Path:
@@ -99,7 +125,7 @@ def _import(source: str) -> types.ModuleType:
 def kernels_for(score_mod: ScoreMod | None, mask_mod: MaskMod | None) -> tuple[types.ModuleType, codegen.Captured]:
     """(kernel module, captured tensors) for these mods; ``codegen.Unsupported`` if they fall outside the subset."""
     score_mod, mask_mod = score_mod or _identity, mask_mod or noop_mask
-    key = (_refers_to(score_mod), _refers_to(mask_mod))
+    key = (_key(score_mod), _key(mask_mod))  # a mod whose tensors, numbers or functions were rebound: traced again
     found = _TRANSLATIONS.get(key)
     if isinstance(found, str):
         raise codegen.Unsupported(found)
