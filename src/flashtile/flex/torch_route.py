@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from flashtile.flex.block_mask import FULL, PARTIAL, BlockMask, block_kinds
 from flashtile.flex.mods import MaskMod, ScoreMod, apply_score_mod, evaluate_mask, index
 
-KV_CHUNK = 512
+KV_CHUNK = 1024
 """The most keys one step of the online softmax takes (whole key blocks; at least one block)."""
 
 
@@ -48,18 +48,28 @@ def _query_block(
     b, h, q_idx = index(0, batch, device), index(0, nheads, device), index(start, start + rows, device)
     q32 = q.float().reshape(batch, nheads_k, group * rows, -1)  # the query heads of a kv head side by side
     chunks = [
-        torch.cat([index(j * kv_block, min((j + 1) * kv_block, seqlen_k), device) for j in chunk])
+        (
+            torch.cat([index(j * kv_block, min((j + 1) * kv_block, seqlen_k), device) for j in chunk]),
+            chunk == list(range(chunk[0], chunk[0] + len(chunk))),
+        )  # fmt: skip
         for chunk in _chunks(blocks, kv_block)
     ]
 
-    def scores(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores after the mods, -inf where hidden) [B, Hq, M, n] and V [B, Hk, n, Ev] of the keys ``cols``."""
-        k_c, v_c = k.index_select(2, cols).float(), v.index_select(2, cols).float()
+    def scores(cols: torch.Tensor, contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores after the mods, -inf where hidden) [B, Hq, M, n] and V [B, Hk, n, Ev] of the keys ``cols``
+        (``contiguous``: consecutive key blocks, read as a slice rather than gathered)."""
+        if contiguous:
+            start_k = int(cols[0])
+            k_c, v_c = k[:, :, start_k : start_k + len(cols)].float(), v[:, :, start_k : start_k + len(cols)].float()
+        else:
+            k_c, v_c = k.index_select(2, cols).float(), v.index_select(2, cols).float()
         # [B, Hk, G*M, E] @ [B, Hk, E, n] -> [B, Hq, M, n]
         s = (q32 @ k_c.transpose(-2, -1)).reshape(batch, nheads, rows, -1) * scale
         if score_mod is not None:
             s = apply_score_mod(score_mod, s, b, h, q_idx, cols)
         kind = kinds[:, :, (cols // kv_block).long()][:, :, None, :]  # (Bm, Hm, 1, n)
+        if (kind == FULL).all():  # nothing hidden in this chunk
+            return s, v_c
         attend = kind == FULL
         if (kind == PARTIAL).any():
             attend = attend | ((kind == PARTIAL) & evaluate_mask(mask_mod, b, h, q_idx, cols))
@@ -74,8 +84,8 @@ def _query_block(
     l = torch.zeros((batch, nheads, rows), device=device)  # noqa: E741
     acc = torch.zeros((batch, nheads, rows, v.shape[-1]), device=device)
     with torch.no_grad():
-        for cols in chunks:
-            s, v_c = scores(cols)
+        for cols, contiguous in chunks:
+            s, v_c = scores(cols, contiguous)
             m_new = torch.maximum(m, s.amax(-1))
             shift = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: exp gives 0
             p = torch.exp(s - shift[..., None])
@@ -91,8 +101,8 @@ def _query_block(
         return torch.where(seen[..., None], acc / l_safe[..., None], 0.0).to(q.dtype), lse
     shift = torch.where(seen, lse, 0.0)
     z = torch.zeros((batch, nheads, rows), device=device)
-    for cols in chunks:
-        s, v_c = scores(cols)
+    for cols, contiguous in chunks:
+        s, v_c = scores(cols, contiguous)
         p = torch.exp(s - shift[..., None])
         z = z + p.sum(-1)
         acc = acc + pv(p, v_c)
