@@ -66,10 +66,13 @@ class _TraceMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def trace(fn: Callable, names: tuple[str, ...], leaves: list | None = None) -> torch.fx.GraphModule:
-    """The aten graph of ``fn`` called with 0-d tensors, one per name (float32 for 'score' and 'grad', int32 for the
-    indices); ``leaves``: as ``_TraceMode``'s."""
-    args = [torch.zeros((), dtype=torch.float32 if n in ("score", "grad") else INDEX_DTYPE) for n in names]
+def trace(
+    fn: Callable, names: tuple[str, ...], device: torch.device, leaves: list | None = None
+) -> torch.fx.GraphModule:
+    """The aten graph of ``fn`` called with 0-d tensors on ``device`` (the inputs'), one per name (float32 for
+    'score' and 'grad', int32 for the indices); ``leaves``: as ``_TraceMode``'s."""
+    args = [torch.zeros((), dtype=torch.float32 if n in ("score", "grad") else INDEX_DTYPE, device=device)
+            for n in names]  # fmt: skip
     try:
         with _TraceMode(leaves):
             return make_fx(fn)(*args)

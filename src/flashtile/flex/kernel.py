@@ -1,9 +1,10 @@
 """The Triton path of flex_attention: a kernel module per set of mods, its launchers and the autograd Function.
 
-``kernels_for(score_mod, mask_mod)`` translates the mods (``codegen``), fills the template (``template.py``) with
-them, writes the source to a cache file named by its hash (``@triton.jit`` reads a function's source from its
-file) and imports it; modules are kept per source, and translations per mod (keyed by what the mod reads,
-``_key``: a global, closure variable or attribute rebound to another tensor or number is traced again).
+``kernels_for(score_mod, mask_mod, device)`` translates the mods (``codegen``, traced on ``device``), fills the
+template (``template.py``) with them, writes the source to a cache file named by its hash (``@triton.jit`` reads a
+function's source from its file) and imports it; modules are kept per source, and translations per mod (keyed by
+what the mod reads, ``_key``: a global, closure variable or attribute rebound to another tensor or number is traced
+again).
 ``unsupported`` says why a call cannot run here (the caller then takes the PyTorch route).
 """
 
@@ -122,10 +123,16 @@ def _import(source: str) -> types.ModuleType:
     return _MODULES[digest]
 
 
-def kernels_for(score_mod: ScoreMod | None, mask_mod: MaskMod | None) -> tuple[types.ModuleType, codegen.Captured]:
+def kernels_for(
+    score_mod: ScoreMod | None, mask_mod: MaskMod | None, device: torch.device
+) -> tuple[types.ModuleType, codegen.Captured]:
     """(kernel module, captured tensors) for these mods; ``codegen.Unsupported`` if they fall outside the subset."""
     score_mod, mask_mod = score_mod or _identity, mask_mod or noop_mask
-    key = (_key(score_mod), _key(mask_mod))  # a mod whose tensors, numbers or functions were rebound: traced again
+    key = (
+        _key(score_mod),
+        _key(mask_mod),
+        device,
+    )  # a mod whose tensors, numbers or functions were rebound: traced again
     found = _TRANSLATIONS.get(key)
     if isinstance(found, str):
         raise codegen.Unsupported(found)
@@ -135,10 +142,10 @@ def kernels_for(score_mod: ScoreMod | None, mask_mod: MaskMod | None) -> tuple[t
         captured = codegen.Captured()
         names = ("score", "b", "h", "q_idx", "kv_idx")
         leaves: list[torch.Tensor] = []
-        joint = codegen.trace(codegen.score_grad_function(score_mod, leaves), (*names, "grad"), leaves)
+        joint = codegen.trace(codegen.score_grad_function(score_mod, leaves), (*names, "grad"), device, leaves)
         parts = [
-            codegen.translate(codegen.trace(score_mod, names), "score_mod", names, captured, "score"),
-            codegen.translate(codegen.trace(mask_mod, names[1:]), "mask_mod", names[1:], captured, "mask"),
+            codegen.translate(codegen.trace(score_mod, names, device), "score_mod", names, captured, "score"),
+            codegen.translate(codegen.trace(mask_mod, names[1:], device), "mask_mod", names[1:], captured, "mask"),
             codegen.translate(joint, "score_grad", (*names, "grad"), captured, "grad"),
         ]
     except codegen.Unsupported as error:
@@ -149,7 +156,7 @@ def kernels_for(score_mod: ScoreMod | None, mask_mod: MaskMod | None) -> tuple[t
     if len(_TRANSLATIONS) >= MAX_TRANSLATIONS:
         _TRANSLATIONS.clear()
     _TRANSLATIONS[key] = found
-    return kernels_for(score_mod, mask_mod)
+    return kernels_for(score_mod, mask_mod, device)
 
 
 def _tiles(sparse: tuple[int, int], head_dim: int, backward: bool) -> tuple[int, int] | None:
@@ -179,7 +186,7 @@ def unsupported(query, key, value, score_mod: ScoreMod | None, block_mask: Block
     if block_mask.q_num_blocks is None and torch.is_grad_enabled():
         return "a block mask without its q_* lists (the backward pass needs them)"
     try:
-        _, captured = kernels_for(score_mod, block_mask.mask_mod)
+        _, captured = kernels_for(score_mod, block_mask.mask_mod, query.device)
     except codegen.Unsupported as error:
         return str(error)
     if any(t.device != query.device for t in captured.tensors):
@@ -281,6 +288,6 @@ class _FlexFunction(torch.autograd.Function):
 
 def flex_attention_triton(q, k, v, score_mod: ScoreMod | None, block_mask: BlockMask, scale: float):
     """(out, lse) by the Triton kernels, for a call ``unsupported`` lets through."""
-    module, captured = kernels_for(score_mod, block_mask.mask_mod)
+    module, captured = kernels_for(score_mod, block_mask.mask_mod, q.device)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     return _FlexFunction.apply(q, k, v, module, captured, block_mask, scale, *captured.needing_grad)
