@@ -357,6 +357,31 @@ def test_kernel_falls_back_or_explains():
         flashtile.flex_attention(q, k, v, cases[2][0], kernel_options={"BACKEND": "TRITON"})
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap", "bias", "relative_bias"])
+def test_gpu_kernel_long(name, D):
+    """Compiled kernels at lengths past one block (and not a multiple of it), GQA, bf16, the default block size,
+    gradients of captured tensors included."""
+    run_case(name, "TRITON", dtype=torch.bfloat16, B=2, H=4, H_kv=2, L=1000, S=1023, D=D, block=128)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_compiled_flex_attention():
+    """Against torch.compile'd FlexAttention with the same mods and torch's own block mask, forward and backward."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    params = _params(4, 1024, 1024, grads=False)
+    score_mod, mask_mod = _mods("alibi", params)
+    q, k, v = (torch.randn(2, 4, 1024, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    block_mask = flex.create_block_mask(mask_mod, None, None, 1024, 1024, device=DEVICE)
+    found = []
+    for fn in (flashtile.flex_attention, torch.compile(flex.flex_attention)):
+        out = fn(q, k, v, score_mod, block_mask)
+        found.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    for ours, theirs in zip(*found, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+
+
 # ------------------------------------------------------------------------------------------------ benchmark
 
 
