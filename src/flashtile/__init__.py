@@ -7,6 +7,7 @@ CPU tensors run the same tiled algorithm in PyTorch (see ``flashtile._backend``)
 
 from flashtile._backend import check_values
 from flashtile.errors import InputError, InputTypeError
+from flashtile.flex import BlockMask, and_masks, create_block_mask, flex_attention, noop_mask, or_masks
 from flashtile.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -23,9 +24,12 @@ from flashtile.sdpa import scaled_dot_product_attention
 __version__ = "0.2.0"
 
 __all__ = [
+    "BlockMask",
     "InputError",
     "InputTypeError",
+    "and_masks",
     "check_values",
+    "create_block_mask",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -33,6 +37,9 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "flex_attention",
+    "noop_mask",
+    "or_masks",
     "pad_input",
     "profile",
     "scaled_dot_product_attention",

@@ -1,0 +1,174 @@
+"""flashtile.flex_attention: FlexAttention's function (``torch.nn.attention.flex_attention.flex_attention``), its
+checks, and the choice between the Triton kernel and the PyTorch route."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from flashtile import _backend
+from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
+from flashtile.flex.block_mask import BlockMask, as_block_mask, full_block_mask, require_mod
+from flashtile.flex.mods import ScoreMod
+from flashtile.flex.torch_route import flex_attention_torch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("AUTO", "TRITON", "TORCH")
+
+
+def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
+    """InputError (or InputTypeError) for inputs flex_attention cannot take, saying what was expected."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"flex_attention: {name} must be a torch.Tensor, got {type(x).__name__}.")
+        if x.dim() != 4:
+            raise InputError(f"flex_attention: {name} must be 4-D (B, H, seqlen, headdim), got shape {tuple(x.shape)}.")
+        if x.dtype not in DTYPES:
+            raise UnsupportedDtypeError(
+                f"flex_attention takes float16, bfloat16 or float32 tensors, got {name} of dtype {x.dtype}."
+            )
+    if not query.dtype == key.dtype == value.dtype:
+        raise InputTypeError(
+            f"flex_attention: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}."
+        )
+    if not query.device == key.device == value.device:
+        raise InputError(
+            f"flex_attention: query, key and value must be on one device, got {query.device}, {key.device}, "
+            f"{value.device}."
+        )
+    (batch, nheads, _, dim), (batch_k, nheads_k, _, dim_k) = query.shape, key.shape
+    if dim != dim_k:
+        raise InputError(f"flex_attention: query and key must have the same head dim E, got {dim} and {dim_k}.")
+    if value.shape[:3] != key.shape[:3]:
+        raise InputError(
+            f"flex_attention: value (B, Hkv, S, Ev) must match key's (B, Hkv, S) = {tuple(key.shape[:3])}, "
+            f"got {tuple(value.shape)}."
+        )
+    if batch_k not in (batch, 1):
+        raise InputError(
+            f"flex_attention: key and value must have query's batch size {batch} (or 1, shared by every entry), "
+            f"got {batch_k}."
+        )
+    if not enable_gqa and nheads != nheads_k:
+        raise InputError(
+            f"flex_attention: query and key/value must have the same number of heads, got Hq={nheads} and "
+            f"Hkv={nheads_k}. Try setting enable_gqa=True for GQA."
+        )
+    if nheads % nheads_k:
+        raise InputError(
+            f"flex_attention: for GQA the number of query heads must be a multiple of kv heads, got Hq={nheads} and "
+            f"Hkv={nheads_k}."
+        )
+
+
+def _checked_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) -> BlockMask:
+    """The BlockMask to use: ``block_mask`` (flashtile's or torch's) after checking it fits the inputs, or one
+    with every block full when it is None."""
+    (batch, nheads, seqlen_q, _), seqlen_k = query.shape, key.shape[2]
+    if block_mask is None:
+        return full_block_mask(seqlen_q, seqlen_k, query.device)
+    mask = as_block_mask(block_mask)
+    if tuple(mask.seq_lengths) != (seqlen_q, seqlen_k):
+        raise InputError(
+            f"flex_attention: block_mask was created for Q_LEN, KV_LEN = {tuple(mask.seq_lengths)} but the inputs "
+            f"have {seqlen_q} queries and {seqlen_k} keys: create the block mask for these lengths."
+        )
+    mask_batch, mask_heads = mask.shape[:2]
+    if mask_batch not in (1, batch) or mask_heads not in (1, nheads):
+        raise InputError(
+            f"flex_attention: block_mask has B={mask_batch}, H={mask_heads}; it needs B of 1 or {batch} and H of 1 or "
+            f"{nheads} (the query's). Create it with B={batch} (or None) and H={nheads} (or None)."
+        )
+    if mask.kv_num_blocks.device != query.device:
+        raise InputError(
+            f"flex_attention: block_mask is on {mask.kv_num_blocks.device} and the inputs on {query.device}: "
+            f"create it with device={str(query.device)!r} (or move it with block_mask.to(device))."
+        )
+    return mask
+
+
+def _backend_of(kernel_options: dict | None) -> str:
+    """kernel_options["BACKEND"] (default "AUTO"); InputError for a value flashtile does not know."""
+    if kernel_options is None:
+        return "AUTO"
+    if not isinstance(kernel_options, dict):
+        raise InputTypeError(f"flex_attention: kernel_options must be a dict or None, got {type(kernel_options)}.")
+    backend = kernel_options.get("BACKEND", "AUTO")
+    if backend not in BACKENDS:
+        raise InputError(f"flex_attention: kernel_options['BACKEND'] must be one of {BACKENDS}, got {backend!r}.")
+    return backend
+
+
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention with a programmable score and a block-sparse mask: FlexAttention's ``flex_attention`` (same
+    arguments, layout and results; switch by importing it from flashtile).
+
+    query: (B, Hq, L, E); key: (B or 1, Hkv, S, E); value: (B or 1, Hkv, S, Ev). float16, bfloat16 or float32,
+    one dtype and one device (CUDA or CPU). Hkv == Hq, or with ``enable_gqa=True`` any divisor of Hq (query head
+    h reads kv head h // (Hq // Hkv)). A key/value batch of 1 is shared by every query batch entry.
+    score_mod(score, b, h, q_idx, kv_idx) -> score: changes each scaled score (float32 0-d; b, h, q_idx, kv_idx
+    are int32 0-d), e.g. ``score + bias[h, q_idx, kv_idx]``, ``score - slopes[h] * (q_idx - kv_idx)``,
+    ``cap * torch.tanh(score / cap)``. Captured tensors that require grad get gradients. Default None: unchanged.
+    block_mask: a BlockMask from ``create_block_mask`` (or torch's), made for Q_LEN = L and KV_LEN = S and batch
+    and heads of 1 or B and Hq. Blocks it skips are never computed; in its partial blocks its mask_mod hides the
+    positions where it is False; in its full blocks every position attends. Default None: nothing masked.
+    scale: multiplies q k^T before score_mod; default 1 / sqrt(E).
+    return_lse: also return the log-sum-exp of each row's scores (natural log).
+    kernel_options: dict; its "BACKEND" key picks the implementation: "AUTO" (default: the Triton kernel on CUDA
+    where it can take the mods, see docs/flex.md, else the PyTorch route), "TRITON" (the kernel, or InputError
+    saying why it cannot run), "TORCH" (flashtile's tiled PyTorch route). Other keys are ignored.
+
+    Returns out (B, Hq, L, Ev) in query's dtype, and with return_lse also lse (B, Hq, L) float32. A row that
+    attends to no key gets out 0 and lse -inf.
+
+    Raises:
+        flashtile.InputTypeError (a TypeError): a non-tensor input, a dtype other than float16, bfloat16 or float32
+            (UnsupportedDtypeError), mods that are not functions of 5 (score_mod) arguments, kernel_options not a dict
+        flashtile.InputError (a ValueError and a RuntimeError): shapes, dtypes or devices that do not fit together,
+            a block mask made for other sizes, an unknown BACKEND, or BACKEND "TRITON" for a call the kernel cannot
+            take (the message says why); all before computing anything.
+    """
+    _check_tensors(query, key, value, enable_gqa)
+    require_mod(score_mod, "score_mod", 5)
+    mask = _checked_block_mask(block_mask, query, key)
+    backend = _backend_of(kernel_options)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    if key.shape[0] != query.shape[0]:
+        key = key.expand(query.shape[0], *key.shape[1:])
+        value = value.expand(query.shape[0], *value.shape[1:])
+    out, lse = _run(query, key, value, score_mod, mask, scale, backend)
+    return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable
+def _run(query, key, value, score_mod, mask, scale, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) from the implementation ``backend`` asks for (``flex_attention``'s docstring). Inside a
+    torch.compile'd function this runs eagerly (a graph break): the mods are traced and the kernels launched here,
+    which dynamo cannot follow."""
+    if backend == "TORCH" or (backend == "AUTO" and _backend.path_name(query.device) == "cpu"):
+        return flex_attention_torch(query, key, value, score_mod, mask, scale)
+    if _backend.path_name(query.device) == "cpu":
+        raise InputError(
+            "flex_attention: kernel_options BACKEND='TRITON' needs CUDA tensors (or the Triton interpreter, "
+            "TRITON_INTERPRET=1); use 'AUTO' or 'TORCH' on the CPU."
+        )
+    from flashtile.flex import kernel  # the kernel's module imports Triton: only where it runs
+
+    reason = kernel.unsupported(query, key, value, score_mod, mask)
+    if reason is None:
+        return kernel.flex_attention_triton(query, key, value, score_mod, mask, scale)
+    if backend == "TRITON":
+        raise InputError(f"flex_attention: the Triton kernel cannot run this call: {reason}.")
+    return flex_attention_torch(query, key, value, score_mod, mask, scale)

@@ -1,0 +1,312 @@
+"""BlockMask: which (query block, key block) tiles attention computes, and create_block_mask that builds one.
+
+The format is FlexAttention's: for every (batch, head, query block) row, ``kv_num_blocks`` counts the key blocks
+that are computed and the first that many entries of ``kv_indices`` name them (the rest of a row is unused). A
+block is *partial* (listed in kv_*: mask_mod decides per position) or *full* (listed in full_kv_*: every position
+attends and mask_mod is not evaluated); a block in neither list is skipped. The q_* tensors are the same lists
+transposed (for each key block, its query blocks), which the backward pass iterates. Batch and head dimensions of
+size 1 broadcast over the attention's batch and heads.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from flashtile.errors import InputError, InputTypeError
+from flashtile.flex.mods import MaskMod, evaluate_mask, index, noop_mask
+
+DEFAULT_BLOCK_SIZE = 128
+_TENSORS = (
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+)  # fmt: skip
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_blocks, indices) int32 of a dense (..., rows, cols) block table: per row, how many blocks are set and
+    their column indices in increasing order, followed by the unset columns."""
+    dense = dense.to(torch.int32)
+    indices = torch.argsort(dense, dim=-1, descending=True, stable=True)
+    return dense.sum(-1).to(torch.int32).contiguous(), indices.to(torch.int32).contiguous()
+
+
+def _dense(num_blocks: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
+    """The bool (..., rows, cols) block table of (num_blocks, indices)."""
+    listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]
+    spill = torch.where(listed, indices.long(), cols)  # unlisted entries land in a column that is cut off
+    dense = torch.zeros((*indices.shape[:-1], cols + 1), dtype=torch.bool, device=indices.device)
+    return dense.scatter_(-1, spill, True)[..., :cols]
+
+
+def _transposed(num_blocks: torch.Tensor | None, indices: torch.Tensor | None, cols: int):
+    """The (num_blocks, indices) of the transposed block table (per column, its rows); (None, None) for None."""
+    if num_blocks is None:
+        return None, None
+    return _ordered(_dense(num_blocks, indices, cols).transpose(-2, -1))
+
+
+def _block_size(BLOCK_SIZE: int | tuple[int, int]) -> tuple[int, int]:
+    """(query block, key block) from an int or a pair; InputError unless positive ints."""
+    sizes = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    if len(sizes) != 2 or not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise InputError(f"BLOCK_SIZE must be a positive int or a pair of them (query, key), got {BLOCK_SIZE!r}.")
+    return sizes
+
+
+class BlockMask:
+    """A block-sparse attention mask in FlexAttention's format (``torch.nn.attention.flex_attention.BlockMask``).
+
+    Fields (Bm, Hm: the mask's batch and head sizes, 1 to broadcast; Qb = ceil(Q_LEN / BLOCK_SIZE[0]) query
+    blocks, Kb = ceil(KV_LEN / BLOCK_SIZE[1]) key blocks; all index tensors int32 on one device):
+
+    - ``kv_num_blocks`` (Bm, Hm, Qb), ``kv_indices`` (Bm, Hm, Qb, Kb): per query block, the partial key blocks
+      (mask_mod is evaluated in them);
+    - ``full_kv_num_blocks``, ``full_kv_indices`` (same shapes, or None): the full key blocks (every position
+      attends, mask_mod is not evaluated);
+    - ``q_num_blocks`` (Bm, Hm, Kb), ``q_indices`` (Bm, Hm, Kb, Qb), ``full_q_num_blocks``, ``full_q_indices``: the
+      same lists per key block, for the backward pass (computed by ``from_kv_blocks``);
+    - ``BLOCK_SIZE`` (query block, key block), ``mask_mod``, ``seq_lengths`` (Q_LEN, KV_LEN).
+
+    ``shape`` is (Bm, Hm, Q_LEN, KV_LEN); ``to_dense()`` gives the (Bm, Hm, Qb, Kb) int32 table of computed blocks,
+    ``sparsity()`` the percentage of skipped blocks, ``to_string()`` draws it and ``to(device)`` moves it. Build one
+    with ``create_block_mask`` or ``BlockMask.from_kv_blocks``; the constructor takes every field as given.
+    """
+
+    def __init__(
+        self,
+        seq_lengths: tuple[int, int],
+        kv_num_blocks: torch.Tensor,
+        kv_indices: torch.Tensor,
+        full_kv_num_blocks: torch.Tensor | None,
+        full_kv_indices: torch.Tensor | None,
+        q_num_blocks: torch.Tensor | None,
+        q_indices: torch.Tensor | None,
+        full_q_num_blocks: torch.Tensor | None,
+        full_q_indices: torch.Tensor | None,
+        BLOCK_SIZE: tuple[int, int] = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE),
+        mask_mod: MaskMod = noop_mask,
+    ) -> None:
+        if kv_indices.dim() != 4 or kv_num_blocks.shape != kv_indices.shape[:-1]:
+            raise InputError(
+                f"A BlockMask needs kv_indices (B, H, query blocks, key blocks) and kv_num_blocks (B, H, query "
+                f"blocks), got {tuple(kv_indices.shape)} and {tuple(kv_num_blocks.shape)}."
+            )
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise InputError("full_kv_num_blocks and full_kv_indices must be given together (or both None).")
+        self.seq_lengths = tuple(seq_lengths)
+        self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
+        self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
+        self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
+        self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
+        self.BLOCK_SIZE = _block_size(BLOCK_SIZE)
+        self.mask_mod = mask_mod
+
+    @classmethod
+    def from_kv_blocks(
+        cls,
+        kv_num_blocks: torch.Tensor,
+        kv_indices: torch.Tensor,
+        full_kv_num_blocks: torch.Tensor | None = None,
+        full_kv_indices: torch.Tensor | None = None,
+        BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+        mask_mod: MaskMod | None = None,
+        seq_lengths: tuple[int, int] | None = None,
+    ) -> BlockMask:
+        """A BlockMask from its key-block lists (shapes as in the class docstring), with the query-block lists
+        computed by transposing them. seq_lengths defaults to the blocks' extent (Qb * BLOCK_SIZE[0],
+        Kb * BLOCK_SIZE[1]); mask_mod to ``noop_mask``."""
+        q_block, kv_block = _block_size(BLOCK_SIZE)
+        if seq_lengths is None:
+            seq_lengths = (kv_indices.shape[-2] * q_block, kv_indices.shape[-1] * kv_block)
+        cols = -(-seq_lengths[1] // kv_block)
+        return cls(
+            seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+            *_transposed(kv_num_blocks, kv_indices, cols), *_transposed(full_kv_num_blocks, full_kv_indices, cols),
+            BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod or noop_mask,
+        )  # fmt: skip
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(Bm, Hm, Q_LEN, KV_LEN)."""
+        return (*self.kv_indices.shape[:2], *self.seq_lengths)
+
+    @property
+    def kv_blocks(self) -> int:
+        """Kb, the number of key blocks: ceil(KV_LEN / BLOCK_SIZE[1])."""
+        return -(-self.seq_lengths[1] // self.BLOCK_SIZE[1])
+
+    def numel(self) -> int:
+        """Positions the mask covers: Bm * Hm * Q_LEN * KV_LEN."""
+        b, h, q, kv = self.shape
+        return b * h * q * kv
+
+    def to_dense(self) -> torch.Tensor:
+        """(Bm, Hm, Qb, Kb) int32: 1 for every computed (partial or full) block, 0 for a skipped one."""
+        cols = self.kv_blocks
+        dense = _dense(self.kv_num_blocks, self.kv_indices, cols)
+        if self.full_kv_num_blocks is not None:
+            dense = dense | _dense(self.full_kv_num_blocks, self.full_kv_indices, cols)
+        return dense.to(torch.int32)
+
+    def sparsity(self) -> float:
+        """The percentage of the mask's positions that lie in skipped blocks (0 when every block is computed). The
+        blocks at the ends count only their positions within the lengths (FlexAttention counts whole blocks, which
+        gives negative values for lengths shorter than a block)."""
+        (q_len, kv_len), (q_block, kv_block) = self.seq_lengths, self.BLOCK_SIZE
+        device = self.kv_indices.device
+        rows = (q_len - torch.arange(0, q_len, q_block, device=device)).clamp(max=q_block)
+        cols = (kv_len - torch.arange(0, kv_len, kv_block, device=device)).clamp(max=kv_block)
+        computed = (self.to_dense() * rows[:, None] * cols[None, :]).sum().item()
+        return 100 * (1 - computed / max(self.numel(), 1))
+
+    def to_string(self, grid_size: int = 20, limit: int = 4) -> str:
+        """A drawing of the block table of the first ``limit`` (batch, head) pairs, at most grid_size x grid_size
+        characters each: '█' computed blocks, ' ' skipped ones, '░' a cell that merges both."""
+        dense = self.to_dense()
+        rows, cols = dense.shape[-2:]
+        row_step, col_step = -(-rows // grid_size), -(-cols // grid_size)
+        pictures = []
+        for n, (b, h) in enumerate((b, h) for b in range(dense.shape[0]) for h in range(dense.shape[1])):
+            if n == limit:
+                pictures.append("... (to_string(limit=N) draws more)")
+                break
+            lines = [f"(batch {b}, head {h})"]
+            for r in range(0, rows, row_step):
+                cells = [dense[b, h, r : r + row_step, c : c + col_step].float().mean()
+                         for c in range(0, cols, col_step)]  # fmt: skip
+                lines.append("".join(("█" if x == 1 else " " if x == 0 else "░") * 2 for x in cells))
+            pictures.append("\n".join(lines))
+        return "\n".join(pictures)
+
+    def __str__(self) -> str:
+        return f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%,\n{self.to_string()}\n)"
+
+    def __repr__(self) -> str:
+        def shape(x):
+            return None if x is None else tuple(x.shape)
+
+        fields = "".join(f"    {name}={shape(getattr(self, name))},\n" for name in _TENSORS)
+        name = getattr(self.mask_mod, "__name__", repr(self.mask_mod))
+        return (
+            f"BlockMask(\n{fields}    BLOCK_SIZE={self.BLOCK_SIZE},\n    shape={self.shape},\n"
+            f"    sparsity={self.sparsity():.2f}%,\n    mask_mod={name}\n)"
+        )
+
+    def to(self, device: torch.device | str) -> BlockMask:
+        """A copy with every tensor on ``device``."""
+        moved = {name: None if getattr(self, name) is None else getattr(self, name).to(device) for name in _TENSORS}
+        return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+
+
+def _positional_args(fn: Callable) -> int:
+    """How many positional arguments without a default ``fn`` takes (a mask_mod 4, a score_mod 5)."""
+    return sum(
+        1 for p in inspect.signature(fn).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )  # fmt: skip
+
+
+def require_mod(fn: Callable | None, name: str, args: int) -> None:
+    """InputTypeError unless ``fn`` is None or a function of ``args`` positional arguments."""
+    if fn is not None and (not callable(fn) or _positional_args(fn) != args):
+        signature = "(score, b, h, q_idx, kv_idx)" if args == 5 else "(b, h, q_idx, kv_idx)"
+        raise InputTypeError(f"{name} must be a function {name}{signature}, got {fn!r}.")
+
+
+def create_block_mask(
+    mask_mod: MaskMod,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: torch.device | str = "cuda",
+    BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+) -> BlockMask:
+    """The BlockMask of ``mask_mod`` (FlexAttention's ``create_block_mask``, same arguments and result).
+
+    mask_mod(b, h, q_idx, kv_idx) -> bool tensor: True where query q_idx of head h of batch entry b attends to key
+    kv_idx (0-d int32 arguments; written with torch operations, it may index tensors it captures).
+    B, H: the batch size and number of query heads the mask is made for; None makes that dimension 1, which
+    broadcasts over any batch size or number of heads (the mask must then not depend on b or h).
+    Q_LEN, KV_LEN: the query and key lengths (the lengths of the attention it is used with).
+    device: where the mask is evaluated and kept (default "cuda"; "cpu" for CPU tensors).
+    BLOCK_SIZE: int or (query, key) pair, default 128: the tile of the block table. A block where mask_mod is
+    True everywhere is *full* (mask_mod skipped), one where it is False everywhere is skipped, the rest *partial*.
+
+    mask_mod is evaluated one row of query blocks at a time (B * H * BLOCK_SIZE[0] * KV_LEN positions at once), so
+    memory grows linearly with the lengths.
+
+    Raises:
+        flashtile.InputError: a size that is not a positive int (B and H may be None), or a bad BLOCK_SIZE
+        flashtile.InputTypeError: mask_mod is not a function of 4 arguments
+    """
+    require_mod(mask_mod, "mask_mod", 4)
+    if mask_mod is None:
+        raise InputTypeError("create_block_mask needs a mask_mod(b, h, q_idx, kv_idx) function, got None.")
+    B, H = B or 1, H or 1
+    for name, value in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if not isinstance(value, int) or value < 1:
+            raise InputError(f"create_block_mask: {name} must be a positive int (or None for B and H), got {value!r}.")
+    q_block, kv_block = _block_size(BLOCK_SIZE)
+    device = torch.device(device)
+    rows, cols = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
+    b, h, kv = index(0, B, device), index(0, H, device), index(0, KV_LEN, device)
+    counts = torch.empty(B, H, rows, cols, dtype=torch.int64, device=device)
+    for r in range(rows):  # one row of query blocks at a time: memory linear in the lengths
+        mask = evaluate_mask(mask_mod, b, h, index(r * q_block, min((r + 1) * q_block, Q_LEN), device), kv)
+        mask = torch.nn.functional.pad(mask, (0, cols * kv_block - KV_LEN))  # the padding never attends
+        counts[:, :, r] = mask.reshape(B, H, -1, cols, kv_block).sum((2, 4))
+    full = counts == q_block * kv_block
+    partial = (counts > 0) & ~full
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
+        seq_lengths=(Q_LEN, KV_LEN),
+    )  # fmt: skip
+
+
+def as_block_mask(block_mask) -> BlockMask:
+    """flashtile's BlockMask for a BlockMask of flashtile or of torch (``torch.nn.attention.flex_attention``),
+    whose fields it shares (its q_* lists are used as they are where torch computed them); InputTypeError for
+    anything else."""
+    if isinstance(block_mask, BlockMask):
+        return block_mask
+    if not all(hasattr(block_mask, name) for name in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE", "seq_lengths")):
+        raise InputTypeError(
+            f"block_mask must be a BlockMask (flashtile.create_block_mask, or torch's), got {type(block_mask)}."
+        )
+    fields = {name: getattr(block_mask, name, None) for name in _TENSORS}
+    if fields["q_indices"] is not None:
+        return BlockMask(
+            tuple(block_mask.seq_lengths), **fields, BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE),
+            mask_mod=block_mask.mask_mod,
+        )  # fmt: skip
+    return BlockMask.from_kv_blocks(
+        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+        BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def full_block_mask(q_len: int, kv_len: int, device: torch.device) -> BlockMask:
+    """The BlockMask of attention without a mask: every block full (mask_mod never evaluated). Kept per lengths and
+    device (it is never changed), so that calls without a block mask do not build one each time."""
+    rows, cols = -(-q_len // DEFAULT_BLOCK_SIZE), -(-kv_len // DEFAULT_BLOCK_SIZE)
+    full = torch.ones(1, 1, rows, cols, dtype=torch.bool, device=device)
+    return BlockMask.from_kv_blocks(*_ordered(~full), *_ordered(full), seq_lengths=(q_len, kv_len))
+
+
+def block_kinds(block_mask: BlockMask) -> torch.Tensor:
+    """(Bm, Hm, Qb, Kb) int8: 0 for a skipped block, PARTIAL or FULL."""
+    cols = block_mask.kv_blocks
+    kinds = _dense(block_mask.kv_num_blocks, block_mask.kv_indices, cols).to(torch.int8) * PARTIAL
+    if block_mask.full_kv_num_blocks is not None:
+        full = _dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, cols)
+        kinds = torch.where(full, FULL, kinds).to(torch.int8)
+    return kinds
+
+
+PARTIAL, FULL = 1, 2

@@ -1,0 +1,293 @@
+"""The Triton path of flex_attention: a kernel module per set of mods, its launchers and the autograd Function.
+
+``kernels_for(score_mod, mask_mod, device)`` translates the mods (``codegen``, traced on ``device``), fills the
+template (``template.py``) with them, writes the source to a cache file named by its hash (``@triton.jit`` reads a
+function's source from its file) and imports it; modules are kept per source, and translations per mod (keyed by
+what the mod reads, ``_key``: a global, closure variable or attribute rebound to another tensor or number is traced
+again).
+``unsupported`` says why a call cannot run here (the caller then takes the PyTorch route).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import inspect
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+from flashtile.flex import codegen
+from flashtile.flex.block_mask import BlockMask
+from flashtile.flex.mods import MaskMod, ScoreMod, noop_mask
+from flashtile.ops._alloc import empty_output
+from flashtile.ops._launch import launch
+from flashtile.ops.common.grid import cdiv, head_grid, padded_head_dim
+
+TEMPLATE = Path(__file__).with_name("template.py")
+MAX_HEAD_DIM = 256
+_MODULES: dict[str, types.ModuleType] = {}
+_TRANSLATIONS: dict[tuple, tuple[types.ModuleType, codegen.Captured] | str] = {}
+MAX_TRANSLATIONS = 256
+
+
+def _identity(score, b, h, q_idx, kv_idx):
+    return score
+
+
+class _Same:
+    """An object compared by identity (a tensor's ``==`` compares values), kept alive by the key holding it so that
+    its id is not reused while the key exists."""
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _referred(fn) -> list:
+    """What ``fn`` reads besides its arguments: its closure cells and the globals it names; for a bound method or a
+    callable object also the object's attributes (and the values of dict attributes: a module's parameters and
+    buffers); for a functools.partial its function and bound arguments."""
+    if isinstance(fn, functools.partial):
+        return [fn.func, *fn.args, *fn.keywords.values()]
+    owner = getattr(fn, "__self__", None) if inspect.ismethod(fn) else None
+    func = getattr(fn, "__func__", fn)
+    if not isinstance(func, types.FunctionType) and callable(fn):  # a callable object
+        owner, func = fn, getattr(type(fn).__call__, "__func__", type(fn).__call__)
+    values = []
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        for cell in func.__closure__ or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        values += [func.__globals__[n] for n in code.co_names if n in func.__globals__]
+    if owner is not None and hasattr(owner, "__dict__"):
+        attrs = list(vars(owner).values())
+        values += attrs + [v for d in attrs if isinstance(d, dict) for v in d.values()]
+    return values
+
+
+def _key(value, depth: int = 0) -> object:
+    """What a translation depends on in ``value``: a tensor by identity (with its requires_grad), a Python scalar by
+    value (a trace writes it into the graph as a constant), containers and functions by what they hold and read
+    (``_referred``; callable objects only as the mod itself, at depth 0), anything else by identity."""
+    if isinstance(value, torch.Tensor):
+        return _Same(value), value.requires_grad
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(value), value
+    if depth > 4:
+        return _Same(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_key(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return tuple((str(k), _key(v, depth + 1)) for k, v in value.items())
+    function = isinstance(value, (types.FunctionType, types.MethodType, functools.partial))
+    if function or (depth == 0 and callable(value) and not isinstance(value, type)):
+        return _Same(value), *(_key(v, depth + 1) for v in _referred(value))
+    return _Same(value)
+
+
+def _cache_dir() -> Path:
+    """Where generated kernel sources are written: flashtile-flex under the system's temporary directory."""
+    path = Path(tempfile.gettempdir()) / "flashtile-flex"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _import(source: str) -> types.ModuleType:
+    """The module of ``source``, written to the cache directory and imported (once per source)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    if digest not in _MODULES:
+        path = _cache_dir() / f"flex_{digest}.py"
+        if not path.exists() or path.read_text() != source:
+            tmp = path.with_suffix(f".{id(source)}.tmp")
+            tmp.write_text(source)
+            tmp.replace(path)
+        name = f"flashtile_flex_{digest}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        _MODULES[digest] = module
+    return _MODULES[digest]
+
+
+def kernels_for(
+    score_mod: ScoreMod | None, mask_mod: MaskMod | None, device: torch.device
+) -> tuple[types.ModuleType, codegen.Captured]:
+    """(kernel module, captured tensors) for these mods; ``codegen.Unsupported`` if they fall outside the subset."""
+    score_mod, mask_mod = score_mod or _identity, mask_mod or noop_mask
+    key = (
+        _key(score_mod),
+        _key(mask_mod),
+        device,
+    )  # a mod whose tensors, numbers or functions were rebound: traced again
+    found = _TRANSLATIONS.get(key)
+    if isinstance(found, str):
+        raise codegen.Unsupported(found)
+    if found is not None:
+        return found
+    try:
+        captured = codegen.Captured()
+        names = ("score", "b", "h", "q_idx", "kv_idx")
+        leaves: list[torch.Tensor] = []
+        joint = codegen.trace(codegen.score_grad_function(score_mod, leaves), (*names, "grad"), device, leaves)
+        parts = [
+            codegen.translate(codegen.trace(score_mod, names, device), "score_mod", names, captured, "score"),
+            codegen.translate(codegen.trace(mask_mod, names[1:], device), "mask_mod", names[1:], captured, "mask"),
+            codegen.translate(joint, "score_grad", (*names, "grad"), captured, "grad"),
+        ]
+    except codegen.Unsupported as error:
+        found = str(error)
+    else:
+        source = "\n\n".join([TEMPLATE.read_text(), codegen.HELPERS, *parts])
+        found = _import(source.replace(", CAPTURED", captured.params())), captured
+    if len(_TRANSLATIONS) >= MAX_TRANSLATIONS:
+        _TRANSLATIONS.clear()
+    _TRANSLATIONS[key] = found
+    return kernels_for(score_mod, mask_mod, device)
+
+
+def _tiles(sparse: tuple[int, int], head_dim: int, backward: bool) -> tuple[int, int] | None:
+    """(BLOCK_M, BLOCK_N) dividing the block mask's (query, key) block sizes, or None when none fits (a sparse block
+    smaller than 16 or not a multiple of a power of two >= 16). Not tuned: the shapes (and the forward's 8 warps
+    at BLOCK_M 128, 3 stages up to head dim 128) follow the attention kernels' configurations on Hopper."""
+    if backward:
+        wanted = (64, 64) if head_dim <= 128 else (32, 32)
+    else:
+        wanted = (128, 64) if head_dim <= 128 else (64, 32)
+    tiles = []
+    for want, size in zip(wanted, sparse, strict=True):
+        tile = min(want, size & -size)  # the largest power of two dividing the block size, capped
+        if tile < 16:
+            return None
+        tiles.append(tile)
+    return tiles[0], tiles[1]
+
+
+def unsupported(query, key, value, score_mod: ScoreMod | None, block_mask: BlockMask) -> str | None:
+    """Why the Triton kernel cannot run this call (None if it can): head dims over MAX_HEAD_DIM, block sizes the
+    tiles cannot divide, mods outside the translated subset (``codegen``), captured tensors on another device."""
+    if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
+        return f"head dims above {MAX_HEAD_DIM}"
+    if _tiles(block_mask.BLOCK_SIZE, query.shape[-1], False) is None:
+        return f"BLOCK_SIZE {block_mask.BLOCK_SIZE}: the kernel needs block sizes that are multiples of 16"
+    if block_mask.q_num_blocks is None and torch.is_grad_enabled():
+        return "a block mask without its q_* lists (the backward pass needs them)"
+    try:
+        _, captured = kernels_for(score_mod, block_mask.mask_mod, query.device)
+    except codegen.Unsupported as error:
+        return str(error)
+    if any(t.device != query.device for t in captured.tensors):
+        return "a captured tensor on another device than the inputs"
+    return None
+
+
+def _lists(block_mask: BlockMask, side: str) -> tuple[list[torch.Tensor], list[int], bool]:
+    """The (num, indices, full num, full indices) int32 tensors of the block mask's kv or q side, their
+    (num b, num h, indices b, indices h, indices row) strides with broadcast dimensions at 0, and whether there are
+    full blocks."""
+    num, idx = getattr(block_mask, f"{side}_num_blocks"), getattr(block_mask, f"{side}_indices")
+    full_num, full_idx = getattr(block_mask, f"full_{side}_num_blocks"), getattr(block_mask, f"full_{side}_indices")
+    has_full = full_num is not None
+    num, idx = num.to(torch.int32).contiguous(), idx.to(torch.int32).contiguous()
+    full_num = full_num.to(torch.int32).contiguous() if has_full else num
+    full_idx = full_idx.to(torch.int32).contiguous() if has_full else idx
+    if has_full and full_idx.shape != idx.shape:  # the kernels share one set of strides
+        width = max(idx.shape[-1], full_idx.shape[-1])
+        idx, full_idx = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (idx, full_idx))
+    broadcast = [0 if num.shape[d] == 1 else 1 for d in (0, 1)]
+    strides = [num.stride(0) * broadcast[0], num.stride(1) * broadcast[1], idx.stride(0) * broadcast[0],
+               idx.stride(1) * broadcast[1], idx.stride(2)]  # fmt: skip
+    return [num, idx, full_num, full_idx], strides, has_full
+
+
+def _constexprs(q, v, block_mask: BlockMask, tiles: tuple[int, int], has_full: bool) -> dict:
+    return {
+        "HEAD_DIM": q.shape[-1], "HEAD_DIM_V": v.shape[-1], "BLOCK_D": padded_head_dim(q.shape[-1]),
+        "BLOCK_DV": padded_head_dim(v.shape[-1]), "BLOCK_M": tiles[0], "BLOCK_N": tiles[1],
+        "SPARSE_Q": block_mask.BLOCK_SIZE[0], "SPARSE_KV": block_mask.BLOCK_SIZE[1], "HAS_FULL": has_full,
+    }  # fmt: skip
+
+
+def _strides(*tensors: torch.Tensor) -> list[int]:
+    """(batch, head, row) strides of (B, H, N, D) tensors, in order."""
+    return [s for t in tensors for s in (t.stride(0), t.stride(1), t.stride(2))]
+
+
+def _forward(q, k, v, module, captured, block_mask: BlockMask, scale: float):
+    batch, nheads, seqlen_q, _ = q.shape
+    out = empty_output((batch, nheads, seqlen_q, v.shape[-1]), q.dtype, q.device)
+    lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
+    lists, list_strides, has_full = _lists(block_mask, "kv")
+    tiles = _tiles(block_mask.BLOCK_SIZE, q.shape[-1], False)
+    args = (q, k, v, out, lse, *lists, *_strides(q, k, v, out), *list_strides, nheads, nheads // k.shape[1],
+            seqlen_q, k.shape[2], scale, *captured.args())  # fmt: skip
+    grid = head_grid(cdiv(seqlen_q, tiles[0]), batch, nheads)
+    options = {"num_warps": 8 if tiles[0] == 128 else 4, "num_stages": 3 if q.shape[-1] <= 128 else 2}
+    launch(module.flex_forward, grid, args, _constexprs(q, v, block_mask, tiles, has_full), **options)
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: BlockMask, scale: float):
+    """(dq, dk, dv, gradients of the captured tensors that require grad, in their dtypes)."""
+    batch, nheads, seqlen_q, _ = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse
+    delta = delta.contiguous()
+    dq = empty_output(q.shape, q.dtype, q.device)
+    dk = empty_output(k.shape, k.dtype, k.device)
+    dv = empty_output(v.shape, v.dtype, v.device)
+    tiles = _tiles(block_mask.BLOCK_SIZE, q.shape[-1], True)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in captured.needing_grad]
+    common = (nheads, nheads // nheads_k, seqlen_q, seqlen_k, scale, *captured.args(grads))
+    kv_lists, kv_strides, has_full = _lists(block_mask, "kv")
+    launch(module.flex_backward_dq, head_grid(cdiv(seqlen_q, tiles[0]), batch, nheads),
+           (q, k, v, dout, lse, delta, dq, *kv_lists, *_strides(q, k, v, dout, dq), *kv_strides, *common),
+           _constexprs(q, v, block_mask, tiles, has_full), num_warps=4, num_stages=1)  # fmt: skip
+    q_lists, q_strides, has_full = _lists(block_mask, "q")
+    launch(module.flex_backward_dkdv, head_grid(cdiv(seqlen_k, tiles[1]), batch, nheads_k),
+           (q, k, v, dout, lse, delta, dk, dv, *q_lists, *_strides(q, k, v, dout, dk, dv), *q_strides, *common),
+           _constexprs(q, v, block_mask, tiles, has_full), num_warps=4, num_stages=1)  # fmt: skip
+    return dq, dk, dv, [g.to(t.dtype) for g, t in zip(grads, captured.needing_grad, strict=True)]
+
+
+class _FlexFunction(torch.autograd.Function):
+    """out, lse = flex attention of q, k, v (B, H, N, D) with the translated mods; gradients for q, k, v and for the
+    captured tensors that require grad (passed last, so that autograd hands them theirs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, module, captured, block_mask, scale, *needing_grad):
+        out, lse = _forward(q, k, v, module, captured, block_mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.module, ctx.captured, ctx.block_mask, ctx.scale = module, captured, block_mask, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv, grads = _backward(
+            dout, q, k, v, out, lse, dlse, ctx.module, ctx.captured, ctx.block_mask, ctx.scale
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, *grads
+
+
+def flex_attention_triton(q, k, v, score_mod: ScoreMod | None, block_mask: BlockMask, scale: float):
+    """(out, lse) by the Triton kernels, for a call ``unsupported`` lets through."""
+    module, captured = kernels_for(score_mod, block_mask.mask_mod, q.device)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    return _FlexFunction.apply(q, k, v, module, captured, block_mask, scale, *captured.needing_grad)

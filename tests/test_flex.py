@@ -1,0 +1,464 @@
+"""flashtile.flex_attention and create_block_mask against a dense oracle: the full score matrix materialised, the
+mods evaluated by broadcasting index tensors (not by the vmap the implementation uses), the mask expanded from the
+block table, and the tolerance rule of tests/oracle.py applied to the output, the LSE and every gradient (q, k, v
+and captured tensors). The PyTorch route runs on every machine; the Triton kernel runs in the interpreter here
+(tiny shapes) and compiled on a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flashtile
+from flashtile import _backend
+from flashtile.bench import results
+from flashtile.flex.block_mask import FULL, PARTIAL, BlockMask, _ordered
+from oracle import assert_within_rule
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DOCS = (5, 17, 1, 30, 9, 64, 3, 100)  # packed document lengths (cut to the sequence)
+
+
+def _document_ids(n: int) -> torch.Tensor:
+    """Document ids of n packed tokens: the lengths DOCS, repeated as often as needed."""
+    lengths = torch.tensor(DOCS).repeat(n // sum(DOCS) + 1)
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)[:n].to(DEVICE)
+
+
+def _params(nheads: int, seqlen_q: int, seqlen_k: int, grads: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors the mods capture: with ``grads`` the float ones require grad."""
+    return {
+        "bias": torch.randn(nheads, seqlen_q, seqlen_k, device=DEVICE, requires_grad=grads),
+        "rel": torch.randn(nheads, seqlen_q + seqlen_k, device=DEVICE, requires_grad=grads),
+        "slopes": torch.rand(nheads, device=DEVICE).mul(0.5).requires_grad_(grads),
+        "key_bias": torch.randn(seqlen_k, device=DEVICE, requires_grad=grads),
+        "query_scale": (1 + 0.1 * torch.randn(seqlen_q, device=DEVICE)).requires_grad_(grads),
+        "doc": _document_ids(max(seqlen_q, seqlen_k)),
+        "rel_offset": torch.tensor(seqlen_k - 1, device=DEVICE),  # rel[h, q_idx - kv_idx + seqlen_k - 1]
+    }
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _mods(name: str, p: dict[str, torch.Tensor]):
+    """(score_mod, mask_mod) of a case, capturing the tensors of ``p``."""
+    if name == "causal":
+        return None, causal
+    if name == "sliding_window":
+        return None, lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 20)
+    if name == "document":
+        return None, lambda b, h, q_idx, kv_idx: p["doc"][q_idx] == p["doc"][kv_idx]
+    if name == "prefix_lm":
+        return None, lambda b, h, q_idx, kv_idx: (kv_idx < 24) | (q_idx >= kv_idx)
+    if name == "alibi":
+        return (lambda s, b, h, q_idx, kv_idx: s + p["slopes"][h] * (kv_idx - q_idx)), causal
+    if name == "softcap":
+        return (lambda s, b, h, q_idx, kv_idx: 2.0 * torch.tanh(s / 2.0)), None
+    if name == "bias":
+        return (
+            lambda s, b, h, q_idx, kv_idx: (
+                (s + p["bias"][h, q_idx, kv_idx] + p["key_bias"][kv_idx]) * p["query_scale"][q_idx]
+            )
+        ), None
+    if name == "relative_bias":
+        return (lambda s, b, h, q_idx, kv_idx: s + p["rel"][h, q_idx - kv_idx + p["rel_offset"]]), causal
+    if name == "empty_rows":  # rows q_idx % 7 == 3 attend to nothing
+        score_mod = lambda s, b, h, q_idx, kv_idx: s * (1 + b) - h  # noqa: E731
+        return score_mod, lambda b, h, q_idx, kv_idx: (q_idx % 7 != 3) & ((q_idx + kv_idx) % 3 != 0)
+    raise ValueError(name)
+
+
+CASES = ["causal", "sliding_window", "document", "prefix_lm", "alibi", "softcap", "bias", "relative_bias", "empty_rows"]
+
+
+def _dense_mask(block_mask: BlockMask, mask_mod, batch: int, nheads: int, seqlen_q: int, seqlen_k: int):
+    """bool (B, H, L, S): what the block table and mask_mod let attend, expanded position by position."""
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    kinds = _kinds_of(block_mask).expand(batch, nheads, -1, -1)
+    kinds = kinds.repeat_interleave(q_block, 2).repeat_interleave(kv_block, 3)[:, :, :seqlen_q, :seqlen_k]
+    b, h, q_idx, kv_idx = _broadcast_indices(batch, nheads, seqlen_q, seqlen_k)
+    by_mod = mask_mod(b, h, q_idx, kv_idx).expand(batch, nheads, seqlen_q, seqlen_k)
+    return (kinds == FULL) | ((kinds == PARTIAL) & by_mod)
+
+
+def _kinds_of(block_mask: BlockMask) -> torch.Tensor:
+    """(Bm, Hm, Qb, Kb): 0, PARTIAL or FULL, from the lists, entry by entry."""
+    bm, hm, rows = block_mask.kv_num_blocks.shape
+    kinds = torch.zeros(bm, hm, rows, block_mask.kv_blocks, dtype=torch.int64)
+    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL)]
+    if block_mask.full_kv_num_blocks is not None:
+        lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL))
+    for num, indices, kind in lists:
+        for b in range(bm):
+            for h in range(hm):
+                for r in range(rows):
+                    for j in indices[b, h, r, : int(num[b, h, r])].tolist():
+                        kinds[b, h, r, j] = kind
+    return kinds.to(block_mask.kv_indices.device)
+
+
+def _broadcast_indices(batch, nheads, seqlen_q, seqlen_k):
+    return (
+        torch.arange(batch, device=DEVICE).view(-1, 1, 1, 1),
+        torch.arange(nheads, device=DEVICE).view(1, -1, 1, 1),
+        torch.arange(seqlen_q, device=DEVICE).view(1, 1, -1, 1),
+        torch.arange(seqlen_k, device=DEVICE).view(1, 1, 1, -1),
+    )
+
+
+def dense_flex(q, k, v, score_mod, mask: torch.Tensor, scale: float):
+    """The oracle, in the inputs' dtype: (out, lse) from the materialised (B, H, L, S) scores."""
+    batch, nheads, seqlen_q, _ = q.shape
+    group = nheads // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-2, -1) * scale
+    if score_mod is not None:
+        s = score_mod(s, *_broadcast_indices(batch, nheads, seqlen_q, k.shape[2])).to(q.dtype)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p @ v, lse
+
+
+def _oracle(name, inputs, params, mask, scale, dtype, dout):
+    """Output, LSE and gradients (q, k, v, then float params) of the oracle in ``dtype``, cast to the dtypes of
+    flashtile's results."""
+    xs = [x.detach().to(dtype).requires_grad_() for x in inputs]
+    ps = {n: t.detach().to(dtype).requires_grad_(t.requires_grad) if t.is_floating_point() else t
+          for n, t in params.items()}  # fmt: skip
+    score_mod, _ = _mods(name, ps)
+    out, lse = dense_flex(*xs, score_mod, mask, scale)
+    wrt = xs + [t for t in ps.values() if t.requires_grad]
+    grads = torch.autograd.grad(out, wrt, dout.to(dtype), allow_unused=True)
+    floats = [t for t in params.values() if t.requires_grad]
+    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt, strict=True)]
+    like = list(inputs) + floats
+    return [out.to(inputs[0].dtype), lse.float()] + [g.to(x.dtype) for g, x in zip(grads, like, strict=True)]
+
+
+def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True):
+    """flashtile's output, LSE and gradients (of captured tensors too) for case ``name`` against the oracle's, by
+    the tolerance rule."""
+    params = _params(H, L, S, grads)
+    score_mod, mask_mod = _mods(name, params)
+    q = torch.randn(B, H, L, D, device=DEVICE, dtype=dtype, requires_grad=grads)
+    k = torch.randn(B, H_kv, S, D, device=DEVICE, dtype=dtype, requires_grad=grads)
+    v = torch.randn(B, H_kv, S, D, device=DEVICE, dtype=dtype, requires_grad=grads)
+    block_mask = None
+    mask = torch.ones(B, H, L, S, dtype=torch.bool, device=DEVICE)
+    if mask_mod is not None:
+        block_mask = flashtile.create_block_mask(mask_mod, B, None, L, S, device=DEVICE, BLOCK_SIZE=block)
+        mask = _dense_mask(block_mask, mask_mod, B, H, L, S)
+    scale = 1 / math.sqrt(D)
+    out, lse = flashtile.flex_attention(
+        q, k, v, score_mod, block_mask, enable_gqa=H != H_kv, return_lse=True, kernel_options={"BACKEND": backend}
+    )
+    results = {"out": out, "lse": lse}
+    dout = torch.randn_like(out)
+    if grads:
+        floats = {n: t for n, t in params.items() if t.requires_grad}
+        got = torch.autograd.grad(out, [q, k, v, *floats.values()], dout, allow_unused=True)
+        names = ["dq", "dk", "dv", *(f"d{n}" for n in floats)]
+        results.update({n: torch.zeros_like(t) if g is None else g for n, g, t in
+                        zip(names, got, [q, k, v, *floats.values()], strict=True)})  # fmt: skip
+    precise = _oracle(name, (q, k, v), params, mask, scale, torch.float64, dout)
+    base = _oracle(name, (q, k, v), params, mask, scale, dtype, dout)
+    for i, (result_name, x) in enumerate(results.items()):
+        assert_within_rule(result_name if i < 2 else "grad " + result_name, x, precise[i], base[i])
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------------- the PyTorch route
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_torch_route_mods(name):
+    run_case(name, "TORCH")
+
+
+@pytest.mark.parametrize("L, S, name", [(37, 53, "softcap"), (53, 29, "prefix_lm"), (1, 17, "prefix_lm")])
+def test_torch_route_lengths(L, S, name):
+    run_case(name, "TORCH", L=L, S=S, block=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_torch_route_low_precision_gqa(dtype):
+    run_case("alibi", "TORCH", dtype=dtype, H=4, H_kv=2, L=40, S=33)
+
+
+def test_empty_rows_are_zero_with_lse_minus_inf():
+    out, lse = run_case("empty_rows", "TORCH", B=1, L=30, S=30, grads=False)
+    rows = torch.arange(30) % 7 == 3
+    assert (out[:, :, rows] == 0).all() and (lse[:, :, rows] == float("-inf")).all()
+    assert torch.isfinite(lse[:, :, ~rows]).all()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    L=st.integers(1, 40), S=st.integers(1, 40), block=st.sampled_from([8, 16]), per_head=st.booleans(),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_random_block_masks(L, S, block, per_head, seed):
+    """Any block table: skipped, partial and full blocks at random (rows with no block, blocks hidden entirely
+    by mask_mod), per head or shared; the oracle expands the same table position by position."""
+    check_random_block_mask(L, S, block, per_head, seed, "TORCH")
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(L=st.integers(1, 40), S=st.integers(1, 40), per_head=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_random_block_masks(L, S, per_head, seed):
+    check_random_block_mask(L, S, 16, per_head, seed, "TRITON")
+
+
+def check_random_block_mask(L, S, block, per_head, seed, backend):
+    """flashtile on a random block table against the oracle expanding the same table (table and float16 inputs
+    drawn from ``seed``)."""
+    generator = torch.Generator().manual_seed(seed)
+    H = 2
+    rows, cols = -(-L // block), -(-S // block)
+    kinds = torch.randint(0, 3, (1, H if per_head else 1, rows, cols), generator=generator).to(DEVICE)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx * 7 + kv_idx * 3 + h) % 5 != 0
+
+    block_mask = BlockMask.from_kv_blocks(*_ordered(kinds == PARTIAL), *_ordered(kinds == FULL), BLOCK_SIZE=block,
+                                          mask_mod=mask_mod, seq_lengths=(L, S))  # fmt: skip
+    q, k, v = (torch.randn(1, H, n, 16, generator=generator).to(DEVICE, torch.float16).requires_grad_()
+               for n in (L, S, S))  # fmt: skip
+    out, lse = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
+                                        kernel_options={"BACKEND": backend})  # fmt: skip
+    dout = torch.randn(out.shape, generator=generator).to(DEVICE, out.dtype)
+    names = ("out", "lse", "dq", "dk", "dv")
+    got = dict(zip(names, (out, lse, *torch.autograd.grad(out, (q, k, v), dout)), strict=True))
+    mask = _dense_mask(block_mask, mask_mod, 1, H, L, S)
+    for dtype, found in ((torch.float64, {}), (torch.float16, {})):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        o, s = dense_flex(*xs, None, mask, 1 / 4)
+        found.update(zip(names, (o, s, *torch.autograd.grad(o, xs, dout.to(dtype))), strict=True))
+        if dtype == torch.float64:
+            precise = found
+        else:
+            base = found
+    for name, x in got.items():
+        assert_within_rule(name if name in ("out", "lse") else "grad", x, precise[name].to(x.dtype), base[name])
+
+
+def test_matches_torch_flex_attention():
+    """The same mods and torch's own BlockMask give what torch's flex_attention gives (its eager CPU path)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    B, H, L, S, D = 1, 2, 33, 47, 16
+    params = _params(H, L, S)
+    score_mod, mask_mod = _mods("alibi", params)
+    q, k, v = (torch.randn(B, H, n, D, device=DEVICE) for n in (L, S, S))
+    block_mask = flex.create_block_mask(mask_mod, B, H, L, S, device=DEVICE, BLOCK_SIZE=16)
+    with torch.no_grad():
+        theirs, their_lse = flex.flex_attention(q, k, v, score_mod, block_mask, return_lse=True)
+        ours, lse = flashtile.flex_attention(q, k, v, score_mod, block_mask, return_lse=True,
+                                             kernel_options={"BACKEND": "TORCH"})  # fmt: skip
+    torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, their_lse, atol=2e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- the Triton kernel
+# In the interpreter on a CPU (compiled on a GPU): tiny shapes, block size 32, head dim 32.
+
+
+@pytest.mark.parametrize("name", ["document", "prefix_lm", "alibi", "softcap", "bias", "relative_bias", "empty_rows"])
+def test_kernel_mods(name):
+    run_case(name, "TRITON", B=1, L=50, S=50, D=32, block=32)
+
+
+def test_kernel_gqa_lengths_bf16():
+    run_case("sliding_window", "TRITON", dtype=torch.bfloat16, B=1, H=4, H_kv=2, L=33, S=50, D=32, block=32)
+
+
+def test_kernel_without_mods_and_key_batch_shared():
+    """No score_mod, no block mask (every block full), and a key/value batch of 1 shared by two query entries."""
+    q = torch.randn(2, 2, 40, 32, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 2, 40, 32, device=DEVICE, requires_grad=True) for _ in range(2))
+    out = flashtile.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
+    expected_grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(out))
+    for x, y in zip((out, *grads), (expected, *expected_grads), strict=True):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_takes_torch_block_masks():
+    """torch's own BlockMask (its q_* lists used as they are) gives what flashtile's gives, forward and backward."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = (torch.randn(1, 2, 40, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    found = []
+    for create in (flashtile.create_block_mask, flex.create_block_mask):
+        block_mask = create(causal, None, None, 40, 40, device=DEVICE, BLOCK_SIZE=32)
+        out = flashtile.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "TRITON"})
+        found.append([out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))])
+    for ours, theirs in zip(*found, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+HEAD_SCALE = torch.ones(2)
+SHIFT = 0.0
+
+
+def _scaled(score, b, h, q_idx, kv_idx):
+    return score * HEAD_SCALE[h] + SHIFT * kv_idx
+
+
+def test_kernel_follows_rebound_globals():
+    """A mod's global rebound to another tensor or number between calls is read anew (not from the first trace)."""
+    global HEAD_SCALE, SHIFT
+    q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE) for _ in range(3))
+    options = {"BACKEND": "TRITON"}
+    other = torch.tensor([3.0, -2.0], device=DEVICE)
+    for scale, shift in ((torch.ones(2, device=DEVICE), 0.0), (other, 0.0), (other, 0.5)):  # one change at a time
+        HEAD_SCALE, SHIFT = scale, shift
+        out = flashtile.flex_attention(q, k, v, _scaled, kernel_options=options)
+        torch.testing.assert_close(out, flashtile.flex_attention(q, k, v, _scaled, kernel_options={"BACKEND": "TORCH"}))
+
+
+def test_inside_torch_compile():
+    """In a torch.compile'd function flex_attention runs eagerly (a graph break), forward and backward."""
+    q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    score_mod = _mods("softcap", {})[0]
+    compiled = torch.compile(lambda q, k, v: flashtile.flex_attention(q, k, v, score_mod) * 2, backend="eager")
+    out = compiled(q, k, v)
+    expected = flashtile.flex_attention(q, k, v, score_mod) * 2
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    for x, y in zip(grads, torch.autograd.grad(expected, (q, k, v), torch.ones_like(out)), strict=True):
+        torch.testing.assert_close(x, y)
+
+
+def test_kernel_falls_back_or_explains():
+    """What the kernel cannot take runs on the PyTorch route under AUTO, and BACKEND='TRITON' says why not."""
+    q, k, v = (torch.randn(1, 2, 20, 32, device=DEVICE) for _ in range(3))
+    table = torch.randn(2, 20, 20, device=DEVICE)
+    temperature = torch.tensor(2.0, device=DEVICE, requires_grad=True)
+    cases = [
+        ((lambda s, b, h, q_idx, kv_idx: s + torch.cos(table[h, q_idx, kv_idx])), "aten.cos"),
+        ((lambda s, b, h, q_idx, kv_idx: s / temperature), "used other than read at indices"),
+        ((lambda s, b, h, q_idx, kv_idx: s if h > 0 else -s), "value in Python"),
+    ]
+    for score_mod, reason in cases[:2]:
+        out = flashtile.flex_attention(q, k, v, score_mod)
+        expected = flashtile.flex_attention(q, k, v, score_mod, kernel_options={"BACKEND": "TORCH"})
+        torch.testing.assert_close(out, expected)
+        with pytest.raises(flashtile.InputError, match=reason):
+            flashtile.flex_attention(q, k, v, score_mod, kernel_options={"BACKEND": "TRITON"})
+    assert torch.autograd.grad(out.sum(), temperature)[0] != 0  # the PyTorch route gave temperature its gradient
+    with pytest.raises(flashtile.InputError, match=cases[2][1]):
+        flashtile.flex_attention(q, k, v, cases[2][0], kernel_options={"BACKEND": "TRITON"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap", "bias", "relative_bias"])
+def test_gpu_kernel_long(name, D):
+    """Compiled kernels at lengths past one block (and not a multiple of it), GQA, bf16, the default block size,
+    gradients of captured tensors included."""
+    run_case(name, "TRITON", dtype=torch.bfloat16, B=2, H=4, H_kv=2, L=1000, S=1023, D=D, block=128)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_compiled_flex_attention():
+    """Against torch.compile'd FlexAttention with the same mods and torch's own block mask, forward and backward."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    params = _params(4, 1024, 1024, grads=False)
+    score_mod, mask_mod = _mods("alibi", params)
+    q, k, v = (torch.randn(2, 4, 1024, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    block_mask = flex.create_block_mask(mask_mod, None, None, 1024, 1024, device=DEVICE)
+    found = []
+    for fn in (flashtile.flex_attention, torch.compile(flex.flex_attention)):
+        out = fn(q, k, v, score_mod, block_mask)
+        found.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    for ours, theirs in zip(*found, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+
+
+def test_benchmark_dry_run(tmp_path, monkeypatch):
+    """benchmarks/bench_flex.py --dry-run on the CPU path (the interpreter switched off, as the ``path`` fixture
+    does): records in the one schema, flashtile measured and matching FlexAttention, FlexAttention's missing CPU
+    backward recorded."""
+    import bench_flex  # benchmarks/ is on the path (conftest)
+
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
+    bench_flex.main(["--dry-run", "--out", str(tmp_path), "--commit", "test", "--mods", "alibi"])
+    records = results.load(tmp_path / "flex.jsonl")
+    assert len(records) == 2 * 2 and all(list(r) == list(results.FIELDS) for r in records)
+    ours = [r for r in records if r["implementation"] == "flashtile"]
+    assert all(r["time_ms"] > 0 and r["tflops"] > 0 and not r["extra"]["flagged"] for r in ours), ours
+    assert {r["error"] for r in records if r["implementation"] == "flex" and r["pass"] == "fwd+bwd"} == {
+        "FlexAttention has no backward on the CPU"
+    }
+
+
+# ------------------------------------------------------------------------------------------------ block masks
+
+
+def test_block_mask_matches_torch():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    mask_mod = flashtile.and_masks(causal, flashtile.or_masks(lambda b, h, q, kv: q - kv < 20,
+                                                              lambda b, h, q, kv: h == 1))  # fmt: skip
+    ours = flashtile.create_block_mask(mask_mod, 2, 2, 64, 96, device=DEVICE, BLOCK_SIZE=(16, 32))
+    theirs = flex.create_block_mask(mask_mod, 2, 2, 64, 96, device=DEVICE, BLOCK_SIZE=(16, 32))
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert ours.shape == theirs.shape == (2, 2, 64, 96) and ours.BLOCK_SIZE == (16, 32)
+    assert ours.seq_lengths == (64, 96) and ours.mask_mod is mask_mod
+    assert torch.equal(ours.to_dense(), theirs.to_dense().to(torch.int32))
+    assert ours.sparsity() == pytest.approx(theirs.sparsity())
+    assert "BLOCK_SIZE=(16, 32)" in repr(ours) and "sparsity=" in repr(ours) and "█" in str(ours)
+    assert flashtile.create_block_mask(flashtile.noop_mask, None, None, 8, 8, device=DEVICE).sparsity() == 0
+    half = flashtile.create_block_mask(lambda b, h, q, kv: kv < 16, None, None, 20, 20, device=DEVICE, BLOCK_SIZE=16)
+    assert half.sparsity() == pytest.approx(100 * 4 / 20)  # the 4 keys past 16 sit in a skipped block
+
+
+# ----------------------------------------------------------------------------------------------------- errors
+
+
+def _qkv(B=1, H=2, L=8, S=8, D=16, **changes):
+    q, k, v = (torch.randn(B, H, n, D, device=DEVICE) for n in (L, S, S))
+    return {"query": q, "key": k, "value": v, **changes}
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"query": torch.randn(2, 8, 16)}, "4-D"),
+        ({"key": torch.randn(1, 2, 8, 32)}, "head dim"),
+        ({"value": torch.randn(1, 2, 9, 16)}, "must match key"),
+        ({"key": torch.randn(1, 1, 8, 16), "value": torch.randn(1, 1, 8, 16)}, "enable_gqa=True"),
+        ({"query": torch.randn(1, 2, 8, 16, dtype=torch.float64)}, "float16, bfloat16 or float32"),
+        ({"query": torch.randn(1, 2, 8, 16, dtype=torch.float16)}, "share a dtype"),
+        ({"block_mask": "causal"}, "must be a BlockMask"),
+        ({"score_mod": causal}, "score_mod must be a function"),
+        ({"kernel_options": {"BACKEND": "FLASH"}}, "BACKEND"),
+    ],
+)
+def test_bad_inputs_raise_input_error(changes, match):
+    with pytest.raises(flashtile.InputError, match=match):
+        flashtile.flex_attention(**_qkv(**changes))
+
+
+def test_block_mask_for_other_sizes_raises():
+    block_mask = flashtile.create_block_mask(causal, None, None, 16, 16, device=DEVICE)
+    with pytest.raises(flashtile.InputError, match="created for Q_LEN, KV_LEN"):
+        flashtile.flex_attention(**_qkv(L=8, S=16), block_mask=block_mask)
+    heads = flashtile.create_block_mask(causal, 1, 3, 8, 8, device=DEVICE)
+    with pytest.raises(flashtile.InputError, match="H of 1 or 2"):
+        flashtile.flex_attention(**_qkv(), block_mask=heads)
+    with pytest.raises(flashtile.InputError, match="Q_LEN must be a positive int"):
+        flashtile.create_block_mask(causal, 1, 1, 0, 8, device=DEVICE)
+    with pytest.raises(flashtile.InputTypeError, match="mask_mod must be a function"):
+        flashtile.create_block_mask(lambda s, b, h, q, kv: s, 1, 1, 8, 8, device=DEVICE)
