@@ -86,6 +86,9 @@ def _implementations(score_mod, mask_mod, n: int, block: int, device: torch.devi
         def theirs_fn(q, k, v):
             return flex.flex_attention(q.detach(), k.detach(), v.detach(), score_mod, theirs)
     else:
+        # A fresh compile per row: every mod and head dim is a new graph, and after dynamo's recompile limit (8) a
+        # compiled function runs eagerly, FlexAttention's slow reference path.
+        torch._dynamo.reset()
         compiled = torch.compile(flex.flex_attention, dynamic=False)
 
         def theirs_fn(q, k, v):
