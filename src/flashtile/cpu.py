@@ -65,11 +65,16 @@ matrix batch (transposed where the product wants it), so that a tile of every (b
 batched matrix product that copies nothing. With grouped-query attention (nheads =
 group * nheads_k) the query tile of the ``group`` heads that share a key/value head is laid out as
 (batch * nheads_k, group * BLOCK_M, headdim), so each key/value tile is used once per query tile. The
-products that make scores (Q K^T, and dO V^T in the backward) run in float32 (float64 for float64 inputs),
-with the softmax scale folded into the query tile; the softmax and every accumulator are float32 too. The
-products whose left operand is a probability or its gradient (P V, P^T dO, dS K, dS^T Q) take it rounded
-to the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile results are added to the
-float32 accumulators.
+softmax and every accumulator are float32 (float64 for float64 inputs). The score product Q K^T takes the
+query tile with the softmax scale folded in; for bfloat16 inputs it runs on bfloat16 operands (the scaled query
+rounded once) and returns scores rounded to bfloat16, since torch's CPU product of bfloat16 matrices gives
+bfloat16 (four times faster than the float32 product; see ``_product_dtype``), for other dtypes in float32. In
+the backward the product dO V^T is taken as ``[dO, -Delta] [V, 1]^T = dP - Delta`` (Delta split in two
+bfloat16 parts), so that a bfloat16 result rounds the difference that dS needs rather than dP before Delta
+cancels most of it. The products whose left operand is a probability or its gradient (P V, P^T dO, dS K,
+dS^T Q) take it rounded to the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile
+results are added to the float32 accumulators. Each exp() argument is clamped at -87 (``_exp``): torch's CPU
+exp() is many times slower where its result leaves float32's normal range.
 
 Score modifications and sinks
 -----------------------------
@@ -101,6 +106,7 @@ built only for tiles that the band's edges cut. A query row that sees no key
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -122,6 +128,7 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 _M32 = 0xFFFFFFFF
+_EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38: float32's smallest normal numbers (``_exp``)
 
 
 def _mul32(x, c: int):
@@ -195,10 +202,12 @@ def _key_span(q0: int, q1: int, seqlen_q: int, seqlen_k: int, left: int | None, 
     return range(k0 // BLOCK_N * BLOCK_N, k1, BLOCK_N)
 
 
+@functools.lru_cache(maxsize=256)
 def _band_mask(
     q0: int, q1: int, k0: int, k1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None
 ) -> Tensor | None:
-    """Boolean (q1 - q0, k1 - k0) mask, True where query i may see key j; None if all may."""
+    """Boolean (q1 - q0, k1 - k0) mask, True where query i may see key j; None if all may. Cached (a call's tiles
+    repeat), so it is shared: read it, never write it."""
     diag = seqlen_k - seqlen_q
     left_clear = left is None or k0 >= q1 - 1 + diag - left  # the last row sees the tile's first key
     right_clear = right is None or k1 - 1 <= q0 + diag + right  # the first row sees the tile's last key
@@ -378,68 +387,117 @@ def _add_sink(out: Tensor, lse: Tensor, learnable_sink: Tensor) -> tuple[Tensor,
     return (out * share).to(out.dtype), with_sink
 
 
+def _product_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the score products Q K^T and dO V^T: bfloat16 for bfloat16 inputs, the compute dtype otherwise.
+
+    torch's CPU matrix product of bfloat16 matrices accumulates in float32 (the CPU's bfloat16 units) and returns
+    bfloat16, 4x faster than the float32 product of the same values; the scores then carry a bfloat16 rounding, as
+    the scores of any bfloat16 attention written in PyTorch do (the tolerance rule's plain low-precision reference).
+    The softmax and every accumulator stay in float32. float16 keeps float32 products: float16 has no fast CPU
+    product here, and its scores could overflow.
+    """
+    return dtype if dtype == torch.bfloat16 else _compute_dtype(dtype)
+
+
 @dataclass(frozen=True)
 class _ScoreMods:
-    """What changes a score besides the mask: a tanh cap (0 = off) and ALiBi slopes, shaped
-    (B * Hk, group, 1, 1) in the compute dtype (None = off); ``diag`` is seqlen_k - seqlen_q."""
+    """How a tile's scores are made: the softmax scale, a tanh cap (0 = off), ALiBi slopes shaped
+    (B * Hk, group, 1, 1) in the compute dtype (None = off), ``diag`` = seqlen_k - seqlen_q, and the dtype of the
+    product Q K^T (``_product_dtype``)."""
 
+    softmax_scale: float
     softcap: float = 0.0
     slopes: Tensor | None = None
     diag: int = 0
+    product_dtype: torch.dtype = torch.float32
 
-    def query_scale(self, softmax_scale: float) -> float:
-        """What the query tile is multiplied by, so that Q K^T is the scaled score (or the cap's tanh argument)."""
-        return softmax_scale / self.softcap if self.softcap > 0.0 else softmax_scale
+    @property
+    def query_scale(self) -> float:
+        """What multiplies Q K^T to give the scaled score (or the cap's tanh argument)."""
+        return self.softmax_scale / self.softcap if self.softcap > 0.0 else self.softmax_scale
+
+    def query_tile(self, q: Tensor, q0: int, q1: int, nheads_k: int) -> Tensor:
+        """Rows [q0, q1) of q as the left operand of Q K^T, (B * Hk, group * M, D) of the product dtype: multiplied
+        by ``query_scale`` in the compute dtype, then rounded to the product dtype."""
+        tile = _query_tile(q, q0, q1, nheads_k, _compute_dtype(q.dtype)).mul_(self.query_scale)
+        return tile.to(self.product_dtype)
 
 
 def _score_mods(
-    alibi_slopes: Tensor | None, softcap: float, batch: int, nheads_k: int, diag: int, dtype: torch.dtype
-) -> _ScoreMods:
+    alibi_slopes: Tensor | None, softcap: float, batch: int, nheads_k: int, diag: int, dtype: torch.dtype,
+    softmax_scale: float, product_dtype: torch.dtype,
+) -> _ScoreMods:  # fmt: skip
     """The score modifications of a call, slopes reshaped to broadcast against a tile's scores."""
     slopes = None
     if alibi_slopes is not None:  # (H,) or (B, H) -> (B * Hk, group, 1, 1)
         nheads = alibi_slopes.shape[-1]
         slopes = alibi_slopes.to(dtype).expand(batch, nheads).reshape(batch * nheads_k, nheads // nheads_k, 1, 1)
-    return _ScoreMods(softcap, slopes, diag)
+    return _ScoreMods(softmax_scale, softcap, slopes, diag, product_dtype)
 
 
 def _scores(
-    q_t: Tensor, k_t: Tensor, mods: _ScoreMods, mask: Tensor | None, group: int, q0: int, k0: int, out: Tensor
+    q_t: Tensor, k_t: Tensor, mods: _ScoreMods, group: int, q0: int, k0: int, out: Tensor, products: Tensor
 ) -> tuple[Tensor, Tensor | None]:
-    """Scores of one tile, and tanh of the scaled scores if they are capped (for the backward).
+    """Scores of one tile before any mask, and tanh of the scaled scores if they are capped (for the backward).
 
-    q_t: (B * Hk, group * M, D) holding query rows from q0, multiplied by ``mods.query_scale``; k_t: (B * Hk, D, N)
-    holding keys from k0, transposed; mask: (M, N) or None; out: scratch (``_scratch``) -> s: (B * Hk, group * M, N),
-    masked entries -inf, in out's memory unless capped; t: like s, or None.
+    q_t: (B * Hk, group * M, D) holding query rows from q0 (``mods.query_tile``); k_t: (B * Hk, D, N) holding keys
+    from k0, transposed; out, products: scratch (``_scratch``) of the compute and product dtypes -> s:
+    (B * Hk, group * M, N) in the compute dtype, in out's memory unless capped; t: like s, or None.
     """
-    s = torch.bmm(q_t, k_t, out=_scratch(out, (*q_t.shape[:2], k_t.shape[2])))  # [gM, D] @ [D, N] -> [gM, N]
+    shape = (*q_t.shape[:2], k_t.shape[2])
+    s = torch.bmm(q_t, k_t, out=_scratch(out if q_t.dtype == out.dtype else products, shape))  # [gM, D] @ [D, N]
+    if s.dtype != out.dtype:  # a bfloat16 product, into the compute dtype
+        s = _scratch(out, shape).copy_(s)
     t = None
     if mods.softcap > 0.0:
         t = s.tanh_()
         s = t * mods.softcap
-    if mods.slopes is None and mask is None:
-        return s, t
-    rows, n = s.shape[1:]
-    s_heads = s.view(s.shape[0], group, rows // group, n)  # query heads of a group apart: (B * Hk, group, M, N)
     if mods.slopes is not None:
+        rows, n = s.shape[1:]
+        s_heads = s.view(s.shape[0], group, rows // group, n)  # query heads of a group apart: (B * Hk, group, M, N)
         i = torch.arange(q0, q0 + s_heads.shape[2])[:, None]
         j = torch.arange(k0, k0 + n)[None, :]
         s_heads.sub_(mods.slopes * (i + mods.diag - j).abs().to(s.dtype))  # -slope * |i + Sk - Sq - j|
-    if mask is not None:
-        s_heads.masked_fill_(~mask, float("-inf"))
     return s, t
 
 
-def _apply_attn_mask(s: Tensor, attn_mask: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> None:
-    """Apply the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask view to s (B * Hk, group * M, N) in place."""
-    if attn_mask is None:
-        return
-    tile = attn_mask[:, :, q0:q1, k0:k1]  # (B, H, M, N), read through the broadcast view
-    s_heads = s.view(tile.shape)
-    if tile.dtype == torch.bool:
-        s_heads.masked_fill_(~tile, float("-inf"))
-    else:
-        s_heads.add_(tile)
+def _mask_tile(
+    x: Tensor, band: Tensor | None, attn_mask: Tensor | None, group: int, q0: int, q1: int, k0: int, k1: int,
+    probs: bool = False,
+) -> None:  # fmt: skip
+    """Hide the keys that the band (M, N) or the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask view hide
+    from x (B * Hk, group * M, N), in place: scores get -inf (and an additive mask added), or with ``probs``,
+    probabilities computed from such scores get exactly 0 (``_exp``)."""
+    fill = 0.0 if probs else float("-inf")
+    if band is not None:  # a broadcast product or sum: masked_fill_ is ~10x slower over the group's heads
+        x_heads = x.view(x.shape[0], group, x.shape[1] // group, x.shape[2])  # (B * Hk, group, M, N)
+        x_heads.mul_(_band_as(band, x.dtype, 1.0)) if probs else x_heads.add_(_band_as(band, x.dtype, 0.0))
+    if attn_mask is not None:
+        tile = attn_mask[:, :, q0:q1, k0:k1]  # (B, H, M, N), read through the broadcast view
+        x_heads = x.view(tile.shape)
+        if tile.dtype == torch.bool:
+            x_heads.masked_fill_(~tile, fill)
+        elif probs:
+            x_heads.masked_fill_(tile == float("-inf"), 0.0)
+        else:
+            x_heads.add_(tile)
+
+
+@functools.lru_cache(maxsize=256)
+def _band_as(band: Tensor, dtype: torch.dtype, visible: float) -> Tensor:
+    """A cached band (``_band_mask``) as a tensor of ``dtype``: ``visible`` where visible, and where hidden 0 (a
+    factor, for ``visible`` = 1) or -inf (an additive mask, for ``visible`` = 0)."""
+    return torch.full(band.shape, visible, dtype=dtype).masked_fill_(~band, 0.0 if visible else float("-inf"))
+
+
+def _exp(x: Tensor, offset: Tensor) -> Tensor:
+    """exp(x - offset) in x's memory, for x - offset <= 0 (a row's max or LSE subtracted).
+
+    torch's CPU exp() takes a slow path (about 4x for -inf, 40x for a result below float32's smallest normal
+    number) where x - offset < -87.3, so it is clamped there first: such a term is below 1.7e-38 of the row's
+    largest term (1), which the sum cannot see, and the keys a mask hides get their exact 0 from ``_mask_tile``
+    after this."""
+    return x.sub_(offset).clamp_(min=_EXP_FLOOR).exp_()
 
 
 def _key_tiles(x: Tensor, dtype: torch.dtype, transposed: bool = False) -> list[Tensor]:
@@ -573,26 +631,28 @@ def _tiled_forward(
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype)
-    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, _product_dtype(q.dtype))
+    keys = _key_tiles(k, mods.product_dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
     values = _key_tiles(v, v.dtype)  # (B * Hk, N, Dv) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
     scores, probs = torch.empty(tile_size, dtype=dtype), torch.empty(tile_size, dtype=v.dtype)
+    products = torch.empty(tile_size, dtype=mods.product_dtype)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
-        q_t = _query_tile(q, q0, q1, Hk, dtype).mul_(mods.query_scale(softmax_scale))  # (B * Hk, gM, D)
+        q_t = mods.query_tile(q, q0, q1, Hk)  # (B * Hk, gM, D)
         m_i = torch.full((*q_t.shape[:2], 1), torch.finfo(dtype).min, dtype=dtype)  # running row max
         l_i = torch.zeros_like(m_i)  # running row sum of exp(s - m_i)
         acc = torch.zeros(*q_t.shape[:2], Dv, dtype=dtype)  # running sum of exp(s - m_i) v
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
-            mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
-            s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, mask, group, q0, k0, scores)
-            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1)
+            band = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
+            s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores, products)
+            _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-            p = s.sub_(m_new).exp_()
+            p = _exp(s, m_new)
+            _mask_tile(p, band, attn_mask, group, q0, q1, k0, k1, probs=True)
             alpha = m_i.sub_(m_new).exp_()
             l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             if drop is not None:  # l_i keeps every probability; only P V sees the mask
@@ -663,39 +723,44 @@ def attention_backward(
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype)
-    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
-    values = _key_tiles(v, dtype, transposed=True)  # (B * Hk, Dv, N) each, operands of dP = dO V^T
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, _product_dtype(q.dtype))
+    keys = _key_tiles(k, mods.product_dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    ones = torch.ones(B, Sk, Hk, 2, dtype=v.dtype)
+    values = _key_tiles(torch.cat([v, ones], dim=-1), mods.product_dtype, transposed=True)  # (B * Hk, Dv + 2, N)
     keys_low = _key_tiles(k, k.dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.zeros(B * Hk, Sk, D, dtype=dtype)  # accumulators, heads-major
     dv = torch.zeros(B * Hk, Sk, Dv, dtype=dtype)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
     scores, dprobs, low = (torch.empty(tile_size, dtype=t) for t in (dtype, dtype, q.dtype))
+    products = torch.empty(tile_size, dtype=mods.product_dtype)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_low = _query_tile(q, q0, q1, Hk, q.dtype)  # (B * Hk, gM, D), operand of dK = dS^T Q
-        q_t = q_low.to(dtype).mul(mods.query_scale(softmax_scale))
-        do_t = _query_tile(dout, q0, q1, Hk, dtype)  # (B * Hk, gM, Dv)
-        do_low = do_t.to(dout.dtype)
+        q_t = mods.query_tile(q, q0, q1, Hk)
+        do_low = _query_tile(dout, q0, q1, Hk, dout.dtype)  # (B * Hk, gM, Dv)
         delta = _delta_tile(dout, out, dlse, q0, q1, Hk, dtype)  # (B * Hk, gM, 1)
+        do_t = torch.cat([do_low.to(mods.product_dtype), *_split(-delta, mods.product_dtype)], dim=-1)
         lse_t = lse[:, :, q0:q1].reshape(delta.shape).to(dtype)
         lse_t = lse_t.masked_fill(lse_t == float("-inf"), 0.0)  # rows with no key: P = exp(-inf) = 0
         dq_t = torch.zeros(*q_t.shape[:2], D, dtype=dtype)
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
-            mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
-            s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, mask, group, q0, k0, scores)
-            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1)
-            p = s.sub_(lse_t).exp_()  # (B * Hk, gM, N)
-            dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(dprobs, p.shape))  # [gM, Dv] @ [Dv, N]
+            band = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
+            s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores, products)
+            _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
+            p = _exp(s, lse_t)  # (B * Hk, gM, N)
+            _mask_tile(p, band, attn_mask, group, q0, q1, k0, k1, probs=True)
+            # dP - Delta = [dO, -Delta] [V, 1]^T: [gM, Dv + 2] @ [Dv + 2, N]
+            dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(products, p.shape))
             p_kept = p
             if drop is not None:  # the gradient at P is Z / (1 - p) * dP; dV's 1 / (1 - p) is applied at the end
                 keep = _dropout_keep(drop, B, Hk, group, q0, q1, k0, k1).view(p.shape)
                 p_kept = p * keep
-                dp.mul_(keep).mul_(1.0 / (1.0 - drop.p))
+                kept = keep.to(dtype).mul_(1.0 / (1.0 - drop.p))  # Z / (1 - p) dP - Delta from dP - Delta:
+                dp = torch.mul(dp, kept, out=_scratch(dprobs, p.shape)).add_(kept.sub_(1.0).mul_(delta))
             dv[:, k0:k1] += torch.bmm(_in_dtype(p_kept, low).transpose(1, 2), do_low)  # [N, gM] @ [gM, Dv]
-            ds = p.mul_(dp.sub_(delta))  # reuses p's memory: p is not needed after this
+            ds = p.mul_(dp)  # reuses p's memory: p is not needed after this
             if dmask is not None:  # the gradient at the mask: dS before the cap's derivative
                 dmask[:, :, q0:q1, k0:k1] = ds.view(B, H, q1 - q0, k1 - k0)
             if t is not None:
@@ -707,6 +772,13 @@ def attention_backward(
     if drop is not None:
         dv.mul_(1.0 / (1.0 - drop.p))
     return dq, _heads_minor(dk.mul_(softmax_scale), k), _heads_minor(dv, v)
+
+
+def _split(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """x as hi + lo, both of ``dtype``: lo = x - hi rounded (0 if ``dtype`` holds x), so that a product with a
+    bfloat16 operand [A, hi, lo] sees x to 16 bits rather than 8."""
+    hi = x.to(dtype)
+    return hi, (x - hi).to(dtype)
 
 
 def _heads_minor(x: Tensor, like: Tensor) -> Tensor:
