@@ -9,16 +9,18 @@ sequence length. A call takes one of two routes, chosen by one rule (``torch_ker
 
 - **torch's fused kernel** (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, what
   ``torch.nn.functional.scaled_dot_product_attention`` runs on a CPU) when the call needs nothing it lacks:
-  no softcap, ALiBi or dropout, no gradient at the LSE or at the mask, a mask only of the kinds it reads.
-  With no window, or causal with Sq == Sk (top-left causal in general), one call computes it; under any
-  other window (sliding windows, flash_attn's bottom-right causal with Sq != Sk) one call per block of
-  BAND_BLOCK_M query rows does, on the keys that block sees, with the band's edges as an additive mask.
-  Its results are flashtile's: the kernel takes flash_attn's (batch, seqlen, nheads, headdim) layout as
-  transposed views, handles GQA itself, and its LSE is the natural-log (batch, nheads, seqlen_q) one
-  flashtile returns (made float32 and contiguous, -inf for a row that sees no key, where the kernel writes 0).
-- **the tiled path** below for everything else (softcap, ALiBi, dropout, gradients at the LSE or at an
-  additive mask, a float mask of another dtype than q's, headdim_v != headdim, empty inputs), or for every
-  call with ``TORCH_KERNEL = False``.
+  no softcap or dropout, no gradient at the mask, a mask only of the kinds it reads. With no window, or
+  causal with Sq == Sk (top-left causal in general), one call computes it; under any other window (sliding
+  windows, flash_attn's bottom-right causal with Sq != Sk) or with ALiBi, one call per block of BAND_BLOCK_M
+  query rows does, on the keys that block sees, with the band's edges and ALiBi's bias as a float32 additive
+  mask of that block (memory linear in the length). Its results are flashtile's: the kernel takes flash_attn's
+  (batch, seqlen, nheads, headdim) layout as transposed views, handles GQA itself, and its LSE is the
+  natural-log (batch, nheads, seqlen_q) one flashtile returns (made float32 and contiguous, -inf for a row
+  that sees no key, where the kernel writes 0). A gradient at the LSE reaches its backward through Delta
+  (``_fused_backward``).
+- **the tiled path** below for everything else (softcap, dropout, a gradient at an additive mask, a float
+  mask of another dtype than q's, ALiBi with an SDPA mask, softmax_scale 0, headdim_v != headdim, empty
+  inputs), or for every call with ``TORCH_KERNEL = False``.
 
 A learnable sink is added to either route's results afterwards (``_add_sink``).
 
@@ -248,10 +250,10 @@ def torch_kernel_route(
     - ``TORCH_KERNEL`` is on;
     - batch, seqlen_q, seqlen_k and nheads are all > 0 (the kernel divides by zero on an empty sequence)
       and headdim_v == headdim;
-    - no softcap, no ALiBi, no dropout; in the backward, no gradient at the LSE (dlse) and none wanted at
-      the mask (dmask);
+    - no softcap, no dropout; in the backward, no gradient wanted at the mask (dmask);
     - softmax_scale != 0 (torch's kernel gives NaN for masked keys at scale 0: it scales the -inf scores);
-    - attn_mask is None, boolean (given to the kernel as 0 / -inf of q's dtype) or of q's dtype.
+    - attn_mask is None, boolean (given to the kernel as 0 / -inf of q's dtype) or of q's dtype; with ALiBi,
+      None.
 
     The route then follows the window (bottom-right aligned, as flash_attn's):
 
@@ -260,14 +262,13 @@ def torch_kernel_route(
     - "causal": window_left as above and window_right == seqlen_q - seqlen_k (the bottom-right diagonal is
       then the top-left one; with seqlen_q == seqlen_k that is flash_attn's causal=True): one call,
       is_causal=True;
-    - "band": any other window, without attn_mask: one call per BAND_BLOCK_M query rows on the keys they
-      see, the band's edges given as an additive mask of that block (``_banded_forward``).
+    - "band": any other window, or ALiBi, without attn_mask: one call per BAND_BLOCK_M query rows on the keys
+      they see, with the block's band edges and ALiBi bias as its additive float32 mask (``_banded_forward``).
 
-    A learnable sink does not matter here: it is added to either route's results (``_add_sink``).
+    A learnable sink does not matter here: it is added to either route's results (``_add_sink``); nor does a
+    gradient at the LSE: the backward takes it through two more value columns (``_fused_backward``).
     """
-    if not TORCH_KERNEL or softcap > 0.0 or alibi_slopes is not None or dropout or dlse is not None:
-        return None
-    if softmax_scale == 0:
+    if not TORCH_KERNEL or softcap > 0.0 or dropout or softmax_scale == 0:
         return None
     if dmask is not None or (attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype)):
         return None
@@ -275,7 +276,7 @@ def torch_kernel_route(
     seqlen_k = k.shape[1]
     if min(batch, seqlen_q, seqlen_k, nheads) == 0 or v.shape[-1] != head_dim:
         return None
-    if window_left is None or window_left >= seqlen_k - 1:
+    if alibi_slopes is None and (window_left is None or window_left >= seqlen_k - 1):
         if window_right is None or window_right >= seqlen_q - 1:
             return "full"
         if window_right == seqlen_q - seqlen_k:
@@ -295,17 +296,19 @@ def _kernel_mask(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def _fused_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool, attn_mask: Tensor | None
-) -> tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool, attn_mask: Tensor | None,
+    hidden: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(out, lse) of one call of torch's fused kernel in flashtile's layouts: out (B, Sq, H, D) contiguous, lse
-    (B, H, Sq) float32 contiguous, -inf for a row that the mask hides entirely (the kernel gives it out 0, LSE 0)."""
+    (B, H, Sq) float32 contiguous, -inf for a row that the mask hides entirely (the kernel gives it out 0, LSE 0):
+    the rows ``hidden`` (boolean, broadcast to lse) names, or if None, those the mask hides."""
     mask = _kernel_mask(attn_mask, q.dtype)
     out, lse = _FLASH(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, attn_mask=mask, scale=scale
     )  # out: (B, H, Sq, D) over (B, Sq, H, D) memory; lse: (B, H, Sq) over (B, Sq, H) memory
     lse = lse.float().contiguous()
     if mask is not None:
-        lse.masked_fill_((mask == float("-inf")).all(dim=-1), float("-inf"))
+        lse.masked_fill_((mask == float("-inf")).all(dim=-1) if hidden is None else hidden, float("-inf"))
     return out.transpose(1, 2).contiguous(), lse
 
 
@@ -319,17 +322,28 @@ def _fused_backward(
     scale: float,
     is_causal: bool,
     attn_mask: Tensor | None,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one call of torch's fused backward, contiguous in flashtile's layouts (dk, dv summed over
-    each GQA group by the kernel)."""
+    each GQA group by the kernel).
+
+    A gradient dlse (B, H, Sq) at the LSE enters dS = P (dP - Delta + dlse) (module docstring) through Delta, which
+    the kernel computes as rowsum(dO * O): q, k and v get two more columns of zeros (scores, dP and the results'
+    first D columns are unchanged), O two of ones and dO the columns -dlse split in two parts of dO's dtype
+    (``_split``), so that the kernel's Delta is rowsum(dO * O) - dlse to 16 bits of dlse."""
     mask = _kernel_mask(attn_mask, q.dtype)
     lse = lse.to(_compute_dtype(q.dtype))  # the kernel reads the LSE in its accumulation dtype
     if mask is not None:  # a row the mask hides entirely: any finite LSE gives P = exp(-inf - LSE) = 0
         lse = lse.masked_fill(lse == float("-inf"), 0.0)
+    head_dim = q.shape[-1]
+    if dlse is not None:
+        dout = torch.cat([dout, *_split(-dlse.transpose(1, 2)[..., None], dout.dtype)], dim=-1)
+        out = torch.cat([out, torch.ones(*out.shape[:3], 2, dtype=out.dtype)], dim=-1)
+        q, k, v = (torch.nn.functional.pad(t, (0, 2)) for t in (q, k, v))
     grads = _FLASH_BACKWARD(
         *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, 0.0, is_causal, attn_mask=mask, scale=scale
     )  # fmt: skip
-    return tuple(g.transpose(1, 2).contiguous() for g in grads)
+    return tuple(g[..., :head_dim].transpose(1, 2).contiguous() for g in grads)
 
 
 def _band_blocks(
@@ -344,34 +358,53 @@ def _band_blocks(
             yield q0, q1, k0, k1, _band_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, left, right)
 
 
+def _block_mask(
+    band: Tensor | None, alibi_slopes: Tensor | None, q0: int, q1: int, k0: int, k1: int, diag: int,
+    dtype: torch.dtype,
+) -> Tensor | None:  # fmt: skip
+    """The mask of one block of torch's kernel (``_band_blocks``): the band (M, N) as a boolean (1, 1, M, N), or with
+    ALiBi slopes (H,) or (B, H) the additive (1 or B, H, M, N) mask -slope * |i + diag - j| of ``dtype`` (the compute
+    dtype, not rounded to q's), -inf where the band hides a key; None if neither."""
+    if alibi_slopes is None:
+        return None if band is None else band[None, None]
+    i = torch.arange(q0, q1)[:, None]
+    j = torch.arange(k0, k1)[None, :]
+    bias = (i + diag - j).abs_().to(dtype) * alibi_slopes.to(dtype).reshape(-1, alibi_slopes.shape[-1], 1, 1).neg()
+    return bias if band is None else bias.add_(_band_as(band, dtype, 0.0))
+
+
 def _banded_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, left: int | None, right: int | None
-) -> tuple[Tensor, Tensor]:
-    """``_fused_forward`` under a window: one call per block of query rows (``_band_blocks``), whose band is its
-    additive mask. A row that sees no key gets out 0 and LSE -inf."""
+    q: Tensor, k: Tensor, v: Tensor, scale: float, left: int | None, right: int | None,
+    alibi_slopes: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``_fused_forward`` under a window or with ALiBi: one call per block of query rows (``_band_blocks``), with
+    its band and bias as the additive mask (``_block_mask``). A row that sees no key gets out 0 and LSE -inf."""
     B, Sq, H, _ = q.shape
+    Sk = k.shape[1]
     out = torch.zeros(B, Sq, H, v.shape[-1], dtype=q.dtype)
     lse = torch.full((B, H, Sq), float("-inf"))
-    for q0, q1, k0, k1, mask in _band_blocks(Sq, k.shape[1], left, right):
+    for q0, q1, k0, k1, band in _band_blocks(Sq, Sk, left, right):
+        mask = _block_mask(band, alibi_slopes, q0, q1, k0, k1, Sk - Sq, _compute_dtype(q.dtype))
         out[:, q0:q1], lse[:, :, q0:q1] = _fused_forward(
-            q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], scale, False, None if mask is None else mask[None, None]
+            q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], scale, False, mask, None if band is None else ~band.any(dim=-1)
         )
     return out, lse
 
 
 def _banded_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, left: int | None,
-    right: int | None,
+    right: int | None, alibi_slopes: Tensor | None = None, dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``_fused_backward`` under a window, block by block as ``_banded_forward``; dK and dV summed in float32."""
+    """``_fused_backward`` block by block as ``_banded_forward``; dK and dV summed in float32."""
     dtype = _compute_dtype(q.dtype)
+    Sq, Sk = q.shape[1], k.shape[1]
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros(k.shape, dtype=dtype)
     dv = torch.zeros(v.shape, dtype=dtype)
-    for q0, q1, k0, k1, mask in _band_blocks(q.shape[1], k.shape[1], left, right):
+    for q0, q1, k0, k1, band in _band_blocks(Sq, Sk, left, right):
         dq[:, q0:q1], dk_block, dv_block = _fused_backward(
             dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1], scale, False,
-            None if mask is None else mask[None, None],
+            _block_mask(band, alibi_slopes, q0, q1, k0, k1, Sk - Sq, dtype), None if dlse is None else dlse[..., q0:q1],
         )  # fmt: skip
         dk[:, k0:k1] += dk_block
         dv[:, k0:k1] += dv_block
@@ -606,7 +639,7 @@ def attention_forward(
         out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
                                   attn_mask)  # fmt: skip
     elif route == "band":
-        out, lse = _banded_forward(q, k, v, softmax_scale, window_left, window_right)
+        out, lse = _banded_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes)
     else:
         out, lse = _fused_forward(q, k, v, softmax_scale, route == "causal", attn_mask)
     if learnable_sink is not None:
@@ -716,9 +749,9 @@ def attention_backward(
         attn_mask=attn_mask, dlse=dlse, dmask=dmask, softmax_scale=softmax_scale,
     )  # fmt: skip
     if route == "band":
-        return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right)
+        return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, alibi_slopes, dlse)
     if route is not None:
-        return _fused_backward(dout, q, k, v, out, lse, softmax_scale, route == "causal", attn_mask)
+        return _fused_backward(dout, q, k, v, out, lse, softmax_scale, route == "causal", attn_mask, dlse)
     B, Sq, H, D = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
