@@ -151,6 +151,15 @@ def test_alibi(route, dtype, case):
     check(route, *make_inputs(batch, seqlen_q, seqlen_k, 4, 2, 64, dtype=dtype), alibi_slopes=slopes, **options)
 
 
+@pytest.mark.parametrize("rows", [20, 10])
+def test_alibi_mask_size(route, monkeypatch, rows):
+    """ALiBi's block masks stay within ALIBI_MASK_SIZE values: blocks of fewer rows (20 here), or the tiled path
+    where fewer than 16 rows fit."""
+    monkeypatch.setattr(cpu, "ALIBI_MASK_SIZE", rows * 4 * 150)  # nheads 4, seqlen_k 150
+    check(route, *make_inputs(1, 170, 150, 4, 2, 64, dtype=torch.bfloat16), torch_forward=rows >= 16,
+          torch_backward=rows >= 16, alibi_slopes=slopes_like((4,)), causal=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_softcap(route, dtype):
     """softcap is the tiled path's."""

@@ -121,6 +121,7 @@ from flashtile import paged
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
 BLOCK_N = 512  # key columns per tile
 BAND_BLOCK_M = 256  # query rows per call of torch's kernel under a window
+ALIBI_MASK_SIZE = 1 << 24  # values of one ALiBi block mask at most (64 MiB of float32; ``_block_rows``)
 
 TORCH_KERNEL = True
 """Whether the calls that torch's fused kernel can compute run it (``torch_kernel_route``); False sends every call
@@ -204,12 +205,10 @@ def _key_span(q0: int, q1: int, seqlen_q: int, seqlen_k: int, left: int | None, 
     return range(k0 // BLOCK_N * BLOCK_N, k1, BLOCK_N)
 
 
-@functools.lru_cache(maxsize=256)
 def _band_mask(
     q0: int, q1: int, k0: int, k1: int, seqlen_q: int, seqlen_k: int, left: int | None, right: int | None
 ) -> Tensor | None:
-    """Boolean (q1 - q0, k1 - k0) mask, True where query i may see key j; None if all may. Cached (a call's tiles
-    repeat), so it is shared: read it, never write it."""
+    """Boolean (q1 - q0, k1 - k0) mask, True where query i may see key j; None if all may."""
     diag = seqlen_k - seqlen_q
     left_clear = left is None or k0 >= q1 - 1 + diag - left  # the last row sees the tile's first key
     right_clear = right is None or k1 - 1 <= q0 + diag + right  # the first row sees the tile's last key
@@ -263,7 +262,9 @@ def torch_kernel_route(
       then the top-left one; with seqlen_q == seqlen_k that is flash_attn's causal=True): one call,
       is_causal=True;
     - "band": any other window, or ALiBi, without attn_mask: one call per BAND_BLOCK_M query rows on the keys
-      they see, with the block's band edges and ALiBi bias as its additive float32 mask (``_banded_forward``).
+      they see, with the block's band edges and ALiBi bias as its additive float32 mask (``_banded_forward``);
+      with ALiBi fewer rows where (batch or 1) * nheads * seqlen_k is large (``_block_rows``), or the tiled path
+      where fewer than 16 would fit.
 
     A learnable sink does not matter here: it is added to either route's results (``_add_sink``); nor does a
     gradient at the LSE: the backward takes it through two more value columns (``_fused_backward``).
@@ -276,6 +277,8 @@ def torch_kernel_route(
     seqlen_k = k.shape[1]
     if min(batch, seqlen_q, seqlen_k, nheads) == 0 or v.shape[-1] != head_dim:
         return None
+    if alibi_slopes is not None and _block_rows(alibi_slopes, nheads, seqlen_k) < 16:
+        return None  # the tiled path's tiles take less memory than a mask of so few rows, and fewer calls
     if alibi_slopes is None and (window_left is None or window_left >= seqlen_k - 1):
         if window_right is None or window_right >= seqlen_q - 1:
             return "full"
@@ -346,13 +349,22 @@ def _fused_backward(
     return tuple(g[..., :head_dim].transpose(1, 2).contiguous() for g in grads)
 
 
+def _block_rows(alibi_slopes: Tensor | None, nheads: int, seqlen_k: int) -> int:
+    """Query rows per call of torch's kernel on the banded route: BAND_BLOCK_M, or with ALiBi as many as keep the
+    block's float mask ((1 or batch) x nheads x rows x seqlen_k) within ALIBI_MASK_SIZE values."""
+    if alibi_slopes is None:
+        return BAND_BLOCK_M
+    per_row = alibi_slopes.numel() // alibi_slopes.shape[-1] * nheads * seqlen_k
+    return max(1, min(BAND_BLOCK_M, ALIBI_MASK_SIZE // max(per_row, 1)))
+
+
 def _band_blocks(
-    seqlen_q: int, seqlen_k: int, left: int | None, right: int | None
+    seqlen_q: int, seqlen_k: int, left: int | None, right: int | None, rows: int = BAND_BLOCK_M
 ) -> Iterator[tuple[int, int, int, int, Tensor | None]]:
-    """(q0, q1, k0, k1, mask) per block of BAND_BLOCK_M query rows that sees a key: keys [k0, k1) are the ones its
+    """(q0, q1, k0, k1, mask) per block of ``rows`` query rows that sees a key: keys [k0, k1) are the ones its
     rows may see, mask the boolean (q1 - q0, k1 - k0) band over them (None if it hides nothing)."""
-    for q0 in range(0, seqlen_q, BAND_BLOCK_M):
-        q1 = min(q0 + BAND_BLOCK_M, seqlen_q)
+    for q0 in range(0, seqlen_q, rows):
+        q1 = min(q0 + rows, seqlen_q)
         k0, k1 = _visible_keys(q0, q1, seqlen_q, seqlen_k, left, right)
         if k0 < k1:
             yield q0, q1, k0, k1, _band_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, left, right)
@@ -370,7 +382,9 @@ def _block_mask(
     i = torch.arange(q0, q1)[:, None]
     j = torch.arange(k0, k1)[None, :]
     bias = (i + diag - j).abs_().to(dtype) * alibi_slopes.to(dtype).reshape(-1, alibi_slopes.shape[-1], 1, 1).neg()
-    return bias if band is None else bias.add_(_band_as(band, dtype, 0.0))
+    if band is not None:  # added as a (M, N) -inf / 0 mask: masked_fill_ over broadcast heads is ~10x slower
+        bias.add_(torch.zeros(band.shape, dtype=dtype).masked_fill_(~band, float("-inf")))
+    return bias
 
 
 def _banded_forward(
@@ -383,7 +397,7 @@ def _banded_forward(
     Sk = k.shape[1]
     out = torch.zeros(B, Sq, H, v.shape[-1], dtype=q.dtype)
     lse = torch.full((B, H, Sq), float("-inf"))
-    for q0, q1, k0, k1, band in _band_blocks(Sq, Sk, left, right):
+    for q0, q1, k0, k1, band in _band_blocks(Sq, Sk, left, right, _block_rows(alibi_slopes, H, Sk)):
         mask = _block_mask(band, alibi_slopes, q0, q1, k0, k1, Sk - Sq, _compute_dtype(q.dtype))
         out[:, q0:q1], lse[:, :, q0:q1] = _fused_forward(
             q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], scale, False, mask, None if band is None else ~band.any(dim=-1)
@@ -401,7 +415,7 @@ def _banded_backward(
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros(k.shape, dtype=dtype)
     dv = torch.zeros(v.shape, dtype=dtype)
-    for q0, q1, k0, k1, band in _band_blocks(Sq, Sk, left, right):
+    for q0, q1, k0, k1, band in _band_blocks(Sq, Sk, left, right, _block_rows(alibi_slopes, q.shape[2], Sk)):
         dq[:, q0:q1], dk_block, dv_block = _fused_backward(
             dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1], scale, False,
             _block_mask(band, alibi_slopes, q0, q1, k0, k1, Sk - Sq, dtype), None if dlse is None else dlse[..., q0:q1],
@@ -495,16 +509,20 @@ def _scores(
 
 
 def _mask_tile(
-    x: Tensor, band: Tensor | None, attn_mask: Tensor | None, group: int, q0: int, q1: int, k0: int, k1: int,
-    probs: bool = False,
+    x: Tensor, band: tuple[Tensor, Tensor] | None, attn_mask: Tensor | None, group: int, q0: int, q1: int, k0: int,
+    k1: int, probs: bool = False,
 ) -> None:  # fmt: skip
-    """Hide the keys that the band (M, N) or the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask view hide
+    """Hide the keys that the band (``_tile_band``) or the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask view hide
     from x (B * Hk, group * M, N), in place: scores get -inf (and an additive mask added), or with ``probs``,
     probabilities computed from such scores get exactly 0 (``_exp``)."""
     fill = 0.0 if probs else float("-inf")
     if band is not None:  # a broadcast product or sum: masked_fill_ is ~10x slower over the group's heads
         x_heads = x.view(x.shape[0], group, x.shape[1] // group, x.shape[2])  # (B * Hk, group, M, N)
-        x_heads.mul_(_band_as(band, x.dtype, 1.0)) if probs else x_heads.add_(_band_as(band, x.dtype, 0.0))
+        bias, keep = band
+        if probs:
+            x_heads.mul_(keep)
+        else:
+            x_heads.add_(bias)
     if attn_mask is not None:
         tile = attn_mask[:, :, q0:q1, k0:k1]  # (B, H, M, N), read through the broadcast view
         x_heads = x.view(tile.shape)
@@ -516,11 +534,19 @@ def _mask_tile(
             x_heads.add_(tile)
 
 
-@functools.lru_cache(maxsize=256)
-def _band_as(band: Tensor, dtype: torch.dtype, visible: float) -> Tensor:
-    """A cached band (``_band_mask``) as a tensor of ``dtype``: ``visible`` where visible, and where hidden 0 (a
-    factor, for ``visible`` = 1) or -inf (an additive mask, for ``visible`` = 0)."""
-    return torch.full(band.shape, visible, dtype=dtype).masked_fill_(~band, 0.0 if visible else float("-inf"))
+@functools.lru_cache(maxsize=16)
+def _tile_band(
+    offset: int, rows: int, cols: int, left: int | None, right: int | None, dtype: torch.dtype
+) -> tuple[Tensor, Tensor] | None:
+    """The band over a tile of the tiled path whose first row i and first key j have i + seqlen_k - seqlen_q - j =
+    ``offset`` (what alone decides it), as (rows, cols) tensors of ``dtype``: an additive mask (0 visible, -inf
+    hidden) and a factor (1 visible, 0 hidden); None if the tile hides nothing. Cached: a call's diagonal tiles
+    repeat a few offsets (16 tiles of at most 128 x 512 values: 16 MiB at most)."""
+    visible = _band_mask(offset, offset + rows, 0, cols, 0, 0, left, right)
+    if visible is None:
+        return None
+    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return bias, visible.to(dtype)
 
 
 def _exp(x: Tensor, offset: Tensor) -> Tensor:
@@ -680,7 +706,7 @@ def _tiled_forward(
         acc = torch.zeros(*q_t.shape[:2], Dv, dtype=dtype)  # running sum of exp(s - m_i) v
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
-            band = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
+            band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
             s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores, products)
             _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
@@ -779,7 +805,7 @@ def attention_backward(
         dq_t = torch.zeros(*q_t.shape[:2], D, dtype=dtype)
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
-            band = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
+            band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
             s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores, products)
             _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
             p = _exp(s, lse_t)  # (B * Hk, gM, N)
