@@ -288,8 +288,10 @@ RULE = {  # (seqlen_q, seqlen_k, window_left, window_right, options) -> route
     "left-short": ((64, 80, 78, None, {}), "band"),
     "softcap": ((64, 64, None, None, {"softcap": 1.0}), None),
     "alibi": ((64, 64, None, None, {"alibi_slopes": torch.ones(4)}), "band"),
-    "alibi-mask": ((64, 64, None, None, {"alibi_slopes": torch.ones(4), "attn_mask": torch.ones(1, 1, 64, 64).bool()}),
-                   None),
+    "alibi-mask": (
+        (64, 64, None, None, {"alibi_slopes": torch.ones(4), "attn_mask": torch.ones(1, 1, 64, 64) > 0}),
+        None,
+    ),
     "dropout": ((64, 64, None, None, {"dropout": True}), None),
     "dlse": ((64, 64, None, None, {"dlse": torch.zeros(1, 4, 64)}), "full"),
     "dmask": ((64, 64, None, None, {"dmask": torch.zeros(1, 4, 64, 64)}), None),

@@ -512,9 +512,9 @@ def _mask_tile(
     x: Tensor, band: tuple[Tensor, Tensor] | None, attn_mask: Tensor | None, group: int, q0: int, q1: int, k0: int,
     k1: int, probs: bool = False,
 ) -> None:  # fmt: skip
-    """Hide the keys that the band (``_tile_band``) or the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask view hide
-    from x (B * Hk, group * M, N), in place: scores get -inf (and an additive mask added), or with ``probs``,
-    probabilities computed from such scores get exactly 0 (``_exp``)."""
+    """Hide the keys that the band (``_tile_band``) or the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask
+    view hide from x (B * Hk, group * M, N), in place: scores get -inf (and an additive mask added), or with
+    ``probs``, probabilities computed from such scores get exactly 0 (``_exp``)."""
     fill = 0.0 if probs else float("-inf")
     if band is not None:  # a broadcast product or sum: masked_fill_ is ~10x slower over the group's heads
         x_heads = x.view(x.shape[0], group, x.shape[1] // group, x.shape[2])  # (B * Hk, group, M, N)
