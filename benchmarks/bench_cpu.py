@@ -12,20 +12,21 @@ Implementations, all on the same q, k, v, dout (B=1, H=8, D=64, drawn once per s
   the one that serves what torch's kernel cannot, timed on a shape torch's kernel also serves;
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (on a CPU: torch's fused flash kernel);
 - ``materialised``: ``softmax(q k^T * scale) v`` written out in the inputs' dtype, the (N, N) matrices held;
-- option rows: flashtile with an option torch's kernel lacks, ``window_size=(256, 0)`` (torch's kernel block by
-  block with the band as a mask) and ``softcap=30`` (the tiled path), against ``sdpa`` on the same shape without
-  the option (causal, like the options).
+- option rows: flashtile with an option, against ``sdpa`` on the same shape without it (causal, like the options):
+  ``window_size=(256, 0)`` and ALiBi (torch's kernel block by block, the band and the bias as its mask) and
+  ``softcap=30`` (the tiled path).
 
 Passes: ``fwd`` is one forward with the inputs requiring grad (as in training); ``fwd+bwd`` is that forward and
 ``out.backward(dout)``, gradients reset outside the timed region. Repetitions are interleaved (rep 1 of every
 implementation, then rep 2, ...) after one warm-up call each, and the median wall-clock time is reported: the
-machine may be shared, and interleaving spreads any disturbance over all implementations alike. Threads: torch's
-default, or ``--threads`` (recorded either way). On a machine whose cores other jobs also use, a run with more than
-one thread mostly measures waiting: every torch call that splits its work over threads ends when the last thread
-ends, and a thread the scheduler has put aside holds the call up for a time slice, so a path that makes many
-calls (the tiled path, materialised attention) loses far more than one fused kernel does; ``--threads 1``
-measures what each implementation costs a core. A spot check before timing: the max |difference| of each
-implementation's output and gradients from sdpa's (for the option rows, none: they compute something else).
+machine may be shared, and interleaving spreads any disturbance over all implementations alike, so the ratios of
+one run mean more than its times. Threads: torch's default, or ``--threads`` (recorded either way). On a machine
+whose cores other jobs also use, a run with more than one thread mostly measures waiting: every torch call that
+splits its work over threads ends when the last thread ends, and a thread the scheduler has put aside holds the
+call up for a time slice, so a path that makes many calls (the tiled path, materialised attention) loses far more
+than one fused kernel does; ``--threads 1`` measures what each implementation costs a core. A spot check before
+timing: the max |difference| of each implementation's output and gradients from sdpa's (for the option rows,
+none: they compute something else).
 
 Memory (``fwd+bwd`` only): each (implementation, shape) runs in a fresh Python process, which makes one warm-up
 call on N=256 (so that allocator and thread pools exist), draws the inputs of the measured N, reads its peak resident
@@ -35,17 +36,18 @@ reported figure is the growth of the peak RSS: the extra memory the call needed 
 (q, k, v, dout and everything allocated before), including the outputs and gradients (4 x N x 512 values), memory
 freed but kept by the allocator, and page granularity. It is an upper bound on the attention's own working memory.
 
-Output: a rich table (times in ms, ratios = sdpa's time / the implementation's, > 1 is faster than sdpa) and JSON
-lines in --out (default ``benchmarks/results/<date>-cpu-t<threads>-<commit>.jsonl``), one object per
-(implementation, shape, pass) with date, machine (CPU model, cores, torch threads), torch version, commit,
-implementation, shape, pass, median time, all times, spot-check difference; and one per memory measurement.
-``--markdown`` prints the tables as markdown (what docs/performance.md holds).
+Output: a rich table (times in ms, ratios = sdpa's time / the implementation's, > 1 is faster than sdpa) and the
+records of the one results format (``flashtile.bench.results``) in --out (default
+``benchmarks/results/cpu-attention-t<threads>.jsonl``): benchmark ``attention`` (one per implementation, shape and
+pass: median ``time_ms``) and ``attention-memory`` (``memory_mib``: the peak RSS growth), ``gpu`` "cpu";
+``config`` holds the route (``"tiled"`` for flashtile tiled), the options and the torch threads, ``extra`` the
+row's label, every repetition's time, the spot-check difference and the CPU model. ``--markdown`` prints the tables
+as markdown (what docs/performance.md holds).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -54,33 +56,36 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_attention import _git_commit
 from rich.console import Console
 from rich.table import Table
 
 import flashtile
 from flashtile import cpu
+from flashtile.bench import results
 
 BATCH, NHEADS, HEAD_DIM = 1, 8, 64
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MIB = 1 << 20
 WARMUP_N = 256
+ALIBI_SLOPES = 2.0 ** (-8.0 * torch.arange(1, NHEADS + 1) / NHEADS)  # ALiBi's geometric slopes for NHEADS heads
 
 
 @dataclass(frozen=True)
 class Impl:
-    """One implementation: ``run(q, k, v, causal) -> out``, all in (B, N, H, D); ``tiled`` runs flashtile with
-    torch's kernel switched off (for the forward and the backward alike)."""
+    """One implementation: ``run(q, k, v, causal, **options) -> out``, all in (B, N, H, D); ``implementation`` and
+    ``config`` are its record's fields (``tiled``: flashtile with torch's kernel switched off, for the forward and
+    the backward alike)."""
 
     name: str
     run: Callable[..., torch.Tensor]
+    implementation: str = "flashtile"
     tiled: bool = False
     options: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
 
 
 def _flashtile(q, k, v, causal, **options):
@@ -104,15 +109,17 @@ IMPLS = {
     impl.name: impl
     for impl in (
         Impl("flashtile", _flashtile),
-        Impl("flashtile tiled", _flashtile, tiled=True),
-        Impl("sdpa", _sdpa),
-        Impl("materialised", _materialised),
-        Impl("flashtile window=(256,0)", _flashtile, options={"window_size": (256, 0)}),
-        Impl("flashtile softcap=30", _flashtile, options={"softcap": 30.0}),
+        Impl("flashtile tiled", _flashtile, tiled=True, config={"route": "tiled"}),
+        Impl("sdpa", _sdpa, "sdpa"),
+        Impl("materialised", _materialised, "materialised"),
+        Impl("flashtile window=(256,0)", _flashtile, options={"window_size": (256, 0)},
+             config={"window_size": [256, 0]}),
+        Impl("flashtile alibi", _flashtile, options={"alibi_slopes": ALIBI_SLOPES}, config={"alibi": "2^(-8h/H)"}),
+        Impl("flashtile softcap=30", _flashtile, options={"softcap": 30.0}, config={"softcap": 30.0}),
     )
-}
+}  # fmt: skip
 MAIN = ("flashtile", "flashtile tiled", "sdpa", "materialised")
-OPTION_ROWS = ("flashtile window=(256,0)", "flashtile softcap=30", "sdpa")
+OPTION_ROWS = ("flashtile window=(256,0)", "flashtile alibi", "flashtile softcap=30", "sdpa")
 
 
 def inputs(n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -144,19 +151,23 @@ def timed(impl: Impl, tensors, causal: bool, backward: bool) -> float:
 
 def spot_check(names, tensors, causal: bool) -> dict[str, float]:
     """Max |difference| of each implementation's out, dq, dk, dv from sdpa's."""
-    results = {}
+    found = {}
     for name in names:
         for t in tensors[:3]:
             t.grad = None
         out = call(IMPLS[name], tensors, causal, backward=True)
-        results[name] = [out.detach().float()] + [t.grad.float() for t in tensors[:3]]
-    reference = results["sdpa"]
-    return {n: max((a - b).abs().max().item() for a, b in zip(r, reference, strict=True)) for n, r in results.items()}
+        found[name] = [out.detach().float()] + [t.grad.float() for t in tensors[:3]]
+    reference = found["sdpa"]
+    return {n: max((a - b).abs().max().item() for a, b in zip(r, reference, strict=True)) for n, r in found.items()}
 
 
-def measure_times(group: str, n: int, dtype_name: str, causal: bool, reps: int, header: dict) -> list[dict]:
+def _shape(n: int, dtype_name: str, causal: bool) -> dict:
+    return {"dtype": dtype_name, "B": BATCH, "N": n, "H": NHEADS, "D": HEAD_DIM, "causal": causal}
+
+
+def measure_times(group: str, n: int, dtype_name: str, causal: bool, reps: int) -> list[dict]:
     """Interleaved repetitions of every implementation of ``group`` ("main": MAIN, "options": OPTION_ROWS) on one
-    shape, both passes -> JSON rows."""
+    shape, both passes -> rows (``records`` makes them records)."""
     names = MAIN if group == "main" else OPTION_ROWS
     tensors = inputs(n, DTYPES[dtype_name])
     diffs = spot_check(names, tensors, causal) if group == "main" else {}
@@ -168,12 +179,8 @@ def measure_times(group: str, n: int, dtype_name: str, causal: bool, reps: int, 
         for _ in range(reps):
             for name in names:
                 times[name].append(timed(IMPLS[name], tensors, causal, backward))
-        for name in names:
-            shape = {"B": BATCH, "H": NHEADS, "N": n, "D": HEAD_DIM, "dtype": dtype_name, "causal": causal}
-            rows.append(header | {
-                "group": group, "implementation": name, "shape": shape, "pass": pass_name,
-                "time_ms": statistics.median(times[name]), "times_ms": times[name], "max_abs_diff": diffs.get(name),
-            })  # fmt: skip
+        rows += [{"group": group, "name": name, "shape": _shape(n, dtype_name, causal), "pass": pass_name,
+                  "times_ms": times[name], "max_abs_diff": diffs.get(name)} for name in names]  # fmt: skip
     return rows
 
 
@@ -192,13 +199,12 @@ def peak_rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 
 
-def measure_memory(name: str, n: int, dtype_name: str, causal: bool, header: dict) -> dict:
+def measure_memory(name: str, n: int, dtype_name: str, causal: bool) -> dict:
     command = [sys.executable, __file__, "--threads", str(torch.get_num_threads()), "--memory-child", name, str(n),
                dtype_name, str(int(causal))]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, check=True, env=os.environ)
-    shape = {"B": BATCH, "H": NHEADS, "N": n, "D": HEAD_DIM, "dtype": dtype_name, "causal": causal}
-    return header | {"implementation": name, "shape": shape, "pass": "fwd+bwd", "kind": "memory",
-                     "peak_rss_growth_mib": int(run.stdout.split()[-1]) / MIB}  # fmt: skip
+    return {"group": "memory", "name": name, "shape": _shape(n, dtype_name, causal), "pass": "fwd+bwd",
+            "memory_mib": int(run.stdout.split()[-1]) / MIB}  # fmt: skip
 
 
 def cpu_model() -> str:
@@ -211,13 +217,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def header_fields() -> dict:
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "torch": torch.__version__,
-        "commit": _git_commit(),
-    }
+def records(env: dict, rows: list[dict]) -> list[results.Record]:
+    """Rows of ``measure_times`` and ``measure_memory`` as records of the one results format (module doc)."""
+    machine = {"cpu": cpu_model(), "cores": os.cpu_count()}
+    found = []
+    for row in rows:
+        impl = IMPLS[row["name"]]
+        config = {**impl.config, "threads": torch.get_num_threads()}
+        if row["group"] == "memory":
+            extra = {"label": impl.name, "measure": "peak RSS growth", **machine}
+            found.append(results.record(env, "attention-memory", impl.implementation, row["shape"], row["pass"],
+                                        config=config, memory_mib=row["memory_mib"], extra=extra))  # fmt: skip
+            continue
+        extra = {"label": impl.name, "group": row["group"], "times_ms": row["times_ms"],
+                 "max_abs_diff": row["max_abs_diff"], **machine}  # fmt: skip
+        found.append(results.record(env, "attention", impl.implementation, row["shape"], row["pass"], config=config,
+                                    time_ms=statistics.median(row["times_ms"]), extra=extra))  # fmt: skip
+    return found
 
 
 def _ratio(group: dict[str, dict], name: str) -> str:
@@ -227,18 +243,18 @@ def _ratio(group: dict[str, dict], name: str) -> str:
     return f"{group['sdpa']['time_ms'] / group[name]['time_ms']:.2f}x"
 
 
-def tables(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, columns, cells) of the time, option and memory tables."""
+def tables(recs: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, columns, cells) of the time, option and memory tables of this script's records."""
     groups: dict[tuple, dict[str, dict]] = {}
-    for row in rows:
-        shape = row["shape"]
-        kind = row.get("kind", row.get("group"))
-        key = (kind, shape["dtype"], shape["N"], shape["causal"], row["pass"])
-        groups.setdefault(key, {})[row["implementation"]] = row
+    for rec in recs:
+        shape, extra = rec["shape"], rec["extra"]
+        kind = "memory" if rec["benchmark"] == "attention-memory" else extra["group"]
+        key = (kind, shape["dtype"], shape["N"], shape["causal"], rec["pass"])
+        groups.setdefault(key, {})[extra["label"]] = rec
     cells = {"main": [], "options": [], "memory": []}
     for (kind, dtype_name, n, causal, pass_name), group in groups.items():
         names = OPTION_ROWS if kind == "options" else MAIN
-        field_name, digits = ("peak_rss_growth_mib", 0) if kind == "memory" else ("time_ms", 1)
+        field_name, digits = ("memory_mib", 0) if kind == "memory" else ("time_ms", 1)
         values = [f"{group[x][field_name]:.{digits}f}" if x in group else "-" for x in names]
         ratios = [] if kind == "memory" else [_ratio(group, x) for x in names if x != "sdpa"]
         cells[kind].append([dtype_name, str(n), "yes" if causal else "no", pass_name, *values, *ratios])
@@ -246,14 +262,14 @@ def tables(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
         ("Time (ms, median); ratio = sdpa's time / the implementation's",
          ["dtype", "N", "causal", "pass", *MAIN, "flashtile", "tiled", "materialised"], cells["main"]),
         ("Options torch's kernel lacks, against sdpa on the same shape without them (ms, median)",
-         ["dtype", "N", "causal", "pass", *OPTION_ROWS, "window", "softcap"], cells["options"]),
+         ["dtype", "N", "causal", "pass", *OPTION_ROWS, "window", "alibi", "softcap"], cells["options"]),
         ("Peak RSS growth during one fwd+bwd (MiB)", ["dtype", "N", "causal", "pass", *MAIN], cells["memory"]),
     ]  # fmt: skip
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(recs: list[dict]) -> str:
     lines = []
-    for title, columns, cells in tables(rows):
+    for title, columns, cells in tables(recs):
         if cells:
             lines += [f"**{title}**", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
             lines += ["| " + " | ".join(row) + " |" for row in cells] + [""]
@@ -277,27 +293,24 @@ def main() -> None:
         name, n, dtype_name, causal = args.memory_child
         memory_child(name, int(n), dtype_name, causal == "1")
         return
-    header = header_fields()
-    out = args.out or Path(__file__).parent / "results" / (
-        f"{header['date'][:10]}-cpu-t{torch.get_num_threads()}-{(header['commit'] or 'nocommit')[:7]}.jsonl"
-    )
+    env = results.environment(torch.device("cpu"))
+    out = args.out or Path(__file__).parent / "results" / f"cpu-attention-t{torch.get_num_threads()}.jsonl"
     seqlens = [int(x) for x in args.seqlens.split(",")]
     dtypes = args.dtypes.split(",")
     rows = []
     for dtype_name in dtypes:
         for n in seqlens:
             for causal in (False, True):
-                rows += measure_times("main", n, dtype_name, causal, args.reps, header)
-            rows += measure_times("options", n, dtype_name, True, args.reps, header)
+                rows += measure_times("main", n, dtype_name, causal, args.reps)
+            rows += measure_times("options", n, dtype_name, True, args.reps)
     if not args.no_memory:
-        for dtype_name in dtypes:
-            for n in seqlens:
-                rows += [measure_memory(name, n, dtype_name, False, header) for name in MAIN]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        rows += [measure_memory(name, n, d, False) for d in dtypes for n in seqlens for name in MAIN]
+    recs = records(env, rows)
+    results.write(out, recs)
     console = Console()
-    console.print(f"{header['date']}  {header['machine']}  torch {header['torch']}  commit {header['commit']}")
-    for title, columns, cells in tables(rows):
+    console.print(f"{env['date']}  {cpu_model()}  {torch.get_num_threads()} threads  torch {env['torch']}  "
+                  f"commit {env['commit']}")  # fmt: skip
+    for title, columns, cells in tables(recs):
         table = Table(title=title)
         for column in columns:
             table.add_column(column, justify="right")
@@ -306,7 +319,7 @@ def main() -> None:
         console.print(table)
     console.print(f"wrote {out}")
     if args.markdown:
-        print(markdown(rows))
+        print(markdown(recs))
 
 
 if __name__ == "__main__":

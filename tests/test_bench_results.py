@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench_cpu
 import bench_decode  # benchmarks/, on the path from conftest
 import bench_ring
 import bench_varlen
 import latency
+from flashtile import _backend
 from flashtile.bench import plot, results
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -140,6 +142,31 @@ def test_repository_results():
         benchmark, commit = png.stem.split("-")[2], png.stem.split("-")[-1]  # nvidia-h200-BENCHMARK-SPLIT-COMMIT
         assert any(r["benchmark"] == benchmark and r["commit"] == commit for r in records), png.name
     assert json.loads((RESULTS / "h200.jsonl").read_text().splitlines()[0])["benchmark"] == "attention"
+
+
+def test_cpu_records(monkeypatch):
+    """bench_cpu.py on a tiny shape: every row a record of the one format, its tables built from the records."""
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # CPU tensors take flashtile.cpu, as outside the tests
+    monkeypatch.setattr(bench_cpu, "NHEADS", 2)
+    monkeypatch.setattr(bench_cpu, "HEAD_DIM", 16)
+    rows = bench_cpu.measure_times("main", 40, "fp32", True, reps=1)
+    rows.append({"group": "memory", "name": "sdpa", "shape": rows[0]["shape"], "pass": "fwd+bwd", "memory_mib": 1.5})
+    recs = bench_cpu.records({**ENV, "gpu": "cpu", "driver": None, "cudnn": None}, rows)
+    assert all(list(r) == list(results.FIELDS) for r in recs) and len(recs) == 2 * len(bench_cpu.MAIN) + 1
+    tiled = next(r for r in recs if r["config"].get("route") == "tiled" and r["pass"] == "fwd+bwd")
+    assert tiled["implementation"] == "flashtile" and tiled["time_ms"] > 0 and tiled["extra"]["max_abs_diff"] < 1e-4
+    assert recs[-1]["benchmark"] == "attention-memory" and recs[-1]["memory_mib"] == 1.5
+    (title, _, cells), *_ = bench_cpu.tables(recs)
+    assert title.startswith("Time") and [row[:4] for row in cells] == [["fp32", "40", "yes", "fwd"],
+                                                                       ["fp32", "40", "yes", "fwd+bwd"]]  # fmt: skip
+
+
+def test_repository_cpu_results():
+    """The CPU results docs/performance.md cites: the one schema, every record measured, on the CPU."""
+    for path in sorted(RESULTS.glob("cpu-attention-t*.jsonl")):
+        records = results.load(path)
+        assert records and all(list(r) == list(results.FIELDS) for r in records)
+        assert all(r["gpu"] == "cpu" and r["commit"] and (r["time_ms"] or r["memory_mib"]) for r in records)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

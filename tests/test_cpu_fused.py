@@ -118,19 +118,53 @@ def test_sink(route, dtype, causal):
     check(route, *make_inputs(2, 150, 90, 4, 4, 64, dtype=dtype), causal=causal, learnable_sink=sinks_like(4))
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_lse_gradient(route, dtype):
-    """torch's backward takes no gradient at the LSE: the forward runs it, the backward is tiled."""
-    q, k, v, dout = make_inputs(1, 140, 140, 4, 2, 64, dtype=dtype)
-    dlse = torch.randn(1, 4, 140)
-    check(route, q, k, v, dout, torch_backward=False, dlse=dlse, causal=True)
+LSE_CASES = {  # (seqlen_q, seqlen_k, options): torch's kernel in one call, and block by block
+    "causal": (140, 140, {"causal": True}),
+    "window": (300, 333, {"window_size": (40, 7)}),
+    "causal-q>k": (333, 300, {"causal": True}),
+}
 
 
-@pytest.mark.parametrize("options", [{"softcap": 3.0}, {"alibi_slopes": slopes_like((4,))}], ids=["softcap", "alibi"])
+@pytest.mark.parametrize("case", LSE_CASES.values(), ids=LSE_CASES.keys())
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_tiled_only_options(route, dtype, options):
+def test_lse_gradient(route, dtype, case):
+    """torch's backward takes the gradient at the LSE through its Delta (two more value columns)."""
+    seqlen_q, seqlen_k, options = case
+    q, k, v, dout = make_inputs(1, seqlen_q, seqlen_k, 4, 2, 64, dtype=dtype)
+    dlse = torch.randn(1, 4, seqlen_q)
+    check(route, q, k, v, dout, dlse=dlse, **options)
+
+
+ALIBI_CASES = {  # (batch, seqlen_q, seqlen_k, options)
+    "full": (1, 170, 150, {}),
+    "causal-batch-slopes": (2, 170, 300, {"causal": True}),
+    "window": (1, 300, 333, {"window_size": (40, 7)}),
+}
+
+
+@pytest.mark.parametrize("case", ALIBI_CASES.values(), ids=ALIBI_CASES.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_alibi(route, dtype, case):
+    """ALiBi runs torch's kernel block by block, the bias (float32) and the band as each block's mask."""
+    batch, seqlen_q, seqlen_k, options = case
+    slopes = slopes_like((batch, 4) if batch > 1 else (4,))
+    check(route, *make_inputs(batch, seqlen_q, seqlen_k, 4, 2, 64, dtype=dtype), alibi_slopes=slopes, **options)
+
+
+@pytest.mark.parametrize("rows", [20, 10])
+def test_alibi_mask_size(route, monkeypatch, rows):
+    """ALiBi's block masks stay within ALIBI_MASK_SIZE values: blocks of fewer rows (20 here), or the tiled path
+    where fewer than 16 rows fit."""
+    monkeypatch.setattr(cpu, "ALIBI_MASK_SIZE", rows * 4 * 150)  # nheads 4, seqlen_k 150
+    check(route, *make_inputs(1, 170, 150, 4, 2, 64, dtype=torch.bfloat16), torch_forward=rows >= 16,
+          torch_backward=rows >= 16, alibi_slopes=slopes_like((4,)), causal=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_softcap(route, dtype):
+    """softcap is the tiled path's."""
     check(route, *make_inputs(1, 170, 150, 4, 2, 64, dtype=dtype), torch_forward=False, torch_backward=False,
-          causal=True, **options)  # fmt: skip
+          causal=True, softcap=3.0)  # fmt: skip
 
 
 def test_head_dim_v(route):
@@ -253,9 +287,13 @@ RULE = {  # (seqlen_q, seqlen_k, window_left, window_right, options) -> route
     "window": ((64, 64, 8, 0, {}), "band"),
     "left-short": ((64, 80, 78, None, {}), "band"),
     "softcap": ((64, 64, None, None, {"softcap": 1.0}), None),
-    "alibi": ((64, 64, None, None, {"alibi_slopes": torch.ones(4)}), None),
+    "alibi": ((64, 64, None, None, {"alibi_slopes": torch.ones(4)}), "band"),
+    "alibi-mask": (
+        (64, 64, None, None, {"alibi_slopes": torch.ones(4), "attn_mask": torch.ones(1, 1, 64, 64) > 0}),
+        None,
+    ),
     "dropout": ((64, 64, None, None, {"dropout": True}), None),
-    "dlse": ((64, 64, None, None, {"dlse": torch.zeros(1, 4, 64)}), None),
+    "dlse": ((64, 64, None, None, {"dlse": torch.zeros(1, 4, 64)}), "full"),
     "dmask": ((64, 64, None, None, {"dmask": torch.zeros(1, 4, 64, 64)}), None),
     "bool-mask": ((64, 64, None, None, {"attn_mask": torch.ones(1, 1, 64, 64, dtype=torch.bool)}), "full"),
     "fp32-mask": ((64, 64, None, None, {"attn_mask": torch.zeros(1, 1, 64, 64)}), None),

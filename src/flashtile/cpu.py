@@ -9,16 +9,18 @@ sequence length. A call takes one of two routes, chosen by one rule (``torch_ker
 
 - **torch's fused kernel** (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, what
   ``torch.nn.functional.scaled_dot_product_attention`` runs on a CPU) when the call needs nothing it lacks:
-  no softcap, ALiBi or dropout, no gradient at the LSE or at the mask, a mask only of the kinds it reads.
-  With no window, or causal with Sq == Sk (top-left causal in general), one call computes it; under any
-  other window (sliding windows, flash_attn's bottom-right causal with Sq != Sk) one call per block of
-  BAND_BLOCK_M query rows does, on the keys that block sees, with the band's edges as an additive mask.
-  Its results are flashtile's: the kernel takes flash_attn's (batch, seqlen, nheads, headdim) layout as
-  transposed views, handles GQA itself, and its LSE is the natural-log (batch, nheads, seqlen_q) one
-  flashtile returns (made float32 and contiguous, -inf for a row that sees no key, where the kernel writes 0).
-- **the tiled path** below for everything else (softcap, ALiBi, dropout, gradients at the LSE or at an
-  additive mask, a float mask of another dtype than q's, headdim_v != headdim, empty inputs), or for every
-  call with ``TORCH_KERNEL = False``.
+  no softcap or dropout, no gradient at the mask, a mask only of the kinds it reads. With no window, or
+  causal with Sq == Sk (top-left causal in general), one call computes it; under any other window (sliding
+  windows, flash_attn's bottom-right causal with Sq != Sk) or with ALiBi, one call per block of BAND_BLOCK_M
+  query rows does, on the keys that block sees, with the band's edges and ALiBi's bias as a float32 additive
+  mask of that block (memory linear in the length). Its results are flashtile's: the kernel takes flash_attn's
+  (batch, seqlen, nheads, headdim) layout as transposed views, handles GQA itself, and its LSE is the
+  natural-log (batch, nheads, seqlen_q) one flashtile returns (made float32 and contiguous, -inf for a row
+  that sees no key, where the kernel writes 0). A gradient at the LSE reaches its backward through Delta
+  (``_fused_backward``).
+- **the tiled path** below for everything else (softcap, dropout, a gradient at an additive mask, a float
+  mask of another dtype than q's, ALiBi with an SDPA mask, softmax_scale 0, headdim_v != headdim, empty
+  inputs), or for every call with ``TORCH_KERNEL = False``.
 
 A learnable sink is added to either route's results afterwards (``_add_sink``).
 
@@ -65,11 +67,16 @@ matrix batch (transposed where the product wants it), so that a tile of every (b
 batched matrix product that copies nothing. With grouped-query attention (nheads =
 group * nheads_k) the query tile of the ``group`` heads that share a key/value head is laid out as
 (batch * nheads_k, group * BLOCK_M, headdim), so each key/value tile is used once per query tile. The
-products that make scores (Q K^T, and dO V^T in the backward) run in float32 (float64 for float64 inputs),
-with the softmax scale folded into the query tile; the softmax and every accumulator are float32 too. The
-products whose left operand is a probability or its gradient (P V, P^T dO, dS K, dS^T Q) take it rounded
-to the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile results are added to the
-float32 accumulators.
+softmax and every accumulator are float32 (float64 for float64 inputs). The score product Q K^T takes the
+query tile with the softmax scale folded in; for bfloat16 inputs it runs on bfloat16 operands (the scaled query
+rounded once) and returns scores rounded to bfloat16, since torch's CPU product of bfloat16 matrices gives
+bfloat16 (four times faster than the float32 product; see ``_product_dtype``), for other dtypes in float32. In
+the backward the product dO V^T is taken as ``[dO, -Delta] [V, 1]^T = dP - Delta`` (Delta split in two
+bfloat16 parts), so that a bfloat16 result rounds the difference that dS needs rather than dP before Delta
+cancels most of it. The products whose left operand is a probability or its gradient (P V, P^T dO, dS K,
+dS^T Q) take it rounded to the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile
+results are added to the float32 accumulators. Each exp() argument is clamped at -87 (``_exp``): torch's CPU
+exp() is many times slower where its result leaves float32's normal range.
 
 Score modifications and sinks
 -----------------------------
@@ -101,6 +108,7 @@ built only for tiles that the band's edges cut. A query row that sees no key
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -113,6 +121,7 @@ from flashtile import paged
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
 BLOCK_N = 512  # key columns per tile
 BAND_BLOCK_M = 256  # query rows per call of torch's kernel under a window
+ALIBI_MASK_SIZE = 1 << 24  # values of one ALiBi block mask at most (64 MiB of float32; ``_block_rows``)
 
 TORCH_KERNEL = True
 """Whether the calls that torch's fused kernel can compute run it (``torch_kernel_route``); False sends every call
@@ -122,6 +131,7 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 _M32 = 0xFFFFFFFF
+_EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38: float32's smallest normal numbers (``_exp``)
 
 
 def _mul32(x, c: int):
@@ -239,10 +249,10 @@ def torch_kernel_route(
     - ``TORCH_KERNEL`` is on;
     - batch, seqlen_q, seqlen_k and nheads are all > 0 (the kernel divides by zero on an empty sequence)
       and headdim_v == headdim;
-    - no softcap, no ALiBi, no dropout; in the backward, no gradient at the LSE (dlse) and none wanted at
-      the mask (dmask);
+    - no softcap, no dropout; in the backward, no gradient wanted at the mask (dmask);
     - softmax_scale != 0 (torch's kernel gives NaN for masked keys at scale 0: it scales the -inf scores);
-    - attn_mask is None, boolean (given to the kernel as 0 / -inf of q's dtype) or of q's dtype.
+    - attn_mask is None, boolean (given to the kernel as 0 / -inf of q's dtype) or of q's dtype; with ALiBi,
+      None.
 
     The route then follows the window (bottom-right aligned, as flash_attn's):
 
@@ -251,14 +261,15 @@ def torch_kernel_route(
     - "causal": window_left as above and window_right == seqlen_q - seqlen_k (the bottom-right diagonal is
       then the top-left one; with seqlen_q == seqlen_k that is flash_attn's causal=True): one call,
       is_causal=True;
-    - "band": any other window, without attn_mask: one call per BAND_BLOCK_M query rows on the keys they
-      see, the band's edges given as an additive mask of that block (``_banded_forward``).
+    - "band": any other window, or ALiBi, without attn_mask: one call per BAND_BLOCK_M query rows on the keys
+      they see, with the block's band edges and ALiBi bias as its additive float32 mask (``_banded_forward``);
+      with ALiBi fewer rows where (batch or 1) * nheads * seqlen_k is large (``_block_rows``), or the tiled path
+      where fewer than 16 would fit.
 
-    A learnable sink does not matter here: it is added to either route's results (``_add_sink``).
+    A learnable sink does not matter here: it is added to either route's results (``_add_sink``); nor does a
+    gradient at the LSE: the backward takes it through two more value columns (``_fused_backward``).
     """
-    if not TORCH_KERNEL or softcap > 0.0 or alibi_slopes is not None or dropout or dlse is not None:
-        return None
-    if softmax_scale == 0:
+    if not TORCH_KERNEL or softcap > 0.0 or dropout or softmax_scale == 0:
         return None
     if dmask is not None or (attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype)):
         return None
@@ -266,7 +277,9 @@ def torch_kernel_route(
     seqlen_k = k.shape[1]
     if min(batch, seqlen_q, seqlen_k, nheads) == 0 or v.shape[-1] != head_dim:
         return None
-    if window_left is None or window_left >= seqlen_k - 1:
+    if alibi_slopes is not None and _block_rows(alibi_slopes, nheads, seqlen_k) < 16:
+        return None  # the tiled path's tiles take less memory than a mask of so few rows, and fewer calls
+    if alibi_slopes is None and (window_left is None or window_left >= seqlen_k - 1):
         if window_right is None or window_right >= seqlen_q - 1:
             return "full"
         if window_right == seqlen_q - seqlen_k:
@@ -286,17 +299,19 @@ def _kernel_mask(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def _fused_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool, attn_mask: Tensor | None
-) -> tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool, attn_mask: Tensor | None,
+    hidden: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(out, lse) of one call of torch's fused kernel in flashtile's layouts: out (B, Sq, H, D) contiguous, lse
-    (B, H, Sq) float32 contiguous, -inf for a row that the mask hides entirely (the kernel gives it out 0, LSE 0)."""
+    (B, H, Sq) float32 contiguous, -inf for a row that the mask hides entirely (the kernel gives it out 0, LSE 0):
+    the rows ``hidden`` (boolean, broadcast to lse) names, or if None, those the mask hides."""
     mask = _kernel_mask(attn_mask, q.dtype)
     out, lse = _FLASH(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, attn_mask=mask, scale=scale
     )  # out: (B, H, Sq, D) over (B, Sq, H, D) memory; lse: (B, H, Sq) over (B, Sq, H) memory
     lse = lse.float().contiguous()
     if mask is not None:
-        lse.masked_fill_((mask == float("-inf")).all(dim=-1), float("-inf"))
+        lse.masked_fill_((mask == float("-inf")).all(dim=-1) if hidden is None else hidden, float("-inf"))
     return out.transpose(1, 2).contiguous(), lse
 
 
@@ -310,59 +325,100 @@ def _fused_backward(
     scale: float,
     is_causal: bool,
     attn_mask: Tensor | None,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one call of torch's fused backward, contiguous in flashtile's layouts (dk, dv summed over
-    each GQA group by the kernel)."""
+    each GQA group by the kernel).
+
+    A gradient dlse (B, H, Sq) at the LSE enters dS = P (dP - Delta + dlse) (module docstring) through Delta, which
+    the kernel computes as rowsum(dO * O): q, k and v get two more columns of zeros (scores, dP and the results'
+    first D columns are unchanged), O two of ones and dO the columns -dlse split in two parts of dO's dtype
+    (``_split``), so that the kernel's Delta is rowsum(dO * O) - dlse to 16 bits of dlse."""
     mask = _kernel_mask(attn_mask, q.dtype)
     lse = lse.to(_compute_dtype(q.dtype))  # the kernel reads the LSE in its accumulation dtype
     if mask is not None:  # a row the mask hides entirely: any finite LSE gives P = exp(-inf - LSE) = 0
         lse = lse.masked_fill(lse == float("-inf"), 0.0)
+    head_dim = q.shape[-1]
+    if dlse is not None:
+        dout = torch.cat([dout, *_split(-dlse.transpose(1, 2)[..., None], dout.dtype)], dim=-1)
+        out = torch.cat([out, torch.ones(*out.shape[:3], 2, dtype=out.dtype)], dim=-1)
+        q, k, v = (torch.nn.functional.pad(t, (0, 2)) for t in (q, k, v))
     grads = _FLASH_BACKWARD(
         *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, 0.0, is_causal, attn_mask=mask, scale=scale
     )  # fmt: skip
-    return tuple(g.transpose(1, 2).contiguous() for g in grads)
+    return tuple(g[..., :head_dim].transpose(1, 2).contiguous() for g in grads)
+
+
+def _block_rows(alibi_slopes: Tensor | None, nheads: int, seqlen_k: int) -> int:
+    """Query rows per call of torch's kernel on the banded route: BAND_BLOCK_M, or with ALiBi as many as keep the
+    block's float mask ((1 or batch) x nheads x rows x seqlen_k) within ALIBI_MASK_SIZE values."""
+    if alibi_slopes is None:
+        return BAND_BLOCK_M
+    per_row = alibi_slopes.numel() // alibi_slopes.shape[-1] * nheads * seqlen_k
+    return max(1, min(BAND_BLOCK_M, ALIBI_MASK_SIZE // max(per_row, 1)))
 
 
 def _band_blocks(
-    seqlen_q: int, seqlen_k: int, left: int | None, right: int | None
+    seqlen_q: int, seqlen_k: int, left: int | None, right: int | None, rows: int = BAND_BLOCK_M
 ) -> Iterator[tuple[int, int, int, int, Tensor | None]]:
-    """(q0, q1, k0, k1, mask) per block of BAND_BLOCK_M query rows that sees a key: keys [k0, k1) are the ones its
+    """(q0, q1, k0, k1, mask) per block of ``rows`` query rows that sees a key: keys [k0, k1) are the ones its
     rows may see, mask the boolean (q1 - q0, k1 - k0) band over them (None if it hides nothing)."""
-    for q0 in range(0, seqlen_q, BAND_BLOCK_M):
-        q1 = min(q0 + BAND_BLOCK_M, seqlen_q)
+    for q0 in range(0, seqlen_q, rows):
+        q1 = min(q0 + rows, seqlen_q)
         k0, k1 = _visible_keys(q0, q1, seqlen_q, seqlen_k, left, right)
         if k0 < k1:
             yield q0, q1, k0, k1, _band_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, left, right)
 
 
+def _block_mask(
+    band: Tensor | None, alibi_slopes: Tensor | None, q0: int, q1: int, k0: int, k1: int, diag: int,
+    dtype: torch.dtype,
+) -> Tensor | None:  # fmt: skip
+    """The mask of one block of torch's kernel (``_band_blocks``): the band (M, N) as a boolean (1, 1, M, N), or with
+    ALiBi slopes (H,) or (B, H) the additive (1 or B, H, M, N) mask -slope * |i + diag - j| of ``dtype`` (the compute
+    dtype, not rounded to q's), -inf where the band hides a key; None if neither."""
+    if alibi_slopes is None:
+        return None if band is None else band[None, None]
+    i = torch.arange(q0, q1)[:, None]
+    j = torch.arange(k0, k1)[None, :]
+    bias = (i + diag - j).abs_().to(dtype) * alibi_slopes.to(dtype).reshape(-1, alibi_slopes.shape[-1], 1, 1).neg()
+    if band is not None:  # added as a (M, N) -inf / 0 mask: masked_fill_ over broadcast heads is ~10x slower
+        bias.add_(torch.zeros(band.shape, dtype=dtype).masked_fill_(~band, float("-inf")))
+    return bias
+
+
 def _banded_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, left: int | None, right: int | None
-) -> tuple[Tensor, Tensor]:
-    """``_fused_forward`` under a window: one call per block of query rows (``_band_blocks``), whose band is its
-    additive mask. A row that sees no key gets out 0 and LSE -inf."""
+    q: Tensor, k: Tensor, v: Tensor, scale: float, left: int | None, right: int | None,
+    alibi_slopes: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``_fused_forward`` under a window or with ALiBi: one call per block of query rows (``_band_blocks``), with
+    its band and bias as the additive mask (``_block_mask``). A row that sees no key gets out 0 and LSE -inf."""
     B, Sq, H, _ = q.shape
+    Sk = k.shape[1]
     out = torch.zeros(B, Sq, H, v.shape[-1], dtype=q.dtype)
     lse = torch.full((B, H, Sq), float("-inf"))
-    for q0, q1, k0, k1, mask in _band_blocks(Sq, k.shape[1], left, right):
+    for q0, q1, k0, k1, band in _band_blocks(Sq, Sk, left, right, _block_rows(alibi_slopes, H, Sk)):
+        mask = _block_mask(band, alibi_slopes, q0, q1, k0, k1, Sk - Sq, _compute_dtype(q.dtype))
         out[:, q0:q1], lse[:, :, q0:q1] = _fused_forward(
-            q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], scale, False, None if mask is None else mask[None, None]
+            q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], scale, False, mask, None if band is None else ~band.any(dim=-1)
         )
     return out, lse
 
 
 def _banded_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, left: int | None,
-    right: int | None,
+    right: int | None, alibi_slopes: Tensor | None = None, dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``_fused_backward`` under a window, block by block as ``_banded_forward``; dK and dV summed in float32."""
+    """``_fused_backward`` block by block as ``_banded_forward``; dK and dV summed in float32."""
     dtype = _compute_dtype(q.dtype)
+    Sq, Sk = q.shape[1], k.shape[1]
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros(k.shape, dtype=dtype)
     dv = torch.zeros(v.shape, dtype=dtype)
-    for q0, q1, k0, k1, mask in _band_blocks(q.shape[1], k.shape[1], left, right):
+    for q0, q1, k0, k1, band in _band_blocks(Sq, Sk, left, right, _block_rows(alibi_slopes, q.shape[2], Sk)):
         dq[:, q0:q1], dk_block, dv_block = _fused_backward(
             dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1], scale, False,
-            None if mask is None else mask[None, None],
+            _block_mask(band, alibi_slopes, q0, q1, k0, k1, Sk - Sq, dtype), None if dlse is None else dlse[..., q0:q1],
         )  # fmt: skip
         dk[:, k0:k1] += dk_block
         dv[:, k0:k1] += dv_block
@@ -378,68 +434,129 @@ def _add_sink(out: Tensor, lse: Tensor, learnable_sink: Tensor) -> tuple[Tensor,
     return (out * share).to(out.dtype), with_sink
 
 
+def _product_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the score products Q K^T and dO V^T: bfloat16 for bfloat16 inputs, the compute dtype otherwise.
+
+    torch's CPU matrix product of bfloat16 matrices accumulates in float32 (the CPU's bfloat16 units) and returns
+    bfloat16, 4x faster than the float32 product of the same values; the scores then carry a bfloat16 rounding, as
+    the scores of any bfloat16 attention written in PyTorch do (the tolerance rule's plain low-precision reference).
+    The softmax and every accumulator stay in float32. float16 keeps float32 products: float16 has no fast CPU
+    product here, and its scores could overflow.
+    """
+    return dtype if dtype == torch.bfloat16 else _compute_dtype(dtype)
+
+
 @dataclass(frozen=True)
 class _ScoreMods:
-    """What changes a score besides the mask: a tanh cap (0 = off) and ALiBi slopes, shaped
-    (B * Hk, group, 1, 1) in the compute dtype (None = off); ``diag`` is seqlen_k - seqlen_q."""
+    """How a tile's scores are made: the softmax scale, a tanh cap (0 = off), ALiBi slopes shaped
+    (B * Hk, group, 1, 1) in the compute dtype (None = off), ``diag`` = seqlen_k - seqlen_q, and the dtype of the
+    product Q K^T (``_product_dtype``)."""
 
+    softmax_scale: float
     softcap: float = 0.0
     slopes: Tensor | None = None
     diag: int = 0
+    product_dtype: torch.dtype = torch.float32
 
-    def query_scale(self, softmax_scale: float) -> float:
-        """What the query tile is multiplied by, so that Q K^T is the scaled score (or the cap's tanh argument)."""
-        return softmax_scale / self.softcap if self.softcap > 0.0 else softmax_scale
+    @property
+    def query_scale(self) -> float:
+        """What multiplies Q K^T to give the scaled score (or the cap's tanh argument)."""
+        return self.softmax_scale / self.softcap if self.softcap > 0.0 else self.softmax_scale
+
+    def query_tile(self, q: Tensor, q0: int, q1: int, nheads_k: int) -> Tensor:
+        """Rows [q0, q1) of q as the left operand of Q K^T, (B * Hk, group * M, D) of the product dtype: multiplied
+        by ``query_scale`` in the compute dtype, then rounded to the product dtype."""
+        tile = _query_tile(q, q0, q1, nheads_k, _compute_dtype(q.dtype)).mul_(self.query_scale)
+        return tile.to(self.product_dtype)
 
 
 def _score_mods(
-    alibi_slopes: Tensor | None, softcap: float, batch: int, nheads_k: int, diag: int, dtype: torch.dtype
-) -> _ScoreMods:
+    alibi_slopes: Tensor | None, softcap: float, batch: int, nheads_k: int, diag: int, dtype: torch.dtype,
+    softmax_scale: float, product_dtype: torch.dtype,
+) -> _ScoreMods:  # fmt: skip
     """The score modifications of a call, slopes reshaped to broadcast against a tile's scores."""
     slopes = None
     if alibi_slopes is not None:  # (H,) or (B, H) -> (B * Hk, group, 1, 1)
         nheads = alibi_slopes.shape[-1]
         slopes = alibi_slopes.to(dtype).expand(batch, nheads).reshape(batch * nheads_k, nheads // nheads_k, 1, 1)
-    return _ScoreMods(softcap, slopes, diag)
+    return _ScoreMods(softmax_scale, softcap, slopes, diag, product_dtype)
 
 
 def _scores(
-    q_t: Tensor, k_t: Tensor, mods: _ScoreMods, mask: Tensor | None, group: int, q0: int, k0: int, out: Tensor
+    q_t: Tensor, k_t: Tensor, mods: _ScoreMods, group: int, q0: int, k0: int, out: Tensor, products: Tensor
 ) -> tuple[Tensor, Tensor | None]:
-    """Scores of one tile, and tanh of the scaled scores if they are capped (for the backward).
+    """Scores of one tile before any mask, and tanh of the scaled scores if they are capped (for the backward).
 
-    q_t: (B * Hk, group * M, D) holding query rows from q0, multiplied by ``mods.query_scale``; k_t: (B * Hk, D, N)
-    holding keys from k0, transposed; mask: (M, N) or None; out: scratch (``_scratch``) -> s: (B * Hk, group * M, N),
-    masked entries -inf, in out's memory unless capped; t: like s, or None.
+    q_t: (B * Hk, group * M, D) holding query rows from q0 (``mods.query_tile``); k_t: (B * Hk, D, N) holding keys
+    from k0, transposed; out, products: scratch (``_scratch``) of the compute and product dtypes -> s:
+    (B * Hk, group * M, N) in the compute dtype, in out's memory unless capped; t: like s, or None.
     """
-    s = torch.bmm(q_t, k_t, out=_scratch(out, (*q_t.shape[:2], k_t.shape[2])))  # [gM, D] @ [D, N] -> [gM, N]
+    shape = (*q_t.shape[:2], k_t.shape[2])
+    s = torch.bmm(q_t, k_t, out=_scratch(out if q_t.dtype == out.dtype else products, shape))  # [gM, D] @ [D, N]
+    if s.dtype != out.dtype:  # a bfloat16 product, into the compute dtype
+        s = _scratch(out, shape).copy_(s)
     t = None
     if mods.softcap > 0.0:
         t = s.tanh_()
         s = t * mods.softcap
-    if mods.slopes is None and mask is None:
-        return s, t
-    rows, n = s.shape[1:]
-    s_heads = s.view(s.shape[0], group, rows // group, n)  # query heads of a group apart: (B * Hk, group, M, N)
     if mods.slopes is not None:
+        rows, n = s.shape[1:]
+        s_heads = s.view(s.shape[0], group, rows // group, n)  # query heads of a group apart: (B * Hk, group, M, N)
         i = torch.arange(q0, q0 + s_heads.shape[2])[:, None]
         j = torch.arange(k0, k0 + n)[None, :]
         s_heads.sub_(mods.slopes * (i + mods.diag - j).abs().to(s.dtype))  # -slope * |i + Sk - Sq - j|
-    if mask is not None:
-        s_heads.masked_fill_(~mask, float("-inf"))
     return s, t
 
 
-def _apply_attn_mask(s: Tensor, attn_mask: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> None:
-    """Apply the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask view to s (B * Hk, group * M, N) in place."""
-    if attn_mask is None:
-        return
-    tile = attn_mask[:, :, q0:q1, k0:k1]  # (B, H, M, N), read through the broadcast view
-    s_heads = s.view(tile.shape)
-    if tile.dtype == torch.bool:
-        s_heads.masked_fill_(~tile, float("-inf"))
-    else:
-        s_heads.add_(tile)
+def _mask_tile(
+    x: Tensor, band: tuple[Tensor, Tensor] | None, attn_mask: Tensor | None, group: int, q0: int, q1: int, k0: int,
+    k1: int, probs: bool = False,
+) -> None:  # fmt: skip
+    """Hide the keys that the band (``_tile_band``) or the tile [q0, q1) x [k0, k1) of SDPA's (B, H, Sq, Sk) mask
+    view hide from x (B * Hk, group * M, N), in place: scores get -inf (and an additive mask added), or with
+    ``probs``, probabilities computed from such scores get exactly 0 (``_exp``)."""
+    fill = 0.0 if probs else float("-inf")
+    if band is not None:  # a broadcast product or sum: masked_fill_ is ~10x slower over the group's heads
+        x_heads = x.view(x.shape[0], group, x.shape[1] // group, x.shape[2])  # (B * Hk, group, M, N)
+        bias, keep = band
+        if probs:
+            x_heads.mul_(keep)
+        else:
+            x_heads.add_(bias)
+    if attn_mask is not None:
+        tile = attn_mask[:, :, q0:q1, k0:k1]  # (B, H, M, N), read through the broadcast view
+        x_heads = x.view(tile.shape)
+        if tile.dtype == torch.bool:
+            x_heads.masked_fill_(~tile, fill)
+        elif probs:
+            x_heads.masked_fill_(tile == float("-inf"), 0.0)
+        else:
+            x_heads.add_(tile)
+
+
+@functools.lru_cache(maxsize=16)
+def _tile_band(
+    offset: int, rows: int, cols: int, left: int | None, right: int | None, dtype: torch.dtype
+) -> tuple[Tensor, Tensor] | None:
+    """The band over a tile of the tiled path whose first row i and first key j have i + seqlen_k - seqlen_q - j =
+    ``offset`` (what alone decides it), as (rows, cols) tensors of ``dtype``: an additive mask (0 visible, -inf
+    hidden) and a factor (1 visible, 0 hidden); None if the tile hides nothing. Cached: a call's diagonal tiles
+    repeat a few offsets (16 tiles of at most 128 x 512 values: 16 MiB at most)."""
+    visible = _band_mask(offset, offset + rows, 0, cols, 0, 0, left, right)
+    if visible is None:
+        return None
+    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return bias, visible.to(dtype)
+
+
+def _exp(x: Tensor, offset: Tensor) -> Tensor:
+    """exp(x - offset) in x's memory, for x - offset <= 0 (a row's max or LSE subtracted).
+
+    torch's CPU exp() takes a slow path (about 4x for -inf, 40x for a result below float32's smallest normal
+    number) where x - offset < -87.3, so it is clamped there first: such a term is below 1.7e-38 of the row's
+    largest term (1), which the sum cannot see, and the keys a mask hides get their exact 0 from ``_mask_tile``
+    after this."""
+    return x.sub_(offset).clamp_(min=_EXP_FLOOR).exp_()
 
 
 def _key_tiles(x: Tensor, dtype: torch.dtype, transposed: bool = False) -> list[Tensor]:
@@ -548,7 +665,7 @@ def attention_forward(
         out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
                                   attn_mask)  # fmt: skip
     elif route == "band":
-        out, lse = _banded_forward(q, k, v, softmax_scale, window_left, window_right)
+        out, lse = _banded_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes)
     else:
         out, lse = _fused_forward(q, k, v, softmax_scale, route == "causal", attn_mask)
     if learnable_sink is not None:
@@ -573,26 +690,28 @@ def _tiled_forward(
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype)
-    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, _product_dtype(q.dtype))
+    keys = _key_tiles(k, mods.product_dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
     values = _key_tiles(v, v.dtype)  # (B * Hk, N, Dv) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
     scores, probs = torch.empty(tile_size, dtype=dtype), torch.empty(tile_size, dtype=v.dtype)
+    products = torch.empty(tile_size, dtype=mods.product_dtype)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
-        q_t = _query_tile(q, q0, q1, Hk, dtype).mul_(mods.query_scale(softmax_scale))  # (B * Hk, gM, D)
+        q_t = mods.query_tile(q, q0, q1, Hk)  # (B * Hk, gM, D)
         m_i = torch.full((*q_t.shape[:2], 1), torch.finfo(dtype).min, dtype=dtype)  # running row max
         l_i = torch.zeros_like(m_i)  # running row sum of exp(s - m_i)
         acc = torch.zeros(*q_t.shape[:2], Dv, dtype=dtype)  # running sum of exp(s - m_i) v
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
-            mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
-            s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, mask, group, q0, k0, scores)
-            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1)
+            band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
+            s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores, products)
+            _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-            p = s.sub_(m_new).exp_()
+            p = _exp(s, m_new)
+            _mask_tile(p, band, attn_mask, group, q0, q1, k0, k1, probs=True)
             alpha = m_i.sub_(m_new).exp_()
             l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             if drop is not None:  # l_i keeps every probability; only P V sees the mask
@@ -656,46 +775,51 @@ def attention_backward(
         attn_mask=attn_mask, dlse=dlse, dmask=dmask, softmax_scale=softmax_scale,
     )  # fmt: skip
     if route == "band":
-        return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right)
+        return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, alibi_slopes, dlse)
     if route is not None:
-        return _fused_backward(dout, q, k, v, out, lse, softmax_scale, route == "causal", attn_mask)
+        return _fused_backward(dout, q, k, v, out, lse, softmax_scale, route == "causal", attn_mask, dlse)
     B, Sq, H, D = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype)
-    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
-    values = _key_tiles(v, dtype, transposed=True)  # (B * Hk, Dv, N) each, operands of dP = dO V^T
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, _product_dtype(q.dtype))
+    keys = _key_tiles(k, mods.product_dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    ones = torch.ones(B, Sk, Hk, 2, dtype=v.dtype)
+    values = _key_tiles(torch.cat([v, ones], dim=-1), mods.product_dtype, transposed=True)  # (B * Hk, Dv + 2, N)
     keys_low = _key_tiles(k, k.dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.zeros(B * Hk, Sk, D, dtype=dtype)  # accumulators, heads-major
     dv = torch.zeros(B * Hk, Sk, Dv, dtype=dtype)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
     scores, dprobs, low = (torch.empty(tile_size, dtype=t) for t in (dtype, dtype, q.dtype))
+    products = torch.empty(tile_size, dtype=mods.product_dtype)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_low = _query_tile(q, q0, q1, Hk, q.dtype)  # (B * Hk, gM, D), operand of dK = dS^T Q
-        q_t = q_low.to(dtype).mul(mods.query_scale(softmax_scale))
-        do_t = _query_tile(dout, q0, q1, Hk, dtype)  # (B * Hk, gM, Dv)
-        do_low = do_t.to(dout.dtype)
+        q_t = mods.query_tile(q, q0, q1, Hk)
+        do_low = _query_tile(dout, q0, q1, Hk, dout.dtype)  # (B * Hk, gM, Dv)
         delta = _delta_tile(dout, out, dlse, q0, q1, Hk, dtype)  # (B * Hk, gM, 1)
+        do_t = torch.cat([do_low.to(mods.product_dtype), *_split(-delta, mods.product_dtype)], dim=-1)
         lse_t = lse[:, :, q0:q1].reshape(delta.shape).to(dtype)
         lse_t = lse_t.masked_fill(lse_t == float("-inf"), 0.0)  # rows with no key: P = exp(-inf) = 0
         dq_t = torch.zeros(*q_t.shape[:2], D, dtype=dtype)
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
-            mask = _band_mask(q0, q1, k0, k1, Sq, Sk, window_left, window_right)
-            s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, mask, group, q0, k0, scores)
-            _apply_attn_mask(s, attn_mask, q0, q1, k0, k1)
-            p = s.sub_(lse_t).exp_()  # (B * Hk, gM, N)
-            dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(dprobs, p.shape))  # [gM, Dv] @ [Dv, N]
+            band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
+            s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores, products)
+            _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
+            p = _exp(s, lse_t)  # (B * Hk, gM, N)
+            _mask_tile(p, band, attn_mask, group, q0, q1, k0, k1, probs=True)
+            # dP - Delta = [dO, -Delta] [V, 1]^T: [gM, Dv + 2] @ [Dv + 2, N]
+            dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(products, p.shape))
             p_kept = p
             if drop is not None:  # the gradient at P is Z / (1 - p) * dP; dV's 1 / (1 - p) is applied at the end
                 keep = _dropout_keep(drop, B, Hk, group, q0, q1, k0, k1).view(p.shape)
                 p_kept = p * keep
-                dp.mul_(keep).mul_(1.0 / (1.0 - drop.p))
+                kept = keep.to(dtype).mul_(1.0 / (1.0 - drop.p))  # Z / (1 - p) dP - Delta from dP - Delta:
+                dp = torch.mul(dp, kept, out=_scratch(dprobs, p.shape)).add_(kept.sub_(1.0).mul_(delta))
             dv[:, k0:k1] += torch.bmm(_in_dtype(p_kept, low).transpose(1, 2), do_low)  # [N, gM] @ [gM, Dv]
-            ds = p.mul_(dp.sub_(delta))  # reuses p's memory: p is not needed after this
+            ds = p.mul_(dp)  # reuses p's memory: p is not needed after this
             if dmask is not None:  # the gradient at the mask: dS before the cap's derivative
                 dmask[:, :, q0:q1, k0:k1] = ds.view(B, H, q1 - q0, k1 - k0)
             if t is not None:
@@ -707,6 +831,13 @@ def attention_backward(
     if drop is not None:
         dv.mul_(1.0 / (1.0 - drop.p))
     return dq, _heads_minor(dk.mul_(softmax_scale), k), _heads_minor(dv, v)
+
+
+def _split(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """x as hi + lo, both of ``dtype``: lo = x - hi rounded (0 if ``dtype`` holds x), so that a product with a
+    bfloat16 operand [A, hi, lo] sees x to 16 bits rather than 8."""
+    hi = x.to(dtype)
+    return hi, (x - hi).to(dtype)
 
 
 def _heads_minor(x: Tensor, like: Tensor) -> Tensor:
