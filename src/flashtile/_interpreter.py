@@ -11,14 +11,14 @@ another, and three of its operations differ from a GPU's (triton 3.7.1 and 3.9.0
   tensor core computes: exact products, summed in the fp32 accumulator.
 * **fp32 -> bf16 casts** drop the low 16 bits (round toward zero), where GPUs round to nearest even; outputs
   rounded to bf16 would err up to twice as much as on a GPU. Fixed: rounded to nearest even, by torch's cast.
-* **Masks of loads and stores.** A comparison of scalars (``split < num_splits``) combined into a block mask
+* **Masks of loads, stores and atomics.** A comparison of scalars (``split < num_splits``) combined into a block mask
   reaches the load as int32 zeros and ones (the scalar comparison's handle keeps its operands' int32 type, and
   broadcasting it to a block converts its data to that type); triton 3.7 reads those as true and false, triton
   3.9 refuses them (``ValueError: mask has unsupported dtype``).
   Fixed: every mask is read as bool, as the GPU's one-bit mask is.
 
 The fixes replace methods of the interpreter's ``InterpreterBuilder`` (``create_dot``, ``cast_impl``,
-``create_masked_load``, ``create_masked_store``). Where a future interpreter lacks the first two as they are known
+``create_masked_load``, ``create_masked_store``, ``create_atomic_rmw``). Where a future interpreter lacks the first two as they are known
 here, bf16 would come out wrong, so ``check_launch`` refuses launches with bf16 tensors instead
 (``BF16_REFUSED`` says why); float16 and float32 need neither fix.
 """
@@ -83,7 +83,7 @@ def apply() -> None:
             return mask
         return handle(mask.data.astype(np.bool_), tl.int1)
 
-    for name in ("create_masked_load", "create_masked_store"):
+    for name in ("create_masked_load", "create_masked_store", "create_atomic_rmw"):
         method = getattr(builder, name, None)
         if method is not None and "mask" in _params(method):
             setattr(builder, name, _with_bool_mask(method, as_bool))
