@@ -7,6 +7,7 @@ CPU tensors run the same tiled algorithm in PyTorch (see ``flashtile._backend``)
 
 from flashtile._backend import check_values
 from flashtile.errors import InputError, InputTypeError
+from flashtile.explain import explain
 from flashtile.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -25,6 +26,7 @@ __all__ = [
     "InputError",
     "InputTypeError",
     "check_values",
+    "explain",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
