@@ -8,13 +8,14 @@ among them). ``flashtile info --explain`` prints the same for a shape given on t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 from flashtile import _backend
-from flashtile.checks import NO_WINDOW, check_qkv, check_softmax_scale, last_dim_contiguous, window_bounds
-from flashtile.interface import attention_options, pad_head_dim
+from flashtile.checks import window_bounds
+from flashtile.interface import flash_attn_func, prepared
 
 
 @dataclass(frozen=True)
@@ -43,30 +44,17 @@ class Explanation:
         return f"{self.forward}\n{self.backward}"
 
 
-def explain(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = NO_WINDOW,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    deterministic: bool = False,
-    *,
-    learnable_sink: torch.Tensor | None = None,
-) -> Explanation:
-    """Which kernel family would run ``flash_attn_func(q, k, v, ...)``'s forward and backward, and why each faster
-    one does not apply. Nothing is launched and no randomness is drawn; the inputs are validated as the call would
-    validate them (a head dim that is not a multiple of 8 is explained as the padded call it becomes).
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> Explanation:
+    """Which kernel family would run ``flash_attn_func(q, k, v, *args, **kwargs)``'s forward and backward, and why
+    each faster one does not apply. Nothing is launched and no randomness is drawn; the inputs are validated as the
+    call would validate them (a head dim that is not a multiple of 8 is explained as the padded call it becomes).
 
     Args:
         q: (batch_size, seqlen_q, nheads, headdim); k, v: (batch_size, seqlen_k, nheads_k, headdim[_v]), as
             ``flashtile.flash_attn_func`` takes them: only their shapes, dtypes, devices and layouts matter
-        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, learnable_sink:
-            ``flashtile.flash_attn_func``'s options (deterministic=False, its default, lets the backward take the
-            sm_90 kernel's atomics)
+        args, kwargs: ``flashtile.flash_attn_func``'s other arguments (dropout_p, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, deterministic, learnable_sink); deterministic=False, its default,
+            lets the backward take the sm_90 kernel's atomics
 
     Returns:
         Explanation: ``.forward`` and ``.backward`` (``PassExplanation``: ``path``, ``passed_over``); ``str()``
@@ -74,17 +62,14 @@ def explain(
         ``sm90-gluon``, ``triton``, then ``triton-interpreter`` or ``cpu-torch`` / ``cpu-tiled``
         (``flashtile._backend``).
     """
-    padded = pad_head_dim(q, k, v, softmax_scale)
-    if padded is not None:
-        q, k, v, softmax_scale, _ = padded
-    check_qkv(q, k, v)
-    check_softmax_scale(softmax_scale)
-    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    left, right = window_bounds(window_size, causal)
-    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device) if dropout_p else None  # any: nothing runs
-    options = attention_options(
-        q, q.shape[1], k.shape[1], softmax_scale, left, right, softcap=softcap, alibi_slopes=alibi_slopes,
-        learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state, deterministic=deterministic,
+    call = inspect.signature(flash_attn_func).bind(q, k, v, *args, **kwargs)
+    call.apply_defaults()
+    given = call.arguments
+    dropout_p = given["dropout_p"]
+    q, k, v, options, _ = prepared(
+        q, k, v, given["softmax_scale"], *window_bounds(given["window_size"], given["causal"]), given["softcap"],
+        given["alibi_slopes"], given["learnable_sink"], dropout_p, deterministic=given["deterministic"],
+        rng_state=torch.zeros(2, dtype=torch.int64, device=q.device) if dropout_p else None,  # any: nothing runs
     )  # fmt: skip
     choices = _backend.pass_choices(q, k, v, options, every=True)
     forward, backward = (

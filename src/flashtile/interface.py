@@ -85,7 +85,7 @@ def dropout_rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | 
     return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
-def attention(
+def prepared(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -99,15 +99,16 @@ def attention(
     attn_mask: torch.Tensor | None = None,
     deterministic: bool = True,
     rng_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the custom op (``_ops.attention``): returns (out, lse) in flash_attn's layouts.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionOptions, int | None]:
+    """A call as the custom op takes it: (q, k, v checked, with a contiguous last dimension, the call's options
+    decided once (``attention_options``), and the head dim to slice the output back to, or None).
 
-    The face where a call's options are decided, once (``attention_options``).
     attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
     deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.sm90.backward``).
-    rng_state: the dropout's randomness (``dropout_rng_state``), drawn here when None and dropout_p > 0.
+    rng_state: the dropout's randomness (``dropout_rng_state``), drawn when None and dropout_p > 0.
     A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
+    head_dim = None
     if padded is not None:
         q, k, v, softmax_scale, head_dim = padded
     check_qkv(q, k, v)
@@ -118,8 +119,15 @@ def attention(
         alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state,
         attn_mask=attn_mask, deterministic=deterministic,
     )  # fmt: skip
+    return q, k, v, options, head_dim
+
+
+def attention(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated entry to the custom op (``_ops.attention``), arguments as ``prepared``: returns (out, lse) in
+    flash_attn's layouts."""
+    q, k, v, options, head_dim = prepared(*args, **kwargs)
     result = _ops.attention(q, k, v, options)
-    return result if padded is None else sliced(result, head_dim)
+    return result if head_dim is None else sliced(result, head_dim)
 
 
 def attention_options(

@@ -1377,17 +1377,8 @@ def attention_backward_sm90(
 
 
 @on_input_device
-def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    options: AttentionOptions,
-    dlse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse: torch.Tensor | None = None):
     """The dispatcher's entry (``_backend.backward_choice``): (dq, dk, dv) as ``ops.attention.attention_backward``
-    gives them, by this kernel after the Triton delta kernel (rowsum(dout * out) - dlse)."""
+    gives them (same arguments), by this kernel after the Triton delta kernel (rowsum(dout * out) - dlse)."""
     delta = imported("flashtile.ops.attention").attention_delta(dout, out, dlse)
     return attention_backward_sm90(dout, q, k, v, lse, delta, options.softmax_scale, causal=options.causal)
