@@ -23,7 +23,7 @@ delta_i, is a reduction over ``attention_delta`` done by the caller (``flashtile
 HAS_MASK (SDPA's attn_mask) recomputes the masked scores as the forward did, in both kernels. With
 MASK_NEEDS_GRAD (an additive mask that requires grad) the dQ kernel, which visits every (row, key) pair of
 its query tile exactly once, also writes dS = P (dP - delta) to a (B * H, Sq, Sk) fp32 buffer; the caller
-sums it over the mask's broadcast dimensions (``flashtile._ops.masked_attention_backward``).
+sums it over the mask's broadcast dimensions (``flashtile._ops.attention_backward``).
 
 IS_VARLEN (packed variable-length batches) works as in the forward kernel; the delta kernel needs no flag,
 since (nheads, total_q) is the (1, nheads, total_q) layout of one packed row of tokens.

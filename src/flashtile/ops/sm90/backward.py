@@ -1,6 +1,6 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by TMA reduce-adds.
 
-On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
+On an H100/H200 (``flashtile._backend.gluon_refusal``) the backwards that qualify (``qualifies``: no
 dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's default)
 run this kernel instead
 of the portable Triton ones (ops/attention/backward.py): five matrix products per (query tile, key tile) pair instead of

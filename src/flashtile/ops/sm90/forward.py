@@ -1,7 +1,7 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
 
-On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in
-ops/attention/forward.py: no options) run this kernel instead of the portable Triton one (which every other GPU and
+On an H100/H200 (``flashtile._backend.gluon_refusal``) the forwards that qualify (``qualifies``: no
+options) run this kernel instead of the portable Triton one (which every other GPU and
 the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or
 256 for q, k and v (``CONFIGS``), causal or not (``CAUSAL_MIN_SEQLEN_Q``: every length); bf16/fp16; any seqlen_q
 and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous tensor, or
