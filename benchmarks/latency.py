@@ -313,6 +313,7 @@ def pretend_sm90() -> Iterator[None]:
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
+    from flashtile import _backend
     from flashtile.ops import _launch
     from flashtile.ops.attention import backward, configs, forward
     from flashtile.ops.sm90 import backward as backward_sm90
@@ -327,15 +328,15 @@ def pretend_sm90() -> Iterator[None]:
     def hopper_config(pass_name, device, *args):
         return real_config(pass_name, cuda, *args)
 
-    def gluon_device(device):
-        return configs._backend.GLUON
+    def gluon_refusal(device):
+        return None if _backend.GLUON else "switched off (FLASHTILE_GLUON=0)"
 
     saved_driver = driver._active  # None on a machine without a GPU: Triton picks a driver on first use
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(configs._backend, "TRITON_INTERPRET", True))  # the launchers' path
+        stack.enter_context(mock.patch.object(_backend, "TRITON_INTERPRET", True))  # the launchers' path
         stack.enter_context(mock.patch.object(configs, "compute_capability", lambda index: (9, 0)))
+        stack.enter_context(mock.patch.object(_backend, "gluon_refusal", gluon_refusal))
         for module in (forward, backward):
-            stack.enter_context(mock.patch.object(module, "gluon_device", gluon_device))
             stack.enter_context(mock.patch.object(module, "config", hopper_config))
         stack.enter_context(mock.patch.object(forward_sm90, "sm_count", lambda device: 132))
         stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ import triton
 
 from flashtile.ops.attention import attention_backward, attention_forward
 from flashtile.ops.attention.configs import TileConfig, override
+from flashtile.options import AttentionOptions, default_scale
 
 CANDIDATES = {  # (block_m, block_n, num_warps, num_stages[, tma])
     "forward": [
@@ -47,14 +47,11 @@ CANDIDATES["forward_short"] = CANDIDATES["forward_banded_short"] = CANDIDATES["f
 def time_pass(pass_name: str, inputs: dict, causal: bool) -> float:
     """Median ms of the launch that contains ``pass_name`` (the backward times both of its kernels)."""
     q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
-    scale = 1 / math.sqrt(q.shape[-1])
-    right = 0 if causal else None
+    options = AttentionOptions(default_scale(q.shape[-1]), None, 0 if causal else None)
     if pass_name.startswith("forward"):
-        return triton.testing.do_bench(lambda: attention_forward(q, k, v, scale, None, right), return_mode="median")
-    out, lse = attention_forward(q, k, v, scale, None, right)
-    return triton.testing.do_bench(
-        lambda: attention_backward(dout, q, k, v, out, lse, scale, None, right), return_mode="median"
-    )
+        return triton.testing.do_bench(lambda: attention_forward(q, k, v, options), return_mode="median")
+    out, lse = attention_forward(q, k, v, options)
+    return triton.testing.do_bench(lambda: attention_backward(dout, q, k, v, out, lse, options), return_mode="median")
 
 
 def main() -> None:

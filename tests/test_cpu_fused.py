@@ -22,6 +22,8 @@ import test_varlen as varlen_cases
 import test_varlen_paged as paged_cases
 from conftest import DEVICE
 from flashtile import _backend, cpu
+from flashtile._backend import Verdict
+from flashtile.options import AttentionOptions
 from oracle import check_against_oracle
 from test_attention import make_inputs, run_flashtile
 from test_variants import sinks_like, slopes_like
@@ -220,7 +222,7 @@ def test_fully_masked_rows_lse(route, dtype):
     q, k, v, _ = make_inputs(1, 20, 30, 2, 2, 32, dtype=dtype)
     visible = torch.ones(20, 30, dtype=torch.bool)
     visible[[0, 13]] = False
-    out, lse = cpu.attention_forward(q, k, v, 0.2, None, None, attn_mask=visible.expand(1, 2, 20, 30))
+    out, lse = cpu.attention_forward(q, k, v, AttentionOptions(0.2, attn_mask=visible.expand(1, 2, 20, 30)))
     assert torch.isneginf(lse[:, :, [0, 13]]).all() and torch.isfinite(lse[:, :, 1]).all()
     assert (out[:, [0, 13]] == 0).all()
     assert_route(route, forward=True, backward=False)
@@ -237,10 +239,11 @@ def test_empty_inputs(route, dtype, shape):
     batch, seqlen_q, seqlen_k = shape
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, 4, 2, 16, dtype=dtype)
     for window in ((None, None), (None, 0)):
-        out, lse = cpu.attention_forward(q, k, v, 0.25, *window)
+        options = AttentionOptions(0.25, *window)
+        out, lse = cpu.attention_forward(q, k, v, options)
         assert out.shape == dout.shape and lse.shape == (batch, 4, seqlen_q)
         assert (out == 0).all() and torch.isneginf(lse).all()
-        dq, dk, dv = cpu.attention_backward(dout, q, k, v, out, lse, 0.25, *window)
+        dq, dk, dv = cpu.attention_backward(dout, q, k, v, out, lse, options)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
         assert all((g == 0).all() for g in (dq, dk, dv))
     assert_route(route, forward=False, backward=False)
@@ -292,7 +295,7 @@ RULE = {  # (seqlen_q, seqlen_k, window_left, window_right, options) -> route
         (64, 64, None, None, {"alibi_slopes": torch.ones(4), "attn_mask": torch.ones(1, 1, 64, 64) > 0}),
         None,
     ),
-    "dropout": ((64, 64, None, None, {"dropout": True}), None),
+    "dropout": ((64, 64, None, None, {"dropout_p": 0.1}), None),
     "dlse": ((64, 64, None, None, {"dlse": torch.zeros(1, 4, 64)}), "full"),
     "dmask": ((64, 64, None, None, {"dmask": torch.zeros(1, 4, 64, 64)}), None),
     "bool-mask": ((64, 64, None, None, {"attn_mask": torch.ones(1, 1, 64, 64, dtype=torch.bool)}), "full"),
@@ -307,11 +310,15 @@ def test_route_rule(case):
     (seqlen_q, seqlen_k, left, right, options), expected = case
     q = torch.zeros(1, seqlen_q, 4, 32, dtype=torch.bfloat16)
     k = torch.zeros(1, seqlen_k, 2, 32, dtype=torch.bfloat16)
-    assert cpu.torch_kernel_route(q, k, k, left, right, **options) == expected
+    gradients = {name: options.pop(name) for name in ("dlse", "dmask") if name in options}
+    route, verdict = cpu.torch_kernel_route(q, k, k, AttentionOptions(1.0, left, right, **options), **gradients)
+    assert route == expected
+    assert bool(verdict.reasons) == (route is None)  # a reason for every refusal
 
 
 def test_route_rule_switch(monkeypatch):
     q = torch.zeros(1, 8, 2, 32)
-    assert cpu.torch_kernel_route(q, q, q, None, None) == "full"
+    assert cpu.torch_kernel_route(q, q, q, AttentionOptions(1.0))[0] == "full"
     monkeypatch.setattr(cpu, "TORCH_KERNEL", False)
-    assert cpu.torch_kernel_route(q, q, q, None, None) is None
+    refused = (None, Verdict(("switched off (cpu.TORCH_KERNEL)",)))
+    assert cpu.torch_kernel_route(q, q, q, AttentionOptions(1.0)) == refused

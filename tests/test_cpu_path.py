@@ -12,24 +12,26 @@ import pytest
 import torch
 
 from flashtile import cpu
+from flashtile.options import AttentionOptions
 
 MEMORY_SCRIPT = """
 import sys, torch
 from flashtile import cpu
+from flashtile.options import AttentionOptions
 
 def peak_rss():  # VmHWM: this address space's peak, where ru_maxrss would start at the parent's (pytest's) peak
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 
 cpu.TORCH_KERNEL = sys.argv[1] != "tiled"
-window = (1000, 0) if sys.argv[1] == "band" else (None, None)
+options = AttentionOptions(0.125, *((1000, 0) if sys.argv[1] == "band" else (None, None)))
 S = 8192
 q, k, v, dout = (torch.randn(1, S, 1, 64).half() for _ in range(4))
 small = [x[:, :600] for x in (q, k, v, dout)]  # warm up the allocator and matmul buffers
-out, lse = cpu.attention_forward(*small[:3], 0.125, *window)
-cpu.attention_backward(small[3], *small[:3], out, lse, 0.125, *window)
+out, lse = cpu.attention_forward(*small[:3], options)
+cpu.attention_backward(small[3], *small[:3], out, lse, options)
 before = peak_rss()
-out, lse = cpu.attention_forward(q, k, v, 0.125, *window)
-cpu.attention_backward(dout, q, k, v, out, lse, 0.125, *window)
+out, lse = cpu.attention_forward(q, k, v, options)
+cpu.attention_backward(dout, q, k, v, out, lse, options)
 print(peak_rss() - before)
 """
 
@@ -52,6 +54,7 @@ def test_inputs_are_not_modified():
     """Tiles are views of the inputs and the path works in place on its own buffers only."""
     q, k, v, dout = (torch.randn(2, 300, 4, 40).bfloat16() for _ in range(4))
     before = [x.clone() for x in (q, k, v, dout)]
-    out, lse = cpu.attention_forward(q, k, v, 0.2, None, 0)
-    cpu.attention_backward(dout, q, k, v, out, lse, 0.2, None, 0)
+    options = AttentionOptions(0.2, None, 0)
+    out, lse = cpu.attention_forward(q, k, v, options)
+    cpu.attention_backward(dout, q, k, v, out, lse, options)
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v, dout), strict=True))

@@ -18,14 +18,21 @@ import flashtile
 from conftest import DEVICE, capture
 from flashtile import _backend
 from flashtile.ops import _launch
-from flashtile.ops.attention import backward, configs, forward
+from flashtile.ops.attention import backward
+from flashtile.ops.common import grid
 from flashtile.ops.sm90 import backward as backward_sm90
 from flashtile.ops.sm90 import common as sm90_common
 from flashtile.ops.sm90 import forward as forward_sm90
+from flashtile.options import AttentionOptions
 from test_attention import check, make_inputs, run_flashtile
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (sm_90)")
+
+
+def options(causal: bool = False, softmax_scale: float = 0.1) -> AttentionOptions:
+    """The options of a plain call, causal or not, whose backward may take atomics (deterministic=False)."""
+    return AttentionOptions(softmax_scale, None, 0 if causal else None, deterministic=False)
 
 
 def qkv(batch=2, seqlen_q=256, seqlen_k=384, nheads=4, nheads_k=2, head_dim=128, dtype=torch.bfloat16):
@@ -35,11 +42,11 @@ def qkv(batch=2, seqlen_q=256, seqlen_k=384, nheads=4, nheads_k=2, head_dim=128,
 
 
 def test_qualifies_plain_layouts():
-    assert forward_sm90.qualifies(*qkv(), causal=False)
-    assert forward_sm90.qualifies(*qkv(dtype=torch.float16), causal=False)
-    assert forward_sm90.qualifies(*qkv(batch=1, seqlen_q=128, seqlen_k=128, nheads=1, nheads_k=1), causal=False)
+    assert forward_sm90.qualifies(*qkv(), options())
+    assert forward_sm90.qualifies(*qkv(dtype=torch.float16), options())
+    assert forward_sm90.qualifies(*qkv(batch=1, seqlen_q=128, seqlen_k=128, nheads=1, nheads_k=1), options())
     packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.bfloat16)  # q, k, v sliced from a packed qkv
-    assert forward_sm90.qualifies(*packed.unbind(2), causal=False)
+    assert forward_sm90.qualifies(*packed.unbind(2), options())
 
 
 @pytest.mark.parametrize("seqlens", [(1, 1), (17, 113), (113, 17), (64, 1000), (1000, 1000), (257, 1023)], ids=str)
@@ -48,9 +55,9 @@ def test_qualifies_any_lengths(seqlens):
     multiples of 128: test_backward_rejects)."""
     seqlen_q, seqlen_k = seqlens
     q, k, v = qkv(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    assert forward_sm90.qualifies(q, k, v, causal=False)
+    assert forward_sm90.qualifies(q, k, v, options())
     packed = torch.empty(2, seqlen_q, 3, 4, 128, dtype=torch.float16)
-    assert forward_sm90.qualifies(*packed.unbind(2), causal=False)
+    assert forward_sm90.qualifies(*packed.unbind(2), options())
 
 
 @pytest.mark.parametrize(
@@ -66,51 +73,52 @@ def test_qualifies_any_lengths(seqlens):
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
 )
 def test_qualifies_rejects(case):
-    assert not forward_sm90.qualifies(*qkv(**case), causal=False)
+    assert not forward_sm90.qualifies(*qkv(**case), options())
 
 
 def test_qualifies_head_dim_256_and_rejects_mixed_head_dims():
-    assert forward_sm90.qualifies(*qkv(head_dim=256), causal=False)
+    assert forward_sm90.qualifies(*qkv(head_dim=256), options())
     q, k, _ = qkv(head_dim=256)
     headdim_v_128 = torch.empty(2, 384, 2, 128, dtype=torch.bfloat16)
-    assert not forward_sm90.qualifies(q, k, headdim_v_128, causal=False)
+    assert not forward_sm90.qualifies(q, k, headdim_v_128, options())
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 def test_qualifies_causal_per_head_dim_and_length(monkeypatch, head_dim):
     """Causal forwards run here at every length (CAUSAL_MIN_SEQLEN_Q); a head dim's threshold sends shorter ones to
     the Triton kernel."""
-    assert forward_sm90.qualifies(*qkv(head_dim=head_dim), causal=False)
-    assert forward_sm90.qualifies(*qkv(seqlen_q=1, head_dim=head_dim), causal=True)
+    assert forward_sm90.qualifies(*qkv(head_dim=head_dim), options())
+    assert forward_sm90.qualifies(*qkv(seqlen_q=1, head_dim=head_dim), options(causal=True))
     monkeypatch.setitem(forward_sm90.CAUSAL_MIN_SEQLEN_Q, head_dim, 2048)
-    assert forward_sm90.qualifies(*qkv(head_dim=head_dim), causal=False)
-    assert not forward_sm90.qualifies(*qkv(seqlen_q=2047, head_dim=head_dim), causal=True)
-    assert forward_sm90.qualifies(*qkv(seqlen_q=2048, head_dim=head_dim), causal=True)
+    assert forward_sm90.qualifies(*qkv(head_dim=head_dim), options())
+    assert not forward_sm90.qualifies(*qkv(seqlen_q=2047, head_dim=head_dim), options(causal=True))
+    assert forward_sm90.qualifies(*qkv(seqlen_q=2048, head_dim=head_dim), options(causal=True))
 
 
 def test_qualifies_rejects_layouts_a_descriptor_cannot_read():
     q, k, v = qkv()
     heads_strided = torch.empty(2, 384, 128, 2, dtype=torch.bfloat16).transpose(2, 3)  # (B, S, H, D), D strided
-    assert not forward_sm90.qualifies(q, heads_strided, v, causal=False)
+    assert not forward_sm90.qualifies(q, heads_strided, v, options())
     batch_strided = torch.empty(2, 512, 4, 128, dtype=torch.bfloat16)[:, :256]  # rows not evenly strided
-    assert not forward_sm90.qualifies(batch_strided, k, v, causal=False)
+    assert not forward_sm90.qualifies(batch_strided, k, v, options())
     head_major = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, S, D) memory
-    assert not forward_sm90.qualifies(head_major, k, v, causal=False)
+    assert not forward_sm90.qualifies(head_major, k, v, options())
     misaligned = torch.empty(2 * 256 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 256, 4, 128)
-    assert not forward_sm90.qualifies(misaligned, k, v, causal=False)
+    assert not forward_sm90.qualifies(misaligned, k, v, options())
 
 
-def test_gluon_device(monkeypatch):
-    """An sm_90 GPU with the switch on; not a CPU, another GPU generation, or FLASHTILE_GLUON=0."""
+def test_gluon_refusal(monkeypatch):
+    """An sm_90 GPU with the switch on; not a CPU, another GPU generation, or FLASHTILE_GLUON=0: each with its
+    reason."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(configs, "compute_capability", lambda index: (9, 0))
-    assert configs.gluon_device(cuda)
-    assert not configs.gluon_device(torch.device("cpu"))
+    monkeypatch.setattr(grid, "compute_capability", lambda index: (9, 0))
+    assert _backend.gluon_refusal(cuda) is None
+    assert _backend.gluon_refusal(torch.device("cpu")) == "the device is cpu, not an sm_90 GPU"
     monkeypatch.setattr(_backend, "GLUON", False)
-    assert not configs.gluon_device(cuda)
+    assert _backend.gluon_refusal(cuda) == "switched off (FLASHTILE_GLUON=0)"
     monkeypatch.setattr(_backend, "GLUON", True)
-    monkeypatch.setattr(configs, "compute_capability", lambda index: (8, 0))
-    assert not configs.gluon_device(cuda)
+    monkeypatch.setattr(grid, "compute_capability", lambda index: (8, 0))
+    assert _backend.gluon_refusal(cuda) == "the GPU is sm_80, not sm_90"
 
 
 @pytest.mark.parametrize(
@@ -162,8 +170,8 @@ def test_launch_grid_per_head_dim_and_mask(monkeypatch, head_dim, causal, launch
 
 def test_forward_plans_follow_layouts_and_configs(monkeypatch):
     """``forward_plan``: calls on new tensors of one layout reuse the plan (descriptors rebased on the new tensors,
-    the same grid, constexprs and launch key); another length, a changed CONFIGS entry, another SM count or a
-    misaligned tensor make another; inputs that do not qualify launch nothing and return False."""
+    the same grid, constexprs and launch key); another length, a changed CONFIGS entry or another SM count make
+    another (which inputs qualify is the dispatcher's: ``qualifies``)."""
     launches = []
     monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -174,11 +182,12 @@ def test_forward_plans_follow_layouts_and_configs(monkeypatch):
         if offset:
             q = torch.empty(q.numel() + offset, dtype=dtype)[offset:].view(q.shape)
         out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], seqlen_q)
-        return forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, True), (q, k, v, out)
+        forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, True)
+        return q, k, v, out
 
     for _ in range(2):
-        launched, tensors = call()
-        assert launched and [d.base for d in launches[-1][1][:4]] == list(tensors)
+        tensors = call()
+        assert [d.base for d in launches[-1][1][:4]] == list(tensors)
     assert len(forward_sm90._PLANS) == 1 and launches[0][0] == launches[1][0] and launches[0][2] == launches[1][2]
     call(seqlen_q=384)
     monkeypatch.setitem(forward_sm90.CONFIGS[128], "CAUSAL_PERSISTENT", False)
@@ -188,16 +197,14 @@ def test_forward_plans_follow_layouts_and_configs(monkeypatch):
     monkeypatch.setitem(forward_sm90.CONFIGS[128], "CAUSAL_PERSISTENT", True)
     call()
     assert launches[-1][0] == (7, 1, 1)
-    assert len(forward_sm90._PLANS) == 4 and len(launches) == 5
-    assert call(offset=1)[0] is False and call(dtype=torch.float32)[0] is False
-    assert len(launches) == 5
+    call(offset=16)  # another alignment of q's address: 32 bytes, still 16-byte aligned
+    assert len(forward_sm90._PLANS) == 4 and len(launches) == 6
 
 
 def test_backward_plans_follow_layouts_and_configs(monkeypatch):
     """``backward_plan``: calls on new tensors of one layout reuse the plan (descriptors rebased on the call's
     tensors and fresh outputs, one grid, constexprs and launch key; the plan's output templates on the meta device);
-    a changed CONFIGS entry makes another; inputs that do not qualify (a scale not above 0, a length not a multiple
-    of 128) launch nothing and return None."""
+    a changed CONFIGS entry makes another (which inputs qualify is the dispatcher's: ``qualifies``)."""
     launches = []
     monkeypatch.setattr(
         backward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx))
@@ -210,10 +217,10 @@ def test_backward_plans_follow_layouts_and_configs(monkeypatch):
         backward_sm90, "_outputs", lambda q, k, v, device: devices.append(device.type) or outputs(q, k, v, device)
     )
 
-    def call(seqlen_q=256, scale=0.1):
-        q, k, v = qkv(seqlen_q=seqlen_q)
-        dout, stats = torch.empty_like(q), torch.zeros(q.shape[0], q.shape[2], seqlen_q)
-        return backward_sm90.attention_backward_sm90(dout, q, k, v, stats, stats, scale, causal=True), (q, dout, k, v)
+    def call():
+        q, k, v = qkv()
+        dout, stats = torch.empty_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        return backward_sm90.attention_backward_sm90(dout, q, k, v, stats, stats, 0.1, causal=True), (q, dout, k, v)
 
     for _ in range(2):
         grads, tensors = call()
@@ -225,8 +232,7 @@ def test_backward_plans_follow_layouts_and_configs(monkeypatch):
     monkeypatch.setitem(backward_sm90.CONFIGS[128], "KEY_PAIRS", False)
     call()
     assert launches[-1][2]["KEY_PAIRS"] is False and launches[-1][0] != launches[0][0]
-    assert call(scale=-0.1)[0] is None and call(seqlen_q=200)[0] is None
-    assert len(launches) == 3 and len(backward_sm90._PLANS) == 4
+    assert len(launches) == 3 and len(backward_sm90._PLANS) == 2
 
 
 def test_d64_causal_launches_take_three_warpgroups_from_8k(monkeypatch):
@@ -239,9 +245,7 @@ def test_d64_causal_launches_take_three_warpgroups_from_8k(monkeypatch):
     for head_dim, causal, seqlen_q, num_wg in ((64, True, 8191, 2), (64, True, 8192, 3), (64, True, 20000, 3),
                                                (64, False, 1000, 3), (128, True, 16384, 2)):  # fmt: skip
         q, k, v = qkv(batch=1, seqlen_q=seqlen_q, nheads=1, nheads_k=1, head_dim=head_dim)
-        assert forward_sm90.attention_forward_sm90(
-            q, k, v, torch.empty_like(q), torch.empty(1, 1, seqlen_q), 0.1, causal
-        )
+        forward_sm90.attention_forward_sm90(q, k, v, torch.empty_like(q), torch.empty(1, 1, seqlen_q), 0.1, causal)
         assert (launches[-1]["NUM_WG"], launches[-1]["CONSUMER_REGS"]) == (num_wg, 160 if num_wg == 3 else 240)
 
 
@@ -257,16 +261,16 @@ def test_register_split_fits_the_register_file():
 def test_backward_qualifies():
     q, k, v = qkv(nheads_k=4)
     dout = torch.empty_like(q)
-    assert backward_sm90.qualifies(q, k, v, dout, causal=False, softmax_scale=0.1)
+    assert backward_sm90.qualifies(q, k, v, dout, options())
     assert backward_sm90.qualifies(
-        *qkv(nheads_k=4, head_dim=64), torch.empty(2, 256, 4, 64, dtype=torch.bfloat16), True, softmax_scale=0.1
+        *qkv(nheads_k=4, head_dim=64), torch.empty(2, 256, 4, 64, dtype=torch.bfloat16), options(causal=True)
     )
     packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.float16)
     assert backward_sm90.qualifies(
-        *packed.unbind(2), torch.empty(2, 256, 4, 128, dtype=torch.float16), True, softmax_scale=0.1
+        *packed.unbind(2), torch.empty(2, 256, 4, 128, dtype=torch.float16), options(causal=True)
     )
     q, k, v = qkv(nheads_k=4, head_dim=256)  # the OUTPUT_SPLIT config
-    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=True, softmax_scale=0.1)
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), options(causal=True))
 
 
 @pytest.mark.parametrize(
@@ -276,7 +280,7 @@ def test_backward_qualifies():
 )
 def test_backward_qualifies_gqa(nheads, nheads_k, head_dim):
     q, k, v = qkv(nheads=nheads, nheads_k=nheads_k, head_dim=head_dim)
-    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False, softmax_scale=0.1)
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), options())
 
 
 def test_backward_causal_group_limit():
@@ -285,7 +289,7 @@ def test_backward_causal_group_limit():
     limit = backward_sm90.MAX_CAUSAL_GROUP
     for nheads_k, causal, expected in ((1, True, False), (1, False, True), (2, True, True), (2, False, True)):
         q, k, v = qkv(nheads=2 * limit, nheads_k=nheads_k)  # 16 or 8 query heads per K/V head
-        assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal, softmax_scale=0.1) == expected, (
+        assert bool(backward_sm90.qualifies(q, k, v, torch.empty_like(q), options(causal))) == expected, (
             nheads_k,
             causal,
         )
@@ -306,7 +310,7 @@ def test_backward_causal_group_limit():
 )
 def test_backward_rejects(case):
     q, k, v = qkv(**case)
-    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False, softmax_scale=0.1)
+    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), options())
 
 
 @pytest.mark.parametrize("block_m", [64, 128], ids=lambda m: f"BLOCK_M{m}")
@@ -318,7 +322,7 @@ def test_backward_length_rule_at_head_dim_64(monkeypatch, block_m):
     for seqlen_q, seqlen_k, expected in ((128, 128, True), (384, 640, True), (192, 256, False), (256, 192, False)):
         q, k, v = qkv(seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=64)
         for causal in (False, True):
-            assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal, softmax_scale=0.1) == expected, (
+            assert bool(backward_sm90.qualifies(q, k, v, torch.empty_like(q), options(causal))) == expected, (
                 seqlen_q,
                 seqlen_k,
             )
@@ -338,23 +342,23 @@ def test_backward_needs_a_positive_softmax_scale(head_dim):
     rule for every head dim); other scales go to the Triton backward."""
     q, k, v = qkv(head_dim=head_dim)
     dout = torch.empty_like(q)
-    assert backward_sm90.qualifies(q, k, v, dout, causal=False, softmax_scale=0.1)
+    assert backward_sm90.qualifies(q, k, v, dout, options())
     for scale in (0.0, -0.1, float("nan")):
-        assert not backward_sm90.qualifies(q, k, v, dout, causal=False, softmax_scale=scale), scale
+        assert not backward_sm90.qualifies(q, k, v, dout, options(softmax_scale=scale)), scale
 
 
 def test_backward_rejects_k_and_v_with_different_heads():
     q, k, _ = qkv(nheads=4, nheads_k=2)
     v = torch.empty(2, 384, 4, 128, dtype=torch.bfloat16)
-    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), causal=False, softmax_scale=0.1)
+    assert not backward_sm90.qualifies(q, k, v, torch.empty_like(q), options())
 
 
 def test_backward_rejects_broadcast_dout_and_huge_offsets():
     q, k, v = qkv(nheads_k=4)
     ones = torch.ones(1, 1, 1, 1, dtype=q.dtype).expand(q.shape)  # the dout of out.sum().backward()
-    assert not backward_sm90.qualifies(q, k, v, ones, causal=False, softmax_scale=0.1)
+    assert not backward_sm90.qualifies(q, k, v, ones, options())
     huge = torch.empty(1, 2**20, 16, 128, dtype=torch.bfloat16, device="meta")  # 2**31 elements per batch entry
-    assert not backward_sm90.qualifies(huge, huge, huge, huge, causal=False, softmax_scale=0.1)
+    assert not backward_sm90.qualifies(huge, huge, huge, huge, options())
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
@@ -704,7 +708,7 @@ def test_any_lengths_stay_in_their_batch_entry(head_dim, causal):
     def forward(q, k, v):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((q.shape[0], nheads, seqlen_q), float("nan"), device=q.device)
-        assert forward_sm90.attention_forward_sm90(q, k, v, out, lse, 128**-0.5, causal)
+        forward_sm90.attention_forward_sm90(q, k, v, out, lse, 128**-0.5, causal)
         return out, lse
 
     out, lse = forward(q, k, v)
@@ -780,7 +784,7 @@ def test_backward_gqa(launches, dtype, causal, head_dim, shape):
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype=dtype)
     dlse = torch.randn(batch, nheads, seqlen_q, device="cuda")
     check(q, k, v, dout, dlse=dlse, causal=causal)
-    gluon_forward = [("fwd", causal)] if forward_sm90.qualifies(q, k, v, causal) else []
+    gluon_forward = [("fwd", causal)] if forward_sm90.qualifies(q, k, v, options(causal)) else []
     assert launches == [*gluon_forward, ("bwd", causal)]
 
 
@@ -1011,8 +1015,7 @@ class _Routed:
     def __init__(self, monkeypatch):
         self.calls = []
         self.backward_scales = []
-        monkeypatch.setattr(forward, "gluon_device", lambda device: True)
-        monkeypatch.setattr(backward, "gluon_device", lambda device: True)
+        monkeypatch.setattr(_backend, "gluon_refusal", lambda device: None)
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
         monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)
 
@@ -1061,19 +1064,24 @@ def test_which_calls_take_the_gluon_kernels(monkeypatch, options, expected):
 
 
 @pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")
-def test_backward_hands_the_gluon_launcher_its_softmax_scale(monkeypatch):
-    """The backward hands its softmax_scale to the Gluon launcher, whose plan asks ``qualifies`` (which refuses
-    scales not above 0: test_backward_needs_a_positive_softmax_scale)."""
+def test_scales_not_above_zero_keep_the_triton_kernels(monkeypatch):
+    """The dispatcher hands the Gluon kernels positive scales only (``common.option_refusals``: the forward scales
+    masked -inf scores, the backward's D=64 tiles start at -lse / scale); a positive one reaches the launcher as
+    given."""
     routed = _Routed(monkeypatch)
     q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 128, dtype=torch.bfloat16)
     _forward_backward(q, k, v, softmax_scale=-0.1)
-    assert routed.backward_scales == [-0.1]
+    assert routed.calls == []
+    _forward_backward(q, k, v, softmax_scale=0.1)
+    assert routed.backward_scales == [0.1]
 
 
 @pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")
 def test_sdpa_backward_follows_torch_deterministic_setting(monkeypatch):
     routed = _Routed(monkeypatch)
-    q, k, v = (torch.randn(1, 2, 128, 128, dtype=torch.bfloat16, device=DEVICE, requires_grad=True) for _ in range(3))
+    # (batch, seqlen, heads, headdim) memory, as the Gluon kernels' descriptors read it, in SDPA's layout
+    q, k, v = (torch.randn(1, 128, 2, 128, dtype=torch.bfloat16, device=DEVICE).transpose(1, 2).requires_grad_()
+               for _ in range(3))  # fmt: skip
     flashtile.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
     assert [tag for tag, _ in routed.calls] == ["fwd", "bwd"]
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)

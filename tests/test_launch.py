@@ -25,6 +25,7 @@ from flashtile.ops import _launch
 from flashtile.ops.attention import backward, configs, forward
 from flashtile.ops.decode import split_kv
 from flashtile.ops.sm90 import common as sm90_common
+from flashtile.options import AttentionOptions
 
 INTS = (1, 0, 16, 17, 32, 48, 2, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 16,
         2**32, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16)  # fmt: skip
@@ -75,8 +76,9 @@ def _captured_launches(monkeypatch) -> list[tuple]:
     q, k, v, dout = (torch.randn(2, 40, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2, 4))
     tma = configs.TileConfig(64, 64, 4, 3, tma=True)
     with configs.override(forward_banded_short=tma, backward_dq=tma, backward_dkdv=configs.TileConfig(32, 64, 4, 2)):
-        out, lse = forward.attention_forward(q, k, v, 0.125, None, 0)
-        backward.attention_backward(dout, q, k, v, out, lse, 0.125, None, 0, dlse=torch.zeros_like(lse))
+        options = AttentionOptions(0.125, None, 0)
+        out, lse = forward.attention_forward(q, k, v, options)
+        backward.attention_backward(dout, q, k, v, out, lse, options, dlse=torch.zeros_like(lse))
     assert [call[0] for call in calls] == [forward._attention_forward_kernel, backward._delta_kernel,
                                            backward._attention_dkdv_kernel, backward._attention_dq_kernel]  # fmt: skip
     assert any(isinstance(a, TensorDescriptor) for a in calls[0][2])

@@ -99,7 +99,7 @@ def test_model_against_nsight_compute_on_an_h100():
     """The H100 table of docs/profiling.md: the model within TOLERANCE of ncu's DRAM bytes on every row but the
     documented L2 limit, where ncu exceeds it (the limit holds: a better model fails this and moves the docs)."""
     rows = results.load(MEASURED)
-    assert len(rows) == 16 and {r["extra"]["path"] for r in rows} == {"gluon-sm90"}
+    assert len(rows) == 16 and {r["extra"]["path"] for r in rows} == {"sm90-gluon"}
     for rec in rows:
         s, x = rec["shape"], rec["extra"]
         window_right = 0 if s["causal"] else None
@@ -148,7 +148,7 @@ def test_forward_only_is_one_record_with_every_key(path):
         flashtile.flash_attn_func(q, k, v)
     (rec,) = prof.records
     assert KEYS <= rec.keys()
-    expected_path = "cpu" if path == "cpu" else "triton-interpreter"
+    expected_path = "cpu-torch" if path == "cpu" else "triton-interpreter"
     assert (rec["op"], rec["pass"], rec["path"], rec["dtype"]) == ("attention", "fwd", expected_path, "bf16")
     assert rec["shape"] == {"B": 1, "Sq": 64, "Sk": 64, "H": 2, "Hk": 1, "D": 16, "Dv": 16}
     assert rec["flops"] == 4 * 16 * 64 * 64 * 2
@@ -194,7 +194,7 @@ def test_kvcache_records_the_visible_cache(path):
     with flashtile.profile() as prof:
         flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
     (rec,) = prof.records
-    assert (rec["op"], rec["pass"], rec["path"]) == ("kvcache", "fwd", "cpu" if path == "cpu" else "triton-interpreter")
+    assert (rec["op"], rec["pass"], rec["path"]) == ("kvcache", "fwd", "cpu-decode" if path == "cpu" else "split-kv")
     assert rec["shape"]["seqlen_cache"] == 100 and rec["shape"]["seqlen_new"] == 1
     visible = [11, 51]  # the cache lengths after appending one token
     assert rec["flops"] == sum(4 * 8 * 4 * n for n in visible)
@@ -213,7 +213,7 @@ def test_nothing_is_recorded_or_synchronised_outside_a_profile(monkeypatch):
     with flashtile.profile() as prof:
         flashtile.flash_attn_func(q, k, v).sum().backward()
     assert _backend.RECORDING is None
-    assert not isinstance(_backend.attention_path(q.device), profiler._RecordedPath)
+    assert not isinstance(_backend.path_module(q.device), profiler._RecordedPath)
     flashtile.flash_attn_func(q, k, v).sum().backward()
     assert len(prof.records) == 2
     assert calls == []  # the CPU path times by the wall clock; off, nothing at all
@@ -281,7 +281,7 @@ def test_cuda_passes_are_timed_without_synchronising(monkeypatch):
         flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
         assert synchronized == [] and len(prof._pending) == 2
     fwd, bwd = prof.records
-    assert fwd["path"] in ("triton", "gluon-sm90") and fwd["time_ms"] > 0 and bwd["time_ms"] > 0
+    assert fwd["path"] in ("triton", "sm90-gluon") and fwd["time_ms"] > 0 and bwd["time_ms"] > 0
     assert fwd["reason"]
 
 
@@ -359,23 +359,17 @@ def test_compiled_calls_are_recorded(monkeypatch):
     assert [(r["op"], r["pass"]) for r in prof.records] == [("attention", "fwd"), ("attention", "bwd")]
 
 
-def test_why_the_sm90_kernels_do_not_run(monkeypatch):
-    """The reasons of ``profiler._gluon_missing`` as an H100/H200 would give them (the capability faked; the
-    kernels' ``qualifies`` read only shapes, dtypes and strides)."""
-    monkeypatch.setattr(_backend, "GLUON", True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    q, k, v = _qkv(1, 128, 128, 2, 2, 64)
-    base = {"q": q, "k": k, "v": v, "dout": q, "window_left": None, "window_right": 0, "softcap": 0.0,
-            "alibi_slopes": None, "dropout_p": 0.0, "learnable_sink": None, "softmax_scale": 0.125}  # fmt: skip
-    assert profiler._gluon_missing("attention", "fwd", base) is None
-    assert profiler._gluon_missing("attention", "bwd", {**base, "deterministic": False}) is None
-    assert "deterministic=True" in profiler._gluon_missing("attention", "bwd", {**base, "deterministic": True})
-    assert "softcap" in profiler._gluon_missing("attention", "fwd", {**base, "softcap": 30.0})
-    assert "a window" in profiler._gluon_missing("attention", "fwd", {**base, "window_left": 16})
-    assert "packed" in profiler._gluon_missing("varlen_attention", "fwd", base)
-    fp32 = {**base, "q": q.float(), "k": k.float(), "v": v.float()}
-    assert "bf16/fp16" in profiler._gluon_missing("attention", "fwd", fp32)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert "sm_80" in profiler._gluon_missing("attention", "fwd", base)
-    monkeypatch.setattr(_backend, "GLUON", False)
-    assert profiler._gluon_missing("attention", "fwd", base) == "FLASHTILE_GLUON=0"
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_records_carry_the_dispatchers_choice(monkeypatch, softcap):
+    """Each record's path is what the dispatcher runs (``flashtile.explain`` asks it too): on the CPU path torch's
+    fused kernel, or the tiled route where an option (softcap) keeps that kernel out; its reason names the faster
+    families passed over."""
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)  # flashtile.cpu
+    q, k, v = _qkv(1, 16, 16, 2, 2, 16, grad=True)
+    with flashtile.profile() as prof:
+        flashtile.flash_attn_func(q, k, v, causal=True, softcap=softcap).sum().backward()
+    expected = flashtile.explain(q, k, v, causal=True, softcap=softcap)
+    paths = [r["path"] for r in prof.records]
+    assert paths == [expected.forward.path, expected.backward.path]
+    assert paths == (["cpu-tiled", "cpu-tiled"] if softcap else ["cpu-torch", "cpu-torch"])
+    assert all("not sm90-gluon" in r["reason"] for r in prof.records)

@@ -164,8 +164,9 @@ def test_opcheck(path):
     q, k, v = (t.requires_grad_() for t in (x.q, x.k_pages, x.v_pages))
     rng = torch.tensor([123, 4], dtype=torch.int64, device=DEVICE)
     args = (q, k, v, x.cu_q, x.cu_k, 30, 30, 0.2, None, 0, slopes_like((3, 4)), 5.0, sinks_like(4).requires_grad_(),
-            0.2, rng, x.block_table)  # fmt: skip
-    torch.library.opcheck(torch.ops.flashtile.varlen_attention_forward.default, args)
+            0.2, rng)  # fmt: skip
+    op = torch.ops.flashtile.varlen_attention_forward.default
+    torch.library.opcheck(op, args, kwargs=dict(block_table=x.block_table))
 
 
 def test_compile_fullgraph(path):

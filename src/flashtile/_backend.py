@@ -1,4 +1,4 @@
-"""The one place that decides which implementation runs.
+"""The one place that decides which implementation runs: the path for a device, and the kernel family of each pass.
 
 | input                                                        | path                              |
 |--------------------------------------------------------------|-----------------------------------|
@@ -8,17 +8,25 @@
 
 Nothing else in flashtile reads the environment. Under the interpreter, this module first installs
 ``flashtile._interpreter``'s fixes (the interpreter computes bf16 products and casts, and reads some masks, unlike a
-GPU). On a Hopper GPU (sm_90) the forwards and backwards that qualify run Gluon kernels instead of the Triton ones
-(``ops.sm90.forward``, ``ops.sm90.backward``; ``FLASHTILE_GLUON=0`` turns them off). It also holds the
-value-check switch: whether checks that need the *values* of index tensors (``cache_seqlens``, ``block_table``,
-``cu_seqlens``, ...) run (``values_checked``); see docs/validation.md. Each path module provides
-``attention_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap,
-learnable_sink, dropout_p, rng_state) -> (out, lse)``, ``attention_backward(dout, q, k, v, out, lse,
-softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink, dropout_p,
-rng_state) -> (dq, dk, dv)``,
-``attention_delta(dout, out, dlse) -> delta``, and ``varlen_attention_forward`` /
-``varlen_attention_backward``: the same on packed (total, nheads, headdim) batches with cu_seqlens (the
-forward also takes a trailing ``block_table``: paged keys and values).
+GPU). It also holds the value-check switch: whether checks that need the *values* of index tensors
+(``cache_seqlens``, ``block_table``, ``cu_seqlens``, ...) run (``values_checked``); see docs/validation.md.
+
+Kernel families, fastest first (``forward_choice``, ``backward_choice``, ``decode_choice``):
+
+- ``sm90-gluon``: ``ops.sm90.forward`` / ``ops.sm90.backward``, on an sm_90 GPU (``gluon_refusal``) for the calls
+  that module's ``qualifies``;
+- ``triton``: ``ops.attention``, compiled, for CUDA tensors;
+- ``triton-interpreter``: ``ops.attention`` run by the Triton interpreter, for CPU tensors with TRITON_INTERPRET=1;
+- ``cpu``: ``flashtile.cpu`` for other CPU tensors, which runs torch's fused kernel (``cpu-torch``) or its tiled
+  algorithm (``cpu-tiled``) by ``cpu.torch_kernel_route``, per call (per sequence of a packed batch);
+- decode (``flash_attn_with_kvcache``): ``split-kv`` (``ops.decode``, compiled or interpreted) or ``cpu-decode``.
+
+Each condition that fails gives a reason (a ``Verdict``): ``flashtile.explain`` prints them for a call, and
+``pass_paths`` gives (path, reason) per pass cheaply (what a profiler labels its records with). Each path module
+provides ``attention_forward(q, k, v, options) -> (out, lse)`` and ``attention_backward(dout, q, k, v, out, lse,
+options, dlse=None, dmask=None) -> (dq, dk, dv)`` (the sm_90 modules without dmask), and the portable ones
+``attention_delta(dout, out, dlse)`` and ``varlen_attention_forward`` / ``varlen_attention_backward`` on packed
+(total, nheads, headdim) batches; ``options`` is an ``options.AttentionOptions``.
 """
 
 from __future__ import annotations
@@ -28,12 +36,17 @@ import contextvars
 import functools
 import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from flashtile.errors import InputError
+
+if TYPE_CHECKING:
+    from flashtile.options import AttentionOptions
 
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if TRITON_INTERPRET:  # before any kernel runs: the interpreter computes bf16 and some masks unlike a GPU
@@ -107,15 +120,9 @@ def path_name(device: torch.device) -> str:
 
 
 RECORDING = None
-"""The active ``flashtile.profile()`` (a ``flashtile.profiler.Profile``) or None: while set, the attention passes
-(``attention_path``) and decoding steps (``kvcache``) record into it; None costs one check per pass."""
-
-
-def attention_path(device: torch.device) -> ModuleType:
-    """The module that implements attention for tensors on ``device`` (inside ``flashtile.profile()``, that module
-    with its passes recorded)."""
-    path = imported("flashtile.cpu" if path_name(device) == "cpu" else "flashtile.ops.attention")
-    return path if RECORDING is None else RECORDING.attention_path(path)
+"""The active ``flashtile.profile()`` (a ``flashtile.profiler.Profile``) or None: while set, the modules the dispatcher
+hands out (``family_module``, ``path_module``) and the decoding step (``kvcache``) record each pass into it; None
+costs one check per pass."""
 
 
 @functools.cache
@@ -124,3 +131,171 @@ def imported(name: str) -> ModuleType:
     import time (the CPU path, the kernels' launchers, Gluon only on sm_90 GPUs); an import statement in a function
     runs the import system's lookup on every call."""
     return importlib.import_module(name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel families: which one runs each pass, and why the faster ones do not
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether a kernel family serves a call: yes (no reasons; true), or every reason it does not (false)."""
+
+    reasons: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return not self.reasons
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons) if self.reasons else "qualifies"
+
+
+YES = Verdict()
+
+
+def verdict(reasons: Iterable[str | None]) -> Verdict:
+    """The Verdict of these conditions: each a reason the family does not apply, or None where it holds."""
+    found = tuple(reason for reason in reasons if reason)
+    return Verdict(found) if found else YES
+
+
+SM90_GLUON = "sm90-gluon"
+TRITON = "triton"
+FAMILY_MODULES = {
+    (SM90_GLUON, "forward"): "flashtile.ops.sm90.forward",
+    (SM90_GLUON, "backward"): "flashtile.ops.sm90.backward",
+    (TRITON, "forward"): "flashtile.ops.attention",
+    (TRITON, "backward"): "flashtile.ops.attention",
+    ("triton-interpreter", "forward"): "flashtile.ops.attention",
+    ("triton-interpreter", "backward"): "flashtile.ops.attention",
+    ("cpu", "forward"): "flashtile.cpu",
+    ("cpu", "backward"): "flashtile.cpu",
+}
+"""The module that runs each (family, pass): its ``attention_forward`` / ``attention_backward``."""
+
+
+class Choice(NamedTuple):
+    """The kernel family that runs a pass (``path``: a key of FAMILY_MODULES' families), and each faster family
+    that does not apply with its Verdict (``passed_over``, fastest first)."""
+
+    path: str
+    passed_over: tuple[tuple[str, Verdict], ...]
+
+    @property
+    def reason(self) -> str:
+        """Why this family runs: why each faster one does not apply."""
+        if not self.passed_over:
+            return "the fastest family for this device"
+        return "; ".join(f"not {family}: {v.reason}" for family, v in self.passed_over)
+
+
+def gluon_refusal(device: torch.device) -> str | None:
+    """Why calls on ``device`` cannot take the sm_90 Gluon kernels (``ops.sm90``), or None where they may: switched
+    on (``GLUON``) and an sm_90 GPU. Asked before anything of ``ops.sm90`` is imported, so other devices never import
+    Gluon."""
+    if not GLUON:
+        return "switched off (FLASHTILE_GLUON=0)"
+    if device.type != "cuda":
+        return f"the device is {device.type}, not an sm_90 GPU"
+    major, minor = imported("flashtile.ops.common.grid").compute_capability(device.index)
+    if (major, minor) != (9, 0):
+        return f"the GPU is sm_{major}{minor}, not sm_90"
+    return None
+
+
+def _choice(device: torch.device, sm90: Verdict) -> Choice:
+    """The family of a pass on ``device`` given the sm_90 family's verdict: sm_90 if it qualifies, else the device's
+    path, after the compiled Triton kernels on a CPU tensor."""
+    if sm90:
+        return Choice(SM90_GLUON, ())
+    path = path_name(device)
+    passed = ((SM90_GLUON, sm90),)
+    if path != TRITON:
+        passed += ((TRITON, Verdict((f"the device is {device.type}, not a CUDA GPU",))),)
+    return Choice(path, passed)
+
+
+def _sm90_verdict(pass_name: str, device: torch.device, every: bool, *args, **kwargs) -> Verdict:
+    """The sm_90 family's verdict: the device's (``gluon_refusal``), then its module's ``qualifies(*args, **kwargs)``
+    (with ``every``, even where the device refuses: every condition's reason)."""
+    refusal = gluon_refusal(device)
+    if refusal is not None and not every:
+        return Verdict((refusal,))
+    found = imported(FAMILY_MODULES[SM90_GLUON, pass_name]).qualifies(*args, **kwargs)
+    return verdict((refusal, *found.reasons)) if refusal is not None else found
+
+
+def forward_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, *,
+                   varlen: bool = False, every: bool = False) -> Choice:  # fmt: skip
+    """The family that runs the forward of attention(q, k, v, options) (packed q, k, v if ``varlen``). every: give
+    every reason of the sm_90 family (for ``flashtile.explain``), not only the device's where that refuses."""
+    sm90 = _sm90_verdict("forward", q.device, every, q, k, v, options, varlen=varlen)
+    return _choice(q.device, sm90)
+
+
+def backward_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, options: AttentionOptions,
+                    *, varlen: bool = False, every: bool = False) -> Choice:  # fmt: skip
+    """The family that runs the backward (``forward_choice``'s, with the gradient ``dout`` of out)."""
+    sm90 = _sm90_verdict("backward", q.device, every, q, k, v, dout, options, varlen=varlen)
+    return _choice(q.device, sm90)
+
+
+def family_module(choice: Choice, pass_name: str) -> ModuleType:
+    """The module that runs ``pass_name`` ('forward' or 'backward') for ``choice`` (inside ``flashtile.profile()``,
+    with its passes recorded under ``choice``)."""
+    module = imported(FAMILY_MODULES[choice.path, pass_name])
+    return module if RECORDING is None else RECORDING.attention_path(module, choice)
+
+
+def path_module(device: torch.device) -> ModuleType:
+    """The portable path's module for ``device`` (``ops.attention`` or ``cpu``): the varlen passes and the delta
+    (inside ``flashtile.profile()``, with its passes recorded)."""
+    module = imported(FAMILY_MODULES[path_name(device), "forward"])
+    return module if RECORDING is None else RECORDING.attention_path(module)
+
+
+def decode_choice(device: torch.device) -> Choice:
+    """The family of ``flash_attn_with_kvcache``: the split-KV Triton kernel (``ops.decode``, compiled or
+    interpreted) or the CPU path's (``cpu_decode``)."""
+    if path_name(device) == "cpu":
+        return Choice("cpu-decode", (("split-kv", Verdict((f"the device is {device.type}, not a CUDA GPU",))),))
+    return Choice("split-kv", ())
+
+
+DECODE_MODULES = {"split-kv": "flashtile.ops.decode", "cpu-decode": "flashtile.cpu_decode"}
+
+
+def resolved(choice: Choice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
+             varlen: bool = False) -> Choice:  # fmt: skip
+    """``choice`` with the CPU path resolved to its route: 'cpu-torch' (torch's fused kernel) or 'cpu-tiled', by
+    ``cpu.torch_kernel_route`` (a call with no gradient at the LSE or the mask). A packed batch stays 'cpu': it takes
+    the route per sequence."""
+    if choice.path != "cpu" or varlen:
+        return choice
+    route, found = imported("flashtile.cpu").torch_kernel_route(q, k, v, options)
+    if route is not None:
+        return Choice("cpu-torch", choice.passed_over)
+    return Choice("cpu-tiled", (*choice.passed_over, ("cpu-torch", found)))
+
+
+def pass_paths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, *,
+               dout: torch.Tensor | None = None, varlen: bool = False) -> dict[str, tuple[str, str]]:  # fmt: skip
+    """(path, reason) of the forward and the backward of attention(q, k, v, options), as the dispatcher decides them
+    (``forward_choice``, ``backward_choice``; the CPU path's route by ``resolved``): what a profiler labels each pass
+    with. dout: the gradient of out (default: a contiguous one, as autograd gives). Launches nothing."""
+    choices = pass_choices(q, k, v, options, dout=dout, varlen=varlen)
+    return {pass_name: (choice.path, choice.reason) for pass_name, choice in choices.items()}
+
+
+def pass_choices(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, *, dout: torch.Tensor | None = None,
+    varlen: bool = False, every: bool = False,
+) -> dict[str, Choice]:  # fmt: skip
+    """``pass_paths``' Choices: {'forward': ..., 'backward': ...} (every: every reason of the sm_90 family)."""
+    if dout is None:
+        dout = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device="meta")
+    forward = forward_choice(q, k, v, options, varlen=varlen, every=every)
+    backward = backward_choice(q, k, v, dout, options, varlen=varlen, every=every)
+    return {name: resolved(choice, q, k, v, options, varlen) for name, choice in (("forward", forward),
+                                                                                  ("backward", backward))}  # fmt: skip

@@ -1,7 +1,7 @@
 """Attention as ``torch.library`` custom ops, so ``torch.compile(fullgraph=True)`` traces through it.
 
-``flashtile::attention_forward`` and ``flashtile::attention_backward`` run whichever path
-``_backend`` picks for the inputs' device; ``register_fake`` gives their output shapes to the
+``flashtile::attention_forward`` and ``flashtile::attention_backward`` run whichever kernel family the
+dispatcher picks (``_backend.forward_choice`` / ``backward_choice``); ``register_fake`` gives their output shapes to the
 compiler and ``register_autograd`` wires the backward, recomputing attention from the saved LSE.
 ``flashtile::attention_sink_backward`` gives the gradient of a learnable sink.
 ``flashtile::varlen_attention_forward`` / ``varlen_attention_backward`` are the same for packed
@@ -10,12 +10,13 @@ trailing ``block_table`` makes k and v pages (flash_attn_varlen_func's paged K/V
 place, the backward gathers them into packed keys, runs the unpaged backward and adds the key gradients
 back into pages (``flashtile.paged``), inside the op, so that torch.compile sees fixed shapes.
 ``attention_forward`` also takes SDPA's ``attn_mask`` (boolean or additive, 4-D with each dimension 1 or
-full); its backward is ``flashtile::masked_attention_backward``, which also returns the mask's gradient.
+full); ``attention_backward`` then also returns the mask's gradient (empty unless ``mask_needs_grad``).
 Inputs reaching these ops are already validated (``interface``) and have a contiguous last dimension.
 
-The score modifications (``alibi_slopes``, ``softcap``), ``learnable_sink`` and dropout (``dropout_p``,
-``rng_state``) are trailing arguments with defaults, so callers that predate them
-(``flashtile.distributed``) keep working unchanged.
+The public functions decide a call's options once, as an ``options.AttentionOptions``; the ops take them as flat
+arguments (torch.library needs a flat schema), made from the dataclass's fields in one place (``OPTIONS_SCHEMA``,
+``_flat``, ``AttentionOptions(*flat)``) and named like its fields. Every option has a default but softmax_scale, so
+``torch.ops.flashtile.attention_forward(q, k, v, scale, left, right, softcap=...)`` works as written.
 
 Dropout's randomness is an input, not a side effect: ``rng_state`` is an int64 tensor (2,) = [seed,
 philox offset] on q's device, drawn from torch's generator by the public functions
@@ -37,12 +38,39 @@ implementations (``_DIRECT``) instead of the ops (``_OPS``) for the backward's l
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
 
-from flashtile import paged
-from flashtile._backend import attention_path
+from flashtile import _backend, paged
+from flashtile.options import AttentionOptions
+
+_SCHEMA_TYPES = {"float": "float", "int | None": "SymInt?", "torch.Tensor | None": "Tensor?", "bool": "bool"}
+
+
+def _schema_argument(field: dataclasses.Field) -> str:
+    default = "" if field.default is dataclasses.MISSING else f"={field.default}"
+    return f"{_SCHEMA_TYPES[field.type]} {field.name}{default}"
+
+
+_OPTION_FIELDS = dataclasses.fields(AttentionOptions)
+OPTIONS_SCHEMA = ", ".join(map(_schema_argument, _OPTION_FIELDS))
+"""The options' part of the ops' schemas: one argument per field of ``AttentionOptions``, in its order."""
+
+_OPTION_NAMES = tuple(field.name for field in _OPTION_FIELDS)
+
+
+def _flat(options: AttentionOptions) -> tuple:
+    """The options' flat arguments, in ``OPTIONS_SCHEMA``'s order: ``AttentionOptions(*_flat(options))`` is
+    ``options``."""
+    return tuple([getattr(options, name) for name in _OPTION_NAMES])
+
+
+def _op(name: str, schema: str, implementation):
+    """The custom op ``flashtile::name`` with this schema (``OPTIONS`` stands for the options' arguments)."""
+    schema = schema.replace("OPTIONS", OPTIONS_SCHEMA)
+    return torch.library.custom_op(f"flashtile::{name}", implementation, mutates_args=(), schema=schema)
 
 
 def _empty(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -63,47 +91,27 @@ def _empty_forward(
     return out, sink.expand(lse_shape).contiguous()
 
 
-def _attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-    deterministic: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), lse (B, H, Sq) fp32.
-
-    Query i sees key j when i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right; a side
-    given as None is unbounded. Scores: scale * q.k, capped to softcap * tanh(. / softcap) if
-    softcap > 0, minus alibi_slopes[(b,) h] * |i + Sk - Sq - j| if given; learnable_sink (H,) fp32
-    joins each row's softmax denominator (and the LSE). dropout_p > 0 drops each probability with that
-    probability (keep mask from rng_state, int64 (2,) [seed, offset]) and scales the kept by 1 / (1 - p);
-    the LSE is unchanged. attn_mask (SDPA's): 4-D, each dimension 1 or (B, H, Sq, Sk)'s, boolean (True =
-    attend) or additive (added to the scaled scores); it is read through a broadcast view, never expanded.
-    deterministic is for the backward (the autograd context keeps it): False allows atomics there.
-    """
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions):
+    """q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv) -> out (B, Sq, H, Dv), lse (B, H, Sq) fp32, by the
+    family ``_backend.forward_choice`` picks (``options.AttentionOptions`` says what each option does). An
+    attn_mask is read through a (B, H, Sq, Sk) broadcast view, never expanded."""
     if _empty(q, k):
-        return _empty_forward(q, learnable_sink, (*q.shape[:3], v.shape[3]), (q.shape[0], q.shape[2], q.shape[1]), 1)
-    path = attention_path(q.device)
-    if attn_mask is None:
-        return path.attention_forward(
-            q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, learnable_sink, dropout_p,
-            rng_state,
-        )  # fmt: skip
-    return path.attention_forward(
-        q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, learnable_sink, dropout_p, rng_state,
-        attn_mask=_mask_view(attn_mask, q, k),
-    )  # fmt: skip
+        return _empty_forward(
+            q, options.learnable_sink, (*q.shape[:3], v.shape[3]), (q.shape[0], q.shape[2], q.shape[1]), 1
+        )
+    if options.attn_mask is not None:
+        options = dataclasses.replace(options, attn_mask=_mask_view(options.attn_mask, q, k))
+    choice = _backend.forward_choice(q, k, v, options)
+    return _backend.family_module(choice, "forward").attention_forward(q, k, v, options)
 
 
-attention_forward = torch.library.custom_op("flashtile::attention_forward", _attention_forward, mutates_args=())
+def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *flat) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, AttentionOptions(*flat))
+
+
+attention_forward = _op(
+    "attention_forward", "(Tensor q, Tensor k, Tensor v, OPTIONS) -> (Tensor, Tensor)", _attention_forward
+)
 
 
 def _mask_view(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -112,7 +120,7 @@ def _mask_view(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tor
 
 
 @attention_forward.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, *options):
+def _(q, k, v, *flat):
     batch, seqlen_q, nheads, _ = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, v.shape[3]))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -127,34 +135,58 @@ def _attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    deterministic: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse, or None.
+    *trailing,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv, dmask): dq, dk, dv shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse,
+    or None. The options are the forward's; the sink's gradient is ``attention_sink_backward``; deterministic=False
+    allows a kernel whose atomics make the bits vary from run to run.
 
-    The sink's gradient is ``attention_sink_backward``. dropout_p and rng_state: the forward's.
-    deterministic: False allows a kernel whose atomics make the bits vary from run to run."""
+    With SDPA's attn_mask (no window, no sink) and mask_needs_grad (an additive mask), dmask is the gradient at the
+    mask, shaped and typed like it: dS = P (dP - delta) of every (b, h, i, j), written by the dQ pass into a
+    (B, H, Sq, Sk) fp32 buffer and summed over the mask's broadcast dimensions; otherwise an empty tensor."""
+    options, mask_needs_grad = _options_and(trailing, False)
+    attn_mask = options.attn_mask
+    no_dmask = q.new_empty((0,)) if attn_mask is None else attn_mask.new_empty((0,))
     if _empty(q, k):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return attention_path(q.device).attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink,
-        dropout_p, rng_state, deterministic=deterministic,
-    )  # fmt: skip
+        dmask = torch.zeros_like(attn_mask) if mask_needs_grad else no_dmask
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
+    dmask = None
+    if attn_mask is not None:
+        options = dataclasses.replace(options, attn_mask=_mask_view(attn_mask, q, k))
+        if mask_needs_grad:
+            dmask = torch.zeros(options.attn_mask.shape, dtype=torch.float32, device=q.device)
+    choice = _backend.backward_choice(q, k, v, dout, options)
+    module = _backend.family_module(choice, "backward")
+    if dmask is None:
+        return (*module.attention_backward(dout, q, k, v, out, lse, options, dlse), no_dmask)
+    dq, dk, dv = module.attention_backward(dout, q, k, v, out, lse, options, dlse, dmask=dmask)
+    return dq, dk, dv, dmask.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
 
 
-attention_backward = torch.library.custom_op("flashtile::attention_backward", _attention_backward, mutates_args=())
+def _options_and(trailing: tuple, default) -> tuple[AttentionOptions, object]:
+    """(the options, the argument after them) from a custom op's trailing arguments as the call passed them (the
+    options' defaults, and ``default`` for the last, where it stopped early)."""
+    count = len(_OPTION_FIELDS)
+    return AttentionOptions(*trailing[:count]), (trailing[count] if len(trailing) > count else default)
+
+
+attention_backward = _op(
+    "attention_backward",
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, OPTIONS, "
+    "bool mask_needs_grad=False) -> (Tensor, Tensor, Tensor, Tensor)",
+    _attention_backward,
+)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, *options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, dlse, *trailing):
+    options, mask_needs_grad = _options_and(trailing, False)
+    attn_mask = options.attn_mask
+    if mask_needs_grad:
+        dmask = torch.empty_like(attn_mask)
+    else:
+        dmask = q.new_empty((0,)) if attn_mask is None else attn_mask.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _attention_sink_backward(
@@ -165,7 +197,7 @@ def _attention_sink_backward(
     delta_i = rowsum(dout_i * out_i) - dlse_i (a row whose lse is -inf has no share)."""
     if out.numel() == 0:  # no rows: the sink had no share
         return torch.zeros_like(learnable_sink)
-    delta = attention_path(out.device).attention_delta(dout, out, dlse)  # (B, H, Sq)
+    delta = _backend.path_module(out.device).attention_delta(dout, out, dlse)  # (B, H, Sq)
     log_share = learnable_sink.float()[None, :, None] - lse
     share = torch.where(lse == float("-inf"), 0.0, torch.exp(log_share))
     return -(share * delta).sum(dim=(0, 2)).to(learnable_sink.dtype)
@@ -181,73 +213,55 @@ def _(dout, out, lse, dlse, learnable_sink):
     return torch.empty_like(learnable_sink)
 
 
-def _masked_attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    softmax_scale: float,
-    alibi_slopes: torch.Tensor | None,
-    softcap: float,
-    dropout_p: float,
-    rng_state: torch.Tensor | None,
-    attn_mask: torch.Tensor,
-    mask_needs_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``attention_backward`` with SDPA's attn_mask (no window): (dq, dk, dv, dmask). With mask_needs_grad
-    (an additive mask), dmask is the gradient at the mask, shaped and typed like it: dS = P (dP - delta)
-    of every (b, h, i, j), written by the dQ pass into a (B, H, Sq, Sk) fp32 buffer and summed over the
-    mask's broadcast dimensions; otherwise an empty tensor."""
-    if _empty(q, k):
-        dmask = torch.zeros_like(attn_mask) if mask_needs_grad else attn_mask.new_empty((0,))
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
-    view = _mask_view(attn_mask, q, k)
-    dmask = None
-    if mask_needs_grad:
-        dmask = torch.zeros(view.shape, dtype=torch.float32, device=q.device)
-    dq, dk, dv = attention_path(q.device).attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, None, None, dlse, alibi_slopes, softcap, None, dropout_p, rng_state,
-        attn_mask=view, dmask=dmask,
-    )  # fmt: skip
-    if dmask is None:
-        return dq, dk, dv, attn_mask.new_empty((0,))
-    return dq, dk, dv, dmask.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+_FORWARD_INPUTS = ("q", "k", "v", *_OPTION_NAMES)
+"""The inputs of ``attention_forward`` in order (autograd's needs_input_grad and gradients, by name)."""
 
 
-masked_attention_backward = torch.library.custom_op(
-    "flashtile::masked_attention_backward", _masked_attention_backward, mutates_args=()
-)
+def _tensors_of(options: AttentionOptions) -> tuple:
+    return options.alibi_slopes, options.learnable_sink, options.rng_state, options.attn_mask
 
 
-@masked_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, alibi_slopes, softcap, dropout_p, rng_state, attn_mask,
-      mask_needs_grad):  # fmt: skip
-    dmask = torch.empty_like(attn_mask) if mask_needs_grad else attn_mask.new_empty((0,))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+def _save_options(ctx, options: AttentionOptions, num_inputs: int) -> None:
+    """Keep ``options`` for the backward: its tensors saved (``_tensors_of``), the rest on ``ctx``; and how many inputs
+    the op was given (under torch.compile trailing defaults may be left out: the backward returns that many)."""
+    ctx.options = dataclasses.replace(options, alibi_slopes=None, learnable_sink=None, rng_state=None, attn_mask=None)
+    ctx.num_inputs = num_inputs
 
 
-OPTION_DEFAULTS = (None, 0.0, None, 0.0, None, None, True)
-"""``attention_forward``'s trailing arguments when not given: alibi_slopes, softcap, learnable_sink, dropout_p,
-rng_state, attn_mask, deterministic."""
-_VARLEN_OPTION_DEFAULTS = (*OPTION_DEFAULTS[:5], None)  # the varlen op's: the first five, then block_table
+def _input_grads(ctx, names: tuple[str, ...], grads: dict) -> tuple:
+    """The backward's gradients of the op's ``names`` inputs, as many as it was given (``_save_options``)."""
+    return tuple(grads.get(name) for name in names[: ctx.num_inputs])
+
+
+def _needs_grad(ctx, names: tuple[str, ...], name: str) -> bool:
+    index = names.index(name)
+    return index < ctx.num_inputs and ctx.needs_input_grad[index]
+
+
+def _saved_options(ctx, tensors: tuple) -> AttentionOptions:
+    alibi_slopes, learnable_sink, rng_state, attn_mask = tensors
+    return dataclasses.replace(
+        ctx.options, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, rng_state=rng_state, attn_mask=attn_mask
+    )
+
+
+def _grad_inputs(dout: torch.Tensor | None, out: torch.Tensor, dlse: torch.Tensor | None):
+    """dout (zeros where the loss does not use out) with a contiguous last dimension, and dlse float32 contiguous."""
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    return dout, dlse
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, *options = inputs
-    alibi_slopes, softcap, learnable_sink, dropout_p, rng_state, attn_mask, deterministic = (
-        *options, *OPTION_DEFAULTS[len(options) :]
-    )  # fmt: skip
+    q, k, v, *flat = inputs
+    options = AttentionOptions(*flat)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state, attn_mask)
-    ctx.softmax_scale = softmax_scale
-    ctx.window = (window_left, window_right)
-    ctx.softcap = softcap
-    ctx.dropout_p = dropout_p
-    ctx.deterministic = deterministic
-    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(q, k, v, out, lse, *_tensors_of(options))
+    _save_options(ctx, options, len(inputs))
     # An output the loss does not use (lse, usually) gets None, not a zero tensor: no (B, H, Sq) fill and
     # no dlse read per backward. Same results: delta = rowsum(dout * out) - 0 is rowsum(dout * out).
     ctx.set_materialize_grads(False)
@@ -256,32 +270,19 @@ def _setup_context(ctx, inputs, output):
 def _backward_with(ops, ctx, dout, dlse):
     """The backward of ``attention_forward`` (``register_autograd``'s function), launching through ``ops``:
     ``_OPS`` (the custom ops, which torch.compile traces) or ``_DIRECT`` (their implementations)."""
-    q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state, attn_mask = ctx.saved_tensors
-    window_left, window_right = ctx.window
-    if dout is None:
-        dout = torch.zeros_like(out)
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    if dlse is not None:
-        dlse = dlse.float().contiguous()
-    dmask = None
-    if attn_mask is None:
-        dq, dk, dv = ops.attention_backward(
-            dout, q, k, v, out, lse, dlse, ctx.softmax_scale, window_left, window_right,
-            alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state, ctx.deterministic,
-        )  # fmt: skip
-    else:  # SDPA's attn_mask: no window, no sink (the public function combines neither with it)
-        needs_grad = ctx.needs_input_grad[11] and attn_mask.is_floating_point()
-        dq, dk, dv, dmask = ops.masked_attention_backward(
-            dout, q, k, v, out, lse, dlse, ctx.softmax_scale, alibi_slopes, ctx.softcap, ctx.dropout_p, rng_state,
-            attn_mask, needs_grad,
-        )  # fmt: skip
-        dmask = dmask if needs_grad else None
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    options = _saved_options(ctx, tensors)
+    dout, dlse = _grad_inputs(dout, out, dlse)
+    attn_mask = options.attn_mask
+    mask_needs_grad = attn_mask is not None and _needs_grad(ctx, _FORWARD_INPUTS, "attn_mask")
+    mask_needs_grad = mask_needs_grad and attn_mask.is_floating_point()
+    dq, dk, dv, dmask = ops.attention_backward(dout, q, k, v, out, lse, dlse, *_flat(options), mask_needs_grad)
     dsink = None
-    if learnable_sink is not None and ctx.needs_input_grad[8]:
-        dsink = ops.attention_sink_backward(dout, out, lse, dlse, learnable_sink)
-    grads = (dq, dk, dv, None, None, None, None, None, dsink, None, None, dmask, None)  # alibi: none (flash_attn)
-    return grads[: ctx.num_inputs]
+    if options.learnable_sink is not None and _needs_grad(ctx, _FORWARD_INPUTS, "learnable_sink"):
+        dsink = ops.attention_sink_backward(dout, out, lse, dlse, options.learnable_sink)
+    # alibi_slopes get no gradient (as in flash_attn)
+    grads = dict(q=dq, k=dk, v=dv, learnable_sink=dsink, attn_mask=dmask if mask_needs_grad else None)
+    return _input_grads(ctx, _FORWARD_INPUTS, grads)
 
 
 def _backward(ctx, dout, dlse):
@@ -303,15 +304,7 @@ def _varlen_attention_forward(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
+    *trailing,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward`` per sequence of a packed batch -> out (total_q, H, Dv), lse (H, total_q) fp32.
 
@@ -319,114 +312,103 @@ def _varlen_attention_forward(
     of k and v; masks and ALiBi distances are measured within it ((batch, H) slopes: row b is its own).
     With block_table (batch, max_blocks) int32, k and v are pages (num_blocks, page_block_size, Hk, D / Dv):
     key j of sequence b is row j % page_block_size of page block_table[b, j // page_block_size]."""
+    options, block_table = _options_and(trailing, None)
     if _empty(q, k):
-        return _empty_forward(q, learnable_sink, (*q.shape[:2], v.shape[-1]), (q.shape[1], q.shape[0]), 0)
-    return attention_path(q.device).varlen_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-        alibi_slopes, softcap, learnable_sink, dropout_p, rng_state, block_table,
-    )  # fmt: skip
+        return _empty_forward(q, options.learnable_sink, (*q.shape[:2], v.shape[-1]), (q.shape[1], q.shape[0]), 0)
+    return _backend.path_module(q.device).varlen_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, block_table
+    )
 
 
-varlen_attention_forward = torch.library.custom_op(
-    "flashtile::varlen_attention_forward", _varlen_attention_forward, mutates_args=()
+_VARLEN_INPUTS = "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, " \
+    "SymInt max_seqlen_k, OPTIONS, Tensor? block_table=None"  # fmt: skip
+varlen_attention_forward = _op(
+    "varlen_attention_forward", f"({_VARLEN_INPUTS}) -> (Tensor, Tensor)", _varlen_attention_forward
 )
 
 
 @varlen_attention_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-      *options):  # fmt: skip
+def _(q, k, v, *rest):
     total_q, nheads, _ = q.shape
     return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
 
 def _varlen_attention_backward(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
+    *trailing,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (H, total_q) fp32 or None. Rows of k/v that
-    no query sees (e.g. of a sequence without queries) get zero gradients.
+    """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (H, total_q) fp32 or None; the rest as the forward's. Rows
+    of k/v that no query sees (e.g. of a sequence without queries) get zero gradients.
 
     With a block_table (paged k and v, as in the forward; flash_attn has no backward for them) the pages
     are gathered into packed keys, the unpaged backward runs on those, and dk, dv are its gradients added
     back into pages (``flashtile.paged``): a page that several sequences use gets their sum, one that none
     uses zeros. Sizing the packed keys reads cu_seqlens_k[-1] on the host (one synchronisation on CUDA)."""
+    options, block_table = _options_and(trailing, None)
     if _empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     slots = None if block_table is None else paged.packed_slots(block_table, cu_seqlens_k, k)
     packed_k, packed_v = (k, v) if slots is None else (k[slots], v[slots])
-    dq, dk, dv = attention_path(q.device).varlen_attention_backward(
-        dout, q, packed_k, packed_v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-        window_left, window_right, dlse, alibi_slopes, softcap, learnable_sink, dropout_p, rng_state,
+    dq, dk, dv = _backend.path_module(q.device).varlen_attention_backward(
+        dout, q, packed_k, packed_v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dlse,
     )  # fmt: skip
     if slots is not None:
         dk, dv = paged.scatter_add(dk, slots, k), paged.scatter_add(dv, slots, v)
     return dq, dk, dv
 
 
-varlen_attention_backward = torch.library.custom_op(
-    "flashtile::varlen_attention_backward", _varlen_attention_backward, mutates_args=()
+varlen_attention_backward = _op(
+    "varlen_attention_backward",
+    f"(Tensor dout, Tensor out, Tensor lse, Tensor? dlse, {_VARLEN_INPUTS}) -> (Tensor, Tensor, Tensor)",
+    _varlen_attention_backward,
 )
 
 
 @varlen_attention_backward.register_fake
-def _(dout, q, k, v, *rest):
+def _(dout, out, lse, dlse, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_VARLEN_INPUT_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                       *_OPTION_NAMES, "block_table")  # fmt: skip
+
+
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, *options = inputs
-    alibi_slopes, softcap, learnable_sink, dropout_p, rng_state, block_table = (
-        *options, *_VARLEN_OPTION_DEFAULTS[len(options) :]
-    )  # fmt: skip
+    q, k, v, cu_q, cu_k, max_q, max_k, *trailing = inputs
+    options, block_table = _options_and(trailing, None)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink, rng_state, block_table)
-    ctx.args = (max_q, max_k, softmax_scale, window_left, window_right)
-    ctx.softcap = softcap
-    ctx.dropout_p = dropout_p
-    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, block_table, *_tensors_of(options))
+    _save_options(ctx, options, len(inputs))
+    ctx.max_seqlens = (max_q, max_k)
     ctx.set_materialize_grads(False)  # as in _setup_context
 
 
 def _varlen_backward_with(ops, ctx, dout, dlse):
     """The backward of ``varlen_attention_forward``, launching through ``ops`` (as ``_backward_with``)."""
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, learnable_sink, rng_state, block_table = ctx.saved_tensors
-    max_q, max_k, softmax_scale, window_left, window_right = ctx.args
-    if dout is None:
-        dout = torch.zeros_like(out)
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    if dlse is not None:
-        dlse = dlse.float().contiguous()
+    q, k, v, out, lse, cu_q, cu_k, block_table, *tensors = ctx.saved_tensors
+    options = _saved_options(ctx, tensors)
+    dout, dlse = _grad_inputs(dout, out, dlse)
     dq, dk, dv = ops.varlen_attention_backward(
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right,
-        alibi_slopes, ctx.softcap, learnable_sink, ctx.dropout_p, rng_state, block_table,
-    )  # fmt: skip
+        dout, out, lse, dlse, q, k, v, cu_q, cu_k, *ctx.max_seqlens, *_flat(options), block_table
+    )
     dsink = None
-    if learnable_sink is not None and ctx.needs_input_grad[12]:
+    if options.learnable_sink is not None and _needs_grad(ctx, _VARLEN_INPUT_NAMES, "learnable_sink"):
         # (H, total_q) is the (1, H, total_q) layout of one packed row of tokens
         dsink = ops.attention_sink_backward(
-            dout[None], out[None], lse[None], None if dlse is None else dlse[None], learnable_sink
+            dout[None], out[None], lse[None], None if dlse is None else dlse[None], options.learnable_sink
         )
-    grads = (dq, dk, dv, *(None,) * 9, dsink, None, None, None)  # cu_seqlens, ints, floats, alibi, table: none
-    return grads[: ctx.num_inputs]
+    grads = dict(q=dq, k=dk, v=dv, learnable_sink=dsink)  # cu_seqlens, ints, floats, alibi, table: none
+    return _input_grads(ctx, _VARLEN_INPUT_NAMES, grads)
 
 
 def _varlen_backward(ctx, dout, dlse):
@@ -441,13 +423,11 @@ varlen_attention_forward.register_autograd(_varlen_backward, setup_context=_varl
 
 _OPS = SimpleNamespace(
     attention_backward=attention_backward,
-    masked_attention_backward=masked_attention_backward,
     attention_sink_backward=attention_sink_backward,
     varlen_attention_backward=varlen_attention_backward,
 )
 _DIRECT = SimpleNamespace(
     attention_backward=_attention_backward,
-    masked_attention_backward=_masked_attention_backward,
     attention_sink_backward=_attention_sink_backward,
     varlen_attention_backward=_varlen_attention_backward,
 )
@@ -506,20 +486,31 @@ def _wants_grad(tensors: tuple[torch.Tensor | None, ...]) -> bool:
     return False
 
 
-def attention(*args):
-    """``attention_forward(*args)`` (same arguments, 6 to 13 of them), called directly in plain eager mode
-    (``_eager``): through ``_EagerAttention`` when a gradient is wanted, else the implementation itself."""
-    tensors = (*args[:3], *args[6:7], *args[8:9], *args[10:12])  # q, k, v, alibi_slopes, sink, rng_state, mask
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions):
+    """``attention_forward(q, k, v, *options)``, called directly in plain eager mode (``_eager``): through
+    ``_EagerAttention`` when a gradient is wanted, else the implementation itself."""
+    tensors = (q, k, v, *_tensors_of(options))
     if not _eager(tensors):
-        return attention_forward(*args)
+        return attention_forward(q, k, v, *_flat(options))
     if _wants_grad(tensors):
-        return _EagerAttention.apply(*args)
-    return _attention_forward(*args)
+        return _EagerAttention.apply(q, k, v, *_flat(options))
+    return _forward(q, k, v, options)
 
 
-def varlen_attention(*args):
-    """``varlen_attention_forward(*args)``, past the dispatcher in plain eager mode, as ``attention``."""
-    tensors = (*args[:5], *args[10:11], *args[12:13], *args[14:16])  # q, k, v, cu_seqlens, alibi, sink, rng, table
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    options: AttentionOptions,
+    block_table: torch.Tensor | None = None,
+):
+    """``varlen_attention_forward(...)``, past the dispatcher in plain eager mode, as ``attention``."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_flat(options), block_table)
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, *_tensors_of(options))
     if not _eager(tensors):
         return varlen_attention_forward(*args)
     if _wants_grad(tensors):

@@ -1,6 +1,11 @@
 """The ``flashtile`` command line (also ``python -m flashtile``).
 
     flashtile info                               versions, device, which path runs, tile configs
+    flashtile info --explain [--batch B --seqlen-q N --seqlen-k N --heads H --kv-heads H --head-dim D
+                   --dtype bf16|fp16|fp32 --causal --window L R --softcap X --dropout P --alibi --sink
+                   --deterministic --device cuda|cpu]
+                                                 which kernel runs the forward and the backward of
+                                                 that call, and why each faster one does not
     flashtile check [--device cuda|cpu] [--quick] [--no-ncu]
                                                  verify flashtile against the exact oracle on this
                                                  machine, then time it and measure its memory and
@@ -107,6 +112,34 @@ def _triton_version() -> str:
 def _format_config(cfg: TileConfig) -> str:
     """'128×64 w8 s3': block_m × block_n, warps, pipeline stages."""
     return f"{cfg.block_m}×{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def explain_call(console: Console, args: argparse.Namespace, device: torch.device) -> int:
+    """``flashtile info --explain``: ``flashtile.explain`` of a flash_attn_func call of the shape and options in
+    ``args`` on ``device`` (empty tensors: nothing runs)."""
+    dtype = DTYPES[args.dtype]
+    q = torch.empty(args.batch, args.seqlen_q, args.heads, args.head_dim, dtype=dtype, device=device)
+    k, v = (torch.empty(args.batch, args.seqlen_k, args.kv_heads, args.head_dim, dtype=dtype, device=device)
+            for _ in range(2))  # fmt: skip
+    extras = {}
+    if args.alibi:
+        extras["alibi_slopes"] = torch.ones(args.heads, device=device)
+    if args.sink:
+        extras["learnable_sink"] = torch.zeros(args.heads, device=device)
+    explanation = flashtile.explain(
+        q, k, v, args.dropout, args.softmax_scale, args.causal, tuple(args.window), args.softcap,
+        deterministic=args.deterministic, **extras,
+    )  # fmt: skip
+    console.print(
+        f"flash_attn_func on q {tuple(q.shape)}, k and v {tuple(k.shape)}, {args.dtype}, {device.type}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(str(explanation), highlight=False, markup=False, soft_wrap=True)
+    return 0
 
 
 def info(console: Console) -> int:
@@ -617,7 +650,24 @@ def bench(args: Sequence[str]) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtile", description="flashtile: exact FlashAttention for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
-    commands.add_parser("info", help="versions, device, which path runs, tile configs")
+    info_parser = commands.add_parser("info", help="versions, device, which path runs, tile configs")
+    info_parser.add_argument(
+        "--explain", action="store_true", help="which kernel runs a call of the shape and options below, and why"
+    )
+    call = info_parser.add_argument_group("the call --explain explains (flash_attn_func's arguments)")
+    for name, default in (("batch", 2), ("seqlen-q", 1024), ("seqlen-k", 1024), ("heads", 16), ("kv-heads", 16),
+                          ("head-dim", 128)):  # fmt: skip
+        call.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
+    call.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    call.add_argument("--causal", action="store_true")
+    call.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"), help="window_size")
+    call.add_argument("--softcap", type=float, default=0.0)
+    call.add_argument("--dropout", type=float, default=0.0, help="dropout_p")
+    call.add_argument("--softmax-scale", type=float, default=None, help="default 1 / sqrt(head dim)")
+    call.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
+    call.add_argument("--sink", action="store_true", help="with a learnable sink")
+    call.add_argument("--deterministic", action="store_true")
+    call.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available, else cpu")
     check_parser = commands.add_parser(
         "check", help="verify flashtile against the exact oracle, then time it next to torch's SDPA and plain attention"
     )
@@ -651,11 +701,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "info":
+    if args.command == "info" and not args.explain:
         return info(console)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here; use --device cpu")
+    if args.command == "info":
+        return explain_call(console, args, device)
     if args.max_context:
         return max_context(console, device)
     return check(console, device, args.quick, ncu=not args.no_ncu)

@@ -108,6 +108,7 @@ built only for tiles that the band's edges cut. A query row that sees no key
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -117,6 +118,8 @@ import torch
 from torch import Tensor
 
 from flashtile import paged
+from flashtile._backend import Verdict, verdict
+from flashtile.options import AttentionOptions
 
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
 BLOCK_N = 512  # key columns per tile
@@ -225,22 +228,11 @@ def _band_mask(
 
 
 def torch_kernel_route(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    window_left: int | None,
-    window_right: int | None,
-    *,
-    alibi_slopes: Tensor | None = None,
-    softcap: float = 0.0,
-    dropout: bool = False,
-    attn_mask: Tensor | None = None,
-    dlse: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, *, dlse: Tensor | None = None,
     dmask: Tensor | None = None,
-    softmax_scale: float = 1.0,
-) -> str | None:
-    """The route rule: how torch's fused kernel computes this call, or None when the tiled path must (arguments as
-    ``attention_forward`` / ``attention_backward`` take them; dropout: whether the call drops probabilities).
+) -> tuple[str | None, Verdict]:  # fmt: skip
+    """The route rule: (route, YES), how torch's fused kernel computes this call, or (None, the reasons) when the tiled
+    path must (arguments as ``attention_forward`` / ``attention_backward`` take them).
 
     torch's kernel computes softmax(scale * Q K^T + mask) V for fp16/bf16/fp32/fp64, with GQA, an optional
     causal mask aligned to the top left (query i sees keys j <= i) and an additive mask of q's dtype, and
@@ -269,22 +261,34 @@ def torch_kernel_route(
     A learnable sink does not matter here: it is added to either route's results (``_add_sink``); nor does a
     gradient at the LSE: the backward takes it through two more value columns (``_fused_backward``).
     """
-    if not TORCH_KERNEL or softcap > 0.0 or dropout or softmax_scale == 0:
-        return None
-    if dmask is not None or (attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype)):
-        return None
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    if min(batch, seqlen_q, seqlen_k, nheads) == 0 or v.shape[-1] != head_dim:
-        return None
-    if alibi_slopes is not None and _block_rows(alibi_slopes, nheads, seqlen_k) < 16:
-        return None  # the tiled path's tiles take less memory than a mask of so few rows, and fewer calls
-    if alibi_slopes is None and (window_left is None or window_left >= seqlen_k - 1):
-        if window_right is None or window_right >= seqlen_q - 1:
-            return "full"
-        if window_right == seqlen_q - seqlen_k:
-            return "causal"
-    return "band" if attn_mask is None else None
+    attn_mask, left, right = options.attn_mask, options.window_left, options.window_right
+    alibi = options.alibi_slopes
+    found = verdict((
+        None if TORCH_KERNEL else "switched off (cpu.TORCH_KERNEL)",
+        "softcap" if options.softcap > 0.0 else None,
+        "dropout" if options.dropout_p > 0.0 else None,
+        "softmax_scale 0 (torch's kernel scales the masked -inf scores)" if options.softmax_scale == 0 else None,
+        "a gradient at the mask" if dmask is not None else None,
+        f"an attn_mask of dtype {attn_mask.dtype} (bool or q's dtype only)"
+        if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype) else None,
+        "an empty input" if min(batch, seqlen_q, seqlen_k, nheads) == 0 else None,
+        f"headdim_v {v.shape[-1]} != headdim {head_dim}" if v.shape[-1] != head_dim else None,
+    ))  # fmt: skip
+    if not found:
+        return None, found
+    if alibi is not None and _block_rows(alibi, nheads, seqlen_k) < 16:
+        # the tiled path's tiles take less memory than a mask of so few rows, and fewer calls
+        return None, Verdict(("ALiBi over so many keys that a block's bias mask would hold fewer than 16 rows",))
+    if alibi is None and (left is None or left >= seqlen_k - 1):
+        if right is None or right >= seqlen_q - 1:
+            return "full", found
+        if right == seqlen_q - seqlen_k:
+            return "causal", found
+    if attn_mask is None:
+        return "band", found
+    return None, Verdict(("a window other than causal, or ALiBi, with an attn_mask",))
 
 
 def _kernel_mask(attn_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -608,19 +612,7 @@ def _delta_tile(
 
 @torch.no_grad()
 def attention_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    alibi_slopes: Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-    _drop: _Dropout | None = None,
-    attn_mask: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions, _drop: _Dropout | None = None
 ) -> tuple[Tensor, Tensor]:
     """Exact attention, by torch's fused kernel or by tiles with online softmax (``torch_kernel_route`` decides).
 
@@ -629,9 +621,9 @@ def attention_forward(
         k: (batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0; query head h uses
            key/value head h // (nheads // nheads_k)
         v: (batch, seqlen_k, nheads_k, headdim_v)
-        softmax_scale: multiplies Q K^T before the softmax
-        window_left, window_right: the visible band, bottom-right aligned as in flash_attn: query i
-           sees key j iff i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right;
+        options: softmax_scale multiplies Q K^T before the softmax; (window_left, window_right) is the visible
+           band, bottom-right aligned as in flash_attn: query i sees key j iff
+           i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right;
            None leaves a side unbounded. Causal is (None, 0): j <= i + seqlen_k - seqlen_q.
            For seqlen_q = 5, seqlen_k = 3 (1 = visible), the first two rows see nothing:
                0 0 0
@@ -642,25 +634,23 @@ def attention_forward(
            and for seqlen_q = 2, seqlen_k = 5:
                1 1 1 1 0
                1 1 1 1 1
-        alibi_slopes: (nheads,) or (batch, nheads) float32: adds -slope * |i + seqlen_k - seqlen_q - j|
-        softcap: > 0 caps the scaled scores to softcap * tanh(score / softcap) (before ALiBi)
-        learnable_sink: (nheads,) float32 logit that joins each row's softmax denominator
-        dropout_p: probability of dropping each attention probability (kept ones scaled by 1 / (1 - p))
-        rng_state: with dropout, int64 (2,) [seed, offset] (see the module docstring)
-        _drop: the varlen path's per-sequence dropout (replaces dropout_p and rng_state)
-        attn_mask: SDPA's mask as a (batch, nheads, seqlen_q, seqlen_k) view (broadcast dimensions of stride 0,
+           alibi_slopes (nheads,) or (batch, nheads) float32 adds -slope * |i + seqlen_k - seqlen_q - j|;
+           softcap > 0 caps the scaled scores to softcap * tanh(score / softcap) (before ALiBi); learnable_sink
+           (nheads,) float32 joins each row's softmax denominator; dropout_p drops each attention probability (kept
+           ones scaled by 1 / (1 - p)) by the mask of rng_state, int64 (2,) [seed, offset] (the module docstring);
+           attn_mask: SDPA's mask as a (batch, nheads, seqlen_q, seqlen_k) view (broadcast dimensions of stride 0,
            never expanded in memory): boolean (True = attend) or additive (added to the scaled scores)
+        _drop: the varlen path's per-sequence dropout (replaces options' dropout_p and rng_state)
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v) in q.dtype, contiguous; 0 for a row that sees no key
         lse: (batch, nheads, seqlen_q) float32, natural-log sum of exp of the scores (and the sink);
            for a row that sees no key -inf, or the sink's value
     """
-    drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, q.shape[2], q.shape[1])
-    route = torch_kernel_route(
-        q, k, v, window_left, window_right, alibi_slopes=alibi_slopes, softcap=softcap, dropout=drop is not None,
-        attn_mask=attn_mask, softmax_scale=softmax_scale,
-    )  # fmt: skip
+    drop = _drop if _drop is not None else _dropout(options.dropout_p, options.rng_state, q.shape[2], q.shape[1])
+    route, _ = torch_kernel_route(q, k, v, options)
+    softmax_scale, window_left, window_right = options.softmax_scale, options.window_left, options.window_right
+    alibi_slopes, softcap, attn_mask = options.alibi_slopes, options.softcap, options.attn_mask
     if route is None:
         out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
                                   attn_mask)  # fmt: skip
@@ -668,8 +658,8 @@ def attention_forward(
         out, lse = _banded_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes)
     else:
         out, lse = _fused_forward(q, k, v, softmax_scale, route == "causal", attn_mask)
-    if learnable_sink is not None:
-        out, lse = _add_sink(out, lse, learnable_sink)
+    if options.learnable_sink is not None:
+        out, lse = _add_sink(out, lse, options.learnable_sink)
     return out, lse
 
 
@@ -733,47 +723,34 @@ def attention_backward(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
+    options: AttentionOptions,
     dlse: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
-    _drop: _Dropout | None = None,
-    attn_mask: Tensor | None = None,
     dmask: Tensor | None = None,
-    deterministic: bool = True,
+    _drop: _Dropout | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention, by torch's fused kernel or by tiles recomputing P from the saved LSE
     (``torch_kernel_route`` decides).
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim_v), gradient of ``out``
-        q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap: as given to
-           ``attention_forward``
+        q, k, v, options, _drop: as given to ``attention_forward`` (the dropout mask is regenerated;
+           options.learnable_sink is unused: the LSE includes it, and its gradient comes from ``attention_delta``;
+           options.deterministic is unused: both routes are deterministic)
         out: (batch, seqlen_q, nheads, headdim_v), as returned by ``attention_forward``
         lse: (batch, nheads, seqlen_q) float32, as returned by ``attention_forward``
         dlse: (batch, nheads, seqlen_q) float32 gradient of ``lse``, or None for zero
-        learnable_sink: unused (the LSE includes it); its gradient comes from ``attention_delta``
-        dropout_p, rng_state, _drop: as given to ``attention_forward`` (the mask is regenerated)
-        attn_mask: as given to ``attention_forward``
         dmask: None, or a (batch, nheads, seqlen_q, seqlen_k) float buffer that receives dS = P (dP - delta),
            the gradient at an additive mask before any reduction over its broadcast dimensions
-        deterministic: unused: both routes are deterministic
 
     Returns:
         dq: (batch, seqlen_q, nheads, headdim) in q.dtype
         dk: (batch, seqlen_k, nheads_k, headdim) in k.dtype, summed over each group of query heads
         dv: (batch, seqlen_k, nheads_k, headdim_v) in v.dtype, likewise
     """
-    drop = _drop if _drop is not None else _dropout(dropout_p, rng_state, q.shape[2], q.shape[1])
-    route = torch_kernel_route(
-        q, k, v, window_left, window_right, alibi_slopes=alibi_slopes, softcap=softcap, dropout=drop is not None,
-        attn_mask=attn_mask, dlse=dlse, dmask=dmask, softmax_scale=softmax_scale,
-    )  # fmt: skip
+    drop = _drop if _drop is not None else _dropout(options.dropout_p, options.rng_state, q.shape[2], q.shape[1])
+    route, _ = torch_kernel_route(q, k, v, options, dlse=dlse, dmask=dmask)
+    softmax_scale, window_left, window_right = options.softmax_scale, options.window_left, options.window_right
+    alibi_slopes, softcap, attn_mask = options.alibi_slopes, options.softcap, options.attn_mask
     if route == "band":
         return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, alibi_slopes, dlse)
     if route is not None:
@@ -867,9 +844,12 @@ def _sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple[int, in
     return [(b, cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
-def _slopes_of(alibi_slopes: Tensor | None, b: int) -> Tensor | None:
-    """The (nheads,) slopes of sequence b from (nheads,) or (batch, nheads) slopes."""
-    return alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+def _sequence_options(options: AttentionOptions, b: int) -> AttentionOptions:
+    """The options of sequence b of a packed batch: its (nheads,) slopes where alibi_slopes is (batch, nheads)."""
+    slopes = options.alibi_slopes
+    if slopes is None or slopes.dim() == 1:
+        return options
+    return dataclasses.replace(options, alibi_slopes=slopes[b])
 
 
 @torch.no_grad()
@@ -881,14 +861,7 @@ def varlen_attention_forward(
     cu_seqlens_k: Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    alibi_slopes: Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
+    options: AttentionOptions,
     block_table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``attention_forward`` on a variable-length batch, one sequence (a B=1 view) at a time.
@@ -909,9 +882,8 @@ def varlen_attention_forward(
         if q1 == q0:
             continue
         o_b, lse_b = attention_forward(
-            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, window_left, window_right,
-            _slopes_of(alibi_slopes, b), softcap, learnable_sink,
-            _drop=_dropout(dropout_p, rng_state, q.shape[1], q.shape[0], row0=q0, stride_b=0),
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], _sequence_options(options, b),
+            _drop=_dropout(options.dropout_p, options.rng_state, q.shape[1], q.shape[0], row0=q0, stride_b=0),
         )  # fmt: skip
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
@@ -930,15 +902,8 @@ def varlen_attention_backward(
     cu_seqlens_k: Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
+    options: AttentionOptions,
     dlse: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``attention_backward`` on a variable-length batch, one sequence at a time (layouts as in
     ``varlen_attention_forward``; lse and dlse (nheads, total_q)). A sequence without queries or keys
@@ -949,9 +914,8 @@ def varlen_attention_backward(
             continue
         dq_b, dk_b, dv_b = attention_backward(
             dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
-            lse[None, :, q0:q1], softmax_scale, window_left, window_right,
-            None if dlse is None else dlse[None, :, q0:q1], _slopes_of(alibi_slopes, b), softcap, learnable_sink,
-            _drop=_dropout(dropout_p, rng_state, q.shape[1], q.shape[0], row0=q0, stride_b=0),
+            lse[None, :, q0:q1], _sequence_options(options, b), None if dlse is None else dlse[None, :, q0:q1],
+            _drop=_dropout(options.dropout_p, options.rng_state, q.shape[1], q.shape[0], row0=q0, stride_b=0),
         )  # fmt: skip
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = dq_b[0], dk_b[0], dv_b[0]
     return dq, dk, dv

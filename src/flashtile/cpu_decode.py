@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from flashtile import cpu
+from flashtile.options import AttentionOptions
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -124,6 +125,10 @@ def kvcache_forward(
             k_cache[slot, row] = k_b
             v_cache[slot, row] = v[b]
 
+    options = AttentionOptions(
+        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, alibi_slopes=alibi_slopes,
+        softcap=softcap,
+    )
     for b in range(batch):
         slot, row = _slots(b, torch.arange(leftpads[b], lengths[b] + seqlen_new), cache_batch_idx, block_table,
                            page_size)  # fmt: skip
@@ -132,8 +137,7 @@ def kvcache_forward(
             offsets = torch.arange(seqlen_q) if rotary_per_token else torch.zeros(seqlen_q, dtype=torch.long)
             q_b = rotate(q_b, rotary_cos, rotary_sin, lengths[b] + offsets, rotary_interleaved)
         out_b, lse_b = cpu.attention_forward(
-            q_b[None], k_cache[slot, row][None], v_cache[slot, row][None], softmax_scale, window_left, window_right,
-            cpu._slopes_of(alibi_slopes, b), softcap,
-        )  # fmt: skip
+            q_b[None], k_cache[slot, row][None], v_cache[slot, row][None], cpu._sequence_options(options, b)
+        )
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse

@@ -8,9 +8,9 @@ Computation happens in the dtype of the inputs.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from flashtile.options import scale_or_default
 
 
 def visibility_mask(
@@ -66,7 +66,7 @@ def attention_probs(
     """The attention probabilities P (batch, nheads, seqlen_q, seqlen_k) and the lse (batch, nheads, seqlen_q) of
     ``flashtile.reference.attention_reference`` (same arguments and score; P is 0 where a key is hidden and in a
     row that sees no key), in the inputs' dtype."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    scale = scale_or_default(softmax_scale, q.shape[-1])
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     group = nheads // k.shape[2]

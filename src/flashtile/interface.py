@@ -7,8 +7,6 @@ how to fix it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from flashtile import _backend, _ops, paged
@@ -33,6 +31,7 @@ from flashtile.checks import (
 )
 from flashtile.dense import attention_probs
 from flashtile.errors import InputError
+from flashtile.options import AttentionOptions, scale_or_default
 
 
 def pad_head_dim(
@@ -58,8 +57,7 @@ def pad_head_dim(
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
         return None
     pad = (0, 8 - head_dim % 8)
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    return (*(torch.nn.functional.pad(t, pad) for t in (q, k, v)), scale, head_dim)
+    return (*(torch.nn.functional.pad(t, pad) for t in (q, k, v)), scale_or_default(softmax_scale, head_dim), head_dim)
 
 
 def sliced(result: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +85,7 @@ def dropout_rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | 
     return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
-def attention(
+def prepared(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -101,40 +99,67 @@ def attention(
     attn_mask: torch.Tensor | None = None,
     deterministic: bool = True,
     rng_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the custom op (``_ops.attention``): returns (out, lse) in flash_attn's layouts.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionOptions, int | None]:
+    """A call as the custom op takes it: (q, k, v checked, with a contiguous last dimension, the call's options
+    decided once (``attention_options``), and the head dim to slice the output back to, or None).
 
     attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
     deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.sm90.backward``).
-    rng_state: the dropout's randomness (``dropout_rng_state``), drawn here when None and dropout_p > 0.
+    rng_state: the dropout's randomness (``dropout_rng_state``), drawn when None and dropout_p > 0.
     A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
+    head_dim = None
     if padded is not None:
-        options = (window_left, window_right, softcap, alibi_slopes, learnable_sink, dropout_p, attn_mask)
-        return sliced(attention(*padded[:4], *options, deterministic, rng_state), padded[4])
+        q, k, v, softmax_scale, head_dim = padded
     check_qkv(q, k, v)
     check_softmax_scale(softmax_scale)
-    window_left, window_right = bounded_window(window_left, window_right, q.shape[1], k.shape[1])
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    options = attention_options(
+        q, q.shape[1], k.shape[1], softmax_scale, window_left, window_right, softcap=softcap,
+        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state,
+        attn_mask=attn_mask, deterministic=deterministic,
+    )  # fmt: skip
+    return q, k, v, options, head_dim
+
+
+def attention(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated entry to the custom op (``_ops.attention``), arguments as ``prepared``: returns (out, lse) in
+    flash_attn's layouts."""
+    q, k, v, options, head_dim = prepared(*args, **kwargs)
+    result = _ops.attention(q, k, v, options)
+    return result if head_dim is None else sliced(result, head_dim)
+
+
+def attention_options(
+    q: torch.Tensor,
+    seqlen_q: int,
+    seqlen_k: int,
+    softmax_scale: float | None,
+    window_left: int | None,
+    window_right: int | None,
+    *,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    deterministic: bool = True,
+    batch: int | None = None,
+) -> AttentionOptions:
+    """The options of a call on q (checked), validated and decided once: the window bounded by the lengths
+    (``bounded_window``; packed batches pass their token counts), the default scale (``scale_or_default``), the
+    score modifications and sink checked (``check_options``; ``batch``: a packed q's number of sequences), and the
+    dropout's rng_state drawn when None (``dropout_rng_state``)."""
+    window_left, window_right = bounded_window(window_left, window_right, seqlen_q, seqlen_k)
     if rng_state is None:
         rng_state = dropout_rng_state(dropout_p, q.device)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    if attn_mask is not None:
-        softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
-        return _ops.attention(
-            q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
-            float(dropout_p), rng_state, attn_mask, deterministic,
-        )  # fmt: skip
-    if softcap == 0.0 and alibi_slopes is None and learnable_sink is None and dropout_p == 0.0:
-        if deterministic:
-            return _ops.attention(q, k, v, float(softmax_scale), window_left, window_right)
-        options = _ops.OPTION_DEFAULTS[:-1]  # every option off, then deterministic=False
-        return _ops.attention(q, k, v, float(softmax_scale), window_left, window_right, *options, False)
-    softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
-    return _ops.attention(
-        q, k, v, float(softmax_scale), window_left, window_right, alibi_slopes, softcap, learnable_sink,
-        float(dropout_p), rng_state, None, deterministic,
+    if softcap != 0.0 or alibi_slopes is not None or learnable_sink is not None or batch is not None:
+        softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
+    return AttentionOptions(
+        softmax_scale=scale_or_default(softmax_scale, q.shape[-1]), window_left=window_left,
+        window_right=window_right, alibi_slopes=alibi_slopes, softcap=float(softcap), learnable_sink=learnable_sink,
+        dropout_p=float(dropout_p), rng_state=rng_state, attn_mask=attn_mask, deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -462,27 +487,19 @@ def varlen_attention(
         else:
             cu_seqlens_k = torch.cummax(cu_seqlens_k.clamp(0, total_k), 0).values
     check_softmax_scale(softmax_scale)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     # No sequence is longer than its tensor's tokens (or, paged, its block-table row): the grid is sized by
     # what the batch can hold, whatever max_seqlen claims, and no window side reaches the kernels past it.
     keys_per_sequence = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
     max_seqlen_q = at_most(max_seqlen_q, q.shape[0])
     max_seqlen_k = at_most(max_seqlen_k, keys_per_sequence)
-    window_left, window_right = bounded_window(window_left, window_right, q.shape[0], keys_per_sequence)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink, batch)
-    if rng_state is None:
-        rng_state = dropout_rng_state(dropout_p, q.device)
-    args = (
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), window_left,
-        window_right, alibi_slopes, softcap, learnable_sink,
+    options = attention_options(
+        q, q.shape[0], keys_per_sequence, softmax_scale, window_left, window_right, softcap=softcap,
+        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state, batch=batch,
     )  # fmt: skip
-    if rng_state is not None or paged:
-        args = (*args, float(dropout_p), rng_state)
-    if paged:
-        args = (*args, block_table)
-    return _ops.varlen_attention(*args)
+    return _ops.varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, block_table=block_table
+    )
 
 
 def flash_attn_varlen_func(

@@ -2,7 +2,7 @@
 signature and semantics (new keys/values appended in place, rotary, paged cache, split-KV decoding).
 
 Inputs are checked here, before anything launches. Which implementation runs is decided by
-``flashtile._backend.path_name``: the Triton kernels of ``flashtile.ops.decode`` (compiled on CUDA,
+``flashtile._backend.decode_choice``: the Triton kernels of ``flashtile.ops.decode`` (compiled on CUDA,
 interpreted under ``TRITON_INTERPRET=1``) or ``flashtile.cpu_decode``. The work is the custom op
 ``flashtile::kvcache_forward``, declared as mutating k_cache and v_cache, so
 ``torch.compile(fullgraph=True)`` traces through it. In plain eager calls (no tracing, no torch function
@@ -17,13 +17,11 @@ off (docs/validation.md).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
-from flashtile import _backend, cpu_decode
-from flashtile._backend import path_name
+from flashtile import _backend
 from flashtile.checks import (
     NO_WINDOW,
     bounded_window,
@@ -40,19 +38,18 @@ from flashtile.checks import (
 )
 from flashtile.errors import InputError, InputTypeError, require
 from flashtile.interface import pad_head_dim, sliced
+from flashtile.options import scale_or_default
 
 INDEX_DTYPE = torch.int32
 
 
 def _implementation(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``kvcache_forward`` of the path that runs for ``device`` (``flashtile._backend.path_name``): ``cpu_decode``'s,
-    or that of ``flashtile.ops.decode``, imported on first use (it imports Triton, which the CPU path does not need);
-    inside ``flashtile.profile()``, recording each call."""
-    if path_name(device) == "cpu":
-        implementation = cpu_decode.kvcache_forward
-    else:
-        implementation = _backend.imported("flashtile.ops.decode").kvcache_forward
-    return implementation if _backend.RECORDING is None else _backend.RECORDING.decode(implementation)
+    """``kvcache_forward`` of the family that runs for ``device`` (``flashtile._backend.decode_choice``):
+    ``cpu_decode``'s, or that of ``flashtile.ops.decode``, imported on first use (it imports Triton, which the CPU
+    path does not need); inside ``flashtile.profile()``, recording each call under that choice."""
+    choice = _backend.decode_choice(device)
+    implementation = _backend.imported(_backend.DECODE_MODULES[choice.path]).kvcache_forward
+    return implementation if _backend.RECORDING is None else _backend.RECORDING.decode(implementation, choice)
 
 
 @torch.library.custom_op("flashtile::kvcache_forward", mutates_args=("k_cache", "v_cache"))
@@ -524,12 +521,11 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=INDEX_DTYPE, device=device)
 
     check_softmax_scale(softmax_scale)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
+    softmax_scale = scale_or_default(softmax_scale, head_dim)
     # The kernels index these as dense rows: make them so (a no-op when they are; 1-D tensors are rows too).
     args = (
         last_dim_contiguous(q), k_cache, v_cache, k, v, _dense(rotary_cos), _dense(rotary_sin), _dense(cache_seqlens),
-        _dense(cache_batch_idx), _dense(cache_leftpad), _dense(block_table), alibi_slopes, float(softmax_scale),
+        _dense(cache_batch_idx), _dense(cache_leftpad), _dense(block_table), alibi_slopes, softmax_scale,
         left, right, float(softcap), rotary_interleaved, rotary_per_token, num_splits,
     )  # fmt: skip
     if _eager(q, k_cache, v_cache, k, v):

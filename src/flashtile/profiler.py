@@ -1,10 +1,11 @@
 """``flashtile.profile()``: every flashtile kernel pass inside a ``with`` block, timed and set against its model.
 
-Recording hooks in where the passes are launched: ``_backend.attention_path`` (the forwards and, through autograd,
-the backwards of ``flash_attn_func`` and friends, the varlen functions, SDPA and ring attention's steps) and the
-decode path of ``flash_attn_with_kvcache`` (``kvcache._implementation``) hand their functions to the active
-``Profile`` while ``_backend.RECORDING`` is set; outside a ``profile()`` block it is None, and those two checks of
-it are all that recording costs: no hooks, no events, no synchronisation.
+Recording hooks in where the passes are launched: the modules the dispatcher hands out (``_backend.family_module``
+and ``path_module``: the forwards and, through autograd, the backwards of ``flash_attn_func`` and friends, the varlen
+functions, SDPA and ring attention's steps) and the decode path of ``flash_attn_with_kvcache``
+(``kvcache._implementation``) hand their functions to the active ``Profile`` while ``_backend.RECORDING`` is set;
+outside a ``profile()`` block it is None, and those checks of it are all that recording costs: no hooks, no events,
+no synchronisation. Each record's path and reason are the dispatcher's (``_backend.Choice``).
 
 Per pass: CUDA events on the tensors' stream around it (read when the records are: no synchronisation per call), or
 the wall time on the CPU; FLOPs and HBM bytes from ``flashtile.iomodel`` for the kernels that run, and the bytes
@@ -35,6 +36,8 @@ PASS_FUNCTIONS = {
     "varlen_attention_backward": ("varlen_attention", "bwd"),
 }
 """The functions of an attention path module that are kernel passes: name -> (op, pass)."""
+PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
+"""The dispatcher's name of each pass."""
 
 PEAKS = (
     ("GH200", 989.0, 4000.0),
@@ -91,58 +94,17 @@ def _host(t: torch.Tensor | None) -> torch.Tensor | None:
 # ------------------------------------------------------------------------------------------ which kernels run
 
 
-def _gluon_missing(op: str, pass_: str, a: dict[str, Any]) -> str | None:
-    """Why the sm_90 Gluon kernel of this pass does not run (the first condition that fails), or None when it
-    does: the launchers' conditions (ops/attention/forward.py and backward.py) and the kernels' ``qualifies``."""
-    q, k, v = a["q"], a["k"], a["v"]
-    if not _backend.GLUON:
-        return "FLASHTILE_GLUON=0"
-    capability = torch.cuda.get_device_capability(q.device)
-    if capability != (9, 0):
-        return f"it needs an sm_90 GPU, this one is sm_{capability[0]}{capability[1]}"
-    left, right = a["window_left"], a["window_right"]
-    options = {
-        "a packed variable-length batch": op == "varlen_attention",
-        "a window": left is not None or right not in (None, 0),
-        "softcap": a["softcap"] > 0.0,
-        "alibi_slopes": a["alibi_slopes"] is not None,
-        "dropout": a["dropout_p"] > 0.0,
-        "an attn_mask": a.get("attn_mask") is not None,
-        "learnable_sink": pass_ == "fwd" and a["learnable_sink"] is not None,
-        "softmax_scale <= 0": not a["softmax_scale"] > 0,
-        "deterministic=True (its dQ sums are unordered)": pass_ == "bwd" and a.get("deterministic", True),
-    }
-    found = [name for name, present in options.items() if present]
-    if found:
-        return f"it does not take {found[0]}"
-    causal = right == 0
-    if pass_ == "fwd":
-        qualifies = _backend.imported("flashtile.ops.sm90.forward").qualifies(q, k, v, causal)
-    else:
-        sm90 = _backend.imported("flashtile.ops.sm90.backward")
-        qualifies = sm90.qualifies(q, k, v, a["dout"], causal, a["softmax_scale"])
-    if not qualifies:
-        lengths = "; lengths multiples of 128" if pass_ == "bwd" else ""
-        return f"the inputs miss its conditions (bf16/fp16, head dim 64, 128 or 256, descriptor-ready layouts{lengths})"
-    return None
-
-
-def _kernel_path(op: str, pass_: str, a: dict[str, Any]) -> tuple[str, str]:
-    """(path, reason): which kernels run this pass and why faster ones do not. ``a``: the pass's arguments by name.
-
-    path: 'cpu', 'triton-interpreter', 'triton' (compiled) or 'gluon-sm90'."""
-    name = _backend.path_name(a["q"].device)
-    if name == "cpu":
-        module = "flashtile.cpu_decode" if op == "kvcache" else "flashtile.cpu"
-        return name, f"CPU tensors: {module}, the tiled algorithm in PyTorch"
-    if name == "triton-interpreter":
-        return name, "CPU tensors with TRITON_INTERPRET=1: the Triton kernels, interpreted"
+def _kernel_path(op: str, pass_: str, a: dict[str, Any], choice: _backend.Choice | None) -> tuple[str, str]:
+    """(path, reason) of this pass: the dispatcher's ``choice`` (``flashtile._backend``: the family that runs and why
+    each faster one does not apply), the CPU path resolved to its route (torch's fused kernel or the tiled one);
+    where the module was handed out without one (a packed batch's passes), the dispatcher's answer for them."""
     if op == "kvcache":
-        return "triton", "decoding: the split-KV Triton kernel (flashtile.ops.decode)"
-    missing = _gluon_missing(op, pass_, a)
-    if missing is None:
-        return "gluon-sm90", "sm_90 GPU and the call qualifies: the warp-specialized Gluon kernel"
-    return "triton", f"Triton kernels: the sm_90 Gluon kernel does not run, {missing}"
+        return choice.path, choice.reason
+    q, k, v, options = a["q"], a["k"], a["v"], a["options"]
+    if choice is None:
+        return _backend.pass_paths(q, k, v, options, dout=a.get("dout"), varlen=True)[PASS_NAMES[pass_]]
+    resolved = _backend.resolved(choice, q, k, v, options, varlen=op == "varlen_attention")
+    return resolved.path, resolved.reason
 
 
 # -------------------------------------------------------------------------------------------------- records
@@ -286,26 +248,31 @@ class Profile:
 
     # ----------------------------------------------------------------------------------- recording
 
-    def attention_path(self, module: ModuleType) -> _RecordedPath:
-        """``module`` (an attention path: ``flashtile.cpu`` or ``flashtile.ops.attention``) with its passes
-        recorded into this profile."""
-        return _RecordedPath(self, module)
+    def attention_path(self, module: ModuleType, choice: _backend.Choice | None = None) -> _RecordedPath:
+        """``module`` (the module of a kernel family: ``flashtile.cpu``, ``flashtile.ops.attention``,
+        ``flashtile.ops.sm90.*``) with its passes recorded into this profile under the dispatcher's ``choice``."""
+        return _RecordedPath(self, module, choice)
 
-    def decode(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., Any]:
+    def decode(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], choice: _backend.Choice) -> Callable:
         """``fn`` (a ``kvcache_forward`` implementation) with each call recorded into this profile."""
-        return functools.partial(self.run, "kvcache", "fwd", fn)
+        return functools.partial(self.run, "kvcache", "fwd", fn, choice)
 
-    def run(self, op: str, pass_: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call ``fn(*args, **kwargs)``, one pass of ``op``, and record it: its timing now, its model later."""
+    def run(
+        self, op: str, pass_: str, fn: Callable[..., Any], choice: _backend.Choice | None, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Call ``fn(*args, **kwargs)``, one pass of ``op`` run by the family ``choice``, and record it: its timing
+        now, its model later."""
         bound = _signature(fn).bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
+        if "options" in a:  # an attention pass: its options by name, as a decode pass takes them
+            a = {**a, **{f.name: getattr(a["options"], f.name) for f in dataclasses.fields(a["options"])}}
         device = a["q"].device
-        path, reason = _kernel_path(op, pass_, a)
+        path, reason = _kernel_path(op, pass_, a, choice)
         if op == "kvcache":
             shape, model = _decode_model(a)
         else:
-            shape, model = _attention_model(op, pass_, a, dq_atomic=path == "gluon-sm90")
+            shape, model = _attention_model(op, pass_, a, dq_atomic=path == _backend.SM90_GLUON)
         record = {"op": op, "pass": pass_, "path": path, "reason": reason, "shape": shape,
                   "dtype": DTYPE_NAMES.get(a["q"].dtype, str(a["q"].dtype)), "device": str(device),
                   **_options(a)}  # fmt: skip
@@ -405,15 +372,16 @@ def _shape_text(rec: dict[str, Any]) -> str:
 class _RecordedPath:
     """An attention path module whose kernel passes (``PASS_FUNCTIONS``) record into a profile."""
 
-    def __init__(self, profile: Profile, module: ModuleType) -> None:
+    def __init__(self, profile: Profile, module: ModuleType, choice: _backend.Choice | None) -> None:
         self._profile = profile
         self._module = module
+        self._choice = choice
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._module, name)
         if name not in PASS_FUNCTIONS:
             return fn
-        return functools.partial(self._profile.run, *PASS_FUNCTIONS[name], fn)
+        return functools.partial(self._profile.run, *PASS_FUNCTIONS[name], fn, self._choice)
 
 
 def profile() -> Profile:
@@ -434,7 +402,8 @@ def profile() -> Profile:
     measurement (docs/profiling.md says what it assumes).
 
     Each record is a dict: ``op`` ('attention', 'varlen_attention', 'kvcache'), ``pass`` ('fwd', 'bwd'), ``path``
-    ('gluon-sm90', 'triton', 'triton-interpreter', 'cpu'), ``reason`` (why that path, and why a faster one did not
+    ('sm90-gluon', 'triton', 'triton-interpreter', 'cpu-torch', 'cpu-tiled', 'cpu' for packed batches,
+    'split-kv', 'cpu-decode'), ``reason`` (why that path, and why a faster one did not
     run), ``shape`` (dict: B, Sq, Sk, H, Hk, D, Dv, or the packed or cache sizes), ``dtype`` ('bf16', 'fp16',
     'fp32'), ``device``, ``flops`` (float: 4 * D per visible (query, key) pair and head forward, 2.5 x that
     backward), ``hbm_bytes`` (float: the model, K/V reuse through the L2), ``min_hbm_bytes`` (each tensor once),

@@ -125,7 +125,6 @@ watchdog aborts after its timeout): then they raise a RuntimeError that says so.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -145,6 +144,7 @@ from flashtile.distributed.group import Incoming, Ring, Setup, check_across_rank
 from flashtile.distributed.layout import Segment, check_layout, segments
 from flashtile.errors import InputTypeError, require
 from flashtile.ops._alloc import empty_output
+from flashtile.options import scale_or_default
 
 
 @dataclass(frozen=True)
@@ -377,7 +377,7 @@ def _backward_pass(
         kv_incoming = ring.pass_on(k_s, v_s) if step + 1 < ring.size else None
         blocks = []  # (block, dk_b, dv_b) of this step, for the accumulator of this K/V shard
         for b in _blocks(setup, (ring.rank - step) % ring.size, shard_len):
-            dq_b, dk_b, dv_b = torch.ops.flashtile.attention_backward(
+            dq_b, dk_b, dv_b, _ = torch.ops.flashtile.attention_backward(
                 dout[:, b.q0 : b.q1],
                 q[:, b.q0 : b.q1],
                 k_s[:, b.k0 : b.k1],
@@ -555,9 +555,7 @@ def ring_flash_attn_func(
         except (TypeError, ValueError):
             check_across_ranks(ring, device, None)
             raise
-        if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-        setup = Setup(ring, layout, float(softmax_scale), left, right, softcap)
+        setup = Setup(ring, layout, scale_or_default(softmax_scale, q.shape[-1]), left, right, softcap)
         check_across_ranks(ring, device, signature_of(q, k, v, setup, learnable_sink is not None))
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out, lse = _RingFlashAttention.apply(q, k, v, learnable_sink, setup)

@@ -31,8 +31,6 @@ Ring or Ulysses (rule of thumb)
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -41,6 +39,7 @@ from flashtile.checks import NO_WINDOW, check_options, check_qkv, check_unimplem
 from flashtile.distributed.group import Ring, Setup, check_across_ranks, check_device, on_device, signature_of
 from flashtile.errors import InputTypeError, require
 from flashtile.interface import flash_attn_func
+from flashtile.options import scale_or_default
 
 
 class _AllToAll(torch.autograd.Function):
@@ -140,9 +139,7 @@ def ulysses_flash_attn_func(
         except (TypeError, ValueError):
             check_across_ranks(comm, device, None)
             raise
-        if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-        setup = Setup(comm, "contiguous", float(softmax_scale), left, right, softcap)
+        setup = Setup(comm, "contiguous", scale_or_default(softmax_scale, q.shape[-1]), left, right, softcap)
         signature = signature_of(q, k, v, setup, learnable_sink is not None, alibi_slopes is not None)
         check_across_ranks(comm, device, signature)
 

@@ -1,8 +1,8 @@
 """FlashAttention backward: Triton kernels and their launcher.
 
 Nothing of size seqlen_q x seqlen_k is stored: P is recomputed from Q, K and the saved LSE.
-Three launches, no atomics (so the backward is deterministic; on sm_90 ``deterministic=False`` backwards
-without options run the Gluon kernel of ``ops.sm90.backward`` instead, whose dQ sums are unordered):
+Three launches, no atomics (so the backward is deterministic; on sm_90 the dispatcher sends ``deterministic=False``
+backwards without options to the Gluon kernel of ``ops.sm90.backward`` instead, whose dQ sums are unordered):
   1. delta = rowsum(dO * O) - dLSE                                    (B, H, Sq) fp32
   2. per key tile and kv head: dV = sum P^T dO, dK = scale * sum dS^T Q over the tile's query tiles
      and over every query head of the kv head's group (GQA sums happen in registers)
@@ -23,7 +23,7 @@ delta_i, is a reduction over ``attention_delta`` done by the caller (``flashtile
 HAS_MASK (SDPA's attn_mask) recomputes the masked scores as the forward did, in both kernels. With
 MASK_NEEDS_GRAD (an additive mask that requires grad) the dQ kernel, which visits every (row, key) pair of
 its query tile exactly once, also writes dS = P (dP - delta) to a (B * H, Sq, Sk) fp32 buffer; the caller
-sums it over the mask's broadcast dimensions (``flashtile._ops.masked_attention_backward``).
+sums it over the mask's broadcast dimensions (``flashtile._ops.attention_backward``).
 
 IS_VARLEN (packed variable-length batches) works as in the forward kernel; the delta kernel needs no flag,
 since (nheads, total_q) is the (1, nheads, total_q) layout of one packed row of tokens.
@@ -33,11 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile._backend import imported
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
-from flashtile.ops.attention.configs import config, gluon_device
+from flashtile.ops.attention.configs import config
 from flashtile.ops.attention.forward import block_widths, token_strides
 from flashtile.ops.attention.tiles import (
     alibi_batch_stride,
@@ -54,6 +53,7 @@ from flashtile.ops.attention.tiles import (
     mask_scores,
     mask_strides,
     query_range,
+    range_part,
     rows_at,
     score_mod,
     score_mod_grad,
@@ -66,6 +66,7 @@ from flashtile.ops.attention.tiles import (
 from flashtile.ops.common.descriptors import tma_ready
 from flashtile.ops.common.grid import cdiv, head_grid
 from flashtile.ops.common.math import IEEE, LOG2E
+from flashtile.options import AttentionOptions
 
 
 @triton.jit
@@ -561,34 +562,17 @@ def _attention_dq_kernel(
     if HAS_MASK:
         mask_base = head_base(Mask, off_b, off_h, stride_mb, stride_mh)
     lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    if MASK_LEFT:
-        for start_n in range(lo, mid_lo, BLOCK_N):
-            dq = _dq_tile(
-                dq, q, do, lse, delta, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d,
-                offs_dv,
-                seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-                mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-                MASK_IS_BOOL, MASK_NEEDS_GRAD, TMA,
-            )  # fmt: skip
-    for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        dq = _dq_tile(
-            dq, q, do, lse, delta, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d,
-                offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-            mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-            BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL, MASK_NEEDS_GRAD, TMA,
-        )  # fmt: skip
-    for start_n in range(mid_hi, hi, BLOCK_N):
-        dq = _dq_tile(
-            dq, q, do, lse, delta, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d,
-                offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-            mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-            BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL, MASK_NEEDS_GRAD, TMA,
-        )  # fmt: skip
+    for part in tl.static_range(3):  # key tiles of the band's left edge (masked), the middle, the right edge (masked)
+        if part > 0 or MASK_LEFT:
+            start, end = range_part(part, lo, mid_lo, mid_hi, hi)
+            for start_n in range(start, end, BLOCK_N):
+                dq = _dq_tile(
+                    dq, q, do, lse, delta, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, start_n, offs_m, offs_d,
+                    offs_dv, seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
+                    mask_base, stride_mm, stride_mn, seqlen_q, DMask, lse_offs, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                    BLOCK_N, part != 1, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                    HAS_MASK, MASK_IS_BOOL, MASK_NEEDS_GRAD, TMA,
+                )  # fmt: skip
     store_rows(
         dq_dst, (dq * softmax_scale).to(q.dtype), off_qb, off_h, start_m, stride_dqm, offs_d, seqlen_q, HEAD_DIM,
         BLOCK_M, BLOCK_D, PAD_D, TMA,
@@ -626,52 +610,26 @@ def attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
+    options: AttentionOptions,
     dlse: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
     dmask: torch.Tensor | None = None,
-    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels (on sm_90, without options and with ``deterministic=False``, the Gluon
-    kernel of ``ops.sm90.backward``, whose dQ atomics make the bits vary from run to run).
+    """Launch the backward kernels (bitwise repeatable, whatever options.deterministic says).
 
     Args:
         dout: (batch, seqlen_q, nheads, headdim_v), the gradient of out; last dimension contiguous
-        q, k, v, out, lse, softmax_scale, window_left, window_right, alibi_slopes, softcap: as given to /
-            returned by the forward
+        q, k, v, options: as given to the forward (options.learnable_sink is unused: the saved lse includes it; its
+            gradient comes from ``attention_delta``; options.rng_state regenerates the forward's dropout mask)
+        out, lse: as returned by the forward
         dlse: None or (batch, nheads, seqlen_q) float32, the gradient arriving at lse
-        learnable_sink: unused (the saved lse includes it); its gradient comes from ``attention_delta``
-        dropout_p, rng_state: as given to the forward (the same [seed, offset] regenerates its mask)
-        attn_mask: as given to the forward: None or a (batch, nheads, seqlen_q, seqlen_k) broadcast view
         dmask: None, or a contiguous (batch, nheads, seqlen_q, seqlen_k) float32 buffer that receives
             dS = P (dP - delta), the gradient at the (additive) mask before any reduction
-        deterministic: bitwise repeatable results (the Triton kernels); False allows unordered dQ sums (Gluon)
 
     Returns:
         dq, dk, dv with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group)
     """
     delta = attention_delta(dout, out, dlse)
-    if (
-        not deterministic and gluon_device(q.device)  # first: elsewhere nothing below runs
-        and window_left is None and window_right in (None, 0) and softcap == 0.0 and dropout_p == 0.0
-        and alibi_slopes is None and attn_mask is None
-    ):  # fmt: skip
-        backward_sm90 = imported("flashtile.ops.sm90.backward")  # Gluon: on sm_90 GPUs only
-
-        causal = window_right == 0
-        grads = backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, softmax_scale, causal=causal)
-        if grads is not None:
-            return grads
-    return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], softmax_scale, window_left,
-                   window_right, alibi_slopes, softcap, dropout_p=dropout_p, rng_state=rng_state, attn_mask=attn_mask,
-                   dmask=dmask)  # fmt: skip
+    return _launch(dout, q, k, v, lse, delta, q.shape[0], q.shape[1], k.shape[1], options, dmask=dmask)
 
 
 @on_input_device
@@ -686,15 +644,8 @@ def varlen_attention_backward(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
+    options: AttentionOptions,
     dlse: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on a variable-length batch (IS_VARLEN).
 
@@ -707,17 +658,18 @@ def varlen_attention_backward(
         is the (1, nheads, total_q) layout of one packed row of tokens.
     """
     delta = attention_delta(dout[None], out[None], None if dlse is None else dlse[None])[0]
-    return _launch(dout, q, k, v, lse, delta, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   window_left, window_right, alibi_slopes, softcap, cu_seqlens_q, cu_seqlens_k, dropout_p,
-                   rng_state)  # fmt: skip
+    return _launch(dout, q, k, v, lse, delta, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, options,
+                   cu_seqlens_q, cu_seqlens_k)  # fmt: skip
 
 
 def _launch(
-    dout, q, k, v, lse, delta, batch, seqlen_q, seqlen_k, softmax_scale, window_left, window_right,
-    alibi_slopes, softcap, cu_seqlens_q=None, cu_seqlens_k=None, dropout_p=0.0, rng_state=None,
-    attn_mask=None, dmask=None,
+    dout, q, k, v, lse, delta, batch, seqlen_q, seqlen_k, options: AttentionOptions, cu_seqlens_q=None,
+    cu_seqlens_k=None, dmask=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The dK/dV and dQ launches shared by both layouts; seqlen_q and seqlen_k are the (longest) lengths."""
+    window_left, window_right = options.window_left, options.window_right
+    alibi_slopes, softcap, attn_mask = options.alibi_slopes, options.softcap, options.attn_mask
+    softmax_scale, dropout_p = options.softmax_scale, options.dropout_p
     nheads, head_dim = q.shape[-2:]
     nheads_k, head_dim_v = k.shape[-2], v.shape[-1]
     is_varlen = cu_seqlens_q is not None
@@ -741,7 +693,7 @@ def _launch(
     mask = mask_for_kernel(attn_mask)
     # Whether the copy engine can read the inputs; dq, dk, dv are fresh, so ready whenever the inputs are.
     inputs_tma_ready = not is_varlen and tma_ready(q, k, v, dout)
-    rng = rng_state if dropout_p > 0.0 else None  # None, like a None tensor, leaves the signature as without
+    rng = options.rng_state if dropout_p > 0.0 else None  # None, like a None tensor, leaves the signature as without
     p_drop = dropout_p if dropout_p > 0.0 else None
 
     dk = empty_output(k.shape, k.dtype, k.device)

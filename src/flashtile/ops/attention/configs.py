@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtile import _backend
 from flashtile.errors import InputError
 from flashtile.ops.common.grid import compute_capability, padded_head_dim
 
@@ -102,13 +101,6 @@ SHORT_SEQLEN = 1024
 PASSES = ("forward", "forward_short", "forward_banded_short", "backward_dkdv", "backward_dq")
 
 _overrides: dict[str, TileConfig] = {}
-
-
-def gluon_device(device: torch.device) -> bool:
-    """Whether calls on ``device`` may take the sm_90 Gluon kernels (``ops.sm90``):
-    switched on (``flashtile._backend.GLUON``) and an sm_90 GPU. The launchers ask this first, so other
-    devices pay for nothing else and never import Gluon."""
-    return _backend.GLUON and device.type == "cuda" and compute_capability(device.index) == (9, 0)
 
 
 MASK_MAX_STAGES = 2

@@ -33,9 +33,8 @@ memory); MASK_IS_BOOL picks a boolean mask (uint8, hides keys) or an additive on
 A row that the mask hides entirely behaves as a row that sees no key: output 0, LSE -inf. Off, the kernel's
 signature and SASS are those without it (sm_90 SASS of every features-off variant compared).
 
-On sm_90 the launcher hands the forwards without options (causal or not, head dims 64, 128 and 256, any lengths;
-see ``ops.sm90.forward.qualifies``) to the warp-specialized Gluon kernel of ``ops.sm90.forward``, which launches
-the ones that qualify (``attention_forward_sm90`` returns whether it did).
+On sm_90 the dispatcher (``flashtile._backend.forward_choice``) sends the forwards that ``ops.sm90.forward.qualifies``
+(no options, causal or not, head dims 64, 128 and 256, any lengths) to the warp-specialized Gluon kernel instead.
 """
 
 import functools
@@ -44,11 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile._backend import imported
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
-from flashtile.ops.attention.configs import SHORT_SEQLEN, config, gluon_device
+from flashtile.ops.attention.configs import SHORT_SEQLEN, config
 from flashtile.ops.attention.tiles import (
     alibi_batch_stride,
     alibi_slope,
@@ -63,6 +61,7 @@ from flashtile.ops.attention.tiles import (
     mask_scores,
     mask_strides,
     paged_seq_bounds,
+    range_part,
     score_mod,
     score_scales,
     seq_bounds,
@@ -75,6 +74,7 @@ from flashtile.ops.common.grid import cdiv, head_grid, padded_head_dim
 from flashtile.ops.common.math import IEEE, LN2, LOG2E
 from flashtile.ops.common.paged import cache_slots
 from flashtile.ops.common.paged import load_rows as load_cache_rows
+from flashtile.options import AttentionOptions
 
 
 @triton.jit
@@ -313,34 +313,18 @@ def _attention_forward_kernel(
     if HAS_MASK:
         mask_base = head_base(Mask, off_b, off_h, stride_mb, stride_mh)
     lo, mid_lo, mid_hi, hi = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    if MASK_LEFT:
-        for start_n in range(lo, mid_lo, BLOCK_N):
-            acc, m_i, l_i = _forward_tile(
-                acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, BlockTable, stride_bt, num_blocks,
-                stride_kb, stride_vb, start_n, offs_m, offs_d, offs_dv,
-                seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-                mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-                MASK_IS_BOOL, TMA, PAGE_SIZE,
-            )  # fmt: skip
-    for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        acc, m_i, l_i = _forward_tile(
-            acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, BlockTable, stride_bt, num_blocks,
-            stride_kb, stride_vb, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-            mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-            BLOCK_N, False, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL, TMA, PAGE_SIZE,
-        )  # fmt: skip
-    for start_n in range(mid_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _forward_tile(
-            acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, BlockTable, stride_bt, num_blocks,
-            stride_kb, stride_vb, start_n, offs_m, offs_d, offs_dv,
-            seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
-            mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-            BLOCK_N, True, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK,
-            MASK_IS_BOOL, TMA, PAGE_SIZE,
-        )  # fmt: skip
+    for part in tl.static_range(3):  # key tiles of the band's left edge (masked), the middle, the right edge (masked)
+        if part > 0 or MASK_LEFT:
+            start, end = range_part(part, lo, mid_lo, mid_hi, hi)
+            for start_n in range(start, end, BLOCK_N):
+                acc, m_i, l_i = _forward_tile(
+                    acc, m_i, l_i, q, k_src, v_src, off_kb, off_hk, stride_kn, stride_vn, BlockTable, stride_bt,
+                    num_blocks, stride_kb, stride_vb, start_n, offs_m, offs_d, offs_dv,
+                    seqlen_k, diag, left, right, qk_scale, softcap, slope, seed, rng_base, dropout_p,
+                    mask_base, stride_mm, stride_mn, seqlen_q, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                    BLOCK_N, part != 1, MASK_LEFT, MASK_RIGHT, PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                    HAS_MASK, MASK_IS_BOOL, TMA, PAGE_SIZE,
+                )  # fmt: skip
 
     # A row that saw no key (and has no sink) has l = 0: its output is 0 and its LSE -inf.
     seen = l_i > 0.0
@@ -361,18 +345,7 @@ def _attention_forward_kernel(
 
 @on_input_device
 def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel.
 
@@ -380,14 +353,9 @@ def attention_forward(
         q: (batch, seqlen_q, nheads, headdim), last dimension contiguous
         k: (batch, seqlen_k, nheads_k, headdim), last dimension contiguous
         v: (batch, seqlen_k, nheads_k, headdim_v), last dimension contiguous
-        softmax_scale: multiplies q @ k^T before the softmax
-        window_left, window_right: the visible band (see ``tiles``); None leaves that side unbounded
-        alibi_slopes: None or (nheads,) / (batch, nheads) float32 with a contiguous last dimension
-        softcap: > 0 caps the scaled scores at softcap * tanh(score / softcap); 0 is off
-        learnable_sink: None or (nheads,) float32, contiguous
-        dropout_p: probability of dropping each attention probability (0 is off)
-        rng_state: with dropout, int64 (2,) [seed, philox offset] on q's device
-        attn_mask: None, or a (batch, nheads, seqlen_q, seqlen_k) view (stride 0 on broadcast dimensions),
+        options: the window (see ``tiles``), scale, score modifications, sink, dropout and attn_mask; alibi_slopes
+            (nheads,) / (batch, nheads) float32 and learnable_sink (nheads,) float32 with a contiguous last
+            dimension; attn_mask a (batch, nheads, seqlen_q, seqlen_k) view (stride 0 on broadcast dimensions),
             boolean (True = attend) or additive (float, added to the scaled scores)
 
     Returns:
@@ -396,9 +364,7 @@ def attention_forward(
     batch, seqlen_q, nheads, _ = q.shape
     out = empty_output((batch, seqlen_q, nheads, v.shape[3]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
-    _launch(q, k, v, out, lse, batch, seqlen_q, k.shape[1], softmax_scale, window_left, window_right,
-            alibi_slopes, softcap, learnable_sink, dropout_p=dropout_p, rng_state=rng_state,
-            attn_mask=attn_mask)  # fmt: skip
+    _launch(q, k, v, out, lse, batch, seqlen_q, k.shape[1], options)
     return out, lse
 
 
@@ -411,14 +377,7 @@ def varlen_attention_forward(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
+    options: AttentionOptions,
     block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on a variable-length batch (the kernel's IS_VARLEN).
@@ -428,10 +387,10 @@ def varlen_attention_forward(
             last dimensions contiguous; sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1])
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, validated by the caller
         max_seqlen_q, max_seqlen_k: at least the longest sequence (sizes the grid)
+        options: as ``attention_forward`` (no attn_mask); (batch, nheads) alibi slopes are per sequence
         block_table: None, or (batch, max_blocks_per_seq) int32 with k (num_blocks, page_block_size, nheads_k,
             headdim) and v (num_blocks, page_block_size, nheads_k, headdim_v) pages (the kernel's PAGE_SIZE):
             key j of sequence b is k[block_table[b, j // page_block_size], j % page_block_size]
-        the rest: as ``attention_forward``; (batch, nheads) alibi slopes are per sequence
 
     Returns:
         out (total_q, nheads, headdim_v) in q's dtype, lse (nheads, total_q) float32
@@ -439,9 +398,8 @@ def varlen_attention_forward(
     total_q, nheads, _ = q.shape
     out = empty_output((total_q, nheads, v.shape[-1]), q.dtype, q.device)
     lse = empty_output((nheads, total_q), torch.float32, q.device)
-    _launch(q, k, v, out, lse, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-            window_right, alibi_slopes, softcap, learnable_sink, cu_seqlens_q, cu_seqlens_k, dropout_p,
-            rng_state, block_table=block_table)  # fmt: skip
+    _launch(q, k, v, out, lse, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, options, cu_seqlens_q,
+            cu_seqlens_k, block_table)  # fmt: skip
     return out, lse
 
 
@@ -461,26 +419,17 @@ def block_widths(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 
 
 def _launch(
-    q, k, v, out, lse, batch, seqlen_q, seqlen_k, softmax_scale, window_left, window_right,
-    alibi_slopes, softcap, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None, dropout_p=0.0, rng_state=None,
-    attn_mask=None, block_table=None,
+    q, k, v, out, lse, batch, seqlen_q, seqlen_k, options: AttentionOptions, cu_seqlens_q=None, cu_seqlens_k=None,
+    block_table=None,
 ) -> None:  # fmt: skip
     """The forward launch shared by both layouts; seqlen_q and seqlen_k are the (longest) lengths."""
     nheads, head_dim = q.shape[-2:]
     nheads_k, head_dim_v = k.shape[-2], v.shape[-1]
     is_varlen = cu_seqlens_q is not None
     paged = block_table is not None
-    has_dropout = dropout_p > 0.0
-    if (
-        gluon_device(q.device)  # first: elsewhere nothing below runs
-        and window_left is None and window_right in (None, 0) and softcap == 0.0 and not (is_varlen or has_dropout)
-        and alibi_slopes is None and learnable_sink is None and attn_mask is None
-        and softmax_scale > 0  # the Gluon kernel scales masked (-inf) scores: 0 * -inf would be NaN
-    ):  # fmt: skip
-        forward_sm90 = imported("flashtile.ops.sm90.forward")  # Gluon: on sm_90 GPUs only
-
-        if forward_sm90.attention_forward_sm90(q, k, v, out, lse, softmax_scale, causal=window_right == 0):
-            return
+    window_left, window_right = options.window_left, options.window_right
+    alibi_slopes, softcap, attn_mask = options.alibi_slopes, options.softcap, options.attn_mask
+    has_dropout = options.dropout_p > 0.0
     pass_name = "forward"
     if seqlen_k <= SHORT_SEQLEN:
         pass_name = "forward_banded_short" if window_right is not None else "forward_short"
@@ -493,8 +442,8 @@ def _launch(
     )
     grid = head_grid(cdiv(seqlen_q, cfg.block_m), batch, nheads)
     args = (
-        *sources, lse, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
-        rng_state if has_dropout else None, mask_for_kernel(attn_mask), block_table,
+        *sources, lse, alibi_slopes, options.learnable_sink, cu_seqlens_q, cu_seqlens_k,
+        options.rng_state if has_dropout else None, mask_for_kernel(attn_mask), block_table,
         *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(out),
         alibi_batch_stride(alibi_slopes), *mask_strides(attn_mask),
         block_table.stride(0) if paged else None,  # None (like a None tensor) leaves the signature as without pages
@@ -504,8 +453,8 @@ def _launch(
         k.shape[0] if paged else None,  # the number of pages
         0 if window_left is None else window_left,
         0 if window_right is None else window_right,
-        *score_scales(softmax_scale, softcap),
-        dropout_p if has_dropout else None,  # None (like a None tensor) leaves the signature as without dropout
+        *score_scales(options.softmax_scale, softcap),
+        options.dropout_p if has_dropout else None,  # None (like a None tensor) leaves the signature as without dropout
     )  # fmt: skip
     constexprs = dict(
         HEAD_DIM=head_dim,
@@ -519,7 +468,7 @@ def _launch(
         HEAVY_FIRST=window_right is not None,
         HAS_SOFTCAP=softcap > 0.0,
         HAS_ALIBI=alibi_slopes is not None,
-        HAS_SINK=learnable_sink is not None,
+        HAS_SINK=options.learnable_sink is not None,
         IS_VARLEN=is_varlen,
         PAGE_SIZE=k.shape[1] if paged else 0,
         HAS_DROPOUT=has_dropout,

@@ -141,6 +141,18 @@ def key_range(
 
 
 @triton.jit
+def range_part(PART: tl.constexpr, lo, mid_lo, mid_hi, hi):
+    """Bounds [start, end) of part PART of a ``key_range`` / ``query_range``: 0 the masked tiles before the unmasked
+    ones, 1 the unmasked middle, 2 the masked tiles after (the kernels walk the parts in a ``tl.static_range(3)``)."""
+    start, end = mid_lo, mid_hi
+    if PART == 0:
+        start, end = lo, mid_lo
+    if PART == 2:
+        start, end = mid_hi, hi
+    return start, end
+
+
+@triton.jit
 def query_range(
     start_n,
     seqlen_q,

@@ -1,6 +1,6 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by TMA reduce-adds.
 
-On an H100/H200 (``configs.gluon_device``) the backwards that qualify (``qualifies``, and the caller: no
+On an H100/H200 (``flashtile._backend.gluon_refusal``) the backwards that qualify (``qualifies``: no
 dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's default)
 run this kernel instead
 of the portable Triton ones (ops/attention/backward.py): five matrix products per (query tile, key tile) pair instead of
@@ -220,23 +220,29 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile._backend import Verdict, imported, verdict
 from flashtile.ops import _launch
 from flashtile.ops._alloc import empty_output
+from flashtile.ops._device import on_input_device
 from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
 from flashtile.ops.common.grid import head_grid
 from flashtile.ops.common.math import LOG2E
 from flashtile.ops.sm90.common import (
     descriptor,
+    dtype_refusal,
+    head_dim_refusal,
     keyed_for,
     launch,
+    layout_refusal,
     mma_layout,
+    option_refusals,
     partition_barrier,
-    rows_view_ok,
     shared_layout,
     tma_load,
     tma_store,
 )
 from flashtile.ops.sm90.forward import ROWS
+from flashtile.options import AttentionOptions
 
 CONFIGS = {
     # three stages of Q/dO at D=128: 446 / 445 TFLOP/s at N=16k against 437 / 443 with two (measured with the
@@ -1222,25 +1228,38 @@ every group size without causal."""
 
 
 def qualifies(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool, softmax_scale: float
-) -> bool:
-    """The kernel's own conditions (any device): bf16/fp16; one head dim in CONFIGS for q, k, v; the query
-    heads a multiple of the K/V heads (MHA, GQA, MQA; causal: at most MAX_CAUSAL_GROUP per K/V head); both
-    lengths positive multiples of ROWS; dQ offsets within a batch entry below 2**31; descriptor-ready
-    layouts of q, k, v and dout (``rows_view_ok``); softmax_scale > 0 (D=64's 128-row tiles start S^T's
-    accumulator at -lse / scale, ``_consumer``'s STATS_IN_ACC)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_k = k.shape[2]
-    if q.dtype not in (torch.bfloat16, torch.float16) or head_dim not in CONFIGS or not softmax_scale > 0:
-        return False
-    if k.shape[3] != head_dim or v.shape[2:] != k.shape[2:] or nheads_k == 0 or nheads % nheads_k:
-        return False
-    if causal and nheads // nheads_k > MAX_CAUSAL_GROUP:
-        return False
-    seqlen_k = k.shape[1]
-    if seqlen_q % ROWS or seqlen_k % ROWS or seqlen_k == 0 or seqlen_q * nheads * head_dim >= 2**31:
-        return False
-    return all(rows_view_ok(x) for x in (q, k, v, dout))
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, options: AttentionOptions,
+    varlen: bool = False,
+) -> Verdict:
+    """Whether this kernel computes the backward of attention(q, k, v, options) given dout, on any device (the
+    device itself is the dispatcher's, ``_backend.gluon_refusal``): the options of both sm_90 kernels
+    (``common.option_refusals``; a learnable sink is fine: the saved lse includes it) and deterministic=False (dQ is
+    summed by atomics); bf16/fp16; one head dim in CONFIGS for q, k, v; the query heads a multiple of the K/V heads
+    (MHA, GQA, MQA; causal: at most MAX_CAUSAL_GROUP per K/V head); both lengths positive multiples of ROWS; dQ
+    offsets within a batch entry below 2**31; descriptor-ready layouts of q, k, v and dout (``rows_view_ok``).
+    softmax_scale > 0 matters here too: D=64's 128-row tiles start S^T's accumulator at -lse / scale (``_consumer``'s
+    STATS_IN_ACC)."""
+    reasons = [
+        *option_refusals(options, varlen),
+        "deterministic=True (this kernel sums dQ with atomics)" if options.deterministic else None,
+    ]
+    if not varlen:
+        batch, seqlen_q, nheads, head_dim = q.shape
+        seqlen_k, nheads_k = k.shape[1], k.shape[2]
+        group_ok = nheads_k > 0 and nheads % nheads_k == 0
+        reasons += (
+            dtype_refusal(q),
+            head_dim_refusal(q, k, v, CONFIGS),
+            None if v.shape[2:] == k.shape[2:] else f"v {tuple(v.shape)} with other heads or head dim than k",
+            None if group_ok else f"nheads {nheads} not a multiple of nheads_k {nheads_k}",
+            f"causal with {nheads // nheads_k} query heads per K/V head (at most {MAX_CAUSAL_GROUP})"
+            if group_ok and options.causal and nheads // nheads_k > MAX_CAUSAL_GROUP else None,
+            None if seqlen_q % ROWS == 0 and seqlen_k % ROWS == 0 and seqlen_k > 0
+            else f"seqlen_q {seqlen_q}, seqlen_k {seqlen_k} (positive multiples of {ROWS} only)",
+            "dQ offsets past 2**31" if seqlen_q * nheads * head_dim >= 2**31 else None,
+            layout_refusal(q=q, k=k, v=v, dout=dout),
+        )  # fmt: skip
+    return verdict(reasons)
 
 
 def programs(n_n: int, cfg: dict, causal: bool) -> int:
@@ -1281,18 +1300,16 @@ def _plan_key(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> 
     )  # fmt: skip
 
 
-def backward_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> BackwardPlan | None:
-    """The plan of a launch on these tensors (``attention_backward_sm90``'s), or None where they do not qualify
-    (``qualifies``): made on the first call of a ``_plan_key`` and kept."""
+def backward_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> BackwardPlan:
+    """The plan of a launch on these tensors (``attention_backward_sm90``'s; they qualify: ``qualifies``): made on
+    the first call of a ``_plan_key`` and kept."""
     key = _plan_key(dout, q, k, v, lse, delta, softmax_scale, causal)
     return _PLANS.plan(key, _make_plan, dout, q, k, v, lse, delta, softmax_scale, causal)
 
 
-def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> tuple[BackwardPlan | None, bool]:
+def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> tuple[BackwardPlan, bool]:
     """``backward_plan``'s plan made anew, and True: keep it. The outputs' descriptor templates come from tensors of
     their layouts on the meta device (no memory, no zero fill: a first call allocates its outputs once)."""
-    if not qualifies(q, k, v, dout, causal, softmax_scale):
-        return None, True
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     cfg = CONFIGS[head_dim]
@@ -1331,8 +1348,8 @@ def attention_backward_sm90(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Launch the kernel if the inputs qualify (``qualifies``) and return the gradients, else launch nothing and
-    return None; ``configs.gluon_device(q.device)`` must hold. Per call: the plan of the inputs' layouts
+    """Launch the kernel on inputs that qualify (``qualifies``) on an sm_90 GPU (``_backend.gluon_refusal``; the
+    dispatcher has checked both) and return the gradients. Per call: the plan of the inputs' layouts
     (``backward_plan``), the outputs, seven descriptors rebased from its templates and one launch past the binder.
 
     Args:
@@ -1345,11 +1362,9 @@ def attention_backward_sm90(
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
 
     Returns:
-        dq, dk, dv shaped like q, k, v in their dtype (contiguous), or None
+        dq, dk, dv shaped like q, k, v in their dtype (contiguous)
     """
     plan = backward_plan(dout, q, k, v, lse, delta, softmax_scale, causal)
-    if plan is None:
-        return None
     dq_accum, dk, dv = _outputs(q, k, v, q.device)
     q_desc, dout_desc, k_desc, v_desc, dk_desc, dv_desc = plan.descriptors
     dq_desc = None if plan.dq_descriptor is None else rebase(plan.dq_descriptor, dq_accum)
@@ -1359,3 +1374,11 @@ def attention_backward_sm90(
     )  # fmt: skip
     launch(_attention_backward_sm90_kernel, plan.grid, args, plan.constexprs, plan.keyed)
     return dq_accum.to(q.dtype), dk, dv
+
+
+@on_input_device
+def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse: torch.Tensor | None = None):
+    """The dispatcher's entry (``_backend.backward_choice``): (dq, dk, dv) as ``ops.attention.attention_backward``
+    gives them (same arguments), by this kernel after the Triton delta kernel (rowsum(dout * out) - dlse)."""
+    delta = imported("flashtile.ops.attention").attention_delta(dout, out, dlse)
+    return attention_backward_sm90(dout, q, k, v, lse, delta, options.softmax_scale, causal=options.causal)

@@ -14,6 +14,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch
 from flashtile.ops.common.descriptors import per_layout
+from flashtile.options import AttentionOptions
 
 # Gluon's TMA copies are tma.async_load / tma.async_store since triton 3.9, where the older names (the only ones
 # triton 3.6 and 3.7 have) raise; the arguments are the same. Both kernels call them by these names.
@@ -31,6 +32,39 @@ partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 def mma_layout(n):
     # one warpgroup, wgmma m64nNk16 tiles (bf16/fp16: k = 16), N = the full tile width
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+def option_refusals(options: AttentionOptions, varlen: bool) -> tuple[str | None, ...]:
+    """Why the options of a call keep it off both sm_90 kernels (None where a condition holds): they compute plain
+    attention, causal or not, over a (batch, seqlen, nheads, headdim) batch, with softmax_scale > 0 (the forward
+    scales masked (-inf) scores: 0 * -inf would be NaN)."""
+    return (
+        "a sliding window (causal or none only)" if options.local else None,
+        "softcap" if options.softcap != 0.0 else None,
+        "ALiBi slopes" if options.alibi_slopes is not None else None,
+        "dropout" if options.dropout_p > 0.0 else None,
+        "an attn_mask" if options.attn_mask is not None else None,
+        "a packed variable-length batch" if varlen else None,
+        None if options.softmax_scale > 0 else f"softmax_scale {options.softmax_scale} (> 0 only)",
+    )
+
+
+def dtype_refusal(q: torch.Tensor) -> str | None:
+    return None if q.dtype in (torch.bfloat16, torch.float16) else f"dtype {q.dtype} (bf16 or fp16 only)"
+
+
+def head_dim_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, configs: dict) -> str | None:
+    """Why the head dims of q, k, v do not fit a kernel whose CONFIGS are ``configs`` (one of them for all three)."""
+    head_dims = (q.shape[3], k.shape[3], v.shape[3])
+    if head_dims[0] in configs and head_dims.count(head_dims[0]) == 3:
+        return None
+    return f"head dims {head_dims} of q, k, v (one of {sorted(configs)} for all three)"
+
+
+def layout_refusal(**tensors: torch.Tensor) -> str | None:
+    """Which of ``tensors`` a tensor descriptor cannot read (``rows_view_ok``), or None."""
+    bad = [name for name, x in tensors.items() if not rows_view_ok(x)]
+    return f"layouts a tensor descriptor cannot read ({', '.join(bad)})" if bad else None
 
 
 def rows_view_ok(x: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
 
-On an H100/H200 (``configs.gluon_device``) the forwards that qualify (``qualifies``, and the launcher in
-ops/attention/forward.py: no options) run this kernel instead of the portable Triton one (which every other GPU and
+On an H100/H200 (``flashtile._backend.gluon_refusal``) the forwards that qualify (``qualifies``: no
+options) run this kernel instead of the portable Triton one (which every other GPU and
 the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or
 256 for q, k and v (``CONFIGS``), causal or not (``CAUSAL_MIN_SEQLEN_Q``: every length); bf16/fp16; any seqlen_q
 and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous tensor, or
@@ -66,21 +66,27 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile._backend import Verdict, verdict
 from flashtile.ops import _launch
-from flashtile.ops._device import sm_count
+from flashtile.ops._alloc import empty_output
+from flashtile.ops._device import on_input_device, sm_count
 from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
 from flashtile.ops.common.grid import cdiv
 from flashtile.ops.common.math import LN2, LOG2E
 from flashtile.ops.sm90.common import (
+    dtype_refusal,
+    head_dim_refusal,
     keyed_for,
     launch,
+    layout_refusal,
     mma_layout,
+    option_refusals,
     partition_barrier,
-    rows_view_ok,
     shared_layout,
     tma_load,
     tma_store,
 )
+from flashtile.options import AttentionOptions
 
 CONFIGS = {
     # 192-row items of three warpgroups, three stages of 128-key tiles: 24 KiB of Q, 96 KiB of K and V, 24 KiB of O
@@ -777,21 +783,26 @@ def _attention_forward_sm90_kernel(
     )  # fmt: skip
 
 
-def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
-    """The kernel's own conditions on q, k, v (any device): bf16/fp16, one head dim of CONFIGS for q, k and v
-    (with causal, seqlen_q from CAUSAL_MIN_SEQLEN_Q), any lengths but neither q nor k empty (a descriptor's
-    dimensions are positive; no key would leave out and lse to fill), and layouts a tensor descriptor can read
-    (``rows_view_ok``)."""
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    head_dim = q.shape[3]
-    if head_dim not in CONFIGS or k.shape[3] != head_dim or v.shape[3] != head_dim:
-        return False
-    if causal and q.shape[1] < CAUSAL_MIN_SEQLEN_Q.get(head_dim, q.shape[1] + 1):
-        return False
-    if q.numel() == 0 or k.numel() == 0:
-        return False
-    return rows_view_ok(q) and rows_view_ok(k) and rows_view_ok(v)
+def qualifies(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, varlen: bool = False
+) -> Verdict:
+    """Whether this kernel computes attention(q, k, v, options), on any device (the device itself is the
+    dispatcher's, ``_backend.gluon_refusal``): the options of both sm_90 kernels (``common.option_refusals``) and no
+    learnable sink; bf16/fp16, one head dim of CONFIGS for q, k and v (with causal, seqlen_q from
+    CAUSAL_MIN_SEQLEN_Q), any lengths but neither q nor k empty (a descriptor's dimensions are positive; no key would
+    leave out and lse to fill), and layouts a tensor descriptor can read (``rows_view_ok``)."""
+    reasons = [*option_refusals(options, varlen), "a learnable sink" if options.learnable_sink is not None else None]
+    if not varlen:
+        head_dim = q.shape[3]
+        causal_min = CAUSAL_MIN_SEQLEN_Q.get(head_dim, q.shape[1] + 1) if options.causal else 0
+        reasons += (
+            dtype_refusal(q),
+            head_dim_refusal(q, k, v, CONFIGS),
+            f"causal with seqlen_q {q.shape[1]} < {causal_min}" if q.shape[1] < causal_min else None,
+            "an empty q or k" if q.numel() == 0 or k.numel() == 0 else None,
+            layout_refusal(q=q, k=k, v=v),
+        )
+    return verdict(reasons)
 
 
 @per_layout
@@ -906,17 +917,15 @@ def _plan_key(q, k, v, out, lse, causal: bool) -> tuple:
     )  # fmt: skip
 
 
-def forward_plan(q, k, v, out, lse, causal: bool) -> ForwardPlan | None:
-    """The plan of a launch on these tensors (``attention_forward_sm90``'s), or None where they do not qualify
-    (``qualifies``): made on the first call of a ``_plan_key`` and kept, except a causal launch's made while its
-    schedule's first use is being captured into a CUDA graph (``causal_schedule``: that launch walks pair slots)."""
+def forward_plan(q, k, v, out, lse, causal: bool) -> ForwardPlan:
+    """The plan of a launch on these tensors (``attention_forward_sm90``'s; they qualify: ``qualifies``): made on the
+    first call of a ``_plan_key`` and kept, except a causal launch's made while its schedule's first use is being
+    captured into a CUDA graph (``causal_schedule``: that launch walks pair slots)."""
     return _PLANS.plan(_plan_key(q, k, v, out, lse, causal), _make_plan, q, k, v, out, lse, causal)
 
 
-def _make_plan(q, k, v, out, lse, causal: bool) -> tuple[ForwardPlan | None, bool]:
+def _make_plan(q, k, v, out, lse, causal: bool) -> tuple[ForwardPlan, bool]:
     """``forward_plan``'s plan made anew, and whether to keep it."""
-    if not qualifies(q, k, v, causal):
-        return None, True
     batch, seqlen_q, nheads, head_dim = q.shape
     cfg = config(head_dim, causal, seqlen_q)
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
@@ -948,10 +957,10 @@ def attention_forward_sm90(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-) -> bool:
-    """Launch the kernel if q, k, v qualify (``qualifies``) and return True, else launch nothing and return False;
-    ``configs.gluon_device(q.device)`` must hold. Per call: the plan of the inputs' layouts (``forward_plan``), four
-    descriptors rebased from its templates and one launch past the binder with its kept key.
+) -> None:
+    """Launch the kernel on inputs that qualify (``qualifies``) on an sm_90 GPU (``_backend.gluon_refusal``): the
+    dispatcher has checked both. Per call: the plan of the inputs' layouts (``forward_plan``), four descriptors
+    rebased from its templates and one launch past the binder with its kept key.
 
     Args:
         q: (batch, seqlen_q, nheads, D); k, v: (batch, seqlen_k, nheads_k, D), D in CONFIGS, nheads a multiple
@@ -962,12 +971,22 @@ def attention_forward_sm90(
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
     """
     plan = forward_plan(q, k, v, out, lse, causal)
-    if plan is None:
-        return False
     q_desc, k_desc, v_desc, out_desc = plan.descriptors
     args = (
         rebase(q_desc, q), rebase(k_desc, k), rebase(v_desc, v), rebase(out_desc, out), lse,
         softmax_scale * LOG2E.value, *plan.ints, plan.schedule,
     )  # fmt: skip
     launch(_attention_forward_sm90_kernel, plan.grid, args, plan.constexprs, plan.keyed)
-    return True
+
+
+@on_input_device
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatcher's entry (``_backend.forward_choice``): (out, lse) as ``ops.attention.attention_forward``
+    gives them, computed by this kernel; options: plain attention, causal (window_right 0) or not."""
+    batch, seqlen_q, nheads, _ = q.shape
+    out = empty_output((batch, seqlen_q, nheads, v.shape[3]), q.dtype, q.device)
+    lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
+    attention_forward_sm90(q, k, v, out, lse, options.softmax_scale, causal=options.causal)
+    return out, lse
