@@ -126,7 +126,10 @@ def kvcache_forward(
             v_cache[slot, row] = v[b]
 
     options = AttentionOptions(
-        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, alibi_slopes=alibi_slopes,
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        alibi_slopes=alibi_slopes,
         softcap=softcap,
     )
     for b in range(batch):

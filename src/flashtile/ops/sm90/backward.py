@@ -1228,7 +1228,11 @@ every group size without causal."""
 
 
 def qualifies(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, options: AttentionOptions,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    options: AttentionOptions,
     varlen: bool = False,
 ) -> Verdict:
     """Whether this kernel computes the backward of attention(q, k, v, options) given dout, on any device (the
