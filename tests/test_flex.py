@@ -447,6 +447,7 @@ def _qkv(B=1, H=2, L=8, S=8, D=16, **changes):
     ],
 )
 def test_bad_inputs_raise_input_error(changes, match):
+    changes = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in changes.items()}
     with pytest.raises(flashtile.InputError, match=match):
         flashtile.flex_attention(**_qkv(**changes))
 

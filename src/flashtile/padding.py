@@ -134,8 +134,8 @@ class _GatherRows(torch.autograd.Function):
 class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(values: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
-        out = values.new_zeros((num_rows, *values.shape[1:]))
-        return out.index_copy_(0, indices, values)
+        # out of place: under torch 2.11's torch.compile with dynamic shapes the in-place form returned zeros
+        return values.new_zeros((num_rows, *values.shape[1:])).index_copy(0, indices, values)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
