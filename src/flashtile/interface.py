@@ -344,14 +344,8 @@ def flash_attn_qkvpacked_func(
         the rest: as ``flash_attn_func``
 
     Raises:
-        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
-            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
-        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
-            headdim_v and either not a multiple of 8)
-        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
-            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
-            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
-            All are raised before anything launches.
+        the errors of ``flash_attn_func`` (flashtile.InputError, InputTypeError, UnsupportedHeadDimError), for the
+        packed tensor's shape too, before anything launches
 
     Returns:
         out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask) if
@@ -388,14 +382,8 @@ def flash_attn_kvpacked_func(
         the rest: as ``flash_attn_func``
 
     Raises:
-        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
-            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
-        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
-            headdim_v and either not a multiple of 8)
-        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
-            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
-            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
-            All are raised before anything launches.
+        the errors of ``flash_attn_func`` (flashtile.InputError, InputTypeError, UnsupportedHeadDimError), for the
+        packed tensor's shape too, before anything launches
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) if
@@ -583,16 +571,10 @@ def flash_attn_varlen_func(
         learnable_sink: keyword only, (nheads,) float32, as ``flash_attn_func``
 
     Raises:
-        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
-            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
-        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
-            headdim_v and either not a multiple of 8)
-        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
-            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
-            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
-            cu_seqlens that are not int32 (batch + 1,) running sums, max_seqlen below the longest sequence;
-            on CPU tensors, and on CUDA unless ``check_values(False)``, their values too. All are raised before
-            anything launches.
+        the errors of ``flash_attn_func`` for q, k, v and the options (flashtile.InputError, InputTypeError,
+        UnsupportedHeadDimError), and flashtile.InputError for cu_seqlens that are not int32 (batch + 1,) running
+        sums or a max_seqlen below the longest sequence (their values are checked on CPU tensors, and on CUDA
+        unless ``check_values(False)``), all before anything launches
 
     Returns:
         out: (total_q, nheads, headdim_v)
@@ -688,16 +670,8 @@ def flash_attn_varlen_qkvpacked_func(
         the rest: as ``flash_attn_varlen_func``
 
     Raises:
-        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
-            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
-        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
-            headdim_v and either not a multiple of 8)
-        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
-            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
-            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
-            cu_seqlens that are not int32 (batch + 1,) running sums, max_seqlen below the longest sequence;
-            on CPU tensors, and on CUDA unless ``check_values(False)``, their values too. All are raised before
-            anything launches.
+        the errors of ``flash_attn_varlen_func`` (flashtile.InputError, InputTypeError,
+        UnsupportedHeadDimError), for the packed tensor's shape too, before anything launches
 
     Returns:
         out: (total, nheads, headdim), or (out, softmax_lse (nheads, total), None) if return_attn_probs
@@ -737,16 +711,8 @@ def flash_attn_varlen_kvpacked_func(
         the rest: as ``flash_attn_varlen_func``
 
     Raises:
-        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
-            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
-        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
-            headdim_v and either not a multiple of 8)
-        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
-            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
-            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
-            cu_seqlens that are not int32 (batch + 1,) running sums, max_seqlen below the longest sequence;
-            on CPU tensors, and on CUDA unless ``check_values(False)``, their values too. All are raised before
-            anything launches.
+        the errors of ``flash_attn_varlen_func`` (flashtile.InputError, InputTypeError,
+        UnsupportedHeadDimError), for the packed tensor's shape too, before anything launches
 
     Returns:
         out: (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), None) if return_attn_probs

@@ -425,15 +425,10 @@ def flash_attn_with_kvcache(
         return_softmax_lse: also return softmax_lse
 
     Raises:
-        flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
-            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
-        flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
-            headdim_v and either not a multiple of 8)
-        flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
-            that do not fit together (batch or heads of q, k, v, nheads not a multiple of nheads_k, window_size,
-            dropout_p outside [0, 1), softmax_scale NaN or infinite, ...), each message saying what to change.
-            cache_seqlens / cache_batch_idx / block_table out of the cache's range (their values are checked on
-            CPU tensors, and on CUDA unless ``check_values(False)``). All are raised before anything launches.
+        the errors of ``flashtile.flash_attn_func`` for q, the caches, k, v and the options (flashtile.InputError,
+        InputTypeError, UnsupportedHeadDimError), and flashtile.InputError for cache_seqlens, cache_batch_idx,
+        cache_leftpad or block_table out of the cache's range (their values are checked on CPU tensors, and on
+        CUDA unless ``check_values(False)``), all before anything launches
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim_v), q's dtype
