@@ -121,8 +121,10 @@ def explain_call(console: Console, args: argparse.Namespace, device: torch.devic
     """``flashtile info --explain``: ``flashtile.explain`` of a flash_attn_func call of the shape and options in
     ``args`` on ``device`` (empty tensors: nothing runs)."""
     dtype = DTYPES[args.dtype]
+    seqlen_k = args.seqlen_q if args.seqlen_k is None else args.seqlen_k
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     q = torch.empty(args.batch, args.seqlen_q, args.heads, args.head_dim, dtype=dtype, device=device)
-    k, v = (torch.empty(args.batch, args.seqlen_k, args.kv_heads, args.head_dim, dtype=dtype, device=device)
+    k, v = (torch.empty(args.batch, seqlen_k, kv_heads, args.head_dim, dtype=dtype, device=device)
             for _ in range(2))  # fmt: skip
     extras = {}
     if args.alibi:
@@ -655,9 +657,10 @@ def _parser() -> argparse.ArgumentParser:
         "--explain", action="store_true", help="which kernel runs a call of the shape and options below, and why"
     )
     call = info_parser.add_argument_group("the call --explain explains (flash_attn_func's arguments)")
-    for name, default in (("batch", 2), ("seqlen-q", 1024), ("seqlen-k", 1024), ("heads", 16), ("kv-heads", 16),
+    for name, default in (("batch", 2), ("seqlen-q", 1024), ("seqlen-k", None), ("heads", 16), ("kv-heads", None),
                           ("head-dim", 128)):  # fmt: skip
-        call.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
+        shown = {"seqlen-k": "seqlen-q", "kv-heads": "heads"}.get(name, default)
+        call.add_argument(f"--{name}", type=int, default=default, help=f"default {shown}")
     call.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     call.add_argument("--causal", action="store_true")
     call.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"), help="window_size")
