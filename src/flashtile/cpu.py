@@ -68,15 +68,12 @@ batched matrix product that copies nothing. With grouped-query attention (nheads
 group * nheads_k) the query tile of the ``group`` heads that share a key/value head is laid out as
 (batch * nheads_k, group * BLOCK_M, headdim), so each key/value tile is used once per query tile. The
 softmax and every accumulator are float32 (float64 for float64 inputs). The score product Q K^T takes the
-query tile with the softmax scale folded in; for bfloat16 inputs it runs on bfloat16 operands (the scaled query
-rounded once) and returns scores rounded to bfloat16, since torch's CPU product of bfloat16 matrices gives
-bfloat16 (four times faster than the float32 product; see ``_product_dtype``), for other dtypes in float32. In
-the backward the product dO V^T is taken as ``[dO, -Delta] [V, 1]^T = dP - Delta`` (Delta split in two
-bfloat16 parts), so that a bfloat16 result rounds the difference that dS needs rather than dP before Delta
-cancels most of it. The products whose left operand is a probability or its gradient (P V, P^T dO, dS K,
-dS^T Q) take it rounded to the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile
-results are added to the float32 accumulators. Each exp() argument is clamped at -87 (``_exp``): torch's CPU
-exp() is many times slower where its result leaves float32's normal range.
+query tile with the softmax scale folded in, in the compute dtype (``_product_dtype``). In the backward the product
+dO V^T is taken as ``[dO, -Delta] [V, 1]^T = dP - Delta``, one product instead of a product and a subtraction.
+The products whose left operand is a probability or its gradient (P V, P^T dO, dS K, dS^T Q) take it rounded to
+the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile results are added to the float32
+accumulators. Each exp() argument is clamped at -87 (``_exp``): torch's CPU exp() is many times slower where its
+result leaves float32's normal range.
 
 Score modifications and sinks
 -----------------------------
@@ -439,15 +436,13 @@ def _add_sink(out: Tensor, lse: Tensor, learnable_sink: Tensor) -> tuple[Tensor,
 
 
 def _product_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the score products Q K^T and dO V^T: bfloat16 for bfloat16 inputs, the compute dtype otherwise.
+    """The dtype of the score products Q K^T and dO V^T: the compute dtype (float32; float64 for float64 inputs).
 
-    torch's CPU matrix product of bfloat16 matrices accumulates in float32 (the CPU's bfloat16 units) and returns
-    bfloat16, 4x faster than the float32 product of the same values; the scores then carry a bfloat16 rounding, as
-    the scores of any bfloat16 attention written in PyTorch do (the tolerance rule's plain low-precision reference).
-    The softmax and every accumulator stay in float32. float16 keeps float32 products: float16 has no fast CPU
-    product here, and its scores could overflow.
+    torch's CPU product of bfloat16 matrices is 4x faster but returns bfloat16: scores rounded to bfloat16 broke
+    the tolerance rule (a one-key softcapped row's LSE erred 6.7e-4 against a bound of 5.5e-4), so the products
+    take their operands in the compute dtype.
     """
-    return dtype if dtype == torch.bfloat16 else _compute_dtype(dtype)
+    return _compute_dtype(dtype)
 
 
 @dataclass(frozen=True)
