@@ -68,7 +68,7 @@ batched matrix product that copies nothing. With grouped-query attention (nheads
 group * nheads_k) the query tile of the ``group`` heads that share a key/value head is laid out as
 (batch * nheads_k, group * BLOCK_M, headdim), so each key/value tile is used once per query tile. The
 softmax and every accumulator are float32 (float64 for float64 inputs). The score product Q K^T takes the
-query tile with the softmax scale folded in, in the compute dtype (``_product_dtype``). In the backward the product
+query tile with the softmax scale folded in, in the compute dtype. In the backward the product
 dO V^T is taken as ``[dO, -Delta] [V, 1]^T = dP - Delta``, one product instead of a product and a subtraction.
 The products whose left operand is a probability or its gradient (P V, P^T dO, dS K, dS^T Q) take it rounded to
 the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile results are added to the float32
@@ -435,27 +435,15 @@ def _add_sink(out: Tensor, lse: Tensor, learnable_sink: Tensor) -> tuple[Tensor,
     return (out * share).to(out.dtype), with_sink
 
 
-def _product_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the score products Q K^T and dO V^T: the compute dtype (float32; float64 for float64 inputs).
-
-    torch's CPU product of bfloat16 matrices is 4x faster but returns bfloat16: scores rounded to bfloat16 broke
-    the tolerance rule (a one-key softcapped row's LSE erred 6.7e-4 against a bound of 5.5e-4), so the products
-    take their operands in the compute dtype.
-    """
-    return _compute_dtype(dtype)
-
-
 @dataclass(frozen=True)
 class _ScoreMods:
     """How a tile's scores are made: the softmax scale, a tanh cap (0 = off), ALiBi slopes shaped
-    (B * Hk, group, 1, 1) in the compute dtype (None = off), ``diag`` = seqlen_k - seqlen_q, and the dtype of the
-    product Q K^T (``_product_dtype``)."""
+    (B * Hk, group, 1, 1) in the compute dtype (None = off), ``diag`` = seqlen_k - seqlen_q."""
 
     softmax_scale: float
     softcap: float = 0.0
     slopes: Tensor | None = None
     diag: int = 0
-    product_dtype: torch.dtype = torch.float32
 
     @property
     def query_scale(self) -> float:
@@ -463,37 +451,34 @@ class _ScoreMods:
         return self.softmax_scale / self.softcap if self.softcap > 0.0 else self.softmax_scale
 
     def query_tile(self, q: Tensor, q0: int, q1: int, nheads_k: int) -> Tensor:
-        """Rows [q0, q1) of q as the left operand of Q K^T, (B * Hk, group * M, D) of the product dtype: multiplied
-        by ``query_scale`` in the compute dtype, then rounded to the product dtype."""
-        tile = _query_tile(q, q0, q1, nheads_k, _compute_dtype(q.dtype)).mul_(self.query_scale)
-        return tile.to(self.product_dtype)
+        """Rows [q0, q1) of q as the left operand of Q K^T, (B * Hk, group * M, D) in the compute dtype, multiplied
+        by ``query_scale``."""
+        return _query_tile(q, q0, q1, nheads_k, _compute_dtype(q.dtype)).mul_(self.query_scale)
 
 
 def _score_mods(
     alibi_slopes: Tensor | None, softcap: float, batch: int, nheads_k: int, diag: int, dtype: torch.dtype,
-    softmax_scale: float, product_dtype: torch.dtype,
+    softmax_scale: float,
 ) -> _ScoreMods:  # fmt: skip
     """The score modifications of a call, slopes reshaped to broadcast against a tile's scores."""
     slopes = None
     if alibi_slopes is not None:  # (H,) or (B, H) -> (B * Hk, group, 1, 1)
         nheads = alibi_slopes.shape[-1]
         slopes = alibi_slopes.to(dtype).expand(batch, nheads).reshape(batch * nheads_k, nheads // nheads_k, 1, 1)
-    return _ScoreMods(softmax_scale, softcap, slopes, diag, product_dtype)
+    return _ScoreMods(softmax_scale, softcap, slopes, diag)
 
 
 def _scores(
-    q_t: Tensor, k_t: Tensor, mods: _ScoreMods, group: int, q0: int, k0: int, out: Tensor, products: Tensor
+    q_t: Tensor, k_t: Tensor, mods: _ScoreMods, group: int, q0: int, k0: int, out: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """Scores of one tile before any mask, and tanh of the scaled scores if they are capped (for the backward).
 
     q_t: (B * Hk, group * M, D) holding query rows from q0 (``mods.query_tile``); k_t: (B * Hk, D, N) holding keys
-    from k0, transposed; out, products: scratch (``_scratch``) of the compute and product dtypes -> s:
+    from k0, transposed; out: scratch (``_scratch``) of the compute dtype -> s:
     (B * Hk, group * M, N) in the compute dtype, in out's memory unless capped; t: like s, or None.
     """
     shape = (*q_t.shape[:2], k_t.shape[2])
-    s = torch.bmm(q_t, k_t, out=_scratch(out if q_t.dtype == out.dtype else products, shape))  # [gM, D] @ [D, N]
-    if s.dtype != out.dtype:  # a bfloat16 product, into the compute dtype
-        s = _scratch(out, shape).copy_(s)
+    s = torch.bmm(q_t, k_t, out=_scratch(out, shape))  # [gM, D] @ [D, N]
     t = None
     if mods.softcap > 0.0:
         t = s.tanh_()
@@ -675,14 +660,13 @@ def _tiled_forward(
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, _product_dtype(q.dtype))
-    keys = _key_tiles(k, mods.product_dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale)
+    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
     values = _key_tiles(v, v.dtype)  # (B * Hk, N, Dv) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
     scores, probs = torch.empty(tile_size, dtype=dtype), torch.empty(tile_size, dtype=v.dtype)
-    products = torch.empty(tile_size, dtype=mods.product_dtype)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_t = mods.query_tile(q, q0, q1, Hk)  # (B * Hk, gM, D)
@@ -692,7 +676,7 @@ def _tiled_forward(
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
             band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
-            s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores, products)
+            s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores)
             _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             p = _exp(s, m_new)
@@ -754,36 +738,36 @@ def attention_backward(
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, _product_dtype(q.dtype))
-    keys = _key_tiles(k, mods.product_dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
-    ones = torch.ones(B, Sk, Hk, 2, dtype=v.dtype)
-    values = _key_tiles(torch.cat([v, ones], dim=-1), mods.product_dtype, transposed=True)  # (B * Hk, Dv + 2, N)
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale)
+    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    ones = torch.ones(B, Sk, Hk, 1, dtype=v.dtype)
+    values = _key_tiles(torch.cat([v, ones], dim=-1), dtype, transposed=True)  # (B * Hk, Dv + 1, N)
     keys_low = _key_tiles(k, k.dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.zeros(B * Hk, Sk, D, dtype=dtype)  # accumulators, heads-major
     dv = torch.zeros(B * Hk, Sk, Dv, dtype=dtype)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
     scores, dprobs, low = (torch.empty(tile_size, dtype=t) for t in (dtype, dtype, q.dtype))
-    products = torch.empty(tile_size, dtype=mods.product_dtype)
+    dp_scratch = torch.empty(tile_size, dtype=dtype)  # dP - Delta
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_low = _query_tile(q, q0, q1, Hk, q.dtype)  # (B * Hk, gM, D), operand of dK = dS^T Q
         q_t = mods.query_tile(q, q0, q1, Hk)
         do_low = _query_tile(dout, q0, q1, Hk, dout.dtype)  # (B * Hk, gM, Dv)
         delta = _delta_tile(dout, out, dlse, q0, q1, Hk, dtype)  # (B * Hk, gM, 1)
-        do_t = torch.cat([do_low.to(mods.product_dtype), *_split(-delta, mods.product_dtype)], dim=-1)
+        do_t = torch.cat([do_low.to(dtype), -delta], dim=-1)
         lse_t = lse[:, :, q0:q1].reshape(delta.shape).to(dtype)
         lse_t = lse_t.masked_fill(lse_t == float("-inf"), 0.0)  # rows with no key: P = exp(-inf) = 0
         dq_t = torch.zeros(*q_t.shape[:2], D, dtype=dtype)
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
             band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
-            s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores, products)
+            s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores)
             _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
             p = _exp(s, lse_t)  # (B * Hk, gM, N)
             _mask_tile(p, band, attn_mask, group, q0, q1, k0, k1, probs=True)
-            # dP - Delta = [dO, -Delta] [V, 1]^T: [gM, Dv + 2] @ [Dv + 2, N]
-            dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(products, p.shape))
+            # dP - Delta = [dO, -Delta] [V, 1]^T: [gM, Dv + 1] @ [Dv + 1, N]
+            dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(dp_scratch, p.shape))
             p_kept = p
             if drop is not None:  # the gradient at P is Z / (1 - p) * dP; dV's 1 / (1 - p) is applied at the end
                 keep = _dropout_keep(drop, B, Hk, group, q0, q1, k0, k1).view(p.shape)
@@ -807,7 +791,7 @@ def attention_backward(
 
 def _split(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """x as hi + lo, both of ``dtype``: lo = x - hi rounded (0 if ``dtype`` holds x), so that a product with a
-    bfloat16 operand [A, hi, lo] sees x to 16 bits rather than 8."""
+    low-precision operand [A, hi, lo] sees x to twice its bits (-dlse as columns of dO for torch's kernel)."""
     hi = x.to(dtype)
     return hi, (x - hi).to(dtype)
 
