@@ -3,7 +3,8 @@ checks, and the choice between the Triton kernel and the PyTorch route."""
 
 from __future__ import annotations
 
-import math
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
 from flashtile.flex.block_mask import BlockMask, as_block_mask, full_block_mask, require_mod
 from flashtile.flex.mods import ScoreMod
 from flashtile.flex.torch_route import flex_attention_torch
+from flashtile.options import scale_or_default
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("AUTO", "TRITON", "TORCH")
@@ -144,15 +146,21 @@ def flex_attention(
     require_mod(score_mod, "score_mod", 5)
     mask = _checked_block_mask(block_mask, query, key)
     backend = _backend_of(kernel_options)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    scale = scale_or_default(scale, query.shape[-1])
     if key.shape[0] != query.shape[0]:
         key = key.expand(query.shape[0], *key.shape[1:])
         value = value.expand(query.shape[0], *value.shape[1:])
-    out, lse = _run(query, key, value, score_mod, mask, scale, backend)
+    out, lse = _eager_run()(query, key, value, score_mod, mask, scale, backend)
     return (out, lse) if return_lse else out
 
 
-@torch.compiler.disable
+@functools.cache
+def _eager_run() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``_run`` left out of torch.compile's tracing, made at the first call: ``torch.compiler.disable`` imports
+    dynamo (about a second), which ``import flashtile`` does not pay."""
+    return torch.compiler.disable(_run)
+
+
 def _run(query, key, value, score_mod, mask, scale, backend) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) from the implementation ``backend`` asks for (``flex_attention``'s docstring). Inside a
     torch.compile'd function this runs eagerly (a graph break): the mods are traced and the kernels launched here,
