@@ -3,7 +3,8 @@
     PYTHONPATH=src python3 benchmarks/tune_configs.py --out DIR [--head-dims 64,128,256] [--seqlens 8192]
         [--causal false,true] [--passes forward,backward_dkdv,backward_dq] [--tag NAME]
 
-Each pass ('forward', 'backward_dkdv', 'backward_dq') is timed with one candidate config swapped in
+Each pass ('forward', 'backward_dkdv', 'backward_dq'; flex_attention's 'flex_forward', 'flex_backward_dq',
+'flex_backward_dkdv', with a causal block mask when causal) is timed with one candidate config swapped in
 (``configs.override``) and the others at their table value, at B*N = 16384 tokens, H = 2048 / D,
 bf16. Writes
 ``tune-<tag>.json`` and prints the best config per (head dim, seqlen, causal, pass).
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import triton
 
+import flashtile
 from flashtile.ops.attention import attention_backward, attention_forward
 from flashtile.ops.attention.configs import TileConfig, override
 from flashtile.options import AttentionOptions, default_scale
@@ -40,18 +42,56 @@ CANDIDATES = {  # (block_m, block_n, num_warps, num_stages[, tma])
         for c in [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, True), (128, 64, 8, 4, True),
                   (128, 32, 8, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 4, True), (128, 128, 8, 2, True)]
     ],
+    "flex_forward": [
+        TileConfig(*c)
+        for c in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3),
+                  (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2)]
+    ],
+    "flex_backward_dq": [
+        TileConfig(*c)
+        for c in [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                  (128, 32, 8, 3), (64, 32, 4, 3), (32, 32, 4, 1)]
+    ],
+    "flex_backward_dkdv": [
+        TileConfig(*c)
+        for c in [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+                  (32, 64, 4, 3), (32, 128, 4, 3), (32, 32, 4, 1)]
+    ],
 }  # fmt: skip
 CANDIDATES["forward_short"] = CANDIDATES["forward_banded_short"] = CANDIDATES["forward"]
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
 
 
 def time_pass(pass_name: str, inputs: dict, causal: bool) -> float:
     """Median ms of the launch that contains ``pass_name`` (the backward times both of its kernels)."""
     q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
+    if pass_name.startswith("flex"):
+        return time_flex_pass(pass_name, *(x.transpose(1, 2) for x in (q, k, v, dout)), causal)
     options = AttentionOptions(default_scale(q.shape[-1]), None, 0 if causal else None)
     if pass_name.startswith("forward"):
         return triton.testing.do_bench(lambda: attention_forward(q, k, v, options), return_mode="median")
     out, lse = attention_forward(q, k, v, options)
     return triton.testing.do_bench(lambda: attention_backward(dout, q, k, v, out, lse, options), return_mode="median")
+
+
+def time_flex_pass(pass_name: str, q, k, v, dout, causal: bool) -> float:
+    """Median ms of flashtile.flex_attention's forward, or of its backward (both kernels), on (B, H, N, D) inputs
+    with a causal block mask (BLOCK_SIZE 128) or none."""
+    block_mask = None
+    if causal:
+        block_mask = flashtile.create_block_mask(causal_mask, None, None, q.shape[2], k.shape[2], device=q.device)
+    if pass_name == "flex_forward":
+        return triton.testing.do_bench(
+            lambda: flashtile.flex_attention(q, k, v, block_mask=block_mask), return_mode="median"
+        )
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = flashtile.flex_attention(q, k, v, block_mask=block_mask)
+    return triton.testing.do_bench(
+        lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), return_mode="median"
+    )
 
 
 def main() -> None:

@@ -274,6 +274,13 @@ def test_kernel_mods(name):
     run_case(name, "TRITON", B=1, L=50, S=50, D=32, block=32)
 
 
+@pytest.mark.parametrize("name", ["document", "sliding_window"])
+def test_kernel_tiles_smaller_than_blocks(name):
+    """Sparse blocks of several tiles each ((64, 128) against the interpreter's 32 x 64 tiles): one loop walks the
+    tiles of all listed blocks, partial and full, forward and backward."""
+    run_case(name, "TRITON", B=1, L=150, S=260, D=32, block=(64, 128))
+
+
 def test_kernel_gqa_lengths_bf16():
     run_case("sliding_window", "TRITON", dtype=torch.bfloat16, B=1, H=4, H_kv=2, L=33, S=50, D=32, block=32)
 

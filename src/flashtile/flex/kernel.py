@@ -10,6 +10,7 @@ again).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -26,10 +27,13 @@ from flashtile.flex.block_mask import BlockMask
 from flashtile.flex.mods import MaskMod, ScoreMod, noop_mask
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._launch import launch
+from flashtile.ops.attention.configs import TileConfig, config
 from flashtile.ops.common.grid import cdiv, head_grid, padded_head_dim
 
 TEMPLATE = Path(__file__).with_name("template.py")
 MAX_HEAD_DIM = 256
+MIN_TILE = 16
+"""The smallest tile side tl.dot takes: block sizes must be multiples of a power of two at least this large."""
 _MODULES: dict[str, types.ModuleType] = {}
 _TRANSLATIONS: dict[tuple, tuple[types.ModuleType, codegen.Captured] | str] = {}
 MAX_TRANSLATIONS = 256
@@ -159,21 +163,13 @@ def kernels_for(
     return kernels_for(score_mod, mask_mod, device)
 
 
-def _tiles(sparse: tuple[int, int], head_dim: int, backward: bool) -> tuple[int, int] | None:
-    """(BLOCK_M, BLOCK_N) dividing the block mask's (query, key) block sizes, or None when none fits (a sparse block
-    smaller than 16 or not a multiple of a power of two >= 16). Not tuned: the shapes (and the forward's 8 warps
-    at BLOCK_M 128, 3 stages up to head dim 128) follow the attention kernels' configurations on Hopper."""
-    if backward:
-        wanted = (64, 64) if head_dim <= 128 else (32, 32)
-    else:
-        wanted = (128, 64) if head_dim <= 128 else (64, 32)
-    tiles = []
-    for want, size in zip(wanted, sparse, strict=True):
-        tile = min(want, size & -size)  # the largest power of two dividing the block size, capped
-        if tile < 16:
-            return None
-        tiles.append(tile)
-    return tiles[0], tiles[1]
+def _config(pass_name: str, q: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> TileConfig:
+    """The tile config of ``pass_name`` (``configs``) with its tiles shrunk, where needed, to the largest power of
+    two dividing the block mask's (query, key) block sizes, so that a tile never straddles two sparse blocks."""
+    cfg = config(pass_name, q.device, q.shape[-1], v.shape[-1])
+    sizes = block_mask.BLOCK_SIZE
+    block_m, block_n = (min(tile, size & -size) for tile, size in zip((cfg.block_m, cfg.block_n), sizes, strict=True))
+    return dataclasses.replace(cfg, block_m=block_m, block_n=block_n)
 
 
 def unsupported(query, key, value, score_mod: ScoreMod | None, block_mask: BlockMask) -> str | None:
@@ -181,7 +177,7 @@ def unsupported(query, key, value, score_mod: ScoreMod | None, block_mask: Block
     tiles cannot divide, mods outside the translated subset (``codegen``), captured tensors on another device."""
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
         return f"head dims above {MAX_HEAD_DIM}"
-    if _tiles(block_mask.BLOCK_SIZE, query.shape[-1], False) is None:
+    if min(size & -size for size in block_mask.BLOCK_SIZE) < MIN_TILE:
         return f"BLOCK_SIZE {block_mask.BLOCK_SIZE}: the kernel needs block sizes that are multiples of 16"
     if block_mask.q_num_blocks is None and torch.is_grad_enabled():
         return "a block mask without its q_* lists (the backward pass needs them)"
@@ -213,12 +209,17 @@ def _lists(block_mask: BlockMask, side: str) -> tuple[list[torch.Tensor], list[i
     return [num, idx, full_num, full_idx], strides, has_full
 
 
-def _constexprs(q, v, block_mask: BlockMask, tiles: tuple[int, int], has_full: bool) -> dict:
-    return {
+def _launch(
+    kernel, programs: int, heads: int, args: tuple, q, v, block_mask: BlockMask, cfg: TileConfig, has_full: bool
+) -> None:
+    """``kernel`` over (``programs`` tiles, ``heads``, batch) with ``cfg``'s tiles, warps and stages."""
+    constexprs = {
         "HEAD_DIM": q.shape[-1], "HEAD_DIM_V": v.shape[-1], "BLOCK_D": padded_head_dim(q.shape[-1]),
-        "BLOCK_DV": padded_head_dim(v.shape[-1]), "BLOCK_M": tiles[0], "BLOCK_N": tiles[1],
+        "BLOCK_DV": padded_head_dim(v.shape[-1]), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
         "SPARSE_Q": block_mask.BLOCK_SIZE[0], "SPARSE_KV": block_mask.BLOCK_SIZE[1], "HAS_FULL": has_full,
     }  # fmt: skip
+    launch(kernel, head_grid(programs, q.shape[0], heads), args, constexprs, num_warps=cfg.num_warps,
+           num_stages=cfg.num_stages)  # fmt: skip
 
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
@@ -231,18 +232,16 @@ def _forward(q, k, v, module, captured, block_mask: BlockMask, scale: float):
     out = empty_output((batch, nheads, seqlen_q, v.shape[-1]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
     lists, list_strides, has_full = _lists(block_mask, "kv")
-    tiles = _tiles(block_mask.BLOCK_SIZE, q.shape[-1], False)
+    cfg = _config("flex_forward", q, v, block_mask)
     args = (q, k, v, out, lse, *lists, *_strides(q, k, v, out), *list_strides, nheads, nheads // k.shape[1],
             seqlen_q, k.shape[2], scale, *captured.args())  # fmt: skip
-    grid = head_grid(cdiv(seqlen_q, tiles[0]), batch, nheads)
-    options = {"num_warps": 8 if tiles[0] == 128 else 4, "num_stages": 3 if q.shape[-1] <= 128 else 2}
-    launch(module.flex_forward, grid, args, _constexprs(q, v, block_mask, tiles, has_full), **options)
+    _launch(module.flex_forward, cdiv(seqlen_q, cfg.block_m), nheads, args, q, v, block_mask, cfg, has_full)
     return out, lse
 
 
 def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: BlockMask, scale: float):
     """(dq, dk, dv, gradients of the captured tensors that require grad, in their dtypes)."""
-    batch, nheads, seqlen_q, _ = q.shape
+    _, nheads, seqlen_q, _ = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
     delta = (dout.float() * out.float()).sum(-1)
@@ -252,17 +251,16 @@ def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: Block
     dq = empty_output(q.shape, q.dtype, q.device)
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
-    tiles = _tiles(block_mask.BLOCK_SIZE, q.shape[-1], True)
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in captured.needing_grad]
     common = (nheads, nheads // nheads_k, seqlen_q, seqlen_k, scale, *captured.args(grads))
     kv_lists, kv_strides, has_full = _lists(block_mask, "kv")
-    launch(module.flex_backward_dq, head_grid(cdiv(seqlen_q, tiles[0]), batch, nheads),
-           (q, k, v, dout, lse, delta, dq, *kv_lists, *_strides(q, k, v, dout, dq), *kv_strides, *common),
-           _constexprs(q, v, block_mask, tiles, has_full), num_warps=4, num_stages=1)  # fmt: skip
+    cfg = _config("flex_backward_dq", q, v, block_mask)
+    args = (q, k, v, dout, lse, delta, dq, *kv_lists, *_strides(q, k, v, dout, dq), *kv_strides, *common)
+    _launch(module.flex_backward_dq, cdiv(seqlen_q, cfg.block_m), nheads, args, q, v, block_mask, cfg, has_full)
     q_lists, q_strides, has_full = _lists(block_mask, "q")
-    launch(module.flex_backward_dkdv, head_grid(cdiv(seqlen_k, tiles[1]), batch, nheads_k),
-           (q, k, v, dout, lse, delta, dk, dv, *q_lists, *_strides(q, k, v, dout, dk, dv), *q_strides, *common),
-           _constexprs(q, v, block_mask, tiles, has_full), num_warps=4, num_stages=1)  # fmt: skip
+    cfg = _config("flex_backward_dkdv", q, v, block_mask)
+    args = (q, k, v, dout, lse, delta, dk, dv, *q_lists, *_strides(q, k, v, dout, dk, dv), *q_strides, *common)
+    _launch(module.flex_backward_dkdv, cdiv(seqlen_k, cfg.block_n), nheads_k, args, q, v, block_mask, cfg, has_full)
     return dq, dk, dv, [g.to(t.dtype) for g, t in zip(grads, captured.needing_grad, strict=True)]
 
 

@@ -46,6 +46,14 @@ def _load(ptr, offs, stride, n, offs_d, d, PAD: tl.constexpr):
 
 
 @triton.jit
+def _tile_start(indices, j, SPARSE: tl.constexpr, TILE: tl.constexpr):
+    """First row of the j-th TILE-row tile over the sparse blocks listed at ``indices``: the blocks' tiles form one
+    loop, so the software pipeline runs across block boundaries (a loop per block would restart it every
+    SPARSE / TILE tiles)."""
+    return tl.load(indices + j // (SPARSE // TILE)) * SPARSE + (j % (SPARSE // TILE)) * TILE
+
+
+@triton.jit
 def _scores(q, k, scale, off_b, off_h, offs_m, offs_n, seqlen_k, CAPTURED, MASKED: tl.constexpr):
     """(scores before score_mod, scores after score_mod in log2 units with hidden positions at -inf), both
     [BLOCK_M, BLOCK_N] fp32."""
@@ -120,19 +128,17 @@ def flex_forward(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for i in range(tl.load(KvNum + num_base)):
-        start = tl.load(KvIdx + idx_base + i) * SPARSE_KV
-        for sub in range(0, SPARSE_KV, BLOCK_N):
-            acc, m_i, l_i = _forward_tile(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, start + sub, offs_m,
-                                          offs_d, offs_dv, seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM,
-                                          HEAD_DIM_V, BLOCK_N, True)  # fmt: skip
+    for j in range(tl.load(KvNum + num_base) * (SPARSE_KV // BLOCK_N)):
+        start = _tile_start(KvIdx + idx_base, j, SPARSE_KV, BLOCK_N)
+        acc, m_i, l_i = _forward_tile(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, start, offs_m, offs_d,
+                                      offs_dv, seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                                      True)  # fmt: skip
     if HAS_FULL:
-        for i in range(tl.load(FullNum + num_base)):
-            start = tl.load(FullIdx + idx_base + i) * SPARSE_KV
-            for sub in range(0, SPARSE_KV, BLOCK_N):
-                acc, m_i, l_i = _forward_tile(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, start + sub,
-                                              offs_m, offs_d, offs_dv, seqlen_k, scale, off_b, off_h, CAPTURED,
-                                              HEAD_DIM, HEAD_DIM_V, BLOCK_N, False)  # fmt: skip
+        for j in range(tl.load(FullNum + num_base) * (SPARSE_KV // BLOCK_N)):
+            start = _tile_start(FullIdx + idx_base, j, SPARSE_KV, BLOCK_N)
+            acc, m_i, l_i = _forward_tile(acc, m_i, l_i, q, k_src, v_src, stride_kn, stride_vn, start, offs_m, offs_d,
+                                          offs_dv, seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V,
+                                          BLOCK_N, False)  # fmt: skip
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]  # acc is 0 in a row that saw no key
@@ -199,21 +205,15 @@ def flex_backward_dq(
                HEAD_DIM_V, True)  # [BLOCK_M, DV]  # fmt: skip
     lse, delta = _row_stats(Lse, Delta, (off_b * nheads + off_h).to(tl.int64) * seqlen_q + offs_m, offs_m, seqlen_q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for i in range(tl.load(KvNum + num_base)):
-        start = tl.load(KvIdx + idx_base + i) * SPARSE_KV
-        for sub in range(0, SPARSE_KV, BLOCK_N):
-            dq = _dq_tile(
-                dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start + sub, offs_m, offs_d, offs_dv,
-                seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True,
-            )  # fmt: skip
+    for j in range(tl.load(KvNum + num_base) * (SPARSE_KV // BLOCK_N)):
+        start = _tile_start(KvIdx + idx_base, j, SPARSE_KV, BLOCK_N)
+        dq = _dq_tile(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start, offs_m, offs_d, offs_dv,
+                      seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True)  # fmt: skip
     if HAS_FULL:
-        for i in range(tl.load(FullNum + num_base)):
-            start = tl.load(FullIdx + idx_base + i) * SPARSE_KV
-            for sub in range(0, SPARSE_KV, BLOCK_N):
-                dq = _dq_tile(
-                    dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start + sub, offs_m, offs_d, offs_dv,
-                    seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False,
-                )  # fmt: skip
+        for j in range(tl.load(FullNum + num_base) * (SPARSE_KV // BLOCK_N)):
+            start = _tile_start(FullIdx + idx_base, j, SPARSE_KV, BLOCK_N)
+            dq = _dq_tile(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start, offs_m, offs_d, offs_dv,
+                          seqlen_k, scale, off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False)  # fmt: skip
     dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h * stride_dqh + offs_m[:, None].to(tl.int64) * stride_dqm
     tl.store(dq_ptrs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
@@ -268,21 +268,17 @@ def flex_backward_dkdv(
         row_base = (off_b * nheads + off_h).to(tl.int64) * seqlen_q
         num_base = off_b * stride_nb + off_h * stride_nh + col
         idx_base = off_b * stride_ib + off_h * stride_ih + col * stride_ir
-        for i in range(tl.load(QNum + num_base)):
-            start = tl.load(QIdx + idx_base + i) * SPARSE_Q
-            for sub in range(0, SPARSE_Q, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, stride_qm, stride_dom, Lse + row_base,
-                                    Delta + row_base, start + sub, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, scale,
-                                    off_b, off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_M, True)  # fmt: skip
+        for j in range(tl.load(QNum + num_base) * (SPARSE_Q // BLOCK_M)):
+            start = _tile_start(QIdx + idx_base, j, SPARSE_Q, BLOCK_M)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, stride_qm, stride_dom, Lse + row_base, Delta + row_base,
+                                start, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, scale, off_b, off_h, CAPTURED,
+                                HEAD_DIM, HEAD_DIM_V, BLOCK_M, True)  # fmt: skip
         if HAS_FULL:
-            for i in range(tl.load(FullQNum + num_base)):
-                start = tl.load(FullQIdx + idx_base + i) * SPARSE_Q
-                for sub in range(0, SPARSE_Q, BLOCK_M):
-                    dk, dv = _dkdv_tile(
-                        dk, dv, k, v, q_src, do_src, stride_qm, stride_dom, Lse + row_base, Delta + row_base,
-                        start + sub, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, scale, off_b, off_h, CAPTURED,
-                        HEAD_DIM, HEAD_DIM_V, BLOCK_M, False,
-                    )  # fmt: skip
+            for j in range(tl.load(FullQNum + num_base) * (SPARSE_Q // BLOCK_M)):
+                start = _tile_start(FullQIdx + idx_base, j, SPARSE_Q, BLOCK_M)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, stride_qm, stride_dom, Lse + row_base,
+                                    Delta + row_base, start, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, scale, off_b,
+                                    off_h, CAPTURED, HEAD_DIM, HEAD_DIM_V, BLOCK_M, False)  # fmt: skip
     dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_hk * stride_dkh + offs_n[:, None].to(tl.int64) * stride_dkn
     tl.store(dk_ptrs + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM))  # fmt: skip

@@ -71,6 +71,19 @@ _HOPPER = {
         (128, TileConfig(64, 64, 4, 3, tma=True)),
         (256, TileConfig(128, 32, 8, 3)),
     ],
+    # flashtile.flex_attention's kernels (pointer loads; the tiles shrink to divide the block mask's block sizes).
+    "flex_forward": [
+        (128, TileConfig(128, 64, 8, 3)),
+        (256, TileConfig(64, 32, 4, 2)),
+    ],
+    "flex_backward_dq": [
+        (128, TileConfig(64, 64, 4, 1)),
+        (256, TileConfig(32, 32, 4, 1)),
+    ],
+    "flex_backward_dkdv": [
+        (128, TileConfig(64, 64, 4, 1)),
+        (256, TileConfig(32, 32, 4, 1)),
+    ],
 }
 # Ampere, Ada and anything else: smaller shared memory, so shallower pipelines.
 _OTHER = {
@@ -91,6 +104,7 @@ _OTHER = {
     ],
 }
 _OTHER["forward_short"] = _OTHER["forward_banded_short"] = _OTHER["forward"]  # not tuned apart there
+_OTHER.update({name: _HOPPER[name] for name in ("flex_forward", "flex_backward_dq", "flex_backward_dkdv")})
 INTERPRETER = TileConfig(32, 64, 4, 1)
 FLOAT32 = TileConfig(32, 32, 4, 1)
 """Every pass on float32 inputs (CUDA): IEEE float32 products run on the FMA units with both operands in registers,
@@ -98,7 +112,16 @@ so the tiles are small. Compiled for sm_90 with Triton 3.6 every variant fits in
 forward at head dim 64 keeps its values in registers; the others spill (the backward at head dim 256 up to ~24 KB
 of stack per thread). float32 on a GPU is for correctness, not speed: use bf16 or fp16 for speed."""
 SHORT_SEQLEN = 1024
-PASSES = ("forward", "forward_short", "forward_banded_short", "backward_dkdv", "backward_dq")
+PASSES = (
+    "forward",
+    "forward_short",
+    "forward_banded_short",
+    "backward_dkdv",
+    "backward_dq",
+    "flex_forward",
+    "flex_backward_dq",
+    "flex_backward_dkdv",
+)
 
 _overrides: dict[str, TileConfig] = {}
 
