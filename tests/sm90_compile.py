@@ -63,7 +63,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashtile.ops.attention import backward, forward  # noqa: E402
-from flashtile.ops.attention.configs import _HOPPER, FLOAT32, PASSES, with_mask  # noqa: E402
+from flashtile.ops.attention.configs import _HOPPER, FLEX_PASSES, FLOAT32, PASSES, with_mask  # noqa: E402
 from flashtile.ops.decode import configs as decode_configs  # noqa: E402
 from flashtile.ops.decode import split_kv  # noqa: E402
 from flashtile.ops.sm90 import backward as backward_sm90  # noqa: E402
@@ -407,7 +407,7 @@ def cfg_name(pass_name: str, head_dim: int, cfg) -> str:
 
 def attention_variants() -> list[Variant]:
     variants = []
-    assert set(_HOPPER) == set(PASSES), f"Hopper table passes {sorted(_HOPPER)} != PASSES {PASSES}"
+    assert set(_HOPPER) == set(PASSES + FLEX_PASSES), f"Hopper table passes {sorted(_HOPPER)} != {PASSES + FLEX_PASSES}"
     for pass_name in PASSES:
         kname = PASS_KERNEL[pass_name]
         constexprs = {p.name for p in KERNELS[kname].params if p.is_constexpr}
@@ -465,7 +465,7 @@ def attention_variants() -> list[Variant]:
                                 launch.num_stages, data="fp32")
                     )  # fmt: skip
     # The delta kernel of the backward: 64 rows, Triton's default warps and stages, per value head dim.
-    for head_dim in sorted({d for rows in _HOPPER.values() for d, _ in rows}):
+    for head_dim in sorted({d for name in PASSES for d, _ in _HOPPER[name]}):
         for on in (False, True):
             consts = {"HEAD_DIM_V": head_dim, "BLOCK_DV": head_dim, "BLOCK_M": 64, "HAS_DLSE": on}
             variants.append(Variant("_delta_kernel", f"delta D{head_dim} 64/w4/s3", "-", "dlse" if on else "off",

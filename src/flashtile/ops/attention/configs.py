@@ -104,7 +104,6 @@ _OTHER = {
     ],
 }
 _OTHER["forward_short"] = _OTHER["forward_banded_short"] = _OTHER["forward"]  # not tuned apart there
-_OTHER.update({name: _HOPPER[name] for name in ("flex_forward", "flex_backward_dq", "flex_backward_dkdv")})
 INTERPRETER = TileConfig(32, 64, 4, 1)
 FLOAT32 = TileConfig(32, 32, 4, 1)
 """Every pass on float32 inputs (CUDA): IEEE float32 products run on the FMA units with both operands in registers,
@@ -112,16 +111,10 @@ so the tiles are small. Compiled for sm_90 with Triton 3.6 every variant fits in
 forward at head dim 64 keeps its values in registers; the others spill (the backward at head dim 256 up to ~24 KB
 of stack per thread). float32 on a GPU is for correctness, not speed: use bf16 or fp16 for speed."""
 SHORT_SEQLEN = 1024
-PASSES = (
-    "forward",
-    "forward_short",
-    "forward_banded_short",
-    "backward_dkdv",
-    "backward_dq",
-    "flex_forward",
-    "flex_backward_dq",
-    "flex_backward_dkdv",
-)
+PASSES = ("forward", "forward_short", "forward_banded_short", "backward_dkdv", "backward_dq")
+FLEX_PASSES = ("flex_forward", "flex_backward_dq", "flex_backward_dkdv")
+"""The kernels of flashtile.flex_attention (``flashtile.flex.kernel``)."""
+_OTHER.update({name: _HOPPER[name] for name in FLEX_PASSES})  # not tuned apart there
 
 _overrides: dict[str, TileConfig] = {}
 
@@ -148,8 +141,8 @@ def config(
     has_mask: bool = False,
     element_size: int = 2,
 ) -> TileConfig:
-    """The tile config for ``pass_name`` (one of PASSES) on ``device`` (``has_mask``: with an attn_mask) for inputs
-    of ``element_size`` bytes (float32: ``FLOAT32``)."""
+    """The tile config for ``pass_name`` (one of PASSES or FLEX_PASSES) on ``device`` (``has_mask``: with an
+    attn_mask) for inputs of ``element_size`` bytes (float32: ``FLOAT32``)."""
     if pass_name in _overrides:
         return _overrides[pass_name]
     if device.type != "cuda":
@@ -165,9 +158,9 @@ def config(
 @contextlib.contextmanager
 def override(**configs: TileConfig) -> Iterator[None]:
     """Use the given configs (keyed by pass name) inside the block, e.g. for a tuning sweep."""
-    unknown = set(configs) - set(PASSES)
+    unknown = set(configs) - set(PASSES) - set(FLEX_PASSES)
     if unknown:
-        raise InputError(f"unknown pass names {sorted(unknown)}; use {', '.join(PASSES)}")
+        raise InputError(f"unknown pass names {sorted(unknown)}; use {', '.join(PASSES + FLEX_PASSES)}")
     saved = dict(_overrides)
     _overrides.update(configs)
     try:
