@@ -72,16 +72,20 @@ _HOPPER = {
         (256, TileConfig(128, 32, 8, 3)),
     ],
     # flashtile.flex_attention's kernels (pointer loads; the tiles shrink to divide the block mask's block sizes).
+    # Causal, N=4096, B*N=16k, H=2048/D (docs/tuning/flex.md, 2026-12-06); head dim 256 not swept.
     "flex_forward": [
-        (128, TileConfig(128, 64, 8, 3)),
+        (64, TileConfig(128, 64, 4, 3)),
+        (128, TileConfig(64, 64, 4, 3)),
         (256, TileConfig(64, 32, 4, 2)),
     ],
     "flex_backward_dq": [
-        (128, TileConfig(64, 64, 4, 1)),
+        (64, TileConfig(64, 64, 4, 3)),
+        (128, TileConfig(64, 64, 4, 2)),
         (256, TileConfig(32, 32, 4, 1)),
     ],
     "flex_backward_dkdv": [
-        (128, TileConfig(64, 64, 4, 1)),
+        (64, TileConfig(64, 64, 4, 3)),
+        (128, TileConfig(64, 64, 4, 2)),
         (256, TileConfig(32, 32, 4, 1)),
     ],
 }
