@@ -114,7 +114,7 @@ def main() -> None:
         inputs = {n: torch.randn(shape, device="cuda", dtype=torch.bfloat16) for n in ("q", "k", "v", "dout")}
         for causal, pass_name in itertools.product(causal_values, args.passes.split(",")):
             flops = 4 * batch * nheads * seqlen**2 * head_dim / (2 if causal else 1)
-            flops *= 1.0 if pass_name.startswith("forward") else 2.5
+            flops *= 1.0 if "forward" in pass_name else 2.5
             for cfg in CANDIDATES[pass_name]:
                 row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "pass": pass_name}
                 row["config"] = cfg.__dict__
