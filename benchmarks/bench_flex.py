@@ -11,16 +11,18 @@ Rows (bf16, (B, H, N, D) inputs, one row per mod, head dim and pass):
 - ``prefix_lm``: the first N / 4 keys seen by every query, causal after them;
 - ``alibi``: score_mod score + slope[h] * (kv_idx - q_idx) (slopes 2^(-8 (h + 1) / H)), causal block mask;
 - ``softcap``: score_mod 30 tanh(score / 30), causal block mask.
-Each implementation gets its own library's block mask (BLOCK_SIZE 128) built before timing. Passes: ``fwd`` and
+Each implementation gets its own library's block mask (BLOCK_SIZE 128) built before timing. Where flash_attn_func's
+own options compute the same (causal, sliding window, ALiBi, softcap), flashtile's built-in kernels run it too
+(``flashtile_builtin``): the cost of writing the mask or score modification as a mod. Passes: ``fwd`` and
 ``fwd+bwd`` (the backward's dout is all ones). Timing: ``triton.testing.do_bench`` median (CUDA events);
 ``--dry-run`` times with the host clock on the CPU (float32, B=1, H=2, N=64, D=16, BLOCK_SIZE 16, window 16),
 where torch's FlexAttention runs eagerly and has no backward (its fwd+bwd rows record that as the error).
 FLOPs count only the visible (query, key) pairs: 4 * B * H * D * pairs forward, 2.5 times that backward
-(fwd+bwd: 3.5 times). Before timing, flashtile's forward output is compared with FlexAttention's
+(fwd+bwd: 3.5 times). Before timing, flashtile's forward outputs are compared with FlexAttention's
 (``extra["max_abs_diff"]``; flagged above 0.02).
 
 Writes ``flex.jsonl`` (the records of ``flashtile.bench.results``, benchmark ``flex``, rewritten after every row)
-and prints a markdown table of TFLOP/s with flashtile's ratio to FlexAttention.
+and prints a markdown table of TFLOP/s with flashtile's ratio to FlexAttention and to the built-in options.
 """
 
 from __future__ import annotations
@@ -41,6 +43,20 @@ TOLERANCE = 0.02
 SOFTCAP = 30.0
 
 
+BUILTIN_NAME = "flashtile_builtin"
+BUILTIN = {  # flash_attn_func's options (with causal=True) that compute the row's mods
+    "causal": lambda heads, window, device: {},
+    "sliding_window": lambda heads, window, device: {"window_size": (window, 0)},
+    "alibi": lambda heads, window, device: {"alibi_slopes": _slopes(heads, device)},
+    "softcap": lambda heads, window, device: {"softcap": SOFTCAP},
+}
+
+
+def _slopes(heads: int, device: torch.device) -> torch.Tensor:
+    """ALiBi slopes 2^(-8 (h + 1) / H), float32."""
+    return torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device) / heads)
+
+
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
@@ -58,7 +74,7 @@ def _mods(name: str, n: int, heads: int, window: int, device: torch.device):
         prefix = n // 4
         return None, lambda b, h, q_idx, kv_idx: (kv_idx < prefix) | (q_idx >= kv_idx)
     if name == "alibi":
-        slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device) / heads)
+        slopes = _slopes(heads, device)
         return (lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)), causal
     if name == "softcap":
         return (lambda score, b, h, q_idx, kv_idx: SOFTCAP * torch.tanh(score / SOFTCAP)), causal
@@ -75,8 +91,11 @@ def _pairs(mask_mod: Callable, n: int, device: torch.device) -> int:
     )
 
 
-def _implementations(score_mod, mask_mod, n: int, block: int, device: torch.device) -> dict[str, Callable]:
-    """Per implementation, a function (q, k, v) -> out with its block mask built already."""
+def _implementations(
+    name: str, score_mod, mask_mod, n: int, heads: int, window: int, block: int, device: torch.device
+) -> dict[str, Callable]:
+    """Per implementation, a function (q, k, v) -> out with its block mask built already; for the rows that
+    flash_attn_func's own options express, also that (``BUILTIN_NAME``)."""
     from torch.nn.attention import flex_attention as flex
 
     ours = flashtile.create_block_mask(mask_mod, None, None, n, n, device=device, BLOCK_SIZE=block)
@@ -94,7 +113,13 @@ def _implementations(score_mod, mask_mod, n: int, block: int, device: torch.devi
         def theirs_fn(q, k, v):
             return compiled(q, k, v, score_mod, theirs)
 
-    return {"flashtile": lambda q, k, v: flashtile.flex_attention(q, k, v, score_mod, ours), "flex": theirs_fn}
+    impls = {"flashtile": lambda q, k, v: flashtile.flex_attention(q, k, v, score_mod, ours), "flex": theirs_fn}
+    if name in BUILTIN:
+        options = BUILTIN[name](heads, window, device)
+        impls[BUILTIN_NAME] = lambda q, k, v: flashtile.flash_attn_func(
+            *(x.transpose(1, 2) for x in (q, k, v)), causal=True, **options
+        ).transpose(1, 2)
+    return impls
 
 
 def _time_ms(fn: Callable[[], Any], device: torch.device, grads: list[torch.Tensor]) -> float:
@@ -141,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     records: list[results.Record] = []
     for name in args.mods.split(","):
         score_mod, mask_mod = _mods(name, n, heads, window, device)
-        impls = _implementations(score_mod, mask_mod, n, block, device)
+        impls = _implementations(name, score_mod, mask_mod, n, heads, window, block, device)
         pairs = _pairs(mask_mod, n, device)
         for dim in dims:
             q, k, v = (torch.randn(batch, heads, n, dim, device=device, dtype=dtype, requires_grad=True)
@@ -149,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             shape = {"dtype": str(dtype).removeprefix("torch."), "B": batch, "N": n, "H": heads, "D": dim, "mod": name}
             with torch.no_grad():
                 outs = {who: impl(q, k, v) for who, impl in impls.items()}
-            diff = (outs["flashtile"].float() - outs["flex"].float()).abs().max().item()
+            diffs = {who: (out.float() - outs["flex"].float()).abs().max().item() for who, out in outs.items()}
             for backward in (False, True):
                 pass_ = "fwd+bwd" if backward else "fwd"
                 flops = 4 * batch * heads * dim * pairs * (3.5 if backward else 1.0)
@@ -162,14 +187,17 @@ def main(argv: list[str] | None = None) -> None:
                             ms = _measure(impl, q, k, v, backward, device)
                         except Exception as exc:  # a failed row is recorded, the others still run
                             error = f"{type(exc).__name__}: {exc}"[:500]
-                    extra = {"max_abs_diff": diff, "flagged": diff > TOLERANCE} if who == "flashtile" else {}
+                    diff = diffs[who]
+                    extra = {"max_abs_diff": diff, "flagged": diff > TOLERANCE} if who != "flex" else {}
                     records.append(results.record(env, "flex", who, shape, pass_, config={"window": window},
                                                   time_ms=ms, flops=flops, error=error, extra=extra))  # fmt: skip
                     print(f"{name} D={dim} {pass_} {who}: {error or f'{ms:.3f} ms'}", flush=True)
                 results.write(args.out / "flex.jsonl", records)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    header, body = results.table(records, ["mod", "D", "pass"], value="tflops", ratios_against=["flex"], digits=1)
+    header, body = results.table(
+        records, ["mod", "D", "pass"], value="tflops", ratios_against=["flex", BUILTIN_NAME], digits=1
+    )
     print("\n" + results.markdown(header, body))
 
 

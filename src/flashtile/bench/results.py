@@ -13,7 +13,8 @@ with these fields, in this order:
 ``commit``         flashtile's git commit (``--commit`` sets it where the code is not a git checkout)
 ``implementation`` ``flashtile`` or a peer: ``sdpa_flash`` (FlashAttention-2 in PyTorch), ``cudnn``,
                    ``sdpa_efficient``, ``sdpa`` (PyTorch's own choice), ``flex`` (FlexAttention),
-                   ``fa4`` (FlashAttention-4), ...
+                   ``fa4`` (FlashAttention-4), ``flashtile_builtin`` (flashtile's own options where the
+                   row is written as flex_attention's mods), ...
 ``version``        that implementation's version (for PyTorch's kernels: torch's)
 ``shape``          the problem, e.g. ``{"dtype": "bf16", "B": 4, "N": 4096, "H": 16, "D": 128, "causal": true}``
 ``config``         how it ran beyond the shape (options, launch mode); ``{}`` for the plain case
@@ -62,6 +63,7 @@ LABELS = {
     "sdpa_efficient": "SDPA efficient",
     "sdpa": "SDPA",
     "flex": "FlexAttention",
+    "flashtile_builtin": "flashtile built-in",
     "fa4": "FA4",
 }
 """How tables and plots name each implementation."""
