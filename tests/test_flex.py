@@ -394,15 +394,16 @@ def test_gpu_matches_compiled_flex_attention():
 
 def test_benchmark_dry_run(tmp_path, monkeypatch):
     """benchmarks/bench_flex.py --dry-run on the CPU path (the interpreter switched off, as the ``path`` fixture
-    does): records in the one schema, flashtile measured and matching FlexAttention, FlexAttention's missing CPU
-    backward recorded."""
+    does): records in the one schema, flashtile (the mod and the built-in option) measured and matching
+    FlexAttention, FlexAttention's missing CPU backward recorded."""
     import bench_flex  # benchmarks/ is on the path (conftest)
 
     monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
     bench_flex.main(["--dry-run", "--out", str(tmp_path), "--commit", "test", "--mods", "alibi"])
     records = results.load(tmp_path / "flex.jsonl")
-    assert len(records) == 2 * 2 and all(list(r) == list(results.FIELDS) for r in records)
-    ours = [r for r in records if r["implementation"] == "flashtile"]
+    assert len(records) == 3 * 2 and all(list(r) == list(results.FIELDS) for r in records)
+    ours = [r for r in records if r["implementation"] in ("flashtile", "flashtile_builtin")]
+    assert len(ours) == 2 * 2
     assert all(r["time_ms"] > 0 and r["tflops"] > 0 and not r["extra"]["flagged"] for r in ours), ours
     assert {r["error"] for r in records if r["implementation"] == "flex" and r["pass"] == "fwd+bwd"} == {
         "FlexAttention has no backward on the CPU"
