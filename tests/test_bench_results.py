@@ -123,10 +123,15 @@ def test_plots(tmp_path):
     records += [_attention("flashtile", 1024, 1.0, "bwd")]
     shape = {"dtype": "bf16", "layout": "paged", "B": 1, "context": 4096, "Hq": 32}
     records.append(results.record({**ENV, "commit": None}, "decode", "sdpa", shape, "decode", time_ms=0.02, nbytes=1e8))
+    io_shape = {"dtype": "bf16", "B": 1, "N": 1024, "H": 16, "D": 128, "causal": False}
+    for pass_, ncu in (("fwd", 2.6e8), ("bwd", None)):  # ncu could not count the backward: its line is missing
+        extra = {"model_bytes": 2.7e8, "standard_bytes": 2.4e9, "ncu_bytes": ncu}
+        records.append(results.record(ENV, "io", "flashtile", io_shape, pass_, extra=extra))
     written = plot.plot_files(records, tmp_path)
     assert [p.name for p in written] == [
         "nvidia-h200-attention-bf16-abc1234.png",
         "nvidia-h200-decode-paged-2026-12-01.png",
+        "nvidia-h200-io-bf16-abc1234.png",
     ]
     assert all(p.stat().st_size > 10_000 for p in written)
 
@@ -138,9 +143,9 @@ def test_repository_results():
     assert all((r["error"] is None) == (r["time_ms"] is not None or r["memory_mib"] is not None) for r in records)
     assert {r["gpu"] for r in records} == {"NVIDIA H200"}
     assert all(r["commit"] and r["date"] and r["torch"] and r["triton"] for r in records)
+    plotted = {plot.file_name(r) for r in results.load(*RESULTS.glob("*.jsonl")) if r["benchmark"] in plot.PLOTS}
     for png in RESULTS.glob("*.png"):
-        benchmark, commit = png.stem.split("-")[2], png.stem.split("-")[-1]  # nvidia-h200-BENCHMARK-SPLIT-COMMIT
-        assert any(r["benchmark"] == benchmark and r["commit"] == commit for r in records), png.name
+        assert png.name in plotted, png.name
     assert json.loads((RESULTS / "h200.jsonl").read_text().splitlines()[0])["benchmark"] == "attention"
 
 
