@@ -15,8 +15,9 @@ import bench_decode  # benchmarks/, on the path from conftest
 import bench_ring
 import bench_varlen
 import latency
+import tables
 from flashtile import _backend
-from flashtile.bench import plot, results
+from flashtile.bench import context, plot, results
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 ENV = {"date": "2026-12-01T00:00:00+00:00", "gpu": "NVIDIA H200", "gpus": 1, "driver": "580", "cuda": "13.0",
@@ -179,3 +180,21 @@ def test_repository_cpu_results():
 def test_environment_on_gpu():
     env = results.environment(torch.device("cuda"))
     assert env["gpu"] == torch.cuda.get_device_name() and env["cudnn"]
+
+
+def test_io_table_in_the_docs_is_the_results_file(capsys):
+    """docs/performance.md's HBM table is what benchmarks/tables.py prints from h100-io.jsonl (bold aside)."""
+    tables.io(results.load(RESULTS / "h100-io.jsonl"))
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    docs = (RESULTS.parents[1] / "docs" / "performance.md").read_text().replace("**", "").splitlines()
+    assert len(printed) == 2 + 16 and all(line in docs for line in printed)
+
+
+def test_max_context_table(capsys):
+    """benchmarks/tables.py's table of max-context records: a lower bound says so."""
+    probes = [context.Probe(n, n <= 2048, n * 2**20 if n <= 2048 else None, None, 1.5, 2**30)
+              for n in (1024, 2048, 3072)]  # fmt: skip
+    found = [context.Search("flashtile", 2, 2**30, 2048, False, 3072, probes)]
+    tables.max_context(context.records(found, ENV, budget_s=60.0))
+    out = capsys.readouterr().out
+    assert "| 2 | ring_flash_attn_func (zigzag) | 2048 (lower bound: time budget) | 2.0 | 1.5 | 3072 | 1.0 | 3 |" in out
