@@ -342,11 +342,11 @@ def _fake_gpu(limit_tokens: int, bytes_per_token: int = 40960, tflop_s: float = 
 
 
 class _Clock:
-    """A clock that each probe advances by its own seconds."""
+    """A clock that each probe advances by its own seconds and ``overhead`` more (starting processes)."""
 
-    def __init__(self, run):
+    def __init__(self, run, overhead: float = 0.0):
         self.now, self.runs = 0.0, []
-        self.inner = run
+        self.inner, self.overhead = run, overhead
 
     def __call__(self):
         return self.now
@@ -354,7 +354,7 @@ class _Clock:
     def run(self, n):
         probe = self.inner(n)
         self.runs.append(n)
-        self.now += probe.seconds
+        self.now += probe.seconds + self.overhead
         return probe
 
 
@@ -375,6 +375,9 @@ def test_search_within_a_budget_gives_a_lower_bound():
     found = context.search(clock.run, "flashtile", 80 * 2**30, budget_s=full / 2, clock=clock)
     assert not found.exact and 0 < found.seqlen < limit and clock.now <= full / 2
     assert found.seqlen > limit / 2  # the budget's worth: about 1/sqrt(2) of the limit
+    clock = _Clock(_fake_gpu(limit), overhead=20.0)  # a ring: each probe starts processes
+    found = context.search(clock.run, "flashtile", 80 * 2**30, budget_s=full / 2 + 60, clock=clock)
+    assert not found.exact and found.seqlen > limit / 2 and clock.now <= full / 2 + 60
     # standard attention: from 1024 up, no calibration
     clock = _Clock(_fake_gpu(20_000))
     found = context.search(clock.run, "standard", 80 * 2**30, clock=clock)

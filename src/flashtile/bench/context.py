@@ -155,17 +155,23 @@ def search(
     began = clock()
     found = Search(implementation, world)
     done: dict[int, Probe] = {}
+    overhead = 0.0  # the most a probe took beyond its forward+backward (starting processes, inputs)
 
     def fits(n: int) -> bool:
+        nonlocal overhead
         if n not in done:
+            started = clock()
             done[n] = run(n)
             found.probes.append(done[n])
+            overhead = max(overhead, clock() - started - done[n].seconds)
         return done[n].fits
 
+    def longest() -> Probe | None:
+        return max((p for p in done.values() if p.fits), key=lambda p: p.seqlen, default=None)
+
     def seconds(n: int) -> float:
-        timed = [p for p in done.values() if p.fits]
-        longest = max(timed, key=lambda p: p.seqlen, default=None)
-        return 0.0 if longest is None else longest.seconds * (n / longest.seqlen) ** 2
+        timed = longest()
+        return overhead + (0.0 if timed is None else timed.seconds * (n / timed.seqlen) ** 2)
 
     def affordable(n: int) -> bool:
         return budget_s is None or clock() - began + seconds(n) <= budget_s
@@ -182,9 +188,8 @@ def search(
         free = min((p.free_bytes for p in done.values() if p.free_bytes), default=memory)
         found.predicted = start = predict_limit(reserved, free, multiple)
         if start is not None and budget_s is not None and not affordable(start):
-            longest = max(p.seqlen for p in done.values() if p.fits)
-            left = budget_s - (clock() - began)
-            start = int(longest * math.sqrt(max(left, 0.0) / seconds(longest))) // multiple * multiple
+            timed, left = longest(), budget_s - (clock() - began) - overhead
+            start = int(timed.seqlen * math.sqrt(max(left, 0.0) / timed.seconds)) // multiple * multiple
     _, found.exact = longest_fitting(fits, multiple, start, affordable)
     found.seqlen = max((p.seqlen for p in found.probes if p.fits), default=0)
     found.capacity_bytes = min((p.free_bytes for p in found.probes if p.free_bytes), default=None)
