@@ -399,21 +399,26 @@ def test_max_context_records(tmp_path):
 
 
 def _oom_on_rank_one_past(q, k, v, dout, group):
-    """A ring step in which, beyond 64 tokens per rank, rank 1 runs out of memory and rank 0 gets through (as on
-    GPUs, where its transfers are queued on its stream and the call returns; gloo would block)."""
-    if q.shape[1] <= 64:
+    """A ring step in which, beyond 64 tokens per rank, rank 1 runs out of memory; rank 0 gets through at 128 (as on
+    GPUs, where its transfers are queued on its stream and the call returns) and beyond waits for rank 1 forever (as a
+    GPU rank whose allocator has to synchronize with a stream that waits for the failed peer)."""
+    if q.shape[1] <= 64 or (dist.get_rank(group) == 0 and q.shape[1] > 128):
         context.ring_step(q, k, v, dout, group)
     elif dist.get_rank(group) == 1:
         raise torch.OutOfMemoryError("simulated")
 
 
+@pytest.mark.slow  # three spawns of two processes
 def test_ring_probe_over_gloo_agrees_on_the_verdict(tmp_path, monkeypatch):
-    """Two gloo processes run the real ring on CPU tensors; when one rank runs out of memory neither fits."""
+    """Two gloo processes run the real ring on CPU tensors; when one rank runs out of memory neither fits, also when
+    the other hangs."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the children take flashtile's CPU path: fast
+    monkeypatch.setattr(context, "RING_OOM_GRACE_S", 3)
     problem = hbm.Problem(batch=1, seqlen=0, nheads=2, head_dim=32, causal=True, dtype="bf16")
     run = context.ring_runner(2, problem, backend="gloo", step=_oom_on_rank_one_past, multiple=32)
-    fits, too_long = run(128), run(256)
+    fits, too_long, hung = run(128), run(256), run(512)
     assert fits.fits and fits.seqlen == 128 and fits.seconds > 0 and fits.peak_bytes is None
+    assert not hung.fits and hung.seqlen == 512 and hung.seconds < 60
     assert not too_long.fits and too_long.seqlen == 256
 
 

@@ -55,6 +55,7 @@ CALIBRATION = (16, 8)  # the calibration probes: the first estimate of the limit
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 RING_LAYOUT = "zigzag"
 RING_GRACE_S = 300  # how much longer than predicted a ring probe may take (start, compiles) before it is stopped
+RING_OOM_GRACE_S = 60  # after a rank ran out of memory: how long its peers may take to agree before they are stopped
 RESULTS_FILE = "max-context.jsonl"
 
 
@@ -265,6 +266,7 @@ def _rank_call(job: RingJob, seqlen: int, group: dist.ProcessGroup, votes: dist.
         ok = True
     except torch.OutOfMemoryError:
         ok = False
+        (Path(job.folder) / f"out-of-memory-{dist.get_rank()}").touch()  # for the parent, should a peer hang
     vote = torch.tensor([int(ok)])
     dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=votes)  # before anyone waits on a GPU
     if not vote.item():
@@ -308,16 +310,24 @@ def _ring_worker(rank: int, job: RingJob) -> None:
 
 
 def probe_ring(job: RingJob, timeout_s: float) -> Probe:
-    """Run ``job`` in ``job.world`` fresh processes; its Probe. Raises RuntimeError when they do not finish within
-    ``timeout_s`` (they are stopped) or a rank fails otherwise than by running out of memory."""
+    """Run ``job`` in ``job.world`` fresh processes; its Probe. A rank that runs out of memory says so in a file
+    first: if its peers do not agree within RING_OOM_GRACE_S (one of them may wait for its GPU, which waits for the
+    rank that failed), they are stopped and the probe did not fit. Raises RuntimeError when the processes do not
+    finish within ``timeout_s`` without running out of memory (they are stopped), or when a rank fails otherwise."""
+    started = time.monotonic()
     context = mp.start_processes(_ring_worker, args=(job,), nprocs=job.world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
+    deadline = started + timeout_s
+    folder = Path(job.folder)
     while not context.join(timeout=2):
+        if any(folder.glob("out-of-memory-*")):
+            deadline = min(deadline, time.monotonic() + RING_OOM_GRACE_S)
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
+            if any(folder.glob("out-of-memory-*")):
+                return Probe(job.seqlen, False, None, None, time.monotonic() - started)
             raise RuntimeError(f"the ring probe at N={job.seqlen} did not finish within {timeout_s:.0f} s")
-    return Probe(**json.loads((Path(job.folder) / "probe.json").read_text()))
+    return Probe(**json.loads((folder / "probe.json").read_text()))
 
 
 def ring_runner(
