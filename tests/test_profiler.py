@@ -422,6 +422,15 @@ def test_ring_probe_over_gloo_agrees_on_the_verdict(tmp_path, monkeypatch):
     assert not too_long.fits and too_long.seqlen == 256
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ring_probe_over_nccl():
+    """Two NCCL processes, one GPU each, at a short length: the probe fits and reports its memory."""
+    run = context.ring_runner(2)
+    probe = run(8192)
+    assert probe.fits and probe.peak_bytes > 0 and probe.reserved_bytes >= probe.peak_bytes and probe.free_bytes > 0
+
+
 def test_max_context_says_it_needs_a_gpu(capsys):
     assert cli.main(["check", "--max-context", "--device", "cpu"]) == 1
     out = " ".join(capsys.readouterr().out.split())
