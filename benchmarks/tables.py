@@ -193,7 +193,8 @@ def max_context(records: Sequence[Record]) -> None:
             e = rec["extra"]
             bound = "" if e["exact"] else " (lower bound: time budget)"
             free = e.get("free_mib")
-            body.append([str(rec["gpus"]), rec["config"]["method"], f"{rec['shape']['N']}{bound}",
+            name = results.label(rec["implementation"]) + (f", {rec['config']['method']}" if rec["gpus"] > 1 else "")
+            body.append([str(rec["gpus"]), name, f"{rec['shape']['N']}{bound}",
                          "-" if rec["memory_mib"] is None else f"{rec['memory_mib'] / 1024:.1f}",
                          "-" if rec["time_ms"] is None else f"{rec['time_ms'] / 1e3:.1f}", str(e["predicted_N"] or "-"),
                          "-" if free is None else f"{free / 1024:.1f}", str(len(e["probes"]))])  # fmt: skip
