@@ -1,8 +1,8 @@
 """The tables of docs/performance.md (and the README's), printed as markdown from a results file.
 
-    PYTHONPATH=src python3 benchmarks/tables.py [benchmarks/results/h200.jsonl]
+    PYTHONPATH=src python3 benchmarks/tables.py [benchmarks/results/h200.jsonl ...]
 
-Every number in those documents comes from the records of ``flashtile.bench.results`` in the file given (default:
+Every number in those documents comes from the records of ``flashtile.bench.results`` in the files given (default:
 the H200's). A section per benchmark, each run named by its date and commit; within a table the implementations
 were measured in the same process.
 """
@@ -47,8 +47,10 @@ def attention(records: Sequence[Record]) -> None:
 
 def summary(records: Sequence[Record], commit: str = "fa95de2", dtype: str = "bf16") -> None:
     """The README's short table: D=128 at 4k and 16k, every pass and mask."""
-    rows = [r for r in _runs(records, "attention")[commit] if r["shape"]["dtype"] == dtype and r["shape"]["D"] == 128
-            and r["shape"]["N"] in (4096, 16384)]  # fmt: skip
+    rows = [r for r in _runs(records, "attention").get(commit, []) if r["shape"]["dtype"] == dtype
+            and r["shape"]["D"] == 128 and r["shape"]["N"] in (4096, 16384)]  # fmt: skip
+    if not rows:
+        return
     header, body = results.table(rows, ("N", "causal", "pass"), "tflops", [OURS, *ATTENTION_PEERS], ("cudnn", "fa4"))
     _print(f"README: {dtype}, D=128, TFLOP/s ({commit})", header, body, rows)
 
@@ -162,9 +164,46 @@ def ring(records: Sequence[Record]) -> None:
         _print(f"Longest sequence, forward+backward, causal with a 4096-key window ({commit})", header, body, run)
 
 
+def io(records: Sequence[Record]) -> None:
+    """HBM bytes per pass: the floor and the model's against Nsight Compute's count, and standard attention's (model)
+    over flashtile's measured bytes; MB = 10^6 bytes."""
+    for commit, run in _runs(records, "io").items():
+        header = ["D", "N", "B", "pass", "floor MB", "model MB", "ncu MB", "ncu / model", "standard MB",
+                  "standard / ncu"]  # fmt: skip
+        body = []
+        for rec in sorted(run, key=lambda r: (r["shape"]["D"], r["shape"]["N"], r["pass"] != "fwd")):
+            e, shape = rec["extra"], rec["shape"]
+            ncu = e.get("ncu_bytes")
+            ratio = None if ncu is None else e["standard_bytes"] / ncu
+            body.append([str(shape["D"]), str(shape["N"]), str(shape["B"]), rec["pass"],
+                         f"{e['floor_bytes'] / 1e6:.1f}", f"{e['model_bytes'] / 1e6:.1f}",
+                         "-" if ncu is None else f"{ncu / 1e6:.1f}",
+                         "-" if ncu is None else f"{ncu / e['model_bytes']:.2f}", f"{e['standard_bytes'] / 1e6:.1f}",
+                         "-" if ratio is None else f"{ratio:.0f}×" if ratio >= 100 else f"{ratio:.2g}×"])  # fmt: skip
+        _print(f"HBM bytes per pass, model and Nsight Compute ({commit})", header, body, run)
+
+
+def max_context(records: Sequence[Record]) -> None:
+    """The longest sequence whose forward+backward fits, per implementation and number of GPUs."""
+    for commit, run in _runs(records, "max-context").items():
+        header = ["GPUs", "implementation", "longest N", "peak GiB per GPU", "fwd+bwd s", "predicted N",
+                  "free GiB per GPU", "probes"]  # fmt: skip
+        body = []
+        for rec in run:
+            e = rec["extra"]
+            bound = "" if e["exact"] else " (lower bound: time budget)"
+            free = e.get("free_mib")
+            name = results.label(rec["implementation"]) + (f", {rec['config']['method']}" if rec["gpus"] > 1 else "")
+            body.append([str(rec["gpus"]), name, f"{rec['shape']['N']}{bound}",
+                         "-" if rec["memory_mib"] is None else f"{rec['memory_mib'] / 1024:.1f}",
+                         "-" if rec["time_ms"] is None else f"{rec['time_ms'] / 1e3:.1f}", str(e["predicted_N"] or "-"),
+                         "-" if free is None else f"{free / 1024:.1f}", str(len(e["probes"]))])  # fmt: skip
+        _print(f"Longest sequence, forward+backward, causal ({commit})", header, body, run)
+
+
 def main(argv: Sequence[str]) -> None:
-    records = results.load(Path(argv[0]) if argv else DEFAULT)
-    for section in (summary, attention, memory, variants, varlen, decode, latency, ring):
+    records = results.load(*(Path(arg) for arg in argv)) if argv else results.load(DEFAULT)
+    for section in (summary, attention, memory, variants, varlen, decode, latency, ring, io, max_context):
         section(records)
 
 

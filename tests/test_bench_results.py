@@ -15,8 +15,9 @@ import bench_decode  # benchmarks/, on the path from conftest
 import bench_ring
 import bench_varlen
 import latency
+import tables
 from flashtile import _backend
-from flashtile.bench import plot, results
+from flashtile.bench import context, plot, results
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 ENV = {"date": "2026-12-01T00:00:00+00:00", "gpu": "NVIDIA H200", "gpus": 1, "driver": "580", "cuda": "13.0",
@@ -123,10 +124,15 @@ def test_plots(tmp_path):
     records += [_attention("flashtile", 1024, 1.0, "bwd")]
     shape = {"dtype": "bf16", "layout": "paged", "B": 1, "context": 4096, "Hq": 32}
     records.append(results.record({**ENV, "commit": None}, "decode", "sdpa", shape, "decode", time_ms=0.02, nbytes=1e8))
+    io_shape = {"dtype": "bf16", "B": 1, "N": 1024, "H": 16, "D": 128, "causal": False}
+    for pass_, ncu in (("fwd", 2.6e8), ("bwd", None)):  # ncu could not count the backward: its line is missing
+        extra = {"model_bytes": 2.7e8, "standard_bytes": 2.4e9, "ncu_bytes": ncu}
+        records.append(results.record(ENV, "io", "flashtile", io_shape, pass_, extra=extra))
     written = plot.plot_files(records, tmp_path)
     assert [p.name for p in written] == [
         "nvidia-h200-attention-bf16-abc1234.png",
         "nvidia-h200-decode-paged-2026-12-01.png",
+        "nvidia-h200-io-bf16-abc1234.png",
     ]
     assert all(p.stat().st_size > 10_000 for p in written)
 
@@ -138,9 +144,9 @@ def test_repository_results():
     assert all((r["error"] is None) == (r["time_ms"] is not None or r["memory_mib"] is not None) for r in records)
     assert {r["gpu"] for r in records} == {"NVIDIA H200"}
     assert all(r["commit"] and r["date"] and r["torch"] and r["triton"] for r in records)
+    plotted = {plot.file_name(r) for r in results.load(*RESULTS.glob("*.jsonl")) if r["benchmark"] in plot.PLOTS}
     for png in RESULTS.glob("*.png"):
-        benchmark, commit = png.stem.split("-")[2], png.stem.split("-")[-1]  # nvidia-h200-BENCHMARK-SPLIT-COMMIT
-        assert any(r["benchmark"] == benchmark and r["commit"] == commit for r in records), png.name
+        assert png.name in plotted, png.name
     assert json.loads((RESULTS / "h200.jsonl").read_text().splitlines()[0])["benchmark"] == "attention"
 
 
@@ -174,3 +180,23 @@ def test_repository_cpu_results():
 def test_environment_on_gpu():
     env = results.environment(torch.device("cuda"))
     assert env["gpu"] == torch.cuda.get_device_name() and env["cudnn"]
+
+
+def test_io_table_in_the_docs_is_the_results_file(capsys):
+    """docs/performance.md's HBM table is what benchmarks/tables.py prints from h100-io.jsonl (bold aside)."""
+    tables.io(results.load(RESULTS / "h100-io.jsonl"))
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    docs = (RESULTS.parents[1] / "docs" / "performance.md").read_text().replace("**", "").splitlines()
+    assert len(printed) == 2 + 16 and all(line in docs for line in printed)
+
+
+def test_max_context_table(capsys):
+    """benchmarks/tables.py's table of max-context records: a lower bound says so."""
+    probes = [context.Probe(n, n <= 2048, n * 2**20 if n <= 2048 else None, None, 1.5, 2**30)
+              for n in (1024, 2048, 3072)]  # fmt: skip
+    found = [context.Search("flashtile", 2, 2**30, 2048, False, 3072, probes)]
+    tables.max_context(context.records(found, ENV, budget_s=60.0))
+    out = capsys.readouterr().out
+    row = ("| 2 | flashtile, ring_flash_attn_func (zigzag) | 2048 (lower bound: time budget) | 2.0 | 1.5 | 3072 | 1.0 "
+           "| 3 |")  # fmt: skip
+    assert row in out, out

@@ -131,3 +131,24 @@ def test_info_without_triton():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert "not installed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["check", "--ring", "2"], "--ring, --budget-s and --out go with --max-context"),
+        (["check", "--budget-s", "60", "--device", "cpu"], "--ring, --budget-s and --out go with --max-context"),
+        (["check", "--max-context", "--ring", "0", "--device", "cpu"], "--ring takes a number of GPUs >= 1"),
+        (["check", "--max-context", "--budget-s", "0", "--device", "cpu"], "--budget-s seconds > 0"),
+    ],
+)
+def test_max_context_options_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        cli.main(argv)
+    assert raised.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_max_context_options_on_the_cpu(capsys, tmp_path):
+    argv = ["check", "--max-context", "--ring", "2", "--budget-s", "60", "--out", str(tmp_path), "--device", "cpu"]
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().out.startswith("--max-context needs a CUDA GPU") and not any(tmp_path.iterdir())

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from rich.console import Console
 
 import flashtile
 from flashtile import _backend, cli, iomodel, profiler
-from flashtile.bench import hbm, results
+from flashtile.bench import context, hbm, results
 
 KEYS = {"op", "pass", "path", "reason", "shape", "dtype", "flops", "hbm_bytes", "min_hbm_bytes", "standard_bytes",
         "time_ms", "tflops", "gbps", "fraction_of_peak", "causal", "window", "softcap", "alibi", "sink", "dropout",
@@ -293,16 +295,140 @@ def test_longest_fitting_doubles_then_bisects_to_a_multiple():
         probes.append(n)
         return n <= 5000
 
-    assert cli.longest_fitting(fits, multiple=1024) == 4096
+    assert context.longest_fitting(fits, multiple=1024) == (4096, True)
     assert probes == [1024, 2048, 4096, 8192, 6144, 5120]
+    assert context.longest_fitting(lambda n: False) == (0, True)
+
+
+@pytest.mark.parametrize("limit", [1024, 5000, 2**21 + 3 * 1024, 2**21 + 100 * 1024, 2**21 - 5 * 1024])
+def test_longest_fitting_from_a_guess_probes_its_neighbourhood(limit):
+    """From a start near the limit: the start, then outward in doubling steps, then bisection; any limit is found."""
+    probes = []
+    found = context.longest_fitting(lambda n: probes.append(n) or n <= limit, start=2**21)
+    assert found == (limit // 1024 * 1024, True) and len(probes) == len(set(probes))
+    assert probes[0] == 2**21 and len(probes) <= 2 * math.log2(2**21 / 1024) + 2
     probes.clear()
-    assert cli.longest_fitting(fits, multiple=1024, guess=lambda longest: 4096 + 1024) == 4096
-    assert probes[4:] == [5120]  # the guess, then its neighbour is already known to fit: done
-    probes.clear()
-    limit = 5 * 2**20
-    assert cli.longest_fitting(lambda n: probes.append(n) or n <= limit, guess=lambda longest: limit) == limit
-    assert len(probes) == 14 + 2  # doubling from 1k to 8M, which fails; then the guess and its neighbour
-    assert cli.longest_fitting(lambda n: False) == 0
+    exact = 2**21  # the guess right: two probes
+    assert context.longest_fitting(lambda n: probes.append(n) or n <= exact, start=exact) == (exact, True)
+    assert probes == [exact, exact + 1024]
+
+
+def test_longest_fitting_stops_where_it_may_not_probe():
+    probes = []
+    found = context.longest_fitting(lambda n: probes.append(n) or n <= 10**6, start=4096, may_probe=lambda n: n < 9000)
+    assert found == (4096 + 1024 + 2048, False) and probes == [4096, 5120, 7168]
+
+
+def test_predict_limit_meets_the_line():
+    peaks = {1024: 10 * 2**20 + 1024 * 40960, 2048: 10 * 2**20 + 2048 * 40960}
+    capacity = 10 * 2**20 + 100_000 * 40960
+    assert context.predict_limit(peaks, capacity) == 100_000 // 1024 * 1024
+    assert context.predict_limit({1024: 5}, capacity) is None
+    assert context.predict_limit({1024: 5, 2048: 5}, capacity) is None
+
+
+def _fake_gpu(limit_tokens: int, bytes_per_token: int = 40960, tflop_s: float = 400.0, fixed: int = 2**28):
+    """``run(n)`` of a GPU whose memory ends at ``limit_tokens`` (linear memory) and whose time grows with N²."""
+
+    def run(n: int) -> context.Probe:
+        seconds = 4 * n * n * 16 * 128 / 2 * 3.5 / (tflop_s * 1e12)
+        free = fixed + limit_tokens * bytes_per_token
+        if n > limit_tokens:
+            return context.Probe(n, False, None, None, seconds / 3, free)
+        peak = fixed + n * bytes_per_token
+        return context.Probe(n, True, peak, peak, seconds, free)
+
+    return run
+
+
+class _Clock:
+    """A clock that each probe advances by its own seconds and ``overhead`` more (starting processes)."""
+
+    def __init__(self, run, overhead: float = 0.0):
+        self.now, self.runs = 0.0, []
+        self.inner, self.overhead = run, overhead
+
+    def __call__(self):
+        return self.now
+
+    def run(self, n):
+        probe = self.inner(n)
+        self.runs.append(n)
+        self.now += probe.seconds + self.overhead
+        return probe
+
+
+def test_search_calibrates_predicts_then_probes_two_lengths():
+    limit = 1_950_000
+    clock = _Clock(_fake_gpu(limit))
+    found = context.search(clock.run, "flashtile", 80 * 2**30, clock=clock)
+    assert found.exact and found.seqlen == limit // 1024 * 1024 == found.predicted
+    assert len(clock.runs) == 4 and clock.runs[2:] == [found.seqlen, found.seqlen + 1024]
+    assert found.best().seqlen == found.seqlen and found.capacity_bytes == 2**28 + limit * 40960
+    assert max(clock.runs[:2]) < limit / 4  # the calibration is cheap: short lengths
+
+
+def test_search_within_a_budget_gives_a_lower_bound():
+    limit = 1_950_000
+    clock = _Clock(_fake_gpu(limit))
+    full = _fake_gpu(limit)(limit // 1024 * 1024).seconds
+    found = context.search(clock.run, "flashtile", 80 * 2**30, budget_s=full / 2, clock=clock)
+    assert not found.exact and 0 < found.seqlen < limit and clock.now <= full / 2
+    assert found.seqlen > limit / 2  # the budget's worth: about 1/sqrt(2) of the limit
+    clock = _Clock(_fake_gpu(limit), overhead=20.0)  # a ring: each probe starts processes
+    found = context.search(clock.run, "flashtile", 80 * 2**30, budget_s=full / 2 + 60, clock=clock)
+    assert not found.exact and found.seqlen > limit / 2 and clock.now <= full / 2 + 60
+    # standard attention: from 1024 up, no calibration
+    clock = _Clock(_fake_gpu(20_000))
+    found = context.search(clock.run, "standard", 80 * 2**30, clock=clock)
+    assert found.seqlen == 19 * 1024 and found.predicted is None and clock.runs[:3] == [1024, 2048, 4096]
+
+
+def test_max_context_records(tmp_path):
+    clock = _Clock(_fake_gpu(1_950_000))
+    found = [context.search(clock.run, "flashtile", 80 * 2**30, world=2, clock=clock)]
+    env = results.environment(torch.device("cpu"), commit="test")
+    path = context.append(tmp_path, context.records(found, env, budget_s=None))
+    context.append(tmp_path, context.records(found, env, budget_s=100.0))
+    saved = results.load(path)
+    assert len(saved) == 2 and all(list(r) == list(results.FIELDS) for r in saved)
+    first = saved[0]
+    assert first["benchmark"] == "max-context" and first["gpus"] == 2 and first["shape"]["N"] == found[0].seqlen
+    assert first["extra"]["exact"] and first["memory_mib"] > 0 and len(first["extra"]["probes"]) == 4
+    assert first["config"]["method"] == "ring_flash_attn_func (zigzag)" and saved[1]["extra"]["budget_s"] == 100.0
+
+
+def _oom_on_rank_one_past(q, k, v, dout, group):
+    """A ring step in which, beyond 64 tokens per rank, rank 1 runs out of memory; rank 0 gets through at 128 (as on
+    GPUs, where its transfers are queued on its stream and the call returns) and beyond waits for rank 1 forever (as a
+    GPU rank whose allocator has to synchronize with a stream that waits for the failed peer)."""
+    if q.shape[1] <= 64 or (dist.get_rank(group) == 0 and q.shape[1] > 128):
+        context.ring_step(q, k, v, dout, group)
+    elif dist.get_rank(group) == 1:
+        raise torch.OutOfMemoryError("simulated")
+
+
+@pytest.mark.slow  # three spawns of two processes
+def test_ring_probe_over_gloo_agrees_on_the_verdict(tmp_path, monkeypatch):
+    """Two gloo processes run the real ring on CPU tensors; when one rank runs out of memory neither fits, also when
+    the other hangs."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the children take flashtile's CPU path: fast
+    monkeypatch.setattr(context, "RING_OOM_GRACE_S", 3)
+    problem = hbm.Problem(batch=1, seqlen=0, nheads=2, head_dim=32, causal=True, dtype="bf16")
+    run = context.ring_runner(2, problem, backend="gloo", step=_oom_on_rank_one_past, multiple=32)
+    fits, too_long, hung = run(128), run(256), run(512)
+    assert fits.fits and fits.seqlen == 128 and fits.seconds > 0 and fits.peak_bytes is None
+    assert not hung.fits and hung.seqlen == 512 and hung.seconds < 60
+    assert not too_long.fits and too_long.seqlen == 256
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ring_probe_over_nccl():
+    """Two NCCL processes, one GPU each, at a short length: the probe fits and reports its memory."""
+    run = context.ring_runner(2)
+    probe = run(8192)
+    assert probe.fits and probe.peak_bytes > 0 and probe.reserved_bytes >= probe.peak_bytes and probe.free_bytes > 0
 
 
 def test_max_context_says_it_needs_a_gpu(capsys):

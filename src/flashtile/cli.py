@@ -11,8 +11,10 @@
                                                  machine, then time it and measure its memory and
                                                  HBM bytes next to standard attention; exit code 1
                                                  on a failure
-    flashtile check --max-context                the longest sequence whose forward+backward fits in
-                                                 this GPU's memory, flashtile's and standard attention's
+    flashtile check --max-context [--ring G] [--budget-s S] [--out DIR]
+                                                 the longest sequence whose forward+backward fits in
+                                                 this GPU's memory, flashtile's and standard attention's,
+                                                 or flashtile's on a ring of G GPUs
     flashtile bench [ARGS...]                    flashtile against its peers on a GPU
                                                  (``flashtile.bench.attention``; try --help)
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import functools
 import multiprocessing
 import platform
 import statistics
@@ -39,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,7 +52,8 @@ from rich.table import Table
 
 import flashtile
 from flashtile import _backend
-from flashtile.bench import hbm
+from flashtile.bench import context as longest
+from flashtile.bench import hbm, results
 from flashtile.reference import (
     GRADIENT_FACTOR,
     OUTPUT_FACTOR,
@@ -528,54 +532,15 @@ def check_io(
     )
 
 
-MAX_CONTEXT = hbm.Problem(batch=1, seqlen=0, nheads=16, head_dim=128, causal=True, dtype="bf16")
-"""The problem ``--max-context`` grows: B=1, H=16, D=128, bf16, causal; seqlen is what it finds."""
-MAX_CONTEXT_MULTIPLE = 1024
-
-
-def longest_fitting(
-    fits: Callable[[int], bool], multiple: int = MAX_CONTEXT_MULTIPLE, guess: Callable[[int], int | None] | None = None
+def max_context(
+    console: Console, device: torch.device, ring: int = 1, budget_s: float | None = None, out: Path | None = None
 ) -> int:
-    """The largest multiple of ``multiple`` for which ``fits`` holds (0 if not even ``multiple`` does), assuming it
-    holds up to some length and fails beyond: doubling from ``multiple`` until it fails, then bisecting. ``guess``,
-    given the largest length that fitted while doubling, may name a first probe (then its neighbour) for the bisection,
-    which saves probes at lengths where each costs a long run."""
-    lo, hi = 0, multiple
-    while fits(hi):
-        lo, hi = hi, 2 * hi
-    probe = guess(lo) if guess is not None and lo else None
-    while hi - lo > multiple:
-        mid = probe if probe is not None and lo < probe < hi else (lo + hi) // (2 * multiple) * multiple
-        ok = fits(mid)
-        lo, hi = (mid, hi) if ok else (lo, mid)
-        probe = (mid + multiple if ok else mid - multiple) if mid == probe else None
-    return lo
-
-
-def _peak_bytes(impl: str, seqlen: int) -> int | None:
-    """Peak bytes allocated by one forward+backward of ``impl`` (``flashtile.bench.hbm.forward``) on MAX_CONTEXT at
-    ``seqlen``, inputs and gradients included; None when it runs out of GPU memory."""
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    try:
-        q, k, v, dout = dataclasses.replace(MAX_CONTEXT, seqlen=seqlen).inputs("cuda")
-        hbm.forward(impl, q, k, v, MAX_CONTEXT.causal).backward(dout)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    except RuntimeError as exc:  # torch.OutOfMemoryError, or a library's own allocation failure (cuBLAS)
-        if isinstance(exc, torch.OutOfMemoryError) or "ALLOC_FAILED" in str(exc):
-            return None
-        raise
-    finally:
-        q = k = v = dout = None
-        torch.cuda.empty_cache()
-
-
-def max_context(console: Console, device: torch.device) -> int:
-    """``flashtile check --max-context``: the longest MAX_CONTEXT sequence (a multiple of 1024) whose
-    forward+backward fits in this GPU's memory, for flashtile and for standard attention; 1 without a GPU."""
-    shape = (f"B={MAX_CONTEXT.batch}, H={MAX_CONTEXT.nheads}, D={MAX_CONTEXT.head_dim}, {MAX_CONTEXT.dtype}, causal, "
+    """``flashtile check --max-context``: the longest MAX_CONTEXT sequence (a multiple of 1024) whose forward+backward
+    fits in GPU memory (``flashtile.bench.context``), flashtile's and standard attention's on one GPU, or flashtile's
+    on a ring of ``ring`` GPUs; within ``budget_s`` seconds per implementation where given (the result is then a lower
+    bound); records appended to ``out``/max-context.jsonl. 1 without a GPU."""
+    problem = longest.MAX_CONTEXT
+    shape = (f"B={problem.batch}, H={problem.nheads}, D={problem.head_dim}, {problem.dtype}, causal, "
              "forward+backward with inputs and gradients")  # fmt: skip
     if device.type != "cuda":
         console.print(
@@ -586,41 +551,49 @@ def max_context(console: Console, device: torch.device) -> int:
             markup=False, highlight=False,
         )  # fmt: skip
         return 1
-    free, total = torch.cuda.mem_get_info(device)
-    console.print(f"{_device_description()}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} free); {shape}")
-    table = _table("Longest sequence that fits")
-    for column in ("implementation", "N", "peak GiB", "probes"):
-        table.add_column(column, justify="left" if column == "implementation" else "right")
-    found = {}
-    for impl in hbm.IMPLEMENTATIONS:
-        peaks: dict[int, int] = {}
+    env = results.environment(device, gpus=ring)
+    total = torch.cuda.get_device_properties(device).total_memory  # no CUDA context here: a ring's rank 0 shares GPU 0
+    where = f"{ring}× " if ring > 1 else ""
+    console.print(f"{where}{_device_description()}, {total / 2**30:.1f} GiB; {shape}")
 
-        def fits(seqlen: int, impl: str = impl, peaks: dict[int, int] = peaks) -> bool:
+    def run(impl: str) -> Callable[[int], longest.Probe]:
+        """A probe of ``impl`` that says what it found."""
+        if ring > 1:
+            measure = longest.ring_runner(ring)
+        else:
+            longest.probe_here(impl, longest.MULTIPLE)  # the first call compiles the kernels: not timed
+            measure = functools.partial(longest.probe_here, impl)
+
+        def probe(seqlen: int) -> longest.Probe:
             console.print(f"{impl}: N={seqlen} ...", end=" ", highlight=False)
-            peak = _peak_bytes(impl, seqlen)
-            console.print("out of memory" if peak is None else f"{peak / 2**30:.2f} GiB", highlight=False)
-            if peak is not None:
-                peaks[seqlen] = peak
-            return peak is not None
+            found = measure(seqlen)
+            peak = "out of memory" if not found.fits else f"{found.peak_bytes / 2**30:.2f} GiB per GPU"
+            console.print(f"{peak}, {found.seconds:.1f} s", highlight=False)
+            return found
 
-        def linear_guess(longest: int, peaks: dict[int, int] = peaks) -> int | None:
-            """flashtile's memory grows linearly: the length at which the line through the last two fits meets the
-            free memory."""
-            if longest // 2 not in peaks:
-                return None
-            per_token = (peaks[longest] - peaks[longest // 2]) / (longest // 2)
-            fixed = peaks[longest] - per_token * longest
-            return int((free - fixed) / per_token) // MAX_CONTEXT_MULTIPLE * MAX_CONTEXT_MULTIPLE
+        return probe
 
-        n = longest_fitting(fits, guess=linear_guess if impl == "flashtile" else None)
-        found[impl] = n
-        peak = peaks.get(n)
-        table.add_row(impl, str(n), "-" if peak is None else f"{peak / 2**30:.1f}", str(len(peaks)))
+    implementations = ("flashtile",) if ring > 1 else hbm.IMPLEMENTATIONS
+    found = [longest.search(run(impl), impl, total, ring, budget_s) for impl in implementations]
+    title = "Longest sequence that fits" + (f", ring of {ring} GPUs (N: the whole sequence)" if ring > 1 else "")
+    table = _table(title)
+    for column in ("implementation", "N", "peak GiB per GPU", "fwd+bwd s", "predicted N", "probes"):
+        table.add_column(column, justify="left" if column == "implementation" else "right")
+    for s in found:
+        best = s.best()
+        table.add_row(
+            s.implementation, f"{s.seqlen}" + ("" if s.exact else " (lower bound)"),
+            "-" if best is None else f"{best.peak_bytes / 2**30:.1f}", "-" if best is None else f"{best.seconds:.1f}",
+            "-" if s.predicted is None else str(s.predicted), str(len(s.probes)),
+        )  # fmt: skip
     console.print(table)
-    if found["standard"]:
-        console.print(
-            f"flashtile fits {found['flashtile'] / found['standard']:.1f}× the context of standard attention."
-        )
+    if not all(s.exact for s in found):
+        console.print(f"lower bound: the budget ({budget_s:g} s) ended the search; that length fitted, a longer one "
+                      "may too.")  # fmt: skip
+    if len(found) == 2 and found[1].seqlen:
+        console.print(f"flashtile fits {found[0].seqlen / found[1].seqlen:.1f}× the context of standard attention.")
+    if out is not None:
+        console.print(f"wrote {longest.append(out, longest.records(found, env, budget_s))}", highlight=False)
     return 0
 
 
@@ -689,6 +662,19 @@ def _parser() -> argparse.ArgumentParser:
         help="instead: the longest sequence whose forward+backward fits in GPU memory (B=1, H=16, D=128, bf16, "
         "causal), flashtile's and standard attention's (a CUDA GPU; minutes on a large one)",
     )
+    check_parser.add_argument(
+        "--ring", type=int, default=1, metavar="G",
+        help="with --max-context: flashtile's ring attention over G GPUs of this machine, each holding N/G tokens",
+    )  # fmt: skip
+    check_parser.add_argument(
+        "--budget-s", type=float, default=None, metavar="S",
+        help="with --max-context: start no probe predicted to end after S seconds (per implementation); the result "
+        "is then a lower bound",
+    )  # fmt: skip
+    check_parser.add_argument(
+        "--out", type=Path, default=None, metavar="DIR",
+        help="with --max-context: append the results to DIR/max-context.jsonl (flashtile.bench.results records)",
+    )  # fmt: skip
     commands.add_parser(
         "bench", add_help=False, help="flashtile against its peers on a GPU (arguments are passed on; try --help)"
     )
@@ -711,6 +697,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     if args.command == "info":
         return explain_call(console, args, device)
+    if not args.max_context and (args.ring != 1 or args.budget_s is not None or args.out is not None):
+        parser.error("--ring, --budget-s and --out go with --max-context")
+    if args.ring < 1 or (args.budget_s is not None and args.budget_s <= 0):
+        parser.error(f"--ring takes a number of GPUs >= 1 (got {args.ring}) and --budget-s seconds > 0")
+    if device.type == "cuda" and args.ring > torch.cuda.device_count():
+        parser.error(f"--ring {args.ring}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if args.max_context:
-        return max_context(console, device)
+        return max_context(console, device, args.ring, args.budget_s, args.out)
     return check(console, device, args.quick, ncu=not args.no_ncu)

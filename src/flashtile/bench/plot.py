@@ -6,6 +6,8 @@
   records flagged by their accuracy check are marked with a red x.
 - ``decode``: the bytes of K and V a step reads over its time (TB/s) against the context, one line per
   implementation (flashtile replayed from a CUDA graph), one panel per (query heads, batch).
+- ``io``: the HBM bytes of a pass against N on a log scale: flashtile's as Nsight Compute counted them and as the
+  model of ``flashtile.iomodel`` predicts them, standard attention's by the model; one panel per (head dim, pass).
 Files are named ``<gpu>-<benchmark>-<dtype or layout>-<commit or date>.png``. Other benchmarks have tables,
 not plots. Needs matplotlib (``pip install 'flashtile[bench]'``).
 """
@@ -52,8 +54,10 @@ def _panels(
     ylabel: str,
     suptitle: str,
     path: Path,
+    yscale: str = "linear",
 ) -> None:
-    """A grid of line plots: panel (row, column) draws the records ``where`` selects, one line per ``series``."""
+    """A grid of line plots: panel (row, column) draws the records ``where`` selects, one line per ``series``
+    (``yscale`` "log": a logarithmic y axis)."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -84,7 +88,9 @@ def _panels(
             ax.set_xticks(xs, [_short(int(v)) for v in xs])
             ax.minorticks_off()
             ax.set_title(title(row, column), fontsize=10)
-            ax.set_ylim(bottom=0)
+            ax.set_yscale(yscale)
+            if yscale == "linear":
+                ax.set_ylim(bottom=0)
             ax.grid(True, alpha=0.3)
             if i == len(rows) - 1:
                 ax.set_xlabel(xlabel)
@@ -150,26 +156,68 @@ def plot_decode(records: Sequence[Record], path: Path) -> None:
     )  # fmt: skip
 
 
-PLOTS = {"attention": ("dtype", plot_attention), "decode": ("layout", plot_decode)}
-"""benchmark -> (the shape field that splits it into files, the plot)."""
+IO_SERIES = {
+    "flashtile (Nsight Compute)": "ncu_bytes",
+    "flashtile (model)": "model_bytes",
+    "standard attention (model)": "standard_bytes",
+}
+"""The lines of the ``io`` plot: name -> the field of a record's ``extra`` it draws."""
+
+
+def plot_io(records: Sequence[Record], path: Path) -> None:
+    """HBM bytes of one pass against N (log scale) for one run and dtype: a panel per (D, pass), a line each for
+    flashtile as measured by Nsight Compute and as modelled, and for standard attention as modelled."""
+    lines = [
+        {**r, "series": name, "bytes": r["extra"].get(key), "extra": {}}
+        for r in records
+        for name, key in IO_SERIES.items()
+    ]
+    dims = sorted({r["shape"]["D"] for r in records})
+    passes = sorted({r["pass"] for r in records}, key=lambda p: p != "fwd")
+    by_n = sorted({r["shape"]["N"]: r["shape"]["B"] for r in records}.items())
+    batches = f"B = {', '.join(str(b) for _, b in by_n)} at N = {', '.join(_short(n) for n, _ in by_n)}"
+    shape = records[0]["shape"]
+    _panels(
+        lines, dims, passes,
+        where=lambda r, d, p: (r["shape"]["D"], r["pass"]) == (d, p),
+        series=lambda r: r["series"],
+        x=lambda r: r["shape"]["N"], y=lambda r: r["bytes"],
+        title=lambda d, p: f"D={d}, {'causal' if shape['causal'] else 'full'}, {p}",
+        xlabel="N (sequence length)", ylabel="HBM bytes (read + written)",
+        suptitle=f"{_environment(records)}\n{shape['dtype']}, H·D = {shape['H'] * shape['D']}, {batches}",
+        path=path, yscale="log",
+    )  # fmt: skip
+
+
+PLOTS = {
+    "attention": ("dtype", plot_attention, lambda r: r["time_ms"]),
+    "decode": ("layout", plot_decode, lambda r: r["time_ms"]),
+    "io": ("dtype", plot_io, lambda r: r["extra"].get("ncu_bytes")),
+}
+"""benchmark -> (the shape field that splits it into files, the plot, the measurement without which a record has
+nothing to plot)."""
+
+
+def file_name(rec: Record) -> str:
+    """The name of the plot that draws ``rec`` (of a benchmark in PLOTS): 'nvidia-h200-attention-bf16-fa95de2.png'."""
+    run = rec["commit"] or str(rec["date"])[:10]
+    return f"{_slug(rec['gpu'])}-{rec['benchmark']}-{rec['shape'][PLOTS[rec['benchmark']][0]]}-{_slug(run)}.png"
 
 
 def plot_files(records: Sequence[Record], out: Path) -> list[Path]:
     """Write every plot the records make into the folder ``out``; the paths written."""
-    groups: dict[tuple, list[Record]] = {}
+    groups: dict[str, list[Record]] = {}
     for rec in records:
         if rec["benchmark"] in PLOTS:
-            field = PLOTS[rec["benchmark"]][0]
-            key = (rec["gpu"], rec["benchmark"], rec["shape"][field], rec["commit"] or str(rec["date"])[:10])
-            groups.setdefault(key, []).append(rec)
+            groups.setdefault(file_name(rec), []).append(rec)
     written = []
     out.mkdir(parents=True, exist_ok=True)
-    for (gpu, benchmark, split, run), group in groups.items():
-        if not any(r["time_ms"] is not None for r in group):
+    for name, group in groups.items():
+        benchmark = group[0]["benchmark"]
+        if not any(PLOTS[benchmark][2](r) is not None for r in group):
             continue
-        path = out / f"{_slug(gpu)}-{benchmark}-{split}-{_slug(run)}.png"
-        PLOTS[benchmark][1](group, path)
-        written.append(path)
+        PLOTS[benchmark][1](group, out / name)
+        written.append(out / name)
     return written
 
 

@@ -5,7 +5,8 @@ with these fields, in this order:
 
 =================  ===================================================================================
 ``benchmark``      what was measured: ``attention``, ``attention-memory``, ``attention-variants``,
-                   ``decode``, ``varlen``, ``ring``, ``latency``, ``first-call``, ``io`` (HBM bytes)
+                   ``decode``, ``varlen``, ``ring``, ``latency``, ``first-call``, ``io`` (HBM bytes),
+                   ``max-context`` (the longest sequence that fits)
 ``date``           when the run started, ISO 8601 in UTC
 ``gpu``            the device's name (``NVIDIA H200``), ``cpu`` for a run on the CPU
 ``gpus``           how many devices the measurement used
