@@ -497,6 +497,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attent
     return _forward(q, k, v, options)
 
 
+def attention_gradients(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    options: AttentionOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``attention_backward(dout, q, k, v, out, lse, dlse, *options)``, past the dispatcher in plain
+    eager mode, as ``attention``: for callers that run their own backward over attention calls (ring attention).
+    dout with a contiguous last dimension, lse and dlse (or None) float32 contiguous; no attn_mask gradient."""
+    ops = _DIRECT if _eager((dout, q, k, v, out, lse, dlse, *_tensors_of(options))) else _OPS
+    return ops.attention_backward(dout, q, k, v, out, lse, dlse, *_flat(options))[:3]
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
