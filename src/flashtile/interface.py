@@ -89,9 +89,10 @@ def prepared(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    softmax_scale: float | None,
-    window_left: int | None,
-    window_right: int | None,
+    *,
+    softmax_scale: float | None = None,
+    window_left: int | None = None,
+    window_right: int | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
@@ -115,17 +116,17 @@ def prepared(
     check_softmax_scale(softmax_scale)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     options = attention_options(
-        q, q.shape[1], k.shape[1], softmax_scale, window_left, window_right, softcap=softcap,
-        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state,
-        attn_mask=attn_mask, deterministic=deterministic,
+        q, q.shape[1], k.shape[1], softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
+        softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p,
+        rng_state=rng_state, attn_mask=attn_mask, deterministic=deterministic,
     )  # fmt: skip
     return q, k, v, options, head_dim
 
 
-def attention(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the custom op (``_ops.attention``), arguments as ``prepared``: returns (out, lse) in
-    flash_attn's layouts."""
-    q, k, v, options, head_dim = prepared(*args, **kwargs)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated entry to the custom op (``_ops.attention``), the options by name as ``prepared`` takes them: returns
+    (out, lse) in flash_attn's layouts."""
+    q, k, v, options, head_dim = prepared(q, k, v, **options)
     result = _ops.attention(q, k, v, options)
     return result if head_dim is None else sliced(result, head_dim)
 
@@ -134,10 +135,10 @@ def attention_options(
     q: torch.Tensor,
     seqlen_q: int,
     seqlen_k: int,
-    softmax_scale: float | None,
-    window_left: int | None,
-    window_right: int | None,
     *,
+    softmax_scale: float | None = None,
+    window_left: int | None = None,
+    window_right: int | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
@@ -266,8 +267,9 @@ def flash_attn_func(
     left, right = window_bounds(window_size, causal)
     rng_state = dropout_rng_state(dropout_p, q.device) if return_attn_probs and isinstance(q, torch.Tensor) else None
     out, lse = attention(
-        q, k, v, softmax_scale, left, right, softcap, alibi_slopes, learnable_sink, dropout_p,
-        deterministic=deterministic, rng_state=rng_state,
+        q, k, v, softmax_scale=softmax_scale, window_left=left, window_right=right, softcap=softcap,
+        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, deterministic=deterministic,
+        rng_state=rng_state,
     )  # fmt: skip
     if not return_attn_probs:
         return out
@@ -299,8 +301,10 @@ def dropout_probabilities(
         zero_q, zero_k = q.new_zeros(batch, seqlen_q, nheads, 8), k.new_zeros(*k.shape[:3], 8)
 
         def forward(v: torch.Tensor) -> torch.Tensor:
-            return attention(zero_q, zero_k, v, 1.0, window_left, window_right, dropout_p=dropout_p,
-                             rng_state=rng_state)[0]  # fmt: skip
+            return attention(
+                zero_q, zero_k, v, softmax_scale=1.0, window_left=window_left, window_right=window_right,
+                dropout_p=dropout_p, rng_state=rng_state,
+            )[0]  # fmt: skip
 
         kept = _dropout_keep_mask(forward, (batch,), k.shape[1], k.shape[2], q)
         probs, _ = attention_probs(q.float(), k.float(), softmax_scale, window_size=window, **options)
@@ -406,31 +410,27 @@ def varlen_attention(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    softmax_scale: float | None,
-    window_left: int | None,
-    window_right: int | None,
+    *,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    window_left: int | None = None,
+    window_right: int | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
     dropout_p: float = 0.0,
-    block_table: torch.Tensor | None = None,
     rng_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the varlen custom op: returns (out (total_q, H, Dv), lse (H, total_q)).
+    """Validated entry to the varlen custom op (``_ops.varlen_attention``), the options by name as ``prepared``
+    takes them: returns (out (total_q, H, Dv), lse (H, total_q)).
 
     With a block_table, k and v are pages (num_blocks, page_block_size, nheads_k, headdim[_v]).
     rng_state: the dropout's randomness (``dropout_rng_state``), drawn here when None and dropout_p > 0.
     A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
+    head_dim = None
     if padded is not None:
         q, k, v, softmax_scale, head_dim = padded
-        return sliced(
-            varlen_attention(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                window_right, softcap, alibi_slopes, learnable_sink, dropout_p, block_table, rng_state,
-            ),
-            head_dim,
-        )  # fmt: skip
     paged = block_table is not None
     for name, t in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
@@ -482,12 +482,14 @@ def varlen_attention(
     max_seqlen_k = at_most(max_seqlen_k, keys_per_sequence)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     options = attention_options(
-        q, q.shape[0], keys_per_sequence, softmax_scale, window_left, window_right, softcap=softcap,
-        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state, batch=batch,
+        q, q.shape[0], keys_per_sequence, softmax_scale=softmax_scale, window_left=window_left,
+        window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+        dropout_p=dropout_p, rng_state=rng_state, batch=batch,
     )  # fmt: skip
-    return _ops.varlen_attention(
+    result = _ops.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, block_table=block_table
     )
+    return result if head_dim is None else sliced(result, head_dim)
 
 
 def flash_attn_varlen_func(
@@ -585,8 +587,9 @@ def flash_attn_varlen_func(
     left, right = window_bounds(window_size, causal)
     rng_state = dropout_rng_state(dropout_p, q.device) if return_attn_probs and isinstance(q, torch.Tensor) else None
     out, lse = varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap,
-        alibi_slopes, learnable_sink, dropout_p, block_table, rng_state,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table,
+        softmax_scale=softmax_scale, window_left=left, window_right=right, softcap=softcap, alibi_slopes=alibi_slopes,
+        learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state,
     )  # fmt: skip
     if not return_attn_probs:
         return out
@@ -629,8 +632,8 @@ def varlen_dropout_probabilities(
 
         def forward(v: torch.Tensor) -> torch.Tensor:
             return varlen_attention(
-                zero_q, zero_k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 1.0, window_left,
-                window_right, dropout_p=dropout_p, rng_state=rng_state,
+                zero_q, zero_k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=1.0,
+                window_left=window_left, window_right=window_right, dropout_p=dropout_p, rng_state=rng_state,
             )[0]  # fmt: skip
 
         kept = _dropout_keep_mask(forward, (), k.shape[0], k.shape[1], q)  # (nheads, total_q, total_k)
