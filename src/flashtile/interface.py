@@ -86,28 +86,12 @@ def dropout_rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | 
 
 
 def prepared(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    softmax_scale: float | None = None,
-    window_left: int | None = None,
-    window_right: int | None = None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    attn_mask: torch.Tensor | None = None,
-    deterministic: bool = True,
-    rng_state: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None, **options
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionOptions, int | None]:
     """A call as the custom op takes it: (q, k, v checked, with a contiguous last dimension, the call's options
-    decided once (``attention_options``), and the head dim to slice the output back to, or None).
-
-    attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
-    deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.sm90.backward``).
-    rng_state: the dropout's randomness (``dropout_rng_state``), drawn when None and dropout_p > 0.
-    A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
+    decided once (``attention_options``, which takes ``options`` by name), and the head dim to slice the output
+    back to, or None). A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``,
+    which also decides the default softmax_scale of the original head dim)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
     head_dim = None
     if padded is not None:
@@ -115,11 +99,7 @@ def prepared(
     check_qkv(q, k, v)
     check_softmax_scale(softmax_scale)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    options = attention_options(
-        q, q.shape[1], k.shape[1], softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p,
-        rng_state=rng_state, attn_mask=attn_mask, deterministic=deterministic,
-    )  # fmt: skip
+    options = attention_options(q, q.shape[1], k.shape[1], softmax_scale=softmax_scale, **options)
     return q, k, v, options, head_dim
 
 
@@ -151,7 +131,11 @@ def attention_options(
     """The options of a call on q (checked), validated and decided once: the window bounded by the lengths
     (``bounded_window``; packed batches pass their token counts), the default scale (``scale_or_default``), the
     score modifications and sink checked (``check_options``; ``batch``: a packed q's number of sequences), and the
-    dropout's rng_state drawn when None (``dropout_rng_state``)."""
+    dropout's rng_state drawn when None (``dropout_rng_state``).
+
+    attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
+    deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.sm90.backward``).
+    rng_state: the dropout's randomness (``dropout_rng_state``), drawn when None and dropout_p > 0."""
     window_left, window_right = bounded_window(window_left, window_right, seqlen_q, seqlen_k)
     if rng_state is None:
         rng_state = dropout_rng_state(dropout_p, q.device)
@@ -413,19 +397,12 @@ def varlen_attention(
     *,
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
-    window_left: int | None = None,
-    window_right: int | None = None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the varlen custom op (``_ops.varlen_attention``), the options by name as ``prepared``
-    takes them: returns (out (total_q, H, Dv), lse (H, total_q)).
+    """Validated entry to the varlen custom op (``_ops.varlen_attention``), the options by name as
+    ``attention_options`` takes them: returns (out (total_q, H, Dv), lse (H, total_q)).
 
     With a block_table, k and v are pages (num_blocks, page_block_size, nheads_k, headdim[_v]).
-    rng_state: the dropout's randomness (``dropout_rng_state``), drawn here when None and dropout_p > 0.
     A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
     head_dim = None
@@ -481,11 +458,7 @@ def varlen_attention(
     max_seqlen_q = at_most(max_seqlen_q, q.shape[0])
     max_seqlen_k = at_most(max_seqlen_k, keys_per_sequence)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    options = attention_options(
-        q, q.shape[0], keys_per_sequence, softmax_scale=softmax_scale, window_left=window_left,
-        window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
-        dropout_p=dropout_p, rng_state=rng_state, batch=batch,
-    )  # fmt: skip
+    options = attention_options(q, q.shape[0], keys_per_sequence, softmax_scale=softmax_scale, batch=batch, **options)
     result = _ops.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, block_table=block_table
     )
