@@ -31,7 +31,7 @@ from flashtile.checks import (
 )
 from flashtile.dense import attention_probs
 from flashtile.errors import InputError
-from flashtile.options import AttentionOptions, scale_or_default
+from flashtile.options import AttentionOptions, Packing, scale_or_default
 
 
 def pad_head_dim(
@@ -459,9 +459,8 @@ def varlen_attention(
     max_seqlen_k = at_most(max_seqlen_k, keys_per_sequence)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     options = attention_options(q, q.shape[0], keys_per_sequence, softmax_scale=softmax_scale, batch=batch, **options)
-    result = _ops.varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, block_table=block_table
-    )
+    packing = Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    result = _ops.varlen_attention(q, k, v, packing, options)
     return result if head_dim is None else sliced(result, head_dim)
 
 
