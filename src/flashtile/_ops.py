@@ -128,15 +128,9 @@ def _(q, k, v, *flat):
 
 
 def _attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    *trailing,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, *trailing,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients (dq, dk, dv, dmask): dq, dk, dv shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse,
     or None. The options are the forward's; the sink's gradient is ``attention_sink_backward``; deterministic=False
     allows a kernel whose atomics make the bits vary from run to run.
@@ -498,15 +492,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attent
 
 
 def attention_gradients(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    options: AttentionOptions,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, options: AttentionOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dq, dk, dv) of ``attention_backward(dout, q, k, v, out, lse, dlse, *options)``, past the dispatcher in plain
     eager mode, as ``attention``: for callers that run their own backward over attention calls (ring attention).
     dout with a contiguous last dimension, lse and dlse (or None) float32 contiguous; no attn_mask gradient."""

@@ -317,17 +317,9 @@ def _fused_forward(
 
 
 def _fused_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    is_causal: bool,
-    attn_mask: Tensor | None,
-    dlse: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, is_causal: bool,
+    attn_mask: Tensor | None, dlse: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv) of one call of torch's fused backward, contiguous in flashtile's layouts (dk, dv summed over
     each GQA group by the kernel).
 
@@ -543,6 +535,17 @@ def _exp(x: Tensor, offset: Tensor) -> Tensor:
     return x.sub_(offset).clamp_(min=_EXP_FLOOR).exp_()
 
 
+def _score_operands(
+    q: Tensor, k: Tensor, softmax_scale: float, alibi_slopes: Tensor | None, softcap: float
+) -> tuple[torch.dtype, _ScoreMods, list[Tensor]]:
+    """What the tiled forward and backward compute scores from: the compute dtype (``_compute_dtype``), the score
+    modifications (``_score_mods``) and k's tiles (B * Hk, D, N) in that dtype, the scores' right operands."""
+    dtype = _compute_dtype(q.dtype)
+    batch, seqlen_k, nheads_k = k.shape[:3]
+    mods = _score_mods(alibi_slopes, softcap, batch, nheads_k, seqlen_k - q.shape[1], dtype, softmax_scale)
+    return dtype, mods, _key_tiles(k, dtype, transposed=True)
+
+
 def _key_tiles(x: Tensor, dtype: torch.dtype, transposed: bool = False) -> list[Tensor]:
     """x (B, Sk, Hk, D) cut into tiles of BLOCK_N keys, tile t = keys [t * BLOCK_N, (t + 1) * BLOCK_N), each a
     contiguous (B * Hk, N, D) tensor of ``dtype``, or (B * Hk, D, N) if transposed: one copy of x per call, after
@@ -659,9 +662,7 @@ def _tiled_forward(
     B, Sq, H, _ = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
-    dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale)
-    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    dtype, mods, keys = _score_operands(q, k, softmax_scale, alibi_slopes, softcap)
     values = _key_tiles(v, v.dtype)  # (B * Hk, N, Dv) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
@@ -737,9 +738,7 @@ def attention_backward(
     B, Sq, H, D = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
-    dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale)
-    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    dtype, mods, keys = _score_operands(q, k, softmax_scale, alibi_slopes, softcap)
     ones = torch.ones(B, Sk, Hk, 1, dtype=v.dtype)
     values = _key_tiles(torch.cat([v, ones], dim=-1), dtype, transposed=True)  # (B * Hk, Dv + 1, N)
     keys_low = _key_tiles(k, k.dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
@@ -862,16 +861,9 @@ def varlen_attention_forward(
 
 @torch.no_grad()
 def varlen_attention_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    packing: Packing,
-    options: AttentionOptions,
-    dlse: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, packing: Packing,
+    options: AttentionOptions, dlse: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``attention_backward`` on a variable-length batch, one sequence at a time (layouts as in
     ``varlen_attention_forward``; lse and dlse (nheads, total_q)). A sequence without queries or keys
     contributes zero gradients."""

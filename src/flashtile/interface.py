@@ -312,6 +312,16 @@ def _dropout_keep_mask(forward, leading: tuple[int, ...], seqlen_k: int, nheads_
     return torch.cat(kept, dim=-1)
 
 
+def unpacked(packed: object, name: str, layout: tuple[str | int, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors stacked in ``packed`` (flash_attn's qkv and kv layouts), as views, so that gradients flow back into
+    it without a copy. ``layout`` names its dimensions and gives, at the stacked one, the number of tensors:
+    ("total", 3, "nheads", "headdim"). Raises flashtile.InputError for a ``packed`` of another shape."""
+    dim = next(i for i, size in enumerate(layout) if isinstance(size, int))
+    if not (isinstance(packed, torch.Tensor) and packed.dim() == len(layout) and packed.shape[dim] == layout[dim]):
+        raise InputError(f"{name} must be ({', '.join(map(str, layout))}), got {shape_of(packed)}.")
+    return packed.unbind(dim)
+
+
 def flash_attn_qkvpacked_func(
     qkv: torch.Tensor,
     dropout_p: float = 0.0,
@@ -339,9 +349,7 @@ def flash_attn_qkvpacked_func(
         out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask) if
             return_attn_probs (as flash_attn_func)
     """
-    if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3):
-        raise InputError(f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got {shape_of(qkv)}.")
-    q, k, v = qkv.unbind(2)
+    q, k, v = unpacked(qkv, "qkv", ("batch_size", "seqlen", 3, "nheads", "headdim"))
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, learnable_sink=learnable_sink,
@@ -377,9 +385,7 @@ def flash_attn_kvpacked_func(
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) if
             return_attn_probs (as flash_attn_func)
     """
-    if not (isinstance(kv, torch.Tensor) and kv.dim() == 5 and kv.shape[2] == 2):
-        raise InputError(f"kv must be (batch_size, seqlen_k, 2, nheads_k, headdim), got {shape_of(kv)}.")
-    k, v = kv.unbind(2)
+    k, v = unpacked(kv, "kv", ("batch_size", "seqlen_k", 2, "nheads_k", "headdim"))
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, learnable_sink=learnable_sink,
@@ -387,18 +393,10 @@ def flash_attn_kvpacked_func(
 
 
 def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    block_table: torch.Tensor | None = None,
-    softmax_scale: float | None = None,
-    **options,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None, **options,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Validated entry to the varlen custom op (``_ops.varlen_attention``), the options by name as
     ``attention_options`` takes them: returns (out (total_q, H, Dv), lse (H, total_q)).
 
@@ -651,9 +649,7 @@ def flash_attn_varlen_qkvpacked_func(
     Returns:
         out: (total, nheads, headdim), or (out, softmax_lse (nheads, total), None) if return_attn_probs
     """
-    if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 4 and qkv.shape[1] == 3):
-        raise InputError(f"qkv must be (total, 3, nheads, headdim), got {shape_of(qkv)}.")
-    q, k, v = qkv.unbind(1)
+    q, k, v = unpacked(qkv, "qkv", ("total", 3, "nheads", "headdim"))
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink,
@@ -692,9 +688,7 @@ def flash_attn_varlen_kvpacked_func(
     Returns:
         out: (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), None) if return_attn_probs
     """
-    if not (isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.shape[1] == 2):
-        raise InputError(f"kv must be (total_k, 2, nheads_k, headdim), got {shape_of(kv)}.")
-    k, v = kv.unbind(1)
+    k, v = unpacked(kv, "kv", ("total_k", 2, "nheads_k", "headdim"))
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink,

@@ -137,6 +137,7 @@ from flashtile.checks import NO_WINDOW, check_unimplemented, window_bounds
 from flashtile.distributed.group import Incoming, Ring, Setup, agreed_options, on_device
 from flashtile.distributed.layout import Segment, check_layout, segments
 from flashtile.errors import require
+from flashtile.interface import unpacked
 from flashtile.ops._alloc import empty_output
 from flashtile.options import AttentionOptions
 
@@ -581,12 +582,7 @@ def ring_flash_attn_qkvpacked_func(
     Returns:
         out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, None) if return_attn_probs
     """
-    require(
-        isinstance(qkv, Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3,
-        "qkv must be (batch_size, seqlen, 3, nheads, headdim), got "
-        f"{tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}.",
-    )
-    q, k, v = qkv.unbind(2)
+    q, k, v = unpacked(qkv, "qkv", ("batch_size", "seqlen", 3, "nheads", "headdim"))
     return ring_flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, group, layout=layout, learnable_sink=learnable_sink,
