@@ -87,7 +87,7 @@ def test_bad_dropout(dropout_p):
     q, k, v = (t[0] for t in qkv())
     cu = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="dropout_p must be"):
-        varlen_attention(q, k, v, cu, cu, 16, 16, None, None, None, dropout_p=dropout_p)
+        varlen_attention(q, k, v, cu, cu, 16, 16, dropout_p=dropout_p)
 
 
 def fp32(*shape, device=DEVICE):

@@ -44,7 +44,7 @@ from types import SimpleNamespace
 import torch
 
 from flashtile import _backend, paged
-from flashtile.options import AttentionOptions
+from flashtile.options import AttentionOptions, Packing
 
 _SCHEMA_TYPES = {"float": "float", "int | None": "SymInt?", "torch.Tensor | None": "Tensor?", "bool": "bool"}
 
@@ -128,15 +128,9 @@ def _(q, k, v, *flat):
 
 
 def _attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    *trailing,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, *trailing,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients (dq, dk, dv, dmask): dq, dk, dv shaped like (q, k, v); dlse (B, H, Sq) fp32 is the gradient at lse,
     or None. The options are the forward's; the sink's gradient is ``attention_sink_backward``; deterministic=False
     allows a kernel whose atomics make the bits vary from run to run.
@@ -296,28 +290,29 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 # int32, lse (H, total_q). max_seqlen_* are ints so that the grid is known without reading cu_seqlens.
 
 
-def _varlen_attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *trailing,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention_forward`` per sequence of a packed batch -> out (total_q, H, Dv), lse (H, total_q) fp32.
+def _varlen_flat(packing: Packing, options: AttentionOptions) -> tuple:
+    """The varlen ops' arguments after q, k, v, in ``_VARLEN_INPUTS``' order: the packing's cu_seqlens and
+    max_seqlens, the options (``_flat``), then the block_table."""
+    cu_seqlens, max_seqlens = (packing.cu_seqlens_q, packing.cu_seqlens_k), (packing.max_seqlen_q, packing.max_seqlen_k)
+    return (*cu_seqlens, *max_seqlens, *_flat(options), packing.block_table)
 
-    Sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b + 1])
-    of k and v; masks and ALiBi distances are measured within it ((batch, H) slopes: row b is its own).
-    With block_table (batch, max_blocks) int32, k and v are pages (num_blocks, page_block_size, Hk, D / Dv):
-    key j of sequence b is row j % page_block_size of page block_table[b, j // page_block_size]."""
-    options, block_table = _options_and(trailing, None)
+
+def _packing_and_options(flat: tuple) -> tuple[Packing, AttentionOptions]:
+    """``_varlen_flat``'s inverse, for the arguments as a call passed them (``_options_and``)."""
+    options, block_table = _options_and(flat[4:], None)
+    return Packing(*flat[:4], block_table), options
+
+
+def _varlen_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *flat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_forward`` per sequence of a packed batch (``options.Packing``) -> out (total_q, H, Dv), lse
+    (H, total_q) fp32. Masks and ALiBi distances are measured within each sequence ((batch, H) slopes: row b is
+    sequence b's); with a block_table, k and v are pages."""
+    packing, options = _packing_and_options(flat)
     if _empty(q, k):
         return _empty_forward(q, options.learnable_sink, (*q.shape[:2], v.shape[-1]), (q.shape[1], q.shape[0]), 0)
-    return _backend.path_module(q.device).varlen_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, block_table
-    )
+    return _backend.path_module(q.device).varlen_attention_forward(q, k, v, packing, options)
 
 
 _VARLEN_INPUTS = "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, " \
@@ -341,11 +336,7 @@ def _varlen_attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *trailing,
+    *flat,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) shaped like (q, k, v); dlse (H, total_q) fp32 or None; the rest as the forward's. Rows
     of k/v that no query sees (e.g. of a sequence without queries) get zero gradients.
@@ -354,14 +345,17 @@ def _varlen_attention_backward(
     are gathered into packed keys, the unpaged backward runs on those, and dk, dv are its gradients added
     back into pages (``flashtile.paged``): a page that several sequences use gets their sum, one that none
     uses zeros. Sizing the packed keys reads cu_seqlens_k[-1] on the host (one synchronisation on CUDA)."""
-    options, block_table = _options_and(trailing, None)
+    packing, options = _packing_and_options(flat)
     if _empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    slots = None if block_table is None else paged.packed_slots(block_table, cu_seqlens_k, k)
+    slots = None
+    if packing.block_table is not None:
+        slots = paged.packed_slots(packing.block_table, packing.cu_seqlens_k, k)
+        packing = dataclasses.replace(packing, block_table=None)  # the keys below are packed
     packed_k, packed_v = (k, v) if slots is None else (k[slots], v[slots])
     dq, dk, dv = _backend.path_module(q.device).varlen_attention_backward(
-        dout, q, packed_k, packed_v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, dlse,
-    )  # fmt: skip
+        dout, q, packed_k, packed_v, out, lse, packing, options, dlse
+    )
     if slots is not None:
         dk, dv = paged.scatter_add(dk, slots, k), paged.scatter_add(dv, slots, v)
     return dq, dk, dv
@@ -384,23 +378,23 @@ _VARLEN_INPUT_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqle
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, *trailing = inputs
-    options, block_table = _options_and(trailing, None)
+    q, k, v, *flat = inputs
+    packing, options = _packing_and_options(flat)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, block_table, *_tensors_of(options))
+    ctx.save_for_backward(
+        q, k, v, out, lse, packing.cu_seqlens_q, packing.cu_seqlens_k, packing.block_table, *_tensors_of(options)
+    )
     _save_options(ctx, options, len(inputs))
-    ctx.max_seqlens = (max_q, max_k)
+    ctx.max_seqlens = (packing.max_seqlen_q, packing.max_seqlen_k)
     ctx.set_materialize_grads(False)  # as in _setup_context
 
 
 def _varlen_backward_with(ops, ctx, dout, dlse):
     """The backward of ``varlen_attention_forward``, launching through ``ops`` (as ``_backward_with``)."""
     q, k, v, out, lse, cu_q, cu_k, block_table, *tensors = ctx.saved_tensors
-    options = _saved_options(ctx, tensors)
+    packing, options = Packing(cu_q, cu_k, *ctx.max_seqlens, block_table), _saved_options(ctx, tensors)
     dout, dlse = _grad_inputs(dout, out, dlse)
-    dq, dk, dv = ops.varlen_attention_backward(
-        dout, out, lse, dlse, q, k, v, cu_q, cu_k, *ctx.max_seqlens, *_flat(options), block_table
-    )
+    dq, dk, dv = ops.varlen_attention_backward(dout, out, lse, dlse, q, k, v, *_varlen_flat(packing, options))
     dsink = None
     if options.learnable_sink is not None and _needs_grad(ctx, _VARLEN_INPUT_NAMES, "learnable_sink"):
         # (H, total_q) is the (1, H, total_q) layout of one packed row of tokens
@@ -497,20 +491,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attent
     return _forward(q, k, v, options)
 
 
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    options: AttentionOptions,
-    block_table: torch.Tensor | None = None,
-):
-    """``varlen_attention_forward(...)``, past the dispatcher in plain eager mode, as ``attention``."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_flat(options), block_table)
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, *_tensors_of(options))
+def attention_gradients(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, options: AttentionOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq, dk, dv) of ``attention_backward(dout, q, k, v, out, lse, dlse, *options)``, past the dispatcher in plain
+    eager mode, as ``attention``: for callers that run their own backward over attention calls (ring attention).
+    dout with a contiguous last dimension, lse and dlse (or None) float32 contiguous; no attn_mask gradient."""
+    ops = _DIRECT if _eager((dout, q, k, v, out, lse, dlse, *_tensors_of(options))) else _OPS
+    return ops.attention_backward(dout, q, k, v, out, lse, dlse, *_flat(options))[:3]
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, options: AttentionOptions):
+    """``varlen_attention_forward(q, k, v, *packing, *options)``, past the dispatcher in plain eager mode, as
+    ``attention``."""
+    args = (q, k, v, *_varlen_flat(packing, options))
+    tensors = (q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_k, packing.block_table, *_tensors_of(options))
     if not _eager(tensors):
         return varlen_attention_forward(*args)
     if _wants_grad(tensors):

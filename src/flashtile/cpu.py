@@ -116,7 +116,7 @@ from torch import Tensor
 
 from flashtile import paged
 from flashtile._backend import Verdict, verdict
-from flashtile.options import AttentionOptions
+from flashtile.options import AttentionOptions, Packing
 
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
 BLOCK_N = 512  # key columns per tile
@@ -317,17 +317,9 @@ def _fused_forward(
 
 
 def _fused_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    is_causal: bool,
-    attn_mask: Tensor | None,
-    dlse: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, is_causal: bool,
+    attn_mask: Tensor | None, dlse: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv) of one call of torch's fused backward, contiguous in flashtile's layouts (dk, dv summed over
     each GQA group by the kernel).
 
@@ -543,6 +535,17 @@ def _exp(x: Tensor, offset: Tensor) -> Tensor:
     return x.sub_(offset).clamp_(min=_EXP_FLOOR).exp_()
 
 
+def _score_operands(
+    q: Tensor, k: Tensor, softmax_scale: float, alibi_slopes: Tensor | None, softcap: float
+) -> tuple[torch.dtype, _ScoreMods, list[Tensor]]:
+    """What the tiled forward and backward compute scores from: the compute dtype (``_compute_dtype``), the score
+    modifications (``_score_mods``) and k's tiles (B * Hk, D, N) in that dtype, the scores' right operands."""
+    dtype = _compute_dtype(q.dtype)
+    batch, seqlen_k, nheads_k = k.shape[:3]
+    mods = _score_mods(alibi_slopes, softcap, batch, nheads_k, seqlen_k - q.shape[1], dtype, softmax_scale)
+    return dtype, mods, _key_tiles(k, dtype, transposed=True)
+
+
 def _key_tiles(x: Tensor, dtype: torch.dtype, transposed: bool = False) -> list[Tensor]:
     """x (B, Sk, Hk, D) cut into tiles of BLOCK_N keys, tile t = keys [t * BLOCK_N, (t + 1) * BLOCK_N), each a
     contiguous (B * Hk, N, D) tensor of ``dtype``, or (B * Hk, D, N) if transposed: one copy of x per call, after
@@ -659,9 +662,7 @@ def _tiled_forward(
     B, Sq, H, _ = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
-    dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale)
-    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    dtype, mods, keys = _score_operands(q, k, softmax_scale, alibi_slopes, softcap)
     values = _key_tiles(v, v.dtype)  # (B * Hk, N, Dv) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
@@ -737,9 +738,7 @@ def attention_backward(
     B, Sq, H, D = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
-    dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale)
-    keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
+    dtype, mods, keys = _score_operands(q, k, softmax_scale, alibi_slopes, softcap)
     ones = torch.ones(B, Sk, Hk, 1, dtype=v.dtype)
     values = _key_tiles(torch.cat([v, ones], dim=-1), dtype, transposed=True)  # (B * Hk, Dv + 1, N)
     keys_low = _key_tiles(k, k.dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
@@ -817,9 +816,9 @@ def attention_delta(dout: Tensor, out: Tensor, dlse: Tensor | None = None) -> Te
     return delta
 
 
-def _sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple[int, int, int, int, int]]:
+def _sequences(packing: Packing) -> list[tuple[int, int, int, int, int]]:
     """(b, q0, q1, k0, k1) per sequence: its rows of the packed q and k."""
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    cq, ck = packing.cu_seqlens_q.tolist(), packing.cu_seqlens_k.tolist()
     return [(b, cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
@@ -833,31 +832,22 @@ def _sequence_options(options: AttentionOptions, b: int) -> AttentionOptions:
 
 @torch.no_grad()
 def varlen_attention_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    options: AttentionOptions,
-    block_table: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, packing: Packing, options: AttentionOptions
 ) -> tuple[Tensor, Tensor]:
-    """``attention_forward`` on a variable-length batch, one sequence (a B=1 view) at a time.
+    """``attention_forward`` on a variable-length batch (``options.Packing``), one sequence (a B=1 view) at a time.
 
-    q (total_q, nheads, headdim), k (total_k, nheads_k, headdim), v (total_k, nheads_k, headdim_v);
-    sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]). Returns out (total_q, nheads, headdim_v) and
-    lse (nheads, total_q) float32. max_seqlen_* are not needed here. Dropout row ids are
-    h * total_q + (the query's token index), unique over the packed batch. With a block_table, k and v are
-    pages (num_blocks, page_block_size, nheads_k, headdim[_v]), gathered first into those packed keys
+    q (total_q, nheads, headdim), k (total_k, nheads_k, headdim), v (total_k, nheads_k, headdim_v). Returns out
+    (total_q, nheads, headdim_v) and lse (nheads, total_q) float32. The max_seqlens are not needed here. Dropout
+    row ids are h * total_q + (the query's token index), unique over the packed batch. With a block_table, k and v
+    are pages (num_blocks, page_block_size, nheads_k, headdim[_v]), gathered first into those packed keys
     (``flashtile.paged``).
     """
-    if block_table is not None:
-        slots = paged.packed_slots(block_table, cu_seqlens_k, k)
+    if packing.block_table is not None:
+        slots = paged.packed_slots(packing.block_table, packing.cu_seqlens_k, k)
         k, v = k[slots], v[slots]
     out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
-    for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+    for b, q0, q1, k0, k1 in _sequences(packing):
         if q1 == q0:
             continue
         o_b, lse_b = attention_forward(
@@ -871,24 +861,14 @@ def varlen_attention_forward(
 
 @torch.no_grad()
 def varlen_attention_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    options: AttentionOptions,
-    dlse: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, packing: Packing,
+    options: AttentionOptions, dlse: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``attention_backward`` on a variable-length batch, one sequence at a time (layouts as in
     ``varlen_attention_forward``; lse and dlse (nheads, total_q)). A sequence without queries or keys
     contributes zero gradients."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+    for b, q0, q1, k0, k1 in _sequences(packing):
         if q1 == q0 or k1 == k0:
             continue
         dq_b, dk_b, dv_b = attention_backward(

@@ -70,9 +70,11 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) 
     call.apply_defaults()
     given = call.arguments
     dropout_p = given["dropout_p"]
+    window_left, window_right = window_bounds(given["window_size"], given["causal"])
     q, k, v, options, _ = prepared(
-        q, k, v, given["softmax_scale"], *window_bounds(given["window_size"], given["causal"]), given["softcap"],
-        given["alibi_slopes"], given["learnable_sink"], dropout_p, deterministic=given["deterministic"],
+        q, k, v, softmax_scale=given["softmax_scale"], window_left=window_left, window_right=window_right,
+        softcap=given["softcap"], alibi_slopes=given["alibi_slopes"], learnable_sink=given["learnable_sink"],
+        dropout_p=dropout_p, deterministic=given["deterministic"],
         rng_state=torch.zeros(2, dtype=torch.int64, device=q.device) if dropout_p else None,  # any: nothing runs
     )  # fmt: skip
     choices = _backend.pass_choices(q, k, v, options, every=True)

@@ -31,7 +31,7 @@ from flashtile.checks import (
 )
 from flashtile.dense import attention_probs
 from flashtile.errors import InputError
-from flashtile.options import AttentionOptions, scale_or_default
+from flashtile.options import AttentionOptions, Packing, scale_or_default
 
 
 def pad_head_dim(
@@ -86,27 +86,12 @@ def dropout_rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | 
 
 
 def prepared(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float | None,
-    window_left: int | None,
-    window_right: int | None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    attn_mask: torch.Tensor | None = None,
-    deterministic: bool = True,
-    rng_state: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None, **options
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionOptions, int | None]:
     """A call as the custom op takes it: (q, k, v checked, with a contiguous last dimension, the call's options
-    decided once (``attention_options``), and the head dim to slice the output back to, or None).
-
-    attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
-    deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.sm90.backward``).
-    rng_state: the dropout's randomness (``dropout_rng_state``), drawn when None and dropout_p > 0.
-    A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
+    decided once (``attention_options``, which takes ``options`` by name), and the head dim to slice the output
+    back to, or None). A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``,
+    which also decides the default softmax_scale of the original head dim)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
     head_dim = None
     if padded is not None:
@@ -114,18 +99,14 @@ def prepared(
     check_qkv(q, k, v)
     check_softmax_scale(softmax_scale)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    options = attention_options(
-        q, q.shape[1], k.shape[1], softmax_scale, window_left, window_right, softcap=softcap,
-        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state,
-        attn_mask=attn_mask, deterministic=deterministic,
-    )  # fmt: skip
+    options = attention_options(q, q.shape[1], k.shape[1], softmax_scale=softmax_scale, **options)
     return q, k, v, options, head_dim
 
 
-def attention(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the custom op (``_ops.attention``), arguments as ``prepared``: returns (out, lse) in
-    flash_attn's layouts."""
-    q, k, v, options, head_dim = prepared(*args, **kwargs)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated entry to the custom op (``_ops.attention``), the options by name as ``prepared`` takes them: returns
+    (out, lse) in flash_attn's layouts."""
+    q, k, v, options, head_dim = prepared(q, k, v, **options)
     result = _ops.attention(q, k, v, options)
     return result if head_dim is None else sliced(result, head_dim)
 
@@ -134,10 +115,10 @@ def attention_options(
     q: torch.Tensor,
     seqlen_q: int,
     seqlen_k: int,
-    softmax_scale: float | None,
-    window_left: int | None,
-    window_right: int | None,
     *,
+    softmax_scale: float | None = None,
+    window_left: int | None = None,
+    window_right: int | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
@@ -150,7 +131,11 @@ def attention_options(
     """The options of a call on q (checked), validated and decided once: the window bounded by the lengths
     (``bounded_window``; packed batches pass their token counts), the default scale (``scale_or_default``), the
     score modifications and sink checked (``check_options``; ``batch``: a packed q's number of sequences), and the
-    dropout's rng_state drawn when None (``dropout_rng_state``)."""
+    dropout's rng_state drawn when None (``dropout_rng_state``).
+
+    attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
+    deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.sm90.backward``).
+    rng_state: the dropout's randomness (``dropout_rng_state``), drawn when None and dropout_p > 0."""
     window_left, window_right = bounded_window(window_left, window_right, seqlen_q, seqlen_k)
     if rng_state is None:
         rng_state = dropout_rng_state(dropout_p, q.device)
@@ -266,8 +251,9 @@ def flash_attn_func(
     left, right = window_bounds(window_size, causal)
     rng_state = dropout_rng_state(dropout_p, q.device) if return_attn_probs and isinstance(q, torch.Tensor) else None
     out, lse = attention(
-        q, k, v, softmax_scale, left, right, softcap, alibi_slopes, learnable_sink, dropout_p,
-        deterministic=deterministic, rng_state=rng_state,
+        q, k, v, softmax_scale=softmax_scale, window_left=left, window_right=right, softcap=softcap,
+        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, deterministic=deterministic,
+        rng_state=rng_state,
     )  # fmt: skip
     if not return_attn_probs:
         return out
@@ -299,8 +285,10 @@ def dropout_probabilities(
         zero_q, zero_k = q.new_zeros(batch, seqlen_q, nheads, 8), k.new_zeros(*k.shape[:3], 8)
 
         def forward(v: torch.Tensor) -> torch.Tensor:
-            return attention(zero_q, zero_k, v, 1.0, window_left, window_right, dropout_p=dropout_p,
-                             rng_state=rng_state)[0]  # fmt: skip
+            return attention(
+                zero_q, zero_k, v, softmax_scale=1.0, window_left=window_left, window_right=window_right,
+                dropout_p=dropout_p, rng_state=rng_state,
+            )[0]  # fmt: skip
 
         kept = _dropout_keep_mask(forward, (batch,), k.shape[1], k.shape[2], q)
         probs, _ = attention_probs(q.float(), k.float(), softmax_scale, window_size=window, **options)
@@ -322,6 +310,16 @@ def _dropout_keep_mask(forward, leading: tuple[int, ...], seqlen_k: int, nheads_
         one_hot[..., start + torch.arange(width), :, torch.arange(width)] = 1.0
         kept.append((forward(one_hot)[..., :width] > 0).movedim(-2, -3))
     return torch.cat(kept, dim=-1)
+
+
+def unpacked(packed: object, name: str, layout: tuple[str | int, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors stacked in ``packed`` (flash_attn's qkv and kv layouts), as views, so that gradients flow back into
+    it without a copy. ``layout`` names its dimensions and gives, at the stacked one, the number of tensors:
+    ("total", 3, "nheads", "headdim"). Raises flashtile.InputError for a ``packed`` of another shape."""
+    dim = next(i for i, size in enumerate(layout) if isinstance(size, int))
+    if not (isinstance(packed, torch.Tensor) and packed.dim() == len(layout) and packed.shape[dim] == layout[dim]):
+        raise InputError(f"{name} must be ({', '.join(map(str, layout))}), got {shape_of(packed)}.")
+    return packed.unbind(dim)
 
 
 def flash_attn_qkvpacked_func(
@@ -351,9 +349,7 @@ def flash_attn_qkvpacked_func(
         out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask) if
             return_attn_probs (as flash_attn_func)
     """
-    if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3):
-        raise InputError(f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got {shape_of(qkv)}.")
-    q, k, v = qkv.unbind(2)
+    q, k, v = unpacked(qkv, "qkv", ("batch_size", "seqlen", 3, "nheads", "headdim"))
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, learnable_sink=learnable_sink,
@@ -389,9 +385,7 @@ def flash_attn_kvpacked_func(
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) if
             return_attn_probs (as flash_attn_func)
     """
-    if not (isinstance(kv, torch.Tensor) and kv.dim() == 5 and kv.shape[2] == 2):
-        raise InputError(f"kv must be (batch_size, seqlen_k, 2, nheads_k, headdim), got {shape_of(kv)}.")
-    k, v = kv.unbind(2)
+    k, v = unpacked(kv, "kv", ("batch_size", "seqlen_k", 2, "nheads_k", "headdim"))
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, learnable_sink=learnable_sink,
@@ -399,38 +393,19 @@ def flash_attn_kvpacked_func(
 
 
 def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None,
-    window_left: int | None,
-    window_right: int | None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    learnable_sink: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    block_table: torch.Tensor | None = None,
-    rng_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry to the varlen custom op: returns (out (total_q, H, Dv), lse (H, total_q)).
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None, **options,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Validated entry to the varlen custom op (``_ops.varlen_attention``), the options by name as
+    ``attention_options`` takes them: returns (out (total_q, H, Dv), lse (H, total_q)).
 
     With a block_table, k and v are pages (num_blocks, page_block_size, nheads_k, headdim[_v]).
-    rng_state: the dropout's randomness (``dropout_rng_state``), drawn here when None and dropout_p > 0.
     A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``)."""
     padded = pad_head_dim(q, k, v, softmax_scale)
+    head_dim = None
     if padded is not None:
         q, k, v, softmax_scale, head_dim = padded
-        return sliced(
-            varlen_attention(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                window_right, softcap, alibi_slopes, learnable_sink, dropout_p, block_table, rng_state,
-            ),
-            head_dim,
-        )  # fmt: skip
     paged = block_table is not None
     for name, t in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
@@ -481,13 +456,10 @@ def varlen_attention(
     max_seqlen_q = at_most(max_seqlen_q, q.shape[0])
     max_seqlen_k = at_most(max_seqlen_k, keys_per_sequence)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    options = attention_options(
-        q, q.shape[0], keys_per_sequence, softmax_scale, window_left, window_right, softcap=softcap,
-        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state, batch=batch,
-    )  # fmt: skip
-    return _ops.varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, block_table=block_table
-    )
+    options = attention_options(q, q.shape[0], keys_per_sequence, softmax_scale=softmax_scale, batch=batch, **options)
+    packing = Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    result = _ops.varlen_attention(q, k, v, packing, options)
+    return result if head_dim is None else sliced(result, head_dim)
 
 
 def flash_attn_varlen_func(
@@ -585,8 +557,9 @@ def flash_attn_varlen_func(
     left, right = window_bounds(window_size, causal)
     rng_state = dropout_rng_state(dropout_p, q.device) if return_attn_probs and isinstance(q, torch.Tensor) else None
     out, lse = varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, softcap,
-        alibi_slopes, learnable_sink, dropout_p, block_table, rng_state,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table,
+        softmax_scale=softmax_scale, window_left=left, window_right=right, softcap=softcap, alibi_slopes=alibi_slopes,
+        learnable_sink=learnable_sink, dropout_p=dropout_p, rng_state=rng_state,
     )  # fmt: skip
     if not return_attn_probs:
         return out
@@ -629,8 +602,8 @@ def varlen_dropout_probabilities(
 
         def forward(v: torch.Tensor) -> torch.Tensor:
             return varlen_attention(
-                zero_q, zero_k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 1.0, window_left,
-                window_right, dropout_p=dropout_p, rng_state=rng_state,
+                zero_q, zero_k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=1.0,
+                window_left=window_left, window_right=window_right, dropout_p=dropout_p, rng_state=rng_state,
             )[0]  # fmt: skip
 
         kept = _dropout_keep_mask(forward, (), k.shape[0], k.shape[1], q)  # (nheads, total_q, total_k)
@@ -676,9 +649,7 @@ def flash_attn_varlen_qkvpacked_func(
     Returns:
         out: (total, nheads, headdim), or (out, softmax_lse (nheads, total), None) if return_attn_probs
     """
-    if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 4 and qkv.shape[1] == 3):
-        raise InputError(f"qkv must be (total, 3, nheads, headdim), got {shape_of(qkv)}.")
-    q, k, v = qkv.unbind(1)
+    q, k, v = unpacked(qkv, "qkv", ("total", 3, "nheads", "headdim"))
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink,
@@ -717,9 +688,7 @@ def flash_attn_varlen_kvpacked_func(
     Returns:
         out: (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), None) if return_attn_probs
     """
-    if not (isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.shape[1] == 2):
-        raise InputError(f"kv must be (total_k, 2, nheads_k, headdim), got {shape_of(kv)}.")
-    k, v = kv.unbind(1)
+    k, v = unpacked(kv, "kv", ("total_k", 2, "nheads_k", "headdim"))
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink,

@@ -9,6 +9,9 @@ the dispatcher (``_backend``). Each option is decided here or at the face, never
 - softmax_scale: the default 1 / sqrt(headdim) comes from ``default_scale`` alone;
 - the score modifications (softcap, alibi_slopes), the learnable sink, dropout (dropout_p with its rng_state),
   SDPA's attn_mask and deterministic (for the backward).
+
+``Packing`` travels beside them for a variable-length batch: where each sequence's rows are, validated by
+``interface.varlen_attention``, from there to the varlen launchers (``ops.attention``, ``cpu``).
 """
 
 from __future__ import annotations
@@ -68,3 +71,28 @@ class AttentionOptions:
     @property
     def dropout(self) -> bool:
         return self.dropout_p > 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """How a variable-length batch is packed: sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q
+    (total_q, nheads, headdim) and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v (total_k, nheads_k, ...).
+
+    cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 running sums on q's device; max_seqlen_q, max_seqlen_k: at least
+    the longest sequence (they size the launch grid without reading cu_seqlens). block_table: None, or (batch,
+    max_blocks_per_seq) int32: k and v are then pages (num_blocks, page_block_size, nheads_k, ...) and key j of
+    sequence b is k[block_table[b, j // page_block_size], j % page_block_size].
+
+    The fields' order is the varlen custom ops' (``_ops``), with block_table after the options.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        """The number of sequences."""
+        return self.cu_seqlens_q.shape[0] - 1

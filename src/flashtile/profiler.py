@@ -265,8 +265,11 @@ class Profile:
         bound = _signature(fn).bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        if "options" in a:  # an attention pass: its options by name, as a decode pass takes them
-            a = {**a, **{f.name: getattr(a["options"], f.name) for f in dataclasses.fields(a["options"])}}
+        # an attention pass: the fields of its options (and of a packed batch's packing) by name, as a decode pass
+        # takes them
+        for name in ("options", "packing"):
+            if name in a:
+                a = {**a, **{f.name: getattr(a[name], f.name) for f in dataclasses.fields(a[name])}}
         device = a["q"].device
         path, reason = _kernel_path(op, pass_, a, choice)
         if op == "kvcache":

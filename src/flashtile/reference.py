@@ -29,19 +29,14 @@ def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    mask: torch.Tensor | None = None,
-    *,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-    learnable_sink: torch.Tensor | None = None,
+    *visibility,
     dropout_p: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    **scores,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention in the inputs' dtype.
+    """Exact attention in the inputs' dtype: ``v`` weighted by ``dense.attention_probs(q, k, *visibility, **scores)``
+    (``visibility``: softmax_scale, causal, window_size, mask, by position or name; ``scores``: softcap,
+    alibi_slopes, learnable_sink, bias), dropped by ``dropout_mask``.
 
     The score of query i and key j (flash_attn 2.x's order: scale, then cap, then bias):
         s_ij = softmax_scale * q_i . k_j
@@ -74,10 +69,7 @@ def attention_reference(
         lse: (batch, nheads, seqlen_q), natural-log sum of exp of the scores (and the sink); -inf for a
             row that sees no key and has no sink, the sink's value if it has one
     """
-    probs, lse = attention_probs(
-        q, k, softmax_scale, causal, window_size, mask,
-        softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, bias=bias,
-    )  # fmt: skip
+    probs, lse = attention_probs(q, k, *visibility, **scores)
     v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     if dropout_mask is not None:
         probs = probs * dropout_mask.to(probs.dtype) / (1.0 - dropout_p)

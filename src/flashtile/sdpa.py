@@ -86,15 +86,15 @@ def scaled_dot_product_attention(
         if attn_mask.dtype == torch.bool and tuple(attn_mask.shape) == (query.shape[0], 1, 1, key.shape[2]):
             return _key_padding_attention(query, key, value, attn_mask, scale, dropout_p)
         out, _ = attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, None, None,
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
             dropout_p=dropout_p, attn_mask=attn_mask,
         )  # fmt: skip
         return out.transpose(1, 2)
     # Top-left causal (j <= i) in the kernels' bottom-right terms: j <= i + (Sk - Sq) + (Sq - Sk).
     right = seqlen_q - seqlen_k if is_causal else None
     out, _ = attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, None, right, dropout_p=dropout_p,
-        deterministic=torch.are_deterministic_algorithms_enabled(),
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale, window_right=right,
+        dropout_p=dropout_p, deterministic=torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     return out.transpose(1, 2)
 
@@ -189,6 +189,6 @@ def _key_padding_attention(
     q = query.transpose(1, 2).reshape(batch * seqlen_q, nheads, head_dim)
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=query.device) * seqlen_q
     out, _ = varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqlen_q, max_seqlen_k, scale, None, None, dropout_p=dropout_p
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqlen_q, max_seqlen_k, softmax_scale=scale, dropout_p=dropout_p
     )
     return out.view(batch, seqlen_q, nheads, -1).transpose(1, 2)

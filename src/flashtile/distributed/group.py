@@ -1,6 +1,6 @@
 """What ring and Ulysses attention share: the process-group wrapper (``Ring``: neighbours, point-to-point
 passes, all_gather, all_to_all, timeout errors), the device checks, and the check that every rank of the group
-passed the same shapes and options (``signature``, ``check_across_ranks``)."""
+passed valid inputs with the same shapes and options (``agreed_options``: ``signature_of``, ``check_across_ranks``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashtile.checks import SUPPORTED_DTYPES, window_size_of
+from flashtile.checks import SUPPORTED_DTYPES, check_options, check_qkv, check_softmax_scale, window_size_of
 from flashtile.distributed.layout import LAYOUTS
-from flashtile.errors import require
+from flashtile.errors import InputTypeError, require
+from flashtile.options import AttentionOptions, scale_or_default
 
 
 class Ring:
@@ -144,14 +145,12 @@ class Incoming:
 
 @dataclass(frozen=True)
 class Setup:
-    """What every step needs besides the tensors."""
+    """What every step needs besides the tensors: the group, the layout of the shards and the call's options
+    (the window over the global positions)."""
 
     ring: Ring
     layout: str
-    softmax_scale: float
-    left: int | None
-    right: int | None
-    softcap: float = 0.0
+    options: AttentionOptions
 
     def sendable(self, *tensors: Tensor) -> list[Tensor]:
         """``tensors`` as they can go into ``pass_on``: contiguous (a copy of a head group's view) when the
@@ -194,22 +193,19 @@ def _float_of(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-def signature_of(
-    q: Tensor, k: Tensor, v: Tensor, setup: Setup, has_sink: bool, has_alibi: bool = False
-) -> tuple[int, ...]:
+def signature_of(q: Tensor, k: Tensor, v: Tensor, layout: str, options: AttentionOptions) -> tuple[int, ...]:
     """The ints of ``SIGNATURE`` for this rank's call; every rank of the group must agree on them."""
-    left, right = setup.left, setup.right
     return (
         *q.shape,
         k.shape[2],
         v.shape[3],
         SUPPORTED_DTYPES.index(q.dtype),
-        *window_size_of(left, right),
-        LAYOUTS.index(setup.layout),
-        _bits_of(setup.softmax_scale),
-        _bits_of(setup.softcap),
-        int(has_sink),
-        int(has_alibi),
+        *window_size_of(options.window_left, options.window_right),
+        LAYOUTS.index(layout),
+        _bits_of(options.softmax_scale),
+        _bits_of(options.softcap),
+        int(options.learnable_sink is not None),
+        int(options.alibi_slopes is not None),
     )
 
 
@@ -237,3 +233,57 @@ def check_across_ranks(ring: Ring, device: torch.device, signature: tuple[int, .
         f"{ring.caller} needs the same shapes and options on every rank of the group; they differ:\n"
         + "\n".join(lines),
     )
+
+
+def check_sequence_shards(q: Tensor, k: Tensor, v: Tensor, caller: str) -> None:
+    """Raise TypeError/ValueError unless q, k, v are valid shards of one sequence: ``check_qkv``'s inputs, at least
+    one position, and q's shard as long as k's (the sequence is split the same way for both)."""
+    check_qkv(q, k, v)
+    require(q.shape[1] > 0, f"The shards must hold at least one position, got q {tuple(q.shape)}.")
+    require(
+        q.shape[1] == k.shape[1],
+        f"{caller} splits one sequence across ranks, so the q and k/v shards must have the same length, "
+        f"got q {tuple(q.shape)} and k {tuple(k.shape)}.",
+    )
+
+
+def agreed_options(
+    comm: Ring,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    check_shard,
+    layout: str,
+    *,
+    softmax_scale: float | None,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    learnable_sink: Tensor | None,
+) -> AttentionOptions:
+    """The options of a distributed call, once every rank of the group has checked its inputs and they agree.
+
+    Checks this rank's q, k, v (``check_sequence_shards``, then ``check_shard(q, k, v)``: the function's own shard
+    rules), that the group's backend
+    reaches q's device, the score modifications and sink (``check_options``) and softmax_scale; then compares every
+    rank's shapes and options (``check_across_ranks``). A rank whose inputs are invalid raises its own error, and
+    every other rank raises too, instead of waiting for it. (window_left, window_right) are over the global
+    positions; softmax_scale None is the default (``scale_or_default``)."""
+    device = comm.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
+    try:
+        require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", InputTypeError)
+        check_sequence_shards(q, k, v, comm.caller)
+        check_shard(q, k, v)
+        check_device(q, comm)
+        softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
+        check_softmax_scale(softmax_scale)
+    except (TypeError, ValueError):
+        check_across_ranks(comm, device, None)
+        raise
+    options = AttentionOptions(
+        softmax_scale=scale_or_default(softmax_scale, q.shape[-1]), window_left=window_left, window_right=window_right,
+        alibi_slopes=alibi_slopes, softcap=softcap, learnable_sink=learnable_sink,
+    )  # fmt: skip
+    check_across_ranks(comm, device, signature_of(q, k, v, layout, options))
+    return options

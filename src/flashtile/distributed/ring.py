@@ -126,25 +126,20 @@ watchdog aborts after its timeout): then they raise a RuntimeError that says so.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-import flashtile._ops  # noqa: F401  (registers torch.ops.flashtile.*)
-from flashtile.checks import (
-    NO_WINDOW,
-    check_options,
-    check_qkv,
-    check_softmax_scale,
-    check_unimplemented,
-    window_bounds,
-)
-from flashtile.distributed.group import Incoming, Ring, Setup, check_across_ranks, check_device, on_device, signature_of
+from flashtile import _ops
+from flashtile.checks import NO_WINDOW, check_unimplemented, window_bounds
+from flashtile.distributed.group import Incoming, Ring, Setup, agreed_options, on_device
 from flashtile.distributed.layout import Segment, check_layout, segments
-from flashtile.errors import InputTypeError, require
+from flashtile.errors import require
+from flashtile.interface import unpacked
 from flashtile.ops._alloc import empty_output
-from flashtile.options import scale_or_default
+from flashtile.options import AttentionOptions
 
 
 @dataclass(frozen=True)
@@ -162,6 +157,10 @@ class Block:
     @property
     def unmasked(self) -> bool:
         return self.left is None and self.right is None
+
+    def options(self, setup: Setup) -> AttentionOptions:
+        """The call's options with this block's band in place of the global window."""
+        return replace(setup.options, window_left=self.left, window_right=self.right)
 
 
 def _block_band(
@@ -283,8 +282,8 @@ def _blocks(setup: Setup, source: int, shard_len: int) -> list[Block]:
     return plan_step(
         segments(ring.rank, ring.size, setup.layout, shard_len),
         segments(source, ring.size, setup.layout, shard_len),
-        setup.left,
-        setup.right,
+        setup.options.window_left,
+        setup.options.window_right,
     )
 
 
@@ -321,10 +320,9 @@ def _forward_pass(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, sink: Tensor | N
     for step in range(ring.size):
         incoming = ring.pass_on(k_s, v_s) if step + 1 < ring.size else None
         for b in _blocks(setup, (ring.rank - step) % ring.size, shard_len):
-            block_out, block_lse = torch.ops.flashtile.attention_forward(
-                q[:, b.q0 : b.q1], k_s[:, b.k0 : b.k1], v_s[:, b.k0 : b.k1], setup.softmax_scale, b.left, b.right,
-                softcap=setup.softcap,
-            )  # fmt: skip
+            block_out, block_lse = _ops.attention(
+                q[:, b.q0 : b.q1], k_s[:, b.k0 : b.k1], v_s[:, b.k0 : b.k1], b.options(setup)
+            )
             _merge(out[:, b.q0 : b.q1], lse[:, :, b.q0 : b.q1], block_out, block_lse)
             del block_out, block_lse
         del k_s, v_s  # this step's K/V: freed once sent (``wait``), so the ring holds two shards, not three
@@ -377,7 +375,7 @@ def _backward_pass(
         kv_incoming = ring.pass_on(k_s, v_s) if step + 1 < ring.size else None
         blocks = []  # (block, dk_b, dv_b) of this step, for the accumulator of this K/V shard
         for b in _blocks(setup, (ring.rank - step) % ring.size, shard_len):
-            dq_b, dk_b, dv_b, _ = torch.ops.flashtile.attention_backward(
+            dq_b, dk_b, dv_b = _ops.attention_gradients(
                 dout[:, b.q0 : b.q1],
                 q[:, b.q0 : b.q1],
                 k_s[:, b.k0 : b.k1],
@@ -385,10 +383,7 @@ def _backward_pass(
                 out[:, b.q0 : b.q1],
                 lse[:, :, b.q0 : b.q1].contiguous(),
                 None if dlse is None else dlse[:, :, b.q0 : b.q1].contiguous(),
-                setup.softmax_scale,
-                b.left,
-                b.right,
-                softcap=setup.softcap,
+                b.options(setup),
             )
             dq[:, b.q0 : b.q1] += dq_b
             blocks.append((b, dk_b, dv_b))
@@ -454,19 +449,12 @@ class _RingFlashAttention(torch.autograd.Function):
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             # This rank's rows only: the gradient of this rank's loss (see ring_flash_attn_func).
-            dsink = torch.ops.flashtile.attention_sink_backward(dout, out, lse, dlse, sink)
+            dsink = _ops.attention_sink_backward(dout, out, lse, dlse, sink)
         return dq, dk, dv, dsink, None
 
 
-def _check_shard(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
-    """Raise TypeError/ValueError unless q, k, v are valid shards of one sequence for ``layout``."""
-    check_qkv(q, k, v)
-    require(q.shape[1] > 0, f"The shards must hold at least one position, got q {tuple(q.shape)}.")
-    require(
-        q.shape[1] == k.shape[1],
-        f"Ring attention splits one sequence across ranks, so the q and k/v shards must have the same length, "
-        f"got q {tuple(q.shape)} and k {tuple(k.shape)}.",
-    )
+def _check_layout_shard(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
+    """Raise ValueError unless q's shard can be split as ``layout`` says (zigzag: two equal chunks)."""
     require(
         layout != "zigzag" or q.shape[1] % 2 == 0,
         f"A layout='zigzag' shard holds two equal chunks, so its length must be even, got {q.shape[1]}. "
@@ -544,21 +532,15 @@ def ring_flash_attn_func(
     check_layout(layout)
     left, right = window_bounds(window_size, causal)
     ring = Ring(group)
-    device = ring.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
     with on_device(q):
-        try:
-            require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", InputTypeError)
-            _check_shard(q, k, v, layout)
-            check_device(q, ring)
-            softcap, _, learnable_sink = check_options(q, softcap, None, learnable_sink)
-            check_softmax_scale(softmax_scale)
-        except (TypeError, ValueError):
-            check_across_ranks(ring, device, None)
-            raise
-        setup = Setup(ring, layout, scale_or_default(softmax_scale, q.shape[-1]), left, right, softcap)
-        check_across_ranks(ring, device, signature_of(q, k, v, setup, learnable_sink is not None))
+        options = agreed_options(
+            ring, q, k, v, partial(_check_layout_shard, layout=layout), layout, softmax_scale=softmax_scale,
+            window_left=left, window_right=right, softcap=softcap, alibi_slopes=None, learnable_sink=learnable_sink,
+        )  # fmt: skip
+        # the sink joins the global result after the ring (``_merge_sink``), not the block calls
+        setup = Setup(ring, layout, replace(options, learnable_sink=None))
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out, lse = _RingFlashAttention.apply(q, k, v, learnable_sink, setup)
+        out, lse = _RingFlashAttention.apply(q, k, v, options.learnable_sink, setup)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -600,12 +582,7 @@ def ring_flash_attn_qkvpacked_func(
     Returns:
         out: (batch_size, seqlen, nheads, headdim), or (out, softmax_lse, None) if return_attn_probs
     """
-    require(
-        isinstance(qkv, Tensor) and qkv.dim() == 5 and qkv.shape[2] == 3,
-        "qkv must be (batch_size, seqlen, 3, nheads, headdim), got "
-        f"{tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}.",
-    )
-    q, k, v = qkv.unbind(2)
+    q, k, v = unpacked(qkv, "qkv", ("batch_size", "seqlen", 3, "nheads", "headdim"))
     return ring_flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, group, layout=layout, learnable_sink=learnable_sink,

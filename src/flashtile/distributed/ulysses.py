@@ -31,15 +31,16 @@ Ring or Ulysses (rule of thumb)
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashtile.checks import NO_WINDOW, check_options, check_qkv, check_unimplemented, window_bounds, window_size_of
-from flashtile.distributed.group import Ring, Setup, check_across_ranks, check_device, on_device, signature_of
-from flashtile.errors import InputTypeError, require
-from flashtile.interface import flash_attn_func
-from flashtile.options import scale_or_default
+from flashtile.checks import NO_WINDOW, check_unimplemented, window_bounds
+from flashtile.distributed.group import Ring, agreed_options, on_device
+from flashtile.errors import require
+from flashtile.interface import attention
 
 
 class _AllToAll(torch.autograd.Function):
@@ -56,15 +57,8 @@ class _AllToAll(torch.autograd.Function):
         return ctx.comm.all_to_all(grad, gather_dim, scatter_dim), None, None, None
 
 
-def _check_shard(q: Tensor, k: Tensor, v: Tensor, world: int) -> None:
-    """Raise TypeError/ValueError unless q, k, v are contiguous shards Ulysses can split over ``world`` heads."""
-    check_qkv(q, k, v)
-    require(q.shape[1] > 0, f"The shards must hold at least one position, got q {tuple(q.shape)}.")
-    require(
-        q.shape[1] == k.shape[1],
-        "ulysses_flash_attn_func splits one sequence across ranks, so the q and k/v shards must have the same "
-        f"length, got q {tuple(q.shape)} and k {tuple(k.shape)}.",
-    )
+def _check_head_split(q: Tensor, k: Tensor, v: Tensor, world: int) -> None:
+    """Raise ValueError unless the heads of q, k, v split over ``world`` ranks."""
     nheads, nheads_k = q.shape[2], k.shape[2]
     require(
         nheads % world == 0 and (nheads_k % world == 0 or world % nheads_k == 0),
@@ -129,29 +123,22 @@ def ulysses_flash_attn_func(
     check_unimplemented(dropout_p)
     left, right = window_bounds(window_size, causal)
     comm = Ring(group, caller="ulysses_flash_attn_func")
-    device = comm.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
     with on_device(q):
-        try:
-            require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", InputTypeError)
-            _check_shard(q, k, v, comm.size)
-            check_device(q, comm)
-            softcap, alibi_slopes, learnable_sink = check_options(q, softcap, alibi_slopes, learnable_sink)
-        except (TypeError, ValueError):
-            check_across_ranks(comm, device, None)
-            raise
-        setup = Setup(comm, "contiguous", scale_or_default(softmax_scale, q.shape[-1]), left, right, softcap)
-        signature = signature_of(q, k, v, setup, learnable_sink is not None, alibi_slopes is not None)
-        check_across_ranks(comm, device, signature)
-
+        options = agreed_options(
+            comm, q, k, v, partial(_check_head_split, world=comm.size), "contiguous", softmax_scale=softmax_scale,
+            window_left=left, window_right=right, softcap=softcap, alibi_slopes=alibi_slopes,
+            learnable_sink=learnable_sink,
+        )  # fmt: skip
         world, nheads, nheads_k = comm.size, q.shape[2], k.shape[2]
         if nheads_k % world != 0:  # world % nheads_k == 0: rank r's query heads use key/value head r // repeats
             k, v = (t.repeat_interleave(world // nheads_k, dim=2) for t in (k, v))
         q, k, v = (_AllToAll.apply(t, 2, 1, comm) for t in (q, k, v))  # (B, N, heads / W, d)
         heads = slice(comm.rank * nheads // world, (comm.rank + 1) * nheads // world)
-        out, lse, _ = flash_attn_func(
-            q, k, v, 0.0, setup.softmax_scale, False, window_size_of(left, right),
-            softcap, None if alibi_slopes is None else alibi_slopes[..., heads], deterministic, True,
-            learnable_sink=None if learnable_sink is None else learnable_sink[heads],
+        alibi_slopes, learnable_sink = options.alibi_slopes, options.learnable_sink
+        out, lse = attention(
+            q, k, v, softmax_scale=options.softmax_scale, window_left=left, window_right=right, softcap=options.softcap,
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes[..., heads],
+            learnable_sink=None if learnable_sink is None else learnable_sink[heads], deterministic=deterministic,
         )  # fmt: skip
         out = _AllToAll.apply(out, 1, 2, comm)  # (B, N, H / W, Dv) -> (B, S, H, Dv)
         if not return_attn_probs:

@@ -11,6 +11,7 @@ kernels pass them; the scores are float32.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -70,15 +71,7 @@ def and_masks(*mask_mods: MaskMod) -> MaskMod:
     Raises:
         flashtile.InputTypeError: an argument that is not callable
     """
-    _require_callables(mask_mods)
-
-    def and_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        result = b.new_ones((), dtype=torch.bool)
-        for mask_mod in mask_mods:
-            result = result & mask_mod(b, h, q_idx, kv_idx)
-        return result
-
-    return and_mask
+    return _combined(mask_mods, operator.and_, lambda b: b.new_ones((), dtype=torch.bool))
 
 
 def or_masks(*mask_mods: MaskMod) -> MaskMod:
@@ -88,15 +81,21 @@ def or_masks(*mask_mods: MaskMod) -> MaskMod:
     Raises:
         flashtile.InputTypeError: an argument that is not callable
     """
+    return _combined(mask_mods, operator.or_, lambda b: b.new_zeros((), dtype=torch.bool))
+
+
+def _combined(mask_mods: tuple, combine: Callable, identity: Callable) -> MaskMod:
+    """The mask_mod that folds ``mask_mods`` with ``combine`` (an elementwise boolean operator), starting from
+    ``identity(b)``: the operator's identity, a 0-d bool tensor on b's device (the result when there are none)."""
     _require_callables(mask_mods)
 
-    def or_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        result = b.new_zeros((), dtype=torch.bool)
+    def combined(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        result = identity(b)
         for mask_mod in mask_mods:
-            result = result | mask_mod(b, h, q_idx, kv_idx)
+            result = combine(result, mask_mod(b, h, q_idx, kv_idx))
         return result
 
-    return or_mask
+    return combined
 
 
 def _require_callables(mask_mods: tuple) -> None:

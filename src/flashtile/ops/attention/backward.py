@@ -66,7 +66,7 @@ from flashtile.ops.attention.tiles import (
 from flashtile.ops.common.descriptors import tma_ready
 from flashtile.ops.common.grid import cdiv, head_grid
 from flashtile.ops.common.math import IEEE, LOG2E
-from flashtile.options import AttentionOptions
+from flashtile.options import AttentionOptions, Packing
 
 
 @triton.jit
@@ -604,16 +604,9 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | 
 
 @on_input_device
 def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    options: AttentionOptions,
-    dlse: torch.Tensor | None = None,
-    dmask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    options: AttentionOptions, dlse: torch.Tensor | None = None, dmask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch the backward kernels (bitwise repeatable, whatever options.deterministic says).
 
     Args:
@@ -634,32 +627,22 @@ def attention_backward(
 
 @on_input_device
 def varlen_attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    options: AttentionOptions,
-    dlse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    packing: Packing, options: AttentionOptions, dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch the backward kernels on a variable-length batch (IS_VARLEN).
 
     Args:
         dout, out: (total_q, nheads, headdim_v); lse and dlse (or None): (nheads, total_q) float32
-        the rest: as ``varlen_attention_forward``
+        the rest: as ``varlen_attention_forward``, with packed keys (no block_table)
 
     Returns:
         dq, dk, dv with the shapes and dtypes of q, k, v. The delta kernel needs no flag: (nheads, total_q)
         is the (1, nheads, total_q) layout of one packed row of tokens.
     """
     delta = attention_delta(dout[None], out[None], None if dlse is None else dlse[None])[0]
-    return _launch(dout, q, k, v, lse, delta, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, options,
-                   cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+    return _launch(dout, q, k, v, lse, delta, packing.batch, packing.max_seqlen_q, packing.max_seqlen_k, options,
+                   packing.cu_seqlens_q, packing.cu_seqlens_k)  # fmt: skip
 
 
 def _launch(

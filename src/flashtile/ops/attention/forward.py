@@ -74,7 +74,7 @@ from flashtile.ops.common.grid import cdiv, head_grid, padded_head_dim
 from flashtile.ops.common.math import IEEE, LN2, LOG2E
 from flashtile.ops.common.paged import cache_slots
 from flashtile.ops.common.paged import load_rows as load_cache_rows
-from flashtile.options import AttentionOptions
+from flashtile.options import AttentionOptions, Packing
 
 
 @triton.jit
@@ -370,27 +370,16 @@ def attention_forward(
 
 @on_input_device
 def varlen_attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    options: AttentionOptions,
-    block_table: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, options: AttentionOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on a variable-length batch (the kernel's IS_VARLEN).
 
     Args:
         q: (total_q, nheads, headdim), k: (total_k, nheads_k, headdim), v: (total_k, nheads_k, headdim_v),
-            last dimensions contiguous; sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1])
-        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, validated by the caller
-        max_seqlen_q, max_seqlen_k: at least the longest sequence (sizes the grid)
+            last dimensions contiguous, or with packing.block_table k and v pages (the kernel's PAGE_SIZE)
+        packing: where each sequence's rows are (``options.Packing``), validated by the caller; max_seqlen_q and
+            max_seqlen_k size the grid
         options: as ``attention_forward`` (no attn_mask); (batch, nheads) alibi slopes are per sequence
-        block_table: None, or (batch, max_blocks_per_seq) int32 with k (num_blocks, page_block_size, nheads_k,
-            headdim) and v (num_blocks, page_block_size, nheads_k, headdim_v) pages (the kernel's PAGE_SIZE):
-            key j of sequence b is k[block_table[b, j // page_block_size], j % page_block_size]
 
     Returns:
         out (total_q, nheads, headdim_v) in q's dtype, lse (nheads, total_q) float32
@@ -398,8 +387,8 @@ def varlen_attention_forward(
     total_q, nheads, _ = q.shape
     out = empty_output((total_q, nheads, v.shape[-1]), q.dtype, q.device)
     lse = empty_output((nheads, total_q), torch.float32, q.device)
-    _launch(q, k, v, out, lse, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, options, cu_seqlens_q,
-            cu_seqlens_k, block_table)  # fmt: skip
+    _launch(q, k, v, out, lse, packing.batch, packing.max_seqlen_q, packing.max_seqlen_k, options,
+            packing.cu_seqlens_q, packing.cu_seqlens_k, packing.block_table)  # fmt: skip
     return out, lse
 
 
