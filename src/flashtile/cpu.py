@@ -105,6 +105,7 @@ built only for tiles that the band's edges cut. A query row that sees no key
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -187,6 +188,37 @@ def _dropout_keep(drop: _Dropout, B: int, Hk: int, group: int, q0: int, q1: int,
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for fp16/bf16/fp32 inputs, float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the tiled path's product operands other than the scores' (values, probabilities and their
+    gradients, dO, the keys and queries of dQ and dK): float32 for bf16 inputs, whose products ``_bf16_products``
+    computes from float32 operands rounded to bf16 inside the product (the probabilities are rounded there, the
+    inputs are bf16 values already), with float32 results; the inputs' dtype otherwise."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+@contextlib.contextmanager
+def _bf16_products(dtype: torch.dtype) -> Iterator[None]:
+    """For bf16 inputs (``dtype``), float32 matrix products computed by oneDNN in bf16 (bf16 x bf16 products
+    accumulated and returned in float32) within the block; nothing otherwise.
+
+    PyTorch has no bf16 x bf16 -> float32 product on the CPU (``out_dtype`` is CUDA-only); oneDNN's bf16 math mode
+    for float32 products (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``) is one, 2-3x faster than the
+    float32 product on CPUs with bf16 instructions (AVX512-BF16, AMX) and ignored elsewhere. It rounds each
+    operand to bf16: exact for the tiled path's inputs, which are bf16 values (the query tile takes the softmax
+    scale only where that stays exact, ``_score_mods``; -Delta enters dP as three bf16 parts, ``_split``). The
+    setting is process-wide: while the block runs, float32 products of other threads also round their operands."""
+    setting = getattr(torch.backends.mkldnn, "matmul", None)
+    if dtype != torch.bfloat16 or setting is None:
+        yield
+        return
+    before = setting.fp32_precision
+    setting.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        setting.fp32_precision = before
 
 
 def _visible_keys(
@@ -444,6 +476,7 @@ class _ScoreMods:
     softcap: float = 0.0
     slopes: Tensor | None = None
     diag: int = 0
+    folded: bool = True
 
     @property
     def query_scale(self) -> float:
@@ -452,20 +485,25 @@ class _ScoreMods:
 
     def query_tile(self, q: Tensor, q0: int, q1: int, nheads_k: int) -> Tensor:
         """Rows [q0, q1) of q as the left operand of Q K^T, (B * Hk, group * M, D) in the compute dtype, multiplied
-        by ``query_scale``."""
-        return _query_tile(q, q0, q1, nheads_k, _compute_dtype(q.dtype)).mul_(self.query_scale)
+        by ``query_scale`` if ``folded`` (else ``_scores`` multiplies the product)."""
+        tile = _query_tile(q, q0, q1, nheads_k, _compute_dtype(q.dtype))
+        return tile.mul_(self.query_scale) if self.folded else tile
 
 
 def _score_mods(
     alibi_slopes: Tensor | None, softcap: float, batch: int, nheads_k: int, diag: int, dtype: torch.dtype,
-    softmax_scale: float,
+    softmax_scale: float, bf16_products: bool,
 ) -> _ScoreMods:  # fmt: skip
-    """The score modifications of a call, slopes reshaped to broadcast against a tile's scores."""
+    """The score modifications of a call, slopes reshaped to broadcast against a tile's scores. With
+    ``bf16_products`` (``_bf16_products``) the scale is folded into the query tile only if it is a power of two
+    (the scaled bf16 query is then still exact in bf16); otherwise the product's result is multiplied by it."""
     slopes = None
     if alibi_slopes is not None:  # (H,) or (B, H) -> (B * Hk, group, 1, 1)
         nheads = alibi_slopes.shape[-1]
         slopes = alibi_slopes.to(dtype).expand(batch, nheads).reshape(batch * nheads_k, nheads // nheads_k, 1, 1)
-    return _ScoreMods(softmax_scale, softcap, slopes, diag)
+    mods = _ScoreMods(softmax_scale, softcap, slopes, diag)
+    folded = not bf16_products or abs(math.frexp(mods.query_scale)[0]) == 0.5
+    return dataclasses.replace(mods, folded=folded)
 
 
 def _scores(
@@ -474,15 +512,18 @@ def _scores(
     """Scores of one tile before any mask, and tanh of the scaled scores if they are capped (for the backward).
 
     q_t: (B * Hk, group * M, D) holding query rows from q0 (``mods.query_tile``); k_t: (B * Hk, D, N) holding keys
-    from k0, transposed; out: scratch (``_scratch``) of the compute dtype -> s:
-    (B * Hk, group * M, N) in the compute dtype, in out's memory unless capped; t: like s, or None.
+    from k0, transposed; out: flat scratch (``_scratch``) of the compute dtype, twice a tile's size if capped -> s:
+    (B * Hk, group * M, N) in the compute dtype, in out's memory (its second half if capped); t: like s in the
+    first half, or None.
     """
     shape = (*q_t.shape[:2], k_t.shape[2])
     s = torch.bmm(q_t, k_t, out=_scratch(out, shape))  # [gM, D] @ [D, N]
+    if not mods.folded:
+        s.mul_(mods.query_scale)
     t = None
     if mods.softcap > 0.0:
         t = s.tanh_()
-        s = t * mods.softcap
+        s = torch.mul(t, mods.softcap, out=_scratch(out[t.numel() :], shape))
     if mods.slopes is not None:
         rows, n = s.shape[1:]
         s_heads = s.view(s.shape[0], group, rows // group, n)  # query heads of a group apart: (B * Hk, group, M, N)
@@ -632,8 +673,9 @@ def attention_forward(
     softmax_scale, window_left, window_right = options.softmax_scale, options.window_left, options.window_right
     alibi_slopes, softcap, attn_mask = options.alibi_slopes, options.softcap, options.attn_mask
     if route is None:
-        out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
-                                  attn_mask)  # fmt: skip
+        with _bf16_products(q.dtype):
+            out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
+                                      attn_mask)  # fmt: skip
     elif route == "band":
         out, lse = _banded_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes)
     else:
@@ -659,14 +701,15 @@ def _tiled_forward(
     B, Sq, H, _ = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
-    dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale)
+    dtype, low = _compute_dtype(q.dtype), _operand_dtype(q.dtype)
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, q.dtype == torch.bfloat16)
     keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
-    values = _key_tiles(v, v.dtype)  # (B * Hk, N, Dv) each, operands of P V
+    values = _key_tiles(v, low)  # (B * Hk, N, Dv) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
-    scores, probs = torch.empty(tile_size, dtype=dtype), torch.empty(tile_size, dtype=v.dtype)
+    scores = torch.empty(tile_size * (2 if softcap > 0.0 else 1), dtype=dtype)  # (``_scores``)
+    probs = torch.empty(tile_size, dtype=low)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_t = mods.query_tile(q, q0, q1, Hk)  # (B * Hk, gM, D)
@@ -734,28 +777,41 @@ def attention_backward(
         return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, alibi_slopes, dlse)
     if route is not None:
         return _fused_backward(dout, q, k, v, out, lse, softmax_scale, route == "causal", attn_mask, dlse)
+    with _bf16_products(q.dtype):
+        return _tiled_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, alibi_slopes,
+                               softcap, drop, attn_mask, dlse, dmask)  # fmt: skip
+
+
+def _tiled_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
+    window_left: int | None, window_right: int | None, alibi_slopes: Tensor | None, softcap: float,
+    drop: _Dropout | None, attn_mask: Tensor | None, dlse: Tensor | None, dmask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``attention_backward`` by tiles, recomputing P from the saved LSE (the module docstring)."""
     B, Sq, H, D = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
-    dtype = _compute_dtype(q.dtype)
-    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale)
+    dtype, low_dtype = _compute_dtype(q.dtype), _operand_dtype(q.dtype)
+    mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, q.dtype == torch.bfloat16)
     keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
-    ones = torch.ones(B, Sk, Hk, 1, dtype=v.dtype)
-    values = _key_tiles(torch.cat([v, ones], dim=-1), dtype, transposed=True)  # (B * Hk, Dv + 1, N)
-    keys_low = _key_tiles(k, k.dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
+    parts = 3 if q.dtype == torch.bfloat16 else 1  # Delta's columns: bf16-exact parts under bf16 products
+    ones = torch.ones(B, Sk, Hk, parts, dtype=v.dtype)
+    values = _key_tiles(torch.cat([v, ones], dim=-1), dtype, transposed=True)  # (B * Hk, Dv + parts, N)
+    keys_low = _key_tiles(k, low_dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.zeros(B * Hk, Sk, D, dtype=dtype)  # accumulators, heads-major
     dv = torch.zeros(B * Hk, Sk, Dv, dtype=dtype)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
-    scores, dprobs, low = (torch.empty(tile_size, dtype=t) for t in (dtype, dtype, q.dtype))
+    scores = torch.empty(tile_size * (2 if softcap > 0.0 else 1), dtype=dtype)  # (``_scores``)
+    dprobs, low = torch.empty(tile_size, dtype=dtype), torch.empty(tile_size, dtype=low_dtype)
     dp_scratch = torch.empty(tile_size, dtype=dtype)  # dP - Delta
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
-        q_low = _query_tile(q, q0, q1, Hk, q.dtype)  # (B * Hk, gM, D), operand of dK = dS^T Q
+        q_low = _query_tile(q, q0, q1, Hk, low_dtype)  # (B * Hk, gM, D), operand of dK = dS^T Q
         q_t = mods.query_tile(q, q0, q1, Hk)
-        do_low = _query_tile(dout, q0, q1, Hk, dout.dtype)  # (B * Hk, gM, Dv)
+        do_low = _query_tile(dout, q0, q1, Hk, low_dtype)  # (B * Hk, gM, Dv)
         delta = _delta_tile(dout, out, dlse, q0, q1, Hk, dtype)  # (B * Hk, gM, 1)
-        do_t = torch.cat([do_low.to(dtype), -delta], dim=-1)
+        do_t = torch.cat([do_low.to(dtype), *_split(-delta, torch.bfloat16, parts, dtype)], dim=-1)
         lse_t = lse[:, :, q0:q1].reshape(delta.shape).to(dtype)
         lse_t = lse_t.masked_fill(lse_t == float("-inf"), 0.0)  # rows with no key: P = exp(-inf) = 0
         dq_t = torch.zeros(*q_t.shape[:2], D, dtype=dtype)
@@ -779,7 +835,7 @@ def attention_backward(
             if dmask is not None:  # the gradient at the mask: dS before the cap's derivative
                 dmask[:, :, q0:q1, k0:k1] = ds.view(B, H, q1 - q0, k1 - k0)
             if t is not None:
-                ds.mul_(t.mul_(t).neg_().add_(1.0))  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
+                ds.addcmul_(ds, t.mul_(t), value=-1.0)  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
             ds_low = _in_dtype(ds, low)
             dq_t += torch.bmm(ds_low, keys_low[k0 // BLOCK_N])  # [gM, N] @ [N, D]
             dk[:, k0:k1] += torch.bmm(ds_low.transpose(1, 2), q_low)  # [N, gM] @ [gM, D]
@@ -789,11 +845,21 @@ def attention_backward(
     return dq, _heads_minor(dk.mul_(softmax_scale), k), _heads_minor(dv, v)
 
 
-def _split(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """x as hi + lo, both of ``dtype``: lo = x - hi rounded (0 if ``dtype`` holds x), so that a product with a
-    low-precision operand [A, hi, lo] sees x to twice its bits (-dlse as columns of dO for torch's kernel)."""
-    hi = x.to(dtype)
-    return hi, (x - hi).to(dtype)
+def _split(
+    x: Tensor, dtype: torch.dtype, parts: int = 2, result_dtype: torch.dtype | None = None
+) -> list[Tensor]:
+    """x as a sum of ``parts`` tensors whose values ``dtype`` holds, each what the ones before leave of x rounded to
+    ``dtype`` (x itself if ``parts`` is 1), so that a product with a low-precision operand [A, hi, lo] sees x to
+    ``parts`` times its bits (-dlse as columns of dO for torch's kernel, -Delta as columns of dO under
+    ``_bf16_products``). The parts are returned in ``result_dtype`` (default ``dtype``)."""
+    if parts == 1:
+        return [x]
+    found = []
+    for _ in range(parts - 1):
+        found.append(x.to(dtype))
+        x = x - found[-1]
+    found.append(x.to(dtype))
+    return [part.to(result_dtype or dtype) for part in found]
 
 
 def _heads_minor(x: Tensor, like: Tensor) -> Tensor:
