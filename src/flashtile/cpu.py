@@ -122,6 +122,7 @@ from flashtile.options import AttentionOptions
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
 BLOCK_N = 512  # key columns per tile
 BAND_BLOCK_M = 256  # query rows per call of torch's kernel under a window
+FIXED_OFFSET_BOUND = 40.0  # largest |score| bound for which the forward skips the row max (``_fixed_offset``)
 ALIBI_MASK_SIZE = 1 << 24  # values of one ALiBi block mask at most (64 MiB of float32; ``_block_rows``)
 
 TORCH_KERNEL = True
@@ -574,14 +575,46 @@ def _tile_band(
     return bias, visible.to(dtype)
 
 
-def _exp(x: Tensor, offset: Tensor) -> Tensor:
-    """exp(x - offset) in x's memory, for x - offset <= 0 (a row's max or LSE subtracted).
+def _exp(x: Tensor, offset: Tensor | None, floor: bool = True) -> Tensor:
+    """exp(x - offset) in x's memory (exp(x) if offset is None), for x - offset <= 0 (a row's max or LSE
+    subtracted), or |x| <= FIXED_OFFSET_BOUND.
 
     torch's CPU exp() takes a slow path (about 4x for -inf, 40x for a result below float32's smallest normal
-    number) where x - offset < -87.3, so it is clamped there first: such a term is below 1.7e-38 of the row's
-    largest term (1), which the sum cannot see, and the keys a mask hides get their exact 0 from ``_mask_tile``
-    after this."""
-    return x.sub_(offset).clamp_(min=_EXP_FLOOR).exp_()
+    number) where x - offset < -87.3, so with ``floor`` it is clamped there first: such a term is below 1.7e-38 of
+    the row's largest term (1), which the sum cannot see, and the keys a mask hides get their exact 0 from
+    ``_mask_tile`` after this. Without ``floor`` (a tile no mask cuts, where ``_score_bound`` says no x - offset
+    gets there) the clamp's pass over the tile is saved; the result is the same."""
+    if offset is not None:
+        x = x.sub_(offset)
+    return (x.clamp_(min=_EXP_FLOOR) if floor else x).exp_()
+
+
+def _score_bound(q: Tensor, k: Tensor, mods: _ScoreMods, attn_mask: Tensor | None) -> float:
+    """A bound on |score| for q (B, Sq, H, D) and k (B, Sk, Hk, D), the band aside: |softmax_scale| max_i |q_i|
+    max_j |k_j| (at most softcap) plus ALiBi's largest bias; inf with an attn_mask or an empty input. The speed of
+    the tiled path depends on it (``_exp``'s clamp, ``_fixed_offset``), its results do not."""
+    if attn_mask is not None or min(q.numel(), k.numel()) == 0:
+        return math.inf
+    q_norm, k_norm = (torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).max().item() for x in (q, k))
+    bound = abs(mods.softmax_scale) * q_norm * k_norm
+    if mods.softcap > 0.0:
+        bound = min(bound, mods.softcap)
+    if mods.slopes is not None:
+        bound += mods.slopes.abs().max().item() * (q.shape[1] + k.shape[1])
+    return bound
+
+
+def _fixed_offset(bound: float, v: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the forward may take exp(s) itself instead of exp(s - running row max): scores within +-``bound`` of
+    0 (``_score_bound``) with bound <= FIXED_OFFSET_BOUND keep exp(s) a normal float32, and the sums of exp(s) and
+    exp(s) v stay finite; not for fp16 inputs, whose P (rounded to fp16 for P V) would leave fp16's range. It saves
+    the row max and the subtraction: two of the forward's four passes over a tile. O is then divided by the sum of
+    P as P V rounds it (a column of ones in V), not by the float32 sum that gives the LSE: with the row max
+    subtracted the largest term is exactly 1, unrounded, and a row with one key gets O = V exactly; without it,
+    only a denominator rounded alike keeps that."""
+    if dtype == torch.float16 or bound > FIXED_OFFSET_BOUND or v.numel() == 0:
+        return False
+    return math.exp(bound) * v.shape[1] * max(1.0, v.abs().max().item()) < 1e37
 
 
 def _key_tiles(x: Tensor, dtype: torch.dtype, transposed: bool = False) -> list[Tensor]:
@@ -703,8 +736,12 @@ def _tiled_forward(
     group = H // Hk
     dtype, low = _compute_dtype(q.dtype), _operand_dtype(q.dtype)
     mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, q.dtype == torch.bfloat16)
+    bound = _score_bound(q, k, mods, attn_mask)
+    fixed = drop is None and _fixed_offset(bound, v, q.dtype)  # m_i stays 0
     keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
-    values = _key_tiles(v, low)  # (B * Hk, N, Dv) each, operands of P V
+    if fixed:  # a column of ones: P V's last column is the sum of P as the product rounds it, O's denominator
+        v = torch.cat([v, torch.ones(*v.shape[:3], 1, dtype=v.dtype)], dim=-1)
+    values = _key_tiles(v, low)  # (B * Hk, N, Dv (+ 1)) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
@@ -713,26 +750,32 @@ def _tiled_forward(
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_t = mods.query_tile(q, q0, q1, Hk)  # (B * Hk, gM, D)
-        m_i = torch.full((*q_t.shape[:2], 1), torch.finfo(dtype).min, dtype=dtype)  # running row max
+        m_i = torch.full((*q_t.shape[:2], 1), 0.0 if fixed else torch.finfo(dtype).min, dtype=dtype)  # running max
         l_i = torch.zeros_like(m_i)  # running row sum of exp(s - m_i)
-        acc = torch.zeros(*q_t.shape[:2], Dv, dtype=dtype)  # running sum of exp(s - m_i) v
+        acc = torch.zeros(*q_t.shape[:2], v.shape[-1], dtype=dtype)  # running sum of exp(s - m_i) v
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
             band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
             s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores)
             _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
-            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-            p = _exp(s, m_new)
+            if fixed:  # exp(s) itself (``_fixed_offset``)
+                p = _exp(s, None, band is not None)
+            else:
+                m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
+                p = _exp(s, m_new, band is not None or 2.0 * bound > -_EXP_FLOOR)
+                alpha = m_i.sub_(m_new).exp_()
+                l_i.mul_(alpha)
+                acc.mul_(alpha)
+                m_i = m_new
             _mask_tile(p, band, attn_mask, group, q0, q1, k0, k1, probs=True)
-            alpha = m_i.sub_(m_new).exp_()
-            l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            l_i.add_(p.sum(dim=-1, keepdim=True))
             if drop is not None:  # l_i keeps every probability; only P V sees the mask
                 p.mul_(_dropout_keep(drop, B, Hk, group, q0, q1, k0, k1).view(p.shape))
-            acc.mul_(alpha).add_(torch.bmm(_in_dtype(p, probs), values[k0 // BLOCK_N]))  # [gM, N] @ [N, Dv]
-            m_i = m_new
+            acc.add_(torch.bmm(_in_dtype(p, probs), values[k0 // BLOCK_N]))  # [gM, N] @ [N, Dv]
         if drop is not None:
             acc.mul_(1.0 / (1.0 - drop.p))
-        _store_query_tile(out, q0, q1, acc.div_(l_i.masked_fill(l_i == 0, 1.0)))
+        norm = acc[..., Dv:] if fixed else l_i
+        _store_query_tile(out, q0, q1, acc[..., :Dv].div_(norm.masked_fill(norm == 0, 1.0)))
         lse[:, :, q0:q1] = m_i.add_(l_i.log_()).view(B, H, q1 - q0)  # log 0 = -inf if nothing was seen
     return out, lse
 
@@ -793,6 +836,7 @@ def _tiled_backward(
     group = H // Hk
     dtype, low_dtype = _compute_dtype(q.dtype), _operand_dtype(q.dtype)
     mods = _score_mods(alibi_slopes, softcap, B, Hk, Sk - Sq, dtype, softmax_scale, q.dtype == torch.bfloat16)
+    floor = 2.0 * _score_bound(q, k, mods, attn_mask) + math.log(max(Sk, 1)) > -_EXP_FLOOR  # s - LSE may be below
     keys = _key_tiles(k, dtype, transposed=True)  # (B * Hk, D, N) each, operands of the scores
     parts = 3 if q.dtype == torch.bfloat16 else 1  # Delta's columns: bf16-exact parts under bf16 products
     ones = torch.ones(B, Sk, Hk, parts, dtype=v.dtype)
@@ -820,7 +864,7 @@ def _tiled_backward(
             band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
             s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores)
             _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
-            p = _exp(s, lse_t)  # (B * Hk, gM, N)
+            p = _exp(s, lse_t, band is not None or floor)  # (B * Hk, gM, N)
             _mask_tile(p, band, attn_mask, group, q0, q1, k0, k1, probs=True)
             # dP - Delta = [dO, -Delta] [V, 1]^T: [gM, Dv + 1] @ [Dv + 1, N]
             dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(dp_scratch, p.shape))
