@@ -67,13 +67,20 @@ matrix batch (transposed where the product wants it), so that a tile of every (b
 batched matrix product that copies nothing. With grouped-query attention (nheads =
 group * nheads_k) the query tile of the ``group`` heads that share a key/value head is laid out as
 (batch * nheads_k, group * BLOCK_M, headdim), so each key/value tile is used once per query tile. The
-softmax and every accumulator are float32 (float64 for float64 inputs). The score product Q K^T takes the
-query tile with the softmax scale folded in, in the compute dtype. In the backward the product
-dO V^T is taken as ``[dO, -Delta] [V, 1]^T = dP - Delta``, one product instead of a product and a subtraction.
-The products whose left operand is a probability or its gradient (P V, P^T dO, dS K, dS^T Q) take it rounded to
-the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile results are added to the float32
-accumulators. Each exp() argument is clamped at -87 (``_exp``): torch's CPU exp() is many times slower where its
-result leaves float32's normal range.
+softmax and every accumulator are float32 (float64 for float64 inputs), and so are the products' results but for
+fp16 inputs'. For bf16 inputs the products are computed in bf16 arithmetic by oneDNN (``_bf16_products``: float32
+operands rounded to bf16 inside the product, float32 accumulation and result), which leaves Q, K, V and dO exact,
+as bf16 values,
+and rounds the probabilities and their gradients (P, dS) where they enter P V, P^T dO, dS K and dS^T Q, as torch's
+kernel and the Triton kernels do; the softmax scale is folded into the query tile only where that stays exact (a
+power of two), and is applied to the product's result otherwise. fp16 inputs take float32 score products and
+round P and dS to fp16 for the others. In the backward the product dO V^T is taken as
+``[dO, -Delta] [V, 1]^T = dP - Delta``, one product instead of a product and a subtraction (-Delta as three bf16
+parts for bf16 inputs, exact). Each exp() argument is clamped at -87 (``_exp``) where it may lie below: torch's
+CPU exp() is many times slower where its result leaves float32's normal range. Where every score is known to lie
+within +-40 of 0 (``_score_bound``, from the inputs' norms, the softcap and ALiBi's slopes), the forward takes
+exp(S) without a running max (``_fixed_offset``): two passes less over each tile, O then divided by the sum of P as
+P V's product rounds it.
 
 Score modifications and sinks
 -----------------------------
@@ -889,9 +896,7 @@ def _tiled_backward(
     return dq, _heads_minor(dk.mul_(softmax_scale), k), _heads_minor(dv, v)
 
 
-def _split(
-    x: Tensor, dtype: torch.dtype, parts: int = 2, result_dtype: torch.dtype | None = None
-) -> list[Tensor]:
+def _split(x: Tensor, dtype: torch.dtype, parts: int = 2, result_dtype: torch.dtype | None = None) -> list[Tensor]:
     """x as a sum of ``parts`` tensors whose values ``dtype`` holds, each what the ones before leave of x rounded to
     ``dtype`` (x itself if ``parts`` is 1), so that a product with a low-precision operand [A, hi, lo] sees x to
     ``parts`` times its bits (-dlse as columns of dO for torch's kernel, -Delta as columns of dO under
