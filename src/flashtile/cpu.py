@@ -217,8 +217,8 @@ def _bf16_products(dtype: torch.dtype) -> Iterator[None]:
     operand to bf16: exact for the tiled path's inputs, which are bf16 values (the query tile takes the softmax
     scale only where that stays exact, ``_score_mods``; -Delta enters dP as three bf16 parts, ``_split``). The
     setting is process-wide: while the block runs, float32 products of other threads also round their operands."""
-    setting = getattr(torch.backends.mkldnn, "matmul", None)
-    if dtype != torch.bfloat16 or setting is None:
+    setting = getattr(torch.backends.mkldnn, "matmul", None)  # absent from older torch: float32 products there
+    if dtype != torch.bfloat16 or not hasattr(setting, "fp32_precision"):
         yield
         return
     before = setting.fp32_precision
