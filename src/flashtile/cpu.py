@@ -67,13 +67,20 @@ matrix batch (transposed where the product wants it), so that a tile of every (b
 batched matrix product that copies nothing. With grouped-query attention (nheads =
 group * nheads_k) the query tile of the ``group`` heads that share a key/value head is laid out as
 (batch * nheads_k, group * BLOCK_M, headdim), so each key/value tile is used once per query tile. The
-softmax and every accumulator are float32 (float64 for float64 inputs). The score product Q K^T takes the
-query tile with the softmax scale folded in, in the compute dtype. In the backward the product
-dO V^T is taken as ``[dO, -Delta] [V, 1]^T = dP - Delta``, one product instead of a product and a subtraction.
-The products whose left operand is a probability or its gradient (P V, P^T dO, dS K, dS^T Q) take it rounded to
-the inputs' dtype, as torch's kernel and the Triton kernels do, and their tile results are added to the float32
-accumulators. Each exp() argument is clamped at -87 (``_exp``): torch's CPU exp() is many times slower where its
-result leaves float32's normal range.
+softmax and every accumulator are float32 (float64 for float64 inputs), and so are the products' results but for
+fp16 inputs'. For bf16 inputs the products are computed in bf16 arithmetic by oneDNN (``_bf16_products``: float32
+operands rounded to bf16 inside the product, float32 accumulation and result), which leaves Q, K, V and dO exact,
+as bf16 values,
+and rounds the probabilities and their gradients (P, dS) where they enter P V, P^T dO, dS K and dS^T Q, as torch's
+kernel and the Triton kernels do; the softmax scale is folded into the query tile only where that stays exact (a
+power of two), and is applied to the product's result otherwise. fp16 inputs take float32 score products and
+round P and dS to fp16 for the others. In the backward the product dO V^T is taken as
+``[dO, -Delta] [V, 1]^T = dP - Delta``, one product instead of a product and a subtraction (-Delta as three bf16
+parts for bf16 inputs, exact). Each exp() argument is clamped at -87 (``_exp``) where it may lie below: torch's
+CPU exp() is many times slower where its result leaves float32's normal range. Where every score is known to lie
+within +-40 of 0 (``_score_bound``, from the inputs' norms, the softcap and ALiBi's slopes), the forward takes
+exp(S) without a running max (``_fixed_offset``): two passes less over each tile, O then divided by the sum of P as
+P V's product rounds it.
 
 Score modifications and sinks
 -----------------------------
@@ -105,9 +112,11 @@ built only for tiles that the band's edges cut. A query row that sees no key
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -121,6 +130,7 @@ from flashtile.options import AttentionOptions, Packing
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
 BLOCK_N = 512  # key columns per tile
 BAND_BLOCK_M = 256  # query rows per call of torch's kernel under a window
+FIXED_OFFSET_BOUND = 40.0  # largest |score| bound for which the forward skips the row max (``_fixed_offset``)
 ALIBI_MASK_SIZE = 1 << 24  # values of one ALiBi block mask at most (64 MiB of float32; ``_block_rows``)
 
 TORCH_KERNEL = True
@@ -187,6 +197,39 @@ def _dropout_keep(drop: _Dropout, B: int, Hk: int, group: int, q0: int, q1: int,
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for fp16/bf16/fp32 inputs, float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the tiled path's product operands other than the scores' (values, probabilities and their
+    gradients, dO, the keys and queries of dQ and dK): float32 for bf16 inputs, whose products ``_bf16_products``
+    computes from float32 operands rounded to bf16 inside the product (the probabilities are rounded there, the
+    inputs are bf16 values already), with float32 results; the inputs' dtype otherwise."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+@contextlib.contextmanager
+def _bf16_products(dtype: torch.dtype) -> Iterator[None]:
+    """For bf16 inputs (``dtype``), float32 matrix products computed by oneDNN in bf16 (bf16 x bf16 products
+    accumulated and returned in float32) within the block; nothing otherwise.
+
+    PyTorch has no bf16 x bf16 -> float32 product on the CPU (``out_dtype`` is CUDA-only); oneDNN's bf16 math mode
+    for float32 products (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``) is one, 2-3x faster than the
+    float32 product on CPUs with bf16 instructions (AVX512-BF16, AMX) and ignored elsewhere. It rounds each
+    operand to bf16: exact for the tiled path's inputs, which are bf16 values (the query tile takes the softmax
+    scale only where that stays exact, ``_score_mods``; -Delta enters dP as three bf16 parts, ``_split``). The
+    setting is process-wide, so that the float32 products of another thread never round their operands it is
+    switched on only while this is the process's one Python thread; with others running (a data loader's
+    pin-memory thread, a server's workers) the products stay float32, slower and as exact."""
+    setting = getattr(torch.backends.mkldnn, "matmul", None)  # absent from older torch: float32 products there
+    if dtype != torch.bfloat16 or not hasattr(setting, "fp32_precision") or threading.active_count() > 1:
+        yield
+        return
+    before = setting.fp32_precision
+    setting.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        setting.fp32_precision = before
 
 
 def _visible_keys(
@@ -436,6 +479,7 @@ class _ScoreMods:
     softcap: float = 0.0
     slopes: Tensor | None = None
     diag: int = 0
+    folded: bool = True
 
     @property
     def query_scale(self) -> float:
@@ -444,20 +488,25 @@ class _ScoreMods:
 
     def query_tile(self, q: Tensor, q0: int, q1: int, nheads_k: int) -> Tensor:
         """Rows [q0, q1) of q as the left operand of Q K^T, (B * Hk, group * M, D) in the compute dtype, multiplied
-        by ``query_scale``."""
-        return _query_tile(q, q0, q1, nheads_k, _compute_dtype(q.dtype)).mul_(self.query_scale)
+        by ``query_scale`` if ``folded`` (else ``_scores`` multiplies the product)."""
+        tile = _query_tile(q, q0, q1, nheads_k, _compute_dtype(q.dtype))
+        return tile.mul_(self.query_scale) if self.folded else tile
 
 
 def _score_mods(
     alibi_slopes: Tensor | None, softcap: float, batch: int, nheads_k: int, diag: int, dtype: torch.dtype,
-    softmax_scale: float,
+    softmax_scale: float, bf16_products: bool,
 ) -> _ScoreMods:  # fmt: skip
-    """The score modifications of a call, slopes reshaped to broadcast against a tile's scores."""
+    """The score modifications of a call, slopes reshaped to broadcast against a tile's scores. With
+    ``bf16_products`` (``_bf16_products``) the scale is folded into the query tile only if it is a power of two
+    (the scaled bf16 query is then still exact in bf16); otherwise the product's result is multiplied by it."""
     slopes = None
     if alibi_slopes is not None:  # (H,) or (B, H) -> (B * Hk, group, 1, 1)
         nheads = alibi_slopes.shape[-1]
         slopes = alibi_slopes.to(dtype).expand(batch, nheads).reshape(batch * nheads_k, nheads // nheads_k, 1, 1)
-    return _ScoreMods(softmax_scale, softcap, slopes, diag)
+    mods = _ScoreMods(softmax_scale, softcap, slopes, diag)
+    folded = not bf16_products or abs(math.frexp(mods.query_scale)[0]) == 0.5
+    return dataclasses.replace(mods, folded=folded)
 
 
 def _scores(
@@ -466,15 +515,18 @@ def _scores(
     """Scores of one tile before any mask, and tanh of the scaled scores if they are capped (for the backward).
 
     q_t: (B * Hk, group * M, D) holding query rows from q0 (``mods.query_tile``); k_t: (B * Hk, D, N) holding keys
-    from k0, transposed; out: scratch (``_scratch``) of the compute dtype -> s:
-    (B * Hk, group * M, N) in the compute dtype, in out's memory unless capped; t: like s, or None.
+    from k0, transposed; out: flat scratch (``_scratch``) of the compute dtype, twice a tile's size if capped -> s:
+    (B * Hk, group * M, N) in the compute dtype, in out's memory (its second half if capped); t: like s in the
+    first half, or None.
     """
     shape = (*q_t.shape[:2], k_t.shape[2])
     s = torch.bmm(q_t, k_t, out=_scratch(out, shape))  # [gM, D] @ [D, N]
+    if not mods.folded:
+        s.mul_(mods.query_scale)
     t = None
     if mods.softcap > 0.0:
         t = s.tanh_()
-        s = t * mods.softcap
+        s = torch.mul(t, mods.softcap, out=_scratch(out[t.numel() :], shape))
     if mods.slopes is not None:
         rows, n = s.shape[1:]
         s_heads = s.view(s.shape[0], group, rows // group, n)  # query heads of a group apart: (B * Hk, group, M, N)
@@ -525,14 +577,46 @@ def _tile_band(
     return bias, visible.to(dtype)
 
 
-def _exp(x: Tensor, offset: Tensor) -> Tensor:
-    """exp(x - offset) in x's memory, for x - offset <= 0 (a row's max or LSE subtracted).
+def _exp(x: Tensor, offset: Tensor | None, floor: bool = True) -> Tensor:
+    """exp(x - offset) in x's memory (exp(x) if offset is None), for x - offset <= 0 (a row's max or LSE
+    subtracted), or |x| <= FIXED_OFFSET_BOUND.
 
     torch's CPU exp() takes a slow path (about 4x for -inf, 40x for a result below float32's smallest normal
-    number) where x - offset < -87.3, so it is clamped there first: such a term is below 1.7e-38 of the row's
-    largest term (1), which the sum cannot see, and the keys a mask hides get their exact 0 from ``_mask_tile``
-    after this."""
-    return x.sub_(offset).clamp_(min=_EXP_FLOOR).exp_()
+    number) where x - offset < -87.3, so with ``floor`` it is clamped there first: such a term is below 1.7e-38 of
+    the row's largest term (1), which the sum cannot see, and the keys a mask hides get their exact 0 from
+    ``_mask_tile`` after this. Without ``floor`` (a tile no mask cuts, where ``_score_bound`` says no x - offset
+    gets there) the clamp's pass over the tile is saved; the result is the same."""
+    if offset is not None:
+        x = x.sub_(offset)
+    return (x.clamp_(min=_EXP_FLOOR) if floor else x).exp_()
+
+
+def _score_bound(q: Tensor, k: Tensor, mods: _ScoreMods, attn_mask: Tensor | None) -> float:
+    """A bound on |score| for q (B, Sq, H, D) and k (B, Sk, Hk, D), the band aside: |softmax_scale| max_i |q_i|
+    max_j |k_j| (at most softcap) plus ALiBi's largest bias; inf with an attn_mask or an empty input. The speed of
+    the tiled path depends on it (``_exp``'s clamp, ``_fixed_offset``), its results do not."""
+    if attn_mask is not None or min(q.numel(), k.numel()) == 0:
+        return math.inf
+    q_norm, k_norm = (torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).max().item() for x in (q, k))
+    bound = abs(mods.softmax_scale) * q_norm * k_norm
+    if mods.softcap > 0.0:
+        bound = min(bound, mods.softcap)
+    if mods.slopes is not None:
+        bound += mods.slopes.abs().max().item() * (q.shape[1] + k.shape[1])
+    return bound
+
+
+def _fixed_offset(bound: float, v: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the forward may take exp(s) itself instead of exp(s - running row max): scores within +-``bound`` of
+    0 (``_score_bound``) with bound <= FIXED_OFFSET_BOUND keep exp(s) a normal float32, and the sums of exp(s) and
+    exp(s) v stay finite; not for fp16 inputs, whose P (rounded to fp16 for P V) would leave fp16's range. It saves
+    the row max and the subtraction: two of the forward's four passes over a tile. O is then divided by the sum of
+    P as P V rounds it (a column of ones in V), not by the float32 sum that gives the LSE: with the row max
+    subtracted the largest term is exactly 1, unrounded, and a row with one key gets O = V exactly; without it,
+    only a denominator rounded alike keeps that."""
+    if dtype == torch.float16 or bound > FIXED_OFFSET_BOUND or v.numel() == 0:
+        return False
+    return math.exp(bound) * v.shape[1] * max(1.0, v.abs().max().item()) < 1e37
 
 
 def _score_operands(
@@ -542,7 +626,8 @@ def _score_operands(
     modifications (``_score_mods``) and k's tiles (B * Hk, D, N) in that dtype, the scores' right operands."""
     dtype = _compute_dtype(q.dtype)
     batch, seqlen_k, nheads_k = k.shape[:3]
-    mods = _score_mods(alibi_slopes, softcap, batch, nheads_k, seqlen_k - q.shape[1], dtype, softmax_scale)
+    mods = _score_mods(alibi_slopes, softcap, batch, nheads_k, seqlen_k - q.shape[1], dtype, softmax_scale,
+                       q.dtype == torch.bfloat16)  # fmt: skip
     return dtype, mods, _key_tiles(k, dtype, transposed=True)
 
 
@@ -635,8 +720,9 @@ def attention_forward(
     softmax_scale, window_left, window_right = options.softmax_scale, options.window_left, options.window_right
     alibi_slopes, softcap, attn_mask = options.alibi_slopes, options.softcap, options.attn_mask
     if route is None:
-        out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
-                                  attn_mask)  # fmt: skip
+        with _bf16_products(q.dtype):
+            out, lse = _tiled_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, softcap, drop,
+                                      attn_mask)  # fmt: skip
     elif route == "band":
         out, lse = _banded_forward(q, k, v, softmax_scale, window_left, window_right, alibi_slopes)
     else:
@@ -663,34 +749,46 @@ def _tiled_forward(
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype, mods, keys = _score_operands(q, k, softmax_scale, alibi_slopes, softcap)
-    values = _key_tiles(v, v.dtype)  # (B * Hk, N, Dv) each, operands of P V
+    low = _operand_dtype(q.dtype)
+    bound = _score_bound(q, k, mods, attn_mask)
+    fixed = drop is None and _fixed_offset(bound, v, q.dtype)  # m_i stays 0
+    if fixed:  # a column of ones: P V's last column is the sum of P as the product rounds it, O's denominator
+        v = torch.cat([v, torch.ones(*v.shape[:3], 1, dtype=v.dtype)], dim=-1)
+    values = _key_tiles(v, low)  # (B * Hk, N, Dv (+ 1)) each, operands of P V
     out = torch.empty(B, Sq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
-    scores, probs = torch.empty(tile_size, dtype=dtype), torch.empty(tile_size, dtype=v.dtype)
+    scores = torch.empty(tile_size * (2 if softcap > 0.0 else 1), dtype=dtype)  # (``_scores``)
+    probs = torch.empty(tile_size, dtype=low)
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
         q_t = mods.query_tile(q, q0, q1, Hk)  # (B * Hk, gM, D)
-        m_i = torch.full((*q_t.shape[:2], 1), torch.finfo(dtype).min, dtype=dtype)  # running row max
+        m_i = torch.full((*q_t.shape[:2], 1), 0.0 if fixed else torch.finfo(dtype).min, dtype=dtype)  # running max
         l_i = torch.zeros_like(m_i)  # running row sum of exp(s - m_i)
-        acc = torch.zeros(*q_t.shape[:2], Dv, dtype=dtype)  # running sum of exp(s - m_i) v
+        acc = torch.zeros(*q_t.shape[:2], v.shape[-1], dtype=dtype)  # running sum of exp(s - m_i) v
         for k0 in _key_span(q0, q1, Sq, Sk, window_left, window_right):
             k1 = min(k0 + BLOCK_N, Sk)
             band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
             s, _ = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores)
             _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
-            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-            p = _exp(s, m_new)
+            if fixed:  # exp(s) itself (``_fixed_offset``)
+                p = _exp(s, None, band is not None)
+            else:
+                m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
+                p = _exp(s, m_new, band is not None or 2.0 * bound > -_EXP_FLOOR)
+                alpha = m_i.sub_(m_new).exp_()
+                l_i.mul_(alpha)
+                acc.mul_(alpha)
+                m_i = m_new
             _mask_tile(p, band, attn_mask, group, q0, q1, k0, k1, probs=True)
-            alpha = m_i.sub_(m_new).exp_()
-            l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            l_i.add_(p.sum(dim=-1, keepdim=True))
             if drop is not None:  # l_i keeps every probability; only P V sees the mask
                 p.mul_(_dropout_keep(drop, B, Hk, group, q0, q1, k0, k1).view(p.shape))
-            acc.mul_(alpha).add_(torch.bmm(_in_dtype(p, probs), values[k0 // BLOCK_N]))  # [gM, N] @ [N, Dv]
-            m_i = m_new
+            acc.add_(torch.bmm(_in_dtype(p, probs), values[k0 // BLOCK_N]))  # [gM, N] @ [N, Dv]
         if drop is not None:
             acc.mul_(1.0 / (1.0 - drop.p))
-        _store_query_tile(out, q0, q1, acc.div_(l_i.masked_fill(l_i == 0, 1.0)))
+        norm = acc[..., Dv:] if fixed else l_i
+        _store_query_tile(out, q0, q1, acc[..., :Dv].div_(norm.masked_fill(norm == 0, 1.0)))
         lse[:, :, q0:q1] = m_i.add_(l_i.log_()).view(B, H, q1 - q0)  # log 0 = -inf if nothing was seen
     return out, lse
 
@@ -735,26 +833,41 @@ def attention_backward(
         return _banded_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, alibi_slopes, dlse)
     if route is not None:
         return _fused_backward(dout, q, k, v, out, lse, softmax_scale, route == "causal", attn_mask, dlse)
+    with _bf16_products(q.dtype):
+        return _tiled_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, alibi_slopes,
+                               softcap, drop, attn_mask, dlse, dmask)  # fmt: skip
+
+
+def _tiled_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
+    window_left: int | None, window_right: int | None, alibi_slopes: Tensor | None, softcap: float,
+    drop: _Dropout | None, attn_mask: Tensor | None, dlse: Tensor | None, dmask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``attention_backward`` by tiles, recomputing P from the saved LSE (the module docstring)."""
     B, Sq, H, D = q.shape
     _, Sk, Hk, Dv = v.shape
     group = H // Hk
     dtype, mods, keys = _score_operands(q, k, softmax_scale, alibi_slopes, softcap)
-    ones = torch.ones(B, Sk, Hk, 1, dtype=v.dtype)
-    values = _key_tiles(torch.cat([v, ones], dim=-1), dtype, transposed=True)  # (B * Hk, Dv + 1, N)
-    keys_low = _key_tiles(k, k.dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
+    low_dtype = _operand_dtype(q.dtype)
+    floor = 2.0 * _score_bound(q, k, mods, attn_mask) + math.log(max(Sk, 1)) > -_EXP_FLOOR  # s - LSE may be below
+    parts = 3 if q.dtype == torch.bfloat16 else 1  # Delta's columns: bf16-exact parts under bf16 products
+    ones = torch.ones(B, Sk, Hk, parts, dtype=v.dtype)
+    values = _key_tiles(torch.cat([v, ones], dim=-1), dtype, transposed=True)  # (B * Hk, Dv + parts, N)
+    keys_low = _key_tiles(k, low_dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.zeros(B * Hk, Sk, D, dtype=dtype)  # accumulators, heads-major
     dv = torch.zeros(B * Hk, Sk, Dv, dtype=dtype)
     tile_size = B * H * min(BLOCK_M, Sq) * min(BLOCK_N, Sk)
-    scores, dprobs, low = (torch.empty(tile_size, dtype=t) for t in (dtype, dtype, q.dtype))
+    scores = torch.empty(tile_size * (2 if softcap > 0.0 else 1), dtype=dtype)  # (``_scores``)
+    dprobs, low = torch.empty(tile_size, dtype=dtype), torch.empty(tile_size, dtype=low_dtype)
     dp_scratch = torch.empty(tile_size, dtype=dtype)  # dP - Delta
     for q0 in range(0, Sq, BLOCK_M):
         q1 = min(q0 + BLOCK_M, Sq)
-        q_low = _query_tile(q, q0, q1, Hk, q.dtype)  # (B * Hk, gM, D), operand of dK = dS^T Q
+        q_low = _query_tile(q, q0, q1, Hk, low_dtype)  # (B * Hk, gM, D), operand of dK = dS^T Q
         q_t = mods.query_tile(q, q0, q1, Hk)
-        do_low = _query_tile(dout, q0, q1, Hk, dout.dtype)  # (B * Hk, gM, Dv)
+        do_low = _query_tile(dout, q0, q1, Hk, low_dtype)  # (B * Hk, gM, Dv)
         delta = _delta_tile(dout, out, dlse, q0, q1, Hk, dtype)  # (B * Hk, gM, 1)
-        do_t = torch.cat([do_low.to(dtype), -delta], dim=-1)
+        do_t = torch.cat([do_low.to(dtype), *_split(-delta, torch.bfloat16, parts, dtype)], dim=-1)
         lse_t = lse[:, :, q0:q1].reshape(delta.shape).to(dtype)
         lse_t = lse_t.masked_fill(lse_t == float("-inf"), 0.0)  # rows with no key: P = exp(-inf) = 0
         dq_t = torch.zeros(*q_t.shape[:2], D, dtype=dtype)
@@ -763,7 +876,7 @@ def attention_backward(
             band = _tile_band(q0 + Sk - Sq - k0, q1 - q0, k1 - k0, window_left, window_right, dtype)
             s, t = _scores(q_t, keys[k0 // BLOCK_N], mods, group, q0, k0, scores)
             _mask_tile(s, band, attn_mask, group, q0, q1, k0, k1)
-            p = _exp(s, lse_t)  # (B * Hk, gM, N)
+            p = _exp(s, lse_t, band is not None or floor)  # (B * Hk, gM, N)
             _mask_tile(p, band, attn_mask, group, q0, q1, k0, k1, probs=True)
             # dP - Delta = [dO, -Delta] [V, 1]^T: [gM, Dv + 1] @ [Dv + 1, N]
             dp = torch.bmm(do_t, values[k0 // BLOCK_N], out=_scratch(dp_scratch, p.shape))
@@ -778,7 +891,7 @@ def attention_backward(
             if dmask is not None:  # the gradient at the mask: dS before the cap's derivative
                 dmask[:, :, q0:q1, k0:k1] = ds.view(B, H, q1 - q0, k1 - k0)
             if t is not None:
-                ds.mul_(t.mul_(t).neg_().add_(1.0))  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
+                ds.addcmul_(ds, t.mul_(t), value=-1.0)  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
             ds_low = _in_dtype(ds, low)
             dq_t += torch.bmm(ds_low, keys_low[k0 // BLOCK_N])  # [gM, N] @ [N, D]
             dk[:, k0:k1] += torch.bmm(ds_low.transpose(1, 2), q_low)  # [N, gM] @ [gM, D]
@@ -788,11 +901,19 @@ def attention_backward(
     return dq, _heads_minor(dk.mul_(softmax_scale), k), _heads_minor(dv, v)
 
 
-def _split(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """x as hi + lo, both of ``dtype``: lo = x - hi rounded (0 if ``dtype`` holds x), so that a product with a
-    low-precision operand [A, hi, lo] sees x to twice its bits (-dlse as columns of dO for torch's kernel)."""
-    hi = x.to(dtype)
-    return hi, (x - hi).to(dtype)
+def _split(x: Tensor, dtype: torch.dtype, parts: int = 2, result_dtype: torch.dtype | None = None) -> list[Tensor]:
+    """x as a sum of ``parts`` tensors whose values ``dtype`` holds, each what the ones before leave of x rounded to
+    ``dtype`` (x itself if ``parts`` is 1), so that a product with a low-precision operand [A, hi, lo] sees x to
+    ``parts`` times its bits (-dlse as columns of dO for torch's kernel, -Delta as columns of dO under
+    ``_bf16_products``). The parts are returned in ``result_dtype`` (default ``dtype``)."""
+    if parts == 1:
+        return [x]
+    found = []
+    for _ in range(parts - 1):
+        found.append(x.to(dtype))
+        x = x - found[-1]
+    found.append(x.to(dtype))
+    return [part.to(result_dtype or dtype) for part in found]
 
 
 def _heads_minor(x: Tensor, like: Tensor) -> Tensor:
