@@ -167,6 +167,7 @@ def verdict(reasons: Iterable[str | None]) -> Verdict:
 SM90_GLUON = "sm90-gluon"
 TRITON = "triton"
 TRITON_FP8 = "triton-fp8"
+NO_BACKWARD = "none"
 FAMILY_MODULES = {
     (TRITON_FP8, "forward"): "flashtile.ops.fp8",
     (SM90_GLUON, "forward"): "flashtile.ops.sm90.forward",
@@ -259,7 +260,10 @@ def _float8_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: A
 
 def backward_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, options: AttentionOptions,
                     *, varlen: bool = False, every: bool = False) -> Choice:  # fmt: skip
-    """The family that runs the backward (``forward_choice``'s, with the gradient ``dout`` of out)."""
+    """The family that runs the backward (``forward_choice``'s, with the gradient ``dout`` of out); for float8 inputs
+    NO_BACKWARD (their face refuses gradients: ``float8.check_float8``)."""
+    if q.dtype in FLOAT8:
+        return Choice(NO_BACKWARD, ((TRITON_FP8, Verdict(("float8 inputs have no backward (forward only)",))),))
     sm90 = _sm90_verdict("backward", q.device, every, q, k, v, dout, options, varlen=varlen)
     return _choice(q.device, sm90)
 
