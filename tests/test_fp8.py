@@ -32,6 +32,7 @@ import flashtile
 from flashtile import _backend
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
 from flashtile.float8 import combined, dequantized
+from flashtile.ops.fp8 import forward as fp8_forward
 from flashtile.reference import attention_probs, attention_reference
 
 E4M3 = torch.float8_e4m3fn
@@ -109,6 +110,22 @@ def test_matches_oracle(path, case):
         q8, k8, v8, causal=causal, window_size=window, return_attn_probs=True, q_descale=q_d, k_descale=k_d,
         v_descale=v_d,
     )  # fmt: skip
+    check_float8(out, lse, q8, k8, v8, combined(q_d, k_d, v_d, b, hk, q8.device), None, causal, window)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=case_id)
+def test_tensor_descriptors(case):
+    """The kernel's tensor-descriptor loads and stores (the GPU configs' TMA; pointer loads in the other tests):
+    interpreted on a CPU, compiled on a GPU."""
+    b, sq, sk, h, hk, d, dv, causal, window = case
+    (q8, q_d), (k8, k_d), (v8, v_d) = quantized((b, sq, h, d)), quantized((b, sk, hk, d)), quantized((b, sk, hk, dv))
+    q_d = q_d[:, :hk].contiguous()
+    cfg = fp8_forward.Fp8Config(32, 64, 4, 1, tma=True) if DEVICE == "cpu" else fp8_forward.CONFIGS[-1][1]
+    with fp8_forward.override(cfg):
+        out, lse, _ = flashtile.flash_attn_func(
+            q8, k8, v8, causal=causal, window_size=window, return_attn_probs=True, q_descale=q_d, k_descale=k_d,
+            v_descale=v_d,
+        )  # fmt: skip
     check_float8(out, lse, q8, k8, v8, combined(q_d, k_d, v_d, b, hk, q8.device), None, causal, window)
 
 
