@@ -1,6 +1,6 @@
 """The float8 forward against flashtile's bf16 forward on the GPU at hand: accuracy, speed, and a config sweep.
 
-    PYTHONPATH=src python3 benchmarks/fp8_forward.py --out DIR [--sweep] [--quick]
+    PYTHONPATH=src python3 benchmarks/fp8_forward.py --out DIR [--sweep] [--quick] [--warm I/N]
 
 - Accuracy: at B=1, H=4 (2 KV heads), N=4096, head dims 128 and 256, full and causal, inputs quantized to e4m3 with
   a per-tensor factor each (``quantized``), the float64 oracle on the dequantized inputs against (a) the float8
@@ -11,6 +11,8 @@
   kernel the dispatcher picks: the Gluon kernel on sm_90), TFLOP/s = 4 B H N^2 D / time (halved for causal), their
   ratio, and the time of V's transpose alone.
 - ``--sweep``: each of ``ops.fp8.forward.CANDIDATES`` at N=8k, full and causal, head dims 128 and 256.
+- ``--warm I/N``: compile only (see --help); run N of these side by side first, then the timed run finds every
+  kernel compiled.
 
 Writes DIR/fp8_forward.json (the rows, the GPU, versions and commit) and prints the tables.
 """
@@ -58,7 +60,7 @@ def fp8_inputs(batch: int, seqlen: int, nheads: int, nheads_k: int, head_dim: in
     return tensors, factors
 
 
-def accuracy(head_dim: int, causal: bool, seqlen: int = 4096) -> dict:
+def accuracy(head_dim: int, causal: bool, warm: bool, seqlen: int = 4096) -> dict:
     (q8, k8, v8), (q_d, k_d, v_d) = fp8_inputs(1, seqlen, 4, 2, head_dim)
     scale = head_dim**-0.5
     with torch.no_grad():
@@ -66,6 +68,8 @@ def accuracy(head_dim: int, causal: bool, seqlen: int = 4096) -> dict:
         qb, kb, vb = (t.to(torch.bfloat16) for t in (q8, k8, v8))  # exact: e4m3 values are bf16 values
         qk, vs = (q_d[0, 0] * k_d[0, 0]).item(), v_d[0, 0].item()
         outb = flashtile.flash_attn_func(qb, kb, vb, causal=causal, softmax_scale=scale * qk).double() * vs
+        if warm:
+            return {}
         q, k, v = q8.double() * q_d[0, 0].double(), k8.double() * k_d[0, 0].double(), v8.double() * v_d[0, 0].double()
         ref, _ = attention_reference(q, k, v, scale, causal)
     row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "ref_max": ref.abs().max().item()}
@@ -75,15 +79,24 @@ def accuracy(head_dim: int, causal: bool, seqlen: int = 4096) -> dict:
     return row
 
 
-def speed(head_dim: int, seqlen: int, causal: bool, rep: int) -> dict:
+def timed(fn, rep: int, warm: bool) -> float:
+    """Median ms of ``fn`` (do_bench), or one call and NaN when ``warm`` (compiles only)."""
+    if warm:
+        fn()
+        torch.cuda.synchronize()
+        return float("nan")
+    return do_bench(fn, rep=rep, return_mode="median")
+
+
+def speed(head_dim: int, seqlen: int, causal: bool, rep: int, warm: bool) -> dict:
     batch = TOKENS // seqlen
     (q8, k8, v8), (q_d, k_d, v_d) = fp8_inputs(batch, seqlen, NHEADS, NHEADS, head_dim)
     qb, kb, vb = (torch.randn(batch, seqlen, NHEADS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     with torch.no_grad():
-        ms8 = do_bench(lambda: flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=q_d, k_descale=k_d,
-                                                         v_descale=v_d), rep=rep, return_mode="median")  # fmt: skip
-        msb = do_bench(lambda: flashtile.flash_attn_func(qb, kb, vb, causal=causal), rep=rep, return_mode="median")
-        ms_vt = do_bench(lambda: fp8_forward.transposed_values(v8), rep=rep, return_mode="median")
+        ms8 = timed(lambda: flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=q_d, k_descale=k_d,
+                                                      v_descale=v_d), rep, warm)  # fmt: skip
+        msb = timed(lambda: flashtile.flash_attn_func(qb, kb, vb, causal=causal), rep, warm)
+        ms_vt = timed(lambda: fp8_forward.transposed_values(v8), rep, warm)
     work = flops(batch, seqlen, head_dim, causal)
     options = flashtile.interface.prepared(qb, kb, vb, None, None, 0 if causal else None)[3]
     return {
@@ -93,26 +106,32 @@ def speed(head_dim: int, seqlen: int, causal: bool, rep: int) -> dict:
     }  # fmt: skip
 
 
-def sweep(rep: int) -> list[dict]:
-    rows = []
-    for head_dim in (128, 256):
-        for causal in (False, True):
-            seqlen = 8192
-            batch = TOKENS // seqlen
-            (q8, k8, v8), (q_d, k_d, v_d) = fp8_inputs(batch, seqlen, NHEADS, NHEADS, head_dim)
-            for cfg in fp8_forward.CANDIDATES:
-                row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "config": repr(cfg)}
-                try:
-                    with fp8_forward.override(cfg), torch.no_grad():
-                        ms = do_bench(lambda: flashtile.flash_attn_func(
-                            q8, k8, v8, causal=causal, q_descale=q_d, k_descale=k_d, v_descale=v_d,
-                        ), rep=rep, return_mode="median")  # fmt: skip
-                    row.update(ms=ms, tflops=flops(batch, seqlen, head_dim, causal) / ms * 1e-9)
-                except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    return rows
+def sweep_one(head_dim: int, causal: bool, cfg: fp8_forward.Fp8Config, rep: int, warm: bool) -> dict:
+    seqlen = SWEEP_SEQLEN
+    batch = TOKENS // seqlen
+    (q8, k8, v8), (q_d, k_d, v_d) = fp8_inputs(batch, seqlen, NHEADS, NHEADS, head_dim)
+    row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "config": repr(cfg)}
+    try:
+        with fp8_forward.override(cfg), torch.no_grad():
+            ms = timed(lambda: flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=q_d, k_descale=k_d,
+                                                         v_descale=v_d), rep, warm)  # fmt: skip
+        row.update(ms=ms, tflops=flops(batch, seqlen, head_dim, causal) / ms * 1e-9)
+    except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+SWEEP_SEQLEN = 8192
+
+
+def jobs(quick: bool, sweep: bool) -> list[tuple]:
+    """Every measurement as (part, arguments), in the order they run."""
+    found = [("accuracy", (d, c)) for d in (128, 256) for c in (False, True)]
+    seqlens = (4096, 16384) if quick else (4096, 8192, 16384)
+    found += [("speed", (d, n, c)) for d in (128, 256) for n in seqlens for c in (False, True)]
+    if sweep:
+        found += [("sweep", (d, c, cfg)) for d in (128, 256) for c in (False, True) for cfg in fp8_forward.CANDIDATES]
+    return found
 
 
 def environment() -> dict:
@@ -126,27 +145,38 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
     parser.add_argument("--quick", action="store_true", help="N = 4k and 16k only, shorter timings")
+    parser.add_argument(
+        "--warm", metavar="I/N", default=None,
+        help="compile only: run the I-th of N shares of the measurements once each, untimed (Triton's cache keeps the "
+        "kernels; N processes side by side compile in parallel before one timed run)",
+    )  # fmt: skip
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     rep = 40 if args.quick else 100
+    todo = jobs(args.quick, args.sweep)
+    warm = args.warm is not None
+    if warm:
+        index, count = map(int, args.warm.split("/"))
+        todo = todo[index::count]
     result = {"environment": environment(), "accuracy": [], "speed": [], "sweep": []}
-    print(json.dumps(result["environment"]))
-    for head_dim in (128, 256):
-        for causal in (False, True):
-            row = accuracy(head_dim, causal)
+    if not warm:
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(result["environment"]))
+    run = {"accuracy": lambda *a: accuracy(*a, warm), "speed": lambda *a: speed(*a, rep, warm),
+           "sweep": lambda *a: sweep_one(*a, rep, warm)}  # fmt: skip
+    for part, arguments in todo:
+        row = run[part](*arguments)
+        if warm:
+            continue
+        result[part].append(row)
+        if part == "speed":
+            if len(result["speed"]) == 1:
+                print(f"{'D':>4} {'N':>6} {'causal':>6} {'fp8 TF/s':>9} {'bf16 TF/s':>9} {'ratio':>6} {'V^T ms':>7}  "
+                      "bf16 path")  # fmt: skip
+            print(f"{row['head_dim']:>4} {row['seqlen']:>6} {row['causal']!s:>6} {row['fp8_tflops']:>9.1f} "
+                  f"{row['bf16_tflops']:>9.1f} {row['speedup']:>6.2f} {row['v_transpose_ms']:>7.3f}  "
+                  f"{row['bf16_path']}", flush=True)  # fmt: skip
+        else:
             print(json.dumps(row), flush=True)
-            result["accuracy"].append(row)
-    print(f"{'D':>4} {'N':>6} {'causal':>6} {'fp8 TF/s':>9} {'bf16 TF/s':>9} {'ratio':>6} {'V^T ms':>7}  bf16 path")
-    for head_dim in (128, 256):
-        for seqlen in (4096, 16384) if args.quick else (4096, 8192, 16384):
-            for causal in (False, True):
-                row = speed(head_dim, seqlen, causal, rep)
-                result["speed"].append(row)
-                print(f"{head_dim:>4} {seqlen:>6} {causal!s:>6} {row['fp8_tflops']:>9.1f} {row['bf16_tflops']:>9.1f} "
-                      f"{row['speedup']:>6.2f} {row['v_transpose_ms']:>7.3f}  {row['bf16_path']}", flush=True)  # fmt: skip
-    (args.out / "fp8_forward.json").write_text(json.dumps(result, indent=1))
-    if args.sweep:
-        result["sweep"] = sweep(rep)
         (args.out / "fp8_forward.json").write_text(json.dumps(result, indent=1))
 
 

@@ -55,7 +55,7 @@ def float8_base(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     probs, _ = attention_probs(q, k, scale, causal, window)  # (B, H, Sq, Sk)
     peak = probs.amax(-1, keepdim=True)
     p = probs / torch.where(peak > 0, peak, 1.0)
-    rounded = (p * P_SHIFT).to(E4M3).double() / P_SHIFT
+    rounded = (p * P_SHIFT).float().to(E4M3).double() / P_SHIFT
     total = p.sum(-1, keepdim=True)
     values = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     out = torch.einsum("bhqk,bkhd->bqhd", rounded / torch.where(total > 0, total, 1.0), values)
@@ -65,10 +65,9 @@ def float8_base(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def check_float8(out, lse, q8, k8, v8, descale, softmax_scale, causal, window) -> dict:
     """Assert out and lse of a float8 call against the oracle (the module docstring); return the errors."""
     scale = softmax_scale if softmax_scale is not None else q8.shape[-1] ** -0.5
-    q, k, v = dequantized(q8.cpu(), k8.cpu(), v8.cpu(), None if descale is None else descale.cpu(), torch.float64)
+    q, k, v = dequantized(q8, k8, v8, descale, torch.float64)  # on the inputs' device: float64 is fast on a GPU
     ref, ref_lse = attention_reference(q, k, v, scale, causal, window)
     base = float8_base(q, k, v, scale, causal, window).double()
-    out, lse = out.cpu(), lse.cpu()
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     assert not torch.isnan(out).any(), "NaN in out (unwritten elements?)"
     error = (out.double() - ref).abs().max().item()
@@ -224,9 +223,9 @@ def test_other_functions_refuse_float8():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlens", [(1024, 1024), (1023, 2049), (2048, 777)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("seqlens", [(2048, 2048), (1023, 1537)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gpu_matches_oracle(head_dim, causal, seqlens):
     sq, sk = seqlens
     b, h, hk = 1, 4, 2
