@@ -43,6 +43,7 @@ from flashtile.ops.attention.tiles import (
     head_source,
     key_range,
     load_rows,
+    load_tile,
     range_part,
     store_rows,
     tile_sources,
@@ -76,16 +77,9 @@ def _value_columns(vt_src, off_b, off_hk, start_n, stride_vtd, offs_dv, seqlen_k
         tile = vt_src.load([off_b, off_hk, 0, start_n]).reshape(BLOCK_DV, BLOCK_N)
     else:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # the tile's start offset the scalar pointer; offsets inside the tile stay 32-bit (as ``tiles.rows_at``)
+        # the tile's start offsets the scalar pointer; offsets inside the tile stay 32-bit (as ``tiles.rows_at``)
         ptrs = (vt_src + start_n) + (offs_dv[:, None] * stride_vtd + tl.arange(0, BLOCK_N)[None, :])
-        if MASKED and PAD_DV:
-            tile = tl.load(ptrs, mask=(offs_dv[:, None] < head_dim_v) & (offs_n[None, :] < seqlen_k), other=0.0)
-        elif MASKED:
-            tile = tl.load(ptrs, mask=offs_n[None, :] < seqlen_k, other=0.0)
-        elif PAD_DV:
-            tile = tl.load(ptrs, mask=offs_dv[:, None] < head_dim_v, other=0.0)
-        else:
-            tile = tl.load(ptrs)
+        tile = load_tile(ptrs, offs_dv, head_dim_v, offs_n, seqlen_k, PAD_DV, MASKED)
     return tile
 
 
