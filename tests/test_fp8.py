@@ -39,6 +39,10 @@ E4M3 = torch.float8_e4m3fn
 P_SHIFT = 2.0**8  # ops.fp8.forward.P_SHIFT, as a factor
 
 
+def fp8(*shape: int) -> torch.Tensor:
+    return torch.randn(shape, device=DEVICE).to(E4M3)
+
+
 def quantized(shape: tuple[int, ...], spread: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random values quantized to e4m3 with a factor per (batch, KV head) as a serving stack computes it: the
     largest |x| of each (batch, head) maps to 448, e4m3's largest. Returns (x in e4m3, descale (B, Hk) float32)."""
@@ -144,8 +148,9 @@ def test_descale_factors_optional(path, given):
 
 
 def test_family_choice(path):
-    """float8 CPU tensors run the float8 kernel in the interpreter, else the CPU path's dequantized float32."""
-    q = torch.randn(1, 8, 2, 32).to(E4M3)
+    """float8 tensors run the float8 kernel (compiled, or in the interpreter), else (CPU tensors without the
+    interpreter) the CPU path's dequantized float32."""
+    q = fp8(1, 8, 2, 32)
     options = flashtile.interface.prepared(q, q, q, None, None, None)[3]
     choice = _backend.forward_choice(q, q, q, options)
     assert choice.path == ("triton-fp8" if path == "triton" else "cpu"), choice
@@ -160,10 +165,6 @@ def test_empty(path):
 
 # ---------------------------------------------------------------------------------------------------
 # Errors: each raised before anything launches, saying what to change
-
-
-def fp8(*shape: int) -> torch.Tensor:
-    return torch.randn(shape, device=DEVICE).to(E4M3)
 
 
 @pytest.mark.parametrize(
