@@ -211,12 +211,18 @@ def test_no_gradient():
         assert flashtile.flash_attn_func(q, q, q).dtype == torch.bfloat16
 
 
-def test_other_functions_refuse_float8():
-    """float8 is flash_attn_func's; the varlen function and SDPA refuse it with the dtype message."""
+def test_other_functions():
+    """The varlen function and the KV-cache function refuse float8 with the dtype message; SDPA computes it (no
+    descale factors: 1.0), as flash_attn_func does."""
     q = fp8(16, 2, 32)
     cu = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
     with pytest.raises(UnsupportedDtypeError):
         flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 16, 16)
+    with pytest.raises(UnsupportedDtypeError):
+        flashtile.flash_attn_with_kvcache(q[None, :1], q[None], q[None])
+    out = flashtile.scaled_dot_product_attention(*(q[None].transpose(1, 2),) * 3, is_causal=True)
+    expected = flashtile.flash_attn_func(q[None], q[None], q[None], causal=True).transpose(1, 2)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
 
 
 # ---------------------------------------------------------------------------------------------------
