@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE
 
 import flashtile
+from conftest import DEVICE
 from flashtile import _backend
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
 from flashtile.float8 import combined, dequantized

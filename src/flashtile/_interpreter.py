@@ -21,9 +21,9 @@ another, and four of its operations differ from a GPU's (triton 3.7.1 and 3.9.0 
   Fixed: every mask is read as bool, as the GPU's one-bit mask is.
 
 The fixes replace methods of the interpreter's ``InterpreterBuilder`` (``create_dot``, ``cast_impl``,
-``create_fp_to_fp``, ``create_masked_load``, ``create_masked_store``, ``create_atomic_rmw``). Where a future interpreter lacks the first
-two as they are known here, bf16 would come out wrong, so ``check_launch`` refuses launches with bf16 tensors instead
-(``BF16_REFUSED`` says why); float16 and float32 need neither fix.
+``create_fp_to_fp``, ``create_masked_load``, ``create_masked_store``, ``create_atomic_rmw``). Where a future
+interpreter lacks the first two as they are known here, bf16 would come out wrong, so ``check_launch`` refuses
+launches with bf16 tensors instead (``BF16_REFUSED`` says why); float16 and float32 need neither fix.
 """
 
 from __future__ import annotations

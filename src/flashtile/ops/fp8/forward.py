@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile._backend import Verdict, verdict
 from flashtile.errors import InputError
@@ -53,7 +54,6 @@ from flashtile.ops.common.descriptors import per_layout, tma_ready
 from flashtile.ops.common.grid import cdiv, compute_capability, head_grid, padded_head_dim
 from flashtile.ops.common.math import LN2, LOG2E
 from flashtile.options import AttentionOptions
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 P_SHIFT = tl.constexpr(8.0)
 """log2 of the factor p carries before its rounding to float8 (the module docstring)."""
