@@ -231,7 +231,8 @@ the bf16 forward's Hopper table with the tiles doubled along the keys where half
 benchmarks/fp8_forward.py measures them and the alternatives in ``CANDIDATES``. Compiled for sm_90 (Triton 3.7.1,
 tests/fp8_compile.py) the tensor-descriptor variants keep every value in registers (no stack); the pointer-load
 fallback, for layouts a descriptor cannot read (a row stride that is not a multiple of 16 bytes: head dims 40, 72,
-...), spills (352 to 1300 bytes of stack per thread), and is there for correctness, not speed."""
+...), spills at head dims above 64 (472 to 1096 bytes of stack per thread at the shipped configs), and is there
+for correctness, not speed."""
 
 CANDIDATES = [
     Fp8Config(128, 64, 4, 3),
