@@ -16,6 +16,9 @@ Kernel families, fastest first (``forward_choice``, ``backward_choice``, ``decod
 - ``sm90-gluon``: ``ops.sm90.forward`` / ``ops.sm90.backward``, on an sm_90 GPU (``gluon_refusal``) for the calls
   that module's ``qualifies``;
 - ``triton``: ``ops.attention``, compiled, for CUDA tensors;
+- ``triton-fp8``: ``ops.fp8``, the forward of float8 inputs (``flashtile.float8``), compiled or interpreted, for the
+  calls that module's ``qualifies``; float8 CPU tensors without the interpreter take the CPU path, which dequantizes
+  them (no other family computes float8: on CUDA a refusal is an error);
 - ``triton-interpreter``: ``ops.attention`` run by the Triton interpreter, for CPU tensors with TRITON_INTERPRET=1;
 - ``cpu``: ``flashtile.cpu`` for other CPU tensors, which runs torch's fused kernel (``cpu-torch``) or its tiled
   algorithm (``cpu-tiled``) by ``cpu.torch_kernel_route``, per call (per sequence of a packed batch);
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from flashtile.errors import InputError
+from flashtile.float8 import FLOAT8
 
 if TYPE_CHECKING:
     from flashtile.options import AttentionOptions
@@ -162,7 +166,10 @@ def verdict(reasons: Iterable[str | None]) -> Verdict:
 
 SM90_GLUON = "sm90-gluon"
 TRITON = "triton"
+TRITON_FP8 = "triton-fp8"
+NO_BACKWARD = "none"
 FAMILY_MODULES = {
+    (TRITON_FP8, "forward"): "flashtile.ops.fp8",
     (SM90_GLUON, "forward"): "flashtile.ops.sm90.forward",
     (SM90_GLUON, "backward"): "flashtile.ops.sm90.backward",
     (TRITON, "forward"): "flashtile.ops.attention",
@@ -230,13 +237,33 @@ def forward_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: A
                    varlen: bool = False, every: bool = False) -> Choice:  # fmt: skip
     """The family that runs the forward of attention(q, k, v, options) (packed q, k, v if ``varlen``). every: give
     every reason of the sm_90 family (for ``flashtile.explain``), not only the device's where that refuses."""
+    if q.dtype in FLOAT8:
+        return _float8_choice(q, k, v, options, varlen)
     sm90 = _sm90_verdict("forward", q.device, every, q, k, v, options, varlen=varlen)
     return _choice(q.device, sm90)
 
 
+def _float8_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
+                   varlen: bool) -> Choice:  # fmt: skip
+    """The family of a float8 forward: the CPU path (which dequantizes) for CPU tensors without the interpreter,
+    else ``ops.fp8`` where its ``qualifies``; raises InputError with its reasons where it does not."""
+    if path_name(q.device) == "cpu":
+        return Choice("cpu", ((TRITON_FP8, Verdict((f"the device is {q.device.type}, not a CUDA GPU",))),))
+    found = imported(FAMILY_MODULES[TRITON_FP8, "forward"]).qualifies(q, k, v, options, varlen=varlen)
+    if not found:
+        raise InputError(
+            f"float8 attention cannot run this call on {q.device}: {found.reason}. Dequantize the inputs to "
+            "bfloat16 (x.to(torch.bfloat16) * x_descale) and call with those."
+        )
+    return Choice(TRITON_FP8, ())
+
+
 def backward_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, options: AttentionOptions,
                     *, varlen: bool = False, every: bool = False) -> Choice:  # fmt: skip
-    """The family that runs the backward (``forward_choice``'s, with the gradient ``dout`` of out)."""
+    """The family that runs the backward (``forward_choice``'s, with the gradient ``dout`` of out); for float8 inputs
+    NO_BACKWARD (their face refuses gradients: ``float8.check_float8``)."""
+    if q.dtype in FLOAT8:
+        return Choice(NO_BACKWARD, ((TRITON_FP8, Verdict(("float8 inputs have no backward (forward only)",))),))
     sm90 = _sm90_verdict("backward", q.device, every, q, k, v, dout, options, varlen=varlen)
     return _choice(q.device, sm90)
 

@@ -3,7 +3,7 @@ compute on a GPU.
 
 ``flashtile._backend`` calls ``apply`` once, where it reads ``TRITON_INTERPRET``, before any kernel is defined or
 runs; a second call changes nothing. The interpreter runs a kernel's operations on numpy arrays, one program after
-another, and three of its operations differ from a GPU's (triton 3.7.1 and 3.9.0 alike):
+another, and four of its operations differ from a GPU's (triton 3.7.1 and 3.9.0 alike):
 
 * **bf16 ``tl.dot``.** numpy has no bfloat16, so the interpreter holds bf16 values as their raw 16 bits, and its
   ``tl.dot`` multiplies those integers: a bf16 attention's output is off by ~1e9. Fixed: bf16 operands are widened
@@ -11,6 +11,9 @@ another, and three of its operations differ from a GPU's (triton 3.7.1 and 3.9.0
   tensor core computes: exact products, summed in the fp32 accumulator.
 * **fp32 -> bf16 casts** drop the low 16 bits (round toward zero), where GPUs round to nearest even; outputs
   rounded to bf16 would err up to twice as much as on a GPU. Fixed: rounded to nearest even, by torch's cast.
+* **fp32 -> float8 e4m3 casts** (``create_fp_to_fp``) do not round to nearest (a value of 12.1 came out 8 where a
+  GPU gives 12). Fixed: rounded to nearest even, by torch's cast. (float8 ``tl.dot`` is exact: the interpreter
+  widens the operands to fp16, which holds every e4m3 value.)
 * **Masks of loads, stores and atomics.** A comparison of scalars (``split < num_splits``) combined into a block mask
   reaches the load as int32 zeros and ones (the scalar comparison's handle keeps its operands' int32 type, and
   broadcasting it to a block converts its data to that type); triton 3.7 reads those as true and false, triton
@@ -18,9 +21,9 @@ another, and three of its operations differ from a GPU's (triton 3.7.1 and 3.9.0
   Fixed: every mask is read as bool, as the GPU's one-bit mask is.
 
 The fixes replace methods of the interpreter's ``InterpreterBuilder`` (``create_dot``, ``cast_impl``,
-``create_masked_load``, ``create_masked_store``, ``create_atomic_rmw``). Where a future interpreter lacks the first
-two as they are known here, bf16 would come out wrong, so ``check_launch`` refuses launches with bf16 tensors instead
-(``BF16_REFUSED`` says why); float16 and float32 need neither fix.
+``create_fp_to_fp``, ``create_masked_load``, ``create_masked_store``, ``create_atomic_rmw``). Where a future
+interpreter lacks the first two as they are known here, bf16 would come out wrong, so ``check_launch`` refuses
+launches with bf16 tensors instead (``BF16_REFUSED`` says why); float16 and float32 need neither fix.
 """
 
 from __future__ import annotations
@@ -113,6 +116,17 @@ def apply() -> None:
 
     builder.create_dot = create_dot
     builder.cast_impl = cast_impl  # create_fp_trunc and the other casts call self.cast_impl
+
+    fp_to_fp = getattr(builder, "create_fp_to_fp", None)
+    if fp_to_fp is not None and _params(fp_to_fp)[:2] == ["src", "dst_type"]:
+
+        def create_fp_to_fp(self, src, dst_type, *args, **kwargs):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+                values = torch.from_numpy(np.array(src.data, dtype=np.float32))
+                return handle(values.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), tl.float8e4nv)
+            return fp_to_fp(self, src, dst_type, *args, **kwargs)
+
+        builder.create_fp_to_fp = create_fp_to_fp
 
 
 def check_launch(args) -> None:

@@ -44,6 +44,7 @@ from types import SimpleNamespace
 import torch
 
 from flashtile import _backend, paged
+from flashtile.float8 import output_dtype
 from flashtile.options import AttentionOptions, Packing
 
 _SCHEMA_TYPES = {"float": "float", "int | None": "SymInt?", "torch.Tensor | None": "Tensor?", "bool": "bool"}
@@ -84,7 +85,7 @@ def _empty_forward(
     """(out, lse) of a call with no query rows or no keys, as torch's SDPA gives them: every row sees no key,
     so out is 0 and lse is -inf, or the row's sink logit (the sink is its softmax's only term). ``heads``: the
     dimension of lse that holds the heads."""
-    out = q.new_zeros(out_shape, dtype=q.dtype)
+    out = q.new_zeros(out_shape, dtype=output_dtype(q.dtype))
     if learnable_sink is None:
         return out, q.new_full(lse_shape, float("-inf"), dtype=torch.float32)
     sink = learnable_sink.float().view([-1 if d == heads else 1 for d in range(len(lse_shape))])
@@ -122,7 +123,7 @@ def _mask_view(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tor
 @attention_forward.register_fake
 def _(q, k, v, *flat):
     batch, seqlen_q, nheads, _ = q.shape
-    out = q.new_empty((batch, seqlen_q, nheads, v.shape[3]))
+    out = q.new_empty((batch, seqlen_q, nheads, v.shape[3]), dtype=output_dtype(q.dtype))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     return out, lse
 
@@ -212,13 +213,15 @@ _FORWARD_INPUTS = ("q", "k", "v", *_OPTION_NAMES)
 
 
 def _tensors_of(options: AttentionOptions) -> tuple:
-    return options.alibi_slopes, options.learnable_sink, options.rng_state, options.attn_mask
+    return options.alibi_slopes, options.learnable_sink, options.rng_state, options.attn_mask, options.descale
 
 
 def _save_options(ctx, options: AttentionOptions, num_inputs: int) -> None:
     """Keep ``options`` for the backward: its tensors saved (``_tensors_of``), the rest on ``ctx``; and how many inputs
     the op was given (under torch.compile trailing defaults may be left out: the backward returns that many)."""
-    ctx.options = dataclasses.replace(options, alibi_slopes=None, learnable_sink=None, rng_state=None, attn_mask=None)
+    ctx.options = dataclasses.replace(
+        options, alibi_slopes=None, learnable_sink=None, rng_state=None, attn_mask=None, descale=None
+    )
     ctx.num_inputs = num_inputs
 
 
@@ -233,10 +236,11 @@ def _needs_grad(ctx, names: tuple[str, ...], name: str) -> bool:
 
 
 def _saved_options(ctx, tensors: tuple) -> AttentionOptions:
-    alibi_slopes, learnable_sink, rng_state, attn_mask = tensors
+    alibi_slopes, learnable_sink, rng_state, attn_mask, descale = tensors
     return dataclasses.replace(
-        ctx.options, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, rng_state=rng_state, attn_mask=attn_mask
-    )
+        ctx.options, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, rng_state=rng_state, attn_mask=attn_mask,
+        descale=descale,
+    )  # fmt: skip
 
 
 def _grad_inputs(dout: torch.Tensor | None, out: torch.Tensor, dlse: torch.Tensor | None):

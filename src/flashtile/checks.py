@@ -43,17 +43,18 @@ def check_dtype(name: str, t: torch.Tensor) -> None:
         )
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, float8: bool = False) -> None:
     """Raise TypeError/ValueError unless q, k, v are valid flash_attn-layout inputs.
 
     q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
-    v (batch, seqlen_k, nheads_k, headdim_v); fp16, bf16 or fp32, one device, nheads % nheads_k == 0.
+    v (batch, seqlen_k, nheads_k, headdim_v); fp16, bf16 or fp32 (float8 e4m3 too if ``float8``: the caller
+    checked them with ``float8.check_float8``), one device, nheads % nheads_k == 0.
     Messages are built only on failure: this runs on every call.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
+        if t.dtype not in SUPPORTED_DTYPES and not (float8 and t.dtype == torch.float8_e4m3fn):
             check_dtype(name, t)
         if t.dim() != 4:
             raise InputError(

@@ -125,6 +125,7 @@ from torch import Tensor
 
 from flashtile import paged
 from flashtile._backend import Verdict, verdict
+from flashtile.float8 import FLOAT8, dequantized, output_dtype
 from flashtile.options import AttentionOptions, Packing
 
 BLOCK_M = 128  # query rows per tile (times the GQA group size)
@@ -685,7 +686,8 @@ def attention_forward(
     """Exact attention, by torch's fused kernel or by tiles with online softmax (``torch_kernel_route`` decides).
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32/fp64, last dimension contiguous
+        q: (batch, seqlen_q, nheads, headdim), fp16/bf16/fp32/fp64 or float8 e4m3 (with options.descale:
+           dequantized, computed in float32, out in bf16; ``flashtile.float8``), last dimension contiguous
         k: (batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0; query head h uses
            key/value head h // (nheads // nheads_k)
         v: (batch, seqlen_k, nheads_k, headdim_v)
@@ -715,6 +717,10 @@ def attention_forward(
         lse: (batch, nheads, seqlen_q) float32, natural-log sum of exp of the scores (and the sink);
            for a row that sees no key -inf, or the sink's value
     """
+    if q.dtype in FLOAT8:  # dequantized to float32 and computed as float32 inputs; out in bf16
+        q, k, v = dequantized(q, k, v, options.descale, torch.float32)
+        out, lse = attention_forward(q, k, v, dataclasses.replace(options, descale=None))
+        return out.to(output_dtype(FLOAT8[0])), lse
     drop = _drop if _drop is not None else _dropout(options.dropout_p, options.rng_state, q.shape[2], q.shape[1])
     route, _ = torch_kernel_route(q, k, v, options)
     softmax_scale, window_left, window_right = options.softmax_scale, options.window_left, options.window_right

@@ -53,14 +53,14 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) 
         q: (batch_size, seqlen_q, nheads, headdim); k, v: (batch_size, seqlen_k, nheads_k, headdim[_v]), as
             ``flashtile.flash_attn_func`` takes them: only their shapes, dtypes, devices and layouts matter
         args, kwargs: ``flashtile.flash_attn_func``'s other arguments (dropout_p, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, deterministic, learnable_sink); deterministic=False, its default,
-            lets the backward take the sm_90 kernel's atomics
+            window_size, softcap, alibi_slopes, deterministic, learnable_sink, q_descale, k_descale, v_descale);
+            deterministic=False, its default, lets the backward take the sm_90 kernel's atomics
 
     Returns:
         Explanation: ``.forward`` and ``.backward`` (``PassExplanation``: ``path``, ``passed_over``); ``str()``
         gives one line per pass, then one per family passed over with its reasons. Families, fastest first:
         ``sm90-gluon``, ``triton``, then ``triton-interpreter`` or ``cpu-torch`` / ``cpu-tiled``
-        (``flashtile._backend``).
+        (``flashtile._backend``); float8 inputs: ``triton-fp8`` or the CPU path, and no backward ("none").
 
     Raises:
         the errors ``flashtile.flash_attn_func`` raises for these arguments (flashtile.InputError,
@@ -76,6 +76,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) 
         softcap=given["softcap"], alibi_slopes=given["alibi_slopes"], learnable_sink=given["learnable_sink"],
         dropout_p=dropout_p, deterministic=given["deterministic"],
         rng_state=torch.zeros(2, dtype=torch.int64, device=q.device) if dropout_p else None,  # any: nothing runs
+        descales=(given["q_descale"], given["k_descale"], given["v_descale"]),
     )  # fmt: skip
     choices = _backend.pass_choices(q, k, v, options, every=True)
     forward, backward = (

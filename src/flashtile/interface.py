@@ -31,6 +31,7 @@ from flashtile.checks import (
 )
 from flashtile.dense import attention_probs
 from flashtile.errors import InputError
+from flashtile.float8 import check_float8, descale_of
 from flashtile.options import AttentionOptions, Packing, scale_or_default
 
 
@@ -86,20 +87,31 @@ def dropout_rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | 
 
 
 def prepared(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None, **options
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    descales: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None),
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionOptions, int | None]:
     """A call as the custom op takes it: (q, k, v checked, with a contiguous last dimension, the call's options
     decided once (``attention_options``, which takes ``options`` by name), and the head dim to slice the output
-    back to, or None). A head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``,
-    which also decides the default softmax_scale of the original head dim)."""
+    back to, or None). ``descales``: (q_descale, k_descale, v_descale) of float8 inputs (``flashtile.float8``). A
+    head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``, which also decides
+    the default softmax_scale of the original head dim)."""
+    float8 = check_float8(q, k, v, descales, **options)
     padded = pad_head_dim(q, k, v, softmax_scale)
     head_dim = None
     if padded is not None:
         q, k, v, softmax_scale, head_dim = padded
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, float8)
     check_softmax_scale(softmax_scale)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    options = attention_options(q, q.shape[1], k.shape[1], softmax_scale=softmax_scale, **options)
+    options = attention_options(
+        q, q.shape[1], k.shape[1], softmax_scale=softmax_scale, descale=descale_of(q, k, descales) if float8 else None,
+        **options,
+    )  # fmt: skip
     return q, k, v, options, head_dim
 
 
@@ -127,6 +139,7 @@ def attention_options(
     attn_mask: torch.Tensor | None = None,
     deterministic: bool = True,
     batch: int | None = None,
+    descale: torch.Tensor | None = None,
 ) -> AttentionOptions:
     """The options of a call on q (checked), validated and decided once: the window bounded by the lengths
     (``bounded_window``; packed batches pass their token counts), the default scale (``scale_or_default``), the
@@ -135,7 +148,8 @@ def attention_options(
 
     attn_mask: SDPA's mask, validated by ``flashtile.sdpa`` (4-D, each dimension 1 or full).
     deterministic: False lets the backward add dQ with atomics (on sm_90, ``ops.sm90.backward``).
-    rng_state: the dropout's randomness (``dropout_rng_state``), drawn when None and dropout_p > 0."""
+    rng_state: the dropout's randomness (``dropout_rng_state``), drawn when None and dropout_p > 0.
+    descale: float8 inputs' factors, checked (``float8.descale_of``)."""
     window_left, window_right = bounded_window(window_left, window_right, seqlen_q, seqlen_k)
     if rng_state is None:
         rng_state = dropout_rng_state(dropout_p, q.device)
@@ -145,6 +159,7 @@ def attention_options(
         softmax_scale=scale_or_default(softmax_scale, q.shape[-1]), window_left=window_left,
         window_right=window_right, alibi_slopes=alibi_slopes, softcap=float(softcap), learnable_sink=learnable_sink,
         dropout_p=float(dropout_p), rng_state=rng_state, attn_mask=attn_mask, deterministic=deterministic,
+        descale=descale,
     )  # fmt: skip
 
 
@@ -162,6 +177,9 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     learnable_sink: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Exact attention, softmax(q @ k^T * softmax_scale) @ v, without materialising the score matrix.
 
@@ -231,10 +249,16 @@ def flash_attn_func(
             without dropout the third element is None, as in flash_attn
         learnable_sink: keyword only, (nheads,) float32 on q's device, one logit per query head that
             joins the softmax denominator (as in gpt-oss and FlashAttention-4); differentiable
+        q_descale, k_descale, v_descale: keyword only, for q, k, v in torch.float8_e4m3fn (FlashAttention-3's
+            float8 forward): (batch_size, nheads_k) float32 on q's device, or None for 1.0; the attention is then
+            softmax(softmax_scale * (q * q_descale) @ (k * k_descale)^T) @ (v * v_descale), query head h taking
+            the factors of its KV head, and out is bfloat16. Forward only (no gradient), with causal, window_size
+            and MQA/GQA; not with dropout, softcap, alibi_slopes or learnable_sink (``flashtile.float8``)
 
     Raises:
         flashtile.InputTypeError (a TypeError): an input of the wrong type or dtype (q, k or v not float16,
-            bfloat16 or float32: its subclass UnsupportedDtypeError; alibi_slopes or learnable_sink not float32)
+            bfloat16, float32 or all three float8_e4m3fn: its subclass UnsupportedDtypeError; alibi_slopes,
+            learnable_sink or a descale factor not float32)
         flashtile.UnsupportedHeadDimError: a head dimension the kernels do not take (above 256, or headdim !=
             headdim_v and either not a multiple of 8)
         flashtile.InputError (a ValueError and a RuntimeError, as flash_attn raises): shapes, devices or options
@@ -243,7 +267,7 @@ def flash_attn_func(
             All are raised before anything launches.
 
     Returns:
-        out: (batch_size, seqlen_q, nheads, headdim_v)
+        out: (batch_size, seqlen_q, nheads, headdim_v), in q's dtype (bfloat16 for float8 inputs)
         if return_attn_probs: (out, softmax_lse, S_dmask) with softmax_lse (batch_size, nheads, seqlen_q),
             float32, the natural-log sum of exp of each row's scores (and of the sink), and S_dmask (batch_size,
             nheads, seqlen_q, seqlen_k) in q's dtype with dropout (negative where dropped), else None
@@ -253,7 +277,7 @@ def flash_attn_func(
     out, lse = attention(
         q, k, v, softmax_scale=softmax_scale, window_left=left, window_right=right, softcap=softcap,
         alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, dropout_p=dropout_p, deterministic=deterministic,
-        rng_state=rng_state,
+        rng_state=rng_state, descales=(q_descale, k_descale, v_descale),
     )  # fmt: skip
     if not return_attn_probs:
         return out

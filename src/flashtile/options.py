@@ -8,7 +8,8 @@ the dispatcher (``_backend``). Each option is decided here or at the face, never
   ``causal=True`` is window_right == 0 (``causal``), and a side past the lengths is None (``checks.bounded_window``);
 - softmax_scale: the default 1 / sqrt(headdim) comes from ``default_scale`` alone;
 - the score modifications (softcap, alibi_slopes), the learnable sink, dropout (dropout_p with its rng_state),
-  SDPA's attn_mask and deterministic (for the backward).
+  SDPA's attn_mask and deterministic (for the backward);
+- descale: float8 inputs' dequantization factors (``flashtile.float8``).
 
 ``Packing`` travels beside them for a variable-length batch: where each sequence's rows are, validated by
 ``interface.varlen_attention``, from there to the varlen launchers (``ops.attention``, ``cpu``).
@@ -42,7 +43,9 @@ class AttentionOptions:
     alibi_slopes[(b,) h] * |i + Sk - Sq - j| if given; learnable_sink (H,) float32 joins each row's softmax
     denominator. dropout_p > 0 drops probabilities with the keep mask of rng_state (int64 (2,) [seed, philox
     offset]). attn_mask: SDPA's 4-D mask (boolean or additive), each dimension 1 or full. deterministic: False
-    lets the backward sum dQ in any order (the sm_90 kernel's atomics).
+    lets the backward sum dQ in any order (the sm_90 kernel's atomics). descale: for float8 q, k, v,
+    (B, Hk, 2) float32 [q_descale * k_descale, v_descale] per batch entry and KV head (``float8.combined``): the
+    scores are multiplied by [..., 0] with the scale and out by [..., 1]; None: all ones.
 
     The fields' order is the custom ops' (``_ops.OPTIONS_SCHEMA``, made from these fields).
     """
@@ -57,6 +60,7 @@ class AttentionOptions:
     rng_state: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
     deterministic: bool = True
+    descale: torch.Tensor | None = None
 
     @property
     def causal(self) -> bool:
