@@ -276,8 +276,11 @@ def main() -> None:
     parser.add_argument("--tma", action="store_true", help="configs that ask for tensor descriptors")
     parser.add_argument("--profile", metavar="CASE", help="print cProfile's top entries for this case")
     parser.add_argument("--only", metavar="CASE", action="append", help="time only these cases")
-    parser.add_argument("--decode-step", action="store_true",
-                        help="a transformers model's decoding step: flashtile's attention function against sdpa's")
+    parser.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="a transformers model's decoding step: flashtile's attention function against sdpa's",
+    )
     parser.add_argument("--device", default="cpu", help="--decode-step: cpu (kernels stubbed) or cuda (real kernels)")
     parser.add_argument("--prompt", type=int, default=256, help="--decode-step: prompt tokens per row")
     parser.add_argument("--steps", type=int, default=64, help="--decode-step: steps timed")
@@ -343,8 +346,13 @@ def decode_step_table(args: argparse.Namespace) -> None:
             pstats.Stats(profile).sort_stats("tottime").print_stats(40)
             return
         for implementation in (name, "sdpa"):
-            row = {"impl": implementation, "device": args.device, "kernels": "stubbed" if stubbed else "real",
-                   "prompt": args.prompt, **decode_steps(implementation, args.device, args.prompt, args.steps, DTYPE)}
+            row = {
+                "impl": implementation,
+                "device": args.device,
+                "kernels": "stubbed" if stubbed else "real",
+                "prompt": args.prompt,
+                **decode_steps(implementation, args.device, args.prompt, args.steps, DTYPE),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
@@ -355,7 +363,8 @@ def decode_step_table(args: argparse.Namespace) -> None:
 
 
 def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    return subprocess.run(git, capture_output=True, text=True, check=False).stdout.strip()
 
 
 @contextlib.contextmanager

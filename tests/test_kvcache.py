@@ -915,7 +915,8 @@ def test_checks_kept_per_layout(monkeypatch):
     calls = [
         _bad(), _bad(), _bad(q=lambda kw: kw["q"].float(), k_cache=lambda kw: kw["k_cache"].float(),
         v_cache=lambda kw: kw["v_cache"].float(), k=lambda kw: kw["k"].float(), v=lambda kw: kw["v"].float()),
-        _bad(q=lambda kw: torch.cat([kw["q"], kw["q"]], -1)[..., : kw["q"].shape[-1]]), _bad(softcap=5.0), _bad(softcap=5.0),
+        _bad(q=lambda kw: torch.cat([kw["q"], kw["q"]], -1)[..., : kw["q"].shape[-1]]),
+        _bad(softcap=5.0), _bad(softcap=5.0),
     ]  # fmt: skip
     for kwargs in calls:
         flash_attn_with_kvcache(**kwargs)
