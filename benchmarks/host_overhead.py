@@ -12,6 +12,13 @@ descriptors are counted too. Rows: microseconds per call, min over 7 repetitions
 tensors keep the CPU's allocator and the autograd engine's CPU ops, such as the gradient of an unbind, out
 of the numbers). Backward rows call ``torch.autograd.grad`` (no accumulation into ``.grad``).
 ``--profile CASE`` prints cProfile's top entries for one row.
+
+    PYTHONPATH=src python3 benchmarks/host_overhead.py --decode-step [--device cuda] [--prompt 1024 2048]
+
+``--decode-step``: the attention of a transformers model's decoding step (``decode_steps``), flashtile's registered
+attention function against transformers' "sdpa": on the CPU with the kernels (and torch's SDPA) stubbed, so the
+host work alone; with ``--device cuda`` on the real kernels, with the device time and the host synchronisations
+per step. ``--profile x`` profiles flashtile's steps.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import itertools
 import json
 import platform
 import pstats
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -179,9 +188,10 @@ def decode_steps(implementation: str, device: str, prompt: int, steps: int, dtyp
     (``create_causal_mask`` over a left-padded 2-D mask and a DynamicCache) once, then each layer's attention
     function on its cache's keys and values (B, Hk, S, D) and a query (B, H, 1, D) transposed from the projection's
     layout. The cache grows by one token per step (its update is not timed: it is the model's, whatever the
-    attention). Returns per-step means in µs: ``mask_us``, ``attention_us`` (all layers), ``per_layer_us`` (both over
-    the layers); with CUDA also ``device_us`` (the attention kernels' time per step from torch.profiler) and
-    ``syncs_per_step`` (host synchronisations, from torch.cuda's sync debug mode)."""
+    attention). Returns per-step medians in µs (robust to a busy machine): ``mask_us``, ``attention_us`` (all
+    layers), ``per_layer_us`` (both over the layers); with CUDA also ``device_us`` (mean kernel time per step from
+    torch.profiler, the cache appends included) and ``syncs_per_step`` (host synchronisations, from torch.cuda's
+    sync debug mode)."""
     import transformers
     from transformers import masking_utils
 
@@ -208,7 +218,7 @@ def decode_steps(implementation: str, device: str, prompt: int, steps: int, dtyp
     embeds = torch.empty(STEP_BATCH, 1, config.hidden_size, dtype=dtype, device=device)
     ones = torch.ones(STEP_BATCH, 1, dtype=torch.long, device=device)
     on_gpu = device == "cuda"
-    totals = {"mask_us": 0.0, "attention_us": 0.0}
+    times = {"mask_us": [], "attention_us": []}
 
     def step(mask_2d: torch.Tensor) -> None:
         mask_2d = torch.cat([mask_2d, ones], dim=-1)
@@ -218,14 +228,14 @@ def decode_steps(implementation: str, device: str, prompt: int, steps: int, dtyp
         middle = time.perf_counter()
         for layer in range(STEP_LAYERS):
             cache.update(new_k, new_v, layer)
-        totals["mask_us"] += (middle - start) * 1e6
+        times["mask_us"].append((middle - start) * 1e6)
         middle = time.perf_counter()
         for layer in range(STEP_LAYERS):
             key, value = cache.layers[layer].keys, cache.layers[layer].values
             attend(layers[layer], query, key, value, seen, dropout=0.0, scaling=STEP_HEAD_DIM**-0.5,
                    position_ids=position)  # fmt: skip
         end = time.perf_counter()
-        totals["attention_us"] += (end - middle) * 1e6
+        times["attention_us"].append((end - middle) * 1e6)
         return mask_2d
 
     def run(count: int) -> None:
@@ -238,9 +248,10 @@ def decode_steps(implementation: str, device: str, prompt: int, steps: int, dtyp
         run(min(steps, 8))  # warm-up: compiles, plans
         if on_gpu:
             torch.cuda.synchronize()
-        totals.update(mask_us=0.0, attention_us=0.0)
+        for kept in times.values():
+            kept.clear()
         run(steps)
-        row = {key: round(value / steps, 1) for key, value in totals.items()}
+        row = {key: round(statistics.median(kept), 1) for key, kept in times.items()}
         row["per_layer_us"] = round((row["mask_us"] + row["attention_us"]) / STEP_LAYERS, 1)
         if on_gpu:
             row.update(_device_profile(run, steps))
@@ -282,7 +293,7 @@ def main() -> None:
         help="a transformers model's decoding step: flashtile's attention function against sdpa's",
     )
     parser.add_argument("--device", default="cpu", help="--decode-step: cpu (kernels stubbed) or cuda (real kernels)")
-    parser.add_argument("--prompt", type=int, default=256, help="--decode-step: prompt tokens per row")
+    parser.add_argument("--prompt", type=int, nargs="+", default=[256], help="--decode-step: prompt tokens per row")
     parser.add_argument("--steps", type=int, default=64, help="--decode-step: steps timed")
     args = parser.parse_args()
     if args.decode_step:
@@ -338,20 +349,20 @@ def decode_step_table(args: argparse.Namespace) -> None:
     rows = []
     with stubbed_decode() if stubbed else contextlib.nullcontext():
         if args.profile:
-            decode_steps(name, args.device, args.prompt, 8, DTYPE)
+            decode_steps(name, args.device, args.prompt[0], 8, DTYPE)
             profile = cProfile.Profile()
             profile.enable()
-            decode_steps(name, args.device, args.prompt, args.steps, DTYPE)
+            decode_steps(name, args.device, args.prompt[0], args.steps, DTYPE)
             profile.disable()
             pstats.Stats(profile).sort_stats("tottime").print_stats(40)
             return
-        for implementation in (name, "sdpa"):
+        for prompt, implementation in itertools.product(args.prompt, (name, "sdpa")):
             row = {
                 "impl": implementation,
                 "device": args.device,
                 "kernels": "stubbed" if stubbed else "real",
-                "prompt": args.prompt,
-                **decode_steps(implementation, args.device, args.prompt, args.steps, DTYPE),
+                "prompt": prompt,
+                **decode_steps(implementation, args.device, prompt, args.steps, DTYPE),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
