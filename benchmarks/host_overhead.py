@@ -280,7 +280,7 @@ def _device_profile(run: Callable[[int], None], steps: int) -> dict:
     return {"device_us": round(device_us / steps, 1), "syncs_per_step": round(syncs / steps, 2)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for host_overhead.json")
     parser.add_argument("--calls", type=int, default=1000, help="calls per repetition")
@@ -295,7 +295,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="--decode-step: cpu (kernels stubbed) or cuda (real kernels)")
     parser.add_argument("--prompt", type=int, nargs="+", default=[256], help="--decode-step: prompt tokens per row")
     parser.add_argument("--steps", type=int, default=64, help="--decode-step: steps timed")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.decode_step:
         decode_step_table(args)
         return
