@@ -262,13 +262,14 @@ def _device_profile(run: Callable[[int], None], steps: int) -> dict:
     """The device time of ``steps`` steps' kernels (torch.profiler) and the host synchronisations per step."""
     import warnings
 
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(steps)
         torch.cuda.synchronize()
-    device_us = sum(e.self_device_time_total for e in prof.key_averages())
+    device_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:

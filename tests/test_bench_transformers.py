@@ -36,9 +36,9 @@ def test_dry_run_writes_every_case(tmp_path, monkeypatch):
 def test_decode_step_host_time(tmp_path, monkeypatch):
     """``host_overhead.py --decode-step`` on the CPU: a row per implementation, the stubs put back afterwards."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import host_overhead
     import torch
 
+    import host_overhead
     from flashtile.ops.decode import split_kv
 
     kernel, sdpa = split_kv._split_kv_kernel, torch.nn.functional.scaled_dot_product_attention

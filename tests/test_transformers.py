@@ -260,7 +260,7 @@ def test_decoding_step(monkeypatch, case):
         padding[hole] = False
     layer = torch.nn.Module()
     layer.is_causal = True
-    for step in range(2):  # two forwards, each with its mask, of two layers
+    for _ in range(2):  # two forwards, each with its mask, of two layers
         q = torch.randn(batch, 1, heads, head_dim).transpose(1, 2)  # the projection's layout, transposed
         k, v = (torch.randn(batch, heads_k, length, head_dim) for _ in range(2))
         seen = fth.mask(batch, 1, length, length - 1, 0, attention_mask=padding)
@@ -275,6 +275,28 @@ def test_decoding_step(monkeypatch, case):
             assert_within_rule("out", out, ref, base)
         padding = padding.roll(1, 0)  # another mask in the next forward
     assert (decodes.calls == 4) == kvcache
+
+
+@pytest.mark.gpu
+def test_decoding_layers_do_not_synchronize():
+    """On the GPU a decoding step's layers add no host synchronisation to the mask function's one (the cache lengths
+    are made once per forward, without host-to-device copies, and their values are not checked again)."""
+    batch, length = 3, 40
+    padding = torch.ones(batch, length, dtype=torch.bool, device="cuda")
+    padding[1, :7] = False
+    q = torch.randn(batch, 1, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(batch, 2, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    seen = fth.mask(batch, 1, length, length - 1, 0, attention_mask=padding)
+    fth.attention_forward(layer, q, k, v, seen)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            fth.attention_forward(layer, q, k, v, seen)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_padding_takes_the_varlen_kernels(monkeypatch):

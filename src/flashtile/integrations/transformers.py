@@ -438,10 +438,13 @@ def _key_runs(
     """(cache_seqlens, cache_leftpad, one_run) of a (batch, kv_length) key mask whose queries are its last keys:
     where each row's keys would end (the last query's position + 1) and where its first key is, as (batch,) int32,
     and whether every row's keys are that one run (a 0-d bool tensor: no sync)."""
-    first = keys.int().argmax(-1)
-    end = torch.as_tensor(query_start + seqlen_q, device=keys.device).to(torch.int32)
-    one_run = ((end - first) == keys.sum(-1)).all()
-    return end.expand(keys.shape[0]).contiguous(), first.to(torch.int32), one_run
+    batch, device = keys.shape[0], keys.device
+    if isinstance(query_start, torch.Tensor):  # a static cache's, on the device
+        ends = (query_start + seqlen_q).to(device, torch.int32).expand(batch).contiguous()
+    else:  # no host-to-device copy, which would synchronise
+        ends = torch.full((batch,), query_start + seqlen_q, dtype=torch.int32, device=device)
+    first = keys.int().argmax(-1).to(torch.int32)
+    return ends, first, ((ends - first) == keys.sum(-1)).all()
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: Visibility, options: dict) -> torch.Tensor:
