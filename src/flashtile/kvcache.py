@@ -523,7 +523,9 @@ def flash_attn_with_kvcache(
         softmax_lse (if return_softmax_lse): (batch_size, nheads, seqlen_q), float32, the natural-log sum
             of exp of each row of scores (after scale, softcap and ALiBi); -inf for a row that sees no key
 
-    Validation. Shapes, dtypes and devices are always checked. The *values* of cache_seqlens,
+    Validation. Shapes, dtypes and devices are always checked: in eager calls once per combination of
+    the tensors' shapes, strides, dtypes and devices and the options, which later calls with the same
+    combination reuse (a decoding loop's layers pay the checks once per step). The *values* of cache_seqlens,
     cache_leftpad, cache_batch_idx and block_table are checked against the cache too, which for CUDA
     tensors costs one device-to-host copy (a synchronisation) per call; it is skipped while torch.compile
     traces, during CUDA-graph capture, and when switched off (``flashtile.check_values(False)`` or
