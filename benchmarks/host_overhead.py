@@ -191,7 +191,8 @@ def decode_steps(implementation: str, device: str, prompt: int, steps: int, dtyp
     attention). Returns per-step medians in µs (robust to a busy machine): ``mask_us``, ``attention_us`` (all
     layers), ``per_layer_us`` (both over the layers); with CUDA also ``device_us`` (mean kernel time per step from
     torch.profiler, the cache appends included) and ``syncs_per_step`` (host synchronisations, from torch.cuda's
-    sync debug mode)."""
+    sync debug mode). With CUDA the host times are those of queueing the work, except where a synchronisation waits
+    for the kernels queued before it (the mask function's, which ``mask_us`` then includes)."""
     import transformers
     from transformers import masking_utils
 
