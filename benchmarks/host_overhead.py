@@ -221,7 +221,7 @@ def decode_steps(implementation: str, device: str, prompt: int, steps: int, dtyp
     on_gpu = device == "cuda"
     times = {"mask_us": [], "attention_us": []}
 
-    def step(mask_2d: torch.Tensor) -> None:
+    def step(mask_2d: torch.Tensor) -> torch.Tensor:
         mask_2d = torch.cat([mask_2d, ones], dim=-1)
         position = torch.full((STEP_BATCH, 1), mask_2d.shape[1] - 1, device=device)
         start = time.perf_counter()
