@@ -3,6 +3,7 @@ flash_attn is installed), in one run on one GPU.
 
     PYTHONPATH=src python3 benchmarks/bench_transformers.py [--quick] [--out FILE]
     PYTHONPATH=src python3 benchmarks/bench_transformers.py --dry-run   # the plumbing, tiny sizes, on the CPU
+    PYTHONPATH=src python3 benchmarks/bench_transformers.py --generate-only --seqlens 4096 8192   # decoding only
 
 The model: a Llama-style ~1.1B-parameter decoder from a config (TinyLlama's shape: hidden 2048, 22 layers, 32 query
 and 4 key/value heads of 64, vocab 32000), random weights, bf16. Measured for each attention implementation:
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqlens", type=int, nargs="*", default=None, help="default 4096 8192 16384")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 64)")
     parser.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file too")
+    parser.add_argument("--generate-only", action="store_true", help="generation rows only (no training steps)")
     args = parser.parse_args(argv)
 
     name = fth.register()
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     common["max_abs_logit_diff_vs_sdpa"] = check(model, name, min(300, seqlens[0]))
     emit(dict(mode="check"))
     for seqlen in seqlens:
-        for kind in ("dense", "padded", "packed"):
+        for kind in () if args.generate_only else ("dense", "padded", "packed"):
             generator = torch.Generator().manual_seed(seqlen)
             inputs, real = training_batch(kind, seqlen, config["vocab_size"], step_tokens, generator)
             for implementation in implementations:

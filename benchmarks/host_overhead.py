@@ -12,6 +12,13 @@ descriptors are counted too. Rows: microseconds per call, min over 7 repetitions
 tensors keep the CPU's allocator and the autograd engine's CPU ops, such as the gradient of an unbind, out
 of the numbers). Backward rows call ``torch.autograd.grad`` (no accumulation into ``.grad``).
 ``--profile CASE`` prints cProfile's top entries for one row.
+
+    PYTHONPATH=src python3 benchmarks/host_overhead.py --decode-step [--device cuda] [--prompt 1024 2048]
+
+``--decode-step``: the attention of a transformers model's decoding step (``decode_steps``), flashtile's registered
+attention function against transformers' "sdpa": on the CPU with the kernels (and torch's SDPA) stubbed, so the
+host work alone; with ``--device cuda`` on the real kernels, with the device time and the host synchronisations
+per step. ``--profile x`` profiles flashtile's steps.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import itertools
 import json
 import platform
 import pstats
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -138,14 +147,160 @@ def time_calls(fn: Callable[[], Any], calls: int) -> float:
     return min(call_means(fn, calls))
 
 
-def main() -> None:
+# ---------------------------------------------------------------------------------------------------------------
+# One decoding step of a transformers model, attention only (``--decode-step``)
+
+STEP_BATCH, STEP_HEADS, STEP_KV_HEADS, STEP_HEAD_DIM, STEP_LAYERS = 8, 32, 4, 64, 22
+"""bench_transformers.py's generation: 8 left-padded rows, the Llama-style 1.1B model's heads and layers."""
+
+
+class _Layer(torch.nn.Module):
+    """What an attention function reads of a transformers attention layer."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.layer_idx, self.is_causal, self.num_key_value_groups = index, True, STEP_HEADS // STEP_KV_HEADS
+
+
+def _stubbed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch's SDPA with no arithmetic: the output allocation only."""
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+@contextlib.contextmanager
+def stubbed_decode() -> Iterator[None]:
+    """CPU tensors on the Triton decode launcher with its kernel (and the attention kernels, for the general path)
+    a no-op, value checks off as on a GPU under the integration, torch's SDPA a no-op."""
+    from flashtile.ops.decode import split_kv
+
+    saved_checks, saved_sdpa = _backend.values_checked, torch.nn.functional.scaled_dot_product_attention
+    _backend.values_checked = lambda device: False
+    torch.nn.functional.scaled_dot_product_attention = _stubbed_sdpa
+    try:
+        with stubbed_launches(kernels=(*ATTENTION_KERNELS, (split_kv, "_split_kv_kernel"))):
+            yield
+    finally:
+        _backend.values_checked, torch.nn.functional.scaled_dot_product_attention = saved_checks, saved_sdpa
+
+
+def decode_steps(implementation: str, device: str, prompt: int, steps: int, dtype: torch.dtype) -> dict:
+    """Time ``steps`` greedy-decoding steps' attention as a transformers model makes it: per step the mask function
+    (``create_causal_mask`` over a left-padded 2-D mask and a DynamicCache) once, then each layer's attention
+    function on its cache's keys and values (B, Hk, S, D) and a query (B, H, 1, D) transposed from the projection's
+    layout. The cache grows by one token per step (its update is not timed: it is the model's, whatever the
+    attention). Returns per-step medians in µs (robust to a busy machine): ``mask_us``, ``attention_us`` (all
+    layers), ``per_layer_us`` (both over the layers); with CUDA also ``device_us`` (mean kernel time per step from
+    torch.profiler, the cache appends included) and ``syncs_per_step`` (host synchronisations, from torch.cuda's
+    sync debug mode). With CUDA the host times are those of queueing the work, except where a synchronisation waits
+    for the kernels queued before it (the mask function's, which ``mask_us`` then includes)."""
+    import transformers
+    from transformers import masking_utils
+
+    config = transformers.LlamaConfig(
+        hidden_size=STEP_HEADS * STEP_HEAD_DIM, num_attention_heads=STEP_HEADS, num_key_value_heads=STEP_KV_HEADS,
+        num_hidden_layers=STEP_LAYERS, vocab_size=128,
+    )  # fmt: skip
+    config._attn_implementation = implementation
+    attend = transformers.AttentionInterface._global_mapping[implementation]
+    layers = [_Layer(i) for i in range(STEP_LAYERS)]
+    generator = torch.Generator().manual_seed(0)
+
+    def states(heads: int, length: int) -> torch.Tensor:
+        x = torch.randn(STEP_BATCH, length, heads, STEP_HEAD_DIM, generator=generator, dtype=torch.float32)
+        return x.to(device, dtype).transpose(1, 2)  # the projections' (B, S, H, D) seen as (B, H, S, D)
+
+    padding = torch.ones(STEP_BATCH, prompt, dtype=torch.long, device=device)
+    for row in range(1, STEP_BATCH):
+        padding[row, : row * prompt // 16] = 0
+    cache = transformers.DynamicCache(config=config)
+    for layer in range(STEP_LAYERS):
+        cache.update(states(STEP_KV_HEADS, prompt), states(STEP_KV_HEADS, prompt), layer)
+    new_k, new_v, query = states(STEP_KV_HEADS, 1), states(STEP_KV_HEADS, 1), states(STEP_HEADS, 1)
+    embeds = torch.empty(STEP_BATCH, 1, config.hidden_size, dtype=dtype, device=device)
+    ones = torch.ones(STEP_BATCH, 1, dtype=torch.long, device=device)
+    on_gpu = device == "cuda"
+    times = {"mask_us": [], "attention_us": []}
+
+    def step(mask_2d: torch.Tensor) -> torch.Tensor:
+        mask_2d = torch.cat([mask_2d, ones], dim=-1)
+        position = torch.full((STEP_BATCH, 1), mask_2d.shape[1] - 1, device=device)
+        start = time.perf_counter()
+        seen = masking_utils.create_causal_mask(config, embeds, mask_2d, cache, position)
+        middle = time.perf_counter()
+        for layer in range(STEP_LAYERS):
+            cache.update(new_k, new_v, layer)
+        times["mask_us"].append((middle - start) * 1e6)
+        middle = time.perf_counter()
+        for layer in range(STEP_LAYERS):
+            key, value = cache.layers[layer].keys, cache.layers[layer].values
+            attend(layers[layer], query, key, value, seen, dropout=0.0, scaling=STEP_HEAD_DIM**-0.5,
+                   position_ids=position)  # fmt: skip
+        end = time.perf_counter()
+        times["attention_us"].append((end - middle) * 1e6)
+        return mask_2d
+
+    def run(count: int) -> None:
+        mask_2d = padding
+        for _ in range(count):
+            mask_2d = step(mask_2d)
+        cache.crop(-count)
+
+    with torch.no_grad():
+        run(min(steps, 8))  # warm-up: compiles, plans
+        if on_gpu:
+            torch.cuda.synchronize()
+        for kept in times.values():
+            kept.clear()
+        run(steps)
+        row = {key: round(statistics.median(kept), 1) for key, kept in times.items()}
+        row["per_layer_us"] = round((row["mask_us"] + row["attention_us"]) / STEP_LAYERS, 1)
+        if on_gpu:
+            row.update(_device_profile(run, steps))
+    return row
+
+
+def _device_profile(run: Callable[[int], None], steps: int) -> dict:
+    """The device time of ``steps`` steps' kernels (torch.profiler) and the host synchronisations per step."""
+    import warnings
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(steps)
+        torch.cuda.synchronize()
+    device_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchronizing" in str(w.message) for w in caught)
+    return {"device_us": round(device_us / steps, 1), "syncs_per_step": round(syncs / steps, 2)}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for host_overhead.json")
     parser.add_argument("--calls", type=int, default=1000, help="calls per repetition")
     parser.add_argument("--tma", action="store_true", help="configs that ask for tensor descriptors")
     parser.add_argument("--profile", metavar="CASE", help="print cProfile's top entries for this case")
     parser.add_argument("--only", metavar="CASE", action="append", help="time only these cases")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="a transformers model's decoding step: flashtile's attention function against sdpa's",
+    )
+    parser.add_argument("--device", default="cpu", help="--decode-step: cpu (kernels stubbed) or cuda (real kernels)")
+    parser.add_argument("--prompt", type=int, nargs="+", default=[256], help="--decode-step: prompt tokens per row")
+    parser.add_argument("--steps", type=int, default=64, help="--decode-step: steps timed")
+    args = parser.parse_args(argv)
+    if args.decode_step:
+        decode_step_table(args)
+        return
     rows = []
     with stubbed_launches(args.tma):
         table = cases()
@@ -179,13 +334,50 @@ def main() -> None:
             "processor": platform.processor(),
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "commit": subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-            ).stdout.strip(),
+            "commit": _commit(),
             "tma": args.tma,
             "shape": [BATCH, SEQLEN, NHEADS, HEAD_DIM],
         }
         (args.out / "host_overhead.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
+
+
+def decode_step_table(args: argparse.Namespace) -> None:
+    """``--decode-step``: one row per implementation (flashtile's registered name, "sdpa"); ``--profile`` with any
+    case name profiles flashtile's steps instead."""
+    import flashtile.integrations.transformers as fth
+
+    name = fth.register()
+    stubbed = args.device == "cpu"
+    rows = []
+    with stubbed_decode() if stubbed else contextlib.nullcontext():
+        if args.profile:
+            decode_steps(name, args.device, args.prompt[0], 8, DTYPE)
+            profile = cProfile.Profile()
+            profile.enable()
+            decode_steps(name, args.device, args.prompt[0], args.steps, DTYPE)
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(40)
+            return
+        for prompt, implementation in itertools.product(args.prompt, (name, "sdpa")):
+            row = {
+                "impl": implementation,
+                "device": args.device,
+                "kernels": "stubbed" if stubbed else "real",
+                "prompt": prompt,
+                **decode_steps(implementation, args.device, prompt, args.steps, DTYPE),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        header = {"torch": torch.__version__, "commit": _commit(), "shape": [STEP_BATCH, STEP_HEADS, STEP_KV_HEADS,
+                  STEP_HEAD_DIM, STEP_LAYERS]}  # fmt: skip
+        (args.out / "decode_step.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
+
+
+def _commit() -> str:
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    return subprocess.run(git, capture_output=True, text=True, check=False).stdout.strip()
 
 
 @contextlib.contextmanager

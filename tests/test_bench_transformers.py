@@ -31,3 +31,19 @@ def test_dry_run_writes_every_case(tmp_path, monkeypatch):
         assert ("decode", "left-padded", impl) in cases
     training = [r for r in records if r["pass"] == "fwd+bwd"]
     assert all(r["extra"]["tokens_per_s"] > 0 and r["extra"]["tokens"] <= r["extra"]["slots"] for r in training)
+
+
+def test_decode_step_host_time(tmp_path, monkeypatch):
+    """``host_overhead.py --decode-step`` on the CPU: a row per implementation, the stubs put back afterwards."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import torch
+
+    import host_overhead
+    from flashtile.ops.decode import split_kv
+
+    kernel, sdpa = split_kv._split_kv_kernel, torch.nn.functional.scaled_dot_product_attention
+    host_overhead.main(["--decode-step", "--steps", "2", "--prompt", "16", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "decode_step.json").read_text())["rows"]
+    assert [row["impl"] for row in rows] == ["tile_attention", "sdpa"]
+    assert all(row["per_layer_us"] > 0 for row in rows)
+    assert split_kv._split_kv_kernel is kernel and torch.nn.functional.scaled_dot_product_attention is sdpa

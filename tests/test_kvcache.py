@@ -14,6 +14,7 @@ import contextlib
 import math
 import zlib
 from dataclasses import dataclass, replace
+from functools import partial
 
 import pytest
 import torch
@@ -869,6 +870,57 @@ def test_bad_inputs(no_launch, path, case):
     with pytest.raises(error, match=message):
         flash_attn_with_kvcache(**kwargs)
     assert torch.equal(kwargs["k_cache"], k_cache) and torch.equal(kwargs["v_cache"], v_cache)
+
+
+AFTER_A_GOOD_CALL = {
+    "int-seqlens": (dict(cache_seqlens=10), dict(cache_seqlens=48), ValueError, r"cache_seqlens \+ seqlen_new"),
+    "scale-bool": (dict(softmax_scale=1), dict(softmax_scale=True), TypeError, "softmax_scale must be a float"),
+    "window-bool": (dict(window_size=(1, 0)), dict(window_size=(True, 0)), TypeError, "window_size"),
+}
+"""(changes of a valid call, changes of an invalid one that differs from it only in an argument's type or value,
+error, message)."""
+
+
+@pytest.mark.parametrize("case", [*BAD, *AFTER_A_GOOD_CALL])
+def test_bad_inputs_after_a_good_call(monkeypatch, case):
+    """The checks a call passed are kept for its layouts and options (``flashtile.kvcache._call_key``): a call that
+    differs in anything a check reads (a dtype, shape, stride, an option's type or value, an int cache_seqlens) is
+    checked again, and index values are checked on every call."""
+    launches = []
+
+    def launched(q, *args):
+        launches.append(q)
+        return q, q
+
+    monkeypatch.setattr(flashtile.ops.decode, "kvcache_forward", launched)
+    monkeypatch.setattr(flashtile.cpu_decode, "kvcache_forward", launched)
+    if case in BAD:
+        good, (make, error, message) = {}, BAD[case]
+    else:
+        good, bad, error, message = AFTER_A_GOOD_CALL[case]
+        make = partial(_bad, **bad)
+    for _ in range(2):  # checked, then kept
+        flash_attn_with_kvcache(**_bad(**good))
+    with pytest.raises(error, match=message):
+        flash_attn_with_kvcache(**make())
+    assert len(launches) == 2
+
+
+def test_checks_kept_per_layout(monkeypatch):
+    """Calls of one layout are checked once; a changed dtype, stride or option is checked anew."""
+    checks = []
+    check_call = flashtile.kvcache._check_call
+    monkeypatch.setattr(flashtile.kvcache, "_check_call", lambda *args: checks.append(1) or check_call(*args))
+    flashtile.kvcache._CHECKED.clear()
+    calls = [
+        _bad(), _bad(), _bad(q=lambda kw: kw["q"].float(), k_cache=lambda kw: kw["k_cache"].float(),
+        v_cache=lambda kw: kw["v_cache"].float(), k=lambda kw: kw["k"].float(), v=lambda kw: kw["v"].float()),
+        _bad(q=lambda kw: torch.cat([kw["q"], kw["q"]], -1)[..., : kw["q"].shape[-1]]),
+        _bad(softcap=5.0), _bad(softcap=5.0),
+    ]  # fmt: skip
+    for kwargs in calls:
+        flash_attn_with_kvcache(**kwargs)
+    assert len(checks) == 4
 
 
 def test_unused_block_table_entries_may_hold_anything(path):

@@ -234,6 +234,71 @@ def spy(monkeypatch, function: str):
     return counted
 
 
+DECODING_MASKS = {
+    "left-padded": ((0, 2, 5), None, True),
+    "no-padding": ((0, 0, 0), None, True),
+    "a-hole": ((0, 2, 0), (2, 4), False),
+}
+"""name -> (leading padding of each row, (row, position) of a key missing inside a row or None, whether the step
+takes flash_attn_with_kvcache)."""
+
+
+@pytest.mark.parametrize("case", DECODING_MASKS)
+def test_decoding_step(monkeypatch, case):
+    """One query per row against a DynamicCache-shaped cache, as every layer of a decoding step reads it: the cache
+    lengths derived from the mask once per forward serve every layer; a row whose keys are not one run takes the
+    varlen kernels; every row equals SDPA's (float64 the reference, float32 the base)."""
+    from oracle import assert_within_rule
+
+    pads, hole, kvcache = DECODING_MASKS[case]
+    batch, heads, heads_k, head_dim, length = 3, 4, 2, 16, 9
+    decodes = spy(monkeypatch, "flash_attn_with_kvcache")
+    padding = torch.ones(batch, length, dtype=torch.bool)
+    for row, pad in enumerate(pads):
+        padding[row, :pad] = False
+    if hole is not None:
+        padding[hole] = False
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    for _ in range(2):  # two forwards, each with its mask, of two layers
+        q = torch.randn(batch, 1, heads, head_dim).transpose(1, 2)  # the projection's layout, transposed
+        k, v = (torch.randn(batch, heads_k, length, head_dim) for _ in range(2))
+        seen = fth.mask(batch, 1, length, length - 1, 0, attention_mask=padding)
+        for _ in range(2):
+            out, _ = fth.attention_forward(layer, q, k, v, seen, scaling=0.3)
+            ref, base = (
+                torch.nn.functional.scaled_dot_product_attention(
+                    q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=padding[:, None, None], scale=0.3, enable_gqa=True
+                ).transpose(1, 2).float()
+                for dtype in (torch.float64, torch.float32)
+            )  # fmt: skip
+            assert_within_rule("out", out, ref, base)
+        padding = padding.roll(1, 0)  # another mask in the next forward
+    assert (decodes.calls == 4) == kvcache
+
+
+@pytest.mark.gpu
+def test_decoding_layers_do_not_synchronize():
+    """On the GPU a decoding step's layers add no host synchronisation to the mask function's one (the cache lengths
+    are made once per forward, without host-to-device copies, and their values are not checked again)."""
+    batch, length = 3, 40
+    padding = torch.ones(batch, length, dtype=torch.bool, device="cuda")
+    padding[1, :7] = False
+    q = torch.randn(batch, 1, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(batch, 2, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    seen = fth.mask(batch, 1, length, length - 1, 0, attention_mask=padding)
+    fth.attention_forward(layer, q, k, v, seen)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            fth.attention_forward(layer, q, k, v, seen)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_padding_takes_the_varlen_kernels(monkeypatch):
     """A padded batch is unpadded into the varlen kernels (no dense mask); an unpadded one takes flash_attn_func."""
     model = build(FAMILIES[0])

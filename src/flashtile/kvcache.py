@@ -329,6 +329,94 @@ def _eager(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
+MAX_CHECKED = 256
+"""Checked call layouts kept before ``_CHECKED`` starts over (a growing cache makes a new layout per decoding step)."""
+
+_CHECKED: dict[tuple, tuple] = {}
+"""What ``_check_call`` returned, by ``_call_key``: a later eager call of the same layouts and options skips the
+checks of shapes, dtypes, devices and options (which depend on nothing else) and runs only the checks of index
+values."""
+
+
+def _call_key(tensors: tuple, scalars: tuple, window_size: object) -> tuple | None:
+    """Everything ``_check_call`` reads of a call: each tensor's shape, strides, dtype and device (None where absent;
+    an int cache_seqlens by type and value), each option by type and value, and window_size's items by type and
+    value; None (no key: the call is checked) for a tensor subclass or any other argument type."""
+    key = []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is torch.Tensor:
+            key.append((t.shape, t.stride(), t.dtype, t.device))
+        elif type(t) is int:
+            key.append(t)
+        else:
+            return None
+    for x in scalars:
+        if type(x) not in (int, float, bool, type(None)):
+            return None
+        key.append((type(x), x))
+    if type(window_size) is not tuple or len(window_size) != 2:
+        return None
+    for w in window_size:
+        if type(w) is not int:
+            return None
+    return (*key, window_size)
+
+
+def _check_call(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+    softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+) -> tuple[int, int, int | None, int | None, float, float]:  # fmt: skip
+    """Check everything of a ``flash_attn_with_kvcache`` call but the index values: the tensors' types, shapes,
+    dtypes, devices and layouts, an int cache_seqlens, and the options. Returns (seqlen_new, seqlen_cache, window
+    left, window right, softcap, softmax_scale) as the kernels take them."""
+    _check_q(q)
+    batch, _, _, head_dim = q.shape
+    device = q.device
+    _check_cache(q, k_cache, v_cache, block_table is not None)
+    seqlen_cache = _check_layout(batch, k_cache, cache_batch_idx, block_table)
+    _check_index("cache_batch_idx", cache_batch_idx, (batch,), device)
+    _check_index("cache_leftpad", cache_leftpad, (batch,), device)
+
+    if (k is None) != (v is None):
+        raise InputError("k and v must be given together (new keys and their values), or neither.")
+    seqlen_new = 0
+    if k is not None:
+        check_qkv(q, k, v)
+        if k.shape[2:] != k_cache.shape[2:] or v.shape[2:] != v_cache.shape[2:]:
+            raise InputError(
+                f"k and v must be (batch_size, seqlen_new, nheads_k, headdim[_v]) matching the cache's last two "
+                f"dims {tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}, got {tuple(k.shape)} and "
+                f"{tuple(v.shape)}."
+            )
+        if cache_seqlens is None:
+            raise InputError("cache_seqlens must be given with k and v: it says where they go.")
+        seqlen_new = k.shape[1]
+        if seqlen_new > seqlen_cache:
+            raise InputError(
+                f"k and v hold {seqlen_new} new tokens but the cache has room for {seqlen_cache}. Allocate a "
+                "longer cache."
+            )
+    if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
+            raise InputError(
+                f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length), got "
+                f"cache_seqlens={cache_seqlens} and seqlen_new={seqlen_new}. Allocate a longer cache."
+            )
+    else:
+        _check_index("cache_seqlens", cache_seqlens, (batch,), device)
+    _check_rotary(q, k, rotary_cos, rotary_sin, seqlen_cache)
+    softcap = check_options(q, softcap, alibi_slopes, None)[0]
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise InputError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}.")
+    # A side past the cache (or past the new tokens, on the right) hides no key: unbounded (``bounded_window``).
+    left, right = bounded_window(*window_bounds(window_size, causal), q.shape[1], seqlen_cache)
+    check_softmax_scale(softmax_scale)
+    softmax_scale = scale_or_default(softmax_scale, head_dim)
+    return seqlen_new, seqlen_cache, left, right, softcap, softmax_scale
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -435,7 +523,9 @@ def flash_attn_with_kvcache(
         softmax_lse (if return_softmax_lse): (batch_size, nheads, seqlen_q), float32, the natural-log sum
             of exp of each row of scores (after scale, softcap and ALiBi); -inf for a row that sees no key
 
-    Validation. Shapes, dtypes and devices are always checked. The *values* of cache_seqlens,
+    Validation. Shapes, dtypes and devices are always checked: in eager calls once per combination of
+    the tensors' shapes, strides, dtypes and devices and the options, which later calls with the same
+    combination reuse (a decoding loop's layers pay the checks once per step). The *values* of cache_seqlens,
     cache_leftpad, cache_batch_idx and block_table are checked against the cache too, which for CUDA
     tensors costs one device-to-host copy (a synchronisation) per call; it is skipped while torch.compile
     traces, during CUDA-graph capture, and when switched off (``flashtile.check_values(False)`` or
@@ -464,49 +554,28 @@ def flash_attn_with_kvcache(
             k_cache.copy_(k_cache_padded[..., :head_dim])
             v_cache.copy_(v_cache_padded[..., :head_dim])
         return (out, lse) if return_softmax_lse else out
-    _check_q(q)
-    batch, seqlen_q, _, head_dim = q.shape
+    eager = _eager(q, k_cache, v_cache, k, v)
+    key = _call_key(
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+         alibi_slopes),
+        (softmax_scale, causal, softcap, num_splits), window_size,
+    ) if eager else None  # fmt: skip
+    checked = _CHECKED.get(key) if key is not None else None
+    if checked is None:
+        checked = _check_call(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+        )  # fmt: skip
+        if key is not None:
+            if len(_CHECKED) >= MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED[key] = checked
+    seqlen_new, seqlen_cache, left, right, softcap, softmax_scale = checked
+    batch, seqlen_q = q.shape[:2]
     device = q.device
-    _check_cache(q, k_cache, v_cache, block_table is not None)
-    seqlen_cache = _check_layout(batch, k_cache, cache_batch_idx, block_table)
-    _check_index("cache_batch_idx", cache_batch_idx, (batch,), device)
-    _check_index("cache_leftpad", cache_leftpad, (batch,), device)
-
-    if (k is None) != (v is None):
-        raise InputError("k and v must be given together (new keys and their values), or neither.")
-    seqlen_new = 0
-    if k is not None:
-        check_qkv(q, k, v)
-        if k.shape[2:] != k_cache.shape[2:] or v.shape[2:] != v_cache.shape[2:]:
-            raise InputError(
-                f"k and v must be (batch_size, seqlen_new, nheads_k, headdim[_v]) matching the cache's last two "
-                f"dims {tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}, got {tuple(k.shape)} and "
-                f"{tuple(v.shape)}."
-            )
-        if cache_seqlens is None:
-            raise InputError("cache_seqlens must be given with k and v: it says where they go.")
-        seqlen_new = k.shape[1]
-        if seqlen_new > seqlen_cache:
-            raise InputError(
-                f"k and v hold {seqlen_new} new tokens but the cache has room for {seqlen_cache}. Allocate a "
-                "longer cache."
-            )
-        k, v = last_dim_contiguous(k), last_dim_contiguous(v)
-    if isinstance(cache_seqlens, int):
-        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
-            raise InputError(
-                f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length), got "
-                f"cache_seqlens={cache_seqlens} and seqlen_new={seqlen_new}. Allocate a longer cache."
-            )
-    else:
-        _check_index("cache_seqlens", cache_seqlens, (batch,), device)
-    _check_rotary(q, k, rotary_cos, rotary_sin, seqlen_cache)
-    softcap, alibi_slopes, _ = check_options(q, softcap, alibi_slopes, None)
-    if not isinstance(num_splits, int) or num_splits < 0:
-        raise InputError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}.")
-    # A side past the cache (or past the new tokens, on the right) hides no key: unbounded (``bounded_window``).
-    left, right = bounded_window(*window_bounds(window_size, causal), q.shape[1], seqlen_cache)
     rotary_per_token = left is not None or right is not None
+    if k is not None:
+        k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     if _backend.values_checked(device):  # one device-to-host copy on CUDA (docs/validation.md)
         _check_cache_values(
             cache_seqlens, cache_leftpad, cache_batch_idx, block_table, batch, seqlen_new, seqlen_cache,
@@ -514,16 +583,13 @@ def flash_attn_with_kvcache(
         )  # fmt: skip
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=INDEX_DTYPE, device=device)
-
-    check_softmax_scale(softmax_scale)
-    softmax_scale = scale_or_default(softmax_scale, head_dim)
     # The kernels index these as dense rows: make them so (a no-op when they are; 1-D tensors are rows too).
     args = (
         last_dim_contiguous(q), k_cache, v_cache, k, v, _dense(rotary_cos), _dense(rotary_sin), _dense(cache_seqlens),
-        _dense(cache_batch_idx), _dense(cache_leftpad), _dense(block_table), alibi_slopes, softmax_scale,
+        _dense(cache_batch_idx), _dense(cache_leftpad), _dense(block_table), _dense(alibi_slopes), softmax_scale,
         left, right, float(softcap), rotary_interleaved, rotary_per_token, num_splits,
     )  # fmt: skip
-    if _eager(q, k_cache, v_cache, k, v):
+    if eager:
         out, lse = _implementation(device)(*args)
         torch.autograd.graph.increment_version(k_cache)  # as the custom op does for its mutated arguments
         torch.autograd.graph.increment_version(v_cache)

@@ -136,7 +136,8 @@ class Visibility(NamedTuple):
     shape: tuple[int, int, int, int]
     """(batch, 1, q_length, kv_length): the shape of the boolean mask this stands for."""
     memo: dict
-    """Unpadding indices computed by the first layer, reused by the others (not while compiling)."""
+    """What the layers derive from the mask, made once per forward and reused by every layer (not while compiling):
+    decoding's cache lengths, unpadding indices, packed-sequence boundaries."""
 
     @property
     def ndim(self) -> int:
@@ -196,10 +197,20 @@ def mask(
         device = kwargs.get("device", keys.device if keys is not None else "cpu")
         reach = torch.arange(kv_length, device=device) < query_end + window_right
         keys = reach.expand(batch_size, kv_length) if keys is None else keys & reach
-    if keys is not None and not torch.compiler.is_compiling() and bool(keys.all()):  # one sync, as transformers'
-        keys = None
+    memo = {}
+    if keys is not None and not torch.compiler.is_compiling():
+        # One sync, as transformers' own: whether every key exists, and for a decoding step whether each row's keys
+        # are one run, with the cache lengths that ``_decode`` hands every layer.
+        if q_length == 1:
+            cache_seqlens, cache_leftpad, one_run = _key_runs(keys, query_start, q_length)
+            every, one_run = torch.stack([keys.all(), one_run]).tolist()
+            memo["decode"] = (cache_seqlens, cache_leftpad) if one_run else None
+        else:
+            every = bool(keys.all())
+        if every:
+            keys, memo = None, {}
     shape = (batch_size, 1, q_length, kv_length)
-    return Visibility(window_left, window_right, keys, query_start, sequence_ids, shape, {})
+    return Visibility(window_left, window_right, keys, query_start, sequence_ids, shape, memo)
 
 
 def _pattern(fn: Callable) -> tuple[int | None, int | None, torch.Tensor | None] | None:
@@ -415,30 +426,45 @@ def _decodes(seen: Visibility, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return False
     if seen.key_mask is None or torch.compiler.is_compiling():
         return True
-    if "run" not in seen.memo:
-        keys = seen.key_mask
-        first = keys.int().argmax(-1)
-        end = int(seen.query_start) + q.shape[1]
-        seen.memo["run"] = bool(((end - first) == keys.sum(-1)).all()), first.to(torch.int32)
-    return seen.memo["run"][0]
+    if "decode" not in seen.memo:  # a mask built for several queries per row, read by one
+        cache_seqlens, cache_leftpad, one_run = _key_runs(seen.key_mask, seen.query_start, q.shape[1])
+        seen.memo["decode"] = (cache_seqlens, cache_leftpad) if bool(one_run) else None
+    return seen.memo["decode"] is not None
+
+
+def _key_runs(
+    keys: torch.Tensor, query_start: int | torch.Tensor, seqlen_q: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cache_seqlens, cache_leftpad, one_run) of a (batch, kv_length) key mask whose queries are its last keys:
+    where each row's keys would end (the last query's position + 1) and where its first key is, as (batch,) int32,
+    and whether every row's keys are that one run (a 0-d bool tensor: no sync)."""
+    batch, device = keys.shape[0], keys.device
+    if isinstance(query_start, torch.Tensor):  # a static cache's, on the device
+        ends = (query_start + seqlen_q).to(device, torch.int32).expand(batch).contiguous()
+    else:  # no host-to-device copy, which would synchronise
+        ends = torch.full((batch,), query_start + seqlen_q, dtype=torch.int32, device=device)
+    first = keys.int().argmax(-1).to(torch.int32)
+    return ends, first, ((ends - first) == keys.sum(-1)).all()
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: Visibility, options: dict) -> torch.Tensor:
     """``flash_attn_with_kvcache`` on transformers' cache as it is (the new keys are in it already): keys
-    [cache_leftpad, cache_seqlens) of each row, the query the last of them."""
-    kvcache_options = {name: options[name] for name in ("softmax_scale", "causal", "window_size", "softcap")}
+    [cache_leftpad, cache_seqlens) of each row, the query the last of them; the whole cache without padding."""
+    scale, causal, window = options["softmax_scale"], options["causal"], options["window_size"]
+    softcap = options["softcap"]
     if seen.key_mask is None:
-        return flashtile.flash_attn_with_kvcache(q, k, v, **kvcache_options)
-    keys = seen.key_mask
-    if "run" in seen.memo:
-        first = seen.memo["run"][1]
+        return flashtile.flash_attn_with_kvcache(
+            q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap
+        )
+    if torch.compiler.is_compiling():
+        cache_seqlens, cache_leftpad, _ = _key_runs(seen.key_mask, seen.query_start, q.shape[1])
     else:
-        first = keys.int().argmax(-1).to(torch.int32)
-    end = torch.as_tensor(seen.query_start + q.shape[1], device=q.device).to(torch.int32).expand(q.shape[0])
+        cache_seqlens, cache_leftpad = seen.memo["decode"]  # made once per forward (``mask``, ``_decodes``)
     with _built_here():
         return flashtile.flash_attn_with_kvcache(
-            q, k, v, cache_seqlens=end.contiguous(), cache_leftpad=first, **kvcache_options
-        )
+            q, k, v, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, softmax_scale=scale, causal=causal,
+            window_size=window, softcap=softcap,
+        )  # fmt: skip
 
 
 def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: Visibility, options: dict) -> torch.Tensor:
