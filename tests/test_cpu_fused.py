@@ -35,12 +35,16 @@ pytestmark = pytest.mark.skipif(
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@pytest.fixture(params=["torch", "tiled"])
+@pytest.fixture(params=["torch", "tiled", "tiled-bf16-products"])
 def route(request, monkeypatch):
-    """The CPU path by the public API, with torch's fused kernel allowed ("torch") or not ("tiled"); ``calls``
-    counts the kernel's forward and backward calls."""
+    """The CPU path by the public API, with torch's fused kernel allowed ("torch") or not ("tiled"; with
+    ``cpu.BF16_PRODUCTS``: "tiled-bf16-products", for the bf16 cases only); ``calls`` counts the kernel's forward
+    and backward calls."""
+    if request.param == "tiled-bf16-products" and request.node.callspec.params.get("dtype") != torch.bfloat16:
+        pytest.skip("cpu.BF16_PRODUCTS changes only bf16 calls (the cases with a bf16 dtype parameter)")
     monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
     monkeypatch.setattr(cpu, "TORCH_KERNEL", request.param == "torch")
+    monkeypatch.setattr(cpu, "BF16_PRODUCTS", request.param == "tiled-bf16-products")
     calls = {"forward": 0, "backward": 0}
 
     def counted(name, op):

@@ -60,28 +60,19 @@ def test_inputs_are_not_modified():
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v, dout), strict=True))
 
 
-@pytest.mark.parametrize("other_thread", [False, True], ids=["alone", "beside-a-thread"])
-def test_bf16_products_setting_is_scoped(monkeypatch, other_thread):
-    """oneDNN's bf16 mode for float32 products is process-wide: the tiled path turns it on for a bf16 call only
-    while no other Python thread runs (whose float32 products it would round), and restores it after."""
-    import threading
-
+@pytest.mark.parametrize("on", [False, True], ids=["default", "BF16_PRODUCTS"])
+def test_bf16_products_setting_is_scoped(monkeypatch, on):
+    """oneDNN's bf16 mode for float32 products is process-wide: the tiled path turns it on for a bf16 call only with
+    cpu.BF16_PRODUCTS, and restores it after."""
     setting = getattr(torch.backends.mkldnn, "matmul", None)
     if not hasattr(setting, "fp32_precision"):
         pytest.skip("this torch has no oneDNN float32-precision setting")
+    monkeypatch.setattr(cpu, "BF16_PRODUCTS", on)
     seen = []
     tiled = cpu._tiled_forward
     monkeypatch.setattr(cpu, "_tiled_forward", lambda *a: seen.append(setting.fp32_precision) or tiled(*a))
     before = setting.fp32_precision
     q, k, v = (torch.randn(1, 40, 2, 32, dtype=torch.bfloat16) for _ in range(3))
-    options = AttentionOptions(softmax_scale=32**-0.5, window_left=None, window_right=None, softcap=5.0)
-    release = threading.Event()
-    waiter = threading.Thread(target=release.wait)
-    if other_thread:
-        waiter.start()
-    try:
-        cpu.attention_forward(q, k, v, options)
-    finally:
-        release.set()
-    assert seen == [before if other_thread else "bf16"]
+    cpu.attention_forward(q, k, v, AttentionOptions(softmax_scale=32**-0.5, softcap=5.0))
+    assert seen == ["bf16" if on else before]
     assert setting.fp32_precision == before

@@ -116,7 +116,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -137,6 +136,12 @@ ALIBI_MASK_SIZE = 1 << 24  # values of one ALiBi block mask at most (64 MiB of f
 TORCH_KERNEL = True
 """Whether the calls that torch's fused kernel can compute run it (``torch_kernel_route``); False sends every call
 down the tiled path (the tests and benchmarks use it to compare the two routes)."""
+BF16_PRODUCTS = False
+"""Whether the tiled path computes bf16 inputs' matrix products in oneDNN's bf16 mode for float32 products
+(``_bf16_products``: bf16 x bf16 products with float32 results, exact for bf16 inputs; the tiled forward about 1.3x
+faster on CPUs with bf16 instructions). Off by default because that mode is a process-wide setting: while a call
+runs, the float32 products of the process's other threads would round their operands to bf16 too. Turn it on where
+no other thread computes float32 products during attention calls."""
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -217,12 +222,10 @@ def _bf16_products(dtype: torch.dtype) -> Iterator[None]:
     for float32 products (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``) is one, 2-3x faster than the
     float32 product on CPUs with bf16 instructions (AVX512-BF16, AMX) and ignored elsewhere. It rounds each
     operand to bf16: exact for the tiled path's inputs, which are bf16 values (the query tile takes the softmax
-    scale only where that stays exact, ``_score_mods``; -Delta enters dP as three bf16 parts, ``_split``). The
-    setting is process-wide, so that the float32 products of another thread never round their operands it is
-    switched on only while this is the process's one Python thread; with others running (a data loader's
-    pin-memory thread, a server's workers) the products stay float32, slower and as exact."""
+    scale only where that stays exact, ``_score_mods``; -Delta enters dP as three bf16 parts, ``_split``). Only
+    with ``BF16_PRODUCTS`` on: the setting is process-wide."""
     setting = getattr(torch.backends.mkldnn, "matmul", None)  # absent from older torch: float32 products there
-    if dtype != torch.bfloat16 or not hasattr(setting, "fp32_precision") or threading.active_count() > 1:
+    if dtype != torch.bfloat16 or not BF16_PRODUCTS or not hasattr(setting, "fp32_precision"):
         yield
         return
     before = setting.fp32_precision
