@@ -98,7 +98,7 @@ def speed(head_dim: int, seqlen: int, causal: bool, rep: int, warm: bool) -> dic
         msb = timed(lambda: flashtile.flash_attn_func(qb, kb, vb, causal=causal), rep, warm)
         ms_vt = timed(lambda: fp8_forward.transposed_values(v8), rep, warm)
     work = flops(batch, seqlen, head_dim, causal)
-    options = flashtile.interface.prepared(qb, kb, vb, None, None, 0 if causal else None)[3]
+    options = flashtile.interface.prepared(qb, kb, vb, window_right=0 if causal else None)[3]
     return {
         "head_dim": head_dim, "seqlen": seqlen, "batch": batch, "causal": causal, "fp8_ms": ms8, "bf16_ms": msb,
         "fp8_tflops": work / ms8 * 1e-9, "bf16_tflops": work / msb * 1e-9, "speedup": msb / ms8,
