@@ -96,8 +96,11 @@ def render() -> str:
             lines.append(f"- `{module_name}` ({description}): {links}")
     for module_name, name, obj in entries:
         lines += ["", f"## {module_name}.{name}", ""]
-        lines += ["```python", _signature(name, obj), "```", ""]
-        lines += ["```text", inspect.getdoc(obj) or "(no docstring)", "```"]
+        if callable(obj):
+            lines += ["```python", _signature(name, obj), "```", ""]
+            lines += ["```text", inspect.getdoc(obj) or "(no docstring)", "```"]
+        else:  # a constant: its value (its type's docstring would say nothing of it)
+            lines += ["```python", f"{name} = {obj!r}", "```"]
     return "\n".join(lines) + "\n"
 
 
