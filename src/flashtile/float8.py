@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
+from flashtile.options import AttentionOptions
 
 FLOAT8 = (torch.float8_e4m3fn,)
 """The float8 dtypes q, k and v may have (e4m3: 3 mantissa bits, range +-448)."""
@@ -29,14 +30,6 @@ OUTPUT_DTYPE = torch.bfloat16
 """The dtype of out for float8 inputs."""
 
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
-REFUSED = {
-    "dropout_p": "dropout_p > 0",
-    "softcap": "softcap",
-    "alibi_slopes": "alibi_slopes",
-    "learnable_sink": "learnable_sink",
-    "attn_mask": "attn_mask",
-}
-"""The options the float8 kernel does not compute, by keyword, with how its error names them."""
 
 
 def output_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,14 +47,12 @@ def check_float8(
     k: torch.Tensor,
     v: torch.Tensor,
     descales: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-    **options,
 ) -> bool:
     """Check a call's float8 inputs before their shapes are (``checks.check_qkv``); whether they are float8.
 
     Raises InputError / InputTypeError for: descale factors with inputs that are not float8; float8 inputs other
-    than e4m3 (``torch.float8_e4m3fn``), or not all three of it; a gradient wanted at q, k or v; and the options
-    (``options``, by name as ``interface.attention_options`` takes them) the float8 kernel does not compute
-    (``REFUSED``). ``descale_of`` checks the factors' shapes."""
+    than e4m3 (``torch.float8_e4m3fn``), or not all three of it; a gradient wanted at q, k or v. ``descale_of``
+    checks the factors' shapes, ``check_options`` the options."""
     given = [name for name, d in zip(DESCALE_NAMES, descales, strict=True) if d is not None]
     if not any(is_float8(t) for t in (q, k, v)):
         if given:
@@ -83,12 +74,6 @@ def check_float8(
             "float8 attention is forward only: q, k or v requires a gradient, and there is no float8 backward "
             "(inference prefill is its use). Call it under torch.no_grad() / torch.inference_mode(), or detach the "
             "inputs; to train, use bfloat16 inputs."
-        )
-    refused = [label for name, label in REFUSED.items() if _given(options.get(name))]
-    if refused:
-        raise InputError(
-            f"float8 attention does not compute {', '.join(refused)}: it takes causal, window_size, softmax_scale, "
-            "MQA/GQA and any lengths. Leave those options out, or cast the inputs to bfloat16 (after dequantizing)."
         )
     return True
 
@@ -152,6 +137,24 @@ def dequantized(
     return q, k * factors[..., 0], v * factors[..., 1]
 
 
-def _given(value) -> bool:
-    """Whether an option's value asks for something: not None, and not a number equal to 0."""
-    return value is not None and not (isinstance(value, int | float) and value == 0)
+def refusals(options: AttentionOptions) -> tuple[str | None, ...]:
+    """The options of a float8 call that the float8 forward does not compute, by their arguments' names (None where
+    an option is off): the one list both the face (``check_options``) and the kernel family's ``qualifies`` read."""
+    return (
+        "dropout_p > 0" if options.dropout_p > 0.0 else None,
+        "softcap" if options.softcap != 0.0 else None,
+        "alibi_slopes" if options.alibi_slopes is not None else None,
+        "learnable_sink" if options.learnable_sink is not None else None,
+        "attn_mask" if options.attn_mask is not None else None,
+    )
+
+
+def check_options(options: AttentionOptions) -> None:
+    """Raise InputError if a float8 call asks for an option ``refusals`` lists, on every path (the CPU path, which
+    dequantizes, could compute them, but a call must not work on one device and fail on another)."""
+    refused = [reason for reason in refusals(options) if reason is not None]
+    if refused:
+        raise InputError(
+            f"float8 attention does not compute {', '.join(refused)}: it takes causal, window_size, softmax_scale, "
+            "MQA/GQA and any lengths. Leave those options out, or cast the inputs to bfloat16 (after dequantizing)."
+        )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile import _backend, _ops, paged
+from flashtile import _backend, _ops, float8, paged
 from flashtile.checks import (
     INT32_MAX,
     MAX_HEAD_DIM,
@@ -31,7 +31,6 @@ from flashtile.checks import (
 )
 from flashtile.dense import attention_probs
 from flashtile.errors import InputError
-from flashtile.float8 import check_float8, descale_of
 from flashtile.options import AttentionOptions, Packing, scale_or_default
 
 
@@ -100,18 +99,20 @@ def prepared(
     back to, or None). ``descales``: (q_descale, k_descale, v_descale) of float8 inputs (``flashtile.float8``). A
     head dimension that is not a multiple of 8 is padded as flash_attn does (``pad_head_dim``, which also decides
     the default softmax_scale of the original head dim)."""
-    float8 = check_float8(q, k, v, descales, **options)
+    is_float8 = float8.check_float8(q, k, v, descales)
     padded = pad_head_dim(q, k, v, softmax_scale)
     head_dim = None
     if padded is not None:
         q, k, v, softmax_scale, head_dim = padded
-    check_qkv(q, k, v, float8)
+    check_qkv(q, k, v, is_float8)
     check_softmax_scale(softmax_scale)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     options = attention_options(
-        q, q.shape[1], k.shape[1], softmax_scale=softmax_scale, descale=descale_of(q, k, descales) if float8 else None,
-        **options,
+        q, q.shape[1], k.shape[1], softmax_scale=softmax_scale,
+        descale=float8.descale_of(q, k, descales) if is_float8 else None, **options,
     )  # fmt: skip
+    if is_float8:
+        float8.check_options(options)
     return q, k, v, options, head_dim
 
 

@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile._backend import Verdict, verdict
 from flashtile.errors import InputError
-from flashtile.float8 import OUTPUT_DTYPE
+from flashtile.float8 import OUTPUT_DTYPE, refusals
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
@@ -287,17 +287,13 @@ def qualifies(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, varlen: bool = False
 ) -> Verdict:
     """Whether this kernel computes attention(q, k, v, options): float8 e4m3 q, k, v (``check_qkv``'s layouts and
-    head dims), none of the options it lacks (the module docstring), on a GPU with float8 tensor cores (or the
+    head dims), none of the options it lacks (``float8.refusals``), on a GPU with float8 tensor cores (or the
     Triton interpreter, for CPU tensors)."""
     capability = compute_capability(q.device.index) if q.device.type == "cuda" else None
     return verdict((
         None if q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn else f"dtypes {q.dtype}, {k.dtype}, {v.dtype}",
         "a packed variable-length batch" if varlen else None,
-        "softcap" if options.softcap != 0.0 else None,
-        "ALiBi slopes" if options.alibi_slopes is not None else None,
-        "a learnable sink" if options.learnable_sink is not None else None,
-        "dropout" if options.dropout_p > 0.0 else None,
-        "an attn_mask" if options.attn_mask is not None else None,
+        *refusals(options),
         f"the GPU is sm_{capability[0]}{capability[1]}, without float8 tensor cores (sm_89 or later)"
         if capability is not None and capability < MIN_CAPABILITY else None,
     ))  # fmt: skip
