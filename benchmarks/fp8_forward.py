@@ -10,7 +10,7 @@
   ``flash_attn_func`` on float8 inputs (with descale factors; V's transpose included) and on bf16 inputs (whichever
   kernel the dispatcher picks: the Gluon kernel on sm_90), TFLOP/s = 4 B H N^2 D / time (halved for causal), their
   ratio, and the time of V's transpose alone.
-- ``--sweep``: each of ``ops.fp8.forward.CANDIDATES`` at N=8k, full and causal, head dims 128 and 256.
+- ``--sweep``: each of ``CANDIDATES`` at N=8k, full and causal, head dims 128 and 256.
 - ``--warm I/N``: compile only (see --help); run N of these side by side first, then the timed run finds every
   kernel compiled.
 
@@ -31,6 +31,8 @@ from triton.testing import do_bench
 
 import flashtile
 from flashtile import _backend
+from flashtile.ops.attention import configs
+from flashtile.ops.attention.configs import TileConfig
 from flashtile.ops.fp8 import forward as fp8_forward
 from flashtile.reference import attention_reference
 
@@ -106,13 +108,22 @@ def speed(head_dim: int, seqlen: int, causal: bool, rep: int, warm: bool) -> dic
     }  # fmt: skip
 
 
-def sweep_one(head_dim: int, causal: bool, cfg: fp8_forward.Fp8Config, rep: int, warm: bool) -> dict:
+CANDIDATES = [
+    TileConfig(*c)
+    for c in [(128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 128, 8, 3, True),
+              (128, 64, 8, 4, True), (128, 64, 8, 2, True), (64, 128, 4, 3, True), (128, 128, 8, 3, False)]
+]  # fmt: skip
+"""The configs ``--sweep`` tries (``configs.override(fp8_forward=...)``): (block_m, block_n, num_warps, num_stages,
+tma)."""
+
+
+def sweep_one(head_dim: int, causal: bool, cfg: TileConfig, rep: int, warm: bool) -> dict:
     seqlen = SWEEP_SEQLEN
     batch = TOKENS // seqlen
     (q8, k8, v8), (q_d, k_d, v_d) = fp8_inputs(batch, seqlen, NHEADS, NHEADS, head_dim)
     row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "config": repr(cfg)}
     try:
-        with fp8_forward.override(cfg), torch.no_grad():
+        with configs.override(fp8_forward=cfg), torch.no_grad():
             ms = timed(lambda: flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=q_d, k_descale=k_d,
                                                          v_descale=v_d), rep, warm)  # fmt: skip
         row.update(ms=ms, tflops=flops(batch, seqlen, head_dim, causal) / ms * 1e-9)
@@ -130,7 +141,7 @@ def jobs(quick: bool, sweep: bool) -> list[tuple]:
     seqlens = (4096, 16384) if quick else (4096, 8192, 16384)
     found += [("speed", (d, n, c)) for d in (128, 256) for n in seqlens for c in (False, True)]
     if sweep:
-        found += [("sweep", (d, c, cfg)) for d in (128, 256) for c in (False, True) for cfg in fp8_forward.CANDIDATES]
+        found += [("sweep", (d, c, cfg)) for d in (128, 256) for c in (False, True) for cfg in CANDIDATES]
     return found
 
 

@@ -2,10 +2,9 @@
 
 As tests/sm90_compile.py does for the other kernels: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90,
 32))`` lowers the kernel with the wheel's ptxas, which fails on what the interpreter cannot see (a float8 product
-Hopper's wgmma cannot take, a config that does not fit in shared memory). Compiled: each shipped config (``CONFIGS``)
-at its largest head dim and at one below it, full, causal and with a sliding window, with and without descale
-factors, through tensor descriptors and through pointer loads; and every tuning candidate (``CANDIDATES``) at head
-dims 128 and 256, full.
+Hopper's wgmma cannot take, a config that does not fit in shared memory). Compiled: each shipped config (pass
+``fp8_forward`` of ``ops.attention.configs``) at its largest head dim and at one below it, full, causal and with a
+sliding window, with and without descale factors, through tensor descriptors and through pointer loads.
 
 Usage: ``python tests/fp8_compile.py`` (TRITON_INTERPRET unset). Prints one JSON row per variant (label, shared
 bytes, registers and stack bytes per thread, the number of float8 wgmma instructions, error) and exits 1 if any
@@ -14,6 +13,7 @@ failed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,6 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from flashtile.ops.attention.configs import _HOPPER, TileConfig  # noqa: E402
 from flashtile.ops.fp8 import forward  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,7 @@ MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 Ki
 SCALARS = ("nheads", "nheads_k", "seqlen_q", "seqlen_k", "left", "right")
 
 
-def signature(cfg: forward.Fp8Config, head_dim: int, mask: str, descale: bool) -> tuple[dict, dict]:
+def signature(cfg: TileConfig, head_dim: int, mask: str, descale: bool) -> tuple[dict, dict]:
     """(signature, constexprs) of one variant; mask: "full", "causal" or "window"."""
     block_d, block_dv = forward.block_widths(head_dim, head_dim)
     tma = cfg.tma
@@ -62,7 +63,7 @@ def signature(cfg: forward.Fp8Config, head_dim: int, mask: str, descale: bool) -
     return {name: sig[name] for name in order}, consts
 
 
-def compile_one(cfg: forward.Fp8Config, head_dim: int, mask: str, descale: bool) -> dict:
+def compile_one(cfg: TileConfig, head_dim: int, mask: str, descale: bool) -> dict:
     load = "tma" if cfg.tma else "ptr"
     label = f"D{head_dim} {cfg.block_m}x{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}/{load} {mask}"
     row = {"label": label + (" descale" if descale else "")}
@@ -87,15 +88,12 @@ def compile_one(cfg: forward.Fp8Config, head_dim: int, mask: str, descale: bool)
 
 def variants() -> list[tuple]:
     found = []
-    for largest, cfg in forward.CONFIGS:
+    for largest, cfg in _HOPPER["fp8_forward"]:
         for head_dim in sorted({largest, largest - 24}):  # the bucket's top and a padded head dim inside it
             for mask in ("full", "causal", "window"):
                 found.append((cfg, head_dim, mask, mask == "causal"))
-            found.append((forward.Fp8Config(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, tma=False),
-                          head_dim, "causal", True))  # fmt: skip
-    for cfg in forward.CANDIDATES:
-        for head_dim in (128, 256):
-            found.append((cfg, head_dim, "full", False))
+            if cfg.tma:  # the pointer loads a layout without tensor descriptors takes
+                found.append((dataclasses.replace(cfg, tma=False), head_dim, "causal", True))
     return found
 
 

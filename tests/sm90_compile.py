@@ -63,7 +63,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashtile.ops.attention import backward, forward  # noqa: E402
-from flashtile.ops.attention.configs import _HOPPER, FLEX_PASSES, FLOAT32, PASSES, with_mask  # noqa: E402
+from flashtile.ops.attention.configs import _HOPPER, ALL_PASSES, FLOAT32, PASSES, with_mask  # noqa: E402
 from flashtile.ops.decode import configs as decode_configs  # noqa: E402
 from flashtile.ops.decode import split_kv  # noqa: E402
 from flashtile.ops.sm90 import backward as backward_sm90  # noqa: E402
@@ -407,7 +407,7 @@ def cfg_name(pass_name: str, head_dim: int, cfg) -> str:
 
 def attention_variants() -> list[Variant]:
     variants = []
-    assert set(_HOPPER) == set(PASSES + FLEX_PASSES), f"Hopper table passes {sorted(_HOPPER)} != {PASSES + FLEX_PASSES}"
+    assert set(_HOPPER) == set(ALL_PASSES), f"Hopper table passes {sorted(_HOPPER)} != {ALL_PASSES}"
     for pass_name in PASSES:
         kname = PASS_KERNEL[pass_name]
         constexprs = {p.name for p in KERNELS[kname].params if p.is_constexpr}

@@ -18,6 +18,7 @@ the shipped configs) are marked ``gpu``; ``test_compiles_for_sm90`` lowers the k
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,7 +33,7 @@ from conftest import DEVICE
 from flashtile import _backend
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
 from flashtile.float8 import combined, dequantized
-from flashtile.ops.fp8 import forward as fp8_forward
+from flashtile.ops.attention import configs
 from flashtile.reference import attention_probs, attention_reference
 
 E4M3 = torch.float8_e4m3fn
@@ -141,8 +142,8 @@ def test_tensor_descriptors(case):
     b, sq, sk, h, hk, d, dv, causal, window = case
     (q8, q_d), (k8, k_d), (v8, v_d) = quantized((b, sq, h, d)), quantized((b, sk, hk, d)), quantized((b, sk, hk, dv))
     q_d = q_d[:, :hk].contiguous()
-    cfg = fp8_forward.Fp8Config(32, 64, 4, 1, tma=True) if DEVICE == "cpu" else fp8_forward.CONFIGS[-1][1]
-    with fp8_forward.override(cfg):
+    cfg = dataclasses.replace(configs.config("fp8_forward", torch.device(DEVICE), d, dv), tma=True)
+    with configs.override(fp8_forward=cfg):
         out, lse, _ = flashtile.flash_attn_func(
             q8, k8, v8, causal=causal, window_size=window, return_attn_probs=True, q_descale=q_d, k_descale=k_d,
             v_descale=v_d,

@@ -88,6 +88,17 @@ _HOPPER = {
         (128, TileConfig(64, 64, 4, 2)),
         (256, TileConfig(32, 32, 4, 1)),
     ],
+    # The float8 forward (ops.fp8; sm_89 and later). Head dims 128 and 256 from a sweep on an H100 at N=8k, full
+    # and causal (docs/fp8.md): 64 x 128 tiles with 4 warps at 128 (728 / 616 TFLOP/s full / causal against 652 /
+    # 554 for 128 x 128 with 8 warps), 128 x 128 with pointer loads at 256 (820 / 682 against 787 / 654 with tensor
+    # descriptors, 644 / 534 for 128 x 64 with 2 stages). Head dim 64 (not swept): the bf16 forward's tiles doubled
+    # along the keys. The pointer-load variants spill above head dim 64 (472 to 1096 bytes of stack per thread,
+    # compiled for sm_90 with Triton 3.7.1, tests/fp8_compile.py).
+    "fp8_forward": [
+        (64, TileConfig(128, 128, 8, 3, tma=True)),
+        (128, TileConfig(64, 128, 4, 3, tma=True)),
+        (256, TileConfig(128, 128, 8, 3)),
+    ],
 }
 # Ampere, Ada and anything else: smaller shared memory, so shallower pipelines.
 _OTHER = {
@@ -118,7 +129,10 @@ SHORT_SEQLEN = 1024
 PASSES = ("forward", "forward_short", "forward_banded_short", "backward_dkdv", "backward_dq")
 FLEX_PASSES = ("flex_forward", "flex_backward_dq", "flex_backward_dkdv")
 """The kernels of flashtile.flex_attention (``flashtile.flex.kernel``)."""
-_OTHER.update({name: _HOPPER[name] for name in FLEX_PASSES})  # not tuned apart there
+FP8_PASSES = ("fp8_forward",)
+"""The float8 forward's kernel (``ops.fp8.forward``)."""
+ALL_PASSES = PASSES + FLEX_PASSES + FP8_PASSES
+_OTHER.update({name: _HOPPER[name] for name in FLEX_PASSES + FP8_PASSES})  # not tuned apart there
 
 _overrides: dict[str, TileConfig] = {}
 
@@ -145,7 +159,7 @@ def config(
     has_mask: bool = False,
     element_size: int = 2,
 ) -> TileConfig:
-    """The tile config for ``pass_name`` (one of PASSES or FLEX_PASSES) on ``device`` (``has_mask``: with an
+    """The tile config for ``pass_name`` (one of ALL_PASSES) on ``device`` (``has_mask``: with an
     attn_mask) for inputs of ``element_size`` bytes (float32: ``FLOAT32``)."""
     if pass_name in _overrides:
         return _overrides[pass_name]
@@ -162,9 +176,9 @@ def config(
 @contextlib.contextmanager
 def override(**configs: TileConfig) -> Iterator[None]:
     """Use the given configs (keyed by pass name) inside the block, e.g. for a tuning sweep."""
-    unknown = set(configs) - set(PASSES) - set(FLEX_PASSES)
+    unknown = set(configs) - set(ALL_PASSES)
     if unknown:
-        raise InputError(f"unknown pass names {sorted(unknown)}; use {', '.join(PASSES + FLEX_PASSES)}")
+        raise InputError(f"unknown pass names {sorted(unknown)}; use {', '.join(ALL_PASSES)}")
     saved = dict(_overrides)
     _overrides.update(configs)
     try:

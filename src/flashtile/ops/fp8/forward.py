@@ -1,4 +1,5 @@
-"""FlashAttention forward on float8 (e4m3) inputs: Triton kernel, launcher, configs and the family's ``qualifies``.
+"""FlashAttention forward on float8 (e4m3) inputs: Triton kernel, launcher and the family's ``qualifies`` (its tile
+configs: pass ``fp8_forward`` of ``ops.attention.configs``).
 
 The algorithm is ``ops.attention.forward``'s (one program per (query tile, batch * head), online softmax in base 2,
 the key tiles walked in ``tiles.key_range``'s three parts), with both products on float8 tensor cores (sm_89 and
@@ -23,10 +24,7 @@ pages, attn_mask): ``qualifies`` lists them. The bf16/fp16/fp32 kernels are not 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,11 +32,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile._backend import Verdict, verdict
-from flashtile.errors import InputError
 from flashtile.float8 import OUTPUT_DTYPE, refusals
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
+from flashtile.ops.attention.configs import config
 from flashtile.ops.attention.tiles import (
     batch_head,
     head_source,
@@ -206,76 +204,6 @@ def _fp8_forward_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Configs
-
-
-@dataclass(frozen=True)
-class Fp8Config:
-    """block_m: query rows per tile; block_n: key rows per tile; num_warps, num_stages: as in Triton; tma: tiles
-    move through tensor descriptors where the tensors allow it (``descriptors.tma_ready``)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    tma: bool = True
-
-
-CONFIGS = [
-    (64, Fp8Config(128, 128, 8, 3)),
-    (128, Fp8Config(64, 128, 4, 3)),
-    (256, Fp8Config(128, 128, 8, 3, tma=False)),
-]
-"""(largest padded head dim it serves, config), smallest first: sm_89 and later (float8 tensor cores). Head dims
-128 and 256 from the sweep of ``CANDIDATES`` on an H100 at N=8k, full and causal (docs/fp8.md): 64 x 128 tiles
-with 4 warps at head dim 128 (728 / 616 TFLOP/s full / causal against 652 / 554 for 128 x 128 with 8 warps), and
-at head dim 256 128 x 128 tiles with pointer loads (820 / 682 against 787 / 654 with tensor descriptors and 644 /
-534 for 128 x 64 with 2 stages). Head dim 64 (not swept) takes the bf16 forward's Hopper tiles doubled along the
-keys. The pointer-load variants, also the fallback for layouts a descriptor cannot read (a row stride that is not
-a multiple of 16 bytes: head dims 40, 72, ...), spill at head dims above 64 (472 to 1096 bytes of stack per thread,
-compiled for sm_90 with Triton 3.7.1, tests/fp8_compile.py)."""
-
-CANDIDATES = [
-    Fp8Config(128, 64, 4, 3),
-    Fp8Config(128, 64, 8, 3),
-    Fp8Config(128, 128, 8, 2),
-    Fp8Config(128, 128, 8, 3),
-    Fp8Config(128, 64, 8, 4),
-    Fp8Config(128, 64, 8, 2),
-    Fp8Config(64, 128, 4, 3),
-    Fp8Config(128, 128, 8, 3, tma=False),
-]
-"""Configs a tuning sweep tries (``override``)."""
-
-INTERPRETER = Fp8Config(32, 64, 4, 1, tma=False)
-"""The Triton interpreter's (CPU tensors): small tiles, so the tests run fast."""
-
-_override: list[Fp8Config] = []
-
-
-def config(device: torch.device, head_dim: int, head_dim_v: int) -> Fp8Config:
-    """The config of a launch on ``device`` at these head dims (``override``'s inside its block)."""
-    if _override:
-        return _override[-1]
-    if device.type != "cuda":
-        return INTERPRETER
-    width = padded_head_dim(max(head_dim, head_dim_v))
-    return next(cfg for largest, cfg in CONFIGS if width <= largest)
-
-
-@contextlib.contextmanager
-def override(cfg: Fp8Config) -> Iterator[None]:
-    """Launch with ``cfg`` inside the block (a tuning sweep)."""
-    if not isinstance(cfg, Fp8Config):
-        raise InputError(f"override takes an Fp8Config, got {type(cfg).__name__}.")
-    _override.append(cfg)
-    try:
-        yield
-    finally:
-        _override.pop()
-
-
-# ---------------------------------------------------------------------------------------------------
 # The family's entry
 
 
@@ -342,7 +270,7 @@ def attention_forward(
     out = empty_output((batch, seqlen_q, nheads, head_dim_v), OUTPUT_DTYPE, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
     vt = transposed_values(v)
-    cfg = config(q.device, head_dim, head_dim_v)
+    cfg = config("fp8_forward", q.device, head_dim, head_dim_v)
     block_d, block_dv = block_widths(head_dim, head_dim_v)
     tma = cfg.tma and tma_ready(q, k)  # out: fresh; vt: KEY_ALIGN-padded rows
     sources = tile_sources(tma, (q, cfg.block_m, block_d), (k, cfg.block_n, block_d))
