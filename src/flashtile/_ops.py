@@ -60,6 +60,8 @@ OPTIONS_SCHEMA = ", ".join(map(_schema_argument, _OPTION_FIELDS))
 """The options' part of the ops' schemas: one argument per field of ``AttentionOptions``, in its order."""
 
 _OPTION_NAMES = tuple(field.name for field in _OPTION_FIELDS)
+_TENSOR_OPTIONS = tuple(field.name for field in _OPTION_FIELDS if field.type == "torch.Tensor | None")
+"""The options that are tensors: saved for the backward with ``save_for_backward``, the others kept on ``ctx``."""
 
 
 def _flat(options: AttentionOptions) -> tuple:
@@ -213,15 +215,14 @@ _FORWARD_INPUTS = ("q", "k", "v", *_OPTION_NAMES)
 
 
 def _tensors_of(options: AttentionOptions) -> tuple:
-    return options.alibi_slopes, options.learnable_sink, options.rng_state, options.attn_mask, options.descale
+    """The tensor options of ``options``, in ``_TENSOR_OPTIONS``' order."""
+    return tuple([getattr(options, name) for name in _TENSOR_OPTIONS])
 
 
 def _save_options(ctx, options: AttentionOptions, num_inputs: int) -> None:
     """Keep ``options`` for the backward: its tensors saved (``_tensors_of``), the rest on ``ctx``; and how many inputs
     the op was given (under torch.compile trailing defaults may be left out: the backward returns that many)."""
-    ctx.options = dataclasses.replace(
-        options, alibi_slopes=None, learnable_sink=None, rng_state=None, attn_mask=None, descale=None
-    )
+    ctx.options = dataclasses.replace(options, **dict.fromkeys(_TENSOR_OPTIONS))
     ctx.num_inputs = num_inputs
 
 
@@ -236,11 +237,7 @@ def _needs_grad(ctx, names: tuple[str, ...], name: str) -> bool:
 
 
 def _saved_options(ctx, tensors: tuple) -> AttentionOptions:
-    alibi_slopes, learnable_sink, rng_state, attn_mask, descale = tensors
-    return dataclasses.replace(
-        ctx.options, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, rng_state=rng_state, attn_mask=attn_mask,
-        descale=descale,
-    )  # fmt: skip
+    return dataclasses.replace(ctx.options, **dict(zip(_TENSOR_OPTIONS, tensors, strict=True)))
 
 
 def _grad_inputs(dout: torch.Tensor | None, out: torch.Tensor, dlse: torch.Tensor | None):
