@@ -68,19 +68,18 @@ batched matrix product that copies nothing. With grouped-query attention (nheads
 group * nheads_k) the query tile of the ``group`` heads that share a key/value head is laid out as
 (batch * nheads_k, group * BLOCK_M, headdim), so each key/value tile is used once per query tile. The
 softmax and every accumulator are float32 (float64 for float64 inputs), and so are the products' results but for
-fp16 inputs'. For bf16 inputs the products are computed in bf16 arithmetic by oneDNN (``_bf16_products``: float32
-operands rounded to bf16 inside the product, float32 accumulation and result), which leaves Q, K, V and dO exact,
-as bf16 values,
-and rounds the probabilities and their gradients (P, dS) where they enter P V, P^T dO, dS K and dS^T Q, as torch's
-kernel and the Triton kernels do; the softmax scale is folded into the query tile only where that stays exact (a
-power of two), and is applied to the product's result otherwise. fp16 inputs take float32 score products and
-round P and dS to fp16 for the others. In the backward the product dO V^T is taken as
-``[dO, -Delta] [V, 1]^T = dP - Delta``, one product instead of a product and a subtraction (-Delta as three bf16
-parts for bf16 inputs, exact). Each exp() argument is clamped at -87 (``_exp``) where it may lie below: torch's
-CPU exp() is many times slower where its result leaves float32's normal range. Where every score is known to lie
-within +-40 of 0 (``_score_bound``, from the inputs' norms, the softcap and ALiBi's slopes), the forward takes
-exp(S) without a running max (``_fixed_offset``): two passes less over each tile, O then divided by the sum of P as
-P V's product rounds it.
+fp16 inputs'. bf16 inputs take float32 products by default; with ``BF16_PRODUCTS`` the products are computed in
+bf16 arithmetic by oneDNN (``_bf16_products``: float32 operands rounded to bf16 inside the product, float32
+accumulation and result), which leaves Q, K, V and dO exact, as bf16 values, and rounds the probabilities and their
+gradients (P, dS) where they enter P V, P^T dO, dS K and dS^T Q, as torch's kernel and the Triton kernels do; the
+softmax scale is then folded into the query tile only where that stays exact (a power of two), and is applied to
+the product's result otherwise. fp16 inputs take float32 score products and round P and dS to fp16 for the
+others. In the backward the product dO V^T is taken as ``[dO, -Delta] [V, 1]^T = dP - Delta``, one product instead
+of a product and a subtraction (-Delta as three bf16 parts under ``BF16_PRODUCTS``, exact). Each exp() argument
+is clamped at -87 (``_exp``) where it may lie below: torch's CPU exp() is many times slower where its result
+leaves float32's normal range. Where every score is known to lie within +-40 of 0 (``_score_bound``, from the
+inputs' norms, the softcap and ALiBi's slopes), the forward takes exp(S) without a running max (``_fixed_offset``):
+two passes less over each tile, O then divided by the sum of P as P V's product rounds it.
 
 Score modifications and sinks
 -----------------------------
@@ -207,10 +206,18 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the tiled path's product operands other than the scores' (values, probabilities and their
-    gradients, dO, the keys and queries of dQ and dK): float32 for bf16 inputs, whose products ``_bf16_products``
-    computes from float32 operands rounded to bf16 inside the product (the probabilities are rounded there, the
+    gradients, dO, the keys and queries of dQ and dK): float32 for bf16 inputs (float32 products, or under
+    ``_bf16_products`` float32 operands rounded to bf16 inside the product: the probabilities are rounded there, the
     inputs are bf16 values already), with float32 results; the inputs' dtype otherwise."""
     return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def _bf16_mode(dtype: torch.dtype) -> bool:
+    """Whether a call on inputs of ``dtype`` runs its products in oneDNN's bf16 mode (``_bf16_products``): bf16
+    inputs, ``BF16_PRODUCTS`` on, and a torch that has the setting. Decides too what that mode needs to stay exact
+    (the scale folded only where exact, -Delta in three parts), which float32 products do not."""
+    setting = getattr(torch.backends.mkldnn, "matmul", None)  # absent from older torch: float32 products there
+    return dtype == torch.bfloat16 and BF16_PRODUCTS and hasattr(setting, "fp32_precision")
 
 
 @contextlib.contextmanager
@@ -224,10 +231,10 @@ def _bf16_products(dtype: torch.dtype) -> Iterator[None]:
     operand to bf16: exact for the tiled path's inputs, which are bf16 values (the query tile takes the softmax
     scale only where that stays exact, ``_score_mods``; -Delta enters dP as three bf16 parts, ``_split``). Only
     with ``BF16_PRODUCTS`` on: the setting is process-wide."""
-    setting = getattr(torch.backends.mkldnn, "matmul", None)  # absent from older torch: float32 products there
-    if dtype != torch.bfloat16 or not BF16_PRODUCTS or not hasattr(setting, "fp32_precision"):
+    if not _bf16_mode(dtype):
         yield
         return
+    setting = torch.backends.mkldnn.matmul
     before = setting.fp32_precision
     setting.fp32_precision = "bf16"
     try:
@@ -631,7 +638,7 @@ def _score_operands(
     dtype = _compute_dtype(q.dtype)
     batch, seqlen_k, nheads_k = k.shape[:3]
     mods = _score_mods(alibi_slopes, softcap, batch, nheads_k, seqlen_k - q.shape[1], dtype, softmax_scale,
-                       q.dtype == torch.bfloat16)  # fmt: skip
+                       _bf16_mode(q.dtype))  # fmt: skip
     return dtype, mods, _key_tiles(k, dtype, transposed=True)
 
 
@@ -859,7 +866,7 @@ def _tiled_backward(
     dtype, mods, keys = _score_operands(q, k, softmax_scale, alibi_slopes, softcap)
     low_dtype = _operand_dtype(q.dtype)
     floor = 2.0 * _score_bound(q, k, mods, attn_mask) + math.log(max(Sk, 1)) > -_EXP_FLOOR  # s - LSE may be below
-    parts = 3 if q.dtype == torch.bfloat16 else 1  # Delta's columns: bf16-exact parts under bf16 products
+    parts = 3 if _bf16_mode(q.dtype) else 1  # Delta's columns: bf16-exact parts under bf16 products
     ones = torch.ones(B, Sk, Hk, parts, dtype=v.dtype)
     values = _key_tiles(torch.cat([v, ones], dim=-1), dtype, transposed=True)  # (B * Hk, Dv + parts, N)
     keys_low = _key_tiles(k, low_dtype)  # (B * Hk, N, D) each, operands of dQ = dS K
