@@ -137,8 +137,8 @@ TORCH_KERNEL = True
 down the tiled path (the tests and benchmarks use it to compare the two routes)."""
 BF16_PRODUCTS = False
 """Whether the tiled path computes bf16 inputs' matrix products in oneDNN's bf16 mode for float32 products
-(``_bf16_products``: bf16 x bf16 products with float32 results, exact for bf16 inputs; the tiled forward about 1.3x
-faster on CPUs with bf16 instructions). Off by default because that mode is a process-wide setting: while a call
+(``_bf16_products``: bf16 x bf16 products with float32 results, exact for bf16 inputs; the tiled bf16 forward
+1.1-1.3x faster on a Sapphire Rapids CPU, docs/tuning/cpu.md). Off by default because that mode is a process-wide setting: while a call
 runs, the float32 products of the process's other threads would round their operands to bf16 too. Turn it on where
 no other thread computes float32 products during attention calls."""
 

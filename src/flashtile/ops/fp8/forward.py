@@ -15,7 +15,8 @@ later; Triton's ``tl.dot`` on float8e4nv operands, float32 accumulators):
   before the rounding, so the LSE is that of the exact scores.
 - Hopper's float8 wgmma reads both operands K-major from shared memory: for P V that is V with the keys
   contiguous, so the launcher hands the kernel V transposed, (batch, nheads_k, headdim_v, seqlen_k), written once
-  per call (one read and one write of V, small next to the attention's work at the lengths float8 serves).
+  per call (one read and one write of V: 0.44 ms of a 1.7 ms call at N=4k, D=128, B*N=32k on an H100, less of a
+  longer one; docs/fp8.md).
 
 The output is bfloat16 (``float8.OUTPUT_DTYPE``), the LSE float32. The kernel takes the causal mask, sliding
 windows, MQA/GQA and any lengths; not the options of ``ops.attention`` (softcap, ALiBi, sink, dropout, varlen,
