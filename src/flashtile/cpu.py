@@ -138,9 +138,9 @@ down the tiled path (the tests and benchmarks use it to compare the two routes).
 BF16_PRODUCTS = False
 """Whether the tiled path computes bf16 inputs' matrix products in oneDNN's bf16 mode for float32 products
 (``_bf16_products``: bf16 x bf16 products with float32 results, exact for bf16 inputs; the tiled bf16 forward
-1.1-1.3x faster on a Sapphire Rapids CPU, docs/tuning/cpu.md). Off by default because that mode is a process-wide setting: while a call
-runs, the float32 products of the process's other threads would round their operands to bf16 too. Turn it on where
-no other thread computes float32 products during attention calls."""
+1.1-1.3x faster on a Sapphire Rapids CPU, docs/tuning/cpu.md). Off by default because that mode is a process-wide
+setting: while a call runs, the float32 products of the process's other threads would round their operands to bf16
+too. Turn it on where no other thread computes float32 products during attention calls."""
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
