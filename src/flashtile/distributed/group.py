@@ -265,9 +265,8 @@ def agreed_options(
     """The options of a distributed call, once every rank of the group has checked its inputs and they agree.
 
     Checks this rank's q, k, v (``check_sequence_shards``, then ``check_shard(q, k, v)``: the function's own shard
-    rules), that the group's backend
-    reaches q's device, the score modifications and sink (``check_options``) and softmax_scale; then compares every
-    rank's shapes and options (``check_across_ranks``). A rank whose inputs are invalid raises its own error, and
+    rules), that the group's backend reaches q's device, the score modifications and sink (``check_options``) and
+    softmax_scale; then compares every rank's shapes and options (``check_across_ranks``). A rank whose inputs are invalid raises its own error, and
     every other rank raises too, instead of waiting for it. (window_left, window_right) are over the global
     positions; softmax_scale None is the default (``scale_or_default``)."""
     device = comm.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
