@@ -19,6 +19,7 @@ from functools import partial
 import pytest
 import torch
 
+import flashtile._ops
 import flashtile.cpu_decode
 import flashtile.kvcache
 import flashtile.ops.decode
@@ -736,9 +737,10 @@ def test_compile_fullgraph(path, backend):
 def test_opcheck(path):
     case = Case(seqlen_new=1, page_size=16)
     x = make_inputs(case)
-    args = (x.q, x.k_cache.clone(), x.v_cache.clone(), x.k, x.v, None, None, x.cache_seqlens, None, None,
-            x.block_table, None, 0.125, None, 0, 0.0, True, True, 1)  # fmt: skip
-    torch.library.opcheck(torch.ops.flashtile.kvcache_forward.default, args)
+    args = (x.q, x.k_cache.clone(), x.v_cache.clone(), x.k, x.v, 0.125)
+    kwargs = dict(window_right=0, cache_seqlens=x.cache_seqlens, block_table=x.block_table, rotary_interleaved=True,
+                  rotary_per_token=True, num_splits=1)  # fmt: skip
+    torch.library.opcheck(torch.ops.flashtile.kvcache_forward.default, args, kwargs)
 
 
 # Bad input ----------------------------------------------------------------------------------------------
@@ -963,13 +965,13 @@ def test_eager_call_matches_custom_op(path, case):
 def test_eager_path_skips_custom_op(path, monkeypatch):
     """The custom op runs only when something traces or intercepts (here a torch function mode)."""
     calls = []
-    op = flashtile.kvcache.kvcache_forward
+    op = flashtile._ops.kvcache_forward
 
     def counted(*args):
         calls.append(1)
         return op(*args)
 
-    monkeypatch.setattr(flashtile.kvcache, "kvcache_forward", counted)
+    monkeypatch.setattr(flashtile._ops, "kvcache_forward", counted)
     case = Case()
     x = make_inputs(case)
     call(case, x)

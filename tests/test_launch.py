@@ -25,7 +25,7 @@ from flashtile.ops import _launch
 from flashtile.ops.attention import backward, configs, forward
 from flashtile.ops.decode import split_kv
 from flashtile.ops.sm90 import common as sm90_common
-from flashtile.options import AttentionOptions
+from flashtile.options import AttentionOptions, CacheOptions
 
 INTS = (1, 0, 16, 17, 32, 48, 2, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 16,
         2**32, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16)  # fmt: skip
@@ -203,8 +203,9 @@ def test_decode_plans_follow_layouts(monkeypatch):
         table = torch.arange(16, dtype=torch.int32).view(2, 8) if paged else None
         k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.bfloat16) for _ in range(2))
         seqlens = torch.tensor([40, 17], dtype=torch.int32)
-        split_kv.decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, None, None, table, None, None, None,
-                                  scale, *window, 0.0, False, False, num_splits)  # fmt: skip
+        options = AttentionOptions(softmax_scale=scale, window_left=window[0], window_right=window[1])
+        cache = CacheOptions(cache_seqlens=seqlens, block_table=table, num_splits=num_splits)
+        split_kv.decode_attention(q, k_cache, v_cache, k_new, v_new, options, cache)
         return q, k_cache, v_cache, k_new, v_new
 
     first = step()

@@ -45,9 +45,15 @@ import torch
 
 from flashtile import _backend, paged
 from flashtile.float8 import output_dtype
-from flashtile.options import AttentionOptions, Packing
+from flashtile.options import AttentionOptions, CacheOptions, Packing
 
-_SCHEMA_TYPES = {"float": "float", "int | None": "SymInt?", "torch.Tensor | None": "Tensor?", "bool": "bool"}
+_SCHEMA_TYPES = {
+    "float": "float",
+    "int": "int",
+    "int | None": "SymInt?",
+    "torch.Tensor | None": "Tensor?",
+    "bool": "bool",
+}
 
 
 def _schema_argument(field: dataclasses.Field) -> str:
@@ -60,6 +66,8 @@ OPTIONS_SCHEMA = ", ".join(map(_schema_argument, _OPTION_FIELDS))
 """The options' part of the ops' schemas: one argument per field of ``AttentionOptions``, in its order."""
 
 _OPTION_NAMES = tuple(field.name for field in _OPTION_FIELDS)
+_CACHE_FIELDS = dataclasses.fields(CacheOptions)
+_CACHE_SCHEMA = ", ".join(map(_schema_argument, _CACHE_FIELDS))
 _TENSOR_OPTIONS = tuple(field.name for field in _OPTION_FIELDS if field.type == "torch.Tensor | None")
 """The options that are tensors: saved for the backward with ``save_for_backward``, the others kept on ``ctx``."""
 
@@ -70,10 +78,11 @@ def _flat(options: AttentionOptions) -> tuple:
     return tuple([getattr(options, name) for name in _OPTION_NAMES])
 
 
-def _op(name: str, schema: str, implementation):
-    """The custom op ``flashtile::name`` with this schema (``OPTIONS`` stands for the options' arguments)."""
-    schema = schema.replace("OPTIONS", OPTIONS_SCHEMA)
-    return torch.library.custom_op(f"flashtile::{name}", implementation, mutates_args=(), schema=schema)
+def _op(name: str, schema: str, implementation, mutates_args: tuple[str, ...] = ()):
+    """The custom op ``flashtile::name`` with this schema (``OPTIONS`` stands for the options' arguments,
+    ``CACHE`` for a decoding call's ``CacheOptions``)."""
+    schema = schema.replace("OPTIONS", OPTIONS_SCHEMA).replace("CACHE", _CACHE_SCHEMA)
+    return torch.library.custom_op(f"flashtile::{name}", implementation, mutates_args=mutates_args, schema=schema)
 
 
 def _empty(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -414,6 +423,54 @@ varlen_attention_forward.register_autograd(_varlen_backward, setup_context=_varl
 
 
 # ---------------------------------------------------------------------------------------------------
+# Decoding with a KV cache
+
+_CACHE_NAMES = tuple(field.name for field in _CACHE_FIELDS)
+_CACHE_TENSORS = tuple(field.name for field in _CACHE_FIELDS if field.type == "torch.Tensor | None")
+
+
+def _kvcache_flat(options: AttentionOptions, cache: CacheOptions) -> tuple:
+    """``kvcache_forward``'s arguments after q, the caches, k and v: the options (``_flat``), then the cache's."""
+    return (*_flat(options), *[getattr(cache, name) for name in _CACHE_NAMES])
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    options: AttentionOptions, cache: CacheOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Append k, v into k_cache, v_cache in place and attend q to each batch entry's keys, by the family
+    ``_backend.decode_choice`` picks: ``cpu_decode``'s ``kvcache_forward`` or that of ``flashtile.ops.decode``
+    (imported on first use: it imports Triton); inside ``flashtile.profile()``, recording the call under that
+    choice. Returns out (B, Sq, H, Dv) in q's dtype, lse (B, H, Sq) float32."""
+    choice = _backend.decode_choice(q.device)
+    implementation = _backend.imported(_backend.DECODE_MODULES[choice.path]).kvcache_forward
+    if _backend.RECORDING is not None:
+        implementation = _backend.RECORDING.decode(implementation, choice)
+    return implementation(q, k_cache, v_cache, k, v, options, cache)
+
+
+def _kvcache_forward(q, k_cache, v_cache, k, v, *flat) -> tuple[torch.Tensor, torch.Tensor]:
+    count = len(_OPTION_NAMES)
+    return _decode(q, k_cache, v_cache, k, v, AttentionOptions(*flat[:count]), CacheOptions(*flat[count:]))
+
+
+kvcache_forward = _op(
+    "kvcache_forward",
+    "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, OPTIONS, CACHE) -> (Tensor, Tensor)",
+    _kvcache_forward,
+    mutates_args=("k_cache", "v_cache"),
+)
+
+
+@kvcache_forward.register_fake
+def _(q, k_cache, v_cache, k, v, *flat):
+    batch, seqlen_q, nheads, _ = q.shape
+    out = q.new_empty((batch, seqlen_q, nheads, v_cache.shape[3]))
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
 # Eager calls past the dispatcher
 
 _OPS = SimpleNamespace(
@@ -513,3 +570,19 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing:
     if _wants_grad(tensors):
         return _EagerVarlenAttention.apply(*args)
     return _varlen_attention_forward(*args)
+
+
+def kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    options: AttentionOptions, cache: CacheOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``kvcache_forward(q, k_cache, v_cache, k, v, *options, *cache)``: the implementation called directly in plain
+    eager mode (``_eager``) when no gradient is wanted (the op has no backward), with the version bump the custom op
+    gives its mutated caches."""
+    tensors = (q, k_cache, v_cache, k, v, *[getattr(cache, name) for name in _CACHE_TENSORS], *_tensors_of(options))
+    if not _eager(tensors) or _wants_grad(tensors):
+        return kvcache_forward(q, k_cache, v_cache, k, v, *_kvcache_flat(options, cache))
+    out, lse = _decode(q, k_cache, v_cache, k, v, options, cache)
+    torch.autograd.graph.increment_version(k_cache)
+    torch.autograd.graph.increment_version(v_cache)
+    return out, lse

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from flashtile import cpu
-from flashtile.options import AttentionOptions
+from flashtile.options import AttentionOptions, CacheOptions
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -68,20 +68,8 @@ def kvcache_forward(
     v_cache: Tensor,
     k: Tensor | None,
     v: Tensor | None,
-    rotary_cos: Tensor | None,
-    rotary_sin: Tensor | None,
-    cache_seqlens: Tensor | None,
-    cache_batch_idx: Tensor | None,
-    cache_leftpad: Tensor | None,
-    block_table: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    softcap: float,
-    rotary_interleaved: bool,
-    rotary_per_token: bool,
-    num_splits: int,
+    options: AttentionOptions,
+    cache: CacheOptions,
 ) -> tuple[Tensor, Tensor]:
     """Append k, v to the caches in place, then attend q to each batch entry's keys.
 
@@ -90,30 +78,24 @@ def kvcache_forward(
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim[_v]), or (num_blocks,
             page_block_size, nheads_k, headdim[_v]) with a block_table; written in place
         k, v: (batch, seqlen_new, nheads_k, headdim[_v]) to append, or None
-        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), or None; k is rotated at its cache
-            positions, q at cache_seqlens[b] + i if rotary_per_token else at cache_seqlens[b]
-        cache_seqlens: (batch,) int32 cache lengths before the append, or None for the whole cache
-        cache_batch_idx: (batch,) int32 cache entry of each batch entry, or None for 0..batch-1
-        cache_leftpad: (batch,) int32 first cache position of each batch entry, or None for 0
-        block_table: (batch, max_blocks_per_seq) int32, or None for a contiguous cache
-        alibi_slopes: (nheads,) or (batch, nheads) fp32: bias -slope * |i + seqlen_k - seqlen_q - j|
-        softmax_scale, softcap: scores softcap * tanh(scale * q k / softcap), or scale * q k if softcap = 0
-        window_left, window_right: query i sees key j iff i + seqlen_k - seqlen_q - window_left <= j <=
-            i + seqlen_k - seqlen_q + window_right; None leaves a side unbounded
-        rotary_interleaved: rotate pairs (2f, 2f + 1) rather than (f, f + rotary_dim / 2)
-        num_splits: ignored (the CPU path does not split)
+        options: softmax_scale, softcap, ALiBi and the window (``AttentionOptions``), applied to each batch entry's
+            queries and keys by ``cpu.attention_forward``
+        cache: where each batch entry's keys are and how they and q are rotated (``CacheOptions``); its
+            num_splits does not apply (the CPU path does not split)
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v) in q's dtype; 0 for a row that sees no key
         lse: (batch, nheads, seqlen_q) float32; -inf for a row that sees no key
     """
+    cache_seqlens, cache_batch_idx, block_table = cache.cache_seqlens, cache.cache_batch_idx, cache.block_table
+    rotary_cos, rotary_sin, rotary_interleaved = cache.rotary_cos, cache.rotary_sin, cache.rotary_interleaved
     batch, seqlen_q, nheads, _ = q.shape
     head_dim_v = v_cache.shape[3]
     page_size = k_cache.shape[1]
     seqlen_cache = block_table.shape[1] * page_size if block_table is not None else page_size
     seqlen_new = 0 if k is None else k.shape[1]
     lengths = [seqlen_cache] * batch if cache_seqlens is None else cache_seqlens.tolist()
-    leftpads = [0] * batch if cache_leftpad is None else cache_leftpad.tolist()
+    leftpads = [0] * batch if cache.cache_leftpad is None else cache.cache_leftpad.tolist()
     out = torch.empty(batch, seqlen_q, nheads, head_dim_v, dtype=q.dtype)
     lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32)
 
@@ -125,19 +107,12 @@ def kvcache_forward(
             k_cache[slot, row] = k_b
             v_cache[slot, row] = v[b]
 
-    options = AttentionOptions(
-        softmax_scale=softmax_scale,
-        window_left=window_left,
-        window_right=window_right,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-    )
     for b in range(batch):
         slot, row = _slots(b, torch.arange(leftpads[b], lengths[b] + seqlen_new), cache_batch_idx, block_table,
                            page_size)  # fmt: skip
         q_b = q[b]
         if rotary_cos is not None:
-            offsets = torch.arange(seqlen_q) if rotary_per_token else torch.zeros(seqlen_q, dtype=torch.long)
+            offsets = torch.arange(seqlen_q) if cache.rotary_per_token else torch.zeros(seqlen_q, dtype=torch.long)
             q_b = rotate(q_b, rotary_cos, rotary_sin, lengths[b] + offsets, rotary_interleaved)
         out_b, lse_b = cpu.attention_forward(
             q_b[None], k_cache[slot, row][None], v_cache[slot, row][None], cpu._sequence_options(options, b)

@@ -3,12 +3,13 @@ signature and semantics (new keys/values appended in place, rotary, paged cache,
 
 Inputs are checked here, before anything launches. Which implementation runs is decided by
 ``flashtile._backend.decode_choice``: the Triton kernels of ``flashtile.ops.decode`` (compiled on CUDA,
-interpreted under ``TRITON_INTERPRET=1``) or ``flashtile.cpu_decode``. The work is the custom op
-``flashtile::kvcache_forward``, declared as mutating k_cache and v_cache, so
-``torch.compile(fullgraph=True)`` traces through it. In plain eager calls (no tracing, no torch function
-or dispatch mode, plain tensors, no gradient wanted) the implementation is called directly instead: the
-custom op's Python dispatch costs tens of µs per call, more than everything else before the launch
-(docs/tuning/host-path.md).
+interpreted under ``TRITON_INTERPRET=1``) or ``flashtile.cpu_decode``. The checked call becomes an
+``options.AttentionOptions`` (scale, window, softcap, ALiBi) and an ``options.CacheOptions`` (the cache's
+addressing, rotary, splits), built once here and read by name below. The work is the custom op
+``flashtile::kvcache_forward`` of ``flashtile._ops``, declared as mutating k_cache and v_cache, so
+``torch.compile(fullgraph=True)`` traces through it; in plain eager calls (``_ops.kvcache``) the implementation
+is called directly instead: the custom op's Python dispatch costs tens of µs per call, more than everything else
+before the launch (docs/tuning/host-path.md).
 
 Host cost per call is part of decoding's latency, so the checks that run on every call build their
 messages only on failure, and the checks of index values (a device-to-host copy on CUDA) can be switched
@@ -17,11 +18,11 @@ off (docs/validation.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 
 import torch
 
-from flashtile import _backend
+from flashtile import _backend, _ops
 from flashtile.checks import (
     NO_WINDOW,
     bounded_window,
@@ -38,62 +39,9 @@ from flashtile.checks import (
 )
 from flashtile.errors import InputError, InputTypeError, require
 from flashtile.interface import pad_head_dim, sliced
-from flashtile.options import scale_or_default
+from flashtile.options import AttentionOptions, CacheOptions, scale_or_default
 
 INDEX_DTYPE = torch.int32
-
-
-def _implementation(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``kvcache_forward`` of the family that runs for ``device`` (``flashtile._backend.decode_choice``):
-    ``cpu_decode``'s, or that of ``flashtile.ops.decode``, imported on first use (it imports Triton, which the CPU
-    path does not need); inside ``flashtile.profile()``, recording each call under that choice."""
-    choice = _backend.decode_choice(device)
-    implementation = _backend.imported(_backend.DECODE_MODULES[choice.path]).kvcache_forward
-    return implementation if _backend.RECORDING is None else _backend.RECORDING.decode(implementation, choice)
-
-
-@torch.library.custom_op("flashtile::kvcache_forward", mutates_args=("k_cache", "v_cache"))
-def kvcache_forward(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
-    rotary_cos: torch.Tensor | None,
-    rotary_sin: torch.Tensor | None,
-    cache_seqlens: torch.Tensor | None,
-    cache_batch_idx: torch.Tensor | None,
-    cache_leftpad: torch.Tensor | None,
-    block_table: torch.Tensor | None,
-    alibi_slopes: torch.Tensor | None,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    softcap: float,
-    rotary_interleaved: bool,
-    rotary_per_token: bool,
-    num_splits: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated inputs (see ``flash_attn_with_kvcache``) -> out (B, Sq, H, Dv), lse (B, H, Sq) fp32.
-
-    Appends k, v into k_cache, v_cache in place. window_left/window_right: the visible band, None unbounded;
-    rotary_per_token: q rotated at cache_seqlens[b] + i (else all at cache_seqlens[b]).
-    """
-    return _implementation(q.device)(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, alibi_slopes, softmax_scale, window_left, window_right, softcap, rotary_interleaved,
-        rotary_per_token, num_splits,
-    )  # fmt: skip
-
-
-@kvcache_forward.register_fake
-def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-      block_table, alibi_slopes, softmax_scale, window_left, window_right, softcap, rotary_interleaved,
-      rotary_per_token, num_splits):  # fmt: skip
-    batch, seqlen_q, nheads, _ = q.shape
-    out = q.new_empty((batch, seqlen_q, nheads, v_cache.shape[3]))
-    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
-    return out, lse
 
 
 def _check_index(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
@@ -311,24 +259,6 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else last_dim_contiguous(t)
 
 
-def _eager(*tensors: torch.Tensor | None) -> bool:
-    """Whether the implementation can be called directly, past the custom op's Python dispatch (which costs
-    tens of µs per call): plain tensors, nothing tracing or intercepting torch calls, no gradient wanted.
-    Otherwise the call goes through ``flashtile::kvcache_forward`` (torch.compile, export, fake tensors,
-    tensor subclasses, torch function or dispatch modes such as ``torch.device(...)``)."""
-    if (
-        torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack() > 0
-        or torch._C._is_torch_function_mode_enabled()
-    ):
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
-            return False
-    return True
-
-
 MAX_CHECKED = 256
 """Checked call layouts kept before ``_CHECKED`` starts over (a growing cache makes a new layout per decoding step)."""
 
@@ -367,10 +297,11 @@ def _call_key(tensors: tuple, scalars: tuple, window_size: object) -> tuple | No
 def _check_call(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
     softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-) -> tuple[int, int, int | None, int | None, float, float]:  # fmt: skip
+) -> tuple[int, int, AttentionOptions]:  # fmt: skip
     """Check everything of a ``flash_attn_with_kvcache`` call but the index values: the tensors' types, shapes,
-    dtypes, devices and layouts, an int cache_seqlens, and the options. Returns (seqlen_new, seqlen_cache, window
-    left, window right, softcap, softmax_scale) as the kernels take them."""
+    dtypes, devices and layouts, an int cache_seqlens, and the options. Returns (seqlen_new, seqlen_cache, the
+    call's options): the window as the kernels take it, the scale, softcap; alibi_slopes None (a tensor of each
+    call, joined by the caller)."""
     _check_q(q)
     batch, _, _, head_dim = q.shape
     device = q.device
@@ -413,8 +344,13 @@ def _check_call(
     # A side past the cache (or past the new tokens, on the right) hides no key: unbounded (``bounded_window``).
     left, right = bounded_window(*window_bounds(window_size, causal), q.shape[1], seqlen_cache)
     check_softmax_scale(softmax_scale)
-    softmax_scale = scale_or_default(softmax_scale, head_dim)
-    return seqlen_new, seqlen_cache, left, right, softcap, softmax_scale
+    options = AttentionOptions(
+        softmax_scale=scale_or_default(softmax_scale, head_dim),
+        window_left=left,
+        window_right=right,
+        softcap=float(softcap),
+    )
+    return seqlen_new, seqlen_cache, options
 
 
 def flash_attn_with_kvcache(
@@ -554,12 +490,11 @@ def flash_attn_with_kvcache(
             k_cache.copy_(k_cache_padded[..., :head_dim])
             v_cache.copy_(v_cache_padded[..., :head_dim])
         return (out, lse) if return_softmax_lse else out
-    eager = _eager(q, k_cache, v_cache, k, v)
-    key = _call_key(
+    key = None if torch.compiler.is_compiling() else _call_key(
         (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
          alibi_slopes),
         (softmax_scale, causal, softcap, num_splits), window_size,
-    ) if eager else None  # fmt: skip
+    )  # fmt: skip
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:
         checked = _check_call(
@@ -570,10 +505,10 @@ def flash_attn_with_kvcache(
             if len(_CHECKED) >= MAX_CHECKED:
                 _CHECKED.clear()
             _CHECKED[key] = checked
-    seqlen_new, seqlen_cache, left, right, softcap, softmax_scale = checked
+    seqlen_new, seqlen_cache, options = checked
     batch, seqlen_q = q.shape[:2]
     device = q.device
-    rotary_per_token = left is not None or right is not None
+    rotary_per_token = options.window_left is not None or options.window_right is not None
     if k is not None:
         k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     if _backend.values_checked(device):  # one device-to-host copy on CUDA (docs/validation.md)
@@ -583,16 +518,19 @@ def flash_attn_with_kvcache(
         )  # fmt: skip
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=INDEX_DTYPE, device=device)
+    if alibi_slopes is not None:
+        options = dataclasses.replace(options, alibi_slopes=_dense(alibi_slopes))
     # The kernels index these as dense rows: make them so (a no-op when they are; 1-D tensors are rows too).
-    args = (
-        last_dim_contiguous(q), k_cache, v_cache, k, v, _dense(rotary_cos), _dense(rotary_sin), _dense(cache_seqlens),
-        _dense(cache_batch_idx), _dense(cache_leftpad), _dense(block_table), _dense(alibi_slopes), softmax_scale,
-        left, right, float(softcap), rotary_interleaved, rotary_per_token, num_splits,
-    )  # fmt: skip
-    if eager:
-        out, lse = _implementation(device)(*args)
-        torch.autograd.graph.increment_version(k_cache)  # as the custom op does for its mutated arguments
-        torch.autograd.graph.increment_version(v_cache)
-    else:
-        out, lse = kvcache_forward(*args)
+    cache = CacheOptions(
+        cache_seqlens=_dense(cache_seqlens),
+        cache_batch_idx=_dense(cache_batch_idx),
+        cache_leftpad=_dense(cache_leftpad),
+        block_table=_dense(block_table),
+        rotary_cos=_dense(rotary_cos),
+        rotary_sin=_dense(rotary_sin),
+        rotary_interleaved=rotary_interleaved,
+        rotary_per_token=rotary_per_token,
+        num_splits=num_splits,
+    )
+    out, lse = _ops.kvcache(last_dim_contiguous(q), k_cache, v_cache, k, v, options, cache)
     return (out, lse) if return_softmax_lse else out

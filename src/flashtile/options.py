@@ -12,7 +12,9 @@ the dispatcher (``_backend``). Each option is decided here or at the face, never
 - descale: float8 inputs' dequantization factors (``flashtile.float8``).
 
 ``Packing`` travels beside them for a variable-length batch: where each sequence's rows are, validated by
-``interface.varlen_attention``, from there to the varlen launchers (``ops.attention``, ``cpu``).
+``interface.varlen_attention``, from there to the varlen launchers (``ops.attention``, ``cpu``). ``CacheOptions``
+does the same for a decoding call: how ``flash_attn_with_kvcache`` addresses its cache and rotates its tokens,
+validated by ``flashtile.kvcache``, from there to the decode paths (``ops.decode``, ``cpu_decode``).
 """
 
 from __future__ import annotations
@@ -100,3 +102,30 @@ class Packing:
     def batch(self) -> int:
         """The number of sequences."""
         return self.cu_seqlens_q.shape[0] - 1
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOptions:
+    """How a decoding call (``flash_attn_with_kvcache``) reads and writes its KV cache, validated; its attention
+    options (scale, window, softcap, ALiBi) travel beside it as an ``AttentionOptions``.
+
+    cache_seqlens: (batch,) int32 cache lengths before the append, or None for the whole cache; cache_batch_idx:
+    (batch,) int32 cache entry of each batch entry, or None for 0..batch-1; cache_leftpad: (batch,) int32 first
+    cache position of each batch entry, or None for 0; block_table: (batch, max_blocks_per_seq) int32, or None for
+    a contiguous cache. rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), or None: new key t is rotated at
+    position cache_seqlens[b] + t, query i at cache_seqlens[b] + i if rotary_per_token else at cache_seqlens[b];
+    rotary_interleaved rotates pairs (2f, 2f + 1) rather than (f, f + rotary_dim / 2). num_splits: splits of the
+    keys, 0 to choose from the problem size.
+
+    Every tensor here has a contiguous last dimension. The fields' order is the decode custom op's (``_ops``).
+    """
+
+    cache_seqlens: torch.Tensor | None = None
+    cache_batch_idx: torch.Tensor | None = None
+    cache_leftpad: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    rotary_cos: torch.Tensor | None = None
+    rotary_sin: torch.Tensor | None = None
+    rotary_interleaved: bool = False
+    rotary_per_token: bool = False
+    num_splits: int = 0

@@ -3,7 +3,7 @@
 Recording hooks in where the passes are launched: the modules the dispatcher hands out (``_backend.family_module``
 and ``path_module``: the forwards and, through autograd, the backwards of ``flash_attn_func`` and friends, the varlen
 functions, SDPA and ring attention's steps) and the decode path of ``flash_attn_with_kvcache``
-(``kvcache._implementation``) hand their functions to the active ``Profile`` while ``_backend.RECORDING`` is set;
+(``_ops._decode``) hand their functions to the active ``Profile`` while ``_backend.RECORDING`` is set;
 outside a ``profile()`` block it is None, and those checks of it are all that recording costs: no hooks, no events,
 no synchronisation. Each record's path and reason are the dispatcher's (``_backend.Choice``).
 
@@ -265,9 +265,8 @@ class Profile:
         bound = _signature(fn).bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        # an attention pass: the fields of its options (and of a packed batch's packing) by name, as a decode pass
-        # takes them
-        for name in ("options", "packing"):
+        # the fields of the pass's options (and of a packed batch's packing, a decoding call's cache) by name
+        for name in ("options", "packing", "cache"):
             if name in a:
                 a = {**a, **{f.name: getattr(a[name], f.name) for f in dataclasses.fields(a[name])}}
         device = a["q"].device

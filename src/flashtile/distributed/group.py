@@ -266,9 +266,9 @@ def agreed_options(
 
     Checks this rank's q, k, v (``check_sequence_shards``, then ``check_shard(q, k, v)``: the function's own shard
     rules), that the group's backend reaches q's device, the score modifications and sink (``check_options``) and
-    softmax_scale; then compares every rank's shapes and options (``check_across_ranks``). A rank whose inputs are invalid raises its own error, and
-    every other rank raises too, instead of waiting for it. (window_left, window_right) are over the global
-    positions; softmax_scale None is the default (``scale_or_default``)."""
+    softmax_scale; then compares every rank's shapes and options (``check_across_ranks``). A rank whose inputs are
+    invalid raises its own error, and every other rank raises too, instead of waiting for it. (window_left,
+    window_right) are over the global positions; softmax_scale None is the default (``scale_or_default``)."""
     device = comm.collective_device(q.device if isinstance(q, Tensor) else torch.device("cpu"))
     try:
         require(isinstance(q, Tensor), f"q must be a torch.Tensor, got {type(q).__name__}", InputTypeError)

@@ -60,6 +60,7 @@ from flashtile.ops.common.paged import cache_slots, clamp, load_rows, load_tile
 from flashtile.ops.decode import configs
 from flashtile.ops.decode.append import BLOCK_NEW, BLOCK_T, append_new, load_new, store_new
 from flashtile.ops.decode.tiles import cache_length, load_rotated
+from flashtile.options import AttentionOptions, CacheOptions
 
 MIN_COUNTERS = 1024  # ticket counters of a device's first buffer
 MERGE_CHUNK = 4
@@ -848,20 +849,8 @@ def decode_attention(
     v_cache: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
-    cache_seqlens: torch.Tensor | None,
-    cache_batch_idx: torch.Tensor | None,
-    cache_leftpad: torch.Tensor | None,
-    block_table: torch.Tensor | None,
-    alibi_slopes: torch.Tensor | None,
-    rotary_cos: torch.Tensor | None,
-    rotary_sin: torch.Tensor | None,
-    softmax_scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    softcap: float,
-    rotary_interleaved: bool,
-    rotary_per_token: bool,
-    num_splits: int,
+    options: AttentionOptions,
+    cache: CacheOptions,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k, v to the caches in place and attend q to each batch entry's keys: one launch.
 
@@ -875,25 +864,22 @@ def decode_attention(
             page_block_size, nheads_k, headdim[_v]) with a block_table; last dimension contiguous
         k, v: (batch, seqlen_new, nheads_k, headdim[_v]) new tokens (k rotated on the way in) to append
             at cache_seqlens[b] + [0, seqlen_new), last dimension contiguous; or both None
-        cache_seqlens: (batch,) int32 cache lengths before the append, or None for the whole cache
-            (then k and v are None)
-        cache_batch_idx: (batch,) int32 cache entry of each batch entry, or None for 0..batch-1
-        cache_leftpad: (batch,) int32 first cache position of each batch entry, or None for 0
-        block_table: (batch, max_blocks_per_seq) int32, or None for a contiguous cache
-        alibi_slopes: (nheads,) or (batch, nheads) fp32, or None
-        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), contiguous, or None: q is rotated at
-            positions cache_seqlens[b] + i if rotary_per_token else cache_seqlens[b], new key t at
-            cache_seqlens[b] + t
-        softmax_scale, softcap: scores are softcap * tanh(scale * q k / softcap) (scale * q k if softcap = 0)
-        window_left, window_right: the visible band, bottom-right aligned; None is unbounded
-        rotary_interleaved: rotate pairs (2f, 2f + 1) rather than (f, f + rotary_dim / 2)
-        num_splits: splits of the keys, 0 to choose from the problem size and the SM count; a split launch that
-            does not append first (``appends_first``) with at most NEW_SPLIT_MAX new tokens and at most
-            NEW_SPLIT_MAX_KEYS cache positions per split gets one more split, which reads the new tokens alone
+        options: softmax_scale, softcap (scores softcap * tanh(scale * q k / softcap), scale * q k if softcap = 0),
+            the visible band window_left, window_right (bottom-right aligned; None is unbounded) and alibi_slopes
+            ((nheads,) or (batch, nheads) fp32, or None); its other fields do not apply to decoding
+        cache: the cache's addressing and the rotary tables (``options.CacheOptions``); its num_splits: splits of
+            the keys, 0 to choose from the problem size and the SM count; a split launch that does not append
+            first (``appends_first``) with at most NEW_SPLIT_MAX new tokens and at most NEW_SPLIT_MAX_KEYS cache
+            positions per split gets one more split, which reads the new tokens alone
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
     """
+    softmax_scale, softcap, alibi_slopes = options.softmax_scale, options.softcap, options.alibi_slopes
+    window_left, window_right = options.window_left, options.window_right
+    cache_seqlens, cache_batch_idx, cache_leftpad = cache.cache_seqlens, cache.cache_batch_idx, cache.cache_leftpad
+    block_table, rotary_cos, rotary_sin = cache.block_table, cache.rotary_cos, cache.rotary_sin
+    rotary_interleaved, rotary_per_token = cache.rotary_interleaved, cache.rotary_per_token
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     out = empty_output((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
@@ -906,7 +892,7 @@ def decode_attention(
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     m_tiles = max(1, cdiv(seqlen_q * group, configs.block_m(seqlen_q * group)))  # one without queries: it appends
     cfg, num_splits = configs.config_and_splits(
-        num_splits, q.device, max(head_dim, head_dim_v), batch * nheads_k * m_tiles, paged, seqlen_cache,
+        cache.num_splits, q.device, max(head_dim, head_dim_v), batch * nheads_k * m_tiles, paged, seqlen_cache,
         q.element_size(),
     )  # fmt: skip
     append_first = appends_first(has_new, seqlen_q, m_tiles, window_left)
