@@ -323,32 +323,17 @@ def _attention_dkdv_kernel(
         mask_base = Mask
         if HAS_MASK:
             mask_base = head_base(Mask, off_b, off_h, stride_mb, stride_mh)
-        if MASK_RIGHT:
-            for start_m in range(lo, mid_lo, BLOCK_M):
-                dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                    start_m, start_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
-                    slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
-                    BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
-                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
-                )  # fmt: skip
-        for start_m in range(mid_lo, mid_hi, BLOCK_M):
-            dk, dv = _dkdv_tile(
-                dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                start_m, start_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
-                slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, MASK_LEFT, MASK_RIGHT,
-                PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
-            )  # fmt: skip
-        if MASK_LEFT:
-            for start_m in range(mid_hi, hi, BLOCK_M):
-                dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm, stride_dom,
-                    start_m, start_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale, softcap,
-                    slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn, HEAD_DIM, HEAD_DIM_V,
-                    BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, MASK_LEFT, MASK_RIGHT,
-                    PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
-                )  # fmt: skip
+        for part in tl.static_range(3):  # query tiles of the band's right edge (masked), the middle, the left edge
+            if part == 1 or (part == 0 and MASK_RIGHT) or (part == 2 and MASK_LEFT):
+                start, end = range_part(part, lo, mid_lo, mid_hi, hi)
+                for start_m in range(start, end, BLOCK_M):
+                    dk, dv = _dkdv_tile(
+                        dk, dv, k, v, q_src, do_src, off_qb, off_h, Lse + row_base, Delta + row_base, stride_qm,
+                        stride_dom, start_m, start_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
+                        softcap, slope, Rng, row_base, rng_stride, dropout_p, mask_base, stride_mm, stride_mn,
+                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, part != 1, MASK_LEFT, MASK_RIGHT,
+                        PAD_D, PAD_DV, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_MASK, MASK_IS_BOOL, TMA,
+                    )  # fmt: skip
 
     store_rows(
         dk_dst, (dk * softmax_scale).to(k.dtype), off_kb, off_hk, start_n, stride_dkn, offs_d, seqlen_k, HEAD_DIM,
