@@ -182,6 +182,43 @@ def test_empty(path):
     assert out.shape == (2, 0, 2, 32) and out.dtype == torch.bfloat16
 
 
+TRANSPOSE_SHAPES = [  # (batch, seqlen_k, nheads_k, headdim_v)
+    (1, 1, 1, 32),
+    (2, 17, 3, 72),  # a head dim in a wider tile (128), keys short of one tile
+    (1, 130, 2, 128),  # two full tiles and two keys
+    (1, 17, 1, 256),
+    (2, 65, 1, 96),
+    pytest.param((2, 4099, 3, 128), marks=pytest.mark.gpu),  # prefill lengths, compiled
+    pytest.param((1, 1000, 2, 72), marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["contiguous", "qkv-slice"])
+@pytest.mark.parametrize("shape", TRANSPOSE_SHAPES, ids=lambda s: "B{}-Sk{}-Hk{}-Dv{}".format(*s))
+def test_transposed_values(shape, packed):
+    """V as the kernel reads it: v.permute(0, 2, 3, 1) bit for bit, in rows of seqlen_k rounded up to KEY_ALIGN
+    keys (zeros past seqlen_k), also from a v that is a slice of a packed (B, S, 3, H, D) qkv tensor."""
+    from flashtile.ops.fp8.transpose import KEY_ALIGN, transposed_values
+
+    b, sk, hk, dv = shape
+    v = fp8(b, sk, 3, hk, dv)[:, :, 2] if packed else fp8(b, sk, hk, dv)
+    vt = transposed_values(v)
+    assert vt.shape == (b, hk, dv, sk) and vt.stride(-1) == 1
+    rows = -(-sk // KEY_ALIGN) * KEY_ALIGN
+    assert vt.stride(2) == rows and vt.stride(1) == dv * rows
+    assert torch.equal(vt.view(torch.uint8), v.permute(0, 2, 3, 1).view(torch.uint8))
+    padding = torch.as_strided(vt, (b, hk, dv, rows - sk), vt.stride(), vt.storage_offset() + sk)
+    assert not padding.view(torch.uint8).any(), "the keys past seqlen_k hold something other than zeros"
+
+
+def test_qkvpacked(path):
+    """A packed qkv tensor (v a strided slice of it) gives what its contiguous q, k, v give."""
+    qkv = fp8(2, 37, 3, 2, 32)
+    out = flashtile.flash_attn_qkvpacked_func(qkv, causal=True)
+    expected = flashtile.flash_attn_func(*(qkv[:, :, i].contiguous() for i in range(3)), causal=True)
+    assert torch.equal(out, expected)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Errors: each raised before anything launches, saying what to change
 
@@ -282,14 +319,16 @@ def test_gpu_window_and_unaligned():
 @pytest.mark.slow
 def test_compiles_for_sm90():
     """Every shipped config and tuning candidate lowers for sm_90 with both products on float8 wgmma and fits in
-    shared memory (tests/fp8_compile.py, in a subprocess without TRITON_INTERPRET)."""
+    shared memory; the V transpose compiles with 16-byte global loads and stores (tests/fp8_compile.py, in a
+    subprocess without TRITON_INTERPRET)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(flashtile.__file__).parents[1]), env.get("PYTHONPATH", "")])
     script = Path(__file__).with_name("fp8_compile.py")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1800)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows, proc.stderr[-3000:]
-    failed = [row for row in rows if "error" in row or row["fp8_wgmma"] < 2]
+    failed = [row for row in rows if "error" in row or (
+        row["narrow_global"] > 0 if row["kernel"] == "transpose" else row["fp8_wgmma"] < 2)]  # fmt: skip
     assert not failed and proc.returncode == 0, failed
 
 

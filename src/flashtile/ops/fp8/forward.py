@@ -15,8 +15,7 @@ later; Triton's ``tl.dot`` on float8e4nv operands, float32 accumulators):
   before the rounding, so the LSE is that of the exact scores.
 - Hopper's float8 wgmma reads both operands K-major from shared memory: for P V that is V with the keys
   contiguous, so the launcher hands the kernel V transposed, (batch, nheads_k, headdim_v, seqlen_k), written once
-  per call (one read and one write of V: 0.44 ms of a 1.7 ms call at N=4k, D=128, B*N=32k on an H100, less of a
-  longer one; docs/fp8.md).
+  per call by ``ops.fp8.transpose`` (one read and one write of V; docs/fp8.md).
 
 The output is bfloat16 (``float8.OUTPUT_DTYPE``), the LSE float32. The kernel takes the causal mask, sliding
 windows, MQA/GQA and any lengths; not the options of ``ops.attention`` (softcap, ALiBi, sink, dropout, varlen,
@@ -52,6 +51,7 @@ from flashtile.ops.attention.tiles import (
 from flashtile.ops.common.descriptors import per_layout, tma_ready
 from flashtile.ops.common.grid import cdiv, compute_capability, head_grid, padded_head_dim
 from flashtile.ops.common.math import LN2, LOG2E
+from flashtile.ops.fp8.transpose import transposed_values
 from flashtile.options import AttentionOptions
 
 P_SHIFT = tl.constexpr(8.0)
@@ -59,9 +59,6 @@ P_SHIFT = tl.constexpr(8.0)
 
 MIN_BLOCK_D = 32
 """The smallest head-dim tile: a float8 product reduces over at least 32 elements (Hopper's wgmma k)."""
-KEY_ALIGN = 16
-"""Transposed V's rows hold seqlen_k rounded up to this many keys, so that its row stride is 16-byte aligned (a
-tensor descriptor's condition); the keys past seqlen_k are never read (out of the descriptor's shape, or masked)."""
 
 
 @triton.jit
@@ -228,16 +225,6 @@ def qualifies(
     ))  # fmt: skip
 
 
-def transposed_values(v: torch.Tensor) -> torch.Tensor:
-    """v (B, Sk, Hk, DV) as the kernel reads it: (B, Hk, DV, Sk) with the keys contiguous, each row KEY_ALIGN-padded
-    (the padding is never read), returned as the (B, Hk, DV, Sk) view."""
-    batch, seqlen_k, nheads_k, head_dim_v = v.shape
-    rows = cdiv(seqlen_k, KEY_ALIGN) * KEY_ALIGN
-    vt = torch.empty((batch, nheads_k, head_dim_v, rows), dtype=v.dtype, device=v.device)[..., :seqlen_k]
-    vt.copy_(v.permute(0, 2, 3, 1))
-    return vt
-
-
 @per_layout
 def _value_descriptor(vt: torch.Tensor, block_dv: int, block_n: int) -> TensorDescriptor:
     """A descriptor of transposed V (B, Hk, DV, Sk) with [1, 1, block_dv, block_n] blocks."""
@@ -273,7 +260,7 @@ def attention_forward(
     vt = transposed_values(v)
     cfg = config("fp8_forward", q.device, head_dim, head_dim_v)
     block_d, block_dv = block_widths(head_dim, head_dim_v)
-    tma = cfg.tma and tma_ready(q, k)  # out: fresh; vt: KEY_ALIGN-padded rows
+    tma = cfg.tma and tma_ready(q, k)  # out: fresh; vt: KEY_ALIGN-padded rows (ops.fp8.transpose)
     sources = tile_sources(tma, (q, cfg.block_m, block_d), (k, cfg.block_n, block_d))
     out_dst = tile_sources(tma, (out, cfg.block_m, block_dv))[0]
     vt_src = _value_descriptor(vt, block_dv, cfg.block_n) if tma else vt
