@@ -25,7 +25,7 @@ tensor descriptor's condition); the keys past seqlen_k hold zeros and are never 
 shape, or masked)."""
 
 BLOCK_N = 64
-"""Keys per program: a [64, BLOCK_DV] tile is 2-16 KiB of float8, thousands of programs at prefill lengths."""
+"""Keys per program: a [64, BLOCK_DV] tile is 1-16 KiB of float8, thousands of programs at prefill lengths."""
 NUM_WARPS = 4
 
 
