@@ -602,12 +602,15 @@ class Decoder:
         """out (batch_size, seqlen_q, nheads, headdim_v) of ``flash_attn_with_kvcache(q, k_cache, v_cache,
         **self.arguments)``."""
         key = None if torch.compiler.is_compiling() else _tensor_keys((q, k_cache, v_cache))
-        prepared = None if key is None else self._prepared.get(key := tuple(key), _UNPREPARED)
-        if prepared is _UNPREPARED:
-            prepared = None if q.dim() == 0 or q.shape[-1] % 8 else self._prepare(q, k_cache, v_cache)
-            if len(self._prepared) >= MAX_CHECKED:
-                self._prepared.clear()
-            self._prepared[key] = prepared
+        prepared = None
+        if key is not None:
+            key = tuple(key)
+            prepared = self._prepared.get(key, _UNPREPARED)
+            if prepared is _UNPREPARED:
+                prepared = None if q.dim() == 0 or q.shape[-1] % 8 else self._prepare(q, k_cache, v_cache)
+                if len(self._prepared) >= MAX_CHECKED:
+                    self._prepared.clear()
+                self._prepared[key] = prepared
         if prepared is None:
             with self._values_setting():
                 return flash_attn_with_kvcache(q, k_cache, v_cache, **self.arguments)

@@ -326,7 +326,8 @@ def attention_forward(
             "function builds, a 4-D boolean or additive mask (batch, 1 or nheads, seqlen_q, seqlen_k), or None. Was "
             "the model's attn_implementation set to the name register() returned (it registers the mask function too)?"
         )
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # flash_attn's layout (batch, seqlen, heads, dim)
+    # flash_attn's layout (batch, seqlen, heads, dim)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     return _attend(q, k, v, attention_mask, kwargs, options), None
 
 
