@@ -13,7 +13,8 @@ before the launch (docs/tuning/host-path.md).
 
 Host cost per call is part of decoding's latency, so the checks that run on every call build their
 messages only on failure, and the checks of index values (a device-to-host copy on CUDA) can be switched
-off (docs/validation.md).
+off (docs/validation.md). ``Decoder`` serves the calls of a decoding step's layers, which share everything but
+q and their caches: checked once per layout, the others go to ``_ops.kvcache`` directly.
 """
 
 from __future__ import annotations
