@@ -6,21 +6,20 @@ the last one runs between cudaProfilerStart and cudaProfilerStop.
     PYTHONPATH=src ncu --set full --profile-from-start off -o REPORT python3 benchmarks/ncu_decode.py --sdpa ...
 
 Shapes as bench_decode.py (its first NHEADS_Q): Hkv 8, Hq 32, D 128, bf16, one new token appended at context - 1,
-causal. ``--config block_n.num_warps.num_stages`` swaps in a tile config as tune_decode.py does (``tune_decode.fixed``);
-``--sdpa`` runs the peer instead: F.scaled_dot_product_attention on the contiguous cache (attention alone, torch's
-choice of backend: cuDNN's kernel on the H200 with torch 2.11), whose kernel name the profiled range finds."""
+causal. ``--config block_n.num_warps.num_stages`` swaps in a tile config as tune_decode.py does
+(``tune_decode.swapped``); ``--sdpa`` runs the peer instead: F.scaled_dot_product_attention on the contiguous cache
+(attention alone, torch's choice of backend: cuDNN's kernel on the H200 with torch 2.11), whose kernel name the
+profiled range finds."""
 
 import argparse
 import contextlib
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from bench_decode import HEAD_DIM, NHEADS_Q, Caches  # benchmarks/, beside this script
 from flashtile import _backend, flash_attn_with_kvcache
-from flashtile.ops.decode import configs
-from tune_decode import fixed, parse_config
+from tune_decode import parse_config, swapped
 
 
 def main() -> None:
@@ -48,7 +47,7 @@ def main() -> None:
 
     swap = contextlib.nullcontext()
     if args.config:
-        swap = mock.patch.object(configs, "config_and_splits", fixed(parse_config(args.config)))
+        swap = swapped(parse_config(args.config))
     with swap, _backend.check_values(False):
         step()
         torch.cuda.synchronize()

@@ -22,6 +22,7 @@ Writes ``tune-decode-<tag>.json`` and prints the best (config, split count) per 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import itertools
@@ -36,7 +37,7 @@ from triton.testing import do_bench
 
 from bench_decode import Caches, capture
 from flashtile import _backend, flash_attn_with_kvcache
-from flashtile.ops.decode import configs
+from flashtile.ops.decode import configs, split_kv
 from flashtile.ops.decode.configs import DecodeConfig
 
 NHEADS_Q = 32
@@ -56,6 +57,15 @@ def fixed(cfg: DecodeConfig):
         return cfg, configs.num_splits(requested, device, programs, seqlen_cache, cfg)
 
     return config_and_splits
+
+
+def swapped(cfg: DecodeConfig) -> contextlib.AbstractContextManager:
+    """Inside it, every decode launch takes ``cfg`` (``fixed``), with the launch plans kept before set aside (they hold
+    the configs they were made with) and restored afterwards."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(configs, "config_and_splits", fixed(cfg)))
+    stack.enter_context(mock.patch.dict(split_kv._PLANS, clear=True))
+    return stack
 
 
 def graph_us(step) -> float:
@@ -128,7 +138,7 @@ def main() -> None:
         for paged in (False, True):
             row = {"batch": batch, "context": context, "layout": "paged" if paged else "contiguous", "grid": {}}
             for cfg in candidates:
-                with mock.patch.object(configs, "config_and_splits", fixed(cfg)):
+                with swapped(cfg):
                     for s in splits:
                         row["grid"][f"{cfg.block_n}.{cfg.num_warps}.{cfg.num_stages}/{s}"] = graph_us(
                             stepper(caches, q, paged, s)

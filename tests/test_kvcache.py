@@ -925,6 +925,66 @@ def test_checks_kept_per_layout(monkeypatch):
     assert len(checks) == 4
 
 
+def _decoder_layer(nheads_k: int, head_dim: int, seqlen_cache: int, dtype: torch.dtype, seed: int) -> tuple:
+    """q (2, 1, 4, head_dim) and a contiguous cache (2, seqlen_cache, nheads_k, head_dim) of ``dtype``: one layer's
+    tensors in a decoding step."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 1, 4, head_dim, generator=gen).to(DEVICE, dtype)
+    k_cache, v_cache = (torch.randn(2, seqlen_cache, nheads_k, head_dim, generator=gen).to(DEVICE, dtype) for _ in "kv")
+    return q, k_cache, v_cache
+
+
+def test_decoder_matches_calls(path, monkeypatch):
+    """``kvcache.Decoder`` (a decoding step's layers, sharing cache lengths and options) gives each call the result of
+    ``flash_attn_with_kvcache`` with the same arguments, bitwise, with layouts alternating over two rounds (another
+    nheads_k, cache length, dtype; a head dim not a multiple of 8, which the public function pads): each layout is
+    checked and prepared once, and a layout seen before is never served another's options."""
+    prepares = []
+    prepare = flashtile.kvcache.Decoder._prepare
+    monkeypatch.setattr(flashtile.kvcache.Decoder, "_prepare", lambda *a: prepares.append(1) or prepare(*a))
+    seqlens, leftpad = _i32(40, 90), _i32(3, 0)
+    arguments = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, softmax_scale=0.3, causal=True, softcap=20.0)
+    decoder = flashtile.kvcache.Decoder(**arguments)
+    layouts = [(2, 64, 96, torch.float16), (1, 64, 128, torch.float16), (2, 32, 96, torch.float32),
+               (2, 36, 96, torch.float16)]  # fmt: skip
+    for round in range(2):
+        for seed, layout in enumerate(layouts):
+            q, k_cache, v_cache = _decoder_layer(*layout, seed=10 * round + seed)
+            out = decoder(q, k_cache, v_cache)
+            expected = flash_attn_with_kvcache(q, k_cache, v_cache, **arguments)
+            assert out.shape == (2, 1, 4, layout[1]) and torch.equal(out, expected)
+    assert len(prepares) == 3  # the padded layout takes the public function
+
+
+def test_decoder_checks_each_layout(monkeypatch):
+    """A decoder's first call of a layout is checked as ``flash_attn_with_kvcache`` checks it, whatever layouts passed
+    before: a cache whose dtype differs from q's, or whose heads do not divide q's, raises; cache lengths that fit
+    one cache raise for a shorter one (the index values are checked against each layout's cache); and the index
+    values are checked under the ``check_values`` setting in force where the decoder was made."""
+    decoder = flashtile.kvcache.Decoder(cache_seqlens=_i32(40, 150), causal=True)
+    q, k_cache, v_cache = _decoder_layer(2, 64, 160, torch.float16, seed=0)
+    decoder(q, k_cache, v_cache)
+    with pytest.raises(TypeError, match="k_cache has dtype"):
+        decoder(q, k_cache.float(), v_cache.float())
+    with pytest.raises(ValueError, match="must be divisible by nheads_k"):
+        decoder(*_decoder_layer(3, 64, 160, torch.float16, seed=1))
+    with pytest.raises(ValueError, match=r"cache_seqlens \+ seqlen_new"):
+        decoder(*_decoder_layer(2, 64, 96, torch.float16, seed=2))
+    decoder(q, k_cache, v_cache)  # the layout that passed still passes
+    settings = []
+    values_checked = flashtile.kvcache._backend.values_checked
+    monkeypatch.setattr(
+        flashtile.kvcache._backend, "values_checked",
+        lambda device: settings.append(flashtile.kvcache._backend.check_values_setting()) or values_checked(device),
+    )  # fmt: skip
+    with flashtile.check_values(False):
+        unchecked = flashtile.kvcache.Decoder(cache_seqlens=_i32(40, 150), causal=True)
+    with flashtile.check_values(True):
+        unchecked(q, k_cache, v_cache)
+        unchecked(q, k_cache, v_cache)
+    assert settings == [False]
+
+
 def test_unused_block_table_entries_may_hold_anything(path):
     """Entries past cache_seqlens + seqlen_new (here -1, as a serving engine leaves them) are never read."""
     case = Case(page_size=16, seqlen_cache=96, cache_seqlens=(10, 40))

@@ -179,9 +179,11 @@ def test_decode_steps_of_one_shape_bind_once(monkeypatch, runs):
 
 def test_decode_plans_follow_layouts(monkeypatch):
     """``split_kv.decode_attention`` keeps a plan per input layout (``_plan_key``): a step on new tensors of one
-    layout reuses its plan (grid, int arguments, constexprs, launch key) with its own tensors, outputs, partials
-    and scale; a paged cache, a window, another split count and a changed config make new plans; a q at an address
-    that is not 16-byte aligned is planned on each call (its launch key says so) and never kept."""
+    layout reuses its plan (grid, int arguments, constexprs, launch key, the config and split count: one
+    ``configs.config_and_splits`` per plan) with its own tensors, outputs, partials and scale; a paged cache, a
+    window and another requested split count make new plans, and so does a changed config once the plans are
+    cleared (as tests and tuning scripts that change it do); a q at an address that is not 16-byte aligned is planned
+    on each call (its launch key says so) and never kept."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(split_kv, "_split_kv_kernel", _jit(split_kv._split_kv_kernel))
     monkeypatch.setattr(split_kv, "_PLANS", _launch.Plans())
@@ -191,6 +193,9 @@ def test_decode_plans_follow_layouts(monkeypatch):
         launches.append((grid, args, constexprs, keyed))
 
     monkeypatch.setattr(split_kv, "launch", record)
+    decided = []
+    config_and_splits = split_kv.configs.config_and_splits
+    monkeypatch.setattr(split_kv.configs, "config_and_splits", lambda *a: decided.append(a) or config_and_splits(*a))
 
     def step(num_splits=2, window=(None, None), paged=False, offset=0, scale=0.125):
         """A decode step (B=2, one token, Hq 4, Hkv 2, D 64, 128 cache positions, one new token, appended first:
@@ -210,7 +215,7 @@ def test_decode_plans_follow_layouts(monkeypatch):
 
     first = step()
     second = step(scale=0.5)
-    assert len(split_kv._PLANS) == 1 and len(launches) == 2
+    assert len(split_kv._PLANS) == 1 and len(launches) == 2 and len(decided) == 1
     (grid, args, constexprs, keyed), (grid2, args2, constexprs2, keyed2) = launches
     assert grid2 == grid == (4, 2, 1) and constexprs2 is constexprs and keyed2 is keyed and args2[17:-2] == args[17:-2]
     assert keyed[0] == _launch.constexpr_tail(split_kv._split_kv_kernel, args, constexprs)
@@ -224,14 +229,16 @@ def test_decode_plans_follow_layouts(monkeypatch):
     assert len(split_kv._PLANS) == 3 and launches[-1][2]["MASK_LEFT"] and launches[-1][1][-4:-2] == (8, 0)
     step(num_splits=3)
     assert len(split_kv._PLANS) == 4 and launches[-1][0] == (4, 3, 1)
+    assert len(decided) == 4
     monkeypatch.setattr(split_kv.configs, "INTERPRETER", split_kv.configs.DecodeConfig(16, 4, 1))
+    split_kv._PLANS.clear()
     step()
-    assert len(split_kv._PLANS) == 5 and launches[-1][2]["BLOCK_N"] == 16
+    assert len(split_kv._PLANS) == 1 and launches[-1][2]["BLOCK_N"] == 16
     aligned_key = launches[-1][3][1]
     q_at = len(aligned_key) - len(launches[-1][1])  # the first argument's place in the launch key
     for _ in range(2):
         q = step(offset=1)[0]
-        assert q.data_ptr() % 16 != 0 and len(split_kv._PLANS) == 5
+        assert q.data_ptr() % 16 != 0 and len(split_kv._PLANS) == 1
         assert launches[-1][3][1] == (*aligned_key[:q_at], (torch.bfloat16, False), *aligned_key[q_at + 1 :])
     assert launches[-1][3] is not launches[-2][3]
 

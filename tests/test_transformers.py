@@ -25,6 +25,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flashtile  # noqa: E402
+import flashtile._ops  # noqa: E402
 import flashtile.integrations.transformers as fth  # noqa: E402
 from flashtile import _backend  # noqa: E402
 from flashtile.reference import GRADIENT_FACTOR, OUTPUT_FACTOR  # noqa: E402
@@ -215,23 +216,30 @@ def test_generate(family, monkeypatch):
     model = build(family)
     ids, mask = left_padded_prompts()
     expected = generate(model, family.references[0], ids, mask)
-    decodes = spy(monkeypatch, "flash_attn_with_kvcache")
+    decodes = spy_decodes(monkeypatch)
     assert torch.equal(generate(model, NAME, ids, mask), expected)
     sinks = family.name == "gpt_oss"  # flash_attn_with_kvcache has no learnable sink: the general kernels decode
     assert (decodes.calls == 0) == sinks
 
 
-def spy(monkeypatch, function: str):
-    """Count the calls of a public flashtile function (the integration calls them through the module)."""
-    original = getattr(flashtile, function)
+def spy(monkeypatch, function: str, module=flashtile):
+    """Count the calls of a public flashtile function (the integration calls them through the module), or of
+    ``module``'s ``function``."""
+    original = getattr(module, function)
 
     def counted(*args, **kwargs):
         counted.calls += 1
         return original(*args, **kwargs)
 
     counted.calls = 0
-    monkeypatch.setattr(flashtile, function, counted)
+    monkeypatch.setattr(module, function, counted)
     return counted
+
+
+def spy_decodes(monkeypatch):
+    """Count the calls of the decode path, where ``flash_attn_with_kvcache`` and the decoders
+    (``flashtile.kvcache.Decoder``) that the integration makes per decoding step meet (``flashtile._ops.kvcache``)."""
+    return spy(monkeypatch, "kvcache", flashtile._ops)
 
 
 DECODING_MASKS = {
@@ -252,7 +260,7 @@ def test_decoding_step(monkeypatch, case):
 
     pads, hole, kvcache = DECODING_MASKS[case]
     batch, heads, heads_k, head_dim, length = 3, 4, 2, 16, 9
-    decodes = spy(monkeypatch, "flash_attn_with_kvcache")
+    decodes = spy_decodes(monkeypatch)
     padding = torch.ones(batch, length, dtype=torch.bool)
     for row, pad in enumerate(pads):
         padding[row, :pad] = False
@@ -280,21 +288,27 @@ def test_decoding_step(monkeypatch, case):
 @pytest.mark.gpu
 def test_decoding_layers_do_not_synchronize():
     """On the GPU a decoding step's layers add no host synchronisation to the mask function's one (the cache lengths
-    are made once per forward, without host-to-device copies, and their values are not checked again)."""
+    are made once per forward, without host-to-device copies, and their values are not checked again): neither the
+    step's first layer, which makes the step's decoder and checks its layout (here a step's mask made anew with the
+    same lengths), nor a layer of another layout (other KV heads), nor the layers after them."""
     batch, length = 3, 40
     padding = torch.ones(batch, length, dtype=torch.bool, device="cuda")
     padding[1, :7] = False
     q = torch.randn(batch, 1, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k, v = (torch.randn(batch, 2, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k4, v4 = (torch.randn(batch, 4, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     layer = torch.nn.Module()
     layer.is_causal = True
     seen = fth.mask(batch, 1, length, length - 1, 0, attention_mask=padding)
-    fth.attention_forward(layer, q, k, v, seen)  # compiles
+    for keys, values in ((k, v), (k4, v4)):
+        fth.attention_forward(layer, q, keys, values, seen)  # compiles
     torch.cuda.synchronize()
+    step = seen._replace(memo={"decode": seen.memo["decode"]})  # the next step's mask, before any layer ran
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            fth.attention_forward(layer, q, k, v, seen)
+            for keys, values in ((k, v), (k4, v4)):
+                fth.attention_forward(layer, q, keys, values, step)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -39,6 +39,7 @@ import contextvars
 import functools
 import importlib
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -98,6 +99,12 @@ def check_values(enabled: bool) -> Iterator[None]:
         _check_values.reset(token)
 
 
+def check_values_setting() -> bool | None:
+    """What ``check_values`` set here (None: not set, ``FLASHTILE_CHECK_VALUES`` decides), to hand to a later
+    ``check_values`` in another place of the same computation."""
+    return _check_values.get()
+
+
 def values_checked(device: torch.device) -> bool:
     """Whether checks of index values run now for tensors on ``device``: always on the CPU, never while
     torch.compile traces (there are no values), and on CUDA unless switched off (``check_values``,
@@ -114,9 +121,10 @@ def values_checked(device: torch.device) -> bool:
 
 def path_name(device: torch.device) -> str:
     """'triton' (compiled), 'triton-interpreter' or 'cpu' for tensors on ``device``."""
-    if device.type == "cuda":
+    kind = device.type
+    if kind == "cuda":
         return "triton"
-    if device.type == "cpu":
+    if kind == "cpu":
         return "triton-interpreter" if TRITON_INTERPRET else "cpu"
     raise InputError(
         f"flashtile runs on CUDA and CPU tensors, got a tensor on {device}. Move the inputs with .cuda() or .cpu()."
@@ -133,8 +141,10 @@ costs one check per pass."""
 def imported(name: str) -> ModuleType:
     """The module ``name``, imported on the first call: for modules a per-call path needs but must not import at
     import time (the CPU path, the kernels' launchers, Gluon only on sm_90 GPUs); an import statement in a function
-    runs the import system's lookup on every call."""
-    return importlib.import_module(name)
+    runs the import system's lookup on every call (and ``importlib.import_module`` its checks: the module is looked
+    up in ``sys.modules`` first)."""
+    module = sys.modules.get(name)
+    return importlib.import_module(name) if module is None else module
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,9 +295,11 @@ def path_module(device: torch.device) -> ModuleType:
 def decode_choice(device: torch.device) -> Choice:
     """The family of ``flash_attn_with_kvcache``: the split-KV Triton kernel (``ops.decode``, compiled or
     interpreted) or the CPU path's (``cpu_decode``)."""
-    if path_name(device) == "cpu":
-        return Choice("cpu-decode", (("split-kv", Verdict((f"the device is {device.type}, not a CUDA GPU",))),))
-    return Choice("split-kv", ())
+    return _CPU_DECODE if path_name(device) == "cpu" else _SPLIT_KV
+
+
+_SPLIT_KV = Choice("split-kv", ())
+_CPU_DECODE = Choice("cpu-decode", (("split-kv", Verdict(("the device is cpu, not a CUDA GPU",))),))
 
 
 DECODE_MODULES = {"split-kv": "flashtile.ops.decode", "cpu-decode": "flashtile.cpu_decode"}

@@ -583,6 +583,5 @@ def kvcache(
     if not _eager(tensors) or _wants_grad(tensors):
         return kvcache_forward(q, k_cache, v_cache, k, v, *_kvcache_flat(options, cache))
     out, lse = _decode(q, k_cache, v_cache, k, v, options, cache)
-    torch.autograd.graph.increment_version(k_cache)
-    torch.autograd.graph.increment_version(v_cache)
+    torch.autograd.graph.increment_version((k_cache, v_cache))
     return out, lse

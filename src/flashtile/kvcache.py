@@ -13,11 +13,13 @@ before the launch (docs/tuning/host-path.md).
 
 Host cost per call is part of decoding's latency, so the checks that run on every call build their
 messages only on failure, and the checks of index values (a device-to-host copy on CUDA) can be switched
-off (docs/validation.md).
+off (docs/validation.md). ``Decoder`` serves the calls of a decoding step's layers, which share everything but
+q and their caches: checked once per layout, the others go to ``_ops.kvcache`` directly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -268,10 +270,9 @@ checks of shapes, dtypes, devices and options (which depend on nothing else) and
 values."""
 
 
-def _call_key(tensors: tuple, scalars: tuple, window_size: object) -> tuple | None:
-    """Everything ``_check_call`` reads of a call: each tensor's shape, strides, dtype and device (None where absent;
-    an int cache_seqlens by type and value), each option by type and value, and window_size's items by type and
-    value; None (no key: the call is checked) for a tensor subclass or any other argument type."""
+def _tensor_keys(tensors: tuple) -> list | None:
+    """Each tensor's shape, strides, dtype and device (None where absent; an int by its value), or None (no key) when
+    one is a tensor subclass or of any other type."""
     key = []
     for t in tensors:
         if t is None:
@@ -282,6 +283,16 @@ def _call_key(tensors: tuple, scalars: tuple, window_size: object) -> tuple | No
             key.append(t)
         else:
             return None
+    return key
+
+
+def _call_key(tensors: tuple, scalars: tuple, window_size: object) -> tuple | None:
+    """Everything ``_check_call`` reads of a call: each tensor's shape, strides, dtype and device (None where absent;
+    an int cache_seqlens by type and value), each option by type and value, and window_size's items by type and
+    value; None (no key: the call is checked) for a tensor subclass or any other argument type."""
+    key = _tensor_keys(tensors)
+    if key is None:
+        return None
     for x in scalars:
         if type(x) not in (int, float, bool, type(None)):
             return None
@@ -351,6 +362,55 @@ def _check_call(
         softcap=float(softcap),
     )
     return seqlen_new, seqlen_cache, options
+
+
+def _prepared(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+    softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+) -> tuple[AttentionOptions, CacheOptions]:  # fmt: skip
+    """A ``flash_attn_with_kvcache`` call (its head dim a multiple of 8) checked (``_check_call``, kept per call
+    layout in ``_CHECKED``; the index values where ``_backend.values_checked``) and turned into the options the
+    decode paths take."""
+    key = None if torch.compiler.is_compiling() else _call_key(
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+         alibi_slopes),
+        (softmax_scale, causal, softcap, num_splits), window_size,
+    )  # fmt: skip
+    checked = _CHECKED.get(key) if key is not None else None
+    if checked is None:
+        checked = _check_call(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+        )  # fmt: skip
+        if key is not None:
+            if len(_CHECKED) >= MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED[key] = checked
+    seqlen_new, seqlen_cache, options = checked
+    batch, seqlen_q = q.shape[:2]
+    device = q.device
+    rotary_per_token = options.window_left is not None or options.window_right is not None
+    if _backend.values_checked(device):  # one device-to-host copy on CUDA (docs/validation.md)
+        _check_cache_values(
+            cache_seqlens, cache_leftpad, cache_batch_idx, block_table, batch, seqlen_new, seqlen_cache,
+            k_cache.shape[0], seqlen_q, 0 if rotary_cos is None else rotary_cos.shape[0], rotary_per_token,
+        )  # fmt: skip
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=INDEX_DTYPE, device=device)
+    if alibi_slopes is not None:
+        options = dataclasses.replace(options, alibi_slopes=_dense(alibi_slopes))
+    # The kernels index these as dense rows: make them so (a no-op when they are; 1-D tensors are rows too).
+    return options, CacheOptions(
+        cache_seqlens=_dense(cache_seqlens),
+        cache_batch_idx=_dense(cache_batch_idx),
+        cache_leftpad=_dense(cache_leftpad),
+        block_table=_dense(block_table),
+        rotary_cos=_dense(rotary_cos),
+        rotary_sin=_dense(rotary_sin),
+        rotary_interleaved=rotary_interleaved,
+        rotary_per_token=rotary_per_token,
+        num_splits=num_splits,
+    )
 
 
 def flash_attn_with_kvcache(
@@ -490,47 +550,85 @@ def flash_attn_with_kvcache(
             k_cache.copy_(k_cache_padded[..., :head_dim])
             v_cache.copy_(v_cache_padded[..., :head_dim])
         return (out, lse) if return_softmax_lse else out
-    key = None if torch.compiler.is_compiling() else _call_key(
-        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-         alibi_slopes),
-        (softmax_scale, causal, softcap, num_splits), window_size,
+    options, cache = _prepared(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
     )  # fmt: skip
-    checked = _CHECKED.get(key) if key is not None else None
-    if checked is None:
-        checked = _check_call(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-        )  # fmt: skip
-        if key is not None:
-            if len(_CHECKED) >= MAX_CHECKED:
-                _CHECKED.clear()
-            _CHECKED[key] = checked
-    seqlen_new, seqlen_cache, options = checked
-    batch, seqlen_q = q.shape[:2]
-    device = q.device
-    rotary_per_token = options.window_left is not None or options.window_right is not None
     if k is not None:
         k, v = last_dim_contiguous(k), last_dim_contiguous(v)
-    if _backend.values_checked(device):  # one device-to-host copy on CUDA (docs/validation.md)
-        _check_cache_values(
-            cache_seqlens, cache_leftpad, cache_batch_idx, block_table, batch, seqlen_new, seqlen_cache,
-            k_cache.shape[0], seqlen_q, 0 if rotary_cos is None else rotary_cos.shape[0], rotary_per_token,
-        )  # fmt: skip
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=INDEX_DTYPE, device=device)
-    if alibi_slopes is not None:
-        options = dataclasses.replace(options, alibi_slopes=_dense(alibi_slopes))
-    # The kernels index these as dense rows: make them so (a no-op when they are; 1-D tensors are rows too).
-    cache = CacheOptions(
-        cache_seqlens=_dense(cache_seqlens),
-        cache_batch_idx=_dense(cache_batch_idx),
-        cache_leftpad=_dense(cache_leftpad),
-        block_table=_dense(block_table),
-        rotary_cos=_dense(rotary_cos),
-        rotary_sin=_dense(rotary_sin),
-        rotary_interleaved=rotary_interleaved,
-        rotary_per_token=rotary_per_token,
-        num_splits=num_splits,
-    )
     out, lse = _ops.kvcache(last_dim_contiguous(q), k_cache, v_cache, k, v, options, cache)
     return (out, lse) if return_softmax_lse else out
+
+
+_UNPREPARED = object()
+
+
+class Decoder:
+    """``flash_attn_with_kvcache(q, k_cache, v_cache, **arguments)`` without new tokens, for calls that share every
+    argument but q, k_cache and v_cache: the layers of one decoding step, each reading its own cache with the step's
+    cache lengths and options (``flashtile.integrations.transformers`` makes one per step).
+
+    The first call of each layout (q's, k_cache's and v_cache's shapes, strides, dtypes and devices) is checked as
+    ``flash_attn_with_kvcache`` checks it and turned into the decode paths' options; later calls of that layout key
+    three tensors and go to the decode path (``_ops.kvcache``) with those options: per layer, no checks of the
+    arguments the layers share. The index tensors' values (cache_seqlens, cache_leftpad, ...) are checked on a
+    layout's first call only, where ``flash_attn_with_kvcache`` would check them under the ``check_values`` setting
+    in force where the decoder was made: they must not change while the decoder is in use. A head dim that is not a
+    multiple of 8, a tensor subclass and calls that torch.compile traces take ``flash_attn_with_kvcache`` itself.
+    Same errors and results as ``flash_attn_with_kvcache``.
+    """
+
+    def __init__(
+        self,
+        cache_seqlens: int | torch.Tensor | None = None,
+        cache_batch_idx: torch.Tensor | None = None,
+        cache_leftpad: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = NO_WINDOW,
+        softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None,
+        num_splits: int = 0,
+    ) -> None:
+        self.arguments = dict(
+            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+            block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+        )  # fmt: skip
+        self._prepared: dict[tuple, tuple[AttentionOptions, CacheOptions] | None] = {}
+        self._check_values = _backend.check_values_setting()
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """out (batch_size, seqlen_q, nheads, headdim_v) of ``flash_attn_with_kvcache(q, k_cache, v_cache,
+        **self.arguments)``."""
+        key = None if torch.compiler.is_compiling() else _tensor_keys((q, k_cache, v_cache))
+        prepared = None
+        if key is not None:
+            key = tuple(key)
+            prepared = self._prepared.get(key, _UNPREPARED)
+            if prepared is _UNPREPARED:
+                prepared = None if q.dim() == 0 or q.shape[-1] % 8 else self._prepare(q, k_cache, v_cache)
+                if len(self._prepared) >= MAX_CHECKED:
+                    self._prepared.clear()
+                self._prepared[key] = prepared
+        if prepared is None:
+            with self._values_setting():
+                return flash_attn_with_kvcache(q, k_cache, v_cache, **self.arguments)
+        return _ops.kvcache(last_dim_contiguous(q), k_cache, v_cache, None, None, *prepared)[0]
+
+    def _values_setting(self) -> contextlib.AbstractContextManager:
+        """The ``check_values`` setting in force where the decoder was made."""
+        setting = self._check_values
+        return contextlib.nullcontext() if setting is None else _backend.check_values(setting)
+
+    def _prepare(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[AttentionOptions, CacheOptions]:
+        a = self.arguments
+        with self._values_setting():
+            return _prepared(
+                q, k_cache, v_cache, None, None, None, None, a["cache_seqlens"], a["cache_batch_idx"],
+                a["cache_leftpad"], a["block_table"], a["softmax_scale"], a["causal"], a["window_size"], a["softcap"],
+                True, a["alibi_slopes"], a["num_splits"],
+            )  # fmt: skip

@@ -56,6 +56,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 
 import flashtile
 from flashtile.bert_padding import index_first_axis
+from flashtile.kvcache import Decoder
 
 __all__ = ["DEFAULT_NAME", "Visibility", "attention_forward", "mask", "register"]
 
@@ -325,7 +326,8 @@ def attention_forward(
             "function builds, a 4-D boolean or additive mask (batch, 1 or nheads, seqlen_q, seqlen_k), or None. Was "
             "the model's attn_implementation set to the name register() returned (it registers the mask function too)?"
         )
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # flash_attn's layout (batch, seqlen, heads, dim)
+    # flash_attn's layout (batch, seqlen, heads, dim)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     return _attend(q, k, v, attention_mask, kwargs, options), None
 
 
@@ -421,7 +423,7 @@ def _decodes(seen: Visibility, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Whether one query per row can go to ``flash_attn_with_kvcache``: it has no backward, dropout or sink, and it
     reads the keys of a row as one run [cache_leftpad, cache_seqlens) (checked once per forward when not compiling;
     under torch.compile a padding mask is taken to be left padding, as generation makes it)."""
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if wants_grad or options["dropout_p"] or options["learnable_sink"] is not None or not options["causal"]:
         return False
     if seen.key_mask is None or torch.compiler.is_compiling():
@@ -449,22 +451,28 @@ def _key_runs(
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: Visibility, options: dict) -> torch.Tensor:
     """``flash_attn_with_kvcache`` on transformers' cache as it is (the new keys are in it already): keys
-    [cache_leftpad, cache_seqlens) of each row, the query the last of them; the whole cache without padding."""
+    [cache_leftpad, cache_seqlens) of each row, the query the last of them; the whole cache without padding. Outside
+    torch.compile through a ``flashtile.kvcache.Decoder`` made once per forward and options, which every layer of
+    the step shares (the checks of their common arguments run once)."""
     scale, causal, window = options["softmax_scale"], options["causal"], options["window_size"]
     softcap = options["softcap"]
-    if seen.key_mask is None:
-        return flashtile.flash_attn_with_kvcache(
-            q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap
-        )
-    if torch.compiler.is_compiling():
-        cache_seqlens, cache_leftpad, _ = _key_runs(seen.key_mask, seen.query_start, q.shape[1])
-    else:
-        cache_seqlens, cache_leftpad = seen.memo["decode"]  # made once per forward (``mask``, ``_decodes``)
-    with _built_here():
-        return flashtile.flash_attn_with_kvcache(
-            q, k, v, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, softmax_scale=scale, causal=causal,
-            window_size=window, softcap=softcap,
-        )  # fmt: skip
+    compiling = torch.compiler.is_compiling()
+    name = ("decoder", scale, causal, window, softcap)
+    decoder = None if compiling else seen.memo.get(name)
+    if decoder is None:
+        lengths = {}
+        if seen.key_mask is not None:
+            if compiling:
+                cache_seqlens, cache_leftpad, _ = _key_runs(seen.key_mask, seen.query_start, q.shape[1])
+            else:
+                cache_seqlens, cache_leftpad = seen.memo["decode"]  # made once per forward (``mask``, ``_decodes``)
+            lengths = {"cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
+        arguments = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap, **lengths)
+        if compiling:
+            return flashtile.flash_attn_with_kvcache(q, k, v, **arguments)
+        with _built_here():  # the lengths are valid by construction: a decoder made here checks no values of them
+            decoder = seen.memo[name] = Decoder(**arguments)
+    return decoder(q, k, v)
 
 
 def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: Visibility, options: dict) -> torch.Tensor:

@@ -657,14 +657,18 @@ def _split_kv_kernel(
 
 
 class DecodePlan(NamedTuple):
-    """What a decode launch follows from its inputs' layouts (``_plan_key``), kept per key: the grid, the kernel's
-    int arguments (strides, lengths, the split count, the window; the parameters from stride_qb to right), the
+    """What a decode launch follows from its inputs' layouts and options (``_plan_key``), kept per key: the split
+    count with the new keys' own split (``num_splits``), the
+    ticket counters it needs with splits (``programs``: batch x nheads_k x query tiles), the grid, the kernel's int
+    arguments (strides, lengths, the split count, the window; the parameters from stride_qb to right), the
     constexprs, Triton's options (num_warps, num_stages) and ``launch``'s ``keyed`` (the constexprs in parameter
     order and the arguments' ``specialization_key``; None for a kernel that is not a compiled JITFunction, the
     interpreter's); ``tma_blocks``: (BLOCK_N, BLOCK_D, BLOCK_DV) where the kernel reads the caches through tensor
     descriptors (``use_tma``), else None. Nothing a call may change under one key: the tensors (inputs, outputs,
     partials, counters, the caches' descriptors) and the two scales are the call's own."""
 
+    num_splits: int
+    programs: int
     grid: tuple[int, int, int]
     ints: tuple[int, ...]
     constexprs: dict
@@ -681,12 +685,11 @@ def _plan_key(inputs: tuple, settings: tuple) -> tuple:
     """What a plan follows from: each of the inputs' (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
     cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin) shape, strides and dtype (None where absent),
     q's device, ``settings`` (window_left, window_right, softcap > 0, rotary_interleaved, rotary_per_token, the
-    config and the split count, from ``configs.config_and_splits`` on every call, so a changed config makes new
-    plans, whether the new keys have a split of their own, NEW_SPLIT, whether they are appended first,
-    APPEND_FIRST, and whether a paged launch is being captured in a CUDA graph, ``use_tma``), and whether every
-    input's address is 16-byte aligned (Triton specializes on it; the outputs, partials and counters come from
-    torch's allocator, aligned). Module constants (INT32_LIMIT) are read when a plan is made: tests that change
-    them clear ``_PLANS``."""
+    requested split count and whether a paged launch is being captured in a CUDA graph, ``use_tma``), and whether
+    every input's address is 16-byte aligned (Triton specializes on it; the outputs, partials and counters come from
+    torch's allocator, aligned). The config and split count (``configs.config_and_splits``) follow from these and
+    the device's SM count, and are decided when a plan is made, as are module constants (INT32_LIMIT) read: tests
+    and tuning scripts that change them clear ``_PLANS``."""
     layouts = []
     addresses = 0
     for t in inputs:
@@ -774,22 +777,50 @@ def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, tma_blocks: tuple
     return tile_descriptor(k_cache, block_n, block_d), tile_descriptor(v_cache, block_n, block_dv)
 
 
-def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> tuple[DecodePlan, bool]:
-    """``decode_attention``'s plan made anew for a call's ``tensors`` (the kernel's 17 tensor arguments, Q to Sin;
-    None where absent), ``scales`` (qk_scale, softcap, whose values the plan does not keep) and ``settings``
-    (``_plan_key``), and whether to keep it: only where every tensor's address is 16-byte aligned (a call with an
-    unaligned input, whose key says so, is planned anew each time, its launch key holding its tensors' own
-    alignment)."""
-    q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, _, seqlens, batch_idx, leftpad, block_table = tensors[:14]
-    alibi_slopes, rotary_cos = tensors[14:16]
-    window_left, window_right, has_softcap, rotary_interleaved, rotary_per_token = settings[:5]
-    cfg, num_splits, new_split, append_first, captured = settings[5:]
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A stand-in of an output a plan is made for: its layout, no memory (outputs are contiguous and aligned)."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _make_plan(inputs: tuple, scales: tuple[float, float], settings: tuple) -> tuple[DecodePlan, bool]:
+    """``decode_attention``'s plan made anew for a call's ``inputs`` (``_plan_key``'s), ``scales`` (qk_scale, softcap,
+    whose values the plan does not keep) and ``settings`` (``_plan_key``): the config and split count
+    (``configs.config_and_splits``), whether the new keys are appended first (``appends_first``) or get a split of
+    their own, and the launch's arguments, its outputs, partials and counters stood in for by their layouts; and
+    whether to keep it: only where every input's address is 16-byte aligned (a call with an unaligned input, whose
+    key says so, is planned anew each time, its launch key holding its tensors' own alignment)."""
+    q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, block_table, alibi_slopes, rotary_cos, _ = inputs
+    window_left, window_right, has_softcap, rotary_interleaved, rotary_per_token, requested, captured = settings
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     group = nheads // nheads_k
     paged = block_table is not None
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    has_new = k is not None and k.numel() > 0
     block_m = configs.block_m(seqlen_q * group)
+    m_tiles = max(1, cdiv(seqlen_q * group, block_m))  # one without queries: it appends
+    programs = batch * nheads_k * m_tiles
+    cfg, num_splits = configs.config_and_splits(
+        requested, q.device, max(head_dim, head_dim_v), programs, paged, seqlen_cache, q.element_size()
+    )
+    append_first = appends_first(has_new, seqlen_q, m_tiles, window_left)
+    new_split = (
+        has_new
+        and not append_first
+        and k.shape[1] <= NEW_SPLIT_MAX
+        and num_splits > 1
+        and cdiv(seqlen_cache, num_splits) <= NEW_SPLIT_MAX_KEYS
+    )
+    num_splits += new_split  # the new keys' own split
+    if not has_new:
+        k = v = None
+    out = _meta((batch, seqlen_q, nheads, head_dim_v), q.dtype)
+    lse = _meta((batch, nheads, seqlen_q), torch.float32)
+    out_part = lse_part = counters = None
+    if num_splits > 1:
+        out_part = _meta((num_splits, *out.shape), torch.float32)
+        lse_part = _meta((num_splits, *lse.shape), torch.float32)
+        counters = _meta((programs,), torch.int32)
     # the largest element offset inside one key tile of a contiguous cache (``_decode_tile``)
     tile_extent = (cfg.block_n - 1) * max(k_cache.stride(1), v_cache.stride(1)) + max(head_dim, head_dim_v)
     ints = (
@@ -836,11 +867,13 @@ def _make_plan(tensors: tuple, scales: tuple[float, float], settings: tuple) -> 
     )
     tma_blocks = (cfg.block_n, constexprs["BLOCK_D"], constexprs["BLOCK_DV"]) if constexprs["TMA"] else None
     launch_options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tensors = (q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, counters, *inputs[5:])
     args = (*tensors, *_descriptors(k_cache, v_cache, tma_blocks), *ints, *scales)
     keyed = keyed_for(_split_kv_kernel, args, constexprs, launch_options)
-    grid = (batch * nheads_k, num_splits, max(1, cdiv(seqlen_q * group, block_m)))
-    aligned = all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
-    return DecodePlan(grid, ints, constexprs, launch_options, keyed, tma_blocks), aligned
+    grid = (batch * nheads_k, num_splits, m_tiles)
+    aligned = all(t is None or t.data_ptr() % 16 == 0 for t in inputs)
+    plan = DecodePlan(num_splits, programs, grid, ints, constexprs, launch_options, keyed, tma_blocks)
+    return plan, aligned
 
 
 def decode_attention(
@@ -854,9 +887,9 @@ def decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append k, v to the caches in place and attend q to each batch entry's keys: one launch.
 
-    Per call: the config and split count (``configs.config_and_splits``), the outputs (and with splits the
-    partials and the counters), the scales, and the plan of the inputs' layouts (``_plan_key``: made on a key's
-    first call and kept), whose grid, int arguments, constexprs and launch key the launch takes as they are.
+    Per call: the plan of the inputs' layouts and options (``_plan_key``: made on a key's first call and kept, with
+    the config and split count), the scales, and the outputs (and with splits the partials and the counters); the
+    launch takes the plan's grid, int arguments, constexprs and launch key as they are.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), last dimension contiguous
@@ -875,56 +908,31 @@ def decode_attention(
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
     """
-    softmax_scale, softcap, alibi_slopes = options.softmax_scale, options.softcap, options.alibi_slopes
-    window_left, window_right = options.window_left, options.window_right
-    cache_seqlens, cache_batch_idx, cache_leftpad = cache.cache_seqlens, cache.cache_batch_idx, cache.cache_leftpad
-    block_table, rotary_cos, rotary_sin = cache.block_table, cache.rotary_cos, cache.rotary_sin
-    rotary_interleaved, rotary_per_token = cache.rotary_interleaved, cache.rotary_per_token
-    batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
-    out = empty_output((batch, seqlen_q, nheads, head_dim_v), q.dtype, q.device)
-    lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
-    has_new = k is not None and k.numel() > 0
-    if out.numel() == 0 and not has_new:
-        return out, lse
-    group = nheads // nheads_k
-    paged = block_table is not None
-    seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    m_tiles = max(1, cdiv(seqlen_q * group, configs.block_m(seqlen_q * group)))  # one without queries: it appends
-    cfg, num_splits = configs.config_and_splits(
-        cache.num_splits, q.device, max(head_dim, head_dim_v), batch * nheads_k * m_tiles, paged, seqlen_cache,
-        q.element_size(),
-    )  # fmt: skip
-    append_first = appends_first(has_new, seqlen_q, m_tiles, window_left)
-    new_split = (
-        has_new
-        and not append_first
-        and k.shape[1] <= NEW_SPLIT_MAX
-        and num_splits > 1
-        and cdiv(seqlen_cache, num_splits) <= NEW_SPLIT_MAX_KEYS
-    )
-    num_splits += new_split  # the new keys' own split
-    out_part = lse_part = counters = None
-    if num_splits > 1:
-        out_part = empty_output((num_splits, *out.shape), torch.float32, q.device)
-        lse_part = empty_output((num_splits, *lse.shape), torch.float32, q.device)
-        counters = split_counters(q.device, batch * nheads_k * m_tiles)
+    softmax_scale, softcap, paged = options.softmax_scale, options.softcap, cache.block_table is not None
+    inputs = (q, k_cache, v_cache, k, v, cache.cache_seqlens, cache.cache_batch_idx, cache.cache_leftpad,
+              cache.block_table, options.alibi_slopes, cache.rotary_cos, cache.rotary_sin)  # fmt: skip
+    captured = paged and _capturing(q.device)  # descriptors only where a graph replays the launch (``use_tma``)
+    settings = (options.window_left, options.window_right, softcap > 0.0, cache.rotary_interleaved,
+                cache.rotary_per_token, cache.num_splits, captured)  # fmt: skip
     if softcap > 0.0:
         scales = softmax_scale / softcap, softcap * LOG2E.value
     else:
         scales = softmax_scale * LOG2E.value, 0.0
-    inputs = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-              rotary_cos, rotary_sin)  # fmt: skip
-    captured = paged and _capturing(q.device)  # descriptors only where a graph replays the launch (``use_tma``)
-    settings = (
-        window_left, window_right, softcap > 0.0, rotary_interleaved, rotary_per_token, cfg, num_splits, new_split,
-        append_first, captured,
-    )  # fmt: skip
+    batch, seqlen_q, nheads, _ = q.shape
+    out = empty_output((batch, seqlen_q, nheads, v_cache.shape[3]), q.dtype, q.device)
+    lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
+    has_new = k is not None and k.numel() > 0
+    if out.numel() == 0 and not has_new:
+        return out, lse
+    plan = _PLANS.plan(_plan_key(inputs, settings), _make_plan, inputs, scales, settings)
+    out_part = lse_part = counters = None
+    if plan.num_splits > 1:
+        out_part = empty_output((plan.num_splits, *out.shape), torch.float32, q.device)
+        lse_part = empty_output((plan.num_splits, *lse.shape), torch.float32, q.device)
+        counters = split_counters(q.device, plan.programs)
     if not has_new:
         k = v = None
-    tensors = (q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, counters, cache_seqlens, cache_batch_idx,
-               cache_leftpad, block_table, alibi_slopes, rotary_cos, rotary_sin)  # fmt: skip
-    plan = _PLANS.plan(_plan_key(inputs, settings), _make_plan, tensors, scales, settings)
+    tensors = (q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, counters, *inputs[5:])
     descriptors = _descriptors(k_cache, v_cache, plan.tma_blocks)
     args = (*tensors, *descriptors, *plan.ints, *scales)
     launch(_split_kv_kernel, plan.grid, args, plan.constexprs, plan.keyed, **plan.options)
