@@ -442,7 +442,8 @@ def test_new_keys_split_of_their_own(
     are shared among the requested splits. 40 queries make two query tiles, the first of which sees none of the new
     key (its own split is empty), and the cache rows after the new ones stay as they were (``check``). 512
     positions: several key tiles on a GPU (64 keys each in a contiguous cache, 128 in a paged one) and under the
-    interpreter (32)."""
+    interpreter (32). The plans are set aside (NEW_SPLIT_MAX_KEYS is read when a plan is made, not part of its key)."""
+    monkeypatch.setattr(split_kv, "_PLANS", Plans())
     monkeypatch.setattr(split_kv, "NEW_SPLIT_MAX_KEYS", max_keys)
     seen = record_launches(monkeypatch)
     check(Case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, page_size=page_size, seqlen_cache=512, window_size=window,
