@@ -961,7 +961,8 @@ def test_decoder_checks_each_layout(monkeypatch):
     """A decoder's first call of a layout is checked as ``flash_attn_with_kvcache`` checks it, whatever layouts passed
     before: a cache whose dtype differs from q's, or whose heads do not divide q's, raises; cache lengths that fit
     one cache raise for a shorter one (the index values are checked against each layout's cache); and the index
-    values are checked under the ``check_values`` setting in force where the decoder was made."""
+    values are checked under the decoder's own ``check_values`` where it was given one, whatever the setting around
+    its calls."""
     decoder = flashtile.kvcache.Decoder(cache_seqlens=_i32(40, 150), causal=True)
     q, k_cache, v_cache = _decoder_layer(2, 64, 160, torch.float16, seed=0)
     decoder(q, k_cache, v_cache)
@@ -976,10 +977,9 @@ def test_decoder_checks_each_layout(monkeypatch):
     values_checked = flashtile.kvcache._backend.values_checked
     monkeypatch.setattr(
         flashtile.kvcache._backend, "values_checked",
-        lambda device: settings.append(flashtile.kvcache._backend.check_values_setting()) or values_checked(device),
+        lambda device: settings.append(flashtile.kvcache._backend._check_values.get()) or values_checked(device),
     )  # fmt: skip
-    with flashtile.check_values(False):
-        unchecked = flashtile.kvcache.Decoder(cache_seqlens=_i32(40, 150), causal=True)
+    unchecked = flashtile.kvcache.Decoder(cache_seqlens=_i32(40, 150), causal=True, check_values=False)
     with flashtile.check_values(True):
         unchecked(q, k_cache, v_cache)
         unchecked(q, k_cache, v_cache)

@@ -99,12 +99,6 @@ def check_values(enabled: bool) -> Iterator[None]:
         _check_values.reset(token)
 
 
-def check_values_setting() -> bool | None:
-    """What ``check_values`` set here (None: not set, ``FLASHTILE_CHECK_VALUES`` decides), to hand to a later
-    ``check_values`` in another place of the same computation."""
-    return _check_values.get()
-
-
 def values_checked(device: torch.device) -> bool:
     """Whether checks of index values run now for tensors on ``device``: always on the CPU, never while
     torch.compile traces (there are no values), and on CUDA unless switched off (``check_values``,

@@ -61,21 +61,35 @@ def _schema_argument(field: dataclasses.Field) -> str:
     return f"{_SCHEMA_TYPES[field.type]} {field.name}{default}"
 
 
-_OPTION_FIELDS = dataclasses.fields(AttentionOptions)
-OPTIONS_SCHEMA = ", ".join(map(_schema_argument, _OPTION_FIELDS))
-"""The options' part of the ops' schemas: one argument per field of ``AttentionOptions``, in its order."""
+_TENSOR = "torch.Tensor | None"
 
-_OPTION_NAMES = tuple(field.name for field in _OPTION_FIELDS)
-_CACHE_FIELDS = dataclasses.fields(CacheOptions)
-_CACHE_SCHEMA = ", ".join(map(_schema_argument, _CACHE_FIELDS))
-_TENSOR_OPTIONS = tuple(field.name for field in _OPTION_FIELDS if field.type == "torch.Tensor | None")
+
+def _names(cls: type, *, tensors: bool = False) -> tuple[str, ...]:
+    """The field names of the dataclass ``cls`` in order, or those of its fields that hold a tensor."""
+    return tuple(field.name for field in dataclasses.fields(cls) if not tensors or field.type == _TENSOR)
+
+
+def _values(obj: object, names: tuple[str, ...]) -> tuple:
+    """``obj``'s fields ``names``, in that order (a list first: a tuple of a generator costs more per call)."""
+    return tuple([getattr(obj, name) for name in names])
+
+
+OPTIONS_SCHEMA = ", ".join(map(_schema_argument, dataclasses.fields(AttentionOptions)))
+"""The options' part of the ops' schemas: one argument per field of ``AttentionOptions``, in its order."""
+_CACHE_SCHEMA = ", ".join(map(_schema_argument, dataclasses.fields(CacheOptions)))
+"""The decode op's part for a ``CacheOptions``, likewise."""
+
+_OPTION_NAMES = _names(AttentionOptions)
+_TENSOR_OPTIONS = _names(AttentionOptions, tensors=True)
 """The options that are tensors: saved for the backward with ``save_for_backward``, the others kept on ``ctx``."""
+_CACHE_NAMES = _names(CacheOptions)
+_CACHE_TENSORS = _names(CacheOptions, tensors=True)
 
 
 def _flat(options: AttentionOptions) -> tuple:
     """The options' flat arguments, in ``OPTIONS_SCHEMA``'s order: ``AttentionOptions(*_flat(options))`` is
     ``options``."""
-    return tuple([getattr(options, name) for name in _OPTION_NAMES])
+    return _values(options, _OPTION_NAMES)
 
 
 def _op(name: str, schema: str, implementation, mutates_args: tuple[str, ...] = ()):
@@ -172,7 +186,7 @@ def _attention_backward(
 def _options_and(trailing: tuple, default) -> tuple[AttentionOptions, object]:
     """(the options, the argument after them) from a custom op's trailing arguments as the call passed them (the
     options' defaults, and ``default`` for the last, where it stopped early)."""
-    count = len(_OPTION_FIELDS)
+    count = len(_OPTION_NAMES)
     return AttentionOptions(*trailing[:count]), (trailing[count] if len(trailing) > count else default)
 
 
@@ -225,7 +239,7 @@ _FORWARD_INPUTS = ("q", "k", "v", *_OPTION_NAMES)
 
 def _tensors_of(options: AttentionOptions) -> tuple:
     """The tensor options of ``options``, in ``_TENSOR_OPTIONS``' order."""
-    return tuple([getattr(options, name) for name in _TENSOR_OPTIONS])
+    return _values(options, _TENSOR_OPTIONS)
 
 
 def _save_options(ctx, options: AttentionOptions, num_inputs: int) -> None:
@@ -425,13 +439,10 @@ varlen_attention_forward.register_autograd(_varlen_backward, setup_context=_varl
 # ---------------------------------------------------------------------------------------------------
 # Decoding with a KV cache
 
-_CACHE_NAMES = tuple(field.name for field in _CACHE_FIELDS)
-_CACHE_TENSORS = tuple(field.name for field in _CACHE_FIELDS if field.type == "torch.Tensor | None")
-
 
 def _kvcache_flat(options: AttentionOptions, cache: CacheOptions) -> tuple:
     """``kvcache_forward``'s arguments after q, the caches, k and v: the options (``_flat``), then the cache's."""
-    return (*_flat(options), *[getattr(cache, name) for name in _CACHE_NAMES])
+    return _flat(options) + _values(cache, _CACHE_NAMES)
 
 
 def _decode(
@@ -579,7 +590,7 @@ def kvcache(
     """``kvcache_forward(q, k_cache, v_cache, k, v, *options, *cache)``: the implementation called directly in plain
     eager mode (``_eager``) when no gradient is wanted (the op has no backward), with the version bump the custom op
     gives its mutated caches."""
-    tensors = (q, k_cache, v_cache, k, v, *[getattr(cache, name) for name in _CACHE_TENSORS], *_tensors_of(options))
+    tensors = (q, k_cache, v_cache, k, v, *_values(cache, _CACHE_TENSORS), *_tensors_of(options))
     if not _eager(tensors) or _wants_grad(tensors):
         return kvcache_forward(q, k_cache, v_cache, k, v, *_kvcache_flat(options, cache))
     out, lse = _decode(q, k_cache, v_cache, k, v, options, cache)

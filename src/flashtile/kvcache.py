@@ -572,10 +572,11 @@ class Decoder:
     ``flash_attn_with_kvcache`` checks it and turned into the decode paths' options; later calls of that layout key
     three tensors and go to the decode path (``_ops.kvcache``) with those options: per layer, no checks of the
     arguments the layers share. The index tensors' values (cache_seqlens, cache_leftpad, ...) are checked on a
-    layout's first call only, where ``flash_attn_with_kvcache`` would check them under the ``check_values`` setting
-    in force where the decoder was made: they must not change while the decoder is in use. A head dim that is not a
-    multiple of 8, a tensor subclass and calls that torch.compile traces take ``flash_attn_with_kvcache`` itself.
-    Same errors and results as ``flash_attn_with_kvcache``.
+    layout's first call only, where ``flash_attn_with_kvcache`` would check them: they must not change while the
+    decoder is in use. ``check_values``: False for index tensors valid by construction (no value checks, which on
+    CUDA cost a host synchronisation), True to check them, None to follow ``flashtile.check_values`` at each call.
+    A head dim that is not a multiple of 8, a tensor subclass and calls that torch.compile traces take
+    ``flash_attn_with_kvcache`` itself. Same errors and results as ``flash_attn_with_kvcache``.
     """
 
     def __init__(
@@ -590,6 +591,7 @@ class Decoder:
         softcap: float = 0.0,
         alibi_slopes: torch.Tensor | None = None,
         num_splits: int = 0,
+        check_values: bool | None = None,
     ) -> None:
         self.arguments = dict(
             cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
@@ -597,7 +599,7 @@ class Decoder:
             softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
         )  # fmt: skip
         self._prepared: dict[tuple, tuple[AttentionOptions, CacheOptions] | None] = {}
-        self._check_values = _backend.check_values_setting()
+        self._check_values = check_values
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """out (batch_size, seqlen_q, nheads, headdim_v) of ``flash_attn_with_kvcache(q, k_cache, v_cache,
@@ -618,17 +620,12 @@ class Decoder:
         return _ops.kvcache(last_dim_contiguous(q), k_cache, v_cache, None, None, *prepared)[0]
 
     def _values_setting(self) -> contextlib.AbstractContextManager:
-        """The ``check_values`` setting in force where the decoder was made."""
+        """The decoder's ``check_values``, where it was given."""
         setting = self._check_values
         return contextlib.nullcontext() if setting is None else _backend.check_values(setting)
 
     def _prepare(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> tuple[AttentionOptions, CacheOptions]:
-        a = self.arguments
-        with self._values_setting():
-            return _prepared(
-                q, k_cache, v_cache, None, None, None, None, a["cache_seqlens"], a["cache_batch_idx"],
-                a["cache_leftpad"], a["block_table"], a["softmax_scale"], a["causal"], a["window_size"], a["softcap"],
-                True, a["alibi_slopes"], a["num_splits"],
-            )  # fmt: skip
+        with self._values_setting():  # no new tokens: no k, v or rotary tables
+            return _prepared(q, k_cache, v_cache, None, None, None, None, rotary_interleaved=True, **self.arguments)

@@ -470,8 +470,8 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: Visibility,
         arguments = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap, **lengths)
         if compiling:
             return flashtile.flash_attn_with_kvcache(q, k, v, **arguments)
-        with _built_here():  # the lengths are valid by construction: a decoder made here checks no values of them
-            decoder = seen.memo[name] = Decoder(**arguments)
+        # the lengths are valid by construction: no checks of their values (as ``_built_here``)
+        decoder = seen.memo[name] = Decoder(**arguments, check_values=False)
     return decoder(q, k, v)
 
 

@@ -658,14 +658,14 @@ def _split_kv_kernel(
 
 class DecodePlan(NamedTuple):
     """What a decode launch follows from its inputs' layouts and options (``_plan_key``), kept per key: the split
-    count with the new keys' own split (``num_splits``), the
-    ticket counters it needs with splits (``programs``: batch x nheads_k x query tiles), the grid, the kernel's int
-    arguments (strides, lengths, the split count, the window; the parameters from stride_qb to right), the
-    constexprs, Triton's options (num_warps, num_stages) and ``launch``'s ``keyed`` (the constexprs in parameter
-    order and the arguments' ``specialization_key``; None for a kernel that is not a compiled JITFunction, the
-    interpreter's); ``tma_blocks``: (BLOCK_N, BLOCK_D, BLOCK_DV) where the kernel reads the caches through tensor
-    descriptors (``use_tma``), else None. Nothing a call may change under one key: the tensors (inputs, outputs,
-    partials, counters, the caches' descriptors) and the two scales are the call's own."""
+    count with the new keys' own split (``num_splits``), the ticket counters it needs with splits (``programs``:
+    batch x nheads_k x query tiles), the grid, the kernel's int arguments (strides, lengths, the split count, the
+    window; the parameters from stride_qb to right), the constexprs, Triton's options (num_warps, num_stages) and
+    ``launch``'s ``keyed`` (the constexprs in parameter order and the arguments' ``specialization_key``; None for a
+    kernel that is not a compiled JITFunction, the interpreter's); ``tma_blocks``: (BLOCK_N, BLOCK_D, BLOCK_DV) where
+    the kernel reads the caches through tensor descriptors (``use_tma``), else None. Nothing a call may change under
+    one key: the tensors (inputs, outputs, partials, counters, the caches' descriptors) and the two scales are the
+    call's own."""
 
     num_splits: int
     programs: int
@@ -796,7 +796,7 @@ def _make_plan(inputs: tuple, scales: tuple[float, float], settings: tuple) -> t
     group = nheads // nheads_k
     paged = block_table is not None
     seqlen_cache = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    has_new = k is not None and k.numel() > 0
+    has_new = k is not None  # None when there are no new tokens (``decode_attention``)
     block_m = configs.block_m(seqlen_q * group)
     m_tiles = max(1, cdiv(seqlen_q * group, block_m))  # one without queries: it appends
     programs = batch * nheads_k * m_tiles
@@ -812,8 +812,6 @@ def _make_plan(inputs: tuple, scales: tuple[float, float], settings: tuple) -> t
         and cdiv(seqlen_cache, num_splits) <= NEW_SPLIT_MAX_KEYS
     )
     num_splits += new_split  # the new keys' own split
-    if not has_new:
-        k = v = None
     out = _meta((batch, seqlen_q, nheads, head_dim_v), q.dtype)
     lse = _meta((batch, nheads, seqlen_q), torch.float32)
     out_part = lse_part = counters = None
@@ -908,6 +906,8 @@ def decode_attention(
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, lse (batch, nheads, seqlen_q) float32
     """
+    if k is not None and k.numel() == 0:
+        k = v = None  # no new tokens: nothing to append
     softmax_scale, softcap, paged = options.softmax_scale, options.softcap, cache.block_table is not None
     inputs = (q, k_cache, v_cache, k, v, cache.cache_seqlens, cache.cache_batch_idx, cache.cache_leftpad,
               cache.block_table, options.alibi_slopes, cache.rotary_cos, cache.rotary_sin)  # fmt: skip
@@ -921,8 +921,7 @@ def decode_attention(
     batch, seqlen_q, nheads, _ = q.shape
     out = empty_output((batch, seqlen_q, nheads, v_cache.shape[3]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
-    has_new = k is not None and k.numel() > 0
-    if out.numel() == 0 and not has_new:
+    if out.numel() == 0 and k is None:
         return out, lse
     plan = _PLANS.plan(_plan_key(inputs, settings), _make_plan, inputs, scales, settings)
     out_part = lse_part = counters = None
@@ -930,8 +929,6 @@ def decode_attention(
         out_part = empty_output((plan.num_splits, *out.shape), torch.float32, q.device)
         lse_part = empty_output((plan.num_splits, *lse.shape), torch.float32, q.device)
         counters = split_counters(q.device, plan.programs)
-    if not has_new:
-        k = v = None
     tensors = (q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, counters, *inputs[5:])
     descriptors = _descriptors(k_cache, v_cache, plan.tma_blocks)
     args = (*tensors, *descriptors, *plan.ints, *scales)
