@@ -17,7 +17,11 @@ and 4 key/value heads of 64, vocab 32000), random weights, bf16. Measured for ea
 - generation: greedy decoding of new tokens after left-padded prompts of seqlen / 4 tokens (DynamicCache), decode
   tokens per second = batch x (new tokens - 1) / (time of generate(new) - time of generate(1)).
 
-Before timing, the script checks flashtile's logits against SDPA's on a padded batch (max difference printed).
+Timing interleaves the implementations: after warm-up calls of each, every round times each implementation once in
+turn (the order reversed every other round), so that a drift of the machine's speed weighs on all of them alike;
+a row reports the median over the rounds and the slowest and fastest round's tokens/s, and the summary the range
+of the per-round ratios to SDPA. Before timing, the script checks flashtile's logits against SDPA's on a padded
+batch (max difference printed).
 Each row is one JSON line on stdout: implementation, mode, batch kind, seqlen, tokens, milliseconds, tokens/s, peak
 memory; an "error" key where a case could not run (e.g. out of memory). --out appends them as records of the one
 results format (``flashtile.bench.results``, benchmark "transformers": pass "fwd+bwd" for a training step, "decode"
@@ -54,18 +58,39 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, warmup: int, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def seconds(fn) -> float:
+    """Wall-clock seconds of one call of ``fn``, the device idle before and after."""
+    synchronize()
+    start = time.perf_counter()
+    fn()
+    synchronize()
+    return time.perf_counter() - start
+
+
+def interleaved(cases: dict, warmup: int, rounds: int) -> tuple[dict, dict]:
+    """(results, peaks): per case name, the list of what ``cases[name]()`` returned in each of ``rounds`` rounds
+    (every case called once per round, in turn, the order reversed every other round) after ``warmup`` calls of
+    each, or "out of memory" for a case that ran out of GPU memory (left out of the later rounds); and on the GPU
+    each case's peak memory in GiB."""
+    results, peaks = {name: [] for name in cases}, {}
+    for index in range(-1, rounds):  # -1: the warm-up calls
+        live = [name for name in cases if not isinstance(results[name], str)]
+        for name in live if index % 2 else live[::-1]:
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                if index < 0:
+                    for _ in range(warmup):
+                        cases[name]()
+                else:
+                    results[name].append(cases[name]())
+            except torch.cuda.OutOfMemoryError:
+                results[name] = "out of memory"
+                continue
+            if DEVICE == "cuda":
+                peaks[name] = max(peaks.get(name, 0.0), round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    return results, peaks
 
 
 def training_batch(
@@ -165,13 +190,12 @@ def main(argv: list[str] | None = None) -> None:
         for kind in () if args.generate_only else ("dense", "padded", "packed"):
             generator = torch.Generator().manual_seed(seqlen)
             inputs, real = training_batch(kind, seqlen, config["vocab_size"], step_tokens, generator)
+            measured, peaks = interleaved({implementation: partial(training_step, model, implementation, inputs)
+                                           for implementation in implementations}, warmup, repeats)  # fmt: skip
             for implementation in implementations:
                 row = dict(impl=implementation, mode="train", batch=kind, seqlen=seqlen, tokens=real,
-                           slots=inputs["input_ids"].numel())  # fmt: skip
-                model.set_attn_implementation(implementation)
-                model.train()
-
-                emit(dict(row, **measure(partial(training_step, model, inputs), real, warmup, repeats)))
+                           slots=inputs["input_ids"].numel(), peak_gb=peaks.get(implementation))  # fmt: skip
+                emit(dict(row, **rates(measured[implementation], real)))
         emit_generation(model, implementations, seqlen, new_tokens, emit, warmup, repeats)
     summary(rows, name)
 
@@ -184,7 +208,8 @@ def as_record(env: dict, row: dict) -> dict:
     """One printed row as a record of ``flashtile.bench.results``."""
     shape = {"model": f"llama-{row['params_b']}b", "layers": row["layers"], "dtype": row["dtype"],
              "batch": row["batch"], "N": row["seqlen"]}  # fmt: skip
-    keys = ("tokens", "slots", "tokens_per_s", "new_tokens", "prefill_ms", "max_abs_logit_diff_vs_sdpa")
+    keys = ("tokens", "slots", "tokens_per_s", "tokens_per_s_range", "rounds", "new_tokens", "prefill_ms",
+            "max_abs_logit_diff_vs_sdpa")  # fmt: skip
     extra = {key: row[key] for key in keys if key in row}
     extra["transformers"] = row["transformers"]
     if "slots" in row:
@@ -197,76 +222,89 @@ def as_record(env: dict, row: dict) -> dict:
     )  # fmt: skip
 
 
-def training_step(model: torch.nn.Module, inputs: dict) -> None:
-    model.zero_grad(set_to_none=True)
-    model(**inputs).loss.backward()
+def training_step(model: torch.nn.Module, implementation: str, inputs: dict) -> float:
+    """Seconds of one training step of ``model`` on ``implementation``."""
+    model.set_attn_implementation(implementation)
+    model.train()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(**inputs).loss.backward()
+
+    return seconds(step)
 
 
-def measure(fn, tokens: int, warmup: int, repeats: int) -> dict:
-    """Time ``fn``: ms, tokens/s and (on the GPU) peak memory, or an error for a case that runs out of memory."""
-    on_gpu = DEVICE == "cuda"
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        seconds = timed(fn, warmup, repeats)
-    except torch.cuda.OutOfMemoryError:
-        return dict(error="out of memory")
-    result = dict(ms=round(seconds * 1e3, 3), tokens_per_s=round(tokens / seconds, 1))
-    if on_gpu:
-        result["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    return result
+def rates(times: list[float] | str, tokens: int) -> dict:
+    """A row's timing fields from ``interleaved``'s seconds per round: ms and tokens/s (medians), the slowest and
+    fastest round's tokens/s ("tokens_per_s_range") and every round's ("rounds"); or the error."""
+    if isinstance(times, str):
+        return dict(error=times)
+    per_round = [round(tokens / t, 1) for t in times]
+    median = statistics.median(times)
+    return dict(ms=round(median * 1e3, 3), tokens_per_s=round(tokens / median, 1),
+                tokens_per_s_range=[min(per_round), max(per_round)], rounds=per_round)  # fmt: skip
 
 
 def emit_generation(model, implementations, seqlen: int, new_tokens: int, emit, warmup: int, repeats: int) -> None:
-    """Greedy decoding after left-padded prompts of seqlen / 4 tokens, 8 rows."""
+    """Greedy decoding after left-padded prompts of seqlen / 4 tokens, 8 rows: per round and implementation,
+    generate(1) then generate(new_tokens); decode tokens/s from their difference."""
     prompt = seqlen // 4
     ids = torch.randint(3, model.config.vocab_size, (8, prompt), device=DEVICE)
     mask = torch.ones_like(ids)
     for row in range(1, 8):
         mask[row, : row * prompt // 16] = 0
     model.eval()
-    for implementation in implementations:
+
+    def generate(implementation: str) -> tuple[float, float]:
+        """Seconds of generate(1) and of generate(new_tokens)."""
         model.set_attn_implementation(implementation)
 
-        def generate(count: int):
-            def run():
-                with torch.no_grad():
-                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=count, min_new_tokens=count,
-                                   do_sample=False, pad_token_id=0)  # fmt: skip
+        def run(count: int):
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=count, min_new_tokens=count,
+                               do_sample=False, pad_token_id=0)  # fmt: skip
 
-            return run
+        return seconds(partial(run, 1)), seconds(partial(run, new_tokens))
 
-        row = dict(impl=implementation, mode="generate", batch="left-padded", seqlen=prompt, new_tokens=new_tokens)
-        prefill = measure(generate(1), 8, max(warmup, 1), repeats)
-        full = measure(generate(new_tokens), 8 * new_tokens, max(warmup, 1), repeats)
-        if "error" in prefill or "error" in full:
-            emit(dict(row, error=prefill.get("error") or full.get("error")))
+    measured, peaks = interleaved({impl: partial(generate, impl) for impl in implementations}, max(warmup, 1), repeats)
+    for implementation in implementations:
+        row = dict(impl=implementation, mode="generate", batch="left-padded", seqlen=prompt, new_tokens=new_tokens,
+                   peak_gb=peaks.get(implementation))  # fmt: skip
+        pairs = measured[implementation]
+        if isinstance(pairs, str):
+            emit(dict(row, error=pairs))
             continue
-        decode_s = (full["ms"] - prefill["ms"]) / 1e3
-        row.update(ms=full["ms"], prefill_ms=prefill["ms"], peak_gb=full.get("peak_gb"))
-        if decode_s <= 0:  # timing noise larger than the decoding (tiny dry-run models)
+        decoding = [full - prefill for prefill, full in pairs]
+        if min(decoding) <= 0:  # timing noise larger than the decoding (tiny dry-run models)
             emit(dict(row, error="decoding took less than the timing noise"))
             continue
-        emit(dict(row, tokens_per_s=round(8 * (new_tokens - 1) / decode_s, 1)))
+        timing = rates(decoding, 8 * (new_tokens - 1))
+        timing.update(ms=round(statistics.median(full for _, full in pairs) * 1e3, 3),
+                      prefill_ms=round(statistics.median(prefill for prefill, _ in pairs) * 1e3, 3))  # fmt: skip
+        emit(dict(row, **timing))
 
 
 def summary(rows: list[dict], name: str) -> None:
-    """flashtile's tokens/s over SDPA's for each measured case, as a markdown table; "padding" is the share of a
-    padded batch's slots that are padding (what unpadding saves against SDPA's dense mask)."""
+    """flashtile's tokens/s over SDPA's for each measured case, as a markdown table: the ratio of the medians and
+    the range of the ratios round by round; "padding" is the share of a padded batch's slots that are padding (what
+    unpadding saves against SDPA's dense mask)."""
     speed = {(r["mode"], r["batch"], r["seqlen"], r["impl"]): r for r in rows if "impl" in r}
     print(
-        "\n| mode | batch | seqlen | padding | flashtile tok/s | sdpa tok/s | speed-up |\n|---|---|---|---|---|---|---|"
+        "\n| mode | batch | seqlen | padding | flashtile tok/s | sdpa tok/s | speed-up | per round |"
+        "\n|---|---|---|---|---|---|---|---|"
     )
     for mode, batch, seqlen, impl in speed:
         if impl != name:
             continue
-        ours = speed[(mode, batch, seqlen, name)].get("tokens_per_s")
-        theirs = speed.get((mode, batch, seqlen, "sdpa"), {}).get("tokens_per_s")
-        row = speed[(mode, batch, seqlen, name)]
+        row, other = speed[(mode, batch, seqlen, name)], speed.get((mode, batch, seqlen, "sdpa"), {})
+        ours, theirs = row.get("tokens_per_s"), other.get("tokens_per_s")
         padding = f"{1 - row['tokens'] / row['slots']:.0%}" if "slots" in row else "-"
-        ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
-        print(f"| {mode} | {batch} | {seqlen} | {padding} | {ours} | {theirs} | {ratio} |")
+        ratio = per_round = "-"
+        if ours and theirs:
+            ratio = f"{ours / theirs:.2f}x"
+            paired = [a / b for a, b in zip(row["rounds"], other["rounds"], strict=True)]
+            per_round = f"{min(paired):.2f}-{max(paired):.2f}"
+        print(f"| {mode} | {batch} | {seqlen} | {padding} | {ours} | {theirs} | {ratio} | {per_round} |")
 
 
 if __name__ == "__main__":

@@ -957,6 +957,38 @@ def test_decoder_matches_calls(path, monkeypatch):
     assert len(prepares) == 3  # the padded layout takes the public function
 
 
+def test_decoder_prepared_launch(path, monkeypatch):
+    """A decoder's later calls of a layout take the launch prepared for it (past ``_ops.kvcache``) with the result of
+    ``flash_attn_with_kvcache``, bitwise; calls that the dispatcher must see take ``_ops.kvcache``: under
+    ``flashtile.profile()``, with a gradient wanted, and (on the Triton path) a q whose address is not 16-byte
+    aligned, which the kernels specialize on."""
+    arguments = dict(cache_seqlens=_i32(40, 90), cache_leftpad=_i32(3, 0), softmax_scale=0.3, causal=True)
+    decoder = flashtile.kvcache.Decoder(**arguments)
+    dispatched = []
+    kvcache = flashtile._ops.kvcache
+    monkeypatch.setattr(flashtile._ops, "kvcache", lambda *a: dispatched.append(1) or kvcache(*a))
+
+    def dispatches(q, k_cache, v_cache) -> int:
+        """How many calls of ``_ops.kvcache`` the decoder's call made; its result checked."""
+        expected = flash_attn_with_kvcache(q.detach(), k_cache, v_cache, **arguments)
+        before = len(dispatched)
+        assert torch.equal(decoder(q, k_cache, v_cache), expected)
+        return len(dispatched) - before
+
+    q, k_cache, v_cache = _decoder_layer(2, 64, 96, torch.float16, seed=0)
+    assert dispatches(q, k_cache, v_cache) == 0
+    for seed in range(1, 3):  # the same layout, other values
+        assert dispatches(*_decoder_layer(2, 64, 96, torch.float16, seed=seed)) == 0
+    with flashtile.profile():
+        assert dispatches(q, k_cache, v_cache) == 1
+    before = len(dispatched)
+    with pytest.raises(RuntimeError):  # as flash_attn_with_kvcache: no gradient
+        decoder(q.clone().requires_grad_(), k_cache, v_cache).sum().backward()
+    assert len(dispatched) == before + 1
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
+    assert dispatches(shifted, k_cache, v_cache) == (path == "triton")
+
+
 def test_decoder_checks_each_layout(monkeypatch):
     """A decoder's first call of a layout is checked as ``flash_attn_with_kvcache`` checks it, whatever layouts passed
     before: a cache whose dtype differs from q's, or whose heads do not divide q's, raises; cache lengths that fit

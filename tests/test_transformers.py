@@ -18,6 +18,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flashtile  # noqa: E402
-import flashtile._ops  # noqa: E402
+import flashtile.cpu_decode  # noqa: E402
 import flashtile.integrations.transformers as fth  # noqa: E402
 from flashtile import _backend  # noqa: E402
 from flashtile.reference import GRADIENT_FACTOR, OUTPUT_FACTOR  # noqa: E402
@@ -222,24 +223,28 @@ def test_generate(family, monkeypatch):
     assert (decodes.calls == 0) == sinks
 
 
-def spy(monkeypatch, function: str, module=flashtile):
+def spy(monkeypatch, function: str, module=flashtile, counted=None):
     """Count the calls of a public flashtile function (the integration calls them through the module), or of
-    ``module``'s ``function``."""
+    ``module``'s ``function``; into ``counted``'s ``calls`` where given (one count for several functions)."""
     original = getattr(module, function)
+    counter = counted or SimpleNamespace(calls=0)
 
-    def counted(*args, **kwargs):
-        counted.calls += 1
+    def counting(*args, **kwargs):
+        counter.calls += 1
         return original(*args, **kwargs)
 
-    counted.calls = 0
-    monkeypatch.setattr(module, function, counted)
-    return counted
+    monkeypatch.setattr(module, function, counting)
+    return counter
 
 
 def spy_decodes(monkeypatch):
-    """Count the calls of the decode path, where ``flash_attn_with_kvcache`` and the decoders
-    (``flashtile.kvcache.Decoder``) that the integration makes per decoding step meet (``flashtile._ops.kvcache``)."""
-    return spy(monkeypatch, "kvcache", flashtile._ops)
+    """Count the calls that reach a decoding kernel, where ``flash_attn_with_kvcache``, the decoders
+    (``flashtile.kvcache.Decoder``) that the integration makes per decoding step and their launches prepared per
+    layout all meet: the CPU path's ``kvcache_forward`` and the Triton launcher's ``split_kv._run``."""
+    from flashtile.ops.decode import split_kv
+
+    counted = spy(monkeypatch, "kvcache_forward", flashtile.cpu_decode)
+    return spy(monkeypatch, "_run", split_kv, counted)
 
 
 DECODING_MASKS = {

@@ -39,6 +39,7 @@ implementations (``_DIRECT``) instead of the ops (``_OPS``) for the backward's l
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -458,6 +459,28 @@ def _decode(
     if _backend.RECORDING is not None:
         implementation = _backend.RECORDING.decode(implementation, choice)
     return implementation(q, k_cache, v_cache, k, v, options, cache)
+
+
+def prepared_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, options: AttentionOptions, cache: CacheOptions
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``kvcache(q, k_cache, v_cache, None, None, options, cache)[0]`` prepared by the decode family
+    (``_backend.decode_choice``'s module's ``prepare``) for later calls of q's, k_cache's and v_cache's layouts
+    (shapes, strides, dtypes, devices, 16-byte alignment) with these options and cache; None where the family
+    prepares nothing for these inputs or they are not plain tensors in eager mode (``_eager``). A call of what it
+    returns skips the dispatch, the family choice and the plan lookup: make it only where ``direct`` holds for the
+    call's three tensors (no caches are written without new tokens, so no versions are bumped)."""
+    if not _eager((q, k_cache, v_cache, *_values(cache, _CACHE_TENSORS), *_tensors_of(options))):
+        return None
+    choice = _backend.decode_choice(q.device)
+    return _backend.imported(_backend.DECODE_MODULES[choice.path]).prepare(q, k_cache, v_cache, options, cache)
+
+
+def direct(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether a call on ``tensors`` may take a prepared launch (``prepared_kvcache``): plain eager mode with plain
+    tensors (``_eager``), no gradient wanted and no ``flashtile.profile()`` recording (which records the calls the
+    dispatcher makes)."""
+    return _backend.RECORDING is None and _eager(tensors) and not _wants_grad(tensors)
 
 
 def _kvcache_forward(q, k_cache, v_cache, k, v, *flat) -> tuple[torch.Tensor, torch.Tensor]:

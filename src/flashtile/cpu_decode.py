@@ -119,3 +119,13 @@ def kvcache_forward(
         )
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse
+
+
+def prepare(q: Tensor, k_cache: Tensor, v_cache: Tensor, options: AttentionOptions, cache: CacheOptions):
+    """``kvcache_forward(q, k_cache, v_cache, None, None, options, cache)[0]`` for later calls of these layouts: the
+    CPU path has nothing to prepare ahead of a call."""
+
+    def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return kvcache_forward(q, k_cache, v_cache, None, None, options, cache)[0]
+
+    return attend

@@ -568,13 +568,16 @@ class Decoder:
     argument but q, k_cache and v_cache: the layers of one decoding step, each reading its own cache with the step's
     cache lengths and options (``flashtile.integrations.transformers`` makes one per step).
 
-    The first call of each layout (q's, k_cache's and v_cache's shapes, strides, dtypes and devices) is checked as
-    ``flash_attn_with_kvcache`` checks it and turned into the decode paths' options; later calls of that layout key
-    three tensors and go to the decode path (``_ops.kvcache``) with those options: per layer, no checks of the
-    arguments the layers share. The index tensors' values (cache_seqlens, cache_leftpad, ...) are checked on a
-    layout's first call only, where ``flash_attn_with_kvcache`` would check them: they must not change while the
-    decoder is in use. ``check_values``: False for index tensors valid by construction (no value checks, which on
-    CUDA cost a host synchronisation), True to check them, None to follow ``flashtile.check_values`` at each call.
+    The first call of each layout (q's, k_cache's and v_cache's shapes, strides, dtypes, devices and 16-byte
+    alignment) is checked as ``flash_attn_with_kvcache`` checks it, turned into the decode paths' options and, where
+    the decode family prepares one, into a launch for that layout (``_ops.prepared_kvcache``: the plan, the scales and
+    the index tensors taken once); later calls of that layout key three tensors and take the prepared launch in plain
+    eager mode (``_ops.direct``), else the decode path (``_ops.kvcache``) with those options: per layer, no checks of
+    the arguments the layers share and no plan lookup. The index tensors' values (cache_seqlens, cache_leftpad, ...)
+    are checked on a layout's first call only, where ``flash_attn_with_kvcache`` would check them: they must not
+    change while the decoder is in use, nor may the decode configs (a prepared launch keeps its plan).
+    ``check_values``: False for index tensors valid by construction (no value checks, which on CUDA cost a host
+    synchronisation), True to check them, None to follow ``flashtile.check_values`` at each call.
     A head dim that is not a multiple of 8, a tensor subclass and calls that torch.compile traces take
     ``flash_attn_with_kvcache`` itself. Same errors and results as ``flash_attn_with_kvcache``.
     """
@@ -598,7 +601,7 @@ class Decoder:
             block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
         )  # fmt: skip
-        self._prepared: dict[tuple, tuple[AttentionOptions, CacheOptions] | None] = {}
+        self._prepared: dict[tuple, tuple | None] = {}
         self._check_values = check_values
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -607,7 +610,7 @@ class Decoder:
         key = None if torch.compiler.is_compiling() else _tensor_keys((q, k_cache, v_cache))
         prepared = None
         if key is not None:
-            key = tuple(key)
+            key = (*key, (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0)
             prepared = self._prepared.get(key, _UNPREPARED)
             if prepared is _UNPREPARED:
                 prepared = None if q.dim() == 0 or q.shape[-1] % 8 else self._prepare(q, k_cache, v_cache)
@@ -617,15 +620,23 @@ class Decoder:
         if prepared is None:
             with self._values_setting():
                 return flash_attn_with_kvcache(q, k_cache, v_cache, **self.arguments)
-        return _ops.kvcache(last_dim_contiguous(q), k_cache, v_cache, None, None, *prepared)[0]
+        options, cache, launch = prepared
+        q = last_dim_contiguous(q)
+        if launch is not None and _ops.direct((q, k_cache, v_cache)):
+            return launch(q, k_cache, v_cache)
+        return _ops.kvcache(q, k_cache, v_cache, None, None, options, cache)[0]
 
     def _values_setting(self) -> contextlib.AbstractContextManager:
         """The decoder's ``check_values``, where it was given."""
         setting = self._check_values
         return contextlib.nullcontext() if setting is None else _backend.check_values(setting)
 
-    def _prepare(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> tuple[AttentionOptions, CacheOptions]:
+    def _prepare(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+        """(options, cache, launch) for a layout's calls: the call checked and its options built as
+        ``flash_attn_with_kvcache`` does it, and the decode family's launch prepared for the layout
+        (``_ops.prepared_kvcache``; None where it prepares none)."""
         with self._values_setting():  # no new tokens: no k, v or rotary tables
-            return _prepared(q, k_cache, v_cache, None, None, None, None, rotary_interleaved=True, **self.arguments)
+            options, cache = _prepared(
+                q, k_cache, v_cache, None, None, None, None, rotary_interleaved=True, **self.arguments
+            )
+        return options, cache, _ops.prepared_kvcache(last_dim_contiguous(q), k_cache, v_cache, options, cache)

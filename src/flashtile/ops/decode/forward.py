@@ -3,6 +3,7 @@
 import torch
 
 from flashtile.ops._device import on_input_device
+from flashtile.ops.decode import split_kv
 from flashtile.ops.decode.split_kv import decode_attention
 from flashtile.options import AttentionOptions, CacheOptions
 
@@ -24,3 +25,12 @@ def kvcache_forward(
     out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q) fp32.
     """
     return decode_attention(q, k_cache, v_cache, k, v, options, cache)
+
+
+def prepare(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, options: AttentionOptions, cache: CacheOptions
+):
+    """``kvcache_forward(q, k_cache, v_cache, None, None, options, cache)[0]`` prepared for later calls of these
+    layouts (``split_kv.prepare``), run on its inputs' device; None where the launch is not prepared."""
+    prepared = split_kv.prepare(q, k_cache, v_cache, options, cache)
+    return None if prepared is None else on_input_device(prepared)

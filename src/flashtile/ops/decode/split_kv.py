@@ -908,29 +908,97 @@ def decode_attention(
     """
     if k is not None and k.numel() == 0:
         k = v = None  # no new tokens: nothing to append
-    softmax_scale, softcap, paged = options.softmax_scale, options.softcap, cache.block_table is not None
-    inputs = (q, k_cache, v_cache, k, v, cache.cache_seqlens, cache.cache_batch_idx, cache.cache_leftpad,
-              cache.block_table, options.alibi_slopes, cache.rotary_cos, cache.rotary_sin)  # fmt: skip
-    captured = paged and _capturing(q.device)  # descriptors only where a graph replays the launch (``use_tma``)
-    settings = (options.window_left, options.window_right, softcap > 0.0, cache.rotary_interleaved,
-                cache.rotary_per_token, cache.num_splits, captured)  # fmt: skip
-    if softcap > 0.0:
-        scales = softmax_scale / softcap, softcap * LOG2E.value
-    else:
-        scales = softmax_scale * LOG2E.value, 0.0
-    batch, seqlen_q, nheads, _ = q.shape
-    out = empty_output((batch, seqlen_q, nheads, v_cache.shape[3]), q.dtype, q.device)
-    lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
+    inputs = (q, k_cache, v_cache, k, v, *_indices(options, cache))
+    settings = _settings(options, cache, captured=cache.block_table is not None and _capturing(q.device))
+    scales = _scales(options)
+    out_shape, lse_shape = _output_shapes(q, v_cache)
+    out = empty_output(out_shape, q.dtype, q.device)
+    lse = empty_output(lse_shape, torch.float32, q.device)
     if out.numel() == 0 and k is None:
         return out, lse
     plan = _PLANS.plan(_plan_key(inputs, settings), _make_plan, inputs, scales, settings)
+    _run(plan, inputs, scales, out, lse)
+    return out, lse
+
+
+def _output_shapes(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of out (batch, seqlen_q, nheads, headdim_v) and lse (batch, nheads, seqlen_q)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    return (batch, seqlen_q, nheads, v_cache.shape[3]), (batch, nheads, seqlen_q)
+
+
+def _indices(options: AttentionOptions, cache: CacheOptions) -> tuple:
+    """The launch's index and table tensors after q, the caches, k and v, in ``_plan_key``'s order."""
+    return (cache.cache_seqlens, cache.cache_batch_idx, cache.cache_leftpad, cache.block_table, options.alibi_slopes,
+            cache.rotary_cos, cache.rotary_sin)  # fmt: skip
+
+
+def _settings(options: AttentionOptions, cache: CacheOptions, captured: bool) -> tuple:
+    """``_plan_key``'s settings; ``captured``: whether a paged launch is being captured in a CUDA graph (descriptors
+    only where a graph replays the launch: ``use_tma``)."""
+    return (options.window_left, options.window_right, options.softcap > 0.0, cache.rotary_interleaved,
+            cache.rotary_per_token, cache.num_splits, captured)  # fmt: skip
+
+
+def _scales(options: AttentionOptions) -> tuple[float, float]:
+    """The kernel's (qk_scale, softcap): scores softcap * tanh(qk_scale * q k) in base 2 with a softcap, else
+    qk_scale * q k with the base-2 factor folded into qk_scale."""
+    softmax_scale, softcap = options.softmax_scale, options.softcap
+    if softcap > 0.0:
+        return softmax_scale / softcap, softcap * LOG2E.value
+    return softmax_scale * LOG2E.value, 0.0
+
+
+def _run(plan: DecodePlan, inputs: tuple, scales: tuple[float, float], out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Launch ``plan`` on ``inputs`` (``_plan_key``'s) with ``scales``, writing ``out`` and ``lse``; with splits on
+    partials of its own and the device's ticket counters."""
+    q, k_cache, v_cache = inputs[:3]
     out_part = lse_part = counters = None
     if plan.num_splits > 1:
         out_part = empty_output((plan.num_splits, *out.shape), torch.float32, q.device)
         lse_part = empty_output((plan.num_splits, *lse.shape), torch.float32, q.device)
         counters = split_counters(q.device, plan.programs)
-    tensors = (q, k_cache, v_cache, k, v, out, lse, out_part, lse_part, counters, *inputs[5:])
+    tensors = (*inputs[:5], out, lse, out_part, lse_part, counters, *inputs[5:])
     descriptors = _descriptors(k_cache, v_cache, plan.tma_blocks)
     args = (*tensors, *descriptors, *plan.ints, *scales)
     launch(_split_kv_kernel, plan.grid, args, plan.constexprs, plan.keyed, **plan.options)
-    return out, lse
+
+
+class PreparedDecode:
+    """``decode_attention(q, k_cache, v_cache, None, None, options, cache)[0]`` for calls of one layout: q's, the
+    caches' shapes, strides, dtypes, devices and 16-byte alignment as on the call it was prepared from (``prepare``),
+    and the same ``options`` and ``cache`` (their tensors and values). The plan, the scales and the index tensors are
+    taken once; a call allocates the output (and with splits the partials) and launches. The LSE, which no caller
+    of a prepared decode reads, goes to a buffer of its own, written by every call (stream-ordered like the kernel;
+    nothing reads it). A paged launch captured in a CUDA graph, which plans its loads otherwise (``use_tma``), goes
+    through ``decode_attention``."""
+
+    def __init__(self, plan: DecodePlan, inputs: tuple, scales: tuple[float, float], options: AttentionOptions,
+                 cache: CacheOptions) -> None:  # fmt: skip
+        q, _, v_cache = inputs[:3]
+        self.plan, self.indices, self.scales, self.options, self.cache = plan, inputs[3:], scales, options, cache
+        self.out_shape, lse_shape = _output_shapes(q, v_cache)
+        self.dtype, self.device, self.paged = q.dtype, q.device, cache.block_table is not None
+        self.lse = empty_output(lse_shape, torch.float32, q.device)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if self.paged and _capturing(self.device):
+            return decode_attention(q, k_cache, v_cache, None, None, self.options, self.cache)[0]
+        out = empty_output(self.out_shape, self.dtype, self.device)
+        _run(self.plan, (q, k_cache, v_cache, *self.indices), self.scales, out, self.lse)
+        return out
+
+
+def prepare(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, options: AttentionOptions, cache: CacheOptions
+) -> PreparedDecode | None:
+    """A ``PreparedDecode`` for later calls of these layouts, options and cache without new tokens; None where the
+    launch is not kept as a plan (an input not 16-byte aligned), a paged launch is being captured, or the output is
+    empty: such calls go through ``decode_attention``."""
+    if 0 in _output_shapes(q, v_cache)[0] or cache.block_table is not None and _capturing(q.device):
+        return None
+    inputs = (q, k_cache, v_cache, None, None, *_indices(options, cache))
+    settings = _settings(options, cache, captured=False)
+    scales = _scales(options)
+    plan, aligned = _make_plan(inputs, scales, settings)
+    return PreparedDecode(plan, inputs, scales, options, cache) if aligned else None
