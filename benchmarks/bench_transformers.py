@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (default 64)")
     parser.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file too")
     parser.add_argument("--generate-only", action="store_true", help="generation rows only (no training steps)")
+    parser.add_argument("--commit", default=None, help="flashtile's commit, where the code is not a git checkout")
     args = parser.parse_args(argv)
 
     name = fth.register()
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     rows = []
 
-    env = results.environment(torch.device(DEVICE))
+    env = results.environment(torch.device(DEVICE), args.commit)
 
     def emit(row: dict) -> None:
         row = {**common, **row}
