@@ -318,6 +318,40 @@ def test_decoding_layers_do_not_synchronize():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_kind", ["padded", "packed"])
+def test_training_layers_do_not_synchronize(batch_kind):
+    """On the GPU the layers of a training step on a padded or packed batch add no host synchronisation, forward or
+    backward, once the forward's first layer has unpadded the mask or read the packed boundaries (one sync each, as
+    flash_attn's own integration)."""
+    batch, length, heads, heads_k = 2, 96, 8, 2
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    if batch_kind == "padded":
+        padding = torch.ones(batch, length, dtype=torch.bool, device="cuda")
+        padding[1, 70:] = False
+        seen = fth.mask(batch, length, length, 0, 0, attention_mask=padding)
+    else:
+        ids = torch.cat([torch.full((n,), i) for i, n in enumerate((40, 1, 55))])[None].to("cuda")
+        seen = fth.Visibility(None, 0, None, 0, ids, (1, 1, length, length), {})
+        batch = 1
+
+    def layer_step() -> None:
+        q, k, v = (torch.randn(batch, h, length, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for h in (heads, heads_k, heads_k))  # fmt: skip
+        out, _ = fth.attention_forward(layer, q, k, v, seen)
+        out.sum().backward()
+
+    layer_step()  # the first layer: compiles, unpads or reads the boundaries
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            layer_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_padding_takes_the_varlen_kernels(monkeypatch):
     """A padded batch is unpadded into the varlen kernels (no dense mask); an unpadded one takes flash_attn_func."""
     model = build(FAMILIES[0])
