@@ -262,8 +262,6 @@ def translate(gm: torch.fx.GraphModule, fn_name: str, names: tuple[str, ...], ca
                 lines += _accumulate(reads, outs[1:], ref, values)
             value = ref(outs[0])
             returned = f"({value}) != 0" if result == "mask" else f"tl.cast({value}, tl.float32)"
-            if result == "score" and not _reads_score(outs[0], values):  # a score tile however few indices it reads
-                returned += " + tl.zeros_like(score)"
             lines.append(f"    return {returned}")
             continue
         if node.op != "call_function":
@@ -375,22 +373,18 @@ def _depends_on(node: torch.fx.Node, values: dict[str, str]) -> set[str]:
     return found
 
 
-def _reads_score(out, values: dict[str, str]) -> bool:
-    """Whether a score_mod's result depends on its score (and so has the score tile's shape)."""
-    return isinstance(out, torch.fx.Node) and "score" in _depends_on(out, values)
+_NO_OPS = (aten.detach, aten.alias, aten.clone, aten.lift_fresh_copy, aten.lift_fresh)
 
 
 def returns_score(gm: torch.fx.GraphModule) -> bool:
-    """Whether the traced score_mod returns its score argument unchanged (through no-ops only)."""
+    """Whether the traced score_mod returns its score argument unchanged (through no-ops only): the kernels then
+    fold the scale into exp2's argument and skip the chain rule (``template``'s FOLD_SCALE)."""
     nodes = list(gm.graph.nodes)
     (out,) = nodes[-1].args
     node = out[0] if isinstance(out, (tuple, list)) else out
     while isinstance(node, torch.fx.Node) and node.op == "call_function" and _overload_packet(node.target) in _NO_OPS:
         node = node.args[0]
     return node is nodes[0] and node.op == "placeholder"
-
-
-_NO_OPS = (aten.detach, aten.alias, aten.clone, aten.lift_fresh_copy, aten.lift_fresh)
 
 
 def _accumulate(reads, grads, ref, values: dict[str, str]) -> list[str]:

@@ -84,7 +84,9 @@ def _scores(q, k, scale, off_b, off_h, offs_m, offs_n, seqlen_k, CAPTURED, MASKE
             CHECK_N: tl.constexpr, FOLD_SCALE: tl.constexpr):  # fmt: skip
     """(qk, s), both [BLOCK_M, BLOCK_N] fp32: qk the products q k^T times scale, s the scores after score_mod with
     hidden positions at -inf (mask_mod where MASKED, keys at or past seqlen_k where CHECK_N); in units that
-    ``_log2_scale`` takes to log2. With FOLD_SCALE both are the unscaled products (score_mod is the identity)."""
+    ``_log2_scale`` takes to log2. With FOLD_SCALE both are the unscaled products (score_mod is the identity).
+    score_mod's result has the tile's shape: one that does not read its score never reaches the kernel (the trace of
+    its gradient fails, ``codegen.score_grad_function``)."""
     # [BLOCK_M, D] @ [D, BLOCK_N] -> [BLOCK_M, BLOCK_N]
     qk = tl.dot(q, tl.trans(k), input_precision=IEEE if k.dtype == tl.float32 else None)
     if FOLD_SCALE:
