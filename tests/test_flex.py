@@ -70,8 +70,16 @@ def _mods(name: str, p: dict[str, torch.Tensor]):
         return (lambda s, b, h, q_idx, kv_idx: s + p["rel"][h, q_idx - kv_idx + p["rel_offset"]]), causal
     if name == "empty_rows":  # rows q_idx % 7 == 3 attend to nothing
         score_mod = lambda s, b, h, q_idx, kv_idx: s * (1 + b) - h  # noqa: E731
-        return score_mod, lambda b, h, q_idx, kv_idx: (q_idx % 7 != 3) & ((q_idx + kv_idx) % 3 != 0)
+        return score_mod, _sparse_rows
+    if name == "empty_rows_mask":  # the same rows, the scores unchanged
+        return None, _sparse_rows
+    if name == "block_causal":  # blocks of 32 see whole earlier blocks: with BLOCK_SIZE 32, full blocks only
+        return None, lambda b, h, q_idx, kv_idx: kv_idx // 32 <= q_idx // 32
     raise ValueError(name)
+
+
+def _sparse_rows(b, h, q_idx, kv_idx):
+    return (q_idx % 7 != 3) & ((q_idx + kv_idx) % 3 != 0)
 
 
 CASES = ["causal", "sliding_window", "document", "prefix_lm", "alibi", "softcap", "bias", "relative_bias", "empty_rows"]
@@ -142,9 +150,11 @@ def _oracle(name, inputs, params, mask, scale, dtype, dout):
     return [out.to(inputs[0].dtype), lse.float()] + [g.to(x.dtype) for g, x in zip(grads, like, strict=True)]
 
 
-def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True):
+def run_case(
+    name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True, scale=None
+):  # fmt: skip
     """flashtile's output, LSE and gradients (of captured tensors too) for case ``name`` against the oracle's, by
-    the tolerance rule."""
+    the tolerance rule; ``scale`` defaults to flex_attention's, 1 / sqrt(D)."""
     params = _params(H, L, S, grads)
     score_mod, mask_mod = _mods(name, params)
     q = torch.randn(B, H, L, D, device=DEVICE, dtype=dtype, requires_grad=grads)
@@ -155,10 +165,11 @@ def run_case(name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D
     if mask_mod is not None:
         block_mask = flashtile.create_block_mask(mask_mod, B, None, L, S, device=DEVICE, BLOCK_SIZE=block)
         mask = _dense_mask(block_mask, mask_mod, B, H, L, S)
-    scale = 1 / math.sqrt(D)
+    scale = 1 / math.sqrt(D) if scale is None else scale
     out, lse = flashtile.flex_attention(
-        q, k, v, score_mod, block_mask, enable_gqa=H != H_kv, return_lse=True, kernel_options={"BACKEND": backend}
-    )
+        q, k, v, score_mod, block_mask, scale, enable_gqa=H != H_kv, return_lse=True,
+        kernel_options={"BACKEND": backend},
+    )  # fmt: skip
     results = {"out": out, "lse": lse}
     dout = torch.randn_like(out)
     if grads:
@@ -281,6 +292,52 @@ def test_kernel_tiles_smaller_than_blocks(name):
     run_case(name, "TRITON", B=1, L=150, S=260, D=32, block=(64, 128))
 
 
+@pytest.mark.parametrize(
+    "name, L, S",
+    [
+        ("causal", 64, 64),  # lengths multiples of the blocks (EVEN_M, EVEN_N); the scale folded into exp2
+        ("causal", 64, 96),  # Sq != Sk both ways, both multiples
+        ("causal", 96, 64),
+        ("causal", 50, 64),  # queries ragged, keys even
+        ("causal", 64, 50),  # keys ragged, queries even
+        ("alibi", 64, 96),  # a score_mod with even lengths
+        ("block_causal", 64, 96),  # full blocks only: no per-element mask at all
+        ("block_causal", 96, 50),
+        ("empty_rows", 64, 64),  # rows that see no key, with a score_mod
+        ("empty_rows_mask", 64, 64),  # and without one (the folded scale)
+        ("empty_rows_mask", 50, 64),
+    ],
+    ids=lambda x: str(x),
+)
+def test_kernel_even_and_ragged_lengths(name, L, S):
+    """The bounds checks the kernels compile out where a length is a multiple of the block size, and keep where it
+    is not, on each side and for each kind of block."""
+    run_case(name, "TRITON", B=1, L=L, S=S, D=32, block=32)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.7])
+def test_kernel_scale_signs(scale):
+    """Without a score_mod a positive scale goes into exp2's factor; a negative or zero one keeps the general path
+    (a factor <= 0 would turn hidden positions' -inf into +inf or NaN)."""
+    run_case("causal", "TRITON", B=1, L=64, S=64, D=32, block=32, scale=scale)
+
+
+def test_identity_score_mod_is_recognised():
+    """What makes the kernels fold the scale: a score_mod returning its score unchanged, through no-ops only."""
+    from flashtile.flex import codegen
+
+    names = ("score", "b", "h", "q_idx", "kv_idx")
+    cases = [
+        (lambda s, b, h, q_idx, kv_idx: s, True),
+        (lambda s, b, h, q_idx, kv_idx: s.clone().detach(), True),
+        (lambda s, b, h, q_idx, kv_idx: s * 1.0, False),
+        (lambda s, b, h, q_idx, kv_idx: s + kv_idx, False),
+        (lambda s, b, h, q_idx, kv_idx: q_idx.float(), False),
+    ]
+    for fn, expected in cases:
+        assert codegen.returns_score(codegen.trace(fn, names, torch.device(DEVICE))) is expected
+
+
 def test_kernel_gqa_lengths_bf16():
     run_case("sliding_window", "TRITON", dtype=torch.bfloat16, B=1, H=4, H_kv=2, L=33, S=50, D=32, block=32)
 
@@ -371,6 +428,14 @@ def test_gpu_kernel_long(name, D):
     """Compiled kernels at lengths past one block (and not a multiple of it), GQA, bf16, the default block size,
     gradients of captured tensors included."""
     run_case(name, "TRITON", dtype=torch.bfloat16, B=2, H=4, H_kv=2, L=1000, S=1023, D=D, block=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L, S", [(1024, 2048), (2048, 1024)])
+@pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap"])
+def test_gpu_kernel_even_lengths(name, L, S):
+    """Compiled kernels at lengths that are multiples of the block size (no bounds checks in their loops)."""
+    run_case(name, "TRITON", dtype=torch.bfloat16, B=1, H=4, H_kv=2, L=L, S=S, D=128, block=128)
 
 
 @pytest.mark.gpu

@@ -373,6 +373,20 @@ def _depends_on(node: torch.fx.Node, values: dict[str, str]) -> set[str]:
     return found
 
 
+_NO_OPS = (aten.detach, aten.alias, aten.clone, aten.lift_fresh_copy, aten.lift_fresh)
+
+
+def returns_score(gm: torch.fx.GraphModule) -> bool:
+    """Whether the traced score_mod returns its score argument unchanged (through no-ops only): the kernels then
+    fold the scale into exp2's argument and skip the chain rule (``template``'s FOLD_SCALE)."""
+    nodes = list(gm.graph.nodes)
+    (out,) = nodes[-1].args
+    node = out[0] if isinstance(out, (tuple, list)) else out
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and _overload_packet(node.target) in _NO_OPS:
+        node = node.args[0]
+    return node is nodes[0] and node.op == "placeholder"
+
+
 def _accumulate(reads, grads, ref, values: dict[str, str]) -> list[str]:
     """Lines that add, under ACCUMULATE, the gradient at each read (``grads``, [BLOCK_M, BLOCK_N] blocks) into the
     gradient buffer of the tensor read, at the read's indices: summed first over the tile dimensions the indices do

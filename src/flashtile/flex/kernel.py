@@ -147,15 +147,17 @@ def kernels_for(
         names = ("score", "b", "h", "q_idx", "kv_idx")
         leaves: list[torch.Tensor] = []
         joint = codegen.trace(codegen.score_grad_function(score_mod, leaves), (*names, "grad"), device, leaves)
+        traced = codegen.trace(score_mod, names, device)
         parts = [
-            codegen.translate(codegen.trace(score_mod, names, device), "score_mod", names, captured, "score"),
+            codegen.translate(traced, "score_mod", names, captured, "score"),
             codegen.translate(codegen.trace(mask_mod, names[1:], device), "mask_mod", names[1:], captured, "mask"),
             codegen.translate(joint, "score_grad", (*names, "grad"), captured, "grad"),
         ]
     except codegen.Unsupported as error:
         found = str(error)
     else:
-        source = "\n\n".join([TEMPLATE.read_text(), codegen.HELPERS, *parts])
+        identity = f"SCORE_MOD_IS_IDENTITY = {codegen.returns_score(traced)}\n"
+        source = "\n\n".join([TEMPLATE.read_text(), codegen.HELPERS, *parts, identity])
         found = _import(source.replace(", CAPTURED", captured.params())), captured
     if len(_TRANSLATIONS) >= MAX_TRANSLATIONS:
         _TRANSLATIONS.clear()
@@ -210,16 +212,33 @@ def _lists(block_mask: BlockMask, side: str) -> tuple[list[torch.Tensor], list[i
 
 
 def _launch(
-    kernel, programs: int, heads: int, args: tuple, q, v, block_mask: BlockMask, cfg: TileConfig, has_full: bool
-) -> None:
-    """``kernel`` over (``programs`` tiles, ``heads``, batch) with ``cfg``'s tiles, warps and stages."""
+    kernel, programs: int, heads: int, args: tuple, q, v, block_mask: BlockMask, cfg: TileConfig, has_full: bool,
+    fold_scale: bool, **even: bool,
+) -> None:  # fmt: skip
+    """``kernel`` over (``programs`` tiles, ``heads``, batch) with ``cfg``'s tiles, warps and stages; ``even``: the
+    kernel's EVEN_M or EVEN_N (``_even``)."""
     constexprs = {
         "HEAD_DIM": q.shape[-1], "HEAD_DIM_V": v.shape[-1], "BLOCK_D": padded_head_dim(q.shape[-1]),
         "BLOCK_DV": padded_head_dim(v.shape[-1]), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
         "SPARSE_Q": block_mask.BLOCK_SIZE[0], "SPARSE_KV": block_mask.BLOCK_SIZE[1], "HAS_FULL": has_full,
+        **even, "FOLD_SCALE": fold_scale,
     }  # fmt: skip
     launch(kernel, head_grid(programs, q.shape[0], heads), args, constexprs, num_warps=cfg.num_warps,
            num_stages=cfg.num_stages)  # fmt: skip
+
+
+def _even(seqlen: int, block_size: int) -> bool:
+    """Whether ``seqlen`` is a multiple of the block mask's block size on its side: every tile of every listed block
+    then lies inside the sequence, and the kernels load and score those tiles without bounds checks (EVEN_M,
+    EVEN_N). The block table lists only blocks inside the lengths (``BlockMask.kv_blocks``)."""
+    return seqlen % block_size == 0
+
+
+def _fold_scale(module, scale: float) -> bool:
+    """The kernels' FOLD_SCALE: score_mod is the identity and the scale positive, so the scale joins log2(e) in the
+    factor applied to the raw products inside exp2 (a positive factor keeps the row max and the -inf of hidden
+    positions)."""
+    return module.SCORE_MOD_IS_IDENTITY and scale > 0
 
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
@@ -235,7 +254,8 @@ def _forward(q, k, v, module, captured, block_mask: BlockMask, scale: float):
     cfg = _config("flex_forward", q, v, block_mask)
     args = (q, k, v, out, lse, *lists, *_strides(q, k, v, out), *list_strides, nheads, nheads // k.shape[1],
             seqlen_q, k.shape[2], scale, *captured.args())  # fmt: skip
-    _launch(module.flex_forward, cdiv(seqlen_q, cfg.block_m), nheads, args, q, v, block_mask, cfg, has_full)
+    _launch(module.flex_forward, cdiv(seqlen_q, cfg.block_m), nheads, args, q, v, block_mask, cfg, has_full,
+            _fold_scale(module, scale), EVEN_N=_even(k.shape[2], block_mask.BLOCK_SIZE[1]))  # fmt: skip
     return out, lse
 
 
@@ -256,11 +276,14 @@ def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: Block
     kv_lists, kv_strides, has_full = _lists(block_mask, "kv")
     cfg = _config("flex_backward_dq", q, v, block_mask)
     args = (q, k, v, dout, lse, delta, dq, *kv_lists, *_strides(q, k, v, dout, dq), *kv_strides, *common)
-    _launch(module.flex_backward_dq, cdiv(seqlen_q, cfg.block_m), nheads, args, q, v, block_mask, cfg, has_full)
+    fold_scale = _fold_scale(module, scale)
+    _launch(module.flex_backward_dq, cdiv(seqlen_q, cfg.block_m), nheads, args, q, v, block_mask, cfg, has_full,
+            fold_scale, EVEN_N=_even(seqlen_k, block_mask.BLOCK_SIZE[1]))  # fmt: skip
     q_lists, q_strides, has_full = _lists(block_mask, "q")
     cfg = _config("flex_backward_dkdv", q, v, block_mask)
     args = (q, k, v, dout, lse, delta, dk, dv, *q_lists, *_strides(q, k, v, dout, dk, dv), *q_strides, *common)
-    _launch(module.flex_backward_dkdv, cdiv(seqlen_k, cfg.block_n), nheads_k, args, q, v, block_mask, cfg, has_full)
+    _launch(module.flex_backward_dkdv, cdiv(seqlen_k, cfg.block_n), nheads_k, args, q, v, block_mask, cfg, has_full,
+            fold_scale, EVEN_M=_even(seqlen_q, block_mask.BLOCK_SIZE[0]))  # fmt: skip
     return dq, dk, dv, [g.to(t.dtype) for g, t in zip(grads, captured.needing_grad, strict=True)]
 
 
