@@ -525,6 +525,41 @@ def test_bad_inputs_raise_input_error(changes, match):
         flashtile.flex_attention(**_qkv(**changes))
 
 
+def test_hand_built_block_mask_lists_are_checked(monkeypatch):
+    """A hand-built block mask whose lists name a block outside the lengths, count more blocks than a row holds, or
+    have too few rows raises InputError before any kernel runs (the kernels read listed tiles without bounds checks
+    where the lengths divide the blocks); its values are checked once, and again after an in-place change."""
+    L = S = 32
+    num, indices = torch.ones(1, 1, 2, dtype=torch.int32), torch.tensor([[[[0, 1], [1, 0]]]], dtype=torch.int32)
+
+    def attend(num_blocks, kv_indices):
+        block_mask = BlockMask.from_kv_blocks(num_blocks.to(DEVICE), kv_indices.to(DEVICE), BLOCK_SIZE=16,
+                                              seq_lengths=(L, S))  # fmt: skip
+        return flashtile.flex_attention(**_qkv(L=L, S=S), block_mask=block_mask)
+
+    attend(num, indices)
+    with pytest.raises(flashtile.InputError, match=r"kv lists name blocks outside \[0, 2\)"):
+        attend(num, indices.masked_fill(indices == 1, 2))
+    with pytest.raises(flashtile.InputError, match="count more than the 2 entries"):
+        attend(num + 2, indices)
+    with pytest.raises(flashtile.InputError, match="need 2 rows of blocks"):
+        attend(num[..., :1], indices[..., :1, :])
+    block_mask = BlockMask.from_kv_blocks(num.to(DEVICE), indices.to(DEVICE), BLOCK_SIZE=16, seq_lengths=(L, S))
+    inputs = _qkv(L=L, S=S)
+    checks = []
+    values_checked = flashtile._backend.values_checked
+    monkeypatch.setattr(flashtile._backend, "values_checked", lambda device: checks.append(1) or values_checked(device))
+    for _ in range(2):
+        flashtile.flex_attention(**inputs, block_mask=block_mask)
+    assert len(checks) == 1
+    block_mask.kv_indices[0, 0, 1, 0] = -1
+    with pytest.raises(flashtile.InputError, match="kv lists name blocks outside"):
+        flashtile.flex_attention(**inputs, block_mask=block_mask)
+    created = flashtile.create_block_mask(causal, None, None, L, S, device=DEVICE, BLOCK_SIZE=16)
+    flashtile.flex_attention(**inputs, block_mask=created)
+    assert len(checks) == 2
+
+
 def test_block_mask_for_other_sizes_raises():
     block_mask = flashtile.create_block_mask(causal, None, None, 16, 16, device=DEVICE)
     with pytest.raises(flashtile.InputError, match="created for Q_LEN, KV_LEN"):

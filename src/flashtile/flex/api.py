@@ -11,7 +11,7 @@ import torch
 
 from flashtile import _backend
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
-from flashtile.flex.block_mask import BlockMask, as_block_mask, full_block_mask, require_mod
+from flashtile.flex.block_mask import BlockMask, as_block_mask, check_lists, full_block_mask, require_mod
 from flashtile.flex.mods import ScoreMod
 from flashtile.flex.torch_route import flex_attention_torch
 from flashtile.options import scale_or_default
@@ -88,6 +88,7 @@ def _checked_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor)
             f"flex_attention: block_mask is on {mask.kv_num_blocks.device} and the inputs on {query.device}: "
             f"create it with device={str(query.device)!r} (or move it with block_mask.to(device))."
         )
+    check_lists(mask)
     return mask
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 
 import torch
 
+from flashtile import _backend
 from flashtile.errors import InputError, InputTypeError
 from flashtile.flex.mods import MaskMod, evaluate_mask, index, noop_mask
 
@@ -133,6 +135,11 @@ class BlockMask:
     def shape(self) -> tuple[int, ...]:
         """(Bm, Hm, Q_LEN, KV_LEN)."""
         return (*self.kv_indices.shape[:2], *self.seq_lengths)
+
+    @property
+    def q_blocks(self) -> int:
+        """Qb, the number of query blocks: ceil(Q_LEN / BLOCK_SIZE[0])."""
+        return -(-self.seq_lengths[0] // self.BLOCK_SIZE[0])
 
     @property
     def kv_blocks(self) -> int:
@@ -262,10 +269,73 @@ def create_block_mask(
         counts[:, :, r] = mask.reshape(B, H, -1, cols, kv_block).sum((2, 4))
     full = counts == q_block * kv_block
     partial = (counts > 0) & ~full
-    return BlockMask.from_kv_blocks(
+    block_mask = BlockMask.from_kv_blocks(
         *_ordered(partial), *_ordered(full), BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
         seq_lengths=(Q_LEN, KV_LEN),
     )  # fmt: skip
+    _known_valid(block_mask)  # valid by construction
+    return block_mask
+
+
+_VALID_LISTS: dict[int, tuple[tuple[int, int], ...]] = {}
+"""By the id of a block mask's ``kv_indices`` (an entry leaves with the tensor), the ids and versions of all the
+mask's list tensors when they were found valid (``check_lists``): another tensor or an in-place change makes the
+entry stale."""
+
+
+def _known_valid(mask: BlockMask) -> None:
+    key = id(mask.kv_indices)
+    if key not in _VALID_LISTS:
+        weakref.finalize(mask.kv_indices, _VALID_LISTS.pop, key, None)
+    _VALID_LISTS[key] = _versions(mask)
+
+
+def _lists(mask: BlockMask) -> list[tuple[str, torch.Tensor, torch.Tensor, int, int]]:
+    """(name, num_blocks, indices, rows it must cover, blocks it may name) of each list the mask has."""
+    rows, cols = mask.q_blocks, mask.kv_blocks
+    found = [("kv", mask.kv_num_blocks, mask.kv_indices, rows, cols),
+             ("full_kv", mask.full_kv_num_blocks, mask.full_kv_indices, rows, cols),
+             ("q", mask.q_num_blocks, mask.q_indices, cols, rows),
+             ("full_q", mask.full_q_num_blocks, mask.full_q_indices, cols, rows)]  # fmt: skip
+    return [entry for entry in found if entry[1] is not None]
+
+
+def _versions(mask: BlockMask) -> tuple[tuple[int, int], ...]:
+    """Each list tensor's id and version."""
+    return tuple((id(t), t._version) for _, num_blocks, indices, _, _ in _lists(mask) for t in (num_blocks, indices))
+
+
+def check_lists(mask: BlockMask) -> None:
+    """InputError where a list of ``mask`` has fewer rows than its lengths need, or (index values) counts more blocks
+    than its row holds or names a block outside the lengths: the kernels read the listed blocks' tiles without
+    bounds checks where the lengths are multiples of the block sizes. The values are checked where
+    ``flashtile.check_values`` has them checked (a host synchronisation on CUDA), once per mask's lists and again
+    after an in-place change of them; ``create_block_mask``'s are valid by construction."""
+    lists = _lists(mask)
+    for name, num_blocks, indices, rows, _ in lists:
+        if num_blocks.shape[-1] < rows or indices.shape[:-1] != num_blocks.shape:
+            raise InputError(
+                f"block_mask's {name}_num_blocks {tuple(num_blocks.shape)} and {name}_indices {tuple(indices.shape)} "
+                f"need {rows} rows of blocks for seq_lengths {mask.seq_lengths} and BLOCK_SIZE {mask.BLOCK_SIZE}: "
+                "build the mask for these lengths (flashtile.create_block_mask)."
+            )
+    versions = _versions(mask)
+    if _VALID_LISTS.get(id(mask.kv_indices)) == versions or not _backend.values_checked(mask.kv_indices.device):
+        return
+    bad = []
+    for _, num_blocks, indices, _, cols in lists:
+        listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]
+        outside = listed & ((indices < 0) | (indices >= cols))
+        bad.append(((num_blocks < 0) | (num_blocks > indices.shape[-1])).any() | outside.any())
+    found = torch.stack(bad).tolist()
+    for (name, _, indices, _, cols), wrong in zip(lists, found, strict=True):
+        if wrong:
+            raise InputError(
+                f"block_mask's {name} lists name blocks outside [0, {cols}) or count more than the {indices.shape[-1]} "
+                f"entries a row holds (seq_lengths {mask.seq_lengths}, BLOCK_SIZE {mask.BLOCK_SIZE}): each row's first "
+                f"{name}_num_blocks entries of {name}_indices must be block indices below {cols}."
+            )
+    _known_valid(mask)
 
 
 def as_block_mask(block_mask) -> BlockMask:
