@@ -314,8 +314,9 @@ def gluon_source(kernel_name: str, consts: dict, data: str = DATA):
         qkv = torch.float8_e4m3fn if float8 else torch.bfloat16
         # float8: V transposed, [1, head_dim, keys] boxes (``forward_sm90.transposed_descriptor``)
         v_box = (1, head_dim, rows_k) if float8 else (1, rows_k, head_dim)
-        sig = {"q_desc": descriptor(1, rows_q, head_dim, dtype=qkv), "k_desc": descriptor(1, rows_k, head_dim, dtype=qkv),
-               "v_desc": descriptor(*v_box, dtype=qkv), "o_desc": descriptor(1, rows_q, head_dim),
+        sig = {"q_desc": descriptor(1, rows_q, head_dim, dtype=qkv),
+               "k_desc": descriptor(1, rows_k, head_dim, dtype=qkv), "v_desc": descriptor(*v_box, dtype=qkv),
+               "o_desc": descriptor(1, rows_q, head_dim),
                "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "batch": "i32",
                "nheads": "i32", "group": "i32"}  # fmt: skip
         if consts["CAUSAL"] and consts["CAUSAL_SCHEDULE"]:  # the launcher's causal_schedule

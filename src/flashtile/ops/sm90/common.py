@@ -80,8 +80,12 @@ def rows_view_ok(x: torch.Tensor) -> bool:
     return s_d == 1 and s_h == head_dim and evenly and (s_s * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
-             torch.float8_e4m3fn: gl.float8e4nv}
+GL_DTYPES = {
+    torch.bfloat16: gl.bfloat16,
+    torch.float16: gl.float16,
+    torch.float32: gl.float32,
+    torch.float8_e4m3fn: gl.float8e4nv,
+}
 """Gluon's element type of each torch dtype a descriptor of these kernels holds."""
 
 

@@ -563,7 +563,7 @@ def _consumer(
     s_layout: gl.constexpr = mma_layout(BLOCK_N, MMA_K)
     o_layout: gl.constexpr = mma_layout(HEAD_D, MMA_K)
     # 32 bits of P per register: two bf16/fp16 elements or four float8
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FLOAT8 else 2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
