@@ -8,9 +8,11 @@
   softmax_scale and the output, so both compute the same attention): max |out - ref|, and the mean.
 - Speed: head dims 128 and 256, N 4k/8k/16k, causal and not, B*N = 32k tokens, H = 16: median ms (do_bench) of
   ``flash_attn_func`` on float8 inputs (with descale factors; V's transpose included) and on bf16 inputs (whichever
-  kernel the dispatcher picks: the Gluon kernel on sm_90), TFLOP/s = 4 B H N^2 D / time (halved for causal), their
-  ratio, and V's transpose alone (``ops.fp8.transpose``): its time, its GB/s (V read once and written once), and
-  the time of torch's copy of the permuted view into the same layout, for comparison.
+  kernel the dispatcher picks: the Gluon kernels on sm_90), TFLOP/s = 4 B H N^2 D / time (halved for causal), their
+  ratio; the Triton float8 kernel on the same inputs (``ops.fp8.attention_forward``, which FLASHTILE_GLUON=0 and
+  other GPUs run; on sm_90 the dispatcher picks the Gluon forward, ``ops.sm90.forward``); and V's transpose alone
+  (``ops.fp8.transpose``): its time, its GB/s (V read once and written once), and the time of torch's copy of the
+  permuted view into the same layout, for comparison.
 - ``--sweep``: each of ``CANDIDATES`` at N=8k, full and causal, head dims 128 and 256.
 - ``--warm I/N``: compile only (see --help); run N of these side by side first, then the timed run finds every
   kernel compiled.
@@ -32,6 +34,7 @@ from triton.testing import do_bench
 
 import flashtile
 from flashtile import _backend
+from flashtile.ops import fp8
 from flashtile.ops.attention import configs
 from flashtile.ops.attention.configs import TileConfig
 from flashtile.ops.fp8.transpose import transposed_values
@@ -95,19 +98,24 @@ def speed(head_dim: int, seqlen: int, causal: bool, rep: int, warm: bool) -> dic
     batch = TOKENS // seqlen
     (q8, k8, v8), (q_d, k_d, v_d) = fp8_inputs(batch, seqlen, NHEADS, NHEADS, head_dim)
     qb, kb, vb = (torch.randn(batch, seqlen, NHEADS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    window_right = 0 if causal else None
+    options8 = flashtile.interface.prepared(q8, k8, v8, window_right=window_right, descales=(q_d, k_d, v_d))[3]
     with torch.no_grad():
         ms8 = timed(lambda: flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=q_d, k_descale=k_d,
                                                       v_descale=v_d), rep, warm)  # fmt: skip
+        ms8_triton = timed(lambda: fp8.attention_forward(q8, k8, v8, options8), rep, warm)
         msb = timed(lambda: flashtile.flash_attn_func(qb, kb, vb, causal=causal), rep, warm)
         ms_vt = timed(lambda: transposed_values(v8), rep, warm)
         vt = transposed_values(v8)
         ms_copy = timed(lambda: vt.copy_(v8.permute(0, 2, 3, 1)), rep, warm)
     work = flops(batch, seqlen, head_dim, causal)
-    options = flashtile.interface.prepared(qb, kb, vb, window_right=0 if causal else None)[3]
+    options = flashtile.interface.prepared(qb, kb, vb, window_right=window_right)[3]
     return {
         "head_dim": head_dim, "seqlen": seqlen, "batch": batch, "causal": causal, "fp8_ms": ms8, "bf16_ms": msb,
         "fp8_tflops": work / ms8 * 1e-9, "bf16_tflops": work / msb * 1e-9, "speedup": msb / ms8,
+        "fp8_triton_ms": ms8_triton, "fp8_triton_tflops": work / ms8_triton * 1e-9,
         "v_transpose_ms": ms_vt, "v_transpose_gbps": 2 * v8.numel() / ms_vt * 1e-6, "v_torch_copy_ms": ms_copy,
+        "fp8_path": _backend.forward_choice(q8, k8, v8, options8).path,
         "bf16_path": _backend.forward_choice(qb, kb, vb, options).path,
     }  # fmt: skip
 
@@ -185,12 +193,12 @@ def main() -> None:
         result[part].append(row)
         if part == "speed":
             if len(result["speed"]) == 1:
-                print(f"{'D':>4} {'N':>6} {'causal':>6} {'fp8 TF/s':>9} {'bf16 TF/s':>9} {'ratio':>6} {'V^T ms':>7} "
-                      f"{'V^T GB/s':>8} {'copy ms':>7}  bf16 path")  # fmt: skip
+                print(f"{'D':>4} {'N':>6} {'causal':>6} {'fp8 TF/s':>9} {'bf16 TF/s':>9} {'ratio':>6} "
+                      f"{'fp8-triton':>10} {'V^T ms':>7} {'V^T GB/s':>8} {'copy ms':>7}  fp8 / bf16 path")  # fmt: skip
             print(f"{row['head_dim']:>4} {row['seqlen']:>6} {row['causal']!s:>6} {row['fp8_tflops']:>9.1f} "
-                  f"{row['bf16_tflops']:>9.1f} {row['speedup']:>6.2f} {row['v_transpose_ms']:>7.3f} "
-                  f"{row['v_transpose_gbps']:>8.0f} {row['v_torch_copy_ms']:>7.3f}  {row['bf16_path']}",
-                  flush=True)  # fmt: skip
+                  f"{row['bf16_tflops']:>9.1f} {row['speedup']:>6.2f} {row['fp8_triton_tflops']:>10.1f} "
+                  f"{row['v_transpose_ms']:>7.3f} {row['v_transpose_gbps']:>8.0f} {row['v_torch_copy_ms']:>7.3f}  "
+                  f"{row['fp8_path']} / {row['bf16_path']}", flush=True)  # fmt: skip
         else:
             print(json.dumps(row), flush=True)
         (args.out / "fp8_forward.json").write_text(json.dumps(result, indent=1))

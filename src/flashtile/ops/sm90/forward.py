@@ -9,6 +9,16 @@ q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
 it against the oracle.
 
+float8 (e4m3) q, k, v (``flashtile.float8``, with their descale factors) take it too, where they qualify (the same
+head dims and options; ``ops.fp8.forward``'s Triton kernel takes the rest, and every float8 call on other GPUs or
+with ``FLASHTILE_GLUON=0``). The kernel follows the dtype of its descriptors: with float8 both products run on float8
+wgmma (m64nNk32) and P is rounded to e4m3 after the shift by 2**P_SHIFT (``ops.fp8.forward``: exact, and it keeps
+small probabilities out of e4m3's subnormals; l and the LSE take the shift out); V arrives transposed
+(``ops.fp8.transpose``, ``transposed_descriptor``), as float8 wgmma reads its B operand K-major only; the factor
+q_descale * k_descale of the item's batch entry and KV head multiplies the softmax scale and v_descale the output; out
+is bf16, through an O tile of its own (``FLOAT8_CHANGES``). The bf16/fp16 kernels compile to the same machine code as
+before (cuobjdump -sass digests of tests/sm90_compile.py, Triton 3.7.1).
+
 Measured on an H200 (D=128, bf16, TFLOP/s): N=1k
 555 / 389 causal against 393 / 316 for the Triton kernel, N=4k 642 / 530 against 536 / 478, N=16k 646 / 586
 against 548 / 541 (cuDNN in the same run's table: 565 / 437, 605 / 541, 630 / 577). Those runs read
