@@ -432,7 +432,7 @@ def _producer(
     # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
     # count on the barrier, so the expected bytes are always the box's.
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
-    FLOAT8: gl.constexpr = q_smem.dtype.is_fp8()
+    IS_FP8: gl.constexpr = q_smem.dtype.is_fp8()
     it = 0
     item = 0
     start, stop, step = _walk(n_m, n_items, schedule, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT, CAUSAL_SCHEDULE)
@@ -457,7 +457,7 @@ def _producer(
             tma_load(k_desc, [b, row, kv_col], k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            if FLOAT8:  # transposed V: (batch * nheads_k, headdim, seqlen_k), [1, HEAD_D, BLOCK_N] boxes
+            if IS_FP8:  # transposed V: (batch * nheads_k, headdim, seqlen_k), [1, HEAD_D, BLOCK_N] boxes
                 tma_load(v_desc, [b * (nheads // group) + h // group, 0, row], v_ready.index(s), v_smem.index(s))
             else:
                 tma_load(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
@@ -564,16 +564,16 @@ def _consumer(
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     # float8 (e4m3) q, k, v: both products on float8 wgmma (k = 32), P rounded to e4m3 after the shift by
     # 2**P_SHIFT, and V read K-major from its transposed copy (``_value_operand``)
-    FLOAT8: gl.constexpr = dtype.is_fp8()
-    SHIFT: gl.constexpr = P_SHIFT if FLOAT8 else 0.0
-    MMA_K: gl.constexpr = 32 if FLOAT8 else 16
+    IS_FP8: gl.constexpr = dtype.is_fp8()
+    SHIFT: gl.constexpr = P_SHIFT if IS_FP8 else 0.0
+    MMA_K: gl.constexpr = 32 if IS_FP8 else 16
     # Three causal warpgroups fold the first key tile into the loop (one copy of the masked softmax step per
     # warpgroup instead of two): their kernel outgrew the instruction cache (CAUSAL_CHANGES).
     FOLD: gl.constexpr = CAUSAL and NUM_WG == 3
     s_layout: gl.constexpr = mma_layout(BLOCK_N, MMA_K)
     o_layout: gl.constexpr = mma_layout(HEAD_D, MMA_K)
     # 32 bits of P per register: two bf16/fp16 elements or four float8
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FLOAT8 else 2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if IS_FP8 else 2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -740,8 +740,8 @@ def _attention_forward_sm90_kernel(
     n_items = n_m * batch * nheads
 
     dtype: gl.constexpr = q_desc.dtype
-    FLOAT8: gl.constexpr = dtype.is_fp8()
-    gl.static_assert(O_TILE or not FLOAT8, "float8: O (bf16) leaves through its own tile, not through Q's")
+    IS_FP8: gl.constexpr = dtype.is_fp8()
+    gl.static_assert(O_TILE or not IS_FP8, "float8: O (bf16) leaves through its own tile, not through Q's")
     # [1, rows, HEAD_D] boxes of the descriptors, viewed as [rows, HEAD_D] tiles by the consumers (_tile)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], q_desc.layout)
     if O_TILE:
@@ -749,7 +749,7 @@ def _attention_forward_sm90_kernel(
     else:
         o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], k_desc.layout)
-    if FLOAT8:  # transposed V's [1, HEAD_D, BLOCK_N] boxes (_value_operand)
+    if IS_FP8:  # transposed V's [1, HEAD_D, BLOCK_N] boxes (_value_operand)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, HEAD_D, BLOCK_N], v_desc.layout)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], v_desc.layout)
