@@ -1,6 +1,6 @@
 """The float8 forward against flashtile's bf16 forward on the GPU at hand: accuracy, speed, and a config sweep.
 
-    PYTHONPATH=src python3 benchmarks/fp8_forward.py --out DIR [--sweep] [--quick] [--warm I/N]
+    PYTHONPATH=src python3 benchmarks/fp8_forward.py --out DIR [--sweep] [--gluon-sweep] [--quick] [--warm I/N]
 
 - Accuracy: at B=1, H=4 (2 KV heads), N=4096, head dims 128 and 256, full and causal, inputs quantized to e4m3 with
   a per-tensor factor each (``quantized``), the float64 oracle on the dequantized inputs against (a) the float8
@@ -14,6 +14,8 @@
   (``ops.fp8.transpose``): its time, its GB/s (V read once and written once), and the time of torch's copy of the
   permuted view into the same layout, for comparison.
 - ``--sweep``: each of ``CANDIDATES`` at N=8k, full and causal, head dims 128 and 256.
+- ``--gluon-sweep`` (sm_90): the float8 Gluon forward with each of ``GLUON_CANDIDATES`` in place of its
+  ``FLOAT8_CHANGES`` entry, at N=8k, full and causal (the speed table's N=8k rows are the shipped entries).
 - ``--warm I/N``: compile only (see --help); run N of these side by side first, then the timed run finds every
   kernel compiled.
 
@@ -27,6 +29,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -38,6 +41,7 @@ from flashtile.ops import fp8
 from flashtile.ops.attention import configs
 from flashtile.ops.attention.configs import TileConfig
 from flashtile.ops.fp8.transpose import transposed_values
+from flashtile.ops.sm90 import forward as forward_sm90
 from flashtile.reference import attention_reference
 
 E4M3 = torch.float8_e4m3fn
@@ -146,14 +150,37 @@ def sweep_one(head_dim: int, causal: bool, cfg: TileConfig, rep: int, warm: bool
 
 SWEEP_SEQLEN = 8192
 
+GLUON_CANDIDATES = {128: [{"STAGES": 2}, {"STAGES": 4}], 256: [{"STAGES": 3}]}
+"""``--gluon-sweep``'s changes to ``forward_sm90.FLOAT8_CHANGES``'s entry per head dim (shipped: 3 stages at D=128, 2 at
+D=256). Without spills for sm_90 (tests/sm90_compile.py's way, Triton 3.7): these; not 256-key tiles or three
+consumer warpgroups at D=128, nor 128-key tiles at D=256 (280-660 bytes of stack)."""
 
-def jobs(quick: bool, sweep: bool) -> list[tuple]:
+
+def gluon_sweep_one(head_dim: int, causal: bool, changes: dict, rep: int, warm: bool) -> dict:
+    seqlen = SWEEP_SEQLEN
+    batch = TOKENS // seqlen
+    (q8, k8, v8), (q_d, k_d, v_d) = fp8_inputs(batch, seqlen, NHEADS, NHEADS, head_dim)
+    row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "changes": changes}
+    if torch.cuda.get_device_capability() != (9, 0):
+        return {**row, "error": "not an sm_90 GPU"}
+    entry = {**forward_sm90.FLOAT8_CHANGES[head_dim], **changes}
+    with mock.patch.dict(forward_sm90.FLOAT8_CHANGES, {head_dim: entry}), torch.no_grad():
+        ms = timed(lambda: flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=q_d, k_descale=k_d,
+                                                     v_descale=v_d), rep, warm)  # fmt: skip
+    return {**row, "ms": ms, "tflops": flops(batch, seqlen, head_dim, causal) / ms * 1e-9}
+
+
+def jobs(quick: bool, sweep: bool, gluon_sweep: bool) -> list[tuple]:
     """Every measurement as (part, arguments), in the order they run."""
     found = [("accuracy", (d, c)) for d in (128, 256) for c in (False, True)]
     seqlens = (4096, 16384) if quick else (4096, 8192, 16384)
     found += [("speed", (d, n, c)) for d in (128, 256) for n in seqlens for c in (False, True)]
     if sweep:
         found += [("sweep", (d, c, cfg)) for d in (128, 256) for c in (False, True) for cfg in CANDIDATES]
+    if gluon_sweep:
+        found += [
+            ("gluon_sweep", (d, c, ch)) for d, chs in GLUON_CANDIDATES.items() for c in (False, True) for ch in chs
+        ]
     return found
 
 
@@ -167,6 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    parser.add_argument("--gluon-sweep", action="store_true", help="also time the Gluon kernel's float8 candidates")
     parser.add_argument("--quick", action="store_true", help="N = 4k and 16k only, shorter timings")
     parser.add_argument(
         "--warm", metavar="I/N", default=None,
@@ -175,17 +203,18 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     rep = 40 if args.quick else 100
-    todo = jobs(args.quick, args.sweep)
+    todo = jobs(args.quick, args.sweep, args.gluon_sweep)
     warm = args.warm is not None
     if warm:
         index, count = map(int, args.warm.split("/"))
         todo = todo[index::count]
-    result = {"environment": environment(), "accuracy": [], "speed": [], "sweep": []}
+    result = {"environment": environment(), "accuracy": [], "speed": [], "sweep": [], "gluon_sweep": []}
     if not warm:
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(result["environment"]))
     run = {"accuracy": lambda *a: accuracy(*a, warm), "speed": lambda *a: speed(*a, rep, warm),
-           "sweep": lambda *a: sweep_one(*a, rep, warm)}  # fmt: skip
+           "sweep": lambda *a: sweep_one(*a, rep, warm),
+           "gluon_sweep": lambda *a: gluon_sweep_one(*a, rep, warm)}  # fmt: skip
     for part, arguments in todo:
         row = run[part](*arguments)
         if warm:
