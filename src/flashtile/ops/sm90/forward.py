@@ -1086,5 +1086,5 @@ def attention_forward(
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
     if q.dtype in FLOAT8:
         v = transposed_values(v)
-    attention_forward_sm90(q, k, v, out, lse, options.softmax_scale, options.causal, options.descale)
+    attention_forward_sm90(q, k, v, out, lse, options.softmax_scale, causal=options.causal, descale=options.descale)
     return out, lse
