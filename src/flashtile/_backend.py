@@ -70,7 +70,8 @@ def _env_flag(name: str, default: str) -> bool:
 
 GLUON = _env_flag("FLASHTILE_GLUON", "1")
 """Whether the calls that qualify run the Gluon kernels on sm_90 (``ops.sm90.forward``,
-``ops.sm90.backward``): ``FLASHTILE_GLUON=0`` keeps every launch on the portable Triton kernels."""
+``ops.sm90.backward``; the forward's float8 calls too): ``FLASHTILE_GLUON=0`` keeps every launch on the portable
+Triton kernels (float8 ones on ``ops.fp8``)."""
 
 CHECK_VALUES = _env_flag("FLASHTILE_CHECK_VALUES", "1")
 """The process-wide default of the value checks on CUDA tensors: ``FLASHTILE_CHECK_VALUES=0`` turns them off."""
