@@ -352,11 +352,13 @@ def test_kernel_gqa_lengths_bf16():
     run_case("sliding_window", "TRITON", dtype=torch.bfloat16, B=1, H=4, H_kv=2, L=33, S=50, D=32, block=32)
 
 
-def test_kernel_without_mods_and_key_batch_shared():
-    """No score_mod, no block mask (every block full), and a key/value batch of 1 shared by two query entries."""
+@pytest.mark.parametrize("backend", ["TRITON", "AUTO"])
+def test_kernel_without_mods_and_key_batch_shared(backend):
+    """No score_mod, no block mask (every block full), and a key/value batch of 1 shared by two query entries: the
+    generated kernel, and the built-in attention AUTO runs for it."""
     q = torch.randn(2, 2, 40, 32, device=DEVICE, requires_grad=True)
     k, v = (torch.randn(1, 2, 40, 32, device=DEVICE, requires_grad=True) for _ in range(2))
-    out = flashtile.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
+    out = flashtile.flex_attention(q, k, v, kernel_options={"BACKEND": backend})
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
     expected_grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(out))
@@ -482,7 +484,7 @@ def test_recognised_mods_run_the_builtin_kernels(name, path, builtin_calls):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_recognised_mods_gqa_and_lengths(dtype, builtin_calls):
     """GQA (4 query heads on 2 kv heads), a head dim and lengths that are not multiples of the tiles, low precision:
-    ALiBi on a causal sliding window, against the oracle."""
+    causal ALiBi, against the oracle."""
     run_case("alibi", "AUTO", dtype=dtype, B=2, H=4, H_kv=2, L=37, S=37, D=24, block=16, learned=False)
     assert len(builtin_calls) == 1 and builtin_calls[0]["alibi_slopes"].shape == (4,)
 
@@ -631,16 +633,17 @@ def test_gpu_matches_compiled_flex_attention():
 
 def test_benchmark_dry_run(tmp_path, monkeypatch):
     """benchmarks/bench_flex.py --dry-run on the CPU path (the interpreter switched off, as the ``path`` fixture
-    does): records in the one schema, flashtile (the mod and the built-in option) measured and matching
-    FlexAttention, FlexAttention's missing CPU backward recorded."""
+    does): records in the one schema, flashtile (the mod as called, routed to the built-in kernels; the mod on the
+    route it takes without them; the built-in option) measured and matching FlexAttention, FlexAttention's missing
+    CPU backward recorded."""
     import bench_flex  # benchmarks/ is on the path (conftest)
 
     monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
     bench_flex.main(["--dry-run", "--out", str(tmp_path), "--commit", "test", "--mods", "alibi"])
     records = results.load(tmp_path / "flex.jsonl")
-    assert len(records) == 3 * 2 and all(list(r) == list(results.FIELDS) for r in records)
-    ours = [r for r in records if r["implementation"] in ("flashtile", "flashtile_builtin")]
-    assert len(ours) == 2 * 2
+    assert len(records) == 4 * 2 and all(list(r) == list(results.FIELDS) for r in records)
+    ours = [r for r in records if r["implementation"] in ("flashtile", "flashtile_generated", "flashtile_builtin")]
+    assert len(ours) == 3 * 2
     assert all(r["time_ms"] > 0 and r["tflops"] > 0 and not r["extra"]["flagged"] for r in ours), ours
     assert {r["error"] for r in records if r["implementation"] == "flex" and r["pass"] == "fwd+bwd"} == {
         "FlexAttention has no backward on the CPU"
