@@ -595,6 +595,18 @@ def test_forcing_the_generated_kernel(backend, builtin_calls):
     assert len(builtin_calls) == (backend == "AUTO")
 
 
+@pytest.mark.parametrize("L, S", [(0, 5), (5, 0)])
+def test_builtin_kernels_on_empty_inputs(L, S, builtin_calls):
+    """No queries or no keys, without mods: the built-in attention's result, every row seeing no key (out 0, lse
+    -inf)."""
+    q = torch.randn(1, 2, L, 16, device=DEVICE)
+    k, v = (torch.randn(1, 2, S, 16, device=DEVICE) for _ in range(2))
+    out, lse = flashtile.flex_attention(q, k, v, return_lse=True)
+    assert len(builtin_calls) == 1
+    assert out.shape == (1, 2, L, 16) and lse.shape == (1, 2, L)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap", "bias", "relative_bias"])
@@ -610,6 +622,14 @@ def test_gpu_kernel_long(name, D):
 def test_gpu_kernel_even_lengths(name, L, S):
     """Compiled kernels at lengths that are multiples of the block size (no bounds checks in their loops)."""
     run_case(name, "TRITON", dtype=torch.bfloat16, B=1, H=4, H_kv=2, L=L, S=S, D=128, block=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "alibi", "softcap_alibi"])
+def test_gpu_recognised_mods_long(name, builtin_calls):
+    """Recognised mods on the compiled built-in kernels: GQA, bf16, lengths past one block, the default block size."""
+    run_case(name, "AUTO", dtype=torch.bfloat16, B=2, H=4, H_kv=2, L=1000, S=1000, D=128, block=128, learned=False)
+    assert len(builtin_calls) == 1
 
 
 @pytest.mark.gpu
