@@ -11,9 +11,13 @@ Rows (bf16, (B, H, N, D) inputs, one row per mod, head dim and pass):
 - ``prefix_lm``: the first N / 4 keys seen by every query, causal after them;
 - ``alibi``: score_mod score + slope[h] * (kv_idx - q_idx) (slopes 2^(-8 (h + 1) / H)), causal block mask;
 - ``softcap``: score_mod 30 tanh(score / 30), causal block mask.
-Each implementation gets its own library's block mask (BLOCK_SIZE 128) built before timing. Where flash_attn_func's
-own options compute the same (causal, sliding window, ALiBi, softcap), flashtile's built-in kernels run it too
-(``flashtile_builtin``): the cost of writing the mask or score modification as a mod. Passes: ``fwd`` and
+Each implementation gets its own library's block mask (BLOCK_SIZE 128) built before timing. flashtile runs as
+``flashtile`` (``flex_attention`` as called, BACKEND "AUTO": mods it recognises as one of its built-in options run
+the built-in kernels) and as ``flashtile_generated`` (BACKEND "TRITON": the kernel generated from the mods, on every
+row; in the ``--dry-run`` on the CPU, BACKEND "TORCH", the route AUTO takes there for mods it does not recognise).
+Where flash_attn_func's own options compute the same (causal, sliding window, ALiBi, softcap), flashtile's built-in
+kernels run it called directly too (``flashtile_builtin``): ``flashtile`` against it is the cost of writing the mask
+or score modification as a mod, ``flashtile_generated`` against it that of the generated kernel. Passes: ``fwd`` and
 ``fwd+bwd`` (the backward's dout is all ones). Timing: ``triton.testing.do_bench`` median (CUDA events);
 ``--dry-run`` times with the host clock on the CPU (float32, B=1, H=2, N=64, D=16, BLOCK_SIZE 16, window 16),
 where torch's FlexAttention runs eagerly and has no backward (its fwd+bwd rows record that as the error).
@@ -22,7 +26,8 @@ FLOPs count only the visible (query, key) pairs: 4 * B * H * D * pairs forward, 
 (``extra["max_abs_diff"]``; flagged above 0.02).
 
 Writes ``flex.jsonl`` (the records of ``flashtile.bench.results``, benchmark ``flex``, rewritten after every row)
-and prints a markdown table of TFLOP/s with flashtile's ratio to FlexAttention and to the built-in options.
+and prints two markdown tables of TFLOP/s with ratios to FlexAttention and to the built-in options: of ``flashtile``,
+then of ``flashtile_generated``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ SOFTCAP = 30.0
 
 
 BUILTIN_NAME = "flashtile_builtin"
+GENERATED_NAME = "flashtile_generated"
+GENERATED_BACKEND = {"cuda": "TRITON", "cpu": "TORCH"}  # flex_attention without the built-in kernels, per device
 BUILTIN = {  # flash_attn_func's options (with causal=True) that compute the row's mods
     "causal": lambda heads, window, device: {},
     "sliding_window": lambda heads, window, device: {"window_size": (window, 0)},
@@ -94,7 +101,8 @@ def _pairs(mask_mod: Callable, n: int, device: torch.device) -> int:
 def _implementations(
     name: str, score_mod, mask_mod, n: int, heads: int, window: int, block: int, device: torch.device
 ) -> dict[str, Callable]:
-    """Per implementation, a function (q, k, v) -> out with its block mask built already; for the rows that
+    """Per implementation, a function (q, k, v) -> out with its block mask built already: flashtile's flex_attention
+    as called and with the generated kernel forced (``GENERATED_NAME``), FlexAttention, and for the rows that
     flash_attn_func's own options express, also that (``BUILTIN_NAME``)."""
     from torch.nn.attention import flex_attention as flex
 
@@ -113,7 +121,12 @@ def _implementations(
         def theirs_fn(q, k, v):
             return compiled(q, k, v, score_mod, theirs)
 
-    impls = {"flashtile": lambda q, k, v: flashtile.flex_attention(q, k, v, score_mod, ours), "flex": theirs_fn}
+    generated = {"BACKEND": GENERATED_BACKEND[device.type]}
+    impls = {
+        "flashtile": lambda q, k, v: flashtile.flex_attention(q, k, v, score_mod, ours),
+        GENERATED_NAME: lambda q, k, v: flashtile.flex_attention(q, k, v, score_mod, ours, kernel_options=generated),
+        "flex": theirs_fn,
+    }
     if name in BUILTIN:
         options = BUILTIN[name](heads, window, device)
         impls[BUILTIN_NAME] = lambda q, k, v: flashtile.flash_attn_func(
@@ -195,10 +208,16 @@ def main(argv: list[str] | None = None) -> None:
                 results.write(args.out / "flex.jsonl", records)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    header, body = results.table(
-        records, ["mod", "D", "pass"], value="tflops", ratios_against=["flex", BUILTIN_NAME], digits=1
-    )
-    print("\n" + results.markdown(header, body))
+    ours = [r for r in records if r["implementation"] != GENERATED_NAME]
+    # the generated kernel's table: its records in flashtile's column, which the ratios read
+    generated = [{**r, "implementation": results.OURS} if r["implementation"] == GENERATED_NAME else r
+                 for r in records if r["implementation"] != results.OURS]  # fmt: skip
+    without = f"without the built-in kernels (BACKEND {GENERATED_BACKEND[device.type]})"
+    for title, rows in (("flex_attention (AUTO)", ours), (without, generated)):
+        header, body = results.table(
+            rows, ["mod", "D", "pass"], value="tflops", ratios_against=["flex", BUILTIN_NAME], digits=1
+        )
+        print(f"\nflashtile: {title}\n" + results.markdown(header, body))
 
 
 if __name__ == "__main__":

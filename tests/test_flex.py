@@ -52,6 +52,10 @@ def _mods(name: str, p: dict[str, torch.Tensor]):
         return None, causal
     if name == "sliding_window":
         return None, lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 20)
+    if name == "sliding_window_lt":  # the other bound's form, as and_masks builds it
+        return None, flashtile.and_masks(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 20, causal)
+    if name == "plain":
+        return None, None
     if name == "document":
         return None, lambda b, h, q_idx, kv_idx: p["doc"][q_idx] == p["doc"][kv_idx]
     if name == "prefix_lm":
@@ -60,6 +64,10 @@ def _mods(name: str, p: dict[str, torch.Tensor]):
         return (lambda s, b, h, q_idx, kv_idx: s + p["slopes"][h] * (kv_idx - q_idx)), causal
     if name == "softcap":
         return (lambda s, b, h, q_idx, kv_idx: 2.0 * torch.tanh(s / 2.0)), None
+    if name == "softcap_window":
+        return (lambda s, b, h, q_idx, kv_idx: torch.tanh(s / 2) * 2), _mods("sliding_window", p)[1]
+    if name == "softcap_alibi":  # flash_attn's order: the capped score, then the ALiBi term
+        return (lambda s, b, h, q_idx, kv_idx: 2.0 * torch.tanh(s / 2.0) - p["slopes"][h] * (q_idx - kv_idx)), causal
     if name == "bias":
         return (
             lambda s, b, h, q_idx, kv_idx: (
@@ -151,11 +159,13 @@ def _oracle(name, inputs, params, mask, scale, dtype, dout):
 
 
 def run_case(
-    name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True, scale=None
+    name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True, scale=None,
+    learned=None,
 ):  # fmt: skip
     """flashtile's output, LSE and gradients (of captured tensors too) for case ``name`` against the oracle's, by
-    the tolerance rule; ``scale`` defaults to flex_attention's, 1 / sqrt(D)."""
-    params = _params(H, L, S, grads)
+    the tolerance rule; ``scale`` defaults to flex_attention's, 1 / sqrt(D); ``learned``: whether the captured float
+    tensors require grad (default: ``grads``)."""
+    params = _params(H, L, S, grads if learned is None else learned)
     score_mod, mask_mod = _mods(name, params)
     q = torch.randn(B, H, L, D, device=DEVICE, dtype=dtype, requires_grad=grads)
     k = torch.randn(B, H_kv, S, D, device=DEVICE, dtype=dtype, requires_grad=grads)
@@ -342,11 +352,13 @@ def test_kernel_gqa_lengths_bf16():
     run_case("sliding_window", "TRITON", dtype=torch.bfloat16, B=1, H=4, H_kv=2, L=33, S=50, D=32, block=32)
 
 
-def test_kernel_without_mods_and_key_batch_shared():
-    """No score_mod, no block mask (every block full), and a key/value batch of 1 shared by two query entries."""
+@pytest.mark.parametrize("backend", ["TRITON", "AUTO"])
+def test_kernel_without_mods_and_key_batch_shared(backend):
+    """No score_mod, no block mask (every block full), and a key/value batch of 1 shared by two query entries: the
+    generated kernel, and the built-in attention AUTO runs for it."""
     q = torch.randn(2, 2, 40, 32, device=DEVICE, requires_grad=True)
     k, v = (torch.randn(1, 2, 40, 32, device=DEVICE, requires_grad=True) for _ in range(2))
-    out = flashtile.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
+    out = flashtile.flex_attention(q, k, v, kernel_options={"BACKEND": backend})
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
     expected_grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(out))
@@ -421,6 +433,180 @@ def test_kernel_falls_back_or_explains():
         flashtile.flex_attention(q, k, v, cases[2][0], kernel_options={"BACKEND": "TRITON"})
 
 
+# ------------------------------------------------------------------------- recognised mods on the built-in kernels
+
+BUILTIN = {  # case: the options flex_attention's AUTO passes to the built-in attention
+    "plain": dict(window_left=None, window_right=None, softcap=0.0),
+    "causal": dict(window_left=None, window_right=0, softcap=0.0),
+    "sliding_window": dict(window_left=20, window_right=0, softcap=0.0),
+    "sliding_window_lt": dict(window_left=19, window_right=0, softcap=0.0),
+    "alibi": dict(window_left=None, window_right=0, softcap=0.0),
+    "softcap": dict(window_left=None, window_right=None, softcap=2.0),
+    "softcap_window": dict(window_left=20, window_right=0, softcap=2.0),
+    "softcap_alibi": dict(window_left=None, window_right=0, softcap=2.0),
+}
+
+
+@pytest.fixture
+def builtin_calls(monkeypatch):
+    """The options of every call flex_attention makes to the built-in attention (``interface.attention``)."""
+    from flashtile import interface
+
+    calls, attention = [], interface.attention
+
+    def spy(q, k, v, **options):
+        calls.append(options)
+        return attention(q, k, v, **options)
+
+    monkeypatch.setattr(interface, "attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", list(BUILTIN))
+def test_recognised_mods_run_the_builtin_kernels(name, path, builtin_calls):
+    """Each recognised pattern runs the built-in attention with its options (the spy), within the tolerance rule of
+    the oracle (output, LSE, dq, dk, dv), and gives what the generated kernel (the PyTorch route on the CPU path)
+    gives for the same inputs."""
+    case = dict(B=1, L=40, S=40, D=16, block=16, learned=False)
+    seed = torch.initial_seed()
+    out, lse = run_case(name, "AUTO", **case)
+    assert len(builtin_calls) == 1
+    options = builtin_calls[0]
+    assert {n: options[n] for n in BUILTIN[name]} == BUILTIN[name]
+    assert (options["alibi_slopes"] is not None) == ("alibi" in name)
+    torch.manual_seed(seed)
+    generated = run_case(name, "TRITON" if path == "triton" else "TORCH", **case)
+    assert len(builtin_calls) == 1
+    for x, y in zip((out, lse), generated, strict=True):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_recognised_mods_gqa_and_lengths(dtype, builtin_calls):
+    """GQA (4 query heads on 2 kv heads), a head dim and lengths that are not multiples of the tiles, low precision:
+    causal ALiBi, against the oracle."""
+    run_case("alibi", "AUTO", dtype=dtype, B=2, H=4, H_kv=2, L=37, S=37, D=24, block=16, learned=False)
+    assert len(builtin_calls) == 1 and builtin_calls[0]["alibi_slopes"].shape == (4,)
+
+
+def _window(width: int):
+    return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= width)
+
+
+def _near_misses():
+    """(name, score_mod, block_mask or a function of the lengths giving one, lengths (L, S)): calls one step away from
+    a recognised pattern, each of which must stay on the generated kernel."""
+    slopes = torch.rand(2, device=DEVICE)
+    learned = slopes.clone().requires_grad_()
+
+    def alibi(t):
+        return lambda s, b, h, q_idx, kv_idx: s + t[h] * (kv_idx - q_idx)
+
+    def mask(mask_mod, L=48, S=48):
+        return flashtile.create_block_mask(mask_mod, None, None, L, S, device=DEVICE, BLOCK_SIZE=16)
+
+    def lists_of(lists_mod, mask_mod):  # the block lists of one mod, labelled with another
+        built = mask(lists_mod)
+        built.mask_mod = mask_mod
+        return built
+
+    width = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= torch.tensor(16))  # noqa: E731
+    return [
+        ("strict causal", None, mask(lambda b, h, q_idx, kv_idx: q_idx > kv_idx), (48, 48)),
+        ("or", None, mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (q_idx - kv_idx <= 16)), (48, 48)),
+        ("window off by one", None, lists_of(_window(16), _window(17)), (48, 48)),
+        ("lists of another mod", None, lists_of(causal, _window(16)), (48, 48)),
+        ("window bound a tensor", None, mask(width), (48, 48)),
+        ("causal, Sq != Sk", None, mask(causal, 40, 48), (40, 48)),
+        ("slopes require grad", alibi(learned), mask(causal), (48, 48)),
+        ("ALiBi without a mask", alibi(slopes), None, (48, 48)),
+        ("ALiBi float64 slopes", alibi(slopes.double()), mask(causal), (48, 48)),
+        ("ALiBi read at b", lambda s, b, h, q_idx, kv_idx: s + slopes[b] * (kv_idx - q_idx), mask(causal), (48, 48)),
+        ("softcap caps differ", lambda s, b, h, q_idx, kv_idx: 2.0 * torch.tanh(s / 3.0), None, (48, 48)),
+        ("softcap of a biased score", lambda s, b, h, q_idx, kv_idx: 2.0 * torch.tanh((s + 1) / 2.0), None, (48, 48)),
+    ]
+
+
+NEAR_MISSES = _near_misses()
+
+
+@pytest.mark.parametrize("case", NEAR_MISSES, ids=[case[0] for case in NEAR_MISSES])
+def test_near_misses_stay_on_the_generated_kernel(case, monkeypatch, builtin_calls):
+    """Mods, block masks and lengths one step from a recognised pattern never reach the built-in attention (on the
+    CPU path they take the PyTorch route, and give what BACKEND='TORCH' gives)."""
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
+    _, score_mod, block_mask, (L, S) = case
+    q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE) for n in (L, S, S))
+    with torch.no_grad():
+        out = flashtile.flex_attention(q, k, v, score_mod, block_mask)
+        expected = flashtile.flex_attention(q, k, v, score_mod, block_mask, kernel_options={"BACKEND": "TORCH"})
+    assert builtin_calls == []
+    torch.testing.assert_close(out, expected)
+
+
+def test_recognised_mask_forms():
+    """The mask_mod forms read as an interval lo <= q_idx - kv_idx <= hi, and those that are not."""
+    from flashtile.flex import codegen, patterns
+
+    forms = [
+        (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, (0, math.inf)),
+        (lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, (0, math.inf)),
+        (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= 5) & (q_idx >= kv_idx), (0, 5)),
+        (lambda b, h, q_idx, kv_idx: torch.logical_and(kv_idx <= q_idx, 5 > q_idx - kv_idx), (0, 4)),
+        (lambda b, h, q_idx, kv_idx: kv_idx - q_idx >= -5, (-math.inf, 5)),
+        (lambda b, h, q_idx, kv_idx: q_idx + 3 >= kv_idx, (-3, math.inf)),
+        (flashtile.noop_mask, (-math.inf, math.inf)),
+        (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx + h, None),
+        (lambda b, h, q_idx, kv_idx: 2 * q_idx >= kv_idx, None),
+        (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 2.5), None),
+        (lambda b, h, q_idx, kv_idx: q_idx != kv_idx, None),
+    ]
+    for mask_mod, expected in forms:
+        assert patterns.mask_interval(codegen.trace(mask_mod, ("b", "h", "q_idx", "kv_idx"), DEVICE)) == expected
+
+
+def test_block_masks_that_compute_the_pattern_are_routed(builtin_calls, monkeypatch):
+    """A block mask routes when its lists compute what its mask_mod says, whoever built it: torch's
+    create_block_mask, lists with every computed block partial, another BLOCK_SIZE; and again after its lists
+    change in place only if they still do."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
+    q, k, v = (torch.randn(1, 2, 50, 16, device=DEVICE) for _ in range(3))
+    built = flashtile.create_block_mask(causal, None, None, 50, 50, device=DEVICE, BLOCK_SIZE=16)
+    partial_only = BlockMask.from_kv_blocks(*_ordered(built.to_dense() > 0), BLOCK_SIZE=16, mask_mod=causal,
+                                            seq_lengths=(50, 50))  # fmt: skip
+    masks = [built, partial_only, flex.create_block_mask(causal, None, None, 50, 50, device=DEVICE, BLOCK_SIZE=32)]
+    with torch.no_grad():
+        expected = flashtile.flex_attention(q, k, v, block_mask=built, kernel_options={"BACKEND": "TORCH"})
+        for block_mask in masks:
+            torch.testing.assert_close(flashtile.flex_attention(q, k, v, block_mask=block_mask), expected)
+        assert len(builtin_calls) == len(masks)
+        built.full_kv_num_blocks[..., 1] = 0  # the second row's full block skipped: no longer causal
+        flashtile.flex_attention(q, k, v, block_mask=built)
+    assert len(builtin_calls) == len(masks)
+
+
+@pytest.mark.parametrize("backend", ["TRITON", "AUTO"])
+def test_forcing_the_generated_kernel(backend, builtin_calls):
+    """BACKEND 'TRITON' keeps the generated kernel for a recognised pattern; 'AUTO' routes it."""
+    q, k, v = (torch.randn(1, 2, 32, 16, device=DEVICE) for _ in range(3))
+    block_mask = flashtile.create_block_mask(causal, None, None, 32, 32, device=DEVICE, BLOCK_SIZE=16)
+    flashtile.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": backend})
+    assert len(builtin_calls) == (backend == "AUTO")
+
+
+@pytest.mark.parametrize("L, S", [(0, 5), (5, 0)])
+def test_builtin_kernels_on_empty_inputs(L, S, builtin_calls):
+    """No queries or no keys, without mods: the built-in attention's result, every row seeing no key (out 0, lse
+    -inf)."""
+    q = torch.randn(1, 2, L, 16, device=DEVICE)
+    k, v = (torch.randn(1, 2, S, 16, device=DEVICE) for _ in range(2))
+    out, lse = flashtile.flex_attention(q, k, v, return_lse=True)
+    assert len(builtin_calls) == 1
+    assert out.shape == (1, 2, L, 16) and lse.shape == (1, 2, L)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap", "bias", "relative_bias"])
@@ -436,6 +622,14 @@ def test_gpu_kernel_long(name, D):
 def test_gpu_kernel_even_lengths(name, L, S):
     """Compiled kernels at lengths that are multiples of the block size (no bounds checks in their loops)."""
     run_case(name, "TRITON", dtype=torch.bfloat16, B=1, H=4, H_kv=2, L=L, S=S, D=128, block=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "alibi", "softcap_alibi"])
+def test_gpu_recognised_mods_long(name, builtin_calls):
+    """Recognised mods on the compiled built-in kernels: GQA, bf16, lengths past one block, the default block size."""
+    run_case(name, "AUTO", dtype=torch.bfloat16, B=2, H=4, H_kv=2, L=1000, S=1000, D=128, block=128, learned=False)
+    assert len(builtin_calls) == 1
 
 
 @pytest.mark.gpu
@@ -459,16 +653,17 @@ def test_gpu_matches_compiled_flex_attention():
 
 def test_benchmark_dry_run(tmp_path, monkeypatch):
     """benchmarks/bench_flex.py --dry-run on the CPU path (the interpreter switched off, as the ``path`` fixture
-    does): records in the one schema, flashtile (the mod and the built-in option) measured and matching
-    FlexAttention, FlexAttention's missing CPU backward recorded."""
+    does): records in the one schema, flashtile (the mod as called, routed to the built-in kernels; the mod on the
+    route it takes without them; the built-in option) measured and matching FlexAttention, FlexAttention's missing
+    CPU backward recorded."""
     import bench_flex  # benchmarks/ is on the path (conftest)
 
     monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
     bench_flex.main(["--dry-run", "--out", str(tmp_path), "--commit", "test", "--mods", "alibi"])
     records = results.load(tmp_path / "flex.jsonl")
-    assert len(records) == 3 * 2 and all(list(r) == list(results.FIELDS) for r in records)
-    ours = [r for r in records if r["implementation"] in ("flashtile", "flashtile_builtin")]
-    assert len(ours) == 2 * 2
+    assert len(records) == 4 * 2 and all(list(r) == list(results.FIELDS) for r in records)
+    ours = [r for r in records if r["implementation"] in ("flashtile", "flashtile_generated", "flashtile_builtin")]
+    assert len(ours) == 3 * 2
     assert all(r["time_ms"] > 0 and r["tflops"] > 0 and not r["extra"]["flagged"] for r in ours), ours
     assert {r["error"] for r in records if r["implementation"] == "flex" and r["pass"] == "fwd+bwd"} == {
         "FlexAttention has no backward on the CPU"

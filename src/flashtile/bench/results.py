@@ -65,6 +65,7 @@ LABELS = {
     "sdpa": "SDPA",
     "flex": "FlexAttention",
     "flashtile_builtin": "flashtile built-in",
+    "flashtile_generated": "flashtile generated",
     "fa4": "FA4",
 }
 """How tables and plots name each implementation."""

@@ -1,5 +1,6 @@
 """flashtile.flex_attention: FlexAttention's function (``torch.nn.attention.flex_attention.flex_attention``), its
-checks, and the choice between the Triton kernel and the PyTorch route."""
+checks, and the choice between flashtile's built-in attention (for mods that are one of its options, ``patterns``),
+the Triton kernel generated from the mods and the PyTorch route."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 
 import torch
 
-from flashtile import _backend
+from flashtile import _backend, interface
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
+from flashtile.flex import patterns
 from flashtile.flex.block_mask import BlockMask, as_block_mask, check_lists, full_block_mask, require_mod
 from flashtile.flex.mods import ScoreMod
 from flashtile.flex.torch_route import flex_attention_torch
@@ -129,12 +131,15 @@ def flex_attention(
     positions where it is False; in its full blocks every position attends. Default None: nothing masked.
     scale: multiplies q k^T before score_mod; default 1 / sqrt(E).
     return_lse: also return the log-sum-exp of each row's scores (natural log).
-    kernel_options: dict; its "BACKEND" key picks the implementation: "AUTO" (default: the Triton kernel on CUDA
-    where it can take the mods, see docs/flex.md, else the PyTorch route), "TRITON" (the kernel, or InputError
-    saying why it cannot run), "TORCH" (flashtile's tiled PyTorch route). Other keys are ignored.
+    kernel_options: dict; its "BACKEND" key picks the implementation: "AUTO" (default: where the mods and block
+    mask are one of flashtile's built-in options (causal, causal sliding window, softcap, ALiBi; docs/flex.md),
+    flashtile's built-in attention, the kernels of ``flash_attn_func``, on CUDA and CPU alike; else the Triton
+    kernel generated from the mods on CUDA where it can take them, else the PyTorch route), "TRITON" (the generated
+    kernel, never the built-in one, or InputError saying why it cannot run), "TORCH" (flashtile's tiled PyTorch
+    route). Other keys are ignored.
 
-    Returns out (B, Hq, L, Ev) in query's dtype, and with return_lse also lse (B, Hq, L) float32. A row that
-    attends to no key gets out 0 and lse -inf.
+    Returns out (B, Hq, L, Ev) in query's dtype (from the built-in attention, a transposed view of a (B, L, Hq, Ev)
+    tensor), and with return_lse also lse (B, Hq, L) float32. A row that attends to no key gets out 0 and lse -inf.
 
     Raises:
         flashtile.InputTypeError (a TypeError): a non-tensor input, a dtype other than float16, bfloat16 or float32
@@ -166,6 +171,10 @@ def _run(query, key, value, score_mod, mask, scale, backend) -> tuple[torch.Tens
     """(out, lse) from the implementation ``backend`` asks for (``flex_attention``'s docstring). Inside a
     torch.compile'd function this runs eagerly (a graph break): the mods are traced and the kernels launched here,
     which dynamo cannot follow."""
+    if backend == "AUTO":
+        options = patterns.builtin_options(query, key, value, score_mod, mask, scale)
+        if options is not None:
+            return _builtin(query, key, value, scale, options)
     if backend == "TORCH" or (backend == "AUTO" and _backend.path_name(query.device) == "cpu"):
         return flex_attention_torch(query, key, value, score_mod, mask, scale)
     if _backend.path_name(query.device) == "cpu":
@@ -181,3 +190,14 @@ def _run(query, key, value, score_mod, mask, scale, backend) -> tuple[torch.Tens
     if backend == "TRITON":
         raise InputError(f"flex_attention: the Triton kernel cannot run this call: {reason}.")
     return flex_attention_torch(query, key, value, score_mod, mask, scale)
+
+
+def _builtin(query, key, value, scale: float, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) by flashtile's built-in attention (``interface.attention``, the path of ``flash_attn_func``: its
+    autograd, GQA, CPU path and kernel choice) with the options ``patterns.builtin_options`` found, on the inputs
+    transposed to its (B, L, H, E) layout; out is transposed back (a view)."""
+    out, lse = interface.attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
+        deterministic=torch.are_deterministic_algorithms_enabled(), **options,
+    )  # fmt: skip
+    return out.transpose(1, 2), lse

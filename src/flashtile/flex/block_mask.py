@@ -277,17 +277,28 @@ def create_block_mask(
     return block_mask
 
 
-_VALID_LISTS: dict[int, tuple[tuple[int, int], ...]] = {}
-"""By the id of a block mask's ``kv_indices`` (an entry leaves with the tensor), the ids and versions of all the
-mask's list tensors when they were found valid (``check_lists``): another tensor or an in-place change makes the
-entry stale."""
+def remember(store: dict, mask: BlockMask, value: object) -> None:
+    """Keep ``value`` in ``store`` for ``mask``'s lists as they are now: by the id of its ``kv_indices`` (the entry
+    leaves with the tensor), with the ids and versions of all its list tensors, so that ``recall`` finds it until a
+    list is replaced or changed in place."""
+    key = id(mask.kv_indices)
+    if key not in store:
+        weakref.finalize(mask.kv_indices, store.pop, key, None)
+    store[key] = _versions(mask), value
+
+
+def recall(store: dict, mask: BlockMask) -> object:
+    """What ``remember`` kept in ``store`` for ``mask``'s lists as they are now, or None."""
+    versions, value = store.get(id(mask.kv_indices), (None, None))
+    return value if versions == _versions(mask) else None
+
+
+_VALID_LISTS: dict[int, tuple] = {}
+"""The masks whose lists were found valid (``check_lists``; ``remember``)."""
 
 
 def _known_valid(mask: BlockMask) -> None:
-    key = id(mask.kv_indices)
-    if key not in _VALID_LISTS:
-        weakref.finalize(mask.kv_indices, _VALID_LISTS.pop, key, None)
-    _VALID_LISTS[key] = _versions(mask)
+    remember(_VALID_LISTS, mask, True)
 
 
 def _lists(mask: BlockMask) -> list[tuple[str, torch.Tensor, torch.Tensor, int, int]]:
@@ -319,8 +330,7 @@ def check_lists(mask: BlockMask) -> None:
                 f"need {rows} rows of blocks for seq_lengths {mask.seq_lengths} and BLOCK_SIZE {mask.BLOCK_SIZE}: "
                 "build the mask for these lengths (flashtile.create_block_mask)."
             )
-    versions = _versions(mask)
-    if _VALID_LISTS.get(id(mask.kv_indices)) == versions or not _backend.values_checked(mask.kv_indices.device):
+    if recall(_VALID_LISTS, mask) or not _backend.values_checked(mask.kv_indices.device):
         return
     bad = []
     for _, num_blocks, indices, _, cols in lists:

@@ -18,10 +18,14 @@ the gradient at every read ``t[i, j]`` (``score_grad_function``), which is added
 at the same indices (``_accumulate``); such a tensor must only be read at indices (one used whole, a 0-d one
 included, is outside the subset). Anything else raises ``Unsupported`` (the caller then runs the PyTorch route), as
 does a mod that reads an index's value in Python (``if q_idx > 5``, ``int(h)``), which a trace cannot follow.
+``key`` says what a trace of a mod depends on: translations and recognised patterns are kept by it.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import types
 from collections.abc import Callable
 
 import torch
@@ -80,6 +84,65 @@ def trace(
         raise
     except Exception as error:  # a mod that cannot run on 0-d CPU tensors
         raise Unsupported(f"tracing the mod failed ({type(error).__name__}: {error})") from error
+
+
+class _Same:
+    """An object compared by identity (a tensor's ``==`` compares values), kept alive by the key holding it so that
+    its id is not reused while the key exists."""
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _referred(fn) -> list:
+    """What ``fn`` reads besides its arguments: its closure cells and the globals it names; for a bound method or a
+    callable object also the object's attributes (and the values of dict attributes: a module's parameters and
+    buffers); for a functools.partial its function and bound arguments."""
+    if isinstance(fn, functools.partial):
+        return [fn.func, *fn.args, *fn.keywords.values()]
+    owner = getattr(fn, "__self__", None) if inspect.ismethod(fn) else None
+    func = getattr(fn, "__func__", fn)
+    if not isinstance(func, types.FunctionType) and callable(fn):  # a callable object
+        owner, func = fn, getattr(type(fn).__call__, "__func__", type(fn).__call__)
+    values = []
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        for cell in func.__closure__ or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        values += [func.__globals__[n] for n in code.co_names if n in func.__globals__]
+    if owner is not None and hasattr(owner, "__dict__"):
+        attrs = list(vars(owner).values())
+        values += attrs + [v for d in attrs if isinstance(d, dict) for v in d.values()]
+    return values
+
+
+def key(value, depth: int = 0) -> object:
+    """What a translation depends on in ``value``: a tensor by identity (with its requires_grad), a Python scalar by
+    value (a trace writes it into the graph as a constant), containers and functions by what they hold and read
+    (``_referred``; callable objects only as the mod itself, at depth 0), anything else by identity."""
+    if isinstance(value, torch.Tensor):
+        return _Same(value), value.requires_grad
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(value), value
+    if depth > 4:
+        return _Same(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(key(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return tuple((str(k), key(v, depth + 1)) for k, v in value.items())
+    function = isinstance(value, (types.FunctionType, types.MethodType, functools.partial))
+    if function or (depth == 0 and callable(value) and not isinstance(value, type)):
+        return _Same(value), *(key(v, depth + 1) for v in _referred(value))
+    return _Same(value)
 
 
 def score_grad_function(score_mod: Callable, leaves: list) -> Callable:
@@ -373,7 +436,7 @@ def _depends_on(node: torch.fx.Node, values: dict[str, str]) -> set[str]:
     return found
 
 
-_NO_OPS = (aten.detach, aten.alias, aten.clone, aten.lift_fresh_copy, aten.lift_fresh)
+NO_OPS = (aten.detach, aten.alias, aten.clone, aten.lift_fresh_copy, aten.lift_fresh)
 
 
 def returns_score(gm: torch.fx.GraphModule) -> bool:
@@ -382,7 +445,7 @@ def returns_score(gm: torch.fx.GraphModule) -> bool:
     nodes = list(gm.graph.nodes)
     (out,) = nodes[-1].args
     node = out[0] if isinstance(out, (tuple, list)) else out
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and _overload_packet(node.target) in _NO_OPS:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and _overload_packet(node.target) in NO_OPS:
         node = node.args[0]
     return node is nodes[0] and node.op == "placeholder"
 

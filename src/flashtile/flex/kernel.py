@@ -3,18 +3,16 @@
 ``kernels_for(score_mod, mask_mod, device)`` translates the mods (``codegen``, traced on ``device``), fills the
 template (``template.py``) with them, writes the source to a cache file named by its hash (``@triton.jit`` reads a
 function's source from its file) and imports it; modules are kept per source, and translations per mod (keyed by
-what the mod reads, ``_key``: a global, closure variable or attribute rebound to another tensor or number is traced
-again).
+what the mod reads, ``codegen.key``: a global, closure variable or attribute rebound to another tensor or number is
+traced again).
 ``unsupported`` says why a call cannot run here (the caller then takes the PyTorch route).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import importlib.util
-import inspect
 import sys
 import tempfile
 import types
@@ -41,65 +39,6 @@ MAX_TRANSLATIONS = 256
 
 def _identity(score, b, h, q_idx, kv_idx):
     return score
-
-
-class _Same:
-    """An object compared by identity (a tensor's ``==`` compares values), kept alive by the key holding it so that
-    its id is not reused while the key exists."""
-
-    def __init__(self, obj) -> None:
-        self.obj = obj
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-
-def _referred(fn) -> list:
-    """What ``fn`` reads besides its arguments: its closure cells and the globals it names; for a bound method or a
-    callable object also the object's attributes (and the values of dict attributes: a module's parameters and
-    buffers); for a functools.partial its function and bound arguments."""
-    if isinstance(fn, functools.partial):
-        return [fn.func, *fn.args, *fn.keywords.values()]
-    owner = getattr(fn, "__self__", None) if inspect.ismethod(fn) else None
-    func = getattr(fn, "__func__", fn)
-    if not isinstance(func, types.FunctionType) and callable(fn):  # a callable object
-        owner, func = fn, getattr(type(fn).__call__, "__func__", type(fn).__call__)
-    values = []
-    code = getattr(func, "__code__", None)
-    if code is not None:
-        for cell in func.__closure__ or ():
-            try:
-                values.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        values += [func.__globals__[n] for n in code.co_names if n in func.__globals__]
-    if owner is not None and hasattr(owner, "__dict__"):
-        attrs = list(vars(owner).values())
-        values += attrs + [v for d in attrs if isinstance(d, dict) for v in d.values()]
-    return values
-
-
-def _key(value, depth: int = 0) -> object:
-    """What a translation depends on in ``value``: a tensor by identity (with its requires_grad), a Python scalar by
-    value (a trace writes it into the graph as a constant), containers and functions by what they hold and read
-    (``_referred``; callable objects only as the mod itself, at depth 0), anything else by identity."""
-    if isinstance(value, torch.Tensor):
-        return _Same(value), value.requires_grad
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return type(value), value
-    if depth > 4:
-        return _Same(value)
-    if isinstance(value, (tuple, list)):
-        return tuple(_key(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return tuple((str(k), _key(v, depth + 1)) for k, v in value.items())
-    function = isinstance(value, (types.FunctionType, types.MethodType, functools.partial))
-    if function or (depth == 0 and callable(value) and not isinstance(value, type)):
-        return _Same(value), *(_key(v, depth + 1) for v in _referred(value))
-    return _Same(value)
 
 
 def _cache_dir() -> Path:
@@ -132,11 +71,7 @@ def kernels_for(
 ) -> tuple[types.ModuleType, codegen.Captured]:
     """(kernel module, captured tensors) for these mods; ``codegen.Unsupported`` if they fall outside the subset."""
     score_mod, mask_mod = score_mod or _identity, mask_mod or noop_mask
-    key = (
-        _key(score_mod),
-        _key(mask_mod),
-        device,
-    )  # a mod whose tensors, numbers or functions were rebound: traced again
+    key = (codegen.key(score_mod), codegen.key(mask_mod), device)  # rebound tensors, numbers, functions: traced again
     found = _TRANSLATIONS.get(key)
     if isinstance(found, str):
         raise codegen.Unsupported(found)

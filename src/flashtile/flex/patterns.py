@@ -1,0 +1,264 @@
+"""The built-in attention options a flex_attention call's mods amount to, recognised in their traced graphs
+(``codegen.trace``), so that BACKEND "AUTO" runs flashtile's own kernels, the path of ``flash_attn_func``, for them.
+
+Recognition reads the graph's structure; it never calls a mod on sample values. With d = q_idx - kv_idx:
+
+- mask_mod: comparisons of d with an integer constant, in any of the forms ``q_idx >= kv_idx``, ``kv_idx <= q_idx``,
+  ``q_idx - kv_idx <= W``, ``q_idx - kv_idx < W``, ``W >= q_idx - kv_idx``, ``kv_idx - q_idx >= -W``,
+  ``q_idx > kv_idx - 3`` (any ``lt``, ``le``, ``gt``, ``ge`` or ``eq`` between sums and differences of q_idx,
+  kv_idx and integer constants that comes down to d against a constant), combined with ``&`` (``bitwise_and``,
+  ``logical_and``, ``and_masks``), ``noop_mask``: the set of positions lo <= d <= hi. It runs on the built-in
+  kernels when the interval holds the diagonal (lo <= 0 <= hi): causal is [0, inf), a causal sliding window
+  ``(q_idx >= kv_idx) & (q_idx - kv_idx <= W)`` is [0, W] (window_size (W, 0); ``< W`` is [0, W - 1]),
+  ``noop_mask`` (-inf, inf). FlexAttention's indices are aligned to the top left and flash_attn's window to the
+  bottom right: they coincide when seqlen_q == seqlen_k, the only case routed for an interval other than
+  (-inf, inf).
+- score_mod: the identity; ``cap * torch.tanh(score / cap)`` (either factor order, cap a positive number) ->
+  softcap=cap; ``score + slopes[h] * (kv_idx - q_idx)`` or ``score - slopes[h] * (q_idx - kv_idx)`` (either
+  operand order of ``+`` and ``*``; slopes a captured float32 (Hq,) tensor on the inputs' device that does not
+  require grad) -> alibi_slopes=slopes, and the same with ``+ slopes[h] * (q_idx - kv_idx)`` -> -slopes;
+  the softcapped score plus the ALiBi term (flash_attn's order). flash_attn's ALiBi adds
+  -slope * |i - j|, which equals the mod's -slope * d only where d >= 0: ALiBi is routed with a mask whose
+  interval starts at 0 (causal or causal window).
+- the block mask: its lists must say what its mask_mod says (``_agrees``): a skipped block holds no position the
+  interval attends, a full block only such positions (create_block_mask's masks for the mod, torch's too, and
+  None, every block full, with no mask_mod).
+
+Anything else (another operation, a captured constant, a float bound, ``|``, a slope tensor that requires grad,
+head dims the built-in kernels do not take) runs the generated kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from flashtile.checks import MAX_HEAD_DIM
+from flashtile.flex import codegen
+from flashtile.flex.block_mask import FULL, BlockMask, block_kinds, recall, remember
+from flashtile.flex.mods import MaskMod, ScoreMod, noop_mask
+
+aten = torch.ops.aten
+INF = math.inf
+_RECOGNISED: dict[tuple, tuple] = {}
+_AGREEING: dict[int, tuple] = {}
+MAX_RECOGNISED = 256
+_CONSTANT_LIMIT = 2**30
+"""Integer constants of a mask_mod are taken up to this size (int32 index arithmetic cannot overflow)."""
+
+_FLIPPED = {aten.ge: aten.le, aten.le: aten.ge, aten.gt: aten.lt, aten.lt: aten.gt, aten.eq: aten.eq}
+_AND = (aten.bitwise_and, aten.logical_and)
+
+
+def builtin_options(query, key, value, score_mod: ScoreMod | None, block_mask: BlockMask, scale: float) -> dict | None:
+    """The options of ``interface.attention`` (window_left, window_right, softcap, alibi_slopes) that compute this
+    flex_attention call, or None where it is not one of the recognised patterns (module docstring)."""
+    head_dim, head_dim_v = query.shape[-1], value.shape[-1]
+    if not (math.isfinite(scale) and 0 < min(head_dim, head_dim_v) and max(head_dim, head_dim_v) <= MAX_HEAD_DIM):
+        return None
+    if head_dim != head_dim_v and (head_dim % 8 or head_dim_v % 8):  # built-in: multiples of 8, or one padded dim
+        return None
+    found = _recognised(score_mod, block_mask.mask_mod, query.device)
+    if found is None:
+        return None
+    (lo, hi), (softcap, alibi) = found
+    if not lo <= 0 <= hi or ((lo, hi) != (-INF, INF) and query.shape[2] != key.shape[2]):
+        return None
+    slopes = None
+    if alibi is not None:
+        tensor, sign = alibi
+        if lo != 0 or not _plain_slopes(tensor, query):
+            return None
+        slopes = tensor if sign < 0 else -tensor
+    if not _agrees(block_mask, lo, hi):
+        return None
+    return {
+        "window_left": None if hi == INF else int(hi), "window_right": None if lo == -INF else int(-lo),
+        "softcap": softcap, "alibi_slopes": slopes,
+    }  # fmt: skip
+
+
+def _plain_slopes(slopes: torch.Tensor, query: torch.Tensor) -> bool:
+    """Whether a captured slope tensor is what flash_attn takes as alibi_slopes: float32 (Hq,) on the inputs' device,
+    not requiring grad (the built-in kernels give slopes no gradient)."""
+    return (
+        slopes.dtype == torch.float32 and tuple(slopes.shape) == (query.shape[1],) and slopes.device == query.device
+        and not slopes.requires_grad
+    )  # fmt: skip
+
+
+def _recognised(score_mod: ScoreMod | None, mask_mod: MaskMod | None, device: torch.device) -> tuple | None:
+    """((lo, hi), (softcap, (slopes, sign) or None)) of the mods, or None; kept per what the mods read
+    (``codegen.key``), as the kernels' translations are."""
+    cache_key = (codegen.key(score_mod), codegen.key(mask_mod), device)
+    if cache_key not in _RECOGNISED:
+        if len(_RECOGNISED) >= MAX_RECOGNISED:
+            _RECOGNISED.clear()
+        try:
+            interval = mask_interval(codegen.trace(mask_mod or noop_mask, ("b", "h", "q_idx", "kv_idx"), device))
+            score = (0.0, None)
+            if score_mod is not None:
+                score = score_options(codegen.trace(score_mod, ("score", "b", "h", "q_idx", "kv_idx"), device))
+        except codegen.Unsupported:
+            interval = score = None
+        _RECOGNISED[cache_key] = (interval, score)
+    interval, score = _RECOGNISED[cache_key]
+    return None if interval is None or score is None else (interval, score)
+
+
+def _op(node) -> object:
+    return getattr(node.target, "overloadpacket", node.target) if isinstance(node, torch.fx.Node) else None
+
+
+def _skip_no_ops(node):
+    while _op(node) in codegen.NO_OPS:
+        node = node.args[0]
+    return node
+
+
+def _output(gm: torch.fx.GraphModule):
+    (out,) = list(gm.graph.nodes)[-1].args
+    return _skip_no_ops(out[0] if isinstance(out, (tuple, list)) else out)
+
+
+def _linear(node, q_idx, kv_idx) -> tuple[int, int, int] | None:
+    """(a, b, c) with ``node`` = a * q_idx + b * kv_idx + c, for sums, differences and negations of the indices and
+    integer constants; None for anything else."""
+    node = _skip_no_ops(node)
+    if isinstance(node, int) and not isinstance(node, bool):
+        return (0, 0, node) if abs(node) < _CONSTANT_LIMIT else None
+    if node is q_idx or node is kv_idx:
+        return (1, 0, 0) if node is q_idx else (0, 1, 0)
+    op = _op(node)
+    if op is aten.neg and len(node.args) == 1:
+        inner = _linear(node.args[0], q_idx, kv_idx)
+        return None if inner is None else tuple(-x for x in inner)
+    if op in (aten.add, aten.sub) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
+        left, right = (_linear(arg, q_idx, kv_idx) for arg in node.args)
+        if left is None or right is None:
+            return None
+        combine = operator.add if op is aten.add else operator.sub
+        return tuple(combine(x, y) for x, y in zip(left, right, strict=True))
+    return None
+
+
+def _comparison(node, q_idx, kv_idx) -> tuple[float, float] | None:
+    """The interval [lo, hi] of d = q_idx - kv_idx where a comparison node holds, or None."""
+    op = _op(node)
+    if op not in _FLIPPED or len(node.args) != 2:
+        return None
+    left, right = (_linear(arg, q_idx, kv_idx) for arg in node.args)
+    if left is None or right is None:
+        return None
+    a, b, c = (x - y for x, y in zip(left, right, strict=True))  # a q + b kv + c  op  0
+    if abs(a) != 1 or b != -a:
+        return None
+    if a == -1:  # -d + c op 0  <=>  d flipped-op c
+        op, bound = _FLIPPED[op], c
+    else:  # d + c op 0  <=>  d op -c
+        bound = -c
+    return {
+        aten.ge: (bound, INF), aten.gt: (bound + 1, INF), aten.le: (-INF, bound), aten.lt: (-INF, bound - 1),
+        aten.eq: (bound, bound),
+    }[op]  # fmt: skip
+
+
+def mask_interval(gm: torch.fx.GraphModule) -> tuple[float, float] | None:
+    """(lo, hi): the traced mask_mod attends exactly where lo <= q_idx - kv_idx <= hi (bounds integers or
+    -inf / inf), or None where its graph is not of the recognised forms (module docstring)."""
+    _, _, q_idx, kv_idx = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def interval(node):
+        node = _skip_no_ops(node)
+        op = _op(node)
+        if op is aten.new_ones and list(node.args[1]) == [] and node.kwargs.get("dtype") == torch.bool:
+            return -INF, INF
+        if op in _AND and len(node.args) == 2:
+            parts = [interval(arg) for arg in node.args]
+            if None in parts:
+                return None
+            return max(parts[0][0], parts[1][0]), min(parts[0][1], parts[1][1])
+        return _comparison(node, q_idx, kv_idx)
+
+    return interval(_output(gm))
+
+
+def score_options(gm: torch.fx.GraphModule) -> tuple[float, tuple[torch.Tensor, int] | None] | None:
+    """(softcap, alibi) of a traced score_mod: softcap 0.0 or the cap of ``cap * tanh(score / cap)``; alibi None or
+    (slopes, sign) for a term ``sign * slopes[h] * (q_idx - kv_idx)`` added to the (softcapped) score; None where the
+    graph is not of the recognised forms (module docstring)."""
+    score, _, h, q_idx, kv_idx = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def alibi_term(node, sign: int):
+        """(slopes, sign * the term's sign) of ``slopes[h] * (±d)`` in either order, or None."""
+        node = _skip_no_ops(node)
+        if _op(node) is not aten.mul or len(node.args) != 2:
+            return None
+        for read, distance in (node.args, node.args[::-1]):
+            read, form = _skip_no_ops(read), _linear(distance, q_idx, kv_idx)
+            if _op(read) is not aten.index or form is None or form[2] != 0 or abs(form[0]) != 1 or form[1] != -form[0]:
+                continue
+            tensor, indices = read.args
+            if tensor.op == "get_attr" and len(indices) == 1 and _skip_no_ops(indices[0]) is h:
+                slopes = getattr(gm, tensor.target)
+                if isinstance(slopes, torch.Tensor) and slopes.dim() == 1:
+                    return slopes, sign * form[0]
+        return None
+
+    def softcap_of(node) -> float | None:
+        """cap of ``cap * tanh(score / cap)`` in either order, or None."""
+        if _op(node) is not aten.mul or len(node.args) != 2:
+            return None
+        for tanh, cap in (node.args, node.args[::-1]):
+            tanh = _skip_no_ops(tanh)
+            if not isinstance(cap, (int, float)) or isinstance(cap, bool) or _op(tanh) is not aten.tanh:
+                continue
+            divided = _skip_no_ops(tanh.args[0])
+            if (
+                _op(divided) is aten.div and not divided.kwargs and _skip_no_ops(divided.args[0]) is score
+                and divided.args[1] == cap and math.isfinite(cap) and cap > 0
+            ):  # fmt: skip
+                return float(cap)
+        return None
+
+    out = _output(gm)
+    alibi = None
+    if _op(out) in (aten.add, aten.sub) and len(out.args) == 2 and out.kwargs.get("alpha", 1) == 1:
+        sign = 1 if _op(out) is aten.add else -1
+        orders = [(out.args[0], out.args[1])] + ([(out.args[1], out.args[0])] if sign == 1 else [])
+        for capped, term in orders:
+            alibi = alibi_term(term, sign)
+            if alibi is not None:
+                out = _skip_no_ops(capped)
+                break
+    if out is score:
+        return 0.0, alibi
+    cap = softcap_of(out)
+    return None if cap is None else (cap, alibi)
+
+
+def _attends(block_mask: BlockMask, lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(some, every): bool (Qb, Kb) on the host, whether some / every position of each block within the lengths
+    has lo <= q_idx - kv_idx <= hi. Over a block's rectangle d takes every value between its least and greatest."""
+    (q_len, kv_len), (q_block, kv_block) = block_mask.seq_lengths, block_mask.BLOCK_SIZE
+    rows, cols = torch.arange(0, q_len, q_block), torch.arange(0, kv_len, kv_block)
+    last_row, last_col = (rows + q_block).clamp(max=q_len) - 1, (cols + kv_block).clamp(max=kv_len) - 1
+    least, greatest = rows[:, None] - last_col[None, :], last_row[:, None] - cols[None, :]
+    return (greatest >= lo) & (least <= hi), (least >= lo) & (greatest <= hi)
+
+
+def _agrees(block_mask: BlockMask, lo: float, hi: float) -> bool:
+    """Whether the block mask's lists compute what its mask_mod (the interval [lo, hi] of q_idx - kv_idx) says: no
+    skipped block holds a position the interval attends, and every position of a full block within the lengths is
+    attended (partial blocks evaluate the mask_mod). Checked once per mask's lists (a host synchronisation on CUDA)
+    and again after they change (``block_mask.remember``)."""
+    found = recall(_AGREEING, block_mask)
+    if found is not None and found[0] == (lo, hi):
+        return found[1]
+    kinds = block_kinds(block_mask)
+    some, every = (x.to(kinds.device) for x in _attends(block_mask, lo, hi))
+    agrees = not bool((((kinds == 0) & some) | ((kinds == FULL) & ~every)).any())
+    remember(_AGREEING, block_mask, ((lo, hi), agrees))
+    return agrees
