@@ -1,6 +1,6 @@
 """The float8 forward against flashtile's bf16 forward on the GPU at hand: accuracy, speed, and a config sweep.
 
-    PYTHONPATH=src python3 benchmarks/fp8_forward.py --out DIR [--sweep] [--gluon-sweep] [--quick] [--warm I/N]
+    PYTHONPATH=src python3 benchmarks/fp8_forward.py --out DIR [--sweep] [--quick] [--warm I/N]
 
 - Accuracy: at B=1, H=4 (2 KV heads), N=4096, head dims 128 and 256, full and causal, inputs quantized to e4m3 with
   a per-tensor factor each (``quantized``), the float64 oracle on the dequantized inputs against (a) the float8
@@ -8,14 +8,10 @@
   softmax_scale and the output, so both compute the same attention): max |out - ref|, and the mean.
 - Speed: head dims 128 and 256, N 4k/8k/16k, causal and not, B*N = 32k tokens, H = 16: median ms (do_bench) of
   ``flash_attn_func`` on float8 inputs (with descale factors; V's transpose included) and on bf16 inputs (whichever
-  kernel the dispatcher picks: the Gluon kernels on sm_90), TFLOP/s = 4 B H N^2 D / time (halved for causal), their
-  ratio; the Triton float8 kernel on the same inputs (``ops.fp8.attention_forward``, which FLASHTILE_GLUON=0 and
-  other GPUs run; on sm_90 the dispatcher picks the Gluon forward, ``ops.sm90.forward``); and V's transpose alone
-  (``ops.fp8.transpose``): its time, its GB/s (V read once and written once), and the time of torch's copy of the
-  permuted view into the same layout, for comparison.
+  kernel the dispatcher picks: the Gluon kernel on sm_90), TFLOP/s = 4 B H N^2 D / time (halved for causal), their
+  ratio, and V's transpose alone (``ops.fp8.transpose``): its time, its GB/s (V read once and written once), and
+  the time of torch's copy of the permuted view into the same layout, for comparison.
 - ``--sweep``: each of ``CANDIDATES`` at N=8k, full and causal, head dims 128 and 256.
-- ``--gluon-sweep`` (sm_90): the float8 Gluon forward with each of ``GLUON_CANDIDATES`` in place of its
-  ``FLOAT8_CHANGES`` entry, at N=8k, full and causal (the speed table's N=8k rows are the shipped entries).
 - ``--warm I/N``: compile only (see --help); run N of these side by side first, then the timed run finds every
   kernel compiled.
 
@@ -29,7 +25,6 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 import triton
@@ -37,11 +32,9 @@ from triton.testing import do_bench
 
 import flashtile
 from flashtile import _backend
-from flashtile.ops import fp8
 from flashtile.ops.attention import configs
 from flashtile.ops.attention.configs import TileConfig
 from flashtile.ops.fp8.transpose import transposed_values
-from flashtile.ops.sm90 import forward as forward_sm90
 from flashtile.reference import attention_reference
 
 E4M3 = torch.float8_e4m3fn
@@ -102,24 +95,19 @@ def speed(head_dim: int, seqlen: int, causal: bool, rep: int, warm: bool) -> dic
     batch = TOKENS // seqlen
     (q8, k8, v8), (q_d, k_d, v_d) = fp8_inputs(batch, seqlen, NHEADS, NHEADS, head_dim)
     qb, kb, vb = (torch.randn(batch, seqlen, NHEADS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    window_right = 0 if causal else None
-    options8 = flashtile.interface.prepared(q8, k8, v8, window_right=window_right, descales=(q_d, k_d, v_d))[3]
     with torch.no_grad():
         ms8 = timed(lambda: flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=q_d, k_descale=k_d,
                                                       v_descale=v_d), rep, warm)  # fmt: skip
-        ms8_triton = timed(lambda: fp8.attention_forward(q8, k8, v8, options8), rep, warm)
         msb = timed(lambda: flashtile.flash_attn_func(qb, kb, vb, causal=causal), rep, warm)
         ms_vt = timed(lambda: transposed_values(v8), rep, warm)
         vt = transposed_values(v8)
         ms_copy = timed(lambda: vt.copy_(v8.permute(0, 2, 3, 1)), rep, warm)
     work = flops(batch, seqlen, head_dim, causal)
-    options = flashtile.interface.prepared(qb, kb, vb, window_right=window_right)[3]
+    options = flashtile.interface.prepared(qb, kb, vb, window_right=0 if causal else None)[3]
     return {
         "head_dim": head_dim, "seqlen": seqlen, "batch": batch, "causal": causal, "fp8_ms": ms8, "bf16_ms": msb,
         "fp8_tflops": work / ms8 * 1e-9, "bf16_tflops": work / msb * 1e-9, "speedup": msb / ms8,
-        "fp8_triton_ms": ms8_triton, "fp8_triton_tflops": work / ms8_triton * 1e-9,
         "v_transpose_ms": ms_vt, "v_transpose_gbps": 2 * v8.numel() / ms_vt * 1e-6, "v_torch_copy_ms": ms_copy,
-        "fp8_path": _backend.forward_choice(q8, k8, v8, options8).path,
         "bf16_path": _backend.forward_choice(qb, kb, vb, options).path,
     }  # fmt: skip
 
@@ -150,37 +138,14 @@ def sweep_one(head_dim: int, causal: bool, cfg: TileConfig, rep: int, warm: bool
 
 SWEEP_SEQLEN = 8192
 
-GLUON_CANDIDATES = {128: [{"STAGES": 2}, {"STAGES": 4}], 256: [{"STAGES": 3}]}
-"""``--gluon-sweep``'s changes to ``forward_sm90.FLOAT8_CHANGES``'s entry per head dim (shipped: 3 stages at D=128, 2 at
-D=256). Without spills for sm_90 (tests/sm90_compile.py's way, Triton 3.7): these; not 256-key tiles or three
-consumer warpgroups at D=128, nor 128-key tiles at D=256 (280-660 bytes of stack)."""
 
-
-def gluon_sweep_one(head_dim: int, causal: bool, changes: dict, rep: int, warm: bool) -> dict:
-    seqlen = SWEEP_SEQLEN
-    batch = TOKENS // seqlen
-    (q8, k8, v8), (q_d, k_d, v_d) = fp8_inputs(batch, seqlen, NHEADS, NHEADS, head_dim)
-    row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal, "changes": changes}
-    if torch.cuda.get_device_capability() != (9, 0):
-        return {**row, "error": "not an sm_90 GPU"}
-    entry = {**forward_sm90.FLOAT8_CHANGES[head_dim], **changes}
-    with mock.patch.dict(forward_sm90.FLOAT8_CHANGES, {head_dim: entry}), torch.no_grad():
-        ms = timed(lambda: flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=q_d, k_descale=k_d,
-                                                     v_descale=v_d), rep, warm)  # fmt: skip
-    return {**row, "ms": ms, "tflops": flops(batch, seqlen, head_dim, causal) / ms * 1e-9}
-
-
-def jobs(quick: bool, sweep: bool, gluon_sweep: bool) -> list[tuple]:
+def jobs(quick: bool, sweep: bool) -> list[tuple]:
     """Every measurement as (part, arguments), in the order they run."""
     found = [("accuracy", (d, c)) for d in (128, 256) for c in (False, True)]
     seqlens = (4096, 16384) if quick else (4096, 8192, 16384)
     found += [("speed", (d, n, c)) for d in (128, 256) for n in seqlens for c in (False, True)]
     if sweep:
         found += [("sweep", (d, c, cfg)) for d in (128, 256) for c in (False, True) for cfg in CANDIDATES]
-    if gluon_sweep:
-        found += [
-            ("gluon_sweep", (d, c, ch)) for d, chs in GLUON_CANDIDATES.items() for c in (False, True) for ch in chs
-        ]
     return found
 
 
@@ -194,7 +159,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
-    parser.add_argument("--gluon-sweep", action="store_true", help="also time the Gluon kernel's float8 candidates")
     parser.add_argument("--quick", action="store_true", help="N = 4k and 16k only, shorter timings")
     parser.add_argument(
         "--warm", metavar="I/N", default=None,
@@ -203,18 +167,17 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     rep = 40 if args.quick else 100
-    todo = jobs(args.quick, args.sweep, args.gluon_sweep)
+    todo = jobs(args.quick, args.sweep)
     warm = args.warm is not None
     if warm:
         index, count = map(int, args.warm.split("/"))
         todo = todo[index::count]
-    result = {"environment": environment(), "accuracy": [], "speed": [], "sweep": [], "gluon_sweep": []}
+    result = {"environment": environment(), "accuracy": [], "speed": [], "sweep": []}
     if not warm:
         args.out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(result["environment"]))
     run = {"accuracy": lambda *a: accuracy(*a, warm), "speed": lambda *a: speed(*a, rep, warm),
-           "sweep": lambda *a: sweep_one(*a, rep, warm),
-           "gluon_sweep": lambda *a: gluon_sweep_one(*a, rep, warm)}  # fmt: skip
+           "sweep": lambda *a: sweep_one(*a, rep, warm)}  # fmt: skip
     for part, arguments in todo:
         row = run[part](*arguments)
         if warm:
@@ -222,12 +185,12 @@ def main() -> None:
         result[part].append(row)
         if part == "speed":
             if len(result["speed"]) == 1:
-                print(f"{'D':>4} {'N':>6} {'causal':>6} {'fp8 TF/s':>9} {'bf16 TF/s':>9} {'ratio':>6} "
-                      f"{'fp8-triton':>10} {'V^T ms':>7} {'V^T GB/s':>8} {'copy ms':>7}  fp8 / bf16 path")  # fmt: skip
+                print(f"{'D':>4} {'N':>6} {'causal':>6} {'fp8 TF/s':>9} {'bf16 TF/s':>9} {'ratio':>6} {'V^T ms':>7} "
+                      f"{'V^T GB/s':>8} {'copy ms':>7}  bf16 path")  # fmt: skip
             print(f"{row['head_dim']:>4} {row['seqlen']:>6} {row['causal']!s:>6} {row['fp8_tflops']:>9.1f} "
-                  f"{row['bf16_tflops']:>9.1f} {row['speedup']:>6.2f} {row['fp8_triton_tflops']:>10.1f} "
-                  f"{row['v_transpose_ms']:>7.3f} {row['v_transpose_gbps']:>8.0f} {row['v_torch_copy_ms']:>7.3f}  "
-                  f"{row['fp8_path']} / {row['bf16_path']}", flush=True)  # fmt: skip
+                  f"{row['bf16_tflops']:>9.1f} {row['speedup']:>6.2f} {row['v_transpose_ms']:>7.3f} "
+                  f"{row['v_transpose_gbps']:>8.0f} {row['v_torch_copy_ms']:>7.3f}  {row['bf16_path']}",
+                  flush=True)  # fmt: skip
         else:
             print(json.dumps(row), flush=True)
         (args.out / "fp8_forward.json").write_text(json.dumps(result, indent=1))

@@ -289,44 +289,30 @@ GLUON_FORWARD = forward_sm90._attention_forward_sm90_kernel.fn.__name__
 GLUON_BACKWARD = backward_sm90._attention_backward_sm90_kernel.fn.__name__
 
 
-FLOAT8 = "fp8e4nv"
-"""The element type of a float8 (e4m3) variant of the Gluon forward: q, k and transposed v; out in bf16."""
-ELEMENTS = {torch.bfloat16: DATA, torch.float32: "fp32", torch.float8_e4m3fn: FLOAT8}
-
-
-def gluon_source(kernel_name: str, consts: dict, data: str = DATA):
+def gluon_source(kernel_name: str, consts: dict):
     """What triton.compile takes for a Gluon kernel (a GluonASTSource: Gluon kernels need their own source
-    class) with the descriptors and pointers its launcher passes; ``data``: the forward's q/k/v element type (DATA,
-    or FLOAT8 with descale factors and V transposed, as ``forward_sm90.attention_forward`` launches it)."""
+    class) with the descriptors and pointers its launcher passes."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     head_dim = consts["HEAD_D"]
 
     def descriptor(*block: int, dtype: torch.dtype = torch.bfloat16) -> str:
         """A descriptor with this block: [rows, head_dim] (2-D rows view) or [1, rows, head_dim] (rank 3) of the
-        q/k/v dtype, of float32 (the backward's dq_accum) or of float8."""
+        q/k/v dtype, or of float32 (the backward's dq_accum)."""
         layout = sm90_common.shared_layout(block, dtype)
-        return f"tensordesc<{ELEMENTS[dtype]}[{','.join(map(str, block))}],{layout!r}>"
+        element = "fp32" if dtype == torch.float32 else DATA
+        return f"tensordesc<{element}[{','.join(map(str, block))}],{layout!r}>"
 
     if kernel_name == GLUON_FORWARD:
         kernel, rows_q, rows_k = forward_sm90._attention_forward_sm90_kernel, consts["M_WG"], consts["BLOCK_N"]
-        float8 = data == FLOAT8
-        qkv = torch.float8_e4m3fn if float8 else torch.bfloat16
-        # float8: V transposed, [1, head_dim, keys] boxes (``forward_sm90.transposed_descriptor``)
-        v_box = (1, head_dim, rows_k) if float8 else (1, rows_k, head_dim)
-        sig = {"q_desc": descriptor(1, rows_q, head_dim, dtype=qkv),
-               "k_desc": descriptor(1, rows_k, head_dim, dtype=qkv), "v_desc": descriptor(*v_box, dtype=qkv),
-               "o_desc": descriptor(1, rows_q, head_dim),
+        sig = {"q_desc": descriptor(1, rows_q, head_dim), "k_desc": descriptor(1, rows_k, head_dim),
+               "v_desc": descriptor(1, rows_k, head_dim), "o_desc": descriptor(1, rows_q, head_dim),
                "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "batch": "i32",
                "nheads": "i32", "group": "i32"}  # fmt: skip
         if consts["CAUSAL"] and consts["CAUSAL_SCHEDULE"]:  # the launcher's causal_schedule
             sig["schedule"] = "*i32"
         else:  # the launcher passes None: a constexpr
             consts = dict(consts, schedule=None)
-        if float8:  # the descale factors (the widest variant: a launch without them passes None)
-            sig["descale"] = "*fp32"
-        else:
-            consts = dict(consts, descale=None)
     else:
         kernel, rows_q, rows_k = backward_sm90._attention_backward_sm90_kernel, consts["BLOCK_M"], consts["BLOCK_N"]
         rows_out = rows_k if consts["OUTPUT_SPLIT"] else rows_k // 2  # dK / dV rows per warpgroup
@@ -349,15 +335,6 @@ def gluon_source(kernel_name: str, consts: dict, data: str = DATA):
 
 def gluon_variants() -> list[Variant]:
     variants = []
-    # float8 inputs (``forward_sm90.FLOAT8_CHANGES``), each head dim full and causal, key lengths ragged (the widest)
-    # and not
-    for head_dim in forward_sm90.CONFIGS:
-        for mask in ("full", "causal"):
-            cfg = forward_sm90.config(head_dim, mask == "causal", seqlen_q=4096, float8=True)
-            name = f"forward_sm90 D{head_dim} {cfg['NUM_WG'] * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
-            for flags, even_k in (("off", True), ("ragged-k", False)):
-                consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
-                variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, data=FLOAT8))
     d64_causal = forward_sm90.config(64, causal=True, seqlen_q=2048)  # 128-row items (CAUSAL_CHANGES)
     for head_dim, cfg in [*forward_sm90.CONFIGS.items(), (64, d64_causal)]:
         name = f"forward_sm90 D{head_dim} {cfg['NUM_WG'] * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
@@ -403,7 +380,7 @@ def compile_variant(v: Variant) -> dict:
     start = time.perf_counter()
     try:
         if v.kernel in (GLUON_FORWARD, GLUON_BACKWARD):
-            source = gluon_source(v.kernel, v.consts, v.data)
+            source = gluon_source(v.kernel, v.consts)
         else:
             source = ASTSource(KERNELS[v.kernel], *signature(v.kernel, v.consts, v.data))
         compiled = triton.compile(

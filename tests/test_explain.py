@@ -73,7 +73,7 @@ def test_layout_reasons():
     plain = AttentionOptions(0.1, deterministic=False)
     q, k, v = qkv(dtype=torch.float32, head_dim=96)
     assert forward_sm90.qualifies(q, k, v, plain).reasons == (
-        "dtype torch.float32 (bf16 or fp16, float8 e4m3 only)",
+        "dtype torch.float32 (bf16 or fp16 only)",
         "head dims (96, 96, 96) of q, k, v (one of [64, 128, 256] for all three)",
     )
     q, k, v = qkv(seqlen_q=200, nheads=16, nheads_k=1)

@@ -13,9 +13,7 @@ keeping those out of e4m3's subnormals), then out's to bf16 (2**-9 relative). So
   whatever the rounding's luck.
 
 The CPU path computes in float32 (no float8 product), so it meets both with room. GPU-only cases (long sequences,
-the shipped configs) are marked ``gpu``, each run through both float8 kernels where the dispatcher would pick the
-sm_90 Gluon forward (``ops.sm90.forward``; Gluon has no interpreter: tests/sm90_compile.py compiles its float8
-variants without a GPU); ``test_compiles_for_sm90`` lowers the Triton kernel for sm_90 without a GPU.
+the shipped configs) are marked ``gpu``; ``test_compiles_for_sm90`` lowers the kernel for sm_90 without a GPU.
 """
 
 from __future__ import annotations
@@ -36,8 +34,6 @@ from flashtile import _backend
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
 from flashtile.float8 import combined, dequantized
 from flashtile.ops.attention import configs
-from flashtile.ops.sm90 import forward as forward_sm90
-from flashtile.options import AttentionOptions
 from flashtile.reference import attention_probs, attention_reference
 
 E4M3 = torch.float8_e4m3fn
@@ -286,111 +282,14 @@ def test_other_functions():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The sm_90 Gluon forward's float8 calls (which qualify: on any machine; results: on an H100/H200)
-
-
-def float8_options(causal: bool = False, window: tuple[int, int] | None = None, scale: float = 0.1) -> AttentionOptions:
-    left, right = window if window is not None else (None, 0 if causal else None)
-    return AttentionOptions(scale, left, right)
-
-
-def float8_qkv(seqlen_q=256, seqlen_k=384, nheads=4, nheads_k=2, head_dim=128):
-    q = torch.empty(2, seqlen_q, nheads, head_dim, dtype=E4M3)
-    k = torch.empty(2, seqlen_k, nheads_k, head_dim, dtype=E4M3)
-    return q, k, torch.empty_like(k)
-
-
-def test_gluon_qualifies_float8():
-    """float8 e4m3 calls take the sm_90 Gluon forward at head dims 64, 128 and 256, causal or not, with MQA/GQA, any
-    lengths and v of any strides (the kernel reads its transposed copy); not with a window, a softmax_scale <= 0 or
-    another head dim (those take the Triton float8 kernel), nor in its backward (float8 has none)."""
-    for head_dim in (64, 128, 256):
-        assert forward_sm90.qualifies(*float8_qkv(head_dim=head_dim), float8_options())
-    assert forward_sm90.qualifies(*float8_qkv(seqlen_q=1, seqlen_k=1023, nheads_k=1), float8_options(causal=True))
-    q, k, _ = float8_qkv()
-    strided_v = torch.empty(2, 384, 2, 136, dtype=E4M3)[..., :128]
-    assert forward_sm90.qualifies(q, k, strided_v, float8_options())
-    refusals = {
-        "a sliding window": (float8_qkv(), float8_options(window=(16, 0))),
-        "softmax_scale": (float8_qkv(), float8_options(scale=-0.5)),
-        "head dims (96, 96, 96)": (float8_qkv(head_dim=96), float8_options()),
-    }
-    for words, (tensors, options) in refusals.items():
-        assert words in forward_sm90.qualifies(*tensors, options).reason
-
-
-def float8_call(b, sq, sk, h, hk, d, causal, descale: bool):
-    """Quantized inputs and the float8 forward's out and lse for them (``flash_attn_func``), and the kernel family
-    the dispatcher picked."""
-    (q8, q_d), (k8, k_d), (v8, v_d) = quantized((b, sq, h, d)), quantized((b, sk, hk, d)), quantized((b, sk, hk, d))
-    factors = dict(q_descale=q_d[:, :hk].contiguous(), k_descale=k_d, v_descale=v_d) if descale else {}
-    options = flashtile.interface.prepared(q8, k8, v8, window_right=0 if causal else None)[3]
-    family = _backend.forward_choice(q8, k8, v8, options).path
-    with torch.no_grad():
-        out, lse, _ = flashtile.flash_attn_func(q8, k8, v8, causal=causal, return_attn_probs=True, **factors)
-    descale_option = combined(*(factors.get(n) for n in ("q_descale", "k_descale", "v_descale")), b, hk, q8.device)
-    return (q8, k8, v8, descale_option), (out, lse), family
-
-
-GLUON_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, descale)
-    (1, 1, 1, 2, 1, 128, False, True),
-    (2, 17, 113, 4, 2, 64, True, True),
-    (2, 113, 17, 4, 2, 64, True, True),  # seqlen_q > seqlen_k: rows that see no key
-    (1, 1023, 1025, 8, 2, 128, False, True),  # lengths off every tile, GQA 8/2
-    (1, 1025, 1023, 8, 1, 128, True, True),  # MQA
-    (2, 2048, 2048, 4, 4, 128, True, False),  # no descale factors
-    (1, 1537, 1023, 4, 2, 256, True, True),
-    (1, 4096, 4096, 2, 2, 256, False, True),
-    (1, 4096, 4096, 4, 2, 64, False, True),
-]
-
-
-def gluon_case_id(case) -> str:
-    b, sq, sk, h, hk, d, causal, descale = case
-    return f"B{b}-Sq{sq}-Sk{sk}-H{h}-Hk{hk}-D{d}-{'causal' if causal else 'full'}{'' if descale else '-ones'}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
-@pytest.mark.parametrize("case", GLUON_CASES, ids=gluon_case_id)
-def test_gpu_float8_kernels_match_oracle(monkeypatch, case, gluon):
-    """Each float8 forward against the oracle: the sm_90 Gluon kernel, which the dispatcher picks on an H100/H200,
-    and the Triton kernel (FLASHTILE_GLUON=0's, and every other GPU's)."""
-    b, sq, sk, h, hk, d, causal, descale = case
-    on_hopper = torch.cuda.get_device_capability() == (9, 0)
-    if gluon and not on_hopper:
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    monkeypatch.setattr(_backend, "GLUON", gluon)
-    (q8, k8, v8, factors), (out, lse), family = float8_call(b, sq, sk, h, hk, d, causal, descale)
-    assert family == (_backend.SM90_GLUON if gluon else _backend.TRITON_FP8)
-    check_float8(out, lse, q8, k8, v8, factors, None, causal, (-1, -1))
-
-
-@pytest.mark.gpu
-def test_gpu_float8_packed_qkv():
-    """A packed float8 qkv (v a strided slice) on the dispatcher's kernel gives what its contiguous q, k, v give, and
-    a second call the same bits (the kept plan, the transposed copy of V made anew)."""
-    qkv = fp8(2, 1000, 3, 4, 128)
-    with torch.no_grad():
-        out = flashtile.flash_attn_qkvpacked_func(qkv, causal=True)
-        again = flashtile.flash_attn_qkvpacked_func(qkv, causal=True)
-        expected = flashtile.flash_attn_func(*(qkv[:, :, i].contiguous() for i in range(3)), causal=True)
-    assert torch.equal(out, expected) and torch.equal(out, again)
-
-
-# ---------------------------------------------------------------------------------------------------
 # GPU: the shipped configs at lengths the interpreter cannot reach
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", [(2048, 2048), (1023, 1537)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_gpu_matches_oracle(monkeypatch, head_dim, causal, seqlens, gluon):
-    """The shipped configs of both float8 kernels (the Gluon one where the GPU is sm_90; with ``gluon`` off the
-    Triton one everywhere)."""
-    monkeypatch.setattr(_backend, "GLUON", gluon)
+def test_gpu_matches_oracle(head_dim, causal, seqlens):
     sq, sk = seqlens
     b, h, hk = 1, 4, 2
     q8, q_d = quantized((b, sq, h, head_dim))

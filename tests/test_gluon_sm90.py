@@ -1018,7 +1018,7 @@ class _Routed:
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
         monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)
 
-    def forward(self, q, k, v, out, lse, softmax_scale, causal, descale=None):
+    def forward(self, q, k, v, out, lse, softmax_scale, causal):
         self.calls.append(("fwd", causal))
         out.zero_()
         lse.zero_()

@@ -14,12 +14,11 @@ GPU). It also holds the value-check switch: whether checks that need the *values
 Kernel families, fastest first (``forward_choice``, ``backward_choice``, ``decode_choice``):
 
 - ``sm90-gluon``: ``ops.sm90.forward`` / ``ops.sm90.backward``, on an sm_90 GPU (``gluon_refusal``) for the calls
-  that module's ``qualifies`` (the forward's also of float8 inputs);
+  that module's ``qualifies``;
 - ``triton``: ``ops.attention``, compiled, for CUDA tensors;
 - ``triton-fp8``: ``ops.fp8``, the forward of float8 inputs (``flashtile.float8``), compiled or interpreted, for the
-  calls that module's ``qualifies`` and the sm_90 Gluon forward does not take; float8 CPU tensors without the
-  interpreter take the CPU path, which dequantizes them (no other family computes float8: on CUDA a refusal is an
-  error);
+  calls that module's ``qualifies``; float8 CPU tensors without the interpreter take the CPU path, which dequantizes
+  them (no other family computes float8: on CUDA a refusal is an error);
 - ``triton-interpreter``: ``ops.attention`` run by the Triton interpreter, for CPU tensors with TRITON_INTERPRET=1;
 - ``cpu``: ``flashtile.cpu`` for other CPU tensors, which runs torch's fused kernel (``cpu-torch``) or its tiled
   algorithm (``cpu-tiled``) by ``cpu.torch_kernel_route``, per call (per sequence of a packed batch);
@@ -70,8 +69,7 @@ def _env_flag(name: str, default: str) -> bool:
 
 GLUON = _env_flag("FLASHTILE_GLUON", "1")
 """Whether the calls that qualify run the Gluon kernels on sm_90 (``ops.sm90.forward``,
-``ops.sm90.backward``; the forward's float8 calls too): ``FLASHTILE_GLUON=0`` keeps every launch on the portable
-Triton kernels (float8 ones on ``ops.fp8``)."""
+``ops.sm90.backward``): ``FLASHTILE_GLUON=0`` keeps every launch on the portable Triton kernels."""
 
 CHECK_VALUES = _env_flag("FLASHTILE_CHECK_VALUES", "1")
 """The process-wide default of the value checks on CUDA tensors: ``FLASHTILE_CHECK_VALUES=0`` turns them off."""
@@ -244,28 +242,24 @@ def forward_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: A
     """The family that runs the forward of attention(q, k, v, options) (packed q, k, v if ``varlen``). every: give
     every reason of the sm_90 family (for ``flashtile.explain``), not only the device's where that refuses."""
     if q.dtype in FLOAT8:
-        return _float8_choice(q, k, v, options, varlen, every)
+        return _float8_choice(q, k, v, options, varlen)
     sm90 = _sm90_verdict("forward", q.device, every, q, k, v, options, varlen=varlen)
     return _choice(q.device, sm90)
 
 
 def _float8_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
-                   varlen: bool, every: bool) -> Choice:  # fmt: skip
-    """The family of a float8 forward: the CPU path (which dequantizes) for CPU tensors without the interpreter, the
-    sm_90 Gluon forward where it qualifies (``FLASHTILE_GLUON=0`` turns it off, as for other dtypes), else
-    ``ops.fp8`` where its ``qualifies``; raises InputError with its reasons where it does not."""
+                   varlen: bool) -> Choice:  # fmt: skip
+    """The family of a float8 forward: the CPU path (which dequantizes) for CPU tensors without the interpreter,
+    else ``ops.fp8`` where its ``qualifies``; raises InputError with its reasons where it does not."""
     if path_name(q.device) == "cpu":
         return Choice("cpu", ((TRITON_FP8, Verdict((f"the device is {q.device.type}, not a CUDA GPU",))),))
-    sm90 = _sm90_verdict("forward", q.device, every, q, k, v, options, varlen=varlen)
-    if sm90:
-        return Choice(SM90_GLUON, ())
     found = imported(FAMILY_MODULES[TRITON_FP8, "forward"]).qualifies(q, k, v, options, varlen=varlen)
     if not found:
         raise InputError(
             f"float8 attention cannot run this call on {q.device}: {found.reason}. Dequantize the inputs to "
             "bfloat16 (x.to(torch.bfloat16) * x_descale) and call with those."
         )
-    return Choice(TRITON_FP8, ((SM90_GLUON, sm90),))
+    return Choice(TRITON_FP8, ())
 
 
 def backward_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, options: AttentionOptions,

@@ -60,8 +60,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) 
         Explanation: ``.forward`` and ``.backward`` (``PassExplanation``: ``path``, ``passed_over``); ``str()``
         gives one line per pass, then one per family passed over with its reasons. Families, fastest first:
         ``sm90-gluon``, ``triton``, then ``triton-interpreter`` or ``cpu-torch`` / ``cpu-tiled``
-        (``flashtile._backend``); float8 inputs: ``sm90-gluon`` (sm_90), ``triton-fp8`` or the CPU path, and no
-        backward ("none").
+        (``flashtile._backend``); float8 inputs: ``triton-fp8`` or the CPU path, and no backward ("none").
 
     Raises:
         the errors ``flashtile.flash_attn_func`` raises for these arguments (flashtile.InputError,

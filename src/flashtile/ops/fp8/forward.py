@@ -19,9 +19,7 @@ later; Triton's ``tl.dot`` on float8e4nv operands, float32 accumulators):
 
 The output is bfloat16 (``float8.OUTPUT_DTYPE``), the LSE float32. The kernel takes the causal mask, sliding
 windows, MQA/GQA and any lengths; not the options of ``ops.attention`` (softcap, ALiBi, sink, dropout, varlen,
-pages, attn_mask): ``qualifies`` lists them. The bf16/fp16/fp32 kernels are not touched by this module. On an
-sm_90 GPU the calls the Gluon forward takes (``ops.sm90.forward``: head dims 64, 128 and 256, causal or not, no
-window) run there instead, with the same shift of P and the same transposed V (``flashtile._backend``).
+pages, attn_mask): ``qualifies`` lists them. The bf16/fp16/fp32 kernels are not touched by this module.
 """
 
 from __future__ import annotations

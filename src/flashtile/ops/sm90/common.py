@@ -29,9 +29,9 @@ partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.constexpr_function
-def mma_layout(n, k=16):
-    # one warpgroup, wgmma m64nNkK tiles (bf16/fp16: k = 16, float8: 32), N = the full tile width
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, k])
+def mma_layout(n):
+    # one warpgroup, wgmma m64nNk16 tiles (bf16/fp16: k = 16), N = the full tile width
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
 def option_refusals(options: AttentionOptions, varlen: bool) -> tuple[str | None, ...]:
@@ -49,11 +49,8 @@ def option_refusals(options: AttentionOptions, varlen: bool) -> tuple[str | None
     )
 
 
-def dtype_refusal(q: torch.Tensor, float8: bool = False) -> str | None:
-    """Why q's dtype keeps a call off a kernel that takes bf16 and fp16 (and float8 e4m3 if ``float8``), or None."""
-    if q.dtype in (torch.bfloat16, torch.float16) or (float8 and q.dtype == torch.float8_e4m3fn):
-        return None
-    return f"dtype {q.dtype} (bf16 or fp16{', float8 e4m3' if float8 else ''} only)"
+def dtype_refusal(q: torch.Tensor) -> str | None:
+    return None if q.dtype in (torch.bfloat16, torch.float16) else f"dtype {q.dtype} (bf16 or fp16 only)"
 
 
 def head_dim_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, configs: dict) -> str | None:
@@ -80,22 +77,12 @@ def rows_view_ok(x: torch.Tensor) -> bool:
     return s_d == 1 and s_h == head_dim and evenly and (s_s * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
-GL_DTYPES = {
-    torch.bfloat16: gl.bfloat16,
-    torch.float16: gl.float16,
-    torch.float32: gl.float32,
-    torch.float8_e4m3fn: gl.float8e4nv,
-}
-"""Gluon's element type of each torch dtype a descriptor of these kernels holds."""
-
-
 @functools.cache
 def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     """The swizzled shared-memory layout of a TMA block: [rows, head_dim] or [1, rows, head_dim], both with the
     128-byte swizzle of head_dim 64 and above (what TMA writes and wgmma reads); float32 for the backward's dQ
-    reduce (dq_accum's ``descriptor``), 128-byte swizzle from 32 columns on; float8 (the forward's q, k and
-    transposed v), the widest swizzle its rows' bytes allow."""
-    gl_dtype = GL_DTYPES[dtype]
+    reduce (dq_accum's ``descriptor``), 128-byte swizzle from 32 columns on."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 

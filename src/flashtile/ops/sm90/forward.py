@@ -9,16 +9,6 @@ q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
 it against the oracle.
 
-float8 (e4m3) q, k, v (``flashtile.float8``, with their descale factors) take it too, where they qualify (the same
-head dims and options; ``ops.fp8.forward``'s Triton kernel takes the rest, and every float8 call on other GPUs or
-with ``FLASHTILE_GLUON=0``). The kernel follows the dtype of its descriptors: with float8 both products run on float8
-wgmma (m64nNk32) and P is rounded to e4m3 after the shift by 2**P_SHIFT (``ops.fp8.forward``: exact, and it keeps
-small probabilities out of e4m3's subnormals; l and the LSE take the shift out); V arrives transposed
-(``ops.fp8.transpose``, ``transposed_descriptor``), as float8 wgmma reads its B operand K-major only; the factor
-q_descale * k_descale of the item's batch entry and KV head multiplies the softmax scale and v_descale the output; out
-is bf16, through an O tile of its own (``FLOAT8_CHANGES``). The bf16/fp16 kernels compile to the same machine code as
-before (cuobjdump -sass digests of tests/sm90_compile.py, Triton 3.7.1).
-
 Measured on an H200 (D=128, bf16, TFLOP/s): N=1k
 555 / 389 causal against 393 / 316 for the Triton kernel, N=4k 642 / 530 against 536 / 478, N=16k 646 / 586
 against 548 / 541 (cuDNN in the same run's table: 565 / 437, 605 / 541, 630 / 577). Those runs read
@@ -77,15 +67,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile._backend import Verdict, verdict
-from flashtile.float8 import FLOAT8, output_dtype
 from flashtile.ops import _launch
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device, sm_count
 from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
 from flashtile.ops.common.grid import cdiv
 from flashtile.ops.common.math import LN2, LOG2E
-from flashtile.ops.fp8.forward import P_SHIFT
-from flashtile.ops.fp8.transpose import transposed_values
 from flashtile.ops.sm90.common import (
     dtype_refusal,
     head_dim_refusal,
@@ -210,28 +197,12 @@ rounds) N=1k 327.0 [325.9-327.2] against the Triton kernel's 317.2-341.7 (one ke
 is the longer one)."""
 
 
-FLOAT8_CHANGES = {
-    # two consumer warpgroups, as causal launches below 8k have (three spilled: 120 bytes of stack, Triton 3.7)
-    64: {"NUM_WG": 2, "CONSUMER_REGS": 240},
-    # the float8 tiles are half the bytes: a third stage
-    128: {"STAGES": 3},
-    # O's own tile (O leaves in bf16, which the float8 Q tile cannot hold): Q 32 KiB + O 64 KiB + 2 x 2 stages of
-    # 16 KiB of K and V = 160 KiB
-    256: {"O_TILE": True},
-}
-"""Per head dim, the CONFIGS entries a float8 launch changes (``config``, after CAUSAL_CHANGES). Every float8 launch
-has O_TILE (O leaves in bf16, twice the bytes of the float8 Q tile it would otherwise go through)."""
-
-
-def config(head_dim: int, causal: bool, seqlen_q: int, float8: bool = False) -> dict:
+def config(head_dim: int, causal: bool, seqlen_q: int) -> dict:
     """The constexprs of a launch's config: ``CONFIGS[head_dim]``, updated by ``CAUSAL_CHANGES`` for causal
-    launches with seqlen_q below ``CAUSAL_CHANGES_UNTIL``, and by ``FLOAT8_CHANGES`` for float8 inputs."""
-    cfg = CONFIGS[head_dim]
+    launches with seqlen_q below ``CAUSAL_CHANGES_UNTIL``."""
     if causal and seqlen_q < CAUSAL_CHANGES_UNTIL.get(head_dim, 0):
-        cfg = {**cfg, **CAUSAL_CHANGES[head_dim]}
-    if float8:
-        cfg = {**cfg, **FLOAT8_CHANGES[head_dim]}
-    return cfg
+        return {**CONFIGS[head_dim], **CAUSAL_CHANGES[head_dim]}
+    return CONFIGS[head_dim]
 
 
 ROWS = CONFIGS[128]["NUM_WG"] * CONFIGS[128]["M_WG"]
@@ -246,17 +217,6 @@ def _tile(boxes, i):
     swizzle (a [1, rows, D] box lands as rows x D)."""
     box = boxes.index(i)
     return box.reshape([box.shape[1], box.shape[2]])
-
-
-@gluon.jit
-def _value_operand(v_smem, i):
-    """Buffer i of the V ring as P V's B operand, [BLOCK_N, HEAD_D]: the tile as loaded, or for float8 the
-    [HEAD_D, BLOCK_N] tile of transposed V viewed transposed, the keys (the product's K) contiguous: Hopper's
-    float8 wgmma reads its B operand K-major only."""
-    tile = _tile(v_smem, i)
-    if v_smem.dtype.is_fp8():
-        tile = tile.permute((1, 0))
-    return tile
 
 
 # ------------------------------------------------------------------------------------------------ schedule
@@ -432,7 +392,6 @@ def _producer(
     # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
     # count on the barrier, so the expected bytes are always the box's.
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
-    IS_FP8: gl.constexpr = q_smem.dtype.is_fp8()
     it = 0
     item = 0
     start, stop, step = _walk(n_m, n_items, schedule, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT, CAUSAL_SCHEDULE)
@@ -457,10 +416,7 @@ def _producer(
             tma_load(k_desc, [b, row, kv_col], k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            if IS_FP8:  # transposed V: (batch * nheads_k, headdim, seqlen_k), [1, HEAD_D, BLOCK_N] boxes
-                tma_load(v_desc, [b * (nheads // group) + h // group, 0, row], v_ready.index(s), v_smem.index(s))
-            else:
-                tma_load(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
+            tma_load(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
             it += 1
         item += 1
 
@@ -480,12 +436,10 @@ def _softmax_step(
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     EVEN_K: gl.constexpr,
-    P_SHIFT: gl.constexpr,
 ):
     """One online-softmax step on the raw scores tile s_acc [M_WG, BLOCK_N] (fp32, mma layout) of keys
     kv_start.. and query rows q_pos0.. . m_i is kept in scaled log2 units (max of s * softmax_scale *
-    log2(e)). Returns p (fp32, times 2**P_SHIFT: float8's shift, ``ops.fp8.forward``; 0 otherwise), alpha, m_new,
-    l_new (the sum of those p)."""
+    log2(e)). Returns p (fp32), alpha, m_new, l_new."""
     s_layout: gl.constexpr = s_acc.type.layout
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     if CAUSAL:
@@ -511,7 +465,7 @@ def _softmax_step(
         m_use = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
     else:
         m_use = m_new
-    p = gl.exp2(s_acc * qk_scale - (m_use - P_SHIFT)[:, None])
+    p = gl.exp2(s_acc * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
@@ -557,23 +511,15 @@ def _consumer(
         seqlen_k,
         qk_scale,
         schedule,
-        group,
-        descale,
     ) = args
     dtype: gl.constexpr = q_smem.dtype
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
-    # float8 (e4m3) q, k, v: both products on float8 wgmma (k = 32), P rounded to e4m3 after the shift by
-    # 2**P_SHIFT, and V read K-major from its transposed copy (``_value_operand``)
-    IS_FP8: gl.constexpr = dtype.is_fp8()
-    SHIFT: gl.constexpr = P_SHIFT if IS_FP8 else 0.0
-    MMA_K: gl.constexpr = 32 if IS_FP8 else 16
     # Three causal warpgroups fold the first key tile into the loop (one copy of the masked softmax step per
     # warpgroup instead of two): their kernel outgrew the instruction cache (CAUSAL_CHANGES).
     FOLD: gl.constexpr = CAUSAL and NUM_WG == 3
-    s_layout: gl.constexpr = mma_layout(BLOCK_N, MMA_K)
-    o_layout: gl.constexpr = mma_layout(HEAD_D, MMA_K)
-    # 32 bits of P per register: two bf16/fp16 elements or four float8
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if IS_FP8 else 2)
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(HEAD_D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -595,12 +541,6 @@ def _consumer(
             CAUSAL_PERSISTENT, CAUSAL_SCHEDULE,
         )  # fmt: skip
         q_pos0 = m0 + WG * M_WG
-        scale = qk_scale
-        if descale is not None:
-            # float8's factors of this batch entry and KV head: [q_descale * k_descale, v_descale]
-            factors = descale + (b * (nheads // group) + h // group) * 2
-            scale = qk_scale * gl.load(factors)
-            v_descale = gl.load(factors + 1)
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
         l_i = gl.full([M_WG], 0.0, gl.float32, row_s)
@@ -624,7 +564,7 @@ def _consumer(
             s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s0), count=1)
             p, alpha, m_i, l_i = _softmax_step(
-                s_acc, m_i, l_i, scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K, SHIFT
+                s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
             )
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -645,7 +585,7 @@ def _consumer(
             k_tile = _tile(k_smem, s)
             s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(sp), php)
-            v_tile = _value_operand(v_smem, sp)
+            v_tile = _tile(v_smem, sp)
             acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(next_turn, count=1)
@@ -653,11 +593,9 @@ def _consumer(
             s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s), count=1)
             p, alpha, m_i, l_i = _softmax_step(
-                s_acc, m_i, l_i, scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K, SHIFT
+                s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
             )
-            # (not ``acc, _ =``: ``_`` would carry the V tile into the next iteration, where the S wait above assigns
-            # it the K tile, of another type with float8's transposed V)
-            acc = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))[0]
+            acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
             if FOLD:
                 mbarrier.arrive(v_empty.index(sp), count=1, pred=i > 0)  # V_0 is released after its real product
             else:
@@ -672,7 +610,7 @@ def _consumer(
         jl = it + n_blocks - 1
         sl = jl % STAGES
         mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
-        v_tile = _value_operand(v_smem, sl)
+        v_tile = _tile(v_smem, sl)
         acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
         acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
         mbarrier.arrive(v_empty.index(sl), count=1)
@@ -680,18 +618,16 @@ def _consumer(
         # ---- normalize, store O through shared memory (rows past seqlen_q are dropped), store lse
         l_safe = gl.where(l_i == 0.0, gl.full_like(l_i, 1.0), l_i)
         o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        if descale is not None:
-            o = o * v_descale
         if O_TILE:
             # the previous item's store has read the O tile (the issuing thread waits, the barrier holds the
             # others)
             tma.store_wait(0)
             partition_barrier()
-        o_tile.store(o.to(o_smem.dtype))
+        o_tile.store(o.to(dtype))
         fence_async_shared()
         tma_store(o_desc, [b, q_pos0, h * HEAD_D], o_smem.index(WG))
 
-        lse = (m_i + gl.log2(l_i) - SHIFT) * LN2  # l_i == 0 (no key seen) gives -inf
+        lse = (m_i + gl.log2(l_i)) * LN2  # l_i == 0 (no key seen) gives -inf
         rows = q_pos0 + gl.arange(0, M_WG, layout=row_s)
         gl.store(lse_ptr + (b * nheads + h).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
         if not O_TILE:
@@ -719,7 +655,6 @@ def _attention_forward_sm90_kernel(
     nheads,
     group,
     schedule,
-    descale,
     HEAD_D: gl.constexpr,
     M_WG: gl.constexpr,
     NUM_WG: gl.constexpr,
@@ -740,19 +675,14 @@ def _attention_forward_sm90_kernel(
     n_items = n_m * batch * nheads
 
     dtype: gl.constexpr = q_desc.dtype
-    IS_FP8: gl.constexpr = dtype.is_fp8()
-    gl.static_assert(O_TILE or not IS_FP8, "float8: O (bf16) leaves through its own tile, not through Q's")
     # [1, rows, HEAD_D] boxes of the descriptors, viewed as [rows, HEAD_D] tiles by the consumers (_tile)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], q_desc.layout)
     if O_TILE:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [NUM_WG, 1, M_WG, HEAD_D], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], o_desc.layout)
     else:
         o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], k_desc.layout)
-    if IS_FP8:  # transposed V's [1, HEAD_D, BLOCK_N] boxes (_value_operand)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, HEAD_D, BLOCK_N], v_desc.layout)
-    else:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], v_desc.layout)
 
     q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
@@ -794,8 +724,6 @@ def _attention_forward_sm90_kernel(
         seqlen_k,
         qk_scale,
         schedule,
-        group,
-        descale,
     )
     # Consumer warpgroup 0 is the default partition; the workers are consumer warpgroup 1, the 1-warp producer and,
     # with NUM_WG = 3, consumer warpgroup 2, which the slices drop at NUM_WG = 2 (after the producer, so that the
@@ -862,19 +790,17 @@ def qualifies(
     dispatcher's, ``_backend.gluon_refusal``): the options of both sm_90 kernels (``common.option_refusals``) and no
     learnable sink; bf16/fp16, one head dim of CONFIGS for q, k and v (with causal, seqlen_q from
     CAUSAL_MIN_SEQLEN_Q), any lengths but neither q nor k empty (a descriptor's dimensions are positive; no key would
-    leave out and lse to fill), and layouts a tensor descriptor can read (``rows_view_ok``). float8 e4m3 q, k, v too
-    (with their descale factors, ``flashtile.float8``): v is read from its transposed copy, whatever its strides."""
+    leave out and lse to fill), and layouts a tensor descriptor can read (``rows_view_ok``)."""
     reasons = [*option_refusals(options, varlen), "a learnable sink" if options.learnable_sink is not None else None]
     if not varlen:
         head_dim = q.shape[3]
         causal_min = CAUSAL_MIN_SEQLEN_Q.get(head_dim, q.shape[1] + 1) if options.causal else 0
-        read = dict(q=q, k=k) if q.dtype in FLOAT8 else dict(q=q, k=k, v=v)
         reasons += (
-            dtype_refusal(q, float8=True),
+            dtype_refusal(q),
             head_dim_refusal(q, k, v, CONFIGS),
             f"causal with seqlen_q {q.shape[1]} < {causal_min}" if q.shape[1] < causal_min else None,
             "an empty q or k" if q.numel() == 0 or k.numel() == 0 else None,
-            layout_refusal(**read),
+            layout_refusal(q=q, k=k, v=v),
         )
     return verdict(reasons)
 
@@ -889,17 +815,6 @@ def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     # seqlen * stride(1) is stride(0) when batch > 1 (rows_view_ok), and 16-byte aligned when batch == 1 too
     strides = [seqlen * x.stride(1), x.stride(1), 1]
     return TensorDescriptor(x, [batch, seqlen, nheads * head_dim], strides, [1, rows, head_dim], layout)
-
-
-@per_layout
-def transposed_descriptor(vt: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A rank-3 tensor descriptor of float8 V transposed (``ops.fp8.transpose``: (batch, nheads_k, headdim,
-    seqlen_k), the keys contiguous, (batch, nheads_k) contiguous) as (batch * nheads_k, headdim, seqlen_k) with [1,
-    headdim, rows] boxes: the copy engine zero-fills the keys past seqlen_k."""
-    batch, nheads_k, head_dim, seqlen_k = vt.shape
-    layout = shared_layout((1, head_dim, rows), vt.dtype)
-    strides = [vt.stride(1), vt.stride(2), 1]
-    return TensorDescriptor(vt, [batch * nheads_k, head_dim, seqlen_k], strides, [1, head_dim, rows], layout)
 
 
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
@@ -988,36 +903,31 @@ _PLANS = _launch.Plans()
 """``forward_plan``'s plans by ``_plan_key``; None for inputs that do not qualify."""
 
 
-def _plan_key(q, k, v, out, lse, causal: bool, descale: torch.Tensor | None = None) -> tuple:
+def _plan_key(q, k, v, out, lse, causal: bool) -> tuple:
     """What a plan follows from: the shapes and strides of q, k and v, the strides of out and lse, the dtypes of q
     and out (k and v have q's, lse is float32: the callers' contract), the device, causal, whether every tensor's
-    address is 16-byte aligned, the device's SM count, the head dim's config (``config``, read on every call, so a
-    changed CONFIGS entry makes new plans) and CAUSAL_MIN_SEQLEN_Q, and whether float8 descale factors come."""
+    address is 16-byte aligned, the device's SM count, and the head dim's config (``config``, read on every call, so a
+    changed CONFIGS entry makes new plans) and CAUSAL_MIN_SEQLEN_Q."""
     head_dim = q.shape[3]
-    cfg = CONFIGS.get(head_dim) and tuple(config(head_dim, causal, q.shape[1], q.dtype in FLOAT8).values())
-    addresses = q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()
-    if descale is not None:
-        addresses |= descale.data_ptr()
+    cfg = CONFIGS.get(head_dim) and tuple(config(head_dim, causal, q.shape[1]).values())
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) % 16 == 0
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), lse.stride(), q.dtype, out.dtype,
-        q.device, sm_count(q.device), causal, addresses % 16 == 0, cfg, CAUSAL_MIN_SEQLEN_Q.get(head_dim),
-        descale is None,
+        q.device, sm_count(q.device), causal, aligned, cfg, CAUSAL_MIN_SEQLEN_Q.get(head_dim),
     )  # fmt: skip
 
 
-def forward_plan(q, k, v, out, lse, causal: bool, descale: torch.Tensor | None = None) -> ForwardPlan:
+def forward_plan(q, k, v, out, lse, causal: bool) -> ForwardPlan:
     """The plan of a launch on these tensors (``attention_forward_sm90``'s; they qualify: ``qualifies``): made on the
     first call of a ``_plan_key`` and kept, except a causal launch's made while its schedule's first use is being
     captured into a CUDA graph (``causal_schedule``: that launch walks pair slots)."""
-    key = _plan_key(q, k, v, out, lse, causal, descale)
-    return _PLANS.plan(key, _make_plan, q, k, v, out, lse, causal, descale)
+    return _PLANS.plan(_plan_key(q, k, v, out, lse, causal), _make_plan, q, k, v, out, lse, causal)
 
 
-def _make_plan(q, k, v, out, lse, causal: bool, descale: torch.Tensor | None) -> tuple[ForwardPlan, bool]:
+def _make_plan(q, k, v, out, lse, causal: bool) -> tuple[ForwardPlan, bool]:
     """``forward_plan``'s plan made anew, and whether to keep it."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    float8 = q.dtype in FLOAT8
-    cfg = config(head_dim, causal, seqlen_q, float8)
+    cfg = config(head_dim, causal, seqlen_q)
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
     block_m = cfg["NUM_WG"] * m_wg
     n_m = cdiv(seqlen_q, block_m)
@@ -1029,10 +939,10 @@ def _make_plan(q, k, v, out, lse, causal: bool, descale: torch.Tensor | None) ->
         capturing = schedule is None
         if capturing:
             cfg = {**cfg, "CAUSAL_SCHEDULE": False}
-    v_desc = transposed_descriptor(v, block_n) if float8 else batch_descriptor(v, block_n)
-    descriptors = (batch_descriptor(q, m_wg), batch_descriptor(k, block_n), v_desc, batch_descriptor(out, m_wg))
+    descriptors = (batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
+                   batch_descriptor(out, m_wg))  # fmt: skip
     ints = (seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2])
-    args = (*descriptors, lse, 1.0, *ints, schedule, descale)
+    args = (*descriptors, lse, 1.0, *ints, schedule)
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
     keyed = keyed_for(_attention_forward_sm90_kernel, args, constexprs)
     grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
@@ -1047,7 +957,6 @@ def attention_forward_sm90(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-    descale: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel on inputs that qualify (``qualifies``) on an sm_90 GPU (``_backend.gluon_refusal``): the
     dispatcher has checked both. Per call: the plan of the inputs' layouts (``forward_plan``), four descriptors
@@ -1055,20 +964,17 @@ def attention_forward_sm90(
 
     Args:
         q: (batch, seqlen_q, nheads, D); k, v: (batch, seqlen_k, nheads_k, D), D in CONFIGS, nheads a multiple
-            of nheads_k; float8 e4m3 q, k: v as ``ops.fp8.transpose.transposed_values`` gives it, (batch, nheads_k,
-            D, seqlen_k)
-        out: (batch, seqlen_q, nheads, D) in q's dtype (bfloat16 for float8), contiguous; written
+            of nheads_k
+        out: (batch, seqlen_q, nheads, D) in q's dtype, contiguous; written
         lse: (batch, nheads, seqlen_q) float32, contiguous; written (natural log)
         softmax_scale: multiplies q @ k^T before the softmax
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
-        descale: float8 only: (batch, nheads_k, 2) float32 contiguous, [q_descale * k_descale, v_descale]
-            (``float8.combined``), or None for ones
     """
-    plan = forward_plan(q, k, v, out, lse, causal, descale)
+    plan = forward_plan(q, k, v, out, lse, causal)
     q_desc, k_desc, v_desc, out_desc = plan.descriptors
     args = (
         rebase(q_desc, q), rebase(k_desc, k), rebase(v_desc, v), rebase(out_desc, out), lse,
-        softmax_scale * LOG2E.value, *plan.ints, plan.schedule, descale,
+        softmax_scale * LOG2E.value, *plan.ints, plan.schedule,
     )  # fmt: skip
     launch(_attention_forward_sm90_kernel, plan.grid, args, plan.constexprs, plan.keyed)
 
@@ -1078,13 +984,9 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dispatcher's entry (``_backend.forward_choice``): (out, lse) as ``ops.attention.attention_forward``
-    gives them, computed by this kernel; options: plain attention, causal (window_right 0) or not. float8 inputs
-    (``ops.fp8.attention_forward``'s results, out in bfloat16): V transposed first, the descale factors read by
-    the kernel."""
+    gives them, computed by this kernel; options: plain attention, causal (window_right 0) or not."""
     batch, seqlen_q, nheads, _ = q.shape
-    out = empty_output((batch, seqlen_q, nheads, v.shape[3]), output_dtype(q.dtype), q.device)
+    out = empty_output((batch, seqlen_q, nheads, v.shape[3]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
-    if q.dtype in FLOAT8:
-        v = transposed_values(v)
-    attention_forward_sm90(q, k, v, out, lse, options.softmax_scale, causal=options.causal, descale=options.descale)
+    attention_forward_sm90(q, k, v, out, lse, options.softmax_scale, causal=options.causal)
     return out, lse
