@@ -437,17 +437,31 @@ def _depends_on(node: torch.fx.Node, values: dict[str, str]) -> set[str]:
 
 
 NO_OPS = (aten.detach, aten.alias, aten.clone, aten.lift_fresh_copy, aten.lift_fresh)
+"""Operations that return their argument's value (a traced mod may hold them around anything)."""
+
+
+def op_of(node) -> object:
+    """The overload packet a graph node calls (``aten.add`` for ``aten.add.Tensor``); None for a constant argument."""
+    return _overload_packet(node.target) if isinstance(node, torch.fx.Node) else None
+
+
+def skip_no_ops(node):
+    """``node``, or what it passes on through ``NO_OPS``."""
+    while op_of(node) in NO_OPS:
+        node = node.args[0]
+    return node
+
+
+def output_node(gm: torch.fx.GraphModule):
+    """What a traced mod returns (its first output), past ``NO_OPS``."""
+    (out,) = list(gm.graph.nodes)[-1].args
+    return skip_no_ops(out[0] if isinstance(out, (tuple, list)) else out)
 
 
 def returns_score(gm: torch.fx.GraphModule) -> bool:
     """Whether the traced score_mod returns its score argument unchanged (through no-ops only): the kernels then
     fold the scale into exp2's argument and skip the chain rule (``template``'s FOLD_SCALE)."""
-    nodes = list(gm.graph.nodes)
-    (out,) = nodes[-1].args
-    node = out[0] if isinstance(out, (tuple, list)) else out
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and _overload_packet(node.target) in NO_OPS:
-        node = node.args[0]
-    return node is nodes[0] and node.op == "placeholder"
+    return output_node(gm) is next(iter(gm.graph.nodes))
 
 
 def _accumulate(reads, grads, ref, values: dict[str, str]) -> list[str]:

@@ -38,6 +38,7 @@ import torch
 from flashtile.checks import MAX_HEAD_DIM
 from flashtile.flex import codegen
 from flashtile.flex.block_mask import FULL, BlockMask, block_kinds, recall, remember
+from flashtile.flex.codegen import op_of, output_node, skip_no_ops
 from flashtile.flex.mods import MaskMod, ScoreMod, noop_mask
 
 aten = torch.ops.aten
@@ -108,30 +109,15 @@ def _recognised(score_mod: ScoreMod | None, mask_mod: MaskMod | None, device: to
     return None if interval is None or score is None else (interval, score)
 
 
-def _op(node) -> object:
-    return getattr(node.target, "overloadpacket", node.target) if isinstance(node, torch.fx.Node) else None
-
-
-def _skip_no_ops(node):
-    while _op(node) in codegen.NO_OPS:
-        node = node.args[0]
-    return node
-
-
-def _output(gm: torch.fx.GraphModule):
-    (out,) = list(gm.graph.nodes)[-1].args
-    return _skip_no_ops(out[0] if isinstance(out, (tuple, list)) else out)
-
-
 def _linear(node, q_idx, kv_idx) -> tuple[int, int, int] | None:
     """(a, b, c) with ``node`` = a * q_idx + b * kv_idx + c, for sums, differences and negations of the indices and
     integer constants; None for anything else."""
-    node = _skip_no_ops(node)
+    node = skip_no_ops(node)
     if isinstance(node, int) and not isinstance(node, bool):
         return (0, 0, node) if abs(node) < _CONSTANT_LIMIT else None
     if node is q_idx or node is kv_idx:
         return (1, 0, 0) if node is q_idx else (0, 1, 0)
-    op = _op(node)
+    op = op_of(node)
     if op is aten.neg and len(node.args) == 1:
         inner = _linear(node.args[0], q_idx, kv_idx)
         return None if inner is None else tuple(-x for x in inner)
@@ -146,7 +132,7 @@ def _linear(node, q_idx, kv_idx) -> tuple[int, int, int] | None:
 
 def _comparison(node, q_idx, kv_idx) -> tuple[float, float] | None:
     """The interval [lo, hi] of d = q_idx - kv_idx where a comparison node holds, or None."""
-    op = _op(node)
+    op = op_of(node)
     if op not in _FLIPPED or len(node.args) != 2:
         return None
     left, right = (_linear(arg, q_idx, kv_idx) for arg in node.args)
@@ -171,8 +157,8 @@ def mask_interval(gm: torch.fx.GraphModule) -> tuple[float, float] | None:
     _, _, q_idx, kv_idx = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     def interval(node):
-        node = _skip_no_ops(node)
-        op = _op(node)
+        node = skip_no_ops(node)
+        op = op_of(node)
         if op is aten.new_ones and list(node.args[1]) == [] and node.kwargs.get("dtype") == torch.bool:
             return -INF, INF
         if op in _AND and len(node.args) == 2:
@@ -182,7 +168,7 @@ def mask_interval(gm: torch.fx.GraphModule) -> tuple[float, float] | None:
             return max(parts[0][0], parts[1][0]), min(parts[0][1], parts[1][1])
         return _comparison(node, q_idx, kv_idx)
 
-    return interval(_output(gm))
+    return interval(output_node(gm))
 
 
 def score_options(gm: torch.fx.GraphModule) -> tuple[float, tuple[torch.Tensor, int] | None] | None:
@@ -193,15 +179,16 @@ def score_options(gm: torch.fx.GraphModule) -> tuple[float, tuple[torch.Tensor, 
 
     def alibi_term(node, sign: int):
         """(slopes, sign * the term's sign) of ``slopes[h] * (±d)`` in either order, or None."""
-        node = _skip_no_ops(node)
-        if _op(node) is not aten.mul or len(node.args) != 2:
+        node = skip_no_ops(node)
+        if op_of(node) is not aten.mul or len(node.args) != 2:
             return None
         for read, distance in (node.args, node.args[::-1]):
-            read, form = _skip_no_ops(read), _linear(distance, q_idx, kv_idx)
-            if _op(read) is not aten.index or form is None or form[2] != 0 or abs(form[0]) != 1 or form[1] != -form[0]:
+            read, form = skip_no_ops(read), _linear(distance, q_idx, kv_idx)
+            distance_only = form is not None and form[2] == 0 and abs(form[0]) == 1 and form[1] == -form[0]
+            if op_of(read) is not aten.index or not distance_only:
                 continue
             tensor, indices = read.args
-            if tensor.op == "get_attr" and len(indices) == 1 and _skip_no_ops(indices[0]) is h:
+            if tensor.op == "get_attr" and len(indices) == 1 and skip_no_ops(indices[0]) is h:
                 slopes = getattr(gm, tensor.target)
                 if isinstance(slopes, torch.Tensor) and slopes.dim() == 1:
                     return slopes, sign * form[0]
@@ -209,29 +196,29 @@ def score_options(gm: torch.fx.GraphModule) -> tuple[float, tuple[torch.Tensor, 
 
     def softcap_of(node) -> float | None:
         """cap of ``cap * tanh(score / cap)`` in either order, or None."""
-        if _op(node) is not aten.mul or len(node.args) != 2:
+        if op_of(node) is not aten.mul or len(node.args) != 2:
             return None
         for tanh, cap in (node.args, node.args[::-1]):
-            tanh = _skip_no_ops(tanh)
-            if not isinstance(cap, (int, float)) or isinstance(cap, bool) or _op(tanh) is not aten.tanh:
+            tanh = skip_no_ops(tanh)
+            if not isinstance(cap, (int, float)) or isinstance(cap, bool) or op_of(tanh) is not aten.tanh:
                 continue
-            divided = _skip_no_ops(tanh.args[0])
+            divided = skip_no_ops(tanh.args[0])
             if (
-                _op(divided) is aten.div and not divided.kwargs and _skip_no_ops(divided.args[0]) is score
+                op_of(divided) is aten.div and not divided.kwargs and skip_no_ops(divided.args[0]) is score
                 and divided.args[1] == cap and math.isfinite(cap) and cap > 0
             ):  # fmt: skip
                 return float(cap)
         return None
 
-    out = _output(gm)
+    out = output_node(gm)
     alibi = None
-    if _op(out) in (aten.add, aten.sub) and len(out.args) == 2 and out.kwargs.get("alpha", 1) == 1:
-        sign = 1 if _op(out) is aten.add else -1
+    if op_of(out) in (aten.add, aten.sub) and len(out.args) == 2 and out.kwargs.get("alpha", 1) == 1:
+        sign = 1 if op_of(out) is aten.add else -1
         orders = [(out.args[0], out.args[1])] + ([(out.args[1], out.args[0])] if sign == 1 else [])
         for capped, term in orders:
             alibi = alibi_term(term, sign)
             if alibi is not None:
-                out = _skip_no_ops(capped)
+                out = skip_no_ops(capped)
                 break
     if out is score:
         return 0.0, alibi
