@@ -142,16 +142,19 @@ def dense_flex(q, k, v, score_mod, mask: torch.Tensor, scale: float):
     return p @ v, lse
 
 
-def _oracle(name, inputs, params, mask, scale, dtype, dout):
-    """Output, LSE and gradients (q, k, v, then float params) of the oracle in ``dtype``, cast to the dtypes of
-    flashtile's results."""
+def _oracle(name, inputs, params, mask, scale, dtype, dout, dlse=None):
+    """Output, LSE and gradients (q, k, v, then float params; of out with ``dout`` and, where given, of lse with
+    ``dlse``) of the oracle in ``dtype``, cast to the dtypes of flashtile's results."""
     xs = [x.detach().to(dtype).requires_grad_() for x in inputs]
     ps = {n: t.detach().to(dtype).requires_grad_(t.requires_grad) if t.is_floating_point() else t
           for n, t in params.items()}  # fmt: skip
     score_mod, _ = _mods(name, ps)
     out, lse = dense_flex(*xs, score_mod, mask, scale)
     wrt = xs + [t for t in ps.values() if t.requires_grad]
-    grads = torch.autograd.grad(out, wrt, dout.to(dtype), allow_unused=True)
+    if dlse is None:
+        grads = torch.autograd.grad(out, wrt, dout.to(dtype), allow_unused=True)
+    else:
+        grads = torch.autograd.grad((out, lse), wrt, (dout.to(dtype), dlse.to(dtype)), allow_unused=True)
     floats = [t for t in params.values() if t.requires_grad]
     grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt, strict=True)]
     like = list(inputs) + floats
@@ -160,11 +163,12 @@ def _oracle(name, inputs, params, mask, scale, dtype, dout):
 
 def run_case(
     name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True, scale=None,
-    learned=None,
+    learned=None, lse_grad=False,
 ):  # fmt: skip
     """flashtile's output, LSE and gradients (of captured tensors too) for case ``name`` against the oracle's, by
     the tolerance rule; ``scale`` defaults to flex_attention's, 1 / sqrt(D); ``learned``: whether the captured float
-    tensors require grad (default: ``grads``)."""
+    tensors require grad (default: ``grads``); ``lse_grad``: the loss reads the LSE too (a gradient arrives at
+    both outputs)."""
     params = _params(H, L, S, grads if learned is None else learned)
     score_mod, mask_mod = _mods(name, params)
     q = torch.randn(B, H, L, D, device=DEVICE, dtype=dtype, requires_grad=grads)
@@ -182,14 +186,16 @@ def run_case(
     )  # fmt: skip
     results = {"out": out, "lse": lse}
     dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if lse_grad else None
     if grads:
         floats = {n: t for n, t in params.items() if t.requires_grad}
-        got = torch.autograd.grad(out, [q, k, v, *floats.values()], dout, allow_unused=True)
+        outputs, grad_outputs = ((out, lse), (dout, dlse)) if lse_grad else (out, dout)
+        got = torch.autograd.grad(outputs, [q, k, v, *floats.values()], grad_outputs, allow_unused=True)
         names = ["dq", "dk", "dv", *(f"d{n}" for n in floats)]
         results.update({n: torch.zeros_like(t) if g is None else g for n, g, t in
                         zip(names, got, [q, k, v, *floats.values()], strict=True)})  # fmt: skip
-    precise = _oracle(name, (q, k, v), params, mask, scale, torch.float64, dout)
-    base = _oracle(name, (q, k, v), params, mask, scale, dtype, dout)
+    precise = _oracle(name, (q, k, v), params, mask, scale, torch.float64, dout, dlse)
+    base = _oracle(name, (q, k, v), params, mask, scale, dtype, dout, dlse)
     for i, (result_name, x) in enumerate(results.items()):
         assert_within_rule(result_name if i < 2 else "grad " + result_name, x, precise[i], base[i])
     return out, lse
@@ -293,6 +299,14 @@ def test_matches_torch_flex_attention():
 @pytest.mark.parametrize("name", ["document", "prefix_lm", "alibi", "softcap", "bias", "relative_bias", "empty_rows"])
 def test_kernel_mods(name):
     run_case(name, "TRITON", B=1, L=50, S=50, D=32, block=32)
+
+
+@pytest.mark.parametrize("backend", ["TRITON", "TORCH"])
+@pytest.mark.parametrize("name", ["bias", "prefix_lm"])
+def test_gradient_through_lse(name, backend):
+    """A loss reading the LSE (as one that merges attention over chunks does): its gradient reaches q, k and the
+    captured tensors through the backward's delta (rowsum(dO * O) - dLSE)."""
+    run_case(name, backend, L=40, S=33, lse_grad=True)
 
 
 @pytest.mark.parametrize("name", ["document", "sliding_window"])

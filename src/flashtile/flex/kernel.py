@@ -25,6 +25,7 @@ from flashtile.flex.block_mask import BlockMask
 from flashtile.flex.mods import MaskMod, ScoreMod, noop_mask
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._launch import launch
+from flashtile.ops.attention.backward import attention_delta
 from flashtile.ops.attention.configs import TileConfig, config
 from flashtile.ops.common.grid import cdiv, head_grid, padded_head_dim
 
@@ -199,10 +200,8 @@ def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: Block
     _, nheads, seqlen_q, _ = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse
-    delta = delta.contiguous()
+    # the built-in backward's delta kernel, which reads (B, N, H, D) strides: given the transposed views
+    delta = attention_delta(dout.transpose(1, 2), out.transpose(1, 2), None if dlse is None else dlse.contiguous())
     dq = empty_output(q.shape, q.dtype, q.device)
     dk = empty_output(k.shape, k.dtype, k.device)
     dv = empty_output(v.shape, v.dtype, v.device)
