@@ -212,11 +212,39 @@ ROWS = CONFIGS[128]["NUM_WG"] * CONFIGS[128]["M_WG"]
 # ------------------------------------------------------------------------------------------------ layouts
 @gluon.jit
 def _tile(boxes, i):
-    """Buffer i of ``boxes`` ([n, 1, rows, D] shared memory in a rank-3 descriptor's layout, what its TMA copies
-    write and read) as the [rows, D] tile of wgmma and local stores: the same bytes in the same 128-byte
-    swizzle (a [1, rows, D] box lands as rows x D)."""
+    """Buffer i of ``boxes`` ([n, 1, rows, D] or [n, 1, 1, rows, D] shared memory in a descriptor's layout, what its
+    TMA copies write and read) as the [rows, D] tile of wgmma and local stores: the same bytes in the same 128-byte
+    swizzle (a [1, rows, D] or [1, 1, rows, D] box lands as rows x D)."""
     box = boxes.index(i)
-    return box.reshape([box.shape[1], box.shape[2]])
+    return box.reshape([box.shape[-2], box.shape[-1]])
+
+
+@gluon.constexpr_function
+def _boxes(n, box):
+    """The shape of n shared-memory buffers of a descriptor's box ``box`` (its block shape)."""
+    return [n, *box]
+
+
+@gluon.constexpr_function
+def _head_major(box):
+    """Whether a descriptor of block shape ``box`` is ``head_major_descriptor``'s (rank 4: [1, 1, rows, D] boxes of
+    the (batch, nheads, seqlen, headdim) view) rather than ``batch_descriptor``'s (rank 3: [1, rows, D] boxes of the
+    (batch, seqlen, nheads * headdim) view)."""
+    return len(box) == 4
+
+
+@gluon.jit
+def _box_at(desc, b, head, col, row):
+    """The coordinates of ``desc``'s box of rows row.. of batch entry b and head ``head``, whose first column in the
+    (batch, seqlen, nheads * headdim) view is ``col`` (head * headdim): (b, row, col) in a rank-3 descriptor, (b,
+    head, row, 0) in a head-major one. The caller computes col (dropped as unused where head-major): computed in
+    here, its instructions would sit in an inlined scope of their own, whose labels change how ptxas schedules the
+    code around them."""
+    if _head_major(desc.block_shape):
+        coords = (b, head, row, 0)
+    else:
+        coords = (b, row, col)
+    return coords
 
 
 # ------------------------------------------------------------------------------------------------ schedule
@@ -388,9 +416,10 @@ def _producer(
     """Per work item of this CTA (``_work``): the NUM_WG Q tiles ([M_WG, HEAD_D] each), once the consumers are
     done with the previous ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs
     on across items, so the next item's first tiles load while the consumers finish the last one."""
-    # Coordinates are (batch entry, row, column) of the (batch, seqlen, nheads * headdim) view. A box that
-    # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
-    # count on the barrier, so the expected bytes are always the box's.
+    # Coordinates (``_box_at``) are (batch entry, row, column) of the (batch, seqlen, nheads * headdim) view or
+    # (batch entry, head, row, 0) of the (batch, nheads, seqlen, headdim) view. A box that reaches past seqlen (or
+    # lies wholly past it) is zero-filled there and still completes its full byte count on the barrier, so the
+    # expected bytes are always the box's.
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     it = 0
     item = 0
@@ -400,23 +429,24 @@ def _producer(
             t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, schedule, CAUSAL, CAUSAL_PAIRS,
             CAUSAL_PERSISTENT, CAUSAL_SCHEDULE,
         )  # fmt: skip
-        kv_col = (h // group) * HEAD_D
+        kv_head = h // group
+        kv_col = kv_head * HEAD_D
         for w in gl.static_range(NUM_WG):
             # a fresh barrier passes a wait on parity 1, so the first item (and the first round through the
             # ring below) does not block
             mbarrier.wait(q_empty.index(w), (item & 1) ^ 1)
             mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-            tma_load(q_desc, [b, m0 + w * M_WG, h * HEAD_D], q_bar.index(w), q_smem.index(w))
+            tma_load(q_desc, _box_at(q_desc, b, h, h * HEAD_D, m0 + w * M_WG), q_bar.index(w), q_smem.index(w))
         for i in range(n_blocks):
             s = it % STAGES
             ph = ((it // STAGES) & 1) ^ 1
             row = i * BLOCK_N
             mbarrier.wait(k_empty.index(s), ph)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma_load(k_desc, [b, row, kv_col], k_ready.index(s), k_smem.index(s))
+            tma_load(k_desc, _box_at(k_desc, b, kv_head, kv_col, row), k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma_load(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
+            tma_load(v_desc, _box_at(v_desc, b, kv_head, kv_col, row), v_ready.index(s), v_smem.index(s))
             it += 1
         item += 1
 
@@ -625,7 +655,7 @@ def _consumer(
             partition_barrier()
         o_tile.store(o.to(dtype))
         fence_async_shared()
-        tma_store(o_desc, [b, q_pos0, h * HEAD_D], o_smem.index(WG))
+        tma_store(o_desc, _box_at(o_desc, b, h, h * HEAD_D, q_pos0), o_smem.index(WG))
 
         lse = (m_i + gl.log2(l_i)) * LN2  # l_i == 0 (no key seen) gives -inf
         rows = q_pos0 + gl.arange(0, M_WG, layout=row_s)
@@ -675,14 +705,18 @@ def _attention_forward_sm90_kernel(
     n_items = n_m * batch * nheads
 
     dtype: gl.constexpr = q_desc.dtype
-    # [1, rows, HEAD_D] boxes of the descriptors, viewed as [rows, HEAD_D] tiles by the consumers (_tile)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], q_desc.layout)
+    # O leaves in q's form (through the Q tile without O_TILE), V loads in K's (at K's coordinates)
+    gl.static_assert(_head_major(o_desc.block_shape) == _head_major(q_desc.block_shape), "out in q's form")
+    gl.static_assert(_head_major(v_desc.block_shape) == _head_major(k_desc.block_shape), "v in k's form")
+    # the descriptors' boxes ([1, rows, HEAD_D], or [1, 1, rows, HEAD_D] head-major), viewed as [rows, HEAD_D]
+    # tiles by the consumers (_tile)
+    q_smem = gl.allocate_shared_memory(dtype, _boxes(NUM_WG, q_desc.block_shape), q_desc.layout)
     if O_TILE:
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, _boxes(NUM_WG, o_desc.block_shape), o_desc.layout)
     else:
         o_smem = q_smem
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, _boxes(STAGES, k_desc.block_shape), k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, _boxes(STAGES, v_desc.block_shape), v_desc.layout)
 
     q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
