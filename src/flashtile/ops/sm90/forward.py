@@ -4,8 +4,10 @@ On an H100/H200 (``flashtile._backend.gluon_refusal``) the forwards that qualify
 options) run this kernel instead of the portable Triton one (which every other GPU and
 the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or
 256 for q, k and v (``CONFIGS``), causal or not (``CAUSAL_MIN_SEQLEN_Q``: every length); bf16/fp16; any seqlen_q
-and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous tensor, or
-q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
+and seqlen_k >= 1; q, k and v in any layout whose last dimension is contiguous and whose other strides are 16-byte
+multiples (``readable``): flash_attn's (batch, seqlen, nheads, headdim), q/k/v sliced from a packed qkv, or torch's
+(batch, nheads, seqlen, headdim) as ``flashtile.scaled_dot_product_attention`` gets it. ``FLASHTILE_GLUON=0`` turns
+it off (``flashtile._backend.GLUON``).
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
 it against the oracle.
 
@@ -18,8 +20,13 @@ ones below: N=1k 553 / 389, N=4k 655 / 537, N=16k
 against 543 / 463 and B=8 N=1000 causal 340 against 273.
 
 q, k, v and out are read and written through rank-3 tensor descriptors of the (batch, seqlen, nheads *
-headdim) view with [1, rows, headdim] boxes (``batch_descriptor``), so a tile never crosses a batch entry:
-the copy engine fills a box's rows past seqlen with zeros on loads and drops them on stores. Keys past
+headdim) view with [1, rows, headdim] boxes (``batch_descriptor``) where the heads of a token lie side by side
+(``rows_view_ok``), else through rank-4 descriptors of the (batch, nheads, seqlen, headdim) view with [1, 1, rows,
+headdim] boxes (``head_major_descriptor``; out in q's form, v in k's: ``descriptor_of``). The kernel tells the two
+apart by the rank of each descriptor's box at compile time (``_head_major``, ``_box_at``), so the rank-3 variants
+compile to the machine code they had before rank-4 descriptors (tests/sm90_compile.py's digests, Triton 3.7.1). A tile
+never crosses a batch entry or a head: the copy engine fills a box's rows past seqlen with zeros on loads and drops
+them on stores. Keys past
 seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q (zeros) compute rows that the
 O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq) fp32, natural log; a
 query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton kernel.
@@ -34,7 +41,7 @@ parities and the ping-pong turn carry on from one item to the next, so a persist
 loading while it finishes the last one. Per CTA:
   * producer partition, 1 warp: per item the NUM_WG Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
-    box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
+    or [1, 1, rows, headdim] box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
     signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup) signal the
     producer that a slot is free.
   * NUM_WG consumer warpgroups (three at D=64 without causal, two otherwise; the default partition = WG 0, 4-warp
@@ -70,7 +77,7 @@ from flashtile._backend import Verdict, verdict
 from flashtile.ops import _launch
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device, sm_count
-from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
+from flashtile.ops.common.descriptors import Template, per_layout, rebase, template, tma_ready
 from flashtile.ops.common.grid import cdiv
 from flashtile.ops.common.math import LN2, LOG2E
 from flashtile.ops.sm90.common import (
@@ -82,6 +89,7 @@ from flashtile.ops.sm90.common import (
     mma_layout,
     option_refusals,
     partition_barrier,
+    rows_view_ok,
     shared_layout,
     tma_load,
     tma_store,
@@ -824,7 +832,7 @@ def qualifies(
     dispatcher's, ``_backend.gluon_refusal``): the options of both sm_90 kernels (``common.option_refusals``) and no
     learnable sink; bf16/fp16, one head dim of CONFIGS for q, k and v (with causal, seqlen_q from
     CAUSAL_MIN_SEQLEN_Q), any lengths but neither q nor k empty (a descriptor's dimensions are positive; no key would
-    leave out and lse to fill), and layouts a tensor descriptor can read (``rows_view_ok``)."""
+    leave out and lse to fill), and layouts its tensor descriptors can read (``readable``)."""
     reasons = [*option_refusals(options, varlen), "a learnable sink" if options.learnable_sink is not None else None]
     if not varlen:
         head_dim = q.shape[3]
@@ -834,9 +842,17 @@ def qualifies(
             head_dim_refusal(q, k, v, CONFIGS),
             f"causal with seqlen_q {q.shape[1]} < {causal_min}" if q.shape[1] < causal_min else None,
             "an empty q or k" if q.numel() == 0 or k.numel() == 0 else None,
-            layout_refusal(q=q, k=k, v=v),
+            layout_refusal(readable, q=q, k=k, v=v),
         )
     return verdict(reasons)
+
+
+def readable(x: torch.Tensor) -> bool:
+    """Whether (batch, seqlen, nheads, headdim) ``x`` reads through ``batch_descriptor`` (``rows_view_ok``: heads of a
+    token side by side, as flash_attn's layout) or ``head_major_descriptor`` (``descriptors.tma_ready``: any layout
+    whose last dimension is contiguous and whose other strides are 16-byte multiples, as torch's (batch, nheads,
+    seqlen, headdim) tensors transposed to this view)."""
+    return rows_view_ok(x) or tma_ready(x)
 
 
 @per_layout
@@ -849,6 +865,24 @@ def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     # seqlen * stride(1) is stride(0) when batch > 1 (rows_view_ok), and 16-byte aligned when batch == 1 too
     strides = [seqlen * x.stride(1), x.stride(1), 1]
     return TensorDescriptor(x, [batch, seqlen, nheads * head_dim], strides, [1, rows, head_dim], layout)
+
+
+@per_layout
+def head_major_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A rank-4 tensor descriptor of the (batch, nheads, seqlen, headdim) view of ``x`` (``descriptors.tma_ready``)
+    with [1, 1, rows, headdim] boxes: for layouts ``batch_descriptor`` cannot read (heads of a token apart, as in
+    torch's (batch, nheads, seqlen, headdim) tensors); rows past seqlen zero-filled and dropped as there."""
+    batch, seqlen, nheads, head_dim = x.shape
+    s_b, s_s, s_h, _ = x.stride()
+    layout = shared_layout((1, 1, rows, head_dim), x.dtype)
+    return TensorDescriptor(x, [batch, nheads, seqlen, head_dim], [s_b, s_h, s_s, 1], [1, 1, rows, head_dim], layout)
+
+
+def descriptor_of(*tensors: torch.Tensor):
+    """The descriptor maker of tensors read in one form (q and out; k and v): ``batch_descriptor`` where each has
+    rows views (``rows_view_ok``; the kernel's code for them is what it was before head-major descriptors), else
+    ``head_major_descriptor``."""
+    return batch_descriptor if all(map(rows_view_ok, tensors)) else head_major_descriptor
 
 
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
@@ -973,8 +1007,9 @@ def _make_plan(q, k, v, out, lse, causal: bool) -> tuple[ForwardPlan, bool]:
         capturing = schedule is None
         if capturing:
             cfg = {**cfg, "CAUSAL_SCHEDULE": False}
-    descriptors = (batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
-                   batch_descriptor(out, m_wg))  # fmt: skip
+    # out (contiguous: rows views) leaves in q's form and v loads in k's (the kernel's coordinates)
+    q_form, kv_form = descriptor_of(q), descriptor_of(k, v)
+    descriptors = (q_form(q, m_wg), kv_form(k, block_n), kv_form(v, block_n), q_form(out, m_wg))
     ints = (seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2])
     args = (*descriptors, lse, 1.0, *ints, schedule)
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
@@ -998,7 +1033,7 @@ def attention_forward_sm90(
 
     Args:
         q: (batch, seqlen_q, nheads, D); k, v: (batch, seqlen_k, nheads_k, D), D in CONFIGS, nheads a multiple
-            of nheads_k
+            of nheads_k; any layouts ``readable`` accepts
         out: (batch, seqlen_q, nheads, D) in q's dtype, contiguous; written
         lse: (batch, nheads, seqlen_q) float32, contiguous; written (natural log)
         softmax_scale: multiplies q @ k^T before the softmax
