@@ -24,12 +24,12 @@ headdim) view with [1, rows, headdim] boxes (``batch_descriptor``) where the hea
 (``rows_view_ok``), else through rank-4 descriptors of the (batch, nheads, seqlen, headdim) view with [1, 1, rows,
 headdim] boxes (``head_major_descriptor``; out in q's form, v in k's: ``descriptor_of``). The kernel tells the two
 apart by the rank of each descriptor's box at compile time (``_head_major``, ``_box_at``), so the rank-3 variants
-compile to the machine code they had before rank-4 descriptors (tests/sm90_compile.py's digests, Triton 3.7.1). A tile
-never crosses a batch entry or a head: the copy engine fills a box's rows past seqlen with zeros on loads and drops
-them on stores. Keys past
-seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q (zeros) compute rows that the
-O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq) fp32, natural log; a
-query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton kernel.
+compile to the machine code they had before rank-4 descriptors (tests/sm90_compile.py's digests, Triton 3.7.1). A
+tile never crosses a batch entry or a head: the copy engine fills a box's rows past seqlen with zeros on loads and
+drops them on stores. Keys past seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q
+(zeros) compute rows that the O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq)
+fp32, natural log; a query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton
+kernel.
 
 Work items: a NUM_WG * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
 batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
@@ -41,9 +41,9 @@ parities and the ping-pong turn carry on from one item to the next, so a persist
 loading while it finishes the last one. Per CTA:
   * producer partition, 1 warp: per item the NUM_WG Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
-    or [1, 1, rows, headdim] box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
-    signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup) signal the
-    producer that a slot is free.
+    or [1, 1, rows, headdim] box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready
+    (tx-count) barriers signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup)
+    signal the producer that a slot is free.
   * NUM_WG consumer warpgroups (three at D=64 without causal, two otherwise; the default partition = WG 0, 4-warp
     workers), M_WG query rows each: S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V
     (wgmma, P from registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits only for
