@@ -128,15 +128,20 @@ def _broadcast_indices(batch, nheads, seqlen_q, seqlen_k):
     )
 
 
-def dense_flex(q, k, v, score_mod, mask: torch.Tensor, scale: float):
-    """The oracle, in the inputs' dtype: (out, lse) from the materialised (B, H, L, S) scores."""
+def dense_scores(q, k, score_mod, mask: torch.Tensor, scale: float):
+    """The materialised (B, H, L, S) scores after score_mod, -inf where ``mask`` hides them, in the inputs' dtype."""
     batch, nheads, seqlen_q, _ = q.shape
-    group = nheads // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    k = k.repeat_interleave(nheads // k.shape[1], 1)
     s = q @ k.transpose(-2, -1) * scale
     if score_mod is not None:
         s = score_mod(s, *_broadcast_indices(batch, nheads, seqlen_q, k.shape[2])).to(q.dtype)
-    s = s.masked_fill(~mask, float("-inf"))
+    return s.masked_fill(~mask, float("-inf"))
+
+
+def dense_flex(q, k, v, score_mod, mask: torch.Tensor, scale: float):
+    """The oracle, in the inputs' dtype: (out, lse) from the materialised (B, H, L, S) scores."""
+    s = dense_scores(q, k, score_mod, mask, scale)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return p @ v, lse
@@ -290,6 +295,56 @@ def test_matches_torch_flex_attention():
                                              kernel_options={"BACKEND": "TORCH"})  # fmt: skip
     torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse, their_lse, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["AUTO", "TRITON", "TORCH"])
+@pytest.mark.parametrize("name", ["alibi", "empty_rows", "plain"])
+def test_return_aux(name, backend):
+    """return_aux=AuxRequest(lse=True, max_scores=True): the LSE return_lse gives and each row's largest score after
+    the mods, against the oracle's by the tolerance rule (-inf in a row that sees no key), without a gradient; the
+    alibi case is one AUTO would otherwise run on the built-in kernels, which give no largest scores."""
+    B, H, L, S, D = 1, 2, 40, 33, 16
+    params = _params(H, L, S, grads=False)
+    score_mod, mask_mod = _mods(name, params)
+    q, k, v = (torch.randn(B, H, n, D, device=DEVICE, requires_grad=True) for n in (L, S, S))
+    block_mask, mask = None, torch.ones(B, H, L, S, dtype=torch.bool, device=DEVICE)
+    if mask_mod is not None:
+        block_mask = flashtile.create_block_mask(mask_mod, B, None, L, S, device=DEVICE, BLOCK_SIZE=16)
+        mask = _dense_mask(block_mask, mask_mod, B, H, L, S)
+    options = {"BACKEND": backend}
+    out, aux = flashtile.flex_attention(q, k, v, score_mod, block_mask, return_aux=flashtile.AuxRequest(True, True),
+                                        kernel_options=options)  # fmt: skip
+    assert isinstance(aux, flashtile.AuxOutput)
+    precise, base = (dense_scores(q.detach().to(t), k.detach().to(t), score_mod, mask, D**-0.5).amax(-1).float()
+                     for t in (torch.float64, torch.float32))  # fmt: skip
+    assert_within_rule("max_scores", aux.max_scores, precise, base)
+    assert not aux.max_scores.requires_grad
+    if name == "empty_rows":
+        assert (aux.max_scores[:, :, 3::7] == float("-inf")).all()
+    _, lse = flashtile.flex_attention(q, k, v, score_mod, block_mask, return_lse=True, kernel_options=options)
+    torch.testing.assert_close(aux.lse, lse, atol=0, rtol=0)
+    (out * torch.randn_like(out)).sum().backward()  # the output keeps its gradient
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    _, only_lse = flashtile.flex_attention(q, k, v, score_mod, block_mask, return_aux=flashtile.AuxRequest(lse=True),
+                                           kernel_options=options)  # fmt: skip
+    assert only_lse.max_scores is None and torch.equal(only_lse.lse, lse)
+
+
+def test_return_aux_takes_torch_requests_and_checks_them():
+    """torch's own AuxRequest works; return_lse with return_aux, or a return_aux that is not a request, is an error
+    before anything runs."""
+    q = k = v = torch.randn(1, 2, 24, 16, device=DEVICE)
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    if hasattr(flex, "AuxRequest"):
+        out, aux = flashtile.flex_attention(q, k, v, return_aux=flex.AuxRequest(max_scores=True))
+        assert aux.lse is None and aux.max_scores.shape == (1, 2, 24)
+        torch.testing.assert_close(out, flashtile.flex_attention(q, k, v), atol=0, rtol=0)
+    with pytest.raises(flashtile.InputError, match="return_lse or return_aux"):
+        flashtile.flex_attention(q, k, v, return_lse=True, return_aux=flashtile.AuxRequest(lse=True))
+    with pytest.raises(flashtile.InputTypeError, match="AuxRequest"):
+        flashtile.flex_attention(q, k, v, return_aux=True)
+    _, aux = flashtile.flex_attention(q, k, v, return_aux=flashtile.AuxRequest())
+    assert aux == flashtile.AuxOutput(None, None)
 
 
 # ------------------------------------------------------------------------------------------- the Triton kernel

@@ -8,7 +8,16 @@ CPU tensors run the same tiled algorithm in PyTorch (see ``flashtile._backend``)
 from flashtile._backend import check_values
 from flashtile.errors import InputError, InputTypeError
 from flashtile.explain import explain
-from flashtile.flex import BlockMask, and_masks, create_block_mask, flex_attention, noop_mask, or_masks
+from flashtile.flex import (
+    AuxOutput,
+    AuxRequest,
+    BlockMask,
+    and_masks,
+    create_block_mask,
+    flex_attention,
+    noop_mask,
+    or_masks,
+)
 from flashtile.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -25,6 +34,8 @@ from flashtile.sdpa import scaled_dot_product_attention
 __version__ = "0.2.0"
 
 __all__ = [
+    "AuxOutput",
+    "AuxRequest",
     "BlockMask",
     "InputError",
     "InputTypeError",

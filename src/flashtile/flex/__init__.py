@@ -4,8 +4,17 @@ mask combinators. Each file has one role: ``api`` (the function and its checks),
 ``codegen`` (mods translated into Triton source), ``kernel`` (the Triton kernels and their launcher) and ``patterns``
 (mods recognised as flashtile's built-in options, which then run the built-in attention)."""
 
-from flashtile.flex.api import flex_attention
+from flashtile.flex.api import AuxOutput, AuxRequest, flex_attention
 from flashtile.flex.block_mask import BlockMask, create_block_mask
 from flashtile.flex.mods import and_masks, noop_mask, or_masks
 
-__all__ = ["BlockMask", "and_masks", "create_block_mask", "flex_attention", "noop_mask", "or_masks"]
+__all__ = [
+    "AuxOutput",
+    "AuxRequest",
+    "BlockMask",
+    "and_masks",
+    "create_block_mask",
+    "flex_attention",
+    "noop_mask",
+    "or_masks",
+]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,6 +20,43 @@ from flashtile.options import scale_or_default
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("AUTO", "TRITON", "TORCH")
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs ``flex_attention(..., return_aux=AuxRequest(...))`` returns besides out, as
+    FlexAttention's ``AuxRequest`` (which flex_attention accepts too)."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """The auxiliary outputs of ``flex_attention(..., return_aux=...)``, as FlexAttention's ``AuxOutput``: lse
+    (B, Hq, L) float32, the log-sum-exp of each row's scores (natural log); max_scores (B, Hq, L) float32, each row's
+    largest score after score_mod among the positions it attends (-inf where it attends to none; no gradient). A
+    field not requested is None."""
+
+    lse: torch.Tensor | None = None
+    max_scores: torch.Tensor | None = None
+
+
+def _aux_request(return_lse: bool, return_aux: Any) -> AuxRequest | None:
+    """``return_aux`` as an AuxRequest (fields read by name, so torch's own AuxRequest works); InputError where
+    return_lse is given with it, InputTypeError where it is not a request."""
+    if return_aux is None:
+        return None
+    if return_lse:
+        raise InputError(
+            "flex_attention: give return_lse or return_aux, not both: return_aux=AuxRequest(lse=True) returns the "
+            "lse in the AuxOutput."
+        )
+    fields = tuple(getattr(return_aux, name, None) for name in AuxRequest._fields)
+    if not all(isinstance(field, bool) for field in fields):
+        raise InputTypeError(
+            f"flex_attention: return_aux must be an AuxRequest (fields lse and max_scores, bools) or None, got "
+            f"{return_aux!r}."
+        )
+    return AuxRequest(*fields)
 
 
 def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
@@ -116,7 +153,9 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     kernel_options: dict | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    *,
+    return_aux: AuxRequest | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, AuxOutput]:
     """Attention with a programmable score and a block-sparse mask: FlexAttention's ``flex_attention`` (same
     arguments, layout and results; switch by importing it from flashtile).
 
@@ -131,6 +170,9 @@ def flex_attention(
     positions where it is False; in its full blocks every position attends. Default None: nothing masked.
     scale: multiplies q k^T before score_mod; default 1 / sqrt(E).
     return_lse: also return the log-sum-exp of each row's scores (natural log).
+    return_aux: keyword only; an ``AuxRequest(lse=..., max_scores=...)`` (flashtile's or torch's): also return an
+    ``AuxOutput`` with the requested fields, the lse as return_lse gives it and max_scores each row's largest score
+    after score_mod (float32, -inf in a row that attends to nothing, without a gradient). Not with return_lse.
     kernel_options: dict; its "BACKEND" key picks the implementation: "AUTO" (default: where the mods and block
     mask are one of flashtile's built-in options (causal, causal sliding window, softcap, ALiBi; docs/flex.md),
     flashtile's built-in attention, the kernels of ``flash_attn_func``, on CUDA and CPU alike; else the Triton
@@ -139,15 +181,17 @@ def flex_attention(
     route). Other keys are ignored.
 
     Returns out (B, Hq, L, Ev) in query's dtype (from the built-in attention, a transposed view of a (B, L, Hq, Ev)
-    tensor), and with return_lse also lse (B, Hq, L) float32. A row that attends to no key gets out 0 and lse -inf.
+    tensor); with return_lse (out, lse), lse (B, Hq, L) float32; with return_aux (out, AuxOutput). A row that attends
+    to no key gets out 0 and lse -inf.
 
     Raises:
         flashtile.InputTypeError (a TypeError): a non-tensor input, a dtype other than float16, bfloat16 or float32
             (UnsupportedDtypeError), mods that are not functions of 5 (score_mod) arguments, kernel_options not a dict
         flashtile.InputError (a ValueError and a RuntimeError): shapes, dtypes or devices that do not fit together,
             a block mask made for other sizes, an unknown BACKEND, or BACKEND "TRITON" for a call the kernel cannot
-            take (the message says why); all before computing anything.
+            take (the message says why), return_lse with return_aux; all before computing anything.
     """
+    aux = _aux_request(return_lse, return_aux)
     _check_tensors(query, key, value, enable_gqa)
     require_mod(score_mod, "score_mod", 5)
     mask = _checked_block_mask(block_mask, query, key)
@@ -156,25 +200,32 @@ def flex_attention(
     if key.shape[0] != query.shape[0]:
         key = key.expand(query.shape[0], *key.shape[1:])
         value = value.expand(query.shape[0], *value.shape[1:])
-    out, lse = _eager_run()(query, key, value, score_mod, mask, scale, backend)
+    output_max = aux is not None and aux.max_scores
+    out, lse, max_scores = _eager_run()(query, key, value, score_mod, mask, scale, backend, output_max)
+    if aux is not None:
+        return out, AuxOutput(lse=lse if aux.lse else None, max_scores=max_scores if output_max else None)
     return (out, lse) if return_lse else out
 
 
 @functools.cache
-def _eager_run() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def _eager_run() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """``_run`` left out of torch.compile's tracing, made at the first call: ``torch.compiler.disable`` imports
     dynamo (about a second), which ``import flashtile`` does not pay."""
     return torch.compiler.disable(_run)
 
 
-def _run(query, key, value, score_mod, mask, scale, backend) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) from the implementation ``backend`` asks for (``flex_attention``'s docstring). Inside a
-    torch.compile'd function this runs eagerly (a graph break): the mods are traced and the kernels launched here,
-    which dynamo cannot follow."""
-    if backend == "AUTO":
+def _run(
+    query, key, value, score_mod, mask, scale, backend, output_max: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(out, lse, the rows' largest scores after the mods, or None where the implementation does not give them) from
+    the implementation ``backend`` asks for (``flex_attention``'s docstring). The built-in attention does not give
+    them and the generated kernel only with ``output_max``: a call with ``output_max`` takes the generated kernel or
+    the PyTorch route. Inside a torch.compile'd function this runs
+    eagerly (a graph break): the mods are traced and the kernels launched here, which dynamo cannot follow."""
+    if backend == "AUTO" and not output_max:
         options = patterns.builtin_options(query, key, value, score_mod, mask, scale)
         if options is not None:
-            return _builtin(query, key, value, scale, options)
+            return *_builtin(query, key, value, scale, options), None
     if backend == "TORCH" or (backend == "AUTO" and _backend.path_name(query.device) == "cpu"):
         return flex_attention_torch(query, key, value, score_mod, mask, scale)
     if _backend.path_name(query.device) == "cpu":
@@ -186,7 +237,7 @@ def _run(query, key, value, score_mod, mask, scale, backend) -> tuple[torch.Tens
 
     reason = kernel.unsupported(query, key, value, score_mod, mask)
     if reason is None:
-        return kernel.flex_attention_triton(query, key, value, score_mod, mask, scale)
+        return kernel.flex_attention_triton(query, key, value, score_mod, mask, scale, output_max)
     if backend == "TRITON":
         raise InputError(f"flex_attention: the Triton kernel cannot run this call: {reason}.")
     return flex_attention_torch(query, key, value, score_mod, mask, scale)

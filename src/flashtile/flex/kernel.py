@@ -149,15 +149,15 @@ def _lists(block_mask: BlockMask, side: str) -> tuple[list[torch.Tensor], list[i
 
 def _launch(
     kernel, programs: int, heads: int, args: tuple, q, v, block_mask: BlockMask, cfg: TileConfig, has_full: bool,
-    fold_scale: bool, **even: bool,
+    fold_scale: bool, **flags: bool,
 ) -> None:  # fmt: skip
-    """``kernel`` over (``programs`` tiles, ``heads``, batch) with ``cfg``'s tiles, warps and stages; ``even``: the
-    kernel's EVEN_M or EVEN_N (``_even``)."""
+    """``kernel`` over (``programs`` tiles, ``heads``, batch) with ``cfg``'s tiles, warps and stages; ``flags``: the
+    kernel's own constexprs (EVEN_M or EVEN_N, ``_even``; the forward's OUTPUT_MAX)."""
     constexprs = {
         "HEAD_DIM": q.shape[-1], "HEAD_DIM_V": v.shape[-1], "BLOCK_D": padded_head_dim(q.shape[-1]),
         "BLOCK_DV": padded_head_dim(v.shape[-1]), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
         "SPARSE_Q": block_mask.BLOCK_SIZE[0], "SPARSE_KV": block_mask.BLOCK_SIZE[1], "HAS_FULL": has_full,
-        **even, "FOLD_SCALE": fold_scale,
+        "FOLD_SCALE": fold_scale, **flags,
     }  # fmt: skip
     launch(kernel, head_grid(programs, q.shape[0], heads), args, constexprs, num_warps=cfg.num_warps,
            num_stages=cfg.num_stages)  # fmt: skip
@@ -182,17 +182,20 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
     return [s for t in tensors for s in (t.stride(0), t.stride(1), t.stride(2))]
 
 
-def _forward(q, k, v, module, captured, block_mask: BlockMask, scale: float):
+def _forward(q, k, v, module, captured, block_mask: BlockMask, scale: float, output_max: bool):
+    """(out, lse, the rows' largest scores: (B, H, L) float32 with ``output_max``, else an empty tensor)."""
     batch, nheads, seqlen_q, _ = q.shape
     out = empty_output((batch, nheads, seqlen_q, v.shape[-1]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
+    row_max = empty_output((batch, nheads, seqlen_q) if output_max else (0,), torch.float32, q.device)
     lists, list_strides, has_full = _lists(block_mask, "kv")
     cfg = _config("flex_forward", q, v, block_mask)
-    args = (q, k, v, out, lse, *lists, *_strides(q, k, v, out), *list_strides, nheads, nheads // k.shape[1],
-            seqlen_q, k.shape[2], scale, *captured.args())  # fmt: skip
+    args = (q, k, v, out, lse, row_max, *lists, *_strides(q, k, v, out), *list_strides, nheads,
+            nheads // k.shape[1], seqlen_q, k.shape[2], scale, *captured.args())  # fmt: skip
     _launch(module.flex_forward, cdiv(seqlen_q, cfg.block_m), nheads, args, q, v, block_mask, cfg, has_full,
-            _fold_scale(module, scale), EVEN_N=_even(k.shape[2], block_mask.BLOCK_SIZE[1]))  # fmt: skip
-    return out, lse
+            _fold_scale(module, scale), EVEN_N=_even(k.shape[2], block_mask.BLOCK_SIZE[1]),
+            OUTPUT_MAX=output_max)  # fmt: skip
+    return out, lse, row_max
 
 
 def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: BlockMask, scale: float):
@@ -222,27 +225,35 @@ def _backward(dout, q, k, v, out, lse, dlse, module, captured, block_mask: Block
 
 
 class _FlexFunction(torch.autograd.Function):
-    """out, lse = flex attention of q, k, v (B, H, N, D) with the translated mods; gradients for q, k, v and for the
-    captured tensors that require grad (passed last, so that autograd hands them theirs)."""
+    """out, lse, row max = flex attention of q, k, v (B, H, N, D) with the translated mods (the row max only with
+    ``output_max``, and without a gradient); gradients for q, k, v and for the captured tensors that require grad
+    (passed last, so that autograd hands them theirs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, module, captured, block_mask, scale, *needing_grad):
-        out, lse = _forward(q, k, v, module, captured, block_mask, scale)
+    def forward(ctx, q, k, v, module, captured, block_mask, scale, output_max, *needing_grad):
+        out, lse, row_max = _forward(q, k, v, module, captured, block_mask, scale, output_max)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.module, ctx.captured, ctx.block_mask, ctx.scale = module, captured, block_mask, scale
-        return out, lse
+        ctx.mark_non_differentiable(row_max)
+        return out, lse, row_max
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, _):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv, grads = _backward(
             dout, q, k, v, out, lse, dlse, ctx.module, ctx.captured, ctx.block_mask, ctx.scale
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, *grads
+        return dq, dk, dv, None, None, None, None, None, *grads
 
 
-def flex_attention_triton(q, k, v, score_mod: ScoreMod | None, block_mask: BlockMask, scale: float):
-    """(out, lse) by the Triton kernels, for a call ``unsupported`` lets through."""
+def flex_attention_triton(
+    q, k, v, score_mod: ScoreMod | None, block_mask: BlockMask, scale: float, output_max: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(out, lse, the rows' largest scores after the mods where ``output_max``, else None) by the Triton kernels,
+    for a call ``unsupported`` lets through."""
     module, captured = kernels_for(score_mod, block_mask.mask_mod, q.device)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return _FlexFunction.apply(q, k, v, module, captured, block_mask, scale, *captured.needing_grad)
+    out, lse, row_max = _FlexFunction.apply(
+        q, k, v, module, captured, block_mask, scale, output_max, *captured.needing_grad
+    )  # fmt: skip
+    return out, lse, row_max if output_max else None

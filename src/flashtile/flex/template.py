@@ -155,15 +155,16 @@ def _query_program(
 
 @triton.jit
 def flex_forward(
-    Q, K, V, Out, Lse, KvNum, KvIdx, FullNum, FullIdx,
+    Q, K, V, Out, Lse, Max, KvNum, KvIdx, FullNum, FullIdx,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om, stride_nb, stride_nh, stride_ib, stride_ih, stride_ir,
     nheads, group, seqlen_q, seqlen_k, scale, CAPTURED,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
-    HAS_FULL: tl.constexpr, EVEN_N: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    HAS_FULL: tl.constexpr, EVEN_N: tl.constexpr, FOLD_SCALE: tl.constexpr, OUTPUT_MAX: tl.constexpr,
 ):  # fmt: skip
-    """Out (B, H, L, DV) and Lse (B, H, L) fp32 (natural log) for one query tile of one head."""
+    """Out (B, H, L, DV) and Lse (B, H, L) fp32 (natural log) for one query tile of one head; with OUTPUT_MAX also
+    Max (B, H, L) fp32, each row's largest score after the mods (natural units; -inf where it sees no key)."""
     off_b, off_h, start_m, offs_m, offs_d, offs_dv, q, k_src, v_src, num_base, idx_base = _query_program(
         Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_vb, stride_vh, stride_nb, stride_nh,
         stride_ib, stride_ih, stride_ir, group, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_DV, BLOCK_M, SPARSE_Q,
@@ -193,6 +194,8 @@ def flex_forward(
                stride_om, offs_dv, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, BLOCK_DV != HEAD_DIM_V, False)  # fmt: skip
     lse_offs = (off_b * nheads + off_h).to(tl.int64) * seqlen_q + offs_m
     tl.store(Lse + lse_offs, lse, mask=offs_m < seqlen_q)
+    if OUTPUT_MAX:  # m_i: the largest score times log2_scale
+        tl.store(Max + lse_offs, m_i * LN2, mask=offs_m < seqlen_q)
 
 
 @triton.jit

@@ -32,9 +32,10 @@ def _chunks(blocks: list[int], kv_block: int) -> list[list[int]]:
 def _query_block(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, blocks: list[int], kinds: torch.Tensor,
     score_mod: ScoreMod | None, mask_mod: MaskMod, scale: float, kv_block: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Output (B, Hq, M, Ev) in q's dtype and LSE (B, Hq, M) float32 of the query rows q (B, Hq, M, E), which start
-    at row ``start``, over the key blocks ``blocks`` (kinds: (Bm, Hm, Kb) int8 of this query block).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Output (B, Hq, M, Ev) in q's dtype, LSE and the largest score after the mods (B, Hq, M) float32 (-inf in a
+    row that sees no key; no gradient) of the query rows q (B, Hq, M, E), which start at row ``start``, over the key
+    blocks ``blocks`` (kinds: (Bm, Hm, Kb) int8 of this query block).
 
     Without autograd, one online-softmax pass. With it, a first pass without autograd finds each row's LSE, and a
     second sums P V with P = exp(S - LSE) and the LSE held fixed, its dependence on the scores restored by a term
@@ -98,7 +99,7 @@ def _query_block(
     l_safe = torch.where(seen, l, 1.0)
     lse = torch.where(seen, torch.where(seen, m, 0.0) + torch.log(l_safe), float("-inf"))
     if not differentiable:
-        return torch.where(seen[..., None], acc / l_safe[..., None], 0.0).to(q.dtype), lse
+        return torch.where(seen[..., None], acc / l_safe[..., None], 0.0).to(q.dtype), lse, m
     shift = torch.where(seen, lse, 0.0)
     z = torch.zeros((batch, nheads, rows), device=device)
     for cols, contiguous in chunks:
@@ -108,7 +109,7 @@ def _query_block(
         acc = acc + pv(p, v_c)
     dz = torch.where(seen, z - z.detach(), 0.0)  # 0, with the gradient of the LSE: P
     out = torch.where(seen[..., None], acc * torch.exp(-dz)[..., None], 0.0)
-    return out.to(q.dtype), torch.where(seen, lse + dz, float("-inf"))
+    return out.to(q.dtype), torch.where(seen, lse + dz, float("-inf")), m
 
 
 class _NoKeySeen(torch.autograd.Function):
@@ -128,29 +129,32 @@ class _NoKeySeen(torch.autograd.Function):
 def flex_attention_torch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod | None, block_mask: BlockMask,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(out (B, Hq, L, Ev) in q's dtype, lse (B, Hq, L) float32) for q (B, Hq, L, E), k (B, Hk, S, E), v (B, Hk, S, Ev)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out (B, Hq, L, Ev) in q's dtype, lse (B, Hq, L) float32, each row's largest score after the mods (B, Hq, L)
+    float32, -inf where it sees no key, without a gradient) for q (B, Hq, L, E), k (B, Hk, S, E), v (B, Hk, S, Ev)
     with Hq a multiple of Hk, and a block mask of shape (1 or B, 1 or Hq, L, S) (checked by the caller)."""
     batch, nheads, seqlen_q, _ = q.shape
     q_block, kv_block = block_mask.BLOCK_SIZE
     kinds = block_kinds(block_mask)  # (Bm, Hm, Qb, Kb)
     computed = kinds.amax((0, 1)).bool().cpu()  # (Qb, Kb): blocks some batch entry or head computes
     checkpointed = torch.is_grad_enabled()
-    outs, lses = [], []
+    outs, lses, maxes = [], [], []
     for r in range(-(-seqlen_q // q_block)):
         start, stop = r * q_block, min((r + 1) * q_block, seqlen_q)
         blocks = computed[r].nonzero().flatten().tolist()
         if not blocks:  # no key attended: output 0, LSE -inf
             outs.append(q.new_zeros((batch, nheads, stop - start, v.shape[-1])))
             lses.append(torch.full((batch, nheads, stop - start), float("-inf"), device=q.device))
+            maxes.append(lses[-1])
             continue
         args = (q[:, :, start:stop], k, v, start, blocks, kinds[:, :, r], score_mod, block_mask.mask_mod, scale,
                 kv_block)  # fmt: skip
-        out, lse = checkpoint(_query_block, *args, use_reentrant=False) if checkpointed else _query_block(*args)
-        outs.append(out)
-        lses.append(lse)
+        run = checkpoint(_query_block, *args, use_reentrant=False) if checkpointed else _query_block(*args)
+        for results, result in zip((outs, lses, maxes), run, strict=True):
+            results.append(result)
     out = torch.cat(outs, 2) if outs else q.new_zeros((batch, nheads, 0, v.shape[-1]))
-    lse = torch.cat(lses, 2) if lses else q.new_zeros((batch, nheads, 0), dtype=torch.float32)
+    empty = q.new_zeros((batch, nheads, 0), dtype=torch.float32)
+    lse, row_max = (torch.cat(x, 2) if x else empty for x in (lses, maxes))
     if checkpointed and not out.requires_grad and any(x.requires_grad for x in (q, k, v)):
         out = _NoKeySeen.apply(out, q, k, v)
-    return out, lse
+    return out, lse, row_max
