@@ -8,7 +8,7 @@ CPU tensors run the same tiled algorithm in PyTorch (see ``flashtile._backend``)
 from flashtile._backend import check_values
 from flashtile.errors import InputError, InputTypeError
 from flashtile.explain import explain
-from flashtile.flex import BlockMask, and_masks, create_block_mask, flex_attention, noop_mask, or_masks
+from flashtile.flex import BlockMask, and_masks, create_block_mask, create_mask, flex_attention, noop_mask, or_masks
 from flashtile.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -31,6 +31,7 @@ __all__ = [
     "and_masks",
     "check_values",
     "create_block_mask",
+    "create_mask",
     "explain",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
