@@ -41,8 +41,9 @@ def document(b, h, q_idx, kv_idx):
 
 
 def per_entry(b, h, q_idx, kv_idx):
-    """Different for every batch entry and head: a causal mask with holes that move with b and h."""
-    return (q_idx >= kv_idx) & ((q_idx + 2 * kv_idx + 3 * b + h) % 5 != 0)
+    """Different for every batch entry and head, in its block table too (skipped, partial and full blocks, rows that
+    see no key): a causal band shifted by b and h, with holes that move with them in the keys from 32 on."""
+    return (q_idx + 16 * b >= kv_idx + 24 * h) & ((kv_idx < 32) | ((q_idx + 2 * kv_idx + 3 * b + h) % 5 != 0))
 
 
 def masked_score(score, b, h, q_idx, kv_idx):
