@@ -142,6 +142,7 @@ def test_slicing_matches_torch(mod, index):
         ((torch.tensor([0]), torch.tensor([1])), flashtile.InputError, "at most one tensor or list"),
         (([0, 1], [1]), flashtile.InputError, "at most one tensor or list"),
         (slice(None, None, -1), flashtile.InputError, "a step of 1 or more"),
+        ((0, slice(0, 2, 0)), flashtile.InputError, "a step of 1 or more, got slice.0, 2, 0. for the head"),
         (slice(0, 1.5), flashtile.InputError, "int bounds"),
         (torch.tensor([0.0]), flashtile.InputTypeError, "ints or bools, got torch.float32"),
         (1.0, flashtile.InputTypeError, "got float for the batch dimension"),

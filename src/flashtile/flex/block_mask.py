@@ -301,8 +301,8 @@ def _index_entry(entry, size: int, name: str, device: torch.device) -> slice | t
             raise InputError(f"BlockMask index {entry} is out of range for the {name} dimension of size {size}.")
         return slice(int(entry) % size, int(entry) % size + 1)
     if isinstance(entry, slice):
-        bounds = (entry.start, entry.stop, entry.step)
-        if not all(x is None or isinstance(x, numbers.Integral) for x in bounds) or (entry.step or 1) < 1:
+        ints = all(x is None or isinstance(x, numbers.Integral) for x in (entry.start, entry.stop, entry.step))
+        if not ints or (entry.step is not None and entry.step < 1):
             raise InputError(
                 f"A BlockMask slice needs int bounds and a step of 1 or more, got {entry} for the {name} dimension."
             )
@@ -556,7 +556,7 @@ def as_block_mask(block_mask) -> BlockMask:
     anything else, InputError for a sliced mask whose mask_mod was not assigned (flashtile's or torch's)."""
     torch_flex = sys.modules.get("torch.nn.attention.flex_attention")  # imported wherever torch's masks exist
     torch_unset = getattr(torch_flex, "_sliced_mask_mod_error", _unset_after_slicing)
-    if getattr(block_mask, "mask_mod", None) in (_unset_after_slicing, torch_unset):
+    if any(getattr(block_mask, "mask_mod", None) is unset for unset in (_unset_after_slicing, torch_unset)):
         raise InputError(f"flex_attention: {_UNSET_AFTER_SLICING}")
     if isinstance(block_mask, BlockMask):
         return block_mask
