@@ -1,17 +1,21 @@
-"""BlockMask: which (query block, key block) tiles attention computes, and create_block_mask that builds one.
+"""BlockMask: which (query block, key block) tiles attention computes; create_block_mask that builds one and
+create_mask, the dense mask of a mod.
 
 The format is FlexAttention's: for every (batch, head, query block) row, ``kv_num_blocks`` counts the key blocks
 that are computed and the first that many entries of ``kv_indices`` name them (the rest of a row is unused). A
 block is *partial* (listed in kv_*: mask_mod decides per position) or *full* (listed in full_kv_*: every position
 attends and mask_mod is not evaluated); a block in neither list is skipped. The q_* tensors are the same lists
 transposed (for each key block, its query blocks), which the backward pass iterates. Batch and head dimensions of
-size 1 broadcast over the attention's batch and heads.
+size 1 broadcast over the attention's batch and heads. ``block_mask[b, h]`` slices a mask and ``_adjust`` crops it
+to shorter lengths, as FlexAttention's do.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import numbers
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -19,7 +23,7 @@ import torch
 
 from flashtile import _backend
 from flashtile.errors import InputError, InputTypeError
-from flashtile.flex.mods import MaskMod, evaluate_mask, index, noop_mask
+from flashtile.flex.mods import MaskMod, ScoreMod, apply_score_mod, evaluate_mask, index, noop_mask
 
 DEFAULT_BLOCK_SIZE = 128
 _TENSORS = (
@@ -76,6 +80,10 @@ class BlockMask:
     ``shape`` is (Bm, Hm, Q_LEN, KV_LEN); ``to_dense()`` gives the (Bm, Hm, Qb, Kb) int32 table of computed blocks,
     ``sparsity()`` the percentage of skipped blocks, ``to_string()`` draws it and ``to(device)`` moves it. Build one
     with ``create_block_mask`` or ``BlockMask.from_kv_blocks``; the constructor takes every field as given.
+
+    ``block_mask[index]`` is the mask of some batch entries, heads or query-block rows (``__getitem__``: ints keep
+    their dimension; the result's mask_mod must be set before use, as in FlexAttention);
+    ``block_mask._adjust(new_q_len, new_kv_len)`` crops it to shorter lengths (the upper left corner).
     """
 
     def __init__(
@@ -208,6 +216,144 @@ class BlockMask:
         moved = {name: None if getattr(self, name) is None else getattr(self, name).to(device) for name in _TENSORS}
         return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
 
+    def __getitem__(self, index) -> BlockMask:
+        """The mask of some batch entries, heads and query-block rows, as FlexAttention's ``block_mask[index]``.
+
+        index: up to three entries, for the batch, head and query-block dimensions of the lists (the rest are
+        kept whole): an int (which keeps its dimension, with size 1: ``block_mask[1]`` has Bm = 1), a slice, or a
+        1-D tensor (or list) of ints or bools, at most one of these. The lists are indexed (views of this mask's
+        where only ints and slices are given) and the q_* lists recomputed from them; seq_lengths and BLOCK_SIZE
+        are kept, so a mask whose query-block rows were indexed needs its ``seq_lengths`` set to the new lengths.
+
+        As in FlexAttention, the result does not keep mask_mod (in the slice, b, h and the rows count from 0, which
+        the original mask_mod does not know): its mask_mod raises InputError, and so does flex_attention, until one
+        is assigned (``sliced.mask_mod = block_mask.mask_mod`` where it depends on neither b nor h; otherwise a
+        mask_mod that maps the slice's b, h and q_idx to the original's).
+
+        Raises:
+            flashtile.InputError: more than three entries, an int or index outside its dimension, a slice without
+                int bounds or with a step below 1, more than one tensor or list, a tensor that is not 1-D, or a
+                bool tensor of another length than its dimension
+            flashtile.InputTypeError: an entry that is not an int, slice, tensor or list, or a tensor of floats
+        """
+        entries = index if isinstance(index, tuple) else (index,)
+        if len(entries) > 3:
+            raise InputError(
+                f"A BlockMask takes up to three indices (batch, head, query block), got {len(entries)}: {index!r}."
+            )
+        dims = zip(self.kv_num_blocks.shape, ("batch", "head", "query block"), strict=True)
+        index = tuple(_index_entry(entry, size, name, self.kv_indices.device)
+                      for entry, (size, name) in zip(entries, dims, strict=False))  # fmt: skip
+        if sum(isinstance(entry, torch.Tensor) for entry in index) > 1:
+            raise InputError(
+                f"A BlockMask takes at most one tensor or list index (with more, their dimensions would merge), got "
+                f"{entries!r}: index the dimensions one after the other (block_mask[x][:, y])."
+            )
+        lists = [None if t is None else t[index] for t in (self.kv_num_blocks, self.kv_indices,
+                                                            self.full_kv_num_blocks, self.full_kv_indices)]  # fmt: skip
+        sliced = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=_unset_after_slicing,
+                                          seq_lengths=self.seq_lengths)  # fmt: skip
+        if recall(_VALID_LISTS, self) and sliced.kv_indices.shape[-2] <= sliced.q_blocks:
+            _known_valid(sliced)  # rows of valid lists; the q_* lists then name only rows the lengths hold
+        return sliced
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
+        """This mask cropped to its upper left corner for new_q_len queries and new_kv_len keys, as FlexAttention's
+        ``_adjust`` (used where a mask made for the longest lengths serves shorter ones): the first
+        ceil(new_q_len / BLOCK_SIZE[0]) query-block rows, each listing, in its order, the listed blocks below
+        ceil(new_kv_len / BLOCK_SIZE[1]); mask_mod is kept. The crop is right for masks whose positions do not
+        depend on the lengths (causal with equal lengths, a window, documents); for others build a new mask.
+        (FlexAttention keeps a row's first counted entries, which can name blocks beyond the new lengths where
+        listed blocks lie past them; the lists kept here never do.)
+
+        Raises:
+            flashtile.InputError: a length that is not a positive int, or new_q_len needing more query-block rows
+                than the mask has (it crops; it cannot grow: build a mask for the longer lengths)
+        """
+        for name, value in (("new_q_len", new_q_len), ("new_kv_len", new_kv_len)):
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"BlockMask._adjust: {name} must be a positive int, got {value!r}.")
+        rows = -(-new_q_len // self.BLOCK_SIZE[0])
+        if rows > self.kv_num_blocks.shape[-1]:
+            raise InputError(
+                f"BlockMask._adjust({new_q_len}, {new_kv_len}) needs {rows} query-block rows and the mask has "
+                f"{self.kv_num_blocks.shape[-1]} (seq_lengths {self.seq_lengths}, BLOCK_SIZE {self.BLOCK_SIZE}): it "
+                "crops a mask; for longer lengths build a new one (create_block_mask)."
+            )
+        cols = -(-new_kv_len // self.BLOCK_SIZE[1])
+        full = (None, None)
+        if self.full_kv_num_blocks is not None:
+            full = _cropped(self.full_kv_num_blocks, self.full_kv_indices, rows, cols)
+        adjusted = BlockMask.from_kv_blocks(
+            *_cropped(self.kv_num_blocks, self.kv_indices, rows, cols), *full, BLOCK_SIZE=self.BLOCK_SIZE,
+            mask_mod=self.mask_mod, seq_lengths=(new_q_len, new_kv_len),
+        )  # fmt: skip
+        _known_valid(adjusted)  # valid by construction
+        return adjusted
+
+
+def _index_entry(entry, size: int, name: str, device: torch.device) -> slice | torch.Tensor:
+    """One entry of a BlockMask index as the lists are indexed with it: an int as the slice of that one position
+    (FlexAttention keeps the dimension), a slice as it is, a list or tensor as a 1-D tensor on ``device``;
+    InputError or InputTypeError for anything else, or a position outside the dimension of ``size``."""
+    if isinstance(entry, numbers.Integral) and not isinstance(entry, torch.Tensor):
+        if not -size <= entry < size:
+            raise InputError(f"BlockMask index {entry} is out of range for the {name} dimension of size {size}.")
+        return slice(int(entry) % size, int(entry) % size + 1)
+    if isinstance(entry, slice):
+        ints = all(x is None or isinstance(x, numbers.Integral) for x in (entry.start, entry.stop, entry.step))
+        if not ints or (entry.step is not None and entry.step < 1):
+            raise InputError(
+                f"A BlockMask slice needs int bounds and a step of 1 or more, got {entry} for the {name} dimension."
+            )
+        return entry
+    if not isinstance(entry, torch.Tensor | list):
+        raise InputTypeError(
+            f"A BlockMask index entry must be an int, a slice or a 1-D tensor (or list) of ints or bools, got "
+            f"{type(entry).__name__} for the {name} dimension."
+        )
+    entry = torch.as_tensor(entry, device=device)
+    if entry.dtype not in _INDEX_DTYPES:
+        raise InputTypeError(f"A BlockMask index tensor must hold ints or bools, got {entry.dtype} for the {name} "
+                             "dimension.")  # fmt: skip
+    if entry.dim() != 1:
+        raise InputError(
+            f"A BlockMask index tensor must be 1-D, got shape {tuple(entry.shape)} for the {name} dimension: use an "
+            "int for one position (it keeps the dimension) or a 1-D tensor."
+        )
+    if entry.dtype == torch.bool and len(entry) != size:
+        raise InputError(f"A bool BlockMask index must have the {name} dimension's length {size}, got {len(entry)}.")
+    if entry.dtype != torch.bool and _backend.values_checked(device) and ((entry < -size) | (entry >= size)).any():
+        raise InputError(f"A BlockMask index tensor holds positions outside [-{size}, {size}) of the {name} dimension: "
+                         f"{entry.tolist()}.")  # fmt: skip
+    return entry
+
+
+_INDEX_DTYPES = (torch.bool, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _unset_after_slicing(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """The mask_mod of a sliced BlockMask until one is assigned: slicing does not keep the mask_mod (as in
+    FlexAttention), so it raises InputError."""
+    raise InputError(_UNSET_AFTER_SLICING)
+
+
+_UNSET_AFTER_SLICING = (
+    "This BlockMask was sliced (block_mask[...]), which does not keep its mask_mod (as in FlexAttention: in the slice "
+    "b, h and the query-block rows count from 0): assign one before using it, e.g. sliced.mask_mod = "
+    "block_mask.mask_mod where it depends on neither b nor h, or a mask_mod mapping the slice's indices to the "
+    "original's."
+)
+
+
+def _cropped(num_blocks: torch.Tensor, indices: torch.Tensor, rows: int, cols: int):
+    """(num_blocks, indices) of the first ``rows`` rows of a list, each keeping, in its order, the listed blocks in
+    [0, cols), cut to ``cols`` entries a row."""
+    num_blocks, indices = num_blocks[..., :rows], indices[..., :rows, :]
+    listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]
+    count, order = _ordered(listed & (indices >= 0) & (indices < cols))  # kept entries first, each part in order
+    return count.clamp(max=cols), indices.gather(-1, order.long())[..., :cols].contiguous()
+
 
 def _positional_args(fn: Callable) -> int:
     """How many positional arguments without a default ``fn`` takes (a mask_mod 4, a score_mod 5)."""
@@ -254,10 +400,7 @@ def create_block_mask(
     require_mod(mask_mod, "mask_mod", 4)
     if mask_mod is None:
         raise InputTypeError("create_block_mask needs a mask_mod(b, h, q_idx, kv_idx) function, got None.")
-    B, H = B or 1, H or 1
-    for name, value in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
-        if not isinstance(value, int) or value < 1:
-            raise InputError(f"create_block_mask: {name} must be a positive int (or None for B and H), got {value!r}.")
+    B, H, Q_LEN, KV_LEN = _sizes("create_block_mask", 1, B, H, Q_LEN, KV_LEN)
     q_block, kv_block = _block_size(BLOCK_SIZE)
     device = torch.device(device)
     rows, cols = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
@@ -277,10 +420,68 @@ def create_block_mask(
     return block_mask
 
 
+def _sizes(caller: str, least: int, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int) -> tuple[int, ...]:
+    """(B, H, Q_LEN, KV_LEN) with None for B or H as 1; InputError unless each is an int of at least ``least``."""
+    sizes = (1 if B is None else B, 1 if H is None else H, Q_LEN, KV_LEN)
+    for name, value in zip(("B", "H", "Q_LEN", "KV_LEN"), sizes, strict=True):
+        if not isinstance(value, int) or value < least:
+            kind = "a positive int" if least == 1 else "an int of 0 or more"
+            raise InputError(f"{caller}: {name} must be {kind} (or None for B and H), got {value!r}.")
+    return sizes
+
+
+def create_mask(
+    mod_fn: MaskMod | ScoreMod,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The dense mask of a mod: bool (B, H, Q_LEN, KV_LEN), True where a query attends to a key (FlexAttention's
+    ``create_mask``, same arguments and result).
+
+    mod_fn: a mask_mod(b, h, q_idx, kv_idx) -> bool tensor (the mask is its value at every position), or a
+    score_mod(score, b, h, q_idx, kv_idx) -> score (the mask is True where it does not turn a score of 0 into
+    -inf); told apart by their number of arguments without a default, 4 or 5, as FlexAttention does. It receives
+    0-d int32 indices (as in flex_attention and create_block_mask; FlexAttention's create_mask passes int64) and,
+    for a score_mod, a float32 score.
+    B, H: the batch size and number of heads; None gives that dimension size 1.
+    Q_LEN, KV_LEN: the query and key lengths.
+    device: where the mod is evaluated and the mask made; default (None) the current accelerator (CUDA where there
+    is one), else the CPU, as in FlexAttention.
+
+    The whole mask is materialised (B * H * Q_LEN * KV_LEN booleans); ``create_block_mask`` needs memory linear in
+    the lengths. A mask_mod's value that is the same everywhere comes back as an expanded tensor (stride 0), as
+    FlexAttention's. A size of 0 gives an empty mask without calling mod_fn (FlexAttention's fails there for a
+    score_mod).
+
+    Raises:
+        flashtile.InputError: a size that is not an int of 0 or more (B and H may be None)
+        flashtile.InputTypeError: mod_fn is not a function of 4 or 5 arguments
+    """
+    arguments = _positional_args(mod_fn) if callable(mod_fn) else None
+    if arguments not in (4, 5):
+        raise InputTypeError(
+            f"create_mask needs a mask_mod(b, h, q_idx, kv_idx) or a score_mod(score, b, h, q_idx, kv_idx), got "
+            f"{mod_fn!r}" + ("." if arguments is None else f" with {arguments} arguments without a default.")
+        )
+    B, H, Q_LEN, KV_LEN = _sizes("create_mask", 0, B, H, Q_LEN, KV_LEN)
+    device = torch.device(device if device is not None else torch.accelerator.current_accelerator() or "cpu")
+    if 0 in (B, H, Q_LEN, KV_LEN):  # no position: the mod is not called (vmap over an empty score cannot be)
+        return torch.empty(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
+    b, h, q_idx, kv_idx = (index(0, n, device) for n in (B, H, Q_LEN, KV_LEN))
+    if arguments == 4:
+        return evaluate_mask(mod_fn, b, h, q_idx, kv_idx)
+    scores = torch.zeros(B, H, Q_LEN, KV_LEN, dtype=torch.float32, device=device)
+    return ~torch.isneginf(apply_score_mod(mod_fn, scores, b, h, q_idx, kv_idx))
+
+
 def remember(store: dict, mask: BlockMask, value: object) -> None:
     """Keep ``value`` in ``store`` for ``mask``'s lists as they are now: by the id of its ``kv_indices`` (the entry
-    leaves with the tensor), with the ids and versions of all its list tensors, so that ``recall`` finds it until a
-    list is replaced or changed in place."""
+    leaves with the tensor), with the ids and versions of all its list tensors and its seq_lengths and BLOCK_SIZE,
+    so that ``recall`` finds it until a list is replaced or changed in place or the lengths or block sizes are
+    changed (as code that slices a mask for a decoding step does)."""
     key = id(mask.kv_indices)
     if key not in store:
         weakref.finalize(mask.kv_indices, store.pop, key, None)
@@ -311,9 +512,10 @@ def _lists(mask: BlockMask) -> list[tuple[str, torch.Tensor, torch.Tensor, int, 
     return [entry for entry in found if entry[1] is not None]
 
 
-def _versions(mask: BlockMask) -> tuple[tuple[int, int], ...]:
-    """Each list tensor's id and version."""
-    return tuple((id(t), t._version) for _, num_blocks, indices, _, _ in _lists(mask) for t in (num_blocks, indices))
+def _versions(mask: BlockMask) -> tuple[tuple[int, ...], ...]:
+    """Each list tensor's id and version, then the mask's seq_lengths and BLOCK_SIZE."""
+    tensors = ((id(t), t._version) for _, num_blocks, indices, _, _ in _lists(mask) for t in (num_blocks, indices))
+    return (*tensors, tuple(mask.seq_lengths), tuple(mask.BLOCK_SIZE))
 
 
 def check_lists(mask: BlockMask) -> None:
@@ -351,7 +553,11 @@ def check_lists(mask: BlockMask) -> None:
 def as_block_mask(block_mask) -> BlockMask:
     """flashtile's BlockMask for a BlockMask of flashtile or of torch (``torch.nn.attention.flex_attention``),
     whose fields it shares (its q_* lists are used as they are where torch computed them); InputTypeError for
-    anything else."""
+    anything else, InputError for a sliced mask whose mask_mod was not assigned (flashtile's or torch's)."""
+    torch_flex = sys.modules.get("torch.nn.attention.flex_attention")  # imported wherever torch's masks exist
+    torch_unset = getattr(torch_flex, "_sliced_mask_mod_error", _unset_after_slicing)
+    if any(getattr(block_mask, "mask_mod", None) is unset for unset in (_unset_after_slicing, torch_unset)):
+        raise InputError(f"flex_attention: {_UNSET_AFTER_SLICING}")
     if isinstance(block_mask, BlockMask):
         return block_mask
     if not all(hasattr(block_mask, name) for name in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE", "seq_lengths")):
