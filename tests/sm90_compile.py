@@ -19,7 +19,8 @@ kernel for sm_90 on a machine without a GPU. This module compiles:
   forward's D=64 config with two consumer warpgroups, 128-row items, as D=128 has), causal and full; the
   forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off); the other setting
   of each causal schedule key (the forward's CAUSAL_PAIRS and CAUSAL_PERSISTENT, the backward's KEY_PAIRS) and of
-  the backward's DQ_PERMUTED.
+  the backward's DQ_PERMUTED; the forward reading torch's (B, H, N, D) layout through head-major descriptors
+  ("head-major": q, k, v and out; "head-major-kv": k and v).
   Their int parameters are not specialized (``forward_sm90.launch``): one compile serves every length.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
@@ -213,6 +214,8 @@ class Variant:
     num_warps: int = 4
     num_stages: int = 3
     data: str = DATA  # element type of q/k/v (and the cache): DATA, or "fp32" for float32 inputs
+    # the Gluon forward's tensors read through head-major (rank-4) descriptors: "" (none), "kv" or "qkv" (out in q's)
+    head_major: str = ""
 
     @property
     def label(self) -> str:
@@ -220,7 +223,9 @@ class Variant:
         return label if self.data == DATA else f"{label} {self.data}"
 
     def key(self) -> tuple:
-        return (self.kernel, tuple(sorted(self.consts.items())), self.num_warps, self.num_stages, self.data)
+        return (
+            self.kernel, tuple(sorted(self.consts.items())), self.num_warps, self.num_stages, self.data, self.head_major
+        )  # fmt: skip
 
 
 def signature(kernel_name: str, consts: dict, data: str = DATA) -> tuple[dict, dict, dict]:
@@ -289,24 +294,27 @@ GLUON_FORWARD = forward_sm90._attention_forward_sm90_kernel.fn.__name__
 GLUON_BACKWARD = backward_sm90._attention_backward_sm90_kernel.fn.__name__
 
 
-def gluon_source(kernel_name: str, consts: dict):
+def gluon_source(kernel_name: str, consts: dict, head_major: str = ""):
     """What triton.compile takes for a Gluon kernel (a GluonASTSource: Gluon kernels need their own source
-    class) with the descriptors and pointers its launcher passes."""
+    class) with the descriptors and pointers its launcher passes; the forward's with ``head_major`` ("kv" or "qkv")
+    read through rank-4 descriptors (``forward_sm90.head_major_descriptor``; out in q's form), the others rank-3."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     head_dim = consts["HEAD_D"]
 
     def descriptor(*block: int, dtype: torch.dtype = torch.bfloat16) -> str:
-        """A descriptor with this block: [rows, head_dim] (2-D rows view) or [1, rows, head_dim] (rank 3) of the
-        q/k/v dtype, or of float32 (the backward's dq_accum)."""
+        """A descriptor with this block: [rows, head_dim] (2-D rows view), [1, rows, head_dim] (rank 3) or [1, 1,
+        rows, head_dim] (rank 4, head-major) of the q/k/v dtype, or of float32 (the backward's dq_accum)."""
         layout = sm90_common.shared_layout(block, dtype)
         element = "fp32" if dtype == torch.float32 else DATA
         return f"tensordesc<{element}[{','.join(map(str, block))}],{layout!r}>"
 
     if kernel_name == GLUON_FORWARD:
         kernel, rows_q, rows_k = forward_sm90._attention_forward_sm90_kernel, consts["M_WG"], consts["BLOCK_N"]
-        sig = {"q_desc": descriptor(1, rows_q, head_dim), "k_desc": descriptor(1, rows_k, head_dim),
-               "v_desc": descriptor(1, rows_k, head_dim), "o_desc": descriptor(1, rows_q, head_dim),
+        q_box = (1, 1, rows_q, head_dim) if head_major == "qkv" else (1, rows_q, head_dim)
+        kv_box = (1, 1, rows_k, head_dim) if head_major else (1, rows_k, head_dim)
+        sig = {"q_desc": descriptor(*q_box), "k_desc": descriptor(*kv_box), "v_desc": descriptor(*kv_box),
+               "o_desc": descriptor(*q_box),
                "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "batch": "i32",
                "nheads": "i32", "group": "i32"}  # fmt: skip
         if consts["CAUSAL"] and consts["CAUSAL_SCHEDULE"]:  # the launcher's causal_schedule
@@ -356,6 +364,14 @@ def gluon_variants() -> list[Variant]:
         variants.append(
             Variant(GLUON_FORWARD, name, "causal", "pair-slots" if cfg["CAUSAL_SCHEDULE"] else "listed", listed)
         )
+        # torch's (B, H, N, D) layout: q, k, v (and out) through head-major descriptors, and k, v alone (a cache's);
+        # each row names the rank-3 variant it compares with (``head_major_twin``)
+        for mask, flags, even_k, head_major in (
+            ("full", "head-major", True, "qkv"), ("causal", "head-major", True, "qkv"),
+            ("full", "head-major,ragged-k", False, "qkv"), ("causal", "head-major-kv", True, "kv"),
+        ):  # fmt: skip
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
+            variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, head_major=head_major))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         stages = f"s{cfg['STAGES']}" + (f"/do{cfg['DO_STAGES']}" if cfg["DO_STAGES"] != cfg["STAGES"] else "")
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/{stages}"
@@ -374,13 +390,25 @@ def gluon_variants() -> list[Variant]:
     return variants
 
 
+def head_major_twin(v: Variant) -> str | None:
+    """The label of the rank-3 variant that a head-major Gluon forward variant compiles the same config, mask and
+    key tiles as ("... causal head-major" -> "... causal off"), None for other variants: its row's "twin", whose
+    stack tests/test_sm90_compile.py compares."""
+    if not v.head_major:
+        return None
+    kept = [f for f in v.flags.split(",") if f not in ("head-major", "head-major-kv")]
+    return Variant(v.kernel, v.config, v.mask, ",".join(kept) or "off").label
+
+
 def compile_variant(v: Variant) -> dict:
     """Compile one variant; the row for the table, with "error" set when it failed."""
     row = {"kernel": v.kernel, "config": v.config, "mask": v.mask, "flags": v.flags, "label": v.label}
+    if v.head_major:
+        row["twin"] = head_major_twin(v)
     start = time.perf_counter()
     try:
         if v.kernel in (GLUON_FORWARD, GLUON_BACKWARD):
-            source = gluon_source(v.kernel, v.consts)
+            source = gluon_source(v.kernel, v.consts, v.head_major)
         else:
             source = ASTSource(KERNELS[v.kernel], *signature(v.kernel, v.consts, v.data))
         compiled = triton.compile(

@@ -83,8 +83,8 @@ def test_layout_reasons():
         "causal with 16 query heads per K/V head (at most 8)",
         "seqlen_q 200, seqlen_k 256 (positive multiples of 128 only)",
     )
-    head_major = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
-    assert forward_sm90.qualifies(head_major, *qkv()[1:], plain).reasons == (
+    head_dim_strided = torch.empty(2, 256, 128, 4, dtype=torch.bfloat16).transpose(2, 3)
+    assert forward_sm90.qualifies(head_dim_strided, *qkv()[1:], plain).reasons == (
         "layouts a tensor descriptor cannot read (q)",
     )
     assert forward_sm90.qualifies(*qkv(), plain, varlen=True).reasons == ("a packed variable-length batch",)
@@ -104,6 +104,17 @@ def test_dispatcher_takes_sm90_where_the_device_is_one(monkeypatch):
     }
     deterministic = AttentionOptions(0.1, None, 0)
     assert _backend.backward_choice(q, k, v, torch.empty_like(q), deterministic).path == _backend.path_name(q.device)
+
+
+def test_head_major_layouts_take_the_gluon_forward_and_the_triton_backward(monkeypatch):
+    """torch's (B, H, N, D) memory, as flashtile's SDPA hands it on: the sm_90 forward reads it (head-major
+    descriptors), the sm_90 backward does not (2-D rows views only) and names the tensors."""
+    monkeypatch.setattr(_backend, "gluon_refusal", lambda device: None)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in qkv())
+    explanation = flashtile.explain(q, k, v, causal=True)
+    assert explanation.forward.path == "sm90-gluon" and explanation.forward.passed_over == ()
+    assert explanation.backward.path == _backend.path_name(q.device)
+    assert explanation.backward.passed_over[0] == ("sm90-gluon", ("layouts a tensor descriptor cannot read (q, k, v)",))
 
 
 CPU_ROUTE = {  # AttentionOptions keywords -> the reason the tiled route runs, or None: torch's kernel

@@ -24,6 +24,7 @@ from flashtile.ops.sm90 import backward as backward_sm90
 from flashtile.ops.sm90 import common as sm90_common
 from flashtile.ops.sm90 import forward as forward_sm90
 from flashtile.options import AttentionOptions
+from oracle import check_against_oracle
 from test_attention import check, make_inputs, run_flashtile
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -95,16 +96,55 @@ def test_qualifies_causal_per_head_dim_and_length(monkeypatch, head_dim):
     assert forward_sm90.qualifies(*qkv(seqlen_q=2048, head_dim=head_dim), options(causal=True))
 
 
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (batch, seqlen, nheads, headdim) with torch's (batch, nheads, seqlen, headdim) memory: a transposed view
+    of a contiguous tensor, what ``flashtile.scaled_dot_product_attention`` hands the kernels."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_qualifies_head_major_and_other_strided_layouts():
+    """Any layout whose last dimension is contiguous and whose other strides are 16-byte multiples (``readable``):
+    torch's (B, H, N, D) for q, k and v or for k and v alone (a cache's), and (B, N, H, D) with heads or batch
+    entries apart; the first through rank-3 descriptors where heads of a token lie side by side."""
+    q, k, v = qkv()
+    assert forward_sm90.qualifies(*map(head_major, (q, k, v)), options())
+    assert forward_sm90.qualifies(q, head_major(k), head_major(v), options(causal=True))
+    assert forward_sm90.qualifies(head_major(q), k, v, options())
+    for head_dim in (64, 256):
+        assert forward_sm90.qualifies(*map(head_major, qkv(seqlen_q=17, seqlen_k=113, head_dim=head_dim)), options())
+    padded_heads = torch.empty(2, 256, 4, 136, dtype=torch.bfloat16)[..., :128]  # heads 272 bytes apart
+    batch_strided = torch.empty(2, 512, 4, 128, dtype=torch.bfloat16)[:, :256]  # rows not evenly strided
+    cache = torch.empty(2, 2, 1024, 128, dtype=torch.bfloat16)[:, :, :384].transpose(1, 2)  # (B, H, N_max, D) cache
+    for x in (padded_heads, batch_strided):
+        assert not sm90_common.rows_view_ok(x) and forward_sm90.readable(x)
+        assert forward_sm90.qualifies(x, k, v, options())
+    assert forward_sm90.qualifies(q, cache, cache, options())
+
+
 def test_qualifies_rejects_layouts_a_descriptor_cannot_read():
     q, k, v = qkv()
     heads_strided = torch.empty(2, 384, 128, 2, dtype=torch.bfloat16).transpose(2, 3)  # (B, S, H, D), D strided
     assert not forward_sm90.qualifies(q, heads_strided, v, options())
-    batch_strided = torch.empty(2, 512, 4, 128, dtype=torch.bfloat16)[:, :256]  # rows not evenly strided
-    assert not forward_sm90.qualifies(batch_strided, k, v, options())
-    head_major = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, S, D) memory
-    assert not forward_sm90.qualifies(head_major, k, v, options())
+    rows_unaligned = torch.empty(2, 4, 256, 132, dtype=torch.bfloat16)[..., :128].transpose(1, 2)  # 264-byte rows
+    assert not forward_sm90.qualifies(rows_unaligned, k, v, options())
+    heads_broadcast = torch.empty(2, 384, 1, 128, dtype=torch.bfloat16).expand(2, 384, 2, 128)  # stride 0
+    assert not forward_sm90.qualifies(q, heads_broadcast, v, options())
     misaligned = torch.empty(2 * 256 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 256, 4, 128)
     assert not forward_sm90.qualifies(misaligned, k, v, options())
+    v_unaligned = torch.empty(2, 2, 384, 132, dtype=torch.bfloat16)[..., :128].transpose(1, 2)
+    reason = forward_sm90.qualifies(q, heads_strided, v_unaligned, options()).reasons
+    assert reason == ("layouts a tensor descriptor cannot read (k, v)",)
+
+
+def test_backward_keeps_refusing_head_major_layouts():
+    """The Gluon backward reads 2-D rows views only (``rows_view_ok``): a (B, H, N, D) call's backward takes the
+    Triton kernel, whose gradients it adds up from the Gluon forward's out and lse as for any other refusal."""
+    q, k, v = qkv()
+    dout = torch.empty_like(q)
+    assert backward_sm90.qualifies(q, k, v, dout, options())
+    found = backward_sm90.qualifies(*map(head_major, (q, k, v)), dout, options())
+    assert found.reasons == ("layouts a tensor descriptor cannot read (q, k, v)",)
+    assert not backward_sm90.qualifies(q, k, v, head_major(dout), options())
 
 
 def test_gluon_refusal(monkeypatch):
@@ -199,6 +239,43 @@ def test_forward_plans_follow_layouts_and_configs(monkeypatch):
     assert launches[-1][0] == (7, 1, 1)
     call(offset=16)  # another alignment of q's address: 32 bytes, still 16-byte aligned
     assert len(forward_sm90._PLANS) == 4 and len(launches) == 6
+
+
+def test_forward_descriptors_follow_each_layout(monkeypatch):
+    """q and out through head-major descriptors where q's heads are apart, k and v where either's are (the kernel
+    reads v at k's coordinates): rank 4, [1, 1, rows, D] boxes of the (B, H, N, D) view; rank 3, [1, rows, D] boxes
+    of the (B, N, H * D) view otherwise. out stays (B, N, H, D) contiguous. Each combination its own launch key."""
+    launches = []
+    monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((args, keyed)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward_sm90, "_PLANS", _launch.Plans())
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = 2, 100, 200, 4, 2, 128
+    m_wg, block_n = forward_sm90.CONFIGS[head_dim]["M_WG"], forward_sm90.CONFIGS[head_dim]["BLOCK_N"]
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+
+    def rank3(desc, x, rows):
+        heads = x.shape[2]
+        assert desc.base is x and desc.block_shape == [1, rows, head_dim]
+        assert desc.shape == [batch, x.shape[1], heads * head_dim] and desc.strides == [x.stride(0), x.stride(1), 1]
+
+    def rank4(desc, x, rows):
+        s_b, s_s, s_h, _ = x.stride()
+        assert desc.base is x and desc.block_shape == [1, 1, rows, head_dim]
+        assert desc.shape == [batch, x.shape[2], x.shape[1], head_dim] and desc.strides == [s_b, s_h, s_s, 1]
+
+    keys = set()
+    for q_major, k_major, v_major in [(False, False, False), (True, True, True), (False, True, True),
+                                      (True, False, False), (False, False, True)]:  # fmt: skip
+        inputs = [head_major(x) if major else x for x, major in ((q, q_major), (k, k_major), (v, v_major))]
+        out, lse = torch.empty_like(q), torch.empty(batch, nheads, seqlen_q)
+        forward_sm90.attention_forward_sm90(*inputs, out, lse, 0.1, causal=False)
+        args, keyed = launches[-1]
+        (rank4 if q_major else rank3)(args[0], inputs[0], m_wg)
+        (rank4 if q_major else rank3)(args[3], out, m_wg)
+        for desc, x in zip(args[1:3], inputs[1:], strict=True):
+            (rank4 if k_major or v_major else rank3)(desc, x, block_n)
+        keys.add(keyed[1])
+    assert len(keys) == 4  # (False, False, True) launches as (False, True, True)
 
 
 def test_backward_plans_follow_layouts_and_configs(monkeypatch):
@@ -501,6 +578,75 @@ def test_against_oracle(launches, dtype, causal, case):
     check(*make_inputs(*shape, head_dim, dtype=dtype), causal=causal)
     gluon_backward = head_dim in backward_sm90.CONFIGS and shape[1] % 128 == 0 and shape[2] % 128 == 0
     assert launches == [("fwd", causal)] + ([("bwd", causal)] if gluon_backward else [])
+
+
+HEAD_MAJOR_SHAPES = [(2, 1, 1, 4, 4), (1, 17, 113, 4, 2), (2, 113, 17, 2, 2), (2, 257, 1023, 4, 1),
+                     (3, 1000, 1000, 8, 8), (2, 384, 384, 8, 2)]  # fmt: skip
+"""(B, Sq, Sk, H, Hk) of the head-major tests: odd lengths, Sq > Sk, MHA, GQA and MQA."""
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", HEAD_MAJOR_SHAPES, ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s))
+@pytest.mark.parametrize("layouts", ["qkv", "kv"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_major_against_oracle(launches, causal, head_dim, layouts, shape):
+    """q, k, v in torch's (B, H, N, D) memory ("qkv"), or k and v alone ("kv": a cache's, as transformers hands
+    prefill), as transposed views through ``flash_attn_func``: the Gluon forward reads them through head-major
+    descriptors; forward and gradients against the oracle (the backward is the Triton kernel's)."""
+    q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
+    if layouts == "qkv":
+        q = head_major(q)
+    k, v = head_major(k), head_major(v)
+    check(q, k, v, dout, causal=causal)
+    assert launches == [("fwd", causal)]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", HEAD_MAJOR_SHAPES, ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s))
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_head_major_sdpa_against_oracle(launches, is_causal, head_dim, shape):
+    """``flashtile.scaled_dot_product_attention`` on contiguous (B, H, N, D) tensors (GQA through enable_gqa) against
+    the oracle: the Gluon forward runs for every call but a causal one with Sq != Sk (top-left causal is a window in
+    the kernels' terms, which the Gluon kernel does not take)."""
+    q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
+    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    out = flashtile.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=0.2, enable_gqa=True)
+    out.backward(dout.transpose(1, 2))
+    grads = {name: x.grad.transpose(1, 2) for name, x in zip(("dq", "dk", "dv"), leaves, strict=True)}
+    results = {"out": out.transpose(1, 2), **grads}
+    seqlen_q, seqlen_k = shape[1:3]
+    top_left = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda").tril() if is_causal else None
+    check_against_oracle(results, q, k, v, dout, softmax_scale=0.2, mask=top_left)
+    gluon_forward = not is_causal or seqlen_q == seqlen_k
+    assert launches == ([("fwd", is_causal)] if gluon_forward else [])
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", HEAD_MAJOR_SHAPES, ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s))
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_major_matches_rows_layout_bit_for_bit(causal, head_dim, shape):
+    """The same values in (B, H, N, D) and (B, N, H, D) memory give the same out and lse bit for bit (one kernel,
+    only the copy engine's addressing differs), written over NaN: every row of out and lse is written."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
+    q, k, v, _ = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
+
+    def forward(q, k, v):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((batch, nheads, seqlen_q), float("nan"), device=q.device)
+        forward_sm90.attention_forward_sm90(q, k, v, out, lse, head_dim**-0.5, causal)
+        return out, lse
+
+    rows = forward(q, k, v)
+    assert not rows[0].isnan().any() and not rows[1].isnan().any()
+    for inputs in ((head_major(q), head_major(k), head_major(v)), (q, head_major(k), head_major(v))):
+        out, lse = forward(*inputs)
+        assert out.is_contiguous() and torch.equal(out, rows[0]) and torch.equal(lse, rows[1])
 
 
 @hopper
@@ -1060,6 +1206,24 @@ def test_which_calls_take_the_gluon_kernels(monkeypatch, options, expected):
     options = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
     _forward_backward(q, k, v, **options)
     assert routed.calls == expected
+
+
+@pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")
+@pytest.mark.parametrize("face", ["sdpa", "flash_attn_func"])
+def test_head_major_calls_take_the_gluon_forward_and_the_triton_backward(monkeypatch, face):
+    """torch's (B, H, N, D) tensors, through ``scaled_dot_product_attention`` or as transposed views through
+    ``flash_attn_func``: the forward takes the Gluon kernel (``forward_sm90.readable``), the backward the Triton one
+    (the Gluon backward reads rows views only), from the saved out and lse."""
+    routed = _Routed(monkeypatch)
+    q, k, v, _ = make_inputs(1, 64, 64, 2, 2, 64, dtype=torch.bfloat16)
+    if face == "sdpa":
+        leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+        out = flashtile.scaled_dot_product_attention(*leaves, is_causal=True)
+        out.backward(torch.ones_like(out))
+        assert [x.grad.stride() for x in leaves] == [x.stride() for x in leaves]
+    else:
+        _forward_backward(*map(head_major, (q, k, v)), causal=True)
+    assert routed.calls == [("fwd", True)]
 
 
 @pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")

@@ -240,9 +240,11 @@ def test_per_layout_descriptors_follow_their_tensor(monkeypatch):
         torch.empty(2, 64, 4, 128, dtype=torch.float16),  # another dtype
         torch.empty(1, 64, 4, 128, dtype=torch.bfloat16),  # another shape
         torch.empty(2, 64, 4, 128, dtype=torch.float32),
+        torch.empty(2, 4, 64, 128, dtype=torch.bfloat16).transpose(1, 2),  # torch's (B, H, N, D) memory
     ]
     builders = [(sm90_common.descriptor, (64,)), (sm90_common.descriptor, (64, 32)),
-                (forward_sm90.batch_descriptor, (64,)), (descriptors.tile_descriptor, (64, 128))]  # fmt: skip
+                (forward_sm90.batch_descriptor, (64,)), (forward_sm90.head_major_descriptor, (64,)),
+                (descriptors.tile_descriptor, (64, 128))]  # fmt: skip
     for build, params in builders:
         for x in tensors * 2:
             if x.dtype == torch.float32 and build is not sm90_common.descriptor:

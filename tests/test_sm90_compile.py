@@ -148,3 +148,18 @@ def test_stack_frames_do_not_grow(rows):
         if r["stack"] > EXPECTED_STACK[label]
     ]
     assert not grown, "stack frames grew (register spills?):\n" + "\n".join(grown)
+
+
+@pytest.mark.skipif(OTHER_TRITON, reason=f"stack sizes are recorded as triton 3.7 compiles, not {triton.__version__}")
+def test_head_major_forward_spills_no_more_than_rank3(rows):
+    # the Gluon forward reading torch's (B, H, N, D) layout through rank-4 descriptors: the stack of the rank-3
+    # variant of its config, mask and key tiles (0 everywhere but D64 192x128 with a ragged last key tile, 8)
+    by_label = {r["label"]: r for r in rows if "error" not in r}
+    pairs = [(r, by_label.get(r["twin"])) for r in by_label.values() if r.get("twin")]
+    assert pairs or OTHER_TRITON, "no head-major variants compiled"
+    grown = [
+        f"{r['label']}: stack {r['stack']} B > {twin['stack'] if twin else '(not compiled)'} of {r['twin']}"
+        for r, twin in pairs
+        if twin is None or r["stack"] > twin["stack"]
+    ]
+    assert not grown, "head-major forward variants spill more than their rank-3 twins:\n" + "\n".join(grown)

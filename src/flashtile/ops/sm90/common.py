@@ -5,6 +5,7 @@ nheads, headdim) tensors, and the launch past Triton's binder with its key."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from triton.experimental import gluon
@@ -61,12 +62,6 @@ def head_dim_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, configs:
     return f"head dims {head_dims} of q, k, v (one of {sorted(configs)} for all three)"
 
 
-def layout_refusal(**tensors: torch.Tensor) -> str | None:
-    """Which of ``tensors`` a tensor descriptor cannot read (``rows_view_ok``), or None."""
-    bad = [name for name, x in tensors.items() if not rows_view_ok(x)]
-    return f"layouts a tensor descriptor cannot read ({', '.join(bad)})" if bad else None
-
-
 def rows_view_ok(x: torch.Tensor) -> bool:
     """Whether (batch, seqlen, nheads, headdim) ``x`` reads as the 2-D (batch * seqlen, nheads * headdim) rows
     of a tensor descriptor: heads of a token contiguous, tokens evenly strided across batch entries, and the
@@ -75,6 +70,13 @@ def rows_view_ok(x: torch.Tensor) -> bool:
     s_b, s_s, s_h, s_d = x.stride()
     evenly = batch == 1 or s_b == seqlen * s_s
     return s_d == 1 and s_h == head_dim and evenly and (s_s * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+
+
+def layout_refusal(readable: Callable[[torch.Tensor], bool] = rows_view_ok, /, **tensors: torch.Tensor) -> str | None:
+    """Which of ``tensors`` a kernel's tensor descriptors cannot read, or None: those ``readable`` refuses (the
+    backward's 2-D rows views by default, ``rows_view_ok``; the forward's ``forward.readable``)."""
+    bad = [name for name, x in tensors.items() if not readable(x)]
+    return f"layouts a tensor descriptor cannot read ({', '.join(bad)})" if bad else None
 
 
 @functools.cache

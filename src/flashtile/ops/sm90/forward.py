@@ -4,8 +4,10 @@ On an H100/H200 (``flashtile._backend.gluon_refusal``) the forwards that qualify
 options) run this kernel instead of the portable Triton one (which every other GPU and
 the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or
 256 for q, k and v (``CONFIGS``), causal or not (``CAUSAL_MIN_SEQLEN_Q``: every length); bf16/fp16; any seqlen_q
-and seqlen_k >= 1; heads of a token contiguous and tokens of a batch entry evenly strided (a contiguous tensor, or
-q/k/v sliced from a packed qkv). ``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
+and seqlen_k >= 1; q, k and v in any layout whose last dimension is contiguous and whose other strides are 16-byte
+multiples (``readable``): flash_attn's (batch, seqlen, nheads, headdim), q/k/v sliced from a packed qkv, or torch's
+(batch, nheads, seqlen, headdim) as ``flashtile.scaled_dot_product_attention`` gets it. ``FLASHTILE_GLUON=0`` turns
+it off (``flashtile._backend.GLUON``).
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
 it against the oracle.
 
@@ -18,11 +20,16 @@ ones below: N=1k 553 / 389, N=4k 655 / 537, N=16k
 against 543 / 463 and B=8 N=1000 causal 340 against 273.
 
 q, k, v and out are read and written through rank-3 tensor descriptors of the (batch, seqlen, nheads *
-headdim) view with [1, rows, headdim] boxes (``batch_descriptor``), so a tile never crosses a batch entry:
-the copy engine fills a box's rows past seqlen with zeros on loads and drops them on stores. Keys past
-seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q (zeros) compute rows that the
-O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq) fp32, natural log; a
-query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton kernel.
+headdim) view with [1, rows, headdim] boxes (``batch_descriptor``) where the heads of a token lie side by side
+(``rows_view_ok``), else through rank-4 descriptors of the (batch, nheads, seqlen, headdim) view with [1, 1, rows,
+headdim] boxes (``head_major_descriptor``; out in q's form, v in k's: ``descriptor_of``). The kernel tells the two
+apart by the rank of each descriptor's box at compile time (``_head_major``, ``_box_at``), so the rank-3 variants
+compile to the machine code they had before rank-4 descriptors (tests/sm90_compile.py's digests, Triton 3.7.1). A
+tile never crosses a batch entry or a head: the copy engine fills a box's rows past seqlen with zeros on loads and
+drops them on stores. Keys past seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q
+(zeros) compute rows that the O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq)
+fp32, natural log; a query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton
+kernel.
 
 Work items: a NUM_WG * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
 batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
@@ -34,9 +41,9 @@ parities and the ping-pong turn carry on from one item to the next, so a persist
 loading while it finishes the last one. Per CTA:
   * producer partition, 1 warp: per item the NUM_WG Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
-    box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready (tx-count) barriers
-    signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup) signal the
-    producer that a slot is free.
+    or [1, 1, rows, headdim] box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready
+    (tx-count) barriers signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup)
+    signal the producer that a slot is free.
   * NUM_WG consumer warpgroups (three at D=64 without causal, two otherwise; the default partition = WG 0, 4-warp
     workers), M_WG query rows each: S = Q K^T (wgmma, A and B from shared memory), online softmax in base 2, O += P V
     (wgmma, P from registers). Iteration i issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, waits only for
@@ -70,7 +77,7 @@ from flashtile._backend import Verdict, verdict
 from flashtile.ops import _launch
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device, sm_count
-from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
+from flashtile.ops.common.descriptors import Template, per_layout, rebase, template, tma_ready
 from flashtile.ops.common.grid import cdiv
 from flashtile.ops.common.math import LN2, LOG2E
 from flashtile.ops.sm90.common import (
@@ -82,6 +89,7 @@ from flashtile.ops.sm90.common import (
     mma_layout,
     option_refusals,
     partition_barrier,
+    rows_view_ok,
     shared_layout,
     tma_load,
     tma_store,
@@ -212,11 +220,39 @@ ROWS = CONFIGS[128]["NUM_WG"] * CONFIGS[128]["M_WG"]
 # ------------------------------------------------------------------------------------------------ layouts
 @gluon.jit
 def _tile(boxes, i):
-    """Buffer i of ``boxes`` ([n, 1, rows, D] shared memory in a rank-3 descriptor's layout, what its TMA copies
-    write and read) as the [rows, D] tile of wgmma and local stores: the same bytes in the same 128-byte
-    swizzle (a [1, rows, D] box lands as rows x D)."""
+    """Buffer i of ``boxes`` ([n, 1, rows, D] or [n, 1, 1, rows, D] shared memory in a descriptor's layout, what its
+    TMA copies write and read) as the [rows, D] tile of wgmma and local stores: the same bytes in the same 128-byte
+    swizzle (a [1, rows, D] or [1, 1, rows, D] box lands as rows x D)."""
     box = boxes.index(i)
-    return box.reshape([box.shape[1], box.shape[2]])
+    return box.reshape([box.shape[-2], box.shape[-1]])
+
+
+@gluon.constexpr_function
+def _boxes(n, box):
+    """The shape of n shared-memory buffers of a descriptor's box ``box`` (its block shape)."""
+    return [n, *box]
+
+
+@gluon.constexpr_function
+def _head_major(box):
+    """Whether a descriptor of block shape ``box`` is ``head_major_descriptor``'s (rank 4: [1, 1, rows, D] boxes of
+    the (batch, nheads, seqlen, headdim) view) rather than ``batch_descriptor``'s (rank 3: [1, rows, D] boxes of the
+    (batch, seqlen, nheads * headdim) view)."""
+    return len(box) == 4
+
+
+@gluon.jit
+def _box_at(desc, b, head, col, row):
+    """The coordinates of ``desc``'s box of rows row.. of batch entry b and head ``head``, whose first column in the
+    (batch, seqlen, nheads * headdim) view is ``col`` (head * headdim): (b, row, col) in a rank-3 descriptor, (b,
+    head, row, 0) in a head-major one. The caller computes col (dropped as unused where head-major): computed in
+    here, its instructions would sit in an inlined scope of their own, whose labels change how ptxas schedules the
+    code around them."""
+    if _head_major(desc.block_shape):
+        coords = (b, head, row, 0)
+    else:
+        coords = (b, row, col)
+    return coords
 
 
 # ------------------------------------------------------------------------------------------------ schedule
@@ -388,9 +424,10 @@ def _producer(
     """Per work item of this CTA (``_work``): the NUM_WG Q tiles ([M_WG, HEAD_D] each), once the consumers are
     done with the previous ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs
     on across items, so the next item's first tiles load while the consumers finish the last one."""
-    # Coordinates are (batch entry, row, column) of the (batch, seqlen, nheads * headdim) view. A box that
-    # reaches past seqlen (or lies wholly past it) is zero-filled there and still completes its full byte
-    # count on the barrier, so the expected bytes are always the box's.
+    # Coordinates (``_box_at``) are (batch entry, row, column) of the (batch, seqlen, nheads * headdim) view or
+    # (batch entry, head, row, 0) of the (batch, nheads, seqlen, headdim) view. A box that reaches past seqlen (or
+    # lies wholly past it) is zero-filled there and still completes its full byte count on the barrier, so the
+    # expected bytes are always the box's.
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
     it = 0
     item = 0
@@ -400,23 +437,24 @@ def _producer(
             t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, schedule, CAUSAL, CAUSAL_PAIRS,
             CAUSAL_PERSISTENT, CAUSAL_SCHEDULE,
         )  # fmt: skip
-        kv_col = (h // group) * HEAD_D
+        kv_head = h // group
+        kv_col = kv_head * HEAD_D
         for w in gl.static_range(NUM_WG):
             # a fresh barrier passes a wait on parity 1, so the first item (and the first round through the
             # ring below) does not block
             mbarrier.wait(q_empty.index(w), (item & 1) ^ 1)
             mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-            tma_load(q_desc, [b, m0 + w * M_WG, h * HEAD_D], q_bar.index(w), q_smem.index(w))
+            tma_load(q_desc, _box_at(q_desc, b, h, h * HEAD_D, m0 + w * M_WG), q_bar.index(w), q_smem.index(w))
         for i in range(n_blocks):
             s = it % STAGES
             ph = ((it // STAGES) & 1) ^ 1
             row = i * BLOCK_N
             mbarrier.wait(k_empty.index(s), ph)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma_load(k_desc, [b, row, kv_col], k_ready.index(s), k_smem.index(s))
+            tma_load(k_desc, _box_at(k_desc, b, kv_head, kv_col, row), k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma_load(v_desc, [b, row, kv_col], v_ready.index(s), v_smem.index(s))
+            tma_load(v_desc, _box_at(v_desc, b, kv_head, kv_col, row), v_ready.index(s), v_smem.index(s))
             it += 1
         item += 1
 
@@ -625,7 +663,7 @@ def _consumer(
             partition_barrier()
         o_tile.store(o.to(dtype))
         fence_async_shared()
-        tma_store(o_desc, [b, q_pos0, h * HEAD_D], o_smem.index(WG))
+        tma_store(o_desc, _box_at(o_desc, b, h, h * HEAD_D, q_pos0), o_smem.index(WG))
 
         lse = (m_i + gl.log2(l_i)) * LN2  # l_i == 0 (no key seen) gives -inf
         rows = q_pos0 + gl.arange(0, M_WG, layout=row_s)
@@ -675,14 +713,18 @@ def _attention_forward_sm90_kernel(
     n_items = n_m * batch * nheads
 
     dtype: gl.constexpr = q_desc.dtype
-    # [1, rows, HEAD_D] boxes of the descriptors, viewed as [rows, HEAD_D] tiles by the consumers (_tile)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], q_desc.layout)
+    # O leaves in q's form (through the Q tile without O_TILE), V loads in K's (at K's coordinates)
+    gl.static_assert(_head_major(o_desc.block_shape) == _head_major(q_desc.block_shape), "out in q's form")
+    gl.static_assert(_head_major(v_desc.block_shape) == _head_major(k_desc.block_shape), "v in k's form")
+    # the descriptors' boxes ([1, rows, HEAD_D], or [1, 1, rows, HEAD_D] head-major), viewed as [rows, HEAD_D]
+    # tiles by the consumers (_tile)
+    q_smem = gl.allocate_shared_memory(dtype, _boxes(NUM_WG, q_desc.block_shape), q_desc.layout)
     if O_TILE:
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, M_WG, HEAD_D], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, _boxes(NUM_WG, o_desc.block_shape), o_desc.layout)
     else:
         o_smem = q_smem
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, _boxes(STAGES, k_desc.block_shape), k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, _boxes(STAGES, v_desc.block_shape), v_desc.layout)
 
     q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
@@ -790,7 +832,7 @@ def qualifies(
     dispatcher's, ``_backend.gluon_refusal``): the options of both sm_90 kernels (``common.option_refusals``) and no
     learnable sink; bf16/fp16, one head dim of CONFIGS for q, k and v (with causal, seqlen_q from
     CAUSAL_MIN_SEQLEN_Q), any lengths but neither q nor k empty (a descriptor's dimensions are positive; no key would
-    leave out and lse to fill), and layouts a tensor descriptor can read (``rows_view_ok``)."""
+    leave out and lse to fill), and layouts its tensor descriptors can read (``readable``)."""
     reasons = [*option_refusals(options, varlen), "a learnable sink" if options.learnable_sink is not None else None]
     if not varlen:
         head_dim = q.shape[3]
@@ -800,9 +842,17 @@ def qualifies(
             head_dim_refusal(q, k, v, CONFIGS),
             f"causal with seqlen_q {q.shape[1]} < {causal_min}" if q.shape[1] < causal_min else None,
             "an empty q or k" if q.numel() == 0 or k.numel() == 0 else None,
-            layout_refusal(q=q, k=k, v=v),
+            layout_refusal(readable, q=q, k=k, v=v),
         )
     return verdict(reasons)
+
+
+def readable(x: torch.Tensor) -> bool:
+    """Whether (batch, seqlen, nheads, headdim) ``x`` reads through ``batch_descriptor`` (``rows_view_ok``: heads of a
+    token side by side, as flash_attn's layout) or ``head_major_descriptor`` (``descriptors.tma_ready``: any layout
+    whose last dimension is contiguous and whose other strides are 16-byte multiples, as torch's (batch, nheads,
+    seqlen, headdim) tensors transposed to this view)."""
+    return rows_view_ok(x) or tma_ready(x)
 
 
 @per_layout
@@ -815,6 +865,24 @@ def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     # seqlen * stride(1) is stride(0) when batch > 1 (rows_view_ok), and 16-byte aligned when batch == 1 too
     strides = [seqlen * x.stride(1), x.stride(1), 1]
     return TensorDescriptor(x, [batch, seqlen, nheads * head_dim], strides, [1, rows, head_dim], layout)
+
+
+@per_layout
+def head_major_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A rank-4 tensor descriptor of the (batch, nheads, seqlen, headdim) view of ``x`` (``descriptors.tma_ready``)
+    with [1, 1, rows, headdim] boxes: for layouts ``batch_descriptor`` cannot read (heads of a token apart, as in
+    torch's (batch, nheads, seqlen, headdim) tensors); rows past seqlen zero-filled and dropped as there."""
+    batch, seqlen, nheads, head_dim = x.shape
+    s_b, s_s, s_h, _ = x.stride()
+    layout = shared_layout((1, 1, rows, head_dim), x.dtype)
+    return TensorDescriptor(x, [batch, nheads, seqlen, head_dim], [s_b, s_h, s_s, 1], [1, 1, rows, head_dim], layout)
+
+
+def descriptor_of(*tensors: torch.Tensor):
+    """The descriptor maker of tensors read in one form (q and out; k and v): ``batch_descriptor`` where each has
+    rows views (``rows_view_ok``; the kernel's code for them is what it was before head-major descriptors), else
+    ``head_major_descriptor``."""
+    return batch_descriptor if all(map(rows_view_ok, tensors)) else head_major_descriptor
 
 
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
@@ -939,8 +1007,9 @@ def _make_plan(q, k, v, out, lse, causal: bool) -> tuple[ForwardPlan, bool]:
         capturing = schedule is None
         if capturing:
             cfg = {**cfg, "CAUSAL_SCHEDULE": False}
-    descriptors = (batch_descriptor(q, m_wg), batch_descriptor(k, block_n), batch_descriptor(v, block_n),
-                   batch_descriptor(out, m_wg))  # fmt: skip
+    # out (contiguous: rows views) leaves in q's form and v loads in k's (the kernel's coordinates)
+    q_form, kv_form = descriptor_of(q), descriptor_of(k, v)
+    descriptors = (q_form(q, m_wg), kv_form(k, block_n), kv_form(v, block_n), q_form(out, m_wg))
     ints = (seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2])
     args = (*descriptors, lse, 1.0, *ints, schedule)
     constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
@@ -964,7 +1033,7 @@ def attention_forward_sm90(
 
     Args:
         q: (batch, seqlen_q, nheads, D); k, v: (batch, seqlen_k, nheads_k, D), D in CONFIGS, nheads a multiple
-            of nheads_k
+            of nheads_k; any layouts ``readable`` accepts
         out: (batch, seqlen_q, nheads, D) in q's dtype, contiguous; written
         lse: (batch, nheads, seqlen_q) float32, contiguous; written (natural log)
         softmax_scale: multiplies q @ k^T before the softmax
