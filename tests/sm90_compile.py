@@ -19,8 +19,9 @@ kernel for sm_90 on a machine without a GPU. This module compiles:
   forward's D=64 config with two consumer warpgroups, 128-row items, as D=128 has), causal and full; the
   forward with key lengths a multiple of its tiles ("off") and not ("ragged-k": EVEN_K off); the other setting
   of each causal schedule key (the forward's CAUSAL_PAIRS and CAUSAL_PERSISTENT, the backward's KEY_PAIRS) and of
-  the backward's DQ_PERMUTED; the forward reading torch's (B, H, N, D) layout through head-major descriptors
-  ("head-major": q, k, v and out; "head-major-kv": k and v).
+  the backward's DQ_PERMUTED; both reading torch's (B, H, N, D) layout through head-major descriptors
+  ("head-major": q, k, v and out, or the backward's q, dout, k, v, dk and dv; "head-major-kv": k and v, and dk and
+  dv; "head-major-q": the backward's q and dout).
   Their int parameters are not specialized (``forward_sm90.launch``): one compile serves every length.
 
 Each distinct variant compiles once; variants compile in parallel, one process per CPU. A variant fails
@@ -214,7 +215,8 @@ class Variant:
     num_warps: int = 4
     num_stages: int = 3
     data: str = DATA  # element type of q/k/v (and the cache): DATA, or "fp32" for float32 inputs
-    # the Gluon forward's tensors read through head-major (rank-4) descriptors: "" (none), "kv" or "qkv" (out in q's)
+    # the Gluon kernels' tensors read through head-major (rank-4) descriptors: "" (none), "q", "kv" or "qkv" (the
+    # forward's out in q's form; the backward's dout in q's, dk and dv in k's)
     head_major: str = ""
 
     @property
@@ -296,8 +298,10 @@ GLUON_BACKWARD = backward_sm90._attention_backward_sm90_kernel.fn.__name__
 
 def gluon_source(kernel_name: str, consts: dict, head_major: str = ""):
     """What triton.compile takes for a Gluon kernel (a GluonASTSource: Gluon kernels need their own source
-    class) with the descriptors and pointers its launcher passes; the forward's with ``head_major`` ("kv" or "qkv")
-    read through rank-4 descriptors (``forward_sm90.head_major_descriptor``; out in q's form), the others rank-3."""
+    class) with the descriptors and pointers its launcher passes: those of ``head_major``'s tensors ("q", "kv" or
+    "qkv"; the forward's out in q's form, the backward's dout in q's, dk and dv in k's) rank-4 head-major
+    descriptors (``sm90_common.head_major_descriptor``), the others the forward's rank-3 and the backward's 2-D
+    ones."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     head_dim = consts["HEAD_D"]
@@ -324,9 +328,12 @@ def gluon_source(kernel_name: str, consts: dict, head_major: str = ""):
     else:
         kernel, rows_q, rows_k = backward_sm90._attention_backward_sm90_kernel, consts["BLOCK_M"], consts["BLOCK_N"]
         rows_out = rows_k if consts["OUTPUT_SPLIT"] else rows_k // 2  # dK / dV rows per warpgroup
-        sig = {"q_desc": descriptor(rows_q, head_dim), "do_desc": descriptor(rows_q, head_dim),
-               "k_desc": descriptor(rows_k, head_dim), "v_desc": descriptor(rows_k, head_dim),
-               "dk_desc": descriptor(rows_out, head_dim), "dv_desc": descriptor(rows_out, head_dim),
+        q_lead = (1, 1) if "q" in head_major else ()  # a head-major descriptor's [1, 1, rows, D] boxes
+        kv_lead = (1, 1) if "kv" in head_major else ()
+        sig = {"q_desc": descriptor(*q_lead, rows_q, head_dim), "do_desc": descriptor(*q_lead, rows_q, head_dim),
+               "k_desc": descriptor(*kv_lead, rows_k, head_dim), "v_desc": descriptor(*kv_lead, rows_k, head_dim),
+               "dk_desc": descriptor(*kv_lead, rows_out, head_dim),
+               "dv_desc": descriptor(*kv_lead, rows_out, head_dim),
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
         if consts["DQ_TMA"]:  # dq_accum's descriptor, fp32 blocks of a staging tile's shape
@@ -387,16 +394,25 @@ def gluon_variants() -> list[Variant]:
         consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=False, DQ_PERMUTED=not cfg["DQ_PERMUTED"])
         flags = "plain-dq" if cfg["DQ_PERMUTED"] else "permuted-dq"
         variants.append(Variant(GLUON_BACKWARD, name, "full", flags, consts))
+        # torch's (B, H, N, D) layout: q, dout, k, v (and dk, dv) through head-major descriptors, k and v alone (a
+        # cache's), and q and dout alone; dq_accum keeps its rows views
+        for mask, flags, grouped, head_major in (
+            ("full", "head-major", False, "qkv"), ("causal", "head-major", False, "qkv"),
+            ("causal", "head-major,gqa", True, "qkv"), ("causal", "head-major-kv", False, "kv"),
+            ("full", "head-major-q,gqa", True, "q"),
+        ):  # fmt: skip
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
+            variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts, head_major=head_major))
     return variants
 
 
 def head_major_twin(v: Variant) -> str | None:
-    """The label of the rank-3 variant that a head-major Gluon forward variant compiles the same config, mask and
-    key tiles as ("... causal head-major" -> "... causal off"), None for other variants: its row's "twin", whose
-    stack tests/test_sm90_compile.py compares."""
+    """The label of the variant with rows views' descriptors (the forward's rank-3, the backward's 2-D) that a
+    head-major Gluon variant compiles the same config, mask, key tiles and grouping as ("... causal head-major" ->
+    "... causal off"), None for other variants: its row's "twin", whose stack tests/test_sm90_compile.py compares."""
     if not v.head_major:
         return None
-    kept = [f for f in v.flags.split(",") if f not in ("head-major", "head-major-kv")]
+    kept = [f for f in v.flags.split(",") if f not in ("head-major", "head-major-kv", "head-major-q")]
     return Variant(v.kernel, v.config, v.mask, ",".join(kept) or "off").label
 
 

@@ -106,15 +106,27 @@ def test_dispatcher_takes_sm90_where_the_device_is_one(monkeypatch):
     assert _backend.backward_choice(q, k, v, torch.empty_like(q), deterministic).path == _backend.path_name(q.device)
 
 
-def test_head_major_layouts_take_the_gluon_forward_and_the_triton_backward(monkeypatch):
-    """torch's (B, H, N, D) memory, as flashtile's SDPA hands it on: the sm_90 forward reads it (head-major
-    descriptors), the sm_90 backward does not (2-D rows views only) and names the tensors."""
+def test_head_major_layouts_take_the_sm90_kernels(monkeypatch):
+    """torch's (B, H, N, D) memory, as flashtile's SDPA hands it on: the sm_90 forward and backward read it (head-major
+    descriptors), with a dout of either layout; the backward's own conditions still hold (its lengths), and a layout
+    no descriptor reads is named."""
     monkeypatch.setattr(_backend, "gluon_refusal", lambda device: None)
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in qkv())
-    explanation = flashtile.explain(q, k, v, causal=True)
+    explanation = flashtile.explain(q, k, v, causal=True)  # with a contiguous (B, N, H, D) dout, as autograd gives
     assert explanation.forward.path == "sm90-gluon" and explanation.forward.passed_over == ()
+    assert explanation.backward.path == "sm90-gluon" and explanation.backward.passed_over == ()
+    causal = AttentionOptions(0.1, None, 0, deterministic=False)
+    dout = torch.empty_like(q)  # (B, H, N, D) memory too
+    assert _backend.backward_choice(q, k, v, dout, causal).path == "sm90-gluon"
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in qkv(seqlen_q=200))
+    explanation = flashtile.explain(q, k, v, causal=True)
+    assert explanation.forward.path == "sm90-gluon"
     assert explanation.backward.path == _backend.path_name(q.device)
-    assert explanation.backward.passed_over[0] == ("sm90-gluon", ("layouts a tensor descriptor cannot read (q, k, v)",))
+    reason = "seqlen_q 200, seqlen_k 256 (positive multiples of 128 only)"
+    assert explanation.backward.passed_over[0] == ("sm90-gluon", (reason,))
+    rows_unaligned = torch.empty(2, 4, 200, 132, dtype=torch.bfloat16)[..., :128].transpose(1, 2)  # 264-byte rows
+    found = _backend.backward_choice(q, k, v, rows_unaligned, causal, every=True).passed_over[0]
+    assert found == ("sm90-gluon", _backend.Verdict((reason, "layouts a tensor descriptor cannot read (dout)")))
 
 
 CPU_ROUTE = {  # AttentionOptions keywords -> the reason the tiled route runs, or None: torch's kernel

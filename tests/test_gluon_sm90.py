@@ -20,6 +20,7 @@ from flashtile import _backend
 from flashtile.ops import _launch
 from flashtile.ops.attention import backward
 from flashtile.ops.common import grid
+from flashtile.ops.common.descriptors import tma_ready
 from flashtile.ops.sm90 import backward as backward_sm90
 from flashtile.ops.sm90 import common as sm90_common
 from flashtile.ops.sm90 import forward as forward_sm90
@@ -103,9 +104,10 @@ def head_major(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_qualifies_head_major_and_other_strided_layouts():
-    """Any layout whose last dimension is contiguous and whose other strides are 16-byte multiples (``readable``):
-    torch's (B, H, N, D) for q, k and v or for k and v alone (a cache's), and (B, N, H, D) with heads or batch
-    entries apart; the first through rank-3 descriptors where heads of a token lie side by side."""
+    """Any layout whose last dimension is contiguous and whose other strides are 16-byte multiples (``tma_ready``,
+    ``common.layout_refusal``): torch's (B, H, N, D) for q, k and v or for k and v alone (a cache's), and (B, N, H, D)
+    with heads or batch entries apart; the first through rank-3 descriptors where heads of a token lie side by
+    side."""
     q, k, v = qkv()
     assert forward_sm90.qualifies(*map(head_major, (q, k, v)), options())
     assert forward_sm90.qualifies(q, head_major(k), head_major(v), options(causal=True))
@@ -116,7 +118,7 @@ def test_qualifies_head_major_and_other_strided_layouts():
     batch_strided = torch.empty(2, 512, 4, 128, dtype=torch.bfloat16)[:, :256]  # rows not evenly strided
     cache = torch.empty(2, 2, 1024, 128, dtype=torch.bfloat16)[:, :, :384].transpose(1, 2)  # (B, H, N_max, D) cache
     for x in (padded_heads, batch_strided):
-        assert not sm90_common.rows_view_ok(x) and forward_sm90.readable(x)
+        assert not sm90_common.rows_view_ok(x) and tma_ready(x)
         assert forward_sm90.qualifies(x, k, v, options())
     assert forward_sm90.qualifies(q, cache, cache, options())
 
@@ -136,15 +138,47 @@ def test_qualifies_rejects_layouts_a_descriptor_cannot_read():
     assert reason == ("layouts a tensor descriptor cannot read (k, v)",)
 
 
-def test_backward_keeps_refusing_head_major_layouts():
-    """The Gluon backward reads 2-D rows views only (``rows_view_ok``): a (B, H, N, D) call's backward takes the
-    Triton kernel, whose gradients it adds up from the Gluon forward's out and lse as for any other refusal."""
-    q, k, v = qkv()
+def rows_only(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (batch 1) with a batch stride that is no 16-byte multiple: a rows view reads it (the batch stride does
+    not matter there), a head-major descriptor does not (its strides must be)."""
+    assert x.shape[0] == 1
+    return x.as_strided(x.shape, (7, *x.stride()[1:]))
+
+
+def test_one_form_per_group_of_tensors():
+    """Tensors read at the same coordinates go through descriptors of one form (``common.layout_refusal``): a tensor
+    that only a rows view reads qualifies beside tensors with rows views, and is named beside a head-major one (the
+    forward's k and v; the backward's q and dout, and k and v)."""
+    q, k, v = qkv(batch=1)
+    k_rows = rows_only(k)
+    assert sm90_common.rows_view_ok(k_rows) and not tma_ready(k_rows)
+    assert forward_sm90.qualifies(q, k_rows, v, options())
+    found = forward_sm90.qualifies(q, k_rows, head_major(v), options()).reasons
+    assert found == ("layouts a tensor descriptor cannot read (k)",)
     dout = torch.empty_like(q)
-    assert backward_sm90.qualifies(q, k, v, dout, options())
-    found = backward_sm90.qualifies(*map(head_major, (q, k, v)), dout, options())
-    assert found.reasons == ("layouts a tensor descriptor cannot read (q, k, v)",)
-    assert not backward_sm90.qualifies(q, k, v, head_major(dout), options())
+    assert backward_sm90.qualifies(q, k_rows, v, dout, options())
+    found = backward_sm90.qualifies(rows_only(q), k_rows, head_major(v), head_major(dout), options()).reasons
+    assert found == ("layouts a tensor descriptor cannot read (q, k)",)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_backward_qualifies_head_major_layouts(head_dim):
+    """The Gluon backward reads torch's (B, H, N, D) memory through head-major descriptors: q, k, v and dout, or any
+    of them (SDPA's dout usually has out's (B, N, H, D) memory), MHA, GQA and MQA; the length rule stays (multiples
+    of 128), and layouts no descriptor reads are named."""
+    for nheads_k in (4, 2, 1):
+        q, k, v = qkv(nheads=4, nheads_k=nheads_k, head_dim=head_dim)
+        dout = torch.empty_like(q)
+        for major in ("q k v dout", "q k v", "k v", "q dout", "dout"):
+            inputs = head_major_inputs(major, q=q, k=k, v=v, dout=dout)
+            assert backward_sm90.qualifies(*inputs, options(causal=True)), (nheads_k, major)
+    odd = [head_major(x) for x in qkv(seqlen_q=113, seqlen_k=256, head_dim=head_dim)]
+    found = backward_sm90.qualifies(*odd, torch.empty_like(odd[0]), options()).reasons
+    assert found == ("seqlen_q 113, seqlen_k 256 (positive multiples of 128 only)",)
+    rows_unaligned = torch.empty(2, 4, 256, head_dim + 4, dtype=torch.bfloat16)[..., :head_dim].transpose(1, 2)
+    q, k, v = qkv(head_dim=head_dim)
+    found = backward_sm90.qualifies(q, head_major(k), head_major(v), rows_unaligned, options()).reasons
+    assert found == ("layouts a tensor descriptor cannot read (dout)",)
 
 
 def test_gluon_refusal(monkeypatch):
@@ -241,6 +275,14 @@ def test_forward_plans_follow_layouts_and_configs(monkeypatch):
     assert len(forward_sm90._PLANS) == 4 and len(launches) == 6
 
 
+def check_head_major_descriptor(desc, x: torch.Tensor, rows: int) -> None:
+    """``desc`` is ``common.head_major_descriptor(x, rows)``: rank 4, [1, 1, rows, D] boxes of x's (B, H, N, D) view."""
+    batch, seqlen, nheads, head_dim = x.shape
+    s_b, s_s, s_h, _ = x.stride()
+    assert desc.base is x and desc.block_shape == [1, 1, rows, head_dim]
+    assert desc.shape == [batch, nheads, seqlen, head_dim] and desc.strides == [s_b, s_h, s_s, 1]
+
+
 def test_forward_descriptors_follow_each_layout(monkeypatch):
     """q and out through head-major descriptors where q's heads are apart, k and v where either's are (the kernel
     reads v at k's coordinates): rank 4, [1, 1, rows, D] boxes of the (B, H, N, D) view; rank 3, [1, rows, D] boxes
@@ -258,11 +300,6 @@ def test_forward_descriptors_follow_each_layout(monkeypatch):
         assert desc.base is x and desc.block_shape == [1, rows, head_dim]
         assert desc.shape == [batch, x.shape[1], heads * head_dim] and desc.strides == [x.stride(0), x.stride(1), 1]
 
-    def rank4(desc, x, rows):
-        s_b, s_s, s_h, _ = x.stride()
-        assert desc.base is x and desc.block_shape == [1, 1, rows, head_dim]
-        assert desc.shape == [batch, x.shape[2], x.shape[1], head_dim] and desc.strides == [s_b, s_h, s_s, 1]
-
     keys = set()
     for q_major, k_major, v_major in [(False, False, False), (True, True, True), (False, True, True),
                                       (True, False, False), (False, False, True)]:  # fmt: skip
@@ -270,12 +307,60 @@ def test_forward_descriptors_follow_each_layout(monkeypatch):
         out, lse = torch.empty_like(q), torch.empty(batch, nheads, seqlen_q)
         forward_sm90.attention_forward_sm90(*inputs, out, lse, 0.1, causal=False)
         args, keyed = launches[-1]
-        (rank4 if q_major else rank3)(args[0], inputs[0], m_wg)
-        (rank4 if q_major else rank3)(args[3], out, m_wg)
+        (check_head_major_descriptor if q_major else rank3)(args[0], inputs[0], m_wg)
+        (check_head_major_descriptor if q_major else rank3)(args[3], out, m_wg)
         for desc, x in zip(args[1:3], inputs[1:], strict=True):
-            (rank4 if k_major or v_major else rank3)(desc, x, block_n)
+            (check_head_major_descriptor if k_major or v_major else rank3)(desc, x, block_n)
         keys.add(keyed[1])
     assert len(keys) == 4  # (False, False, True) launches as (False, True, True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_backward_descriptors_and_gradients_follow_each_layout(monkeypatch, head_dim):
+    """q and dout through head-major descriptors where either's heads are apart, k, v, dk and dv where k's or v's are
+    (the kernel reads each group at the same coordinates): rank 4, [1, 1, rows, D] boxes of the (B, H, N, D) view;
+    2-D [rows, D] boxes of the (B * N, H * D) rows otherwise. dq_accum keeps its contiguous rows and its descriptor.
+    The gradients come in their inputs' layouts (``torch.empty_like``'s, as the op's register_fake gives them; dense
+    inputs here), dq converted from dq_accum (all zeros, as no kernel ran: every element written over NaN). Each
+    combination of forms its own launch key."""
+    launches = []
+    monkeypatch.setattr(backward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((args, keyed)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(backward_sm90, "_PLANS", _launch.Plans())
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = 2, 256, 384, 4, 2
+    cfg = backward_sm90.CONFIGS[head_dim]
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    rows_out = block_n if cfg["OUTPUT_SPLIT"] else block_n // 2  # the dK / dV rows one warpgroup stores
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    names = backward_sm90._attention_backward_sm90_kernel.arg_names
+
+    def rows_view(desc, x, rows):
+        assert desc.base is x and desc.block_shape == [rows, head_dim]
+        assert desc.shape == [batch * x.shape[1], x.shape[2] * head_dim] and desc.strides == [x.stride(1), 1]
+
+    keys = set()
+    for major in ("", "q k v dout", "q k v", "k v", "v", "q dout", "dout"):
+        given = dict(q=q, k=k, v=v, dout=torch.empty_like(q))
+        x = {name: head_major(t) if name in major.split() else t for name, t in given.items()}
+        stats = torch.zeros(batch, nheads, seqlen_q)
+        grads = backward_sm90.attention_backward_sm90(x["dout"], x["q"], x["k"], x["v"], stats, stats, 0.1, False)
+        args, keyed = launches[-1]
+        arg = dict(zip(names, args, strict=False))  # args: the parameters before the constexprs
+        q_form = check_head_major_descriptor if {"q", "dout"} & set(major.split()) else rows_view
+        kv_form = check_head_major_descriptor if {"k", "v"} & set(major.split()) else rows_view
+        q_form(arg["q_desc"], x["q"], block_m)
+        q_form(arg["do_desc"], x["dout"], block_m)
+        kv_form(arg["k_desc"], x["k"], block_n)
+        kv_form(arg["v_desc"], x["v"], block_n)
+        kv_form(arg["dk_desc"], grads[1], rows_out)
+        kv_form(arg["dv_desc"], grads[2], rows_out)
+        dq_accum = arg["dq_ptr"]
+        assert dq_accum.is_contiguous() and dq_accum.shape == q.shape and arg["dq_desc"].base is dq_accum
+        for grad, name in zip(grads, "qkv", strict=True):
+            assert grad.shape == x[name].shape and grad.stride() == x[name].stride() and grad.dtype == x[name].dtype
+        assert torch.equal(grads[0], torch.zeros_like(q))
+        keys.add(keyed[1])
+    assert len(keys) == 4  # rows views or head-major for q and dout, and for k and v
 
 
 def test_backward_plans_follow_layouts_and_configs(monkeypatch):
@@ -580,27 +665,44 @@ def test_against_oracle(launches, dtype, causal, case):
     assert launches == [("fwd", causal)] + ([("bwd", causal)] if gluon_backward else [])
 
 
+BACKWARD_HEAD_MAJOR_SHAPES = [(2, 128, 128, 4, 4), (1, 256, 640, 4, 2), (2, 512, 256, 2, 2), (1, 384, 1152, 8, 1),
+                              (2, 384, 384, 8, 2)]  # fmt: skip
+"""(B, Sq, Sk, H, Hk) with lengths the Gluon backward takes (multiples of 128): MHA, GQA and MQA, Sq < Sk and Sq > Sk
+(causal: query rows that see no key)."""
+
 HEAD_MAJOR_SHAPES = [(2, 1, 1, 4, 4), (1, 17, 113, 4, 2), (2, 113, 17, 2, 2), (2, 257, 1023, 4, 1),
-                     (3, 1000, 1000, 8, 8), (2, 384, 384, 8, 2)]  # fmt: skip
-"""(B, Sq, Sk, H, Hk) of the head-major tests: odd lengths, Sq > Sk, MHA, GQA and MQA."""
+                     (3, 1000, 1000, 8, 8), *BACKWARD_HEAD_MAJOR_SHAPES]  # fmt: skip
+"""(B, Sq, Sk, H, Hk) of the head-major tests: odd lengths (the backward then the Triton kernel's), Sq > Sk, MHA,
+GQA and MQA."""
+
+HEAD_MAJOR_LAYOUTS = {"qkv": "q k v", "qkv-dout": "q k v dout", "kv": "k v", "q-dout": "q dout"}
+"""Which of q, k, v and dout have torch's (B, H, N, D) memory: SDPA's q, k and v (its dout usually has out's (B, N,
+H, D) memory), all four, a cache's k and v (as transformers hands prefill), q and dout alone."""
+
+
+def head_major_inputs(major: str, **tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` (q, k, v, dout of make_inputs) in order, those named in ``major`` as ``head_major`` views."""
+    return [head_major(x) if name in major.split() else x for name, x in tensors.items()]
 
 
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", HEAD_MAJOR_SHAPES, ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s))
-@pytest.mark.parametrize("layouts", ["qkv", "kv"])
+@pytest.mark.parametrize("layouts", HEAD_MAJOR_LAYOUTS.values(), ids=HEAD_MAJOR_LAYOUTS.keys())
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_major_against_oracle(launches, causal, head_dim, layouts, shape):
-    """q, k, v in torch's (B, H, N, D) memory ("qkv"), or k and v alone ("kv": a cache's, as transformers hands
-    prefill), as transposed views through ``flash_attn_func``: the Gluon forward reads them through head-major
-    descriptors; forward and gradients against the oracle (the backward is the Triton kernel's)."""
+    """q, k, v and dout in torch's (B, H, N, D) memory, all or some (``HEAD_MAJOR_LAYOUTS``), as transposed views
+    through ``flash_attn_func``: the Gluon forward and backward read them through head-major descriptors (the
+    backward where both lengths are multiples of 128, the Triton one otherwise); out, lse, dq, dk and dv against the
+    oracle by the tolerance rule, and the gradients in the inputs' layouts."""
     q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
-    if layouts == "qkv":
-        q = head_major(q)
-    k, v = head_major(k), head_major(v)
-    check(q, k, v, dout, causal=causal)
-    assert launches == [("fwd", causal)]
+    q, k, v, dout = head_major_inputs(layouts, q=q, k=k, v=v, dout=dout)
+    results = run_flashtile(q, k, v, dout, causal=causal)
+    check_against_oracle(results, q, k, v, dout, causal=causal)
+    assert [results[name].stride() for name in ("dq", "dk", "dv")] == [q.stride(), k.stride(), v.stride()]
+    gluon_backward = shape[1] % 128 == 0 and shape[2] % 128 == 0
+    assert launches == [("fwd", causal)] + ([("bwd", causal)] if gluon_backward else [])
 
 
 @hopper
@@ -611,7 +713,8 @@ def test_head_major_against_oracle(launches, causal, head_dim, layouts, shape):
 def test_head_major_sdpa_against_oracle(launches, is_causal, head_dim, shape):
     """``flashtile.scaled_dot_product_attention`` on contiguous (B, H, N, D) tensors (GQA through enable_gqa) against
     the oracle: the Gluon forward runs for every call but a causal one with Sq != Sk (top-left causal is a window in
-    the kernels' terms, which the Gluon kernel does not take)."""
+    the kernels' terms, which the Gluon kernels do not take), the Gluon backward for those with lengths multiples of
+    128; the gradients come back in the leaves' (B, H, N, D) layout."""
     q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
     leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
     out = flashtile.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=0.2, enable_gqa=True)
@@ -621,8 +724,11 @@ def test_head_major_sdpa_against_oracle(launches, is_causal, head_dim, shape):
     seqlen_q, seqlen_k = shape[1:3]
     top_left = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda").tril() if is_causal else None
     check_against_oracle(results, q, k, v, dout, softmax_scale=0.2, mask=top_left)
+    assert [x.grad.stride() for x in leaves] == [x.stride() for x in leaves]
     gluon_forward = not is_causal or seqlen_q == seqlen_k
-    assert launches == ([("fwd", is_causal)] if gluon_forward else [])
+    gluon_backward = gluon_forward and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
+    expected = [("fwd", is_causal)] * gluon_forward + [("bwd", is_causal)] * gluon_backward
+    assert launches == expected
 
 
 @hopper
@@ -647,6 +753,32 @@ def test_head_major_matches_rows_layout_bit_for_bit(causal, head_dim, shape):
     for inputs in ((head_major(q), head_major(k), head_major(v)), (q, head_major(k), head_major(v))):
         out, lse = forward(*inputs)
         assert out.is_contiguous() and torch.equal(out, rows[0]) and torch.equal(lse, rows[1])
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", BACKWARD_HEAD_MAJOR_SHAPES, ids=lambda s: "B{}-Sq{}-Sk{}-H{}_{}".format(*s))
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_major_backward_matches_rows_layout(causal, head_dim, shape):
+    """The Gluon backward on the same values in (B, H, N, D) and (B, N, H, D) memory (every ``HEAD_MAJOR_LAYOUTS``
+    mix): dk and dv bit for bit (one kernel, only the copy engine's addressing differs; their sums run in one order),
+    dq up to the order of its fp32 sums (atomic adds: about one rounding of bf16 at the largest magnitude), each
+    written over NaN and in its input's layout."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
+    q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    out, lse = torch.empty_like(q), torch.empty(batch, nheads, seqlen_q, device=q.device)
+    forward_sm90.attention_forward_sm90(q, k, v, out, lse, scale, causal)
+    delta = backward.attention_delta(dout, out, None)
+    rows = backward_sm90.attention_backward_sm90(dout, q, k, v, lse, delta, scale, causal)
+    assert not any(x.isnan().any() for x in rows)
+    for layouts in HEAD_MAJOR_LAYOUTS.values():
+        hq, hk, hv, hdout = head_major_inputs(layouts, q=q, k=k, v=v, dout=dout)
+        dq, dk, dv = backward_sm90.attention_backward_sm90(hdout, hq, hk, hv, lse, delta, scale, causal)
+        assert [dq.stride(), dk.stride(), dv.stride()] == [hq.stride(), hk.stride(), hv.stride()], layouts
+        assert torch.equal(dk, rows[1]) and torch.equal(dv, rows[2]), layouts
+        assert (dq.float() - rows[0].float()).abs().max().item() <= 2**-7 * rows[0].float().abs().max().item()
 
 
 @hopper
@@ -1209,13 +1341,14 @@ def test_which_calls_take_the_gluon_kernels(monkeypatch, options, expected):
 
 
 @pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")
+@pytest.mark.parametrize("seqlen", [128, 64])
 @pytest.mark.parametrize("face", ["sdpa", "flash_attn_func"])
-def test_head_major_calls_take_the_gluon_forward_and_the_triton_backward(monkeypatch, face):
+def test_head_major_calls_take_the_gluon_kernels(monkeypatch, face, seqlen):
     """torch's (B, H, N, D) tensors, through ``scaled_dot_product_attention`` or as transposed views through
-    ``flash_attn_func``: the forward takes the Gluon kernel (``forward_sm90.readable``), the backward the Triton one
-    (the Gluon backward reads rows views only), from the saved out and lse."""
+    ``flash_attn_func``: the forward and the backward take the Gluon kernels (head-major descriptors), the backward
+    where the lengths are multiples of 128 (otherwise the Triton one, from the Gluon forward's out and lse)."""
     routed = _Routed(monkeypatch)
-    q, k, v, _ = make_inputs(1, 64, 64, 2, 2, 64, dtype=torch.bfloat16)
+    q, k, v, _ = make_inputs(1, seqlen, seqlen, 2, 2, 64, dtype=torch.bfloat16)
     if face == "sdpa":
         leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
         out = flashtile.scaled_dot_product_attention(*leaves, is_causal=True)
@@ -1223,7 +1356,7 @@ def test_head_major_calls_take_the_gluon_forward_and_the_triton_backward(monkeyp
         assert [x.grad.stride() for x in leaves] == [x.stride() for x in leaves]
     else:
         _forward_backward(*map(head_major, (q, k, v)), causal=True)
-    assert routed.calls == [("fwd", True)]
+    assert routed.calls == [("fwd", True)] + ([("bwd", True)] if seqlen % 128 == 0 else [])
 
 
 @pytest.mark.skipif(not _backend.TRITON_INTERPRET and DEVICE == "cpu", reason="needs the Triton launchers")

@@ -150,16 +150,29 @@ def test_stack_frames_do_not_grow(rows):
     assert not grown, "stack frames grew (register spills?):\n" + "\n".join(grown)
 
 
+HEAD_MAJOR_STACK_GROWTH = {
+    "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 causal head-major": 8,
+    "_attention_backward_sm90_kernel backward_sm90 D128 64x128/s3 causal head-major-kv": 8,
+    "_attention_backward_sm90_kernel backward_sm90 D64 128x128/s2 causal head-major,gqa": 8,
+}
+"""Head-major variants whose stack exceeds their twin's, by how many bytes (STACK_TRITON). The Gluon backward's causal
+walks (KEY_PAIRS): head-major rows start at 0 in each head, so the dK/dV store's row equals the causal mask's first
+key, one value that the first consumer warpgroup now keeps across the work item's loop; in the SASS 2-4 more local
+loads and 1-3 more stores per work item, before and after its query-tile loop, whose own local loads and stores are
+the twin's."""
+
+
 @pytest.mark.skipif(OTHER_TRITON, reason=f"stack sizes are recorded as triton 3.7 compiles, not {triton.__version__}")
-def test_head_major_forward_spills_no_more_than_rank3(rows):
-    # the Gluon forward reading torch's (B, H, N, D) layout through rank-4 descriptors: the stack of the rank-3
-    # variant of its config, mask and key tiles (0 everywhere but D64 192x128 with a ragged last key tile, 8)
+def test_head_major_spills_no_more_than_rows_views(rows):
+    # the Gluon kernels reading torch's (B, H, N, D) layout through rank-4 descriptors: the stack of the variant of
+    # their config, mask, key tiles and grouping with rows views' descriptors (the forward: 0 everywhere but D64
+    # 192x128 with a ragged last key tile, 8), or HEAD_MAJOR_STACK_GROWTH more
     by_label = {r["label"]: r for r in rows if "error" not in r}
     pairs = [(r, by_label.get(r["twin"])) for r in by_label.values() if r.get("twin")]
     assert pairs or OTHER_TRITON, "no head-major variants compiled"
     grown = [
         f"{r['label']}: stack {r['stack']} B > {twin['stack'] if twin else '(not compiled)'} of {r['twin']}"
         for r, twin in pairs
-        if twin is None or r["stack"] > twin["stack"]
+        if twin is None or r["stack"] > twin["stack"] + HEAD_MAJOR_STACK_GROWTH.get(r["label"], 0)
     ]
-    assert not grown, "head-major forward variants spill more than their rank-3 twins:\n" + "\n".join(grown)
+    assert not grown, "head-major variants spill more than their rows views' twins:\n" + "\n".join(grown)

@@ -8,9 +8,12 @@ seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce
 ``CONFIGS``' DQ_TMA, at every head dim; per-thread atomics with it off), in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
 64, 128 or 256 (256: the OUTPUT_SPLIT variant below); MHA, GQA or MQA (nheads a multiple of nheads_k; causal:
-at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; the layouts of
-``common.rows_view_ok``. Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for
-sm_90 without a GPU, and the GPU tests run it against the oracle.
+at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; q, k, v and dout in
+any layout whose last dimension is contiguous and whose other strides are 16-byte multiples
+(``common.layout_refusal``): flash_attn's (batch, seqlen, nheads, headdim), q/k/v sliced from a packed qkv, or
+torch's (batch, nheads, seqlen, headdim) as ``flashtile.scaled_dot_product_attention`` gets it. Gluon has no CPU
+interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run it against the
+oracle.
 
 Measured on an H200 (bf16, TFLOP/s, backward = 2.5 x the forward's FLOP; the prototype of this kernel): D=128 N=16k 437
 / 443 causal against 406 / 388 for the Triton kernels (cuDNN 543 / 527), three stages 446 / 445; D=64 N=16k 394 / 405
@@ -26,7 +29,22 @@ softmax_scale is folded into dS (before its cast to the input dtype), so dK and 
 
 Host side (``attention_backward_sm90``): dq_accum (B, Sq, H, D) fp32 zeros (with DQ_TMA also a TMA descriptor of
 its 2-D (B * Sq, H * D) view, ``common.descriptor``); the kernel, grid (Sk / BLOCK_N, Hk, B), adds dQ
-partials into dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input dtype.
+partials into dq_accum and writes dK and dV (B, Sk, Hk, D); dq = dq_accum cast to the input dtype. The gradients
+come in their inputs' layouts where those are dense (``_outputs``; torch.empty_like's, which the op's register_fake
+gives too), so that autograd keeps them as a leaf's gradients without a copy.
+
+Layouts. q and dout are read in one form, k and v (and dK and dV written) in another, each through descriptors of
+the 2-D (B * N, H * D) rows view with [rows, D] boxes (``common.descriptor``) where every tensor of the form has one
+(``common.rows_view_ok``: heads of a token side by side), else through rank-4 descriptors of the (B, H, N, D) view
+with [1, 1, rows, D] boxes (``common.head_major_descriptor``: torch's layout). The kernel tells the two apart by
+the rank of each descriptor's box at compile time (``common.head_major``, ``_box_at``, ``common.box_tile``), so the
+rows views' variants compile to the machine code they had before head-major descriptors (all 21 of
+tests/sm90_compile.py, Triton 3.7.1). dq_accum keeps its rows view whatever q's layout: the dQ path (staging tiles,
+DQ_PERMUTED's rank-4 view, the reduce-adds) is the same code for every layout, and dq is converted into q's layout
+by the one copy that casts it. The 15 head-major variants of tests/sm90_compile.py against their rows views' twins:
+the same registers, 0-40 more SASS instructions (of 1,700-3,100), 0-32 bytes more shared memory (231,584 at most,
+of 232,448), the same stack or 8 bytes more in three causal ones (tests/test_sm90_compile.py's
+HEAD_MAJOR_STACK_GROWTH); causal, 1-4 more local loads and 0-3 more stores per work item, none in a query-tile loop.
 
 Head dims 64 and 128 (the key split, ``_consumer``): one CTA per (BLOCK_N = 128 key rows, K/V head hk, batch
 entry), 64 key rows per consumer warpgroup. GQA: the
@@ -222,15 +240,20 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile._backend import Verdict, imported, verdict
 from flashtile.ops import _launch
-from flashtile.ops._alloc import empty_output
+from flashtile.ops._alloc import empty_output_like
 from flashtile.ops._device import on_input_device
 from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
 from flashtile.ops.common.grid import head_grid
 from flashtile.ops.common.math import LOG2E
 from flashtile.ops.sm90.common import (
+    box_buffers,
+    box_tile,
     descriptor,
     dtype_refusal,
     head_dim_refusal,
+    head_major,
+    head_major_descriptor,
+    head_major_form,
     keyed_for,
     launch,
     layout_refusal,
@@ -420,6 +443,24 @@ def _key_tile(n, seqlen_q, seqlen_k, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     return kv_start, m_start, n_tiles, group * n_tiles
 
 
+# ------------------------------------------------------------------------------------------------ layouts
+@gluon.jit
+def _box_at(desc, row, col):
+    """The coordinates of ``desc``'s box whose first row is ``row`` and whose first column in the (batch * seqlen,
+    nheads * headdim) rows is ``col`` (head * headdim): [row, col] in a rows view's descriptor (``common.descriptor``),
+    (b, head, row, 0) in a head-major one (``common.head_major_descriptor``), where row counts from the head's first
+    token (the kernel's row origins, q_row0 and kv_row, leave out the batch entry's b * seqlen there) and b is the
+    CTA's batch entry, read here (program_id 2) rather than carried through the loops in a register. The caller
+    computes row and col: computed in here, their instructions would sit in an inlined scope of their own, whose
+    labels change how ptxas schedules the code around them (the rows views' code is what it was before head-major
+    descriptors)."""
+    if head_major(desc.block_shape):
+        coords = (gl.program_id(2), col // desc.block_shape[3], row, 0)
+    else:
+        coords = [row, col]
+    return coords
+
+
 # ------------------------------------------------------------------------------------------------ producer
 @gluon.jit
 def _producer(
@@ -458,8 +499,9 @@ def _producer(
 ):
     """Per work item (a key tile: kv_row, m_start, n_tiles, n_iters), K and V by TMA (kv_bar), then per
     iteration i (``_pair``: query head g of the group, query rows q0..): Q and dO by TMA at row q_row0 + q0 and
-    column q_col0 + g * HEAD_D of the 2-D views (q_row0: the batch entry's first row; q_col0: the group's first
-    query head), and the rows' lse (in base 2, +inf where it is -inf) and delta by plain loads into shared
+    column q_col0 + g * HEAD_D of the (batch * seqlen, nheads * headdim) rows (q_row0: the batch entry's first row,
+    0 with head-major descriptors; q_col0: the group's first query head; ``_box_at`` makes them a descriptor's
+    coordinates), and the rows' lse (in base 2, +inf where it is -inf) and delta by plain loads into shared
     memory, so that the consumers read them with shared-memory loads (no pointer tensors there). lse_ptr /
     delta_ptr point at the rows of (batch entry, the group's first head); head g's start g * seqlen_q later.
     ``pairs``: None (one item), or (kv_free, n_items, the second item's (kv_row, m_start, n_tiles, kv_start,
@@ -473,8 +515,8 @@ def _producer(
         if pairs is not None:
             mbarrier.wait(pairs[0], (item & 1) ^ 1)  # (the first item passes: a fresh barrier, parity 1)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [kv_row, kv_col], kv_bar, k_smem.index(0))
-        tma_load(v_desc, [kv_row, kv_col], kv_bar, v_smem.index(0))
+        tma_load(k_desc, _box_at(k_desc, kv_row, kv_col), kv_bar, k_smem.index(0))
+        tma_load(v_desc, _box_at(v_desc, kv_row, kv_col), kv_bar, v_smem.index(0))
         for i in range(it0, it0 + n_iters):
             s = i % STAGES
             # a fresh barrier passes a wait on parity 1, so the first round through the ring does not block
@@ -488,14 +530,14 @@ def _producer(
             delta = gl.load(delta_ptr + offs)
             mbarrier.wait(q_empty.index(s), ph)
             mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-            tma_load(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
+            tma_load(q_desc, _box_at(q_desc, row, col), q_ready.index(s), q_smem.index(s))
             sd = i % DO_STAGES
             if DO_STAGES != STAGES:
                 # lse/delta ride Q's ring: out before the wait for dO's slot, which frees later (_consumer_by_output)
                 _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
                 mbarrier.wait(do_empty.index(sd), ((i // DO_STAGES) & 1) ^ 1)
             mbarrier.expect(do_ready.index(sd), do_desc.block_type.nbytes)
-            tma_load(do_desc, [row, col], do_ready.index(sd), do_smem.index(sd))
+            tma_load(do_desc, _box_at(do_desc, row, col), do_ready.index(sd), do_smem.index(sd))
             if DO_STAGES == STAGES:
                 _put_stats(lse, delta, lse_smem.index(s), delta_smem.index(s), stat_ready.index(s))
         if pairs is not None:
@@ -574,7 +616,7 @@ def _iteration(
     zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
     return (
         s, (i // STAGES) & 1, sd, (i // DO_STAGES) & 1, b, (i // 2) & 1, g, q0,
-        q_smem.index(s), do_smem.index(sd), ds_smem.index(b), k_smem.index(zero), v_smem.index(zero),
+        box_tile(q_smem, s), box_tile(do_smem, sd), ds_smem.index(b), box_tile(k_smem, zero), box_tile(v_smem, zero),
     )  # fmt: skip
 
 
@@ -683,13 +725,28 @@ def _dq_destination(WG: gl.constexpr, dq_ptr, row_stride, dq_tma_args, DQ_TMA: g
 
 
 @gluon.jit
-def _write_back(acc, tile, desc, row, col):
-    """acc (fp32 registers) in the input dtype into ``tile`` (shared memory no product reads any more), then a
-    TMA store of the tile at [row, col] of ``desc`` (the caller waits for it with tma.store_wait)."""
+def _out_rows(boxes, start, n):
+    """Rows start.. start + n of the K or V box (buffer 0 of ``boxes``) as (tile, box): the [n, D] tile a
+    warpgroup's dK or dV goes into, and the same memory as a box of the descriptor's form that its TMA store reads:
+    for a rows view's the tile itself, for a head-major one a [1, 1, n, D] slice of the box (Gluon reshapes no
+    slice of shared memory, so the tile cannot be viewed as one)."""
+    tile = box_tile(boxes, 0).slice(start, n)
+    if len(boxes.shape) > 3:  # [1, 1, 1, rows, D]
+        box = boxes.index(0).slice(start, n, dim=2)
+    else:
+        box = tile
+    return tile, box
+
+
+@gluon.jit
+def _write_back(acc, tile, box, desc, coords):
+    """acc (fp32 registers) in the input dtype into ``tile`` (shared memory no product reads any more), then a TMA
+    store of ``box`` (the tile's memory as a box of ``desc``'s form: ``_out_rows``) at ``coords`` of ``desc``
+    (``_box_at``; the caller waits for it with tma.store_wait)."""
     tile.store(acc.to(tile.dtype))
     fence_async_shared()
     partition_barrier()  # every thread of the warpgroup has written (and fenced) its part
-    tma_store(desc, [row, col], tile)
+    tma_store(desc, coords, box)
 
 
 @gluon.jit
@@ -863,9 +920,12 @@ def _consumer(
         # TMA stores. V_wg is read only by this warpgroup, so it can take dV at once; K is read by both
         # warpgroups' dQ products, so dK waits until both have left the loop (kv_done, count 2).
         mbarrier.arrive(kv_done, count=1)
-        _write_back(dv, v_smem.index(0).slice(WG * N_WG, N_WG), dv_desc, kv_row + WG * N_WG, kv_col)
+        out_row = kv_row + WG * N_WG  # this warpgroup's rows
+        dv_tile, dv_box = _out_rows(v_smem, WG * N_WG, N_WG)
+        _write_back(dv, dv_tile, dv_box, dv_desc, _box_at(dv_desc, out_row, kv_col))
         mbarrier.wait(kv_done, item & 1)
-        _write_back(dk, k_smem.index(0).slice(WG * N_WG, N_WG), dk_desc, kv_row + WG * N_WG, kv_col)
+        dk_tile, dk_box = _out_rows(k_smem, WG * N_WG, N_WG)
+        _write_back(dk, dk_tile, dk_box, dk_desc, _box_at(dk_desc, out_row, kv_col))
         tma.store_wait(0)
         if pairs is not None:
             _item_done(pairs[0])
@@ -1007,9 +1067,9 @@ def _consumer_by_output(
         mbarrier.arrive(kv_done, count=1)
         mbarrier.wait(kv_done, item & 1)
         if WG == 0:
-            _write_back(acc, v_smem.index(0), dv_desc, kv_row, kv_col)
+            _write_back(acc, box_tile(v_smem, 0), v_smem.index(0), dv_desc, _box_at(dv_desc, kv_row, kv_col))
         else:
-            _write_back(acc, k_smem.index(0), dk_desc, kv_row, kv_col)
+            _write_back(acc, box_tile(k_smem, 0), k_smem.index(0), dk_desc, _box_at(dk_desc, kv_row, kv_col))
         tma.store_wait(0)
         if pairs is not None:
             _item_done(pairs[0])
@@ -1065,14 +1125,33 @@ def _attention_backward_sm90_kernel(
     stat_off = (b.to(gl.int64) * nheads + h0) * seqlen_q
     stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     dq_off = b.to(gl.int64) * seqlen_q * row_stride + q_col0
-    kv_row = b * seqlen_k + kv_start
+    # Q and dO are read in one form, K, V, dK and dV in another: through rows views' descriptors, whose rows of batch
+    # entry b start at b * seqlen, or head-major ones, whose boxes name b and the head apart (``_box_at``) and whose
+    # rows start at 0 in each head
+    Q_HEAD_MAJOR: gl.constexpr = head_major(q_desc.block_shape)
+    KV_HEAD_MAJOR: gl.constexpr = head_major(k_desc.block_shape)
+    gl.static_assert(head_major(do_desc.block_shape) == Q_HEAD_MAJOR, "dout in q's form")
+    gl.static_assert(head_major(v_desc.block_shape) == KV_HEAD_MAJOR, "v in k's form")
+    gl.static_assert(head_major(dk_desc.block_shape) == KV_HEAD_MAJOR, "dk in k's form")
+    gl.static_assert(head_major(dv_desc.block_shape) == KV_HEAD_MAJOR, "dv in k's form")
+    if Q_HEAD_MAJOR:
+        q_row0 = 0
+    else:
+        q_row0 = b * seqlen_q
+    if KV_HEAD_MAJOR:
+        kv_row0 = 0
+    else:
+        kv_row0 = b * seqlen_k
+    kv_row = kv_row0 + kv_start
     kv_col = hk * HEAD_D
 
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], v_desc.layout)
+    # the descriptors' boxes ([rows, HEAD_D], or [1, 1, rows, HEAD_D] head-major), viewed as [rows, HEAD_D] tiles by
+    # the consumers (box_tile)
+    q_smem = gl.allocate_shared_memory(dtype, box_buffers(STAGES, q_desc.block_shape), q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, box_buffers(DO_STAGES, do_desc.block_shape), do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, box_buffers(1, k_desc.block_shape), k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, box_buffers(1, v_desc.block_shape), v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
@@ -1147,7 +1226,7 @@ def _attention_backward_sm90_kernel(
         kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_free, count=2)  # one arrival per consumer warpgroup
         start2, m_start2, n_tiles2, n_iters2 = _key_tile(mirror, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
-        next_item = (b * seqlen_k + start2, m_start2, n_tiles2, start2, n_iters2)
+        next_item = (kv_row0 + start2, m_start2, n_tiles2, start2, n_iters2)
         pairs = (kv_free, 1 + (mirror > pid_n).to(gl.int32), next_item)
     else:
         pairs: gl.constexpr = None  # one work item per CTA
@@ -1197,7 +1276,7 @@ def _attention_backward_sm90_kernel(
                     do_empty,
                     lse_ptr + stat_off,
                     delta_ptr + stat_off,
-                    b * seqlen_q,
+                    q_row0,
                     q_col0,
                     m_start,
                     n_tiles,
@@ -1240,7 +1319,8 @@ def qualifies(
     (``common.option_refusals``; a learnable sink is fine: the saved lse includes it) and deterministic=False (dQ is
     summed by atomics); bf16/fp16; one head dim in CONFIGS for q, k, v; the query heads a multiple of the K/V heads
     (MHA, GQA, MQA; causal: at most MAX_CAUSAL_GROUP per K/V head); both lengths positive multiples of ROWS; dQ
-    offsets within a batch entry below 2**31; descriptor-ready layouts of q, k, v and dout (``rows_view_ok``).
+    offsets within a batch entry below 2**31; layouts its descriptors can read (``common.layout_refusal``; q and dout
+    in one form, k and v in another: torch's (batch, nheads, seqlen, headdim) through head-major descriptors).
     softmax_scale > 0 matters here too: D=64's 128-row tiles start S^T's accumulator at -lse / scale (``_consumer``'s
     STATS_IN_ACC)."""
     reasons = [
@@ -1261,7 +1341,7 @@ def qualifies(
             None if seqlen_q % ROWS == 0 and seqlen_k % ROWS == 0 and seqlen_k > 0
             else f"seqlen_q {seqlen_q}, seqlen_k {seqlen_k} (positive multiples of {ROWS} only)",
             "dQ offsets past 2**31" if seqlen_q * nheads * head_dim >= 2**31 else None,
-            layout_refusal(q=q, k=k, v=v, dout=dout),
+            layout_refusal(dict(q=q, dout=dout), dict(k=k, v=v)),
         )  # fmt: skip
     return verdict(reasons)
 
@@ -1313,7 +1393,9 @@ def backward_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool)
 
 def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> tuple[BackwardPlan, bool]:
     """``backward_plan``'s plan made anew, and True: keep it. The outputs' descriptor templates come from tensors of
-    their layouts on the meta device (no memory, no zero fill: a first call allocates its outputs once)."""
+    their layouts on the meta device (no memory, no zero fill: a first call allocates its outputs once). q and dout
+    go through descriptors of one form, k, v, dk and dv of another (``common.head_major_form``): rows views'
+    (``common.descriptor``) or head-major ones (``common.head_major_descriptor``); dq_accum has rows views."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     cfg = CONFIGS[head_dim]
@@ -1322,9 +1404,11 @@ def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) ->
     dq_accum, dk, dv = _outputs(q, k, v, torch.device("meta"))
     # DQ_TMA off: None, which compiles as a constexpr (the kernel of the atomic path has no descriptor parameter)
     dq_desc = dq_descriptor(dq_accum, dq_rows(block_m, cfg["DQ_SPLIT"]), cfg["DQ_PERMUTED"]) if cfg["DQ_TMA"] else None
+    q_form = head_major_descriptor if head_major_form(q, dout) else descriptor
+    kv_form = head_major_descriptor if head_major_form(k, v) else descriptor
     descriptors = (
-        descriptor(q, block_m), descriptor(dout, block_m), descriptor(k, block_n), descriptor(v, block_n),
-        descriptor(dk, rows_out), descriptor(dv, rows_out),
+        q_form(q, block_m), q_form(dout, block_m), kv_form(k, block_n), kv_form(v, block_n), kv_form(dk, rows_out),
+        kv_form(dv, rows_out),
     )  # fmt: skip
     ints = (seqlen_q, seqlen_k, nheads, nheads // nheads_k)
     args = (*descriptors, lse, delta, dq_accum, dq_desc, 1.0, 1.0, *ints)
@@ -1336,10 +1420,12 @@ def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) ->
 
 
 def _outputs(q, k, v, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """On ``device``: dq_accum (zeros, fp32, q's shape), dk and dv (``empty_output``, k's and v's shapes and
-    dtypes)."""
+    """On ``device``: dq_accum (zeros, fp32, q's shape, contiguous: rows views whatever q's layout), dk and dv
+    (``empty_output_like``: in k's and v's layouts where those are dense, as torch.empty_like and the op's
+    register_fake give them, so that autograd keeps them as a leaf's gradients without a copy; contiguous
+    otherwise)."""
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
-    return dq_accum, empty_output(k.shape, k.dtype, device), empty_output(v.shape, v.dtype, device)
+    return dq_accum, empty_output_like(k, device), empty_output_like(v, device)
 
 
 def attention_backward_sm90(
@@ -1366,7 +1452,8 @@ def attention_backward_sm90(
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
 
     Returns:
-        dq, dk, dv shaped like q, k, v in their dtype (contiguous)
+        dq, dk, dv shaped like q, k, v in their dtype and, where those are dense, their layouts (``_outputs``;
+        contiguous otherwise): dq converted from dq_accum in one copy
     """
     plan = backward_plan(dout, q, k, v, lse, delta, softmax_scale, causal)
     dq_accum, dk, dv = _outputs(q, k, v, q.device)
@@ -1377,7 +1464,7 @@ def attention_backward_sm90(
         rebase(dv_desc, dv), lse, delta, dq_accum, dq_desc, softmax_scale * LOG2E.value, softmax_scale, *plan.ints,
     )  # fmt: skip
     launch(_attention_backward_sm90_kernel, plan.grid, args, plan.constexprs, plan.keyed)
-    return dq_accum.to(q.dtype), dk, dv
+    return empty_output_like(q).copy_(dq_accum), dk, dv
 
 
 @on_input_device

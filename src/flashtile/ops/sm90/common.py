@@ -1,11 +1,11 @@
 """What the sm_90 Gluon forward (``forward``) and backward (``backward``) share: Gluon's Hopper API under the names
-both Triton versions answer to, the wgmma and shared-memory layouts, the 2-D tensor descriptors of (batch, seqlen,
-nheads, headdim) tensors, and the launch past Triton's binder with its key."""
+both Triton versions answer to, the wgmma and shared-memory layouts, the tensor descriptors of (batch, seqlen,
+nheads, headdim) tensors (2-D rows views, and head-major ones for layouts whose heads are not side by side) with the
+kernels' views of their boxes, and the launch past Triton's binder with its key."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 from triton.experimental import gluon
@@ -14,7 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch
-from flashtile.ops.common.descriptors import per_layout
+from flashtile.ops.common.descriptors import per_layout, tma_ready
 from flashtile.options import AttentionOptions
 
 # Gluon's TMA copies are tma.async_load / tma.async_store since triton 3.9, where the older names (the only ones
@@ -72,18 +72,28 @@ def rows_view_ok(x: torch.Tensor) -> bool:
     return s_d == 1 and s_h == head_dim and evenly and (s_s * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
-def layout_refusal(readable: Callable[[torch.Tensor], bool] = rows_view_ok, /, **tensors: torch.Tensor) -> str | None:
-    """Which of ``tensors`` a kernel's tensor descriptors cannot read, or None: those ``readable`` refuses (the
-    backward's 2-D rows views by default, ``rows_view_ok``; the forward's ``forward.readable``)."""
-    bad = [name for name, x in tensors.items() if not readable(x)]
+def head_major_form(*tensors: torch.Tensor) -> bool:
+    """Whether tensors a kernel reads in one form (at the same coordinates: the forward's q and out, k and v; the
+    backward's q and dout, k, v, dk and dv) go through head-major descriptors (``head_major_descriptor``): where any
+    of them has no rows view (``rows_view_ok``: its heads are not side by side, as in torch's (batch, nheads, seqlen,
+    headdim) tensors). The kernels' code for rows views is what it was before head-major descriptors."""
+    return not all(map(rows_view_ok, tensors))
+
+
+def layout_refusal(*forms: dict[str, torch.Tensor]) -> str | None:
+    """Which tensors a kernel's descriptors cannot read, or None. Each of ``forms`` names the tensors it reads in one
+    form (``head_major_form``): through rows views where each has one, else through head-major descriptors, which
+    read any layout whose last dimension is contiguous and whose other strides are 16-byte multiples
+    (``descriptors.tma_ready``)."""
+    bad = [name for form in forms if head_major_form(*form.values()) for name, x in form.items() if not tma_ready(x)]
     return f"layouts a tensor descriptor cannot read ({', '.join(bad)})" if bad else None
 
 
 @functools.cache
 def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
-    """The swizzled shared-memory layout of a TMA block: [rows, head_dim] or [1, rows, head_dim], both with the
-    128-byte swizzle of head_dim 64 and above (what TMA writes and wgmma reads); float32 for the backward's dQ
-    reduce (dq_accum's ``descriptor``), 128-byte swizzle from 32 columns on."""
+    """The swizzled shared-memory layout of a TMA block: [rows, head_dim], [1, rows, head_dim] or [1, 1, rows,
+    head_dim], all with the 128-byte swizzle of head_dim 64 and above (what TMA writes and wgmma reads); float32 for
+    the backward's dQ reduce (dq_accum's ``descriptor``), 128-byte swizzle from 32 columns on."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
@@ -98,6 +108,42 @@ def descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDes
     block = [rows, cols or head_dim]
     layout = shared_layout(tuple(block), x.dtype)
     return TensorDescriptor(x, [batch * seqlen, nheads * head_dim], [x.stride(1), 1], block, layout)
+
+
+@per_layout
+def head_major_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A rank-4 tensor descriptor of the (batch, nheads, seqlen, headdim) view of ``x`` (``descriptors.tma_ready``)
+    with [1, 1, rows, headdim] boxes: for layouts the rows views cannot read (heads of a token apart, as in torch's
+    (batch, nheads, seqlen, headdim) tensors). A box never crosses a batch entry or a head: the copy engine fills its
+    rows past seqlen with zeros on loads and drops them on stores."""
+    batch, seqlen, nheads, head_dim = x.shape
+    s_b, s_s, s_h, _ = x.stride()
+    layout = shared_layout((1, 1, rows, head_dim), x.dtype)
+    return TensorDescriptor(x, [batch, nheads, seqlen, head_dim], [s_b, s_h, s_s, 1], [1, 1, rows, head_dim], layout)
+
+
+@gluon.constexpr_function
+def head_major(box):
+    """Whether a descriptor of block shape ``box`` is ``head_major_descriptor``'s (rank 4: [1, 1, rows, D] boxes of
+    the (batch, nheads, seqlen, headdim) view) rather than a rows view's ([rows, D] or [1, rows, D])."""
+    return len(box) == 4
+
+
+@gluon.constexpr_function
+def box_buffers(n, box):
+    """The shape of n shared-memory buffers of a descriptor's box ``box`` (its block shape)."""
+    return [n, *box]
+
+
+@gluon.jit
+def box_tile(boxes, i):
+    """Buffer i of ``boxes`` (``box_buffers`` in a descriptor's layout: what its TMA copies write and read) as the
+    [rows, D] tile of wgmma and local stores: a [rows, D] box as it is; a [1, rows, D] or [1, 1, rows, D] one viewed
+    as rows x D (the same bytes in the same 128-byte swizzle)."""
+    box = boxes.index(i)
+    if len(box.shape) > 2:
+        box = box.reshape([box.shape[-2], box.shape[-1]])
+    return box
 
 
 def launch_key(kernel, args: tuple, constexprs: list, options: dict) -> tuple:

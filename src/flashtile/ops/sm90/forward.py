@@ -5,9 +5,9 @@ options) run this kernel instead of the portable Triton one (which every other G
 the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or
 256 for q, k and v (``CONFIGS``), causal or not (``CAUSAL_MIN_SEQLEN_Q``: every length); bf16/fp16; any seqlen_q
 and seqlen_k >= 1; q, k and v in any layout whose last dimension is contiguous and whose other strides are 16-byte
-multiples (``readable``): flash_attn's (batch, seqlen, nheads, headdim), q/k/v sliced from a packed qkv, or torch's
-(batch, nheads, seqlen, headdim) as ``flashtile.scaled_dot_product_attention`` gets it. ``FLASHTILE_GLUON=0`` turns
-it off (``flashtile._backend.GLUON``).
+multiples (``common.layout_refusal``): flash_attn's (batch, seqlen, nheads, headdim), q/k/v sliced from a packed
+qkv, or torch's (batch, nheads, seqlen, headdim) as ``flashtile.scaled_dot_product_attention`` gets it.
+``FLASHTILE_GLUON=0`` turns it off (``flashtile._backend.GLUON``).
 Gluon has no CPU interpreter: tests/sm90_compile.py compiles it for sm_90 without a GPU, and the GPU tests run
 it against the oracle.
 
@@ -22,8 +22,8 @@ against 543 / 463 and B=8 N=1000 causal 340 against 273.
 q, k, v and out are read and written through rank-3 tensor descriptors of the (batch, seqlen, nheads *
 headdim) view with [1, rows, headdim] boxes (``batch_descriptor``) where the heads of a token lie side by side
 (``rows_view_ok``), else through rank-4 descriptors of the (batch, nheads, seqlen, headdim) view with [1, 1, rows,
-headdim] boxes (``head_major_descriptor``; out in q's form, v in k's: ``descriptor_of``). The kernel tells the two
-apart by the rank of each descriptor's box at compile time (``_head_major``, ``_box_at``), so the rank-3 variants
+headdim] boxes (``common.head_major_descriptor``; out in q's form, v in k's: ``descriptor_of``). The kernel tells the
+two apart by the rank of each descriptor's box at compile time (``head_major``, ``_box_at``), so the rank-3 variants
 compile to the machine code they had before rank-4 descriptors (tests/sm90_compile.py's digests, Triton 3.7.1). A
 tile never crosses a batch entry or a head: the copy engine fills a box's rows past seqlen with zeros on loads and
 drops them on stores. Keys past seqlen_k in the last key tile (zeros) get score -inf; query rows past seqlen_q
@@ -41,7 +41,7 @@ parities and the ping-pong turn carry on from one item to the next, so a persist
 loading while it finishes the last one. Per CTA:
   * producer partition, 1 warp: per item the NUM_WG Q tiles (once the consumers are done with the previous
     ones: q_empty), then K and V tiles into a ring of STAGES shared-memory buffers (each a [1, rows, headdim]
-    or [1, 1, rows, headdim] box, which ``_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready
+    or [1, 1, rows, headdim] box, which ``box_tile`` views as the [rows, headdim] tile wgmma reads); k_ready/v_ready
     (tx-count) barriers signal the consumers, k_empty/v_empty (count NUM_WG, one arrival per consumer warpgroup)
     signal the producer that a slot is free.
   * NUM_WG consumer warpgroups (three at D=64 without causal, two otherwise; the default partition = WG 0, 4-warp
@@ -77,19 +77,23 @@ from flashtile._backend import Verdict, verdict
 from flashtile.ops import _launch
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device, sm_count
-from flashtile.ops.common.descriptors import Template, per_layout, rebase, template, tma_ready
+from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
 from flashtile.ops.common.grid import cdiv
 from flashtile.ops.common.math import LN2, LOG2E
 from flashtile.ops.sm90.common import (
+    box_buffers,
+    box_tile,
     dtype_refusal,
     head_dim_refusal,
+    head_major,
+    head_major_descriptor,
+    head_major_form,
     keyed_for,
     launch,
     layout_refusal,
     mma_layout,
     option_refusals,
     partition_barrier,
-    rows_view_ok,
     shared_layout,
     tma_load,
     tma_store,
@@ -219,36 +223,13 @@ ROWS = CONFIGS[128]["NUM_WG"] * CONFIGS[128]["M_WG"]
 
 # ------------------------------------------------------------------------------------------------ layouts
 @gluon.jit
-def _tile(boxes, i):
-    """Buffer i of ``boxes`` ([n, 1, rows, D] or [n, 1, 1, rows, D] shared memory in a descriptor's layout, what its
-    TMA copies write and read) as the [rows, D] tile of wgmma and local stores: the same bytes in the same 128-byte
-    swizzle (a [1, rows, D] or [1, 1, rows, D] box lands as rows x D)."""
-    box = boxes.index(i)
-    return box.reshape([box.shape[-2], box.shape[-1]])
-
-
-@gluon.constexpr_function
-def _boxes(n, box):
-    """The shape of n shared-memory buffers of a descriptor's box ``box`` (its block shape)."""
-    return [n, *box]
-
-
-@gluon.constexpr_function
-def _head_major(box):
-    """Whether a descriptor of block shape ``box`` is ``head_major_descriptor``'s (rank 4: [1, 1, rows, D] boxes of
-    the (batch, nheads, seqlen, headdim) view) rather than ``batch_descriptor``'s (rank 3: [1, rows, D] boxes of the
-    (batch, seqlen, nheads * headdim) view)."""
-    return len(box) == 4
-
-
-@gluon.jit
 def _box_at(desc, b, head, col, row):
     """The coordinates of ``desc``'s box of rows row.. of batch entry b and head ``head``, whose first column in the
     (batch, seqlen, nheads * headdim) view is ``col`` (head * headdim): (b, row, col) in a rank-3 descriptor, (b,
     head, row, 0) in a head-major one. The caller computes col (dropped as unused where head-major): computed in
     here, its instructions would sit in an inlined scope of their own, whose labels change how ptxas schedules the
     code around them."""
-    if _head_major(desc.block_shape):
+    if head_major(desc.block_shape):
         coords = (b, head, row, 0)
     else:
         coords = (b, row, col)
@@ -561,8 +542,8 @@ def _consumer(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_tile = _tile(q_smem, WG)
-    o_tile = _tile(o_smem, WG)  # the Q tile itself without O_TILE
+    q_tile = box_tile(q_smem, WG)
+    o_tile = box_tile(o_smem, WG)  # the Q tile itself without O_TILE
     my_turn = turn.index(WG)
     next_turn = turn.index((WG + 1) % NUM_WG)
     # WG 0 starts with the turn (parity 1 on a fresh barrier passes), WG w > 0 waits for WG w - 1's first hand-off
@@ -595,7 +576,7 @@ def _consumer(
             if PINGPONG:
                 mbarrier.wait(my_turn, turn_ph)
                 turn_ph ^= 1
-            k_tile = _tile(k_smem, s0)
+            k_tile = box_tile(k_smem, s0)
             s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(next_turn, count=1)
@@ -620,10 +601,10 @@ def _consumer(
             if PINGPONG:
                 mbarrier.wait(my_turn, turn_ph)
                 turn_ph ^= 1
-            k_tile = _tile(k_smem, s)
+            k_tile = box_tile(k_smem, s)
             s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(sp), php)
-            v_tile = _tile(v_smem, sp)
+            v_tile = box_tile(v_smem, sp)
             acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(next_turn, count=1)
@@ -648,7 +629,7 @@ def _consumer(
         jl = it + n_blocks - 1
         sl = jl % STAGES
         mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
-        v_tile = _tile(v_smem, sl)
+        v_tile = box_tile(v_smem, sl)
         acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
         acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
         mbarrier.arrive(v_empty.index(sl), count=1)
@@ -714,17 +695,17 @@ def _attention_forward_sm90_kernel(
 
     dtype: gl.constexpr = q_desc.dtype
     # O leaves in q's form (through the Q tile without O_TILE), V loads in K's (at K's coordinates)
-    gl.static_assert(_head_major(o_desc.block_shape) == _head_major(q_desc.block_shape), "out in q's form")
-    gl.static_assert(_head_major(v_desc.block_shape) == _head_major(k_desc.block_shape), "v in k's form")
+    gl.static_assert(head_major(o_desc.block_shape) == head_major(q_desc.block_shape), "out in q's form")
+    gl.static_assert(head_major(v_desc.block_shape) == head_major(k_desc.block_shape), "v in k's form")
     # the descriptors' boxes ([1, rows, HEAD_D], or [1, 1, rows, HEAD_D] head-major), viewed as [rows, HEAD_D]
-    # tiles by the consumers (_tile)
-    q_smem = gl.allocate_shared_memory(dtype, _boxes(NUM_WG, q_desc.block_shape), q_desc.layout)
+    # tiles by the consumers (box_tile)
+    q_smem = gl.allocate_shared_memory(dtype, box_buffers(NUM_WG, q_desc.block_shape), q_desc.layout)
     if O_TILE:
-        o_smem = gl.allocate_shared_memory(dtype, _boxes(NUM_WG, o_desc.block_shape), o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, box_buffers(NUM_WG, o_desc.block_shape), o_desc.layout)
     else:
         o_smem = q_smem
-    k_smem = gl.allocate_shared_memory(dtype, _boxes(STAGES, k_desc.block_shape), k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, _boxes(STAGES, v_desc.block_shape), v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, box_buffers(STAGES, k_desc.block_shape), k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, box_buffers(STAGES, v_desc.block_shape), v_desc.layout)
 
     q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
@@ -832,7 +813,8 @@ def qualifies(
     dispatcher's, ``_backend.gluon_refusal``): the options of both sm_90 kernels (``common.option_refusals``) and no
     learnable sink; bf16/fp16, one head dim of CONFIGS for q, k and v (with causal, seqlen_q from
     CAUSAL_MIN_SEQLEN_Q), any lengths but neither q nor k empty (a descriptor's dimensions are positive; no key would
-    leave out and lse to fill), and layouts its tensor descriptors can read (``readable``)."""
+    leave out and lse to fill), and layouts its tensor descriptors can read (``common.layout_refusal``; q and out in
+    one form, k and v in another)."""
     reasons = [*option_refusals(options, varlen), "a learnable sink" if options.learnable_sink is not None else None]
     if not varlen:
         head_dim = q.shape[3]
@@ -842,17 +824,9 @@ def qualifies(
             head_dim_refusal(q, k, v, CONFIGS),
             f"causal with seqlen_q {q.shape[1]} < {causal_min}" if q.shape[1] < causal_min else None,
             "an empty q or k" if q.numel() == 0 or k.numel() == 0 else None,
-            layout_refusal(readable, q=q, k=k, v=v),
+            layout_refusal(dict(q=q), dict(k=k, v=v)),
         )
     return verdict(reasons)
-
-
-def readable(x: torch.Tensor) -> bool:
-    """Whether (batch, seqlen, nheads, headdim) ``x`` reads through ``batch_descriptor`` (``rows_view_ok``: heads of a
-    token side by side, as flash_attn's layout) or ``head_major_descriptor`` (``descriptors.tma_ready``: any layout
-    whose last dimension is contiguous and whose other strides are 16-byte multiples, as torch's (batch, nheads,
-    seqlen, headdim) tensors transposed to this view)."""
-    return rows_view_ok(x) or tma_ready(x)
 
 
 @per_layout
@@ -867,22 +841,10 @@ def batch_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(x, [batch, seqlen, nheads * head_dim], strides, [1, rows, head_dim], layout)
 
 
-@per_layout
-def head_major_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A rank-4 tensor descriptor of the (batch, nheads, seqlen, headdim) view of ``x`` (``descriptors.tma_ready``)
-    with [1, 1, rows, headdim] boxes: for layouts ``batch_descriptor`` cannot read (heads of a token apart, as in
-    torch's (batch, nheads, seqlen, headdim) tensors); rows past seqlen zero-filled and dropped as there."""
-    batch, seqlen, nheads, head_dim = x.shape
-    s_b, s_s, s_h, _ = x.stride()
-    layout = shared_layout((1, 1, rows, head_dim), x.dtype)
-    return TensorDescriptor(x, [batch, nheads, seqlen, head_dim], [s_b, s_h, s_s, 1], [1, 1, rows, head_dim], layout)
-
-
 def descriptor_of(*tensors: torch.Tensor):
     """The descriptor maker of tensors read in one form (q and out; k and v): ``batch_descriptor`` where each has
-    rows views (``rows_view_ok``; the kernel's code for them is what it was before head-major descriptors), else
-    ``head_major_descriptor``."""
-    return batch_descriptor if all(map(rows_view_ok, tensors)) else head_major_descriptor
+    rows views, else ``head_major_descriptor`` (``common.head_major_form``)."""
+    return head_major_descriptor if head_major_form(*tensors) else batch_descriptor
 
 
 def programs(n_m: int, n_bh: int, cfg: dict, causal: bool, device: torch.device) -> int:
@@ -1033,7 +995,7 @@ def attention_forward_sm90(
 
     Args:
         q: (batch, seqlen_q, nheads, D); k, v: (batch, seqlen_k, nheads_k, D), D in CONFIGS, nheads a multiple
-            of nheads_k; any layouts ``readable`` accepts
+            of nheads_k; any layouts ``qualifies`` accepts
         out: (batch, seqlen_q, nheads, D) in q's dtype, contiguous; written
         lse: (batch, nheads, seqlen_q) float32, contiguous; written (natural log)
         softmax_scale: multiplies q @ k^T before the softmax
