@@ -46,6 +46,27 @@ def test_opcheck(path):
     torch.library.opcheck(torch.ops.flashtile.attention_forward.default, (q, k, v, 0.2, None, 0))
 
 
+@pytest.mark.parametrize("layout", ["rows", "head_major", "packed"])
+def test_opcheck_backward_layouts(path, layout):
+    """The backward op's gradients have the strides its register_fake declares (torch.empty_like of q, k, v) for
+    (B, N, H, D) inputs, for torch's (B, H, N, D) layout seen as transposed views, and for views into a packed qkv
+    tensor (not dense: contiguous gradients); torch.compile's generated code relies on them."""
+    batch, seqlen, nheads, dim = 2, 33, 2, 32
+    if layout == "packed":
+        q, k, v = torch.randn(batch, seqlen, 3, nheads, dim, device=DEVICE).unbind(2)
+    else:
+        shape = (batch, nheads, seqlen, dim) if layout == "head_major" else (batch, seqlen, nheads, dim)
+        q, k, v = (torch.randn(shape, device=DEVICE) for _ in range(3))
+        if layout == "head_major":
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    out, lse = torch.ops.flashtile.attention_forward(q, k, v, 0.2, None, 0)
+    args = (torch.randn_like(out), q, k, v, out, lse, None, 0.2, None, 0)
+    grads = torch.ops.flashtile.attention_backward(*args)
+    for grad, x in zip(grads, (q, k, v), strict=False):
+        assert grad.stride() == torch.empty_like(x).stride()
+    torch.library.opcheck(torch.ops.flashtile.attention_backward.default, args)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Changing shapes
 
@@ -353,6 +374,21 @@ def test_pad_input_dynamic(path, backend, dynamic):
         x_packed, indices, *_ = flashtile.unpad_input(x, _key_padding(b, s, s))
         calls.append((x_packed, indices, b, s))
     compiled_matches_eager(pad, calls, backend, dynamic, grads=(0,))
+
+
+@pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
+def test_inductor_sdpa_layout(path, dynamic):
+    """scaled_dot_product_attention on torch's (B, H, N, D) inputs under inductor, with gradients: inductor's code
+    asserts that the backward op's gradients (of transposed views of the inputs) have the strides register_fake
+    declares, and reads them with those strides."""
+
+    def attention_block(q, k, v):
+        out = flashtile.scaled_dot_product_attention(q * 1.5, k, v, is_causal=True, enable_gqa=True)
+        return out.float().square()
+
+    calls = [tuple(x.transpose(1, 2).contiguous() for x in make_inputs(b, sq, sk, H, HK, D)[:3])
+             for b, sq, sk in SHAPES]  # fmt: skip
+    compiled_matches_eager(attention_block, calls, "inductor", dynamic, grads=(0, 1, 2))
 
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())

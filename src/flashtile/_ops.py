@@ -179,9 +179,27 @@ def _attention_backward(
     choice = _backend.backward_choice(q, k, v, dout, options)
     module = _backend.family_module(choice, "backward")
     if dmask is None:
-        return (*module.attention_backward(dout, q, k, v, out, lse, options, dlse), no_dmask)
-    dq, dk, dv = module.attention_backward(dout, q, k, v, out, lse, options, dlse, dmask=dmask)
-    return dq, dk, dv, dmask.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+        return (*_in_layouts_of(module.attention_backward(dout, q, k, v, out, lse, options, dlse), (q, k, v)), no_dmask)
+    grads = module.attention_backward(dout, q, k, v, out, lse, options, dlse, dmask=dmask)
+    dmask = dmask.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+    return _in_layouts_of((*grads, dmask), (q, k, v, attn_mask))
+
+
+def _in_layouts_of(grads: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Each gradient in the layout ``torch.empty_like`` gives its input (the input's strides where it is dense and
+    non-overlapping, else contiguous): the layout the backward ops' register_fake declares, on which the code
+    torch.compile generates around them relies. A gradient a kernel wrote in another layout (the Triton and CPU
+    backwards write contiguous ones) is copied; for torch's (B, H, N, D) inputs, seen here as transposed views,
+    autograd would otherwise make the same copy into the leaf's layout."""
+    return tuple(
+        grad if grad.stride() == _dense_strides(x) else torch.empty_like(x).copy_(grad)
+        for grad, x in zip(grads, inputs, strict=True)
+    )
+
+
+def _dense_strides(x: torch.Tensor) -> tuple[int, ...]:
+    """The strides of ``torch.empty_like(x)``, without allocating (a contiguous x's own)."""
+    return x.stride() if x.is_contiguous() else torch.empty_like(x, device="meta").stride()
 
 
 def _options_and(trailing: tuple, default) -> tuple[AttentionOptions, object]:
@@ -383,7 +401,7 @@ def _varlen_attention_backward(
     )
     if slots is not None:
         dk, dv = paged.scatter_add(dk, slots, k), paged.scatter_add(dv, slots, v)
-    return dq, dk, dv
+    return _in_layouts_of((dq, dk, dv), (q, k, v))
 
 
 varlen_attention_backward = _op(
