@@ -220,8 +220,8 @@ def _run(
     """(out, lse, the rows' largest scores after the mods, or None where the implementation does not give them) from
     the implementation ``backend`` asks for (``flex_attention``'s docstring). The built-in attention does not give
     them and the generated kernel only with ``output_max``: a call with ``output_max`` takes the generated kernel or
-    the PyTorch route. Inside a torch.compile'd function this runs
-    eagerly (a graph break): the mods are traced and the kernels launched here, which dynamo cannot follow."""
+    the PyTorch route. Inside a torch.compile'd function this runs eagerly (a graph break): the mods are traced and
+    the kernels launched here, which dynamo cannot follow."""
     if backend == "AUTO" and not output_max:
         options = patterns.builtin_options(query, key, value, score_mod, mask, scale)
         if options is not None:
