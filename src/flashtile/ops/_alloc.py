@@ -14,3 +14,11 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     if POISON_OUTPUTS:
         return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def empty_output_like(x: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """``torch.empty_like(x)`` (on ``device``, x's by default): x's strides where x is dense and non-overlapping,
+    contiguous otherwise; NaN-filled while ``POISON_OUTPUTS`` is set."""
+    if POISON_OUTPUTS:
+        return torch.full_like(x, float("nan") if x.dtype.is_floating_point else -1, device=device)
+    return torch.empty_like(x, device=device)
