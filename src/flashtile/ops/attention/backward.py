@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.ops._alloc import empty_output
+from flashtile.ops._alloc import empty_output_like
 from flashtile.ops._device import on_input_device
 from flashtile.ops._launch import launch
 from flashtile.ops.attention.configs import config
@@ -664,8 +664,8 @@ def _launch(
     rng = options.rng_state if dropout_p > 0.0 else None  # None, like a None tensor, leaves the signature as without
     p_drop = dropout_p if dropout_p > 0.0 else None
 
-    dk = empty_output(k.shape, k.dtype, k.device)
-    dv = empty_output(v.shape, v.dtype, v.device)
+    # the gradients in their inputs' layouts (torch.empty_like's, as the op's register_fake declares): strided stores
+    dk, dv = empty_output_like(k), empty_output_like(v)
     cfg = config("backward_dkdv", q.device, head_dim, head_dim_v, attn_mask is not None, q.element_size())
     tma = cfg.tma and inputs_tma_ready
     bm, bn = cfg.block_m, cfg.block_n
@@ -686,7 +686,7 @@ def _launch(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
-    dq = empty_output(q.shape, q.dtype, q.device)
+    dq = empty_output_like(q)
     cfg = config("backward_dq", q.device, head_dim, head_dim_v, attn_mask is not None, q.element_size())
     tma = cfg.tma and inputs_tma_ready
     bm, bn = cfg.block_m, cfg.block_n
