@@ -448,8 +448,8 @@ def create_mask(
     for a score_mod, a float32 score.
     B, H: the batch size and number of heads; None gives that dimension size 1.
     Q_LEN, KV_LEN: the query and key lengths.
-    device: where the mod is evaluated and the mask made; default (None) the current accelerator (CUDA where there
-    is one), else the CPU, as in FlexAttention.
+    device: where the mod is evaluated and the mask made; default (None) CUDA where there is a GPU, else the CPU
+    (FlexAttention's: the current accelerator).
 
     The whole mask is materialised (B * H * Q_LEN * KV_LEN booleans); ``create_block_mask`` needs memory linear in
     the lengths. A mask_mod's value that is the same everywhere comes back as an expanded tensor (stride 0), as
@@ -467,7 +467,7 @@ def create_mask(
             f"{mod_fn!r}" + ("." if arguments is None else f" with {arguments} arguments without a default.")
         )
     B, H, Q_LEN, KV_LEN = _sizes("create_mask", 0, B, H, Q_LEN, KV_LEN)
-    device = torch.device(device if device is not None else torch.accelerator.current_accelerator() or "cpu")
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     if 0 in (B, H, Q_LEN, KV_LEN):  # no position: the mod is not called (vmap over an empty score cannot be)
         return torch.empty(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
     b, h, q_idx, kv_idx = (index(0, n, device) for n in (B, H, Q_LEN, KV_LEN))

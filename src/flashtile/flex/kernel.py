@@ -183,11 +183,11 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
 
 
 def _forward(q, k, v, module, captured, block_mask: BlockMask, scale: float, output_max: bool):
-    """(out, lse, the rows' largest scores: (B, H, L) float32 with ``output_max``, else an empty tensor)."""
+    """(out, lse, the rows' largest scores: (B, H, L) float32 with ``output_max``, else None)."""
     batch, nheads, seqlen_q, _ = q.shape
     out = empty_output((batch, nheads, seqlen_q, v.shape[-1]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
-    row_max = empty_output((batch, nheads, seqlen_q) if output_max else (0,), torch.float32, q.device)
+    row_max = empty_output((batch, nheads, seqlen_q), torch.float32, q.device) if output_max else None
     lists, list_strides, has_full = _lists(block_mask, "kv")
     cfg = _config("flex_forward", q, v, block_mask)
     args = (q, k, v, out, lse, row_max, *lists, *_strides(q, k, v, out), *list_strides, nheads,
@@ -234,7 +234,8 @@ class _FlexFunction(torch.autograd.Function):
         out, lse, row_max = _forward(q, k, v, module, captured, block_mask, scale, output_max)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.module, ctx.captured, ctx.block_mask, ctx.scale = module, captured, block_mask, scale
-        ctx.mark_non_differentiable(row_max)
+        if row_max is not None:
+            ctx.mark_non_differentiable(row_max)
         return out, lse, row_max
 
     @staticmethod
@@ -253,7 +254,4 @@ def flex_attention_triton(
     for a call ``unsupported`` lets through."""
     module, captured = kernels_for(score_mod, block_mask.mask_mod, q.device)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out, lse, row_max = _FlexFunction.apply(
-        q, k, v, module, captured, block_mask, scale, output_max, *captured.needing_grad
-    )  # fmt: skip
-    return out, lse, row_max if output_max else None
+    return _FlexFunction.apply(q, k, v, module, captured, block_mask, scale, output_max, *captured.needing_grad)
