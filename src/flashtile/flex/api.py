@@ -223,9 +223,9 @@ def _run(
     the PyTorch route. Inside a torch.compile'd function this runs eagerly (a graph break): the mods are traced and
     the kernels launched here, which dynamo cannot follow."""
     if backend == "AUTO" and not output_max:
-        options = patterns.builtin_options(query, key, value, score_mod, mask, scale)
-        if options is not None:
-            return *_builtin(query, key, value, scale, options), None
+        builtin = patterns.builtin_options(query, key, value, score_mod, mask, scale)
+        if builtin is not None:
+            return *_builtin(query, key, value, scale, builtin), None
     if backend == "TORCH" or (backend == "AUTO" and _backend.path_name(query.device) == "cpu"):
         return flex_attention_torch(query, key, value, score_mod, mask, scale)
     if _backend.path_name(query.device) == "cpu":
@@ -243,12 +243,22 @@ def _run(
     return flex_attention_torch(query, key, value, score_mod, mask, scale)
 
 
-def _builtin(query, key, value, scale: float, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) by flashtile's built-in attention (``interface.attention``, the path of ``flash_attn_func``: its
-    autograd, GQA, CPU path and kernel choice) with the options ``patterns.builtin_options`` found, on the inputs
-    transposed to its (B, L, H, E) layout; out is transposed back (a view)."""
-    out, lse = interface.attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scale,
-        deterministic=torch.are_deterministic_algorithms_enabled(), **options,
+def _builtin(query, key, value, scale: float, builtin: patterns.Builtin) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) by flashtile's built-in attention with the options ``patterns.builtin_options`` found: the path
+    of ``flash_attn_func`` (``interface.attention``: its autograd, GQA, CPU path and kernel choice) on the inputs
+    transposed to its (B, L, H, E) layout, or, for packed documents, of ``flash_attn_varlen_func``
+    (``interface.varlen_attention``) on the batch's tokens packed into (B * L, H, E), each document one sequence.
+    out is transposed back (a view of the kernel's layout)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    if builtin.runs is None:
+        out, lse = interface.attention(q, k, v, softmax_scale=scale, deterministic=deterministic, **builtin.options)
+        return out.transpose(1, 2), lse
+    batch, nheads, seqlen = query.shape[:3]
+    q, k, v = (x.expand(batch, -1, -1, -1).reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
+    runs = builtin.runs
+    out, lse = interface.varlen_attention(
+        q, k, v, runs.cu_seqlens, runs.cu_seqlens, runs.max_seqlen, runs.max_seqlen, softmax_scale=scale,
+        deterministic=deterministic, **builtin.options,
     )  # fmt: skip
-    return out.transpose(1, 2), lse
+    return out.view(batch, seqlen, nheads, -1).transpose(1, 2), lse.view(nheads, batch, seqlen).transpose(0, 1)
