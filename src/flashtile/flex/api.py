@@ -257,8 +257,9 @@ def _builtin(query, key, value, scale: float, builtin: patterns.Builtin) -> tupl
     batch, nheads, seqlen = query.shape[:3]
     q, k, v = (x.expand(batch, -1, -1, -1).reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
     runs = builtin.runs
-    out, lse = interface.varlen_attention(
-        q, k, v, runs.cu_seqlens, runs.cu_seqlens, runs.max_seqlen, runs.max_seqlen, softmax_scale=scale,
-        deterministic=deterministic, **builtin.options,
-    )  # fmt: skip
+    with _backend.check_values(False):  # the packing is made from the ids (valid): no host synchronisation per call
+        out, lse = interface.varlen_attention(
+            q, k, v, runs.cu_seqlens, runs.cu_seqlens, runs.max_seqlen, runs.max_seqlen, softmax_scale=scale,
+            deterministic=deterministic, **builtin.options,
+        )  # fmt: skip
     return out.view(batch, seqlen, nheads, -1).transpose(1, 2), lse.view(nheads, batch, seqlen).transpose(0, 1)
