@@ -74,6 +74,8 @@ def _mods(name: str, p: dict[str, torch.Tensor]):
         return _mods("alibi", p)[0], _mods("document_causal", p)[1]
     if name == "prefix_lm":
         return None, lambda b, h, q_idx, kv_idx: (kv_idx < 24) | (q_idx >= kv_idx)
+    if name == "prefix_lm_softcap":  # or_masks' form, the prefix's bound written the other way
+        return _mods("softcap", p)[0], flashtile.or_masks(causal, lambda b, h, q_idx, kv_idx: kv_idx <= 22)
     if name == "alibi":
         return (lambda s, b, h, q_idx, kv_idx: s + p["slopes"][h] * (kv_idx - q_idx)), causal
     if name == "softcap":
@@ -540,7 +542,11 @@ BUILTIN = {  # case: the options flex_attention's AUTO passes to the built-in at
     "document_window": dict(window_left=20, window_right=0, softcap=0.0, varlen=True),
     "document_batch": dict(window_left=None, window_right=None, softcap=0.0, varlen=True),
     "document_alibi": dict(window_left=None, window_right=0, softcap=0.0, varlen=True),
+    "prefix_lm": dict(window_left=None, window_right=0, softcap=0.0, rows=2),
+    "prefix_lm_softcap": dict(window_left=None, window_right=0, softcap=2.0, rows=2),
 }
+"""``rows``: calls on parts of the query rows (prefix-LM: the prefix's rows, no mask, then the others, causal; the
+second call's options given)."""
 
 
 @pytest.fixture
@@ -573,13 +579,17 @@ def test_recognised_mods_run_the_builtin_kernels(name, path, builtin_calls):
     case = dict(B=2 if name == "document_batch" else 1, L=40, S=40, D=16, block=16, learned=False)
     seed = torch.initial_seed()
     out, lse = run_case(name, "AUTO", **case)
-    assert len(builtin_calls) == 1
-    options, expected = builtin_calls[0], {"varlen": False} | BUILTIN[name]
+    expected = {"varlen": False} | BUILTIN[name]
+    calls = expected.pop("rows", 1)
+    assert len(builtin_calls) == calls
+    options = builtin_calls[-1]
     assert {n: options[n] for n in expected} == expected
     assert (options["alibi_slopes"] is not None) == ("alibi" in name)
+    if calls == 2:
+        assert (builtin_calls[0]["window_left"], builtin_calls[0]["window_right"]) == (None, None)
     torch.manual_seed(seed)
     generated = run_case(name, "TRITON" if path == "triton" else "TORCH", **case)
-    assert len(builtin_calls) == 1
+    assert len(builtin_calls) == calls
     for x, y in zip((out, lse), generated, strict=True):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
 
@@ -637,6 +647,9 @@ def _near_misses():
     doc, split = _document_ids(48), torch.tensor([0] * 10 + [1] * 10 + [0] * 10 + [2] * 18, device=DEVICE)
     other = torch.arange(48, device=DEVICE) // 16  # another packing: documents of 16, one per block
 
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < 20) | (q_idx >= kv_idx)
+
     def same(ids, other_ids=None, at=lambda b, h: ()):
         other_ids = ids if other_ids is None else other_ids
         return lambda b, h, q_idx, kv_idx: ids[(*at(b, h), q_idx)] == other_ids[(*at(b, h), kv_idx)]
@@ -672,6 +685,17 @@ def _near_misses():
         ),
         ("lists of another packing", None, lists_of(same(other), same(doc)), (48, 48)),
         ("documents, Sq != Sk", None, mask(same(doc), 40, 48), (40, 48)),
+        (
+            "prefix or a window",
+            None,
+            mask(lambda b, h, q_idx, kv_idx: (kv_idx < 20) | _window(5)(b, h, q_idx, kv_idx)),
+            (48, 48),
+        ),
+        ("prefix or strict causal", None, mask(lambda b, h, q_idx, kv_idx: (kv_idx < 20) | (q_idx > kv_idx)), (48, 48)),
+        ("prefix of queries", None, mask(lambda b, h, q_idx, kv_idx: (q_idx < 20) | (q_idx >= kv_idx)), (48, 48)),
+        ("prefix, Sq != Sk", None, mask(prefix_lm, 40, 48), (40, 48)),
+        ("prefix with ALiBi", alibi(slopes), mask(prefix_lm), (48, 48)),
+        ("lists of causal, prefix mod", None, lists_of(causal, prefix_lm), (48, 48)),
     ]
 
 
@@ -718,11 +742,19 @@ def test_recognised_mask_forms():
         (lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[q_idx], None),
         (lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx] + 1, None),
         (lambda b, h, q_idx, kv_idx: doc[q_idx] <= doc[kv_idx], None),
+        (lambda b, h, q_idx, kv_idx: (kv_idx < 7) | (q_idx >= kv_idx), (0, math.inf, 7)),
+        (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (6 >= kv_idx), (0, math.inf, 7)),
+        (flashtile.or_masks(lambda b, h, q_idx, kv_idx: kv_idx - 3 < 0, causal), (0, math.inf, 3)),
+        (lambda b, h, q_idx, kv_idx: (kv_idx < 7) | (kv_idx < 9), None),
+        (lambda b, h, q_idx, kv_idx: (kv_idx < 7) | (q_idx >= kv_idx) | (q_idx < 2), None),
+        (lambda b, h, q_idx, kv_idx: (kv_idx > 7) | (q_idx >= kv_idx), None),
     ]
     for mask_mod, expected in forms:
         form = patterns.mask_form(codegen.trace(mask_mod, ("b", "h", "q_idx", "kv_idx"), DEVICE))
         if expected is None or len(expected) == 2:
-            assert form == (None if expected is None else (*expected, None))
+            assert form == (None if expected is None else (*expected, None, None))
+        elif not isinstance(expected[2], bool):
+            assert form == (*expected[:2], None, expected[2])
         else:
             assert form[:2] == expected[:2] and form.documents.per_batch == expected[2]
             assert torch.equal(form.documents.ids.reshape(-1), doc)
@@ -758,11 +790,13 @@ def test_block_masks_that_compute_the_pattern_are_routed(builtin_calls, monkeypa
     hi=st.sampled_from([0, 1, 6, math.inf]),
     documents=st.booleans(),
     batch=st.integers(1, 2),
+    prefix=st.one_of(st.none(), st.integers(0, 40)),
 )
-def test_attended_blocks(lengths, extra_q, blocks, lo, hi, documents, batch):
+def test_attended_blocks(lengths, extra_q, blocks, lo, hi, documents, batch, prefix):
     """Which blocks some / every position attends (what the block lists are checked against before routing), from
     each row's range of keys, against the mask evaluated position by position: intervals holding the diagonal, within
-    packed documents (per batch entry) or, with more queries than keys, every key."""
+    packed documents (per batch entry), the keys before a prefix or causal ones, or, with more queries than keys,
+    every key."""
     from flashtile.flex import patterns
 
     seqlen = sum(lengths)
@@ -771,13 +805,17 @@ def test_attended_blocks(lengths, extra_q, blocks, lo, hi, documents, batch):
         len(lengths), generator=generator)]) for _ in range(batch)]).to(DEVICE)  # fmt: skip
     seqlen_q = seqlen if documents else seqlen + extra_q
     if not documents:
-        lo, hi = -math.inf, math.inf
+        lo, hi = (0, math.inf) if prefix is not None else (-math.inf, math.inf)
+    else:
+        prefix = None
     block_mask = flashtile.create_block_mask(flashtile.noop_mask, None, None, seqlen_q, seqlen, device=DEVICE,
                                              BLOCK_SIZE=blocks)  # fmt: skip
     runs = patterns._runs(ids, batch) if documents else None
-    some, every = patterns._attends(block_mask, lo, hi, runs)
+    some, every = patterns._attends(block_mask, lo, hi, runs, prefix)
     q_idx, kv_idx = torch.arange(seqlen_q, device=DEVICE)[:, None], torch.arange(seqlen, device=DEVICE)
     attended = ((q_idx - kv_idx >= lo) & (q_idx - kv_idx <= hi))[None]
+    if prefix is not None:
+        attended = attended | (kv_idx < prefix)
     if documents:
         attended = attended & (ids[:, :, None] == ids[:, None, :])
     padded = torch.nn.functional.pad(attended, (0, -seqlen % blocks[1], 0, -seqlen_q % blocks[0]), value=True)

@@ -60,6 +60,7 @@ _CONSTANT_LIMIT = 2**30
 
 _FLIPPED = {aten.ge: aten.le, aten.le: aten.ge, aten.gt: aten.lt, aten.lt: aten.gt, aten.eq: aten.eq}
 _AND = (aten.bitwise_and, aten.logical_and)
+_OR = (aten.bitwise_or, aten.logical_or)
 
 
 class Documents(NamedTuple):
@@ -70,11 +71,13 @@ class Documents(NamedTuple):
 
 
 class MaskForm(NamedTuple):
-    """What a recognised mask_mod attends: lo <= q_idx - kv_idx <= hi, within one document where ``documents``."""
+    """What a recognised mask_mod attends: lo <= q_idx - kv_idx <= hi, within one document where ``documents``; and
+    where ``prefix`` is not None, every key before ``prefix`` too (prefix-LM)."""
 
     lo: float
     hi: float
     documents: Documents | None
+    prefix: int | None = None
 
 
 class DocumentRuns(NamedTuple):
@@ -91,10 +94,12 @@ class DocumentRuns(NamedTuple):
 
 class Builtin(NamedTuple):
     """How the built-in attention computes a call: ``options`` by name for ``interface.attention`` (or
-    ``interface.varlen_attention``), and the documents' packing where the mask keeps documents apart."""
+    ``interface.varlen_attention``); the documents' packing where the mask keeps documents apart; the prefix's
+    length (0 < prefix < seqlen) where every query sees the first ``prefix`` keys and causal keys after them."""
 
     options: dict
-    runs: DocumentRuns | None
+    runs: DocumentRuns | None = None
+    prefix: int | None = None
 
 
 def builtin_options(
@@ -111,8 +116,14 @@ def builtin_options(
     found = _recognised(score_mod, block_mask.mask_mod, query.device)
     if found is None:
         return None
-    (lo, hi, documents), (softcap, alibi) = found
-    aligned = (lo, hi, documents) == (-INF, INF, None) or query.shape[2] == key.shape[2]
+    (lo, hi, documents, prefix), (softcap, alibi) = found
+    seqlen = query.shape[2]
+    if prefix is not None:  # prefix-LM: the keys before the prefix, then causal
+        if (lo, hi, documents) != (0, INF, None) or seqlen != key.shape[2] or alibi is not None:
+            return None
+        prefix = min(max(prefix, 0), seqlen)  # every key: no mask; none: causal
+        lo, prefix = (-INF, None) if prefix == seqlen else (lo, prefix or None)
+    aligned = (lo, hi, documents) == (-INF, INF, None) or seqlen == key.shape[2]
     if not lo <= 0 <= hi or not aligned:
         return None
     slopes = None
@@ -126,13 +137,13 @@ def builtin_options(
         runs = document_runs(documents, query)
         if runs is None:
             return None
-    if not _agrees(block_mask, lo, hi, runs):
+    if not _agrees(block_mask, lo, hi, runs, prefix):
         return None
     options = {
         "window_left": None if hi == INF else int(hi), "window_right": None if lo == -INF else int(-lo),
         "softcap": softcap, "alibi_slopes": slopes,
     }  # fmt: skip
-    return Builtin(options, runs)
+    return Builtin(options, runs, prefix)
 
 
 def document_runs(documents: Documents, query: torch.Tensor) -> DocumentRuns | None:
@@ -255,14 +266,23 @@ def _comparison(node, q_idx, kv_idx) -> tuple[float, float] | None:
 
 def mask_form(gm: torch.fx.GraphModule) -> MaskForm | None:
     """What the traced mask_mod attends: lo <= q_idx - kv_idx <= hi (bounds integers or -inf / inf), within one
-    document where a term compares document ids; None where its graph is not of the recognised forms (module
-    docstring)."""
+    document where a term compares document ids, or every key before a bound (``kv_idx < P``) joined by ``|`` to
+    that; None where its graph is not of the recognised forms (module docstring)."""
     b, _, q_idx, kv_idx = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    alternatives = _terms(output_node(gm), _OR, aten.new_zeros)
+    prefixes = [p for p in (_key_prefix(term, q_idx, kv_idx) for term in alternatives) if p is not None]
+    if len(alternatives) > 1:
+        if len(alternatives) != 2 or len(prefixes) != 1:
+            return None
+        form = _conjunction([t for t in alternatives if _key_prefix(t, q_idx, kv_idx) is None][0], gm, b, q_idx, kv_idx)
+        return None if form is None else form._replace(prefix=prefixes[0])
+    return _conjunction(output_node(gm), gm, b, q_idx, kv_idx)
+
+
+def _conjunction(node, gm: torch.fx.GraphModule, b, q_idx, kv_idx) -> MaskForm | None:
+    """``mask_form`` of ``node``, a conjunction of intervals and at most one comparison of document ids."""
     lo, hi, documents = -INF, INF, None
-    for term in _terms(output_node(gm)):
-        op = op_of(term)
-        if op is aten.new_ones and list(term.args[1]) == [] and term.kwargs.get("dtype") == torch.bool:
-            continue
+    for term in _terms(node, _AND, aten.new_ones):
         interval = _comparison(term, q_idx, kv_idx)
         if interval is not None:
             lo, hi = max(lo, interval[0]), min(hi, interval[1])
@@ -274,12 +294,34 @@ def mask_form(gm: torch.fx.GraphModule) -> MaskForm | None:
     return MaskForm(lo, hi, documents)
 
 
-def _terms(node) -> list:
-    """The terms of a conjunction (``&``, ``logical_and``, ``and_masks``), past ``NO_OPS``."""
+def _terms(node, combine: tuple, identity) -> list:
+    """The terms ``node`` joins with ``combine`` (``_AND``: ``&``, ``logical_and``, ``and_masks``; ``_OR``), past
+    ``NO_OPS``, without the operation's identity (``identity``: ``new_ones`` or ``new_zeros``, a 0-d bool constant,
+    where and_masks and or_masks start)."""
     node = skip_no_ops(node)
-    if op_of(node) in _AND and len(node.args) == 2:
-        return [term for arg in node.args for term in _terms(arg)]
-    return [node]
+    if op_of(node) in combine and len(node.args) == 2:
+        return [term for arg in node.args for term in _terms(arg, combine, identity)]
+    constant = op_of(node) is identity and list(node.args[1]) == [] and node.kwargs.get("dtype") == torch.bool
+    return [] if constant else [node]
+
+
+def _key_prefix(node, q_idx, kv_idx) -> int | None:
+    """P of a comparison that holds exactly where kv_idx < P (``kv_idx < P``, ``kv_idx <= P - 1``, ``P > kv_idx``,
+    ...), or None."""
+    op = op_of(node)
+    if op not in _FLIPPED or op is aten.eq or len(node.args) != 2:
+        return None
+    left, right = (_linear(arg, q_idx, kv_idx) for arg in node.args)
+    if left is None or right is None:
+        return None
+    a, b, c = (x - y for x, y in zip(left, right, strict=True))  # a q + b kv + c  op  0
+    if a != 0 or abs(b) != 1:
+        return None
+    if b == -1:  # -kv + c op 0  <=>  kv flipped-op c
+        op, bound = _FLIPPED[op], c
+    else:  # kv + c op 0  <=>  kv op -c
+        bound = -c
+    return {aten.lt: bound, aten.le: bound + 1}.get(op)
 
 
 def _same_document(gm: torch.fx.GraphModule, node, b, q_idx, kv_idx) -> Documents | None:
@@ -359,10 +401,11 @@ def score_options(gm: torch.fx.GraphModule) -> tuple[float, tuple[torch.Tensor, 
 
 
 def _attends(
-    block_mask: BlockMask, lo: float, hi: float, runs: DocumentRuns | None
+    block_mask: BlockMask, lo: float, hi: float, runs: DocumentRuns | None, prefix: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(some, every): bool (Bd, Qb, Kb), whether some / every position of each block within the lengths is
-    attended: lo <= q_idx - kv_idx <= hi, within one document where ``runs`` (Bd 1 without). Each query row attends
+    attended: lo <= q_idx - kv_idx <= hi, within one document where ``runs`` (Bd 1 without), or, with a ``prefix``
+    (only with hi = inf and no documents, where each row's keys start at 0), kv_idx < prefix. Each query row attends
     one range of keys, [first, last], and both ends grow with the row: a block's rows attend every one of its keys
     where its last row's range starts at or before its first key and its first row's range ends at or after its last
     key; some of them where the last of its rows whose range starts at or before its last key reaches its first key
@@ -374,6 +417,8 @@ def _attends(
     last = (row - max(lo, -kv_len)).clamp(max=kv_len - 1)
     if runs is not None:
         first, last = torch.maximum(first, runs.start.to(device)), torch.minimum(last, runs.end.to(device) - 1)
+    if prefix is not None:
+        last = last.clamp(min=min(prefix, kv_len) - 1)
     rows, cols = torch.arange(0, q_len, q_block, device=device), torch.arange(0, kv_len, kv_block, device=device)
     last_row, last_col = (rows + q_block).clamp(max=q_len) - 1, (cols + kv_block).clamp(max=kv_len) - 1
     every = (first[:, last_row, None] <= cols) & (last[:, rows, None] >= last_col)
@@ -384,16 +429,17 @@ def _attends(
     return some, every
 
 
-def _agrees(block_mask: BlockMask, lo: float, hi: float, runs: DocumentRuns | None) -> bool:
+def _agrees(block_mask: BlockMask, lo: float, hi: float, runs: DocumentRuns | None, prefix: int | None) -> bool:
     """Whether the block mask's lists compute what its mask_mod (the interval [lo, hi] of q_idx - kv_idx, within
-    the documents of ``runs``) says: no skipped block holds a position it attends, and every position of a full
-    block within the lengths is attended (partial blocks evaluate the mask_mod). Checked once per mask's lists and
-    documents (a host synchronisation on CUDA) and again after they change (``block_mask.remember``)."""
+    the documents of ``runs``, or the keys before ``prefix``: ``_attends``) says: no skipped block holds a position it
+    attends, and every position of a full block within the lengths is attended (partial blocks evaluate the
+    mask_mod). Checked once per mask's lists and documents (a host synchronisation on CUDA) and again after they
+    change (``block_mask.remember``)."""
     found = recall(_AGREEING, block_mask)
-    if found is not None and found[0] == (lo, hi) and found[1] is runs:
+    if found is not None and found[0] == (lo, hi, prefix) and found[1] is runs:
         return found[2]
     kinds = block_kinds(block_mask)[..., : block_mask.q_blocks, :]
-    some, every = (x[:, None] for x in _attends(block_mask, lo, hi, runs))
+    some, every = (x[:, None] for x in _attends(block_mask, lo, hi, runs, prefix))
     agrees = not bool((((kinds == 0) & some) | ((kinds == FULL) & ~every)).any())
-    remember(_AGREEING, block_mask, ((lo, hi), runs, agrees))
+    remember(_AGREEING, block_mask, ((lo, hi, prefix), runs, agrees))
     return agrees
