@@ -19,6 +19,9 @@ Recognition reads the graph's structure; it never calls a mod on sample values. 
   ``flash_attn_varlen_func``, each document one sequence of cu_seqlens (batch by batch), with the interval inside
   each (a causal document mask is varlen with ``causal=True``). seqlen_q == seqlen_k; the ids are read once per
   tensor version (``document_runs``: one host synchronisation on CUDA) and such calls run the varlen kernels.
+- prefix-LM: ``(kv_idx < P) | (q_idx >= kv_idx)`` (``|``, ``logical_or``, ``or_masks``; the bound in any comparison
+  form), no ALiBi, seqlen_q == seqlen_k: each query row sees one range of keys, the prefix's rows keys [0, P), the
+  others [0, q_idx]; two built-in calls on those rows (``flex.api._builtin``).
 - score_mod: the identity; ``cap * torch.tanh(score / cap)`` (either factor order, cap a positive number) ->
   softcap=cap; ``score + slopes[h] * (kv_idx - q_idx)`` or ``score - slopes[h] * (q_idx - kv_idx)`` (either
   operand order of ``+`` and ``*``; slopes a captured float32 (Hq,) tensor on the inputs' device that does not
@@ -30,7 +33,7 @@ Recognition reads the graph's structure; it never calls a mod on sample values. 
   interval attends, a full block only such positions (create_block_mask's masks for the mod, torch's too, and
   None, every block full, with no mask_mod).
 
-Anything else (another operation, a captured constant, a float bound, ``|``, a slope tensor that requires grad,
+Anything else (another operation, a captured constant, a float bound, another ``|``, a slope tensor that requires grad,
 ids whose documents are not consecutive, head dims the built-in kernels do not take) runs the generated kernel.
 """
 
