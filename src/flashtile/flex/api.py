@@ -256,13 +256,7 @@ def _builtin(query, key, value, scale: float, builtin: patterns.Builtin) -> tupl
     if builtin.runs is not None:
         return _documents(q, k, v, scale, builtin, deterministic)
     if builtin.prefix is not None:
-        p = builtin.prefix
-        rows = [(q[:, :p], k[:, :p], v[:, :p], dict(window_left=None, window_right=None)), (q[:, p:], k, v, {})]
-        parts = [
-            interface.attention(*qkv, softmax_scale=scale, deterministic=deterministic, **(builtin.options | window))
-            for *qkv, window in rows
-        ]  # fmt: skip
-        return torch.cat([out for out, _ in parts], 1).transpose(1, 2), torch.cat([lse for _, lse in parts], 2)
+        return _prefix_lm(q, k, v, scale, builtin, deterministic)
     out, lse = interface.attention(q, k, v, softmax_scale=scale, deterministic=deterministic, **builtin.options)
     return out.transpose(1, 2), lse
 
@@ -278,3 +272,14 @@ def _documents(q, k, v, scale: float, builtin: patterns.Builtin, deterministic: 
             deterministic=deterministic, **builtin.options,
         )  # fmt: skip
     return out.view(batch, seqlen, nheads, -1).transpose(1, 2), lse.view(nheads, batch, seqlen).transpose(0, 1)
+
+
+def _prefix_lm(q, k, v, scale: float, builtin: patterns.Builtin, deterministic: bool):
+    """``_builtin`` for a prefix-LM mask, from q, k, v in (B, L, H, E)."""
+    p = builtin.prefix
+    rows = [(q[:, :p], k[:, :p], v[:, :p], {"window_left": None, "window_right": None}), (q[:, p:], k, v, {})]
+    parts = [
+        interface.attention(*qkv, softmax_scale=scale, deterministic=deterministic, **(builtin.options | window))
+        for *qkv, window in rows
+    ]  # fmt: skip
+    return torch.cat([out for out, _ in parts], 1).transpose(1, 2), torch.cat([lse for _, lse in parts], 2)
