@@ -246,32 +246,16 @@ def _run(
 def _builtin(query, key, value, scale: float, builtin: patterns.Builtin) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) by flashtile's built-in attention with the options ``patterns.builtin_options`` found: the path
     of ``flash_attn_func`` (``interface.attention``: its autograd, GQA, CPU path and kernel choice) on the inputs
-    transposed to its (B, L, H, E) layout; for packed documents, of ``flash_attn_varlen_func``
-    (``interface.varlen_attention``) on the batch's tokens packed into (B * L, H, E), each document one sequence;
-    for a prefix-LM mask, two calls on the query rows before and after the prefix, whose keys are each one range:
-    the prefix's keys for the first (no mask), every key causally for the others (bottom-right aligned, so query
-    ``prefix + i`` sees keys up to ``prefix + i``). out is transposed back to (B, H, L, Ev)."""
+    transposed to its (B, L, H, E) layout; for a prefix-LM mask, two calls on the query rows before and after the
+    prefix, whose keys are each one range: the prefix's keys for the first (no mask), every key causally for the
+    others (bottom-right aligned, so query ``prefix + i`` sees keys up to ``prefix + i``). out is transposed back to
+    (B, H, L, Ev)."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    if builtin.runs is not None:
-        return _documents(q, k, v, scale, builtin, deterministic)
     if builtin.prefix is not None:
         return _prefix_lm(q, k, v, scale, builtin, deterministic)
     out, lse = interface.attention(q, k, v, softmax_scale=scale, deterministic=deterministic, **builtin.options)
     return out.transpose(1, 2), lse
-
-
-def _documents(q, k, v, scale: float, builtin: patterns.Builtin, deterministic: bool):
-    """``_builtin`` for packed documents, from q, k, v in (B, L, H, E) (k and v batch 1 or B)."""
-    batch, seqlen, nheads = q.shape[:3]
-    q, k, v = (x.expand(batch, -1, -1, -1).reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v))
-    runs = builtin.runs
-    with _backend.check_values(False):  # the packing is made from the ids (valid): no host synchronisation per call
-        out, lse = interface.varlen_attention(
-            q, k, v, runs.cu_seqlens, runs.cu_seqlens, runs.max_seqlen, runs.max_seqlen, softmax_scale=scale,
-            deterministic=deterministic, **builtin.options,
-        )  # fmt: skip
-    return out.view(batch, seqlen, nheads, -1).transpose(1, 2), lse.view(nheads, batch, seqlen).transpose(0, 1)
 
 
 def _prefix_lm(q, k, v, scale: float, builtin: patterns.Builtin, deterministic: bool):

@@ -13,12 +13,6 @@ Recognition reads the graph's structure; it never calls a mod on sample values. 
   ``noop_mask`` (-inf, inf). FlexAttention's indices are aligned to the top left and flash_attn's window to the
   bottom right: they coincide when seqlen_q == seqlen_k, the only case routed for an interval other than
   (-inf, inf).
-- packed documents: one more term of the ``&``, ``ids[q_idx] == ids[kv_idx]`` or ``ids[b, q_idx] == ids[b, kv_idx]``
-  (either side first; ids a captured integer tensor on the inputs' device, (>= seqlen) or (batch, >= seqlen)),
-  where each id's positions are consecutive (the documents packed one after another): the sequences of
-  ``flash_attn_varlen_func``, each document one sequence of cu_seqlens (batch by batch), with the interval inside
-  each (a causal document mask is varlen with ``causal=True``). seqlen_q == seqlen_k; the ids are read once per
-  tensor version (``document_runs``: one host synchronisation on CUDA) and such calls run the varlen kernels.
 - prefix-LM: ``(kv_idx < P) | (q_idx >= kv_idx)`` (``|``, ``logical_or``, ``or_masks``; the bound in any comparison
   form), no ALiBi, seqlen_q == seqlen_k: each query row sees one range of keys, the prefix's rows keys [0, P), the
   others [0, q_idx]; two built-in calls on those rows (``flex.api._builtin``).
@@ -34,14 +28,14 @@ Recognition reads the graph's structure; it never calls a mod on sample values. 
   None, every block full, with no mask_mod).
 
 Anything else (another operation, a captured constant, a float bound, another ``|``, a slope tensor that requires grad,
-ids whose documents are not consecutive, head dims the built-in kernels do not take) runs the generated kernel.
+head dims the built-in kernels do not take) runs the generated kernel; document masks (``doc[q_idx] ==
+doc[kv_idx]``) too: the varlen kernels computed them slower than the generated kernel does.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -56,7 +50,6 @@ aten = torch.ops.aten
 INF = math.inf
 _RECOGNISED: dict[tuple, tuple] = {}
 _AGREEING: dict[int, tuple] = {}
-_RUNS: dict[tuple, DocumentRuns | None] = {}
 MAX_RECOGNISED = 256
 _CONSTANT_LIMIT = 2**30
 """Integer constants of a mask_mod are taken up to this size (int32 index arithmetic cannot overflow)."""
@@ -66,42 +59,20 @@ _AND = (aten.bitwise_and, aten.logical_and)
 _OR = (aten.bitwise_or, aten.logical_or)
 
 
-class Documents(NamedTuple):
-    """A mask_mod's ``ids[q_idx] == ids[kv_idx]`` (``per_batch`` False) or ``ids[b, q_idx] == ids[b, kv_idx]``."""
-
-    ids: torch.Tensor
-    per_batch: bool
-
-
 class MaskForm(NamedTuple):
-    """What a recognised mask_mod attends: lo <= q_idx - kv_idx <= hi, within one document where ``documents``; and
-    where ``prefix`` is not None, every key before ``prefix`` too (prefix-LM)."""
+    """What a recognised mask_mod attends: lo <= q_idx - kv_idx <= hi; and where ``prefix`` is not None, every key
+    before ``prefix`` too (prefix-LM)."""
 
     lo: float
     hi: float
-    documents: Documents | None
     prefix: int | None = None
 
 
-class DocumentRuns(NamedTuple):
-    """The packed documents of a call's ids: ``start`` and ``end`` (Bd, seqlen) int64, the first position of each
-    position's document and the one past its last (Bd 1 where the ids are the same for every batch), and the
-    varlen packing of the (batch * seqlen) tokens, each document one sequence: ``cu_seqlens`` int32 and
-    ``max_seqlen``."""
-
-    start: torch.Tensor
-    end: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-
-
 class Builtin(NamedTuple):
-    """How the built-in attention computes a call: ``options`` by name for ``interface.attention`` (or
-    ``interface.varlen_attention``); the documents' packing where the mask keeps documents apart; the prefix's
+    """How the built-in attention computes a call: ``options`` by name for ``interface.attention``; the prefix's
     length (0 < prefix < seqlen) where every query sees the first ``prefix`` keys and causal keys after them."""
 
     options: dict
-    runs: DocumentRuns | None = None
     prefix: int | None = None
 
 
@@ -109,8 +80,8 @@ def builtin_options(
     query, key, value, score_mod: ScoreMod | None, block_mask: BlockMask, scale: float
 ) -> Builtin | None:
     """The options of ``interface.attention`` (window_left, window_right, softcap, alibi_slopes) that compute this
-    flex_attention call, with the documents' packing where its mask keeps packed documents apart, or None where it
-    is not one of the recognised patterns (module docstring)."""
+    flex_attention call, with the prefix of a prefix-LM mask, or None where it is not one of the recognised patterns
+    (module docstring)."""
     head_dim, head_dim_v = query.shape[-1], value.shape[-1]
     if not (math.isfinite(scale) and 0 < min(head_dim, head_dim_v) and max(head_dim, head_dim_v) <= MAX_HEAD_DIM):
         return None
@@ -119,14 +90,14 @@ def builtin_options(
     found = _recognised(score_mod, block_mask.mask_mod, query.device)
     if found is None:
         return None
-    (lo, hi, documents, prefix), (softcap, alibi) = found
+    (lo, hi, prefix), (softcap, alibi) = found
     seqlen = query.shape[2]
     if prefix is not None:  # prefix-LM: the keys before the prefix, then causal
-        if (lo, hi, documents) != (0, INF, None) or seqlen != key.shape[2] or alibi is not None:
+        if (lo, hi) != (0, INF) or seqlen != key.shape[2] or alibi is not None:
             return None
         prefix = min(max(prefix, 0), seqlen)  # every key: no mask; none: causal
         lo, prefix = (-INF, None) if prefix == seqlen else (lo, prefix or None)
-    aligned = (lo, hi, documents) == (-INF, INF, None) or seqlen == key.shape[2]
+    aligned = (lo, hi) == (-INF, INF) or seqlen == key.shape[2]
     if not lo <= 0 <= hi or not aligned:
         return None
     slopes = None
@@ -135,66 +106,13 @@ def builtin_options(
         if lo != 0 or not _plain_slopes(tensor, query):
             return None
         slopes = tensor if sign < 0 else -tensor
-    runs = None
-    if documents is not None:
-        runs = document_runs(documents, query)
-        if runs is None:
-            return None
-    if not _agrees(block_mask, lo, hi, runs, prefix):
+    if not _agrees(block_mask, lo, hi, prefix):
         return None
     options = {
         "window_left": None if hi == INF else int(hi), "window_right": None if lo == -INF else int(-lo),
         "softcap": softcap, "alibi_slopes": slopes,
     }  # fmt: skip
-    return Builtin(options, runs, prefix)
-
-
-def document_runs(documents: Documents, query: torch.Tensor) -> DocumentRuns | None:
-    """The documents of ``documents.ids`` for a call on ``query`` (B, H, seqlen, E), or None where they cannot be
-    varlen sequences: ids not integers, not on the inputs' device or shorter than the sequence, per-batch ids not
-    one row per batch, an id whose positions are not consecutive, no tokens. Kept per ids tensor and version (one
-    host synchronisation on CUDA the first time)."""
-    ids, per_batch = documents
-    batch, seqlen = query.shape[0], query.shape[2]
-    cache_key = (id(ids), ids._version, per_batch, batch, seqlen)
-    if cache_key in _RUNS:
-        return _RUNS[cache_key]
-    if len(_RUNS) >= MAX_RECOGNISED:
-        _RUNS.clear()
-    usable = (
-        not (ids.is_floating_point() or ids.is_complex()) and ids.device == query.device
-        and ids.dim() == 1 + per_batch and ids.shape[-1] >= seqlen and (not per_batch or ids.shape[0] == batch)
-        and 0 < batch * seqlen < 2**31
-    )  # fmt: skip
-    runs = _runs(ids[..., :seqlen].reshape(-1, seqlen), batch) if usable else None
-    if not any(k[0] == id(ids) for k in _RUNS):
-        weakref.finalize(ids, _forget_runs, id(ids))
-    _RUNS[cache_key] = runs
-    return runs
-
-
-def _forget_runs(ids_id: int) -> None:
-    for cache_key in [k for k in _RUNS if k[0] == ids_id]:
-        del _RUNS[cache_key]
-
-
-def _runs(rows: torch.Tensor, batch: int) -> DocumentRuns | None:
-    """``document_runs`` of ids ``rows`` (Bd, seqlen), Bd 1 or ``batch``."""
-    seqlen = rows.shape[1]
-    position = torch.arange(seqlen, device=rows.device)
-    starts = torch.ones_like(rows, dtype=torch.bool)
-    starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
-    ends = torch.ones_like(starts)
-    ends[:, :-1] = starts[:, 1:]
-    ordered = rows.sort(dim=1).values
-    distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(1) + 1
-    if bool((distinct != starts.sum(1)).any()):  # an id in two places: documents that are not consecutive
-        return None
-    start = torch.where(starts, position, 0).cummax(1).values
-    end = torch.where(ends, position + 1, seqlen).flip(1).cummin(1).values.flip(1)
-    first = starts.expand(batch, seqlen).reshape(-1).nonzero().squeeze(1)
-    cu_seqlens = torch.cat([first, first.new_tensor([batch * seqlen])]).to(torch.int32)
-    return DocumentRuns(start, end, cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+    return Builtin(options, prefix)
 
 
 def _plain_slopes(slopes: torch.Tensor, query: torch.Tensor) -> bool:
@@ -268,33 +186,29 @@ def _comparison(node, q_idx, kv_idx) -> tuple[float, float] | None:
 
 
 def mask_form(gm: torch.fx.GraphModule) -> MaskForm | None:
-    """What the traced mask_mod attends: lo <= q_idx - kv_idx <= hi (bounds integers or -inf / inf), within one
-    document where a term compares document ids, or every key before a bound (``kv_idx < P``) joined by ``|`` to
-    that; None where its graph is not of the recognised forms (module docstring)."""
-    b, _, q_idx, kv_idx = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    """What the traced mask_mod attends: lo <= q_idx - kv_idx <= hi (bounds integers or -inf / inf), or every key
+    before a bound (``kv_idx < P``) joined by ``|`` to that; None where its graph is not of the recognised forms
+    (module docstring)."""
+    _, _, q_idx, kv_idx = [n for n in gm.graph.nodes if n.op == "placeholder"]
     alternatives = _terms(output_node(gm), _OR, aten.new_zeros)
     prefixes = [p for p in (_key_prefix(term, q_idx, kv_idx) for term in alternatives) if p is not None]
     if len(alternatives) > 1:
         if len(alternatives) != 2 or len(prefixes) != 1:
             return None
-        form = _conjunction([t for t in alternatives if _key_prefix(t, q_idx, kv_idx) is None][0], gm, b, q_idx, kv_idx)
+        form = _conjunction([t for t in alternatives if _key_prefix(t, q_idx, kv_idx) is None][0], q_idx, kv_idx)
         return None if form is None else form._replace(prefix=prefixes[0])
-    return _conjunction(output_node(gm), gm, b, q_idx, kv_idx)
+    return _conjunction(output_node(gm), q_idx, kv_idx)
 
 
-def _conjunction(node, gm: torch.fx.GraphModule, b, q_idx, kv_idx) -> MaskForm | None:
-    """``mask_form`` of ``node``, a conjunction of intervals and at most one comparison of document ids."""
-    lo, hi, documents = -INF, INF, None
+def _conjunction(node, q_idx, kv_idx) -> MaskForm | None:
+    """``mask_form`` of ``node``, a conjunction of intervals."""
+    lo, hi = -INF, INF
     for term in _terms(node, _AND, aten.new_ones):
         interval = _comparison(term, q_idx, kv_idx)
-        if interval is not None:
-            lo, hi = max(lo, interval[0]), min(hi, interval[1])
-            continue
-        found = _same_document(gm, term, b, q_idx, kv_idx)
-        if found is None or documents is not None:
+        if interval is None:
             return None
-        documents = found
-    return MaskForm(lo, hi, documents)
+        lo, hi = max(lo, interval[0]), min(hi, interval[1])
+    return MaskForm(lo, hi)
 
 
 def _terms(node, combine: tuple, identity) -> list:
@@ -325,27 +239,6 @@ def _key_prefix(node, q_idx, kv_idx) -> int | None:
     else:  # kv + c op 0  <=>  kv op -c
         bound = -c
     return {aten.lt: bound, aten.le: bound + 1}.get(op)
-
-
-def _same_document(gm: torch.fx.GraphModule, node, b, q_idx, kv_idx) -> Documents | None:
-    """``Documents`` of ``ids[q_idx] == ids[kv_idx]`` or ``ids[b, q_idx] == ids[b, kv_idx]`` (either side first, one
-    captured tensor), or None."""
-    if op_of(node) is not aten.eq or len(node.args) != 2:
-        return None
-    reads = []
-    for read in node.args:
-        read = skip_no_ops(read)
-        if op_of(read) is not aten.index or read.args[0].op != "get_attr" or len(read.args[1]) not in (1, 2):
-            return None
-        indices = [skip_no_ops(i) for i in read.args[1]]
-        if len(indices) == 2 and indices[0] is not b:
-            return None
-        reads.append((read.args[0].target, len(indices) == 2, indices[-1]))
-    (target, per_batch, first), (other, other_per_batch, second) = reads
-    ids = getattr(gm, target)
-    if target != other or per_batch != other_per_batch or {first, second} != {q_idx, kv_idx}:
-        return None
-    return Documents(ids, per_batch) if isinstance(ids, torch.Tensor) else None
 
 
 def score_options(gm: torch.fx.GraphModule) -> tuple[float, tuple[torch.Tensor, int] | None] | None:
@@ -404,45 +297,40 @@ def score_options(gm: torch.fx.GraphModule) -> tuple[float, tuple[torch.Tensor, 
 
 
 def _attends(
-    block_mask: BlockMask, lo: float, hi: float, runs: DocumentRuns | None, prefix: int | None = None
+    block_mask: BlockMask, lo: float, hi: float, prefix: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(some, every): bool (Bd, Qb, Kb), whether some / every position of each block within the lengths is
-    attended: lo <= q_idx - kv_idx <= hi, within one document where ``runs`` (Bd 1 without), or, with a ``prefix``
-    (only with hi = inf and no documents, where each row's keys start at 0), kv_idx < prefix. Each query row attends
-    one range of keys, [first, last], and both ends grow with the row: a block's rows attend every one of its keys
-    where its last row's range starts at or before its first key and its first row's range ends at or after its last
-    key; some of them where the last of its rows whose range starts at or before its last key reaches its first key
-    (every row's range holds keys: the interval holds the diagonal, or the keys are all attended)."""
+    """(some, every): bool (Qb, Kb), whether some / every position of each block within the lengths is attended:
+    lo <= q_idx - kv_idx <= hi, or, with a ``prefix`` (only with hi = inf, where each row's keys start at 0),
+    kv_idx < prefix. Each query row attends one range of keys, [first, last], and both ends grow with the row: a
+    block's rows attend every one of its keys where its last row's range starts at or before its first key and its
+    first row's range ends at or after its last key; some of them where the last of its rows whose range starts at or
+    before its last key reaches its first key (every row's range holds keys: the interval holds the diagonal, or
+    every key is attended)."""
     (q_len, kv_len), (q_block, kv_block) = block_mask.seq_lengths, block_mask.BLOCK_SIZE
     device = block_mask.kv_indices.device
-    row = torch.arange(q_len, device=device)[None]
+    row = torch.arange(q_len, device=device)
     first = (row - min(hi, q_len)).clamp(min=0)
     last = (row - max(lo, -kv_len)).clamp(max=kv_len - 1)
-    if runs is not None:
-        first, last = torch.maximum(first, runs.start.to(device)), torch.minimum(last, runs.end.to(device) - 1)
     if prefix is not None:
         last = last.clamp(min=min(prefix, kv_len) - 1)
     rows, cols = torch.arange(0, q_len, q_block, device=device), torch.arange(0, kv_len, kv_block, device=device)
     last_row, last_col = (rows + q_block).clamp(max=q_len) - 1, (cols + kv_block).clamp(max=kv_len) - 1
-    every = (first[:, last_row, None] <= cols) & (last[:, rows, None] >= last_col)
-    reaching = torch.searchsorted(first, last_col.expand(first.shape[0], -1).contiguous(), right=True) - 1
-    deepest = torch.minimum(reaching[:, None, :], last_row[:, None])  # (Bd, Qb, Kb)
-    reach = last.gather(1, deepest.clamp(min=0).flatten(1)).view_as(deepest)
-    some = (deepest >= rows[:, None]) & (reach >= cols)
+    every = (first[last_row, None] <= cols) & (last[rows, None] >= last_col)
+    deepest = torch.minimum(torch.searchsorted(first, last_col, right=True)[None, :] - 1, last_row[:, None])
+    some = (deepest >= rows[:, None]) & (last[deepest.clamp(min=0)] >= cols)
     return some, every
 
 
-def _agrees(block_mask: BlockMask, lo: float, hi: float, runs: DocumentRuns | None, prefix: int | None) -> bool:
-    """Whether the block mask's lists compute what its mask_mod (the interval [lo, hi] of q_idx - kv_idx, within
-    the documents of ``runs``, or the keys before ``prefix``: ``_attends``) says: no skipped block holds a position it
-    attends, and every position of a full block within the lengths is attended (partial blocks evaluate the
-    mask_mod). Checked once per mask's lists and documents (a host synchronisation on CUDA) and again after they
-    change (``block_mask.remember``)."""
+def _agrees(block_mask: BlockMask, lo: float, hi: float, prefix: int | None) -> bool:
+    """Whether the block mask's lists compute what its mask_mod (the interval [lo, hi] of q_idx - kv_idx, or the
+    keys before ``prefix``: ``_attends``) says: no skipped block holds a position it attends, and every position of
+    a full block within the lengths is attended (partial blocks evaluate the mask_mod). Checked once per mask's lists
+    (a host synchronisation on CUDA) and again after they change (``block_mask.remember``)."""
     found = recall(_AGREEING, block_mask)
-    if found is not None and found[0] == (lo, hi, prefix) and found[1] is runs:
-        return found[2]
+    if found is not None and found[0] == (lo, hi, prefix):
+        return found[1]
     kinds = block_kinds(block_mask)[..., : block_mask.q_blocks, :]
-    some, every = (x[:, None] for x in _attends(block_mask, lo, hi, runs, prefix))
+    some, every = _attends(block_mask, lo, hi, prefix)
     agrees = not bool((((kinds == 0) & some) | ((kinds == FULL) & ~every)).any())
-    remember(_AGREEING, block_mask, ((lo, hi, prefix), runs, agrees))
+    remember(_AGREEING, block_mask, ((lo, hi, prefix), agrees))
     return agrees
