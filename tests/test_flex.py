@@ -775,7 +775,7 @@ def test_gpu_kernel_even_lengths(name, L, S):
 def test_gpu_recognised_mods_long(name, builtin_calls):
     """Recognised mods on the compiled built-in kernels: GQA, bf16, lengths past one block, the default block size."""
     run_case(name, "AUTO", dtype=torch.bfloat16, B=2, H=4, H_kv=2, L=1000, S=1000, D=128, block=128, learned=False)
-    assert len(builtin_calls) == 1
+    assert len(builtin_calls) == BUILTIN[name].get("rows", 1)
 
 
 @pytest.mark.gpu
