@@ -132,15 +132,15 @@ def _recognised(score_mod: ScoreMod | None, mask_mod: MaskMod | None, device: to
         if len(_RECOGNISED) >= MAX_RECOGNISED:
             _RECOGNISED.clear()
         try:
-            interval = mask_form(codegen.trace(mask_mod or noop_mask, ("b", "h", "q_idx", "kv_idx"), device))
+            form = mask_form(codegen.trace(mask_mod or noop_mask, ("b", "h", "q_idx", "kv_idx"), device))
             score = (0.0, None)
             if score_mod is not None:
                 score = score_options(codegen.trace(score_mod, ("score", "b", "h", "q_idx", "kv_idx"), device))
         except codegen.Unsupported:
-            interval = score = None
-        _RECOGNISED[cache_key] = (interval, score)
-    interval, score = _RECOGNISED[cache_key]
-    return None if interval is None or score is None else (interval, score)
+            form = score = None
+        _RECOGNISED[cache_key] = (form, score)
+    form, score = _RECOGNISED[cache_key]
+    return None if form is None or score is None else (form, score)
 
 
 def _linear(node, q_idx, kv_idx) -> tuple[int, int, int] | None:
