@@ -571,9 +571,11 @@ def test_recognised_mods_run_the_builtin_kernels(name, path, builtin_calls):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_recognised_mods_gqa_and_lengths(dtype, builtin_calls):
     """GQA (4 query heads on 2 kv heads), a head dim and lengths that are not multiples of the tiles, low precision:
-    causal ALiBi, against the oracle."""
+    causal ALiBi and prefix-LM, against the oracle."""
     run_case("alibi", "AUTO", dtype=dtype, B=2, H=4, H_kv=2, L=37, S=37, D=24, block=16, learned=False)
     assert len(builtin_calls) == 1 and builtin_calls[0]["alibi_slopes"].shape == (4,)
+    run_case("prefix_lm", "AUTO", dtype=dtype, B=2, H=4, H_kv=2, L=37, S=37, D=24, block=16, learned=False)
+    assert len(builtin_calls) == 3  # the prefix's rows, then the others
 
 
 def _window(width: int):
