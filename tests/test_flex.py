@@ -712,9 +712,9 @@ def test_block_masks_that_compute_the_pattern_are_routed(builtin_calls, monkeypa
     prefix=st.one_of(st.none(), st.integers(0, 70)),
 )
 def test_attended_blocks(seqlen_q, seqlen_k, blocks, lo, hi, prefix):
-    """Which blocks some / every position attends (what the block lists are checked against before routing), from
-    each row's range of keys, against the mask evaluated position by position: intervals holding the diagonal at
-    equal lengths, the keys before a prefix or causal ones, and every key at any lengths."""
+    """Which blocks some / every position attends (what the block lists are checked against before routing), against
+    the mask evaluated position by position: intervals holding the diagonal at equal lengths, the keys before a
+    prefix or causal ones, and every key at any lengths."""
     from flashtile.flex import patterns
 
     if prefix is not None:
@@ -732,6 +732,27 @@ def test_attended_blocks(seqlen_q, seqlen_k, blocks, lo, hi, prefix):
         padded = torch.nn.functional.pad(attended, (0, -seqlen_k % blocks[1], 0, -seqlen_q % blocks[0]), value=fill)
         cells = padded.unflatten(1, (-1, blocks[1])).unflatten(0, (-1, blocks[0]))  # (Qb, q_block, Kb, kv_block)
         assert torch.equal(found, reduce(reduce(cells, 3), 1))
+
+
+def test_block_lists_with_rows_past_the_lengths_are_routed(builtin_calls, monkeypatch):
+    """Lists made for longer queries than the mask's seq_lengths (rows past them are never read) are checked on the
+    rows the lengths use, and route."""
+    monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
+    made = flashtile.create_block_mask(causal, None, None, 40, 40, device=DEVICE, BLOCK_SIZE=16)
+
+    def one_more_row(num_blocks, indices):  # a fourth row of blocks, listing none
+        return torch.cat([num_blocks, 0 * num_blocks[..., :1]], -1), torch.cat([indices, 0 * indices[..., :1, :]], -2)
+
+    lists = (*one_more_row(made.kv_num_blocks, made.kv_indices), *one_more_row(made.full_kv_num_blocks,
+                                                                                made.full_kv_indices))  # fmt: skip
+    block_mask = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=16, mask_mod=causal, seq_lengths=(40, 40))
+    assert block_mask.kv_num_blocks.shape[-1] > block_mask.q_blocks
+    q, k, v = (torch.randn(1, 2, 40, 16, device=DEVICE) for _ in range(3))
+    with torch.no_grad():
+        out = flashtile.flex_attention(q, k, v, block_mask=block_mask)
+        expected = flashtile.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "TORCH"})
+    assert len(builtin_calls) == 1
+    torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.parametrize("backend", ["TRITON", "AUTO"])

@@ -191,13 +191,16 @@ def mask_form(gm: torch.fx.GraphModule) -> MaskForm | None:
     (module docstring)."""
     _, _, q_idx, kv_idx = [n for n in gm.graph.nodes if n.op == "placeholder"]
     alternatives = _terms(output_node(gm), _OR, aten.new_zeros)
-    prefixes = [p for p in (_key_prefix(term, q_idx, kv_idx) for term in alternatives) if p is not None]
-    if len(alternatives) > 1:
-        if len(alternatives) != 2 or len(prefixes) != 1:
-            return None
-        form = _conjunction([t for t in alternatives if _key_prefix(t, q_idx, kv_idx) is None][0], q_idx, kv_idx)
-        return None if form is None else form._replace(prefix=prefixes[0])
-    return _conjunction(output_node(gm), q_idx, kv_idx)
+    if len(alternatives) == 1:
+        return _conjunction(alternatives[0], q_idx, kv_idx)
+    if len(alternatives) != 2:
+        return None
+    bounds = [_key_prefix(term, q_idx, kv_idx) for term in alternatives]
+    if bounds.count(None) != 1:  # one key prefix, one other term
+        return None
+    other = bounds.index(None)
+    form = _conjunction(alternatives[other], q_idx, kv_idx)
+    return None if form is None else form._replace(prefix=bounds[1 - other])
 
 
 def _conjunction(node, q_idx, kv_idx) -> MaskForm | None:
@@ -299,25 +302,18 @@ def score_options(gm: torch.fx.GraphModule) -> tuple[float, tuple[torch.Tensor, 
 def _attends(
     block_mask: BlockMask, lo: float, hi: float, prefix: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(some, every): bool (Qb, Kb), whether some / every position of each block within the lengths is attended:
-    lo <= q_idx - kv_idx <= hi, or, with a ``prefix`` (only with hi = inf, where each row's keys start at 0),
-    kv_idx < prefix. Each query row attends one range of keys, [first, last], and both ends grow with the row: a
-    block's rows attend every one of its keys where its last row's range starts at or before its first key and its
-    first row's range ends at or after its last key; some of them where the last of its rows whose range starts at or
-    before its last key reaches its first key (every row's range holds keys: the interval holds the diagonal, or
-    every key is attended)."""
+    """(some, every): bool (Qb, Kb) on the host, whether some / every position of each block within the lengths is
+    attended: lo <= q_idx - kv_idx <= hi (over a block's rectangle d takes every value between its least and
+    greatest), or, with a ``prefix`` (only with the causal interval [0, inf)), kv_idx < prefix: every row of a block
+    attends its keys before the prefix, so the block has some where its first key is one of them and all where its
+    keys are all either before the prefix or at most its first row."""
     (q_len, kv_len), (q_block, kv_block) = block_mask.seq_lengths, block_mask.BLOCK_SIZE
-    device = block_mask.kv_indices.device
-    row = torch.arange(q_len, device=device)
-    first = (row - min(hi, q_len)).clamp(min=0)
-    last = (row - max(lo, -kv_len)).clamp(max=kv_len - 1)
-    if prefix is not None:
-        last = last.clamp(min=min(prefix, kv_len) - 1)
-    rows, cols = torch.arange(0, q_len, q_block, device=device), torch.arange(0, kv_len, kv_block, device=device)
+    rows, cols = torch.arange(0, q_len, q_block), torch.arange(0, kv_len, kv_block)
     last_row, last_col = (rows + q_block).clamp(max=q_len) - 1, (cols + kv_block).clamp(max=kv_len) - 1
-    every = (first[last_row, None] <= cols) & (last[rows, None] >= last_col)
-    deepest = torch.minimum(torch.searchsorted(first, last_col, right=True)[None, :] - 1, last_row[:, None])
-    some = (deepest >= rows[:, None]) & (last[deepest.clamp(min=0)] >= cols)
+    least, greatest = rows[:, None] - last_col[None, :], last_row[:, None] - cols[None, :]
+    some, every = (greatest >= lo) & (least <= hi), (least >= lo) & (greatest <= hi)
+    if prefix is not None:
+        some, every = some | (cols < prefix), every | (last_col < prefix)
     return some, every
 
 
@@ -329,8 +325,8 @@ def _agrees(block_mask: BlockMask, lo: float, hi: float, prefix: int | None) -> 
     found = recall(_AGREEING, block_mask)
     if found is not None and found[0] == (lo, hi, prefix):
         return found[1]
-    kinds = block_kinds(block_mask)[..., : block_mask.q_blocks, :]
-    some, every = _attends(block_mask, lo, hi, prefix)
+    kinds = block_kinds(block_mask)[..., : block_mask.q_blocks, :]  # lists may hold rows past the lengths
+    some, every = (x.to(kinds.device) for x in _attends(block_mask, lo, hi, prefix))
     agrees = not bool((((kinds == 0) & some) | ((kinds == FULL) & ~every)).any())
     remember(_AGREEING, block_mask, ((lo, hi, prefix), agrees))
     return agrees
