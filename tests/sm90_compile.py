@@ -320,7 +320,7 @@ def gluon_source(kernel_name: str, consts: dict, head_major: str = ""):
         sig = {"q_desc": descriptor(*q_box), "k_desc": descriptor(*kv_box), "v_desc": descriptor(*kv_box),
                "o_desc": descriptor(*q_box),
                "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "batch": "i32",
-               "nheads": "i32", "group": "i32"}  # fmt: skip
+               "nheads": "i32", "group": "i32", "window_left": "i32", "window_right": "i32"}  # fmt: skip
         if consts["CAUSAL"] and consts["CAUSAL_SCHEDULE"]:  # the launcher's causal_schedule
             sig["schedule"] = "*i32"
         else:  # the launcher passes None: a constexpr
@@ -335,7 +335,8 @@ def gluon_source(kernel_name: str, consts: dict, head_major: str = ""):
                "dk_desc": descriptor(*kv_lead, rows_out, head_dim),
                "dv_desc": descriptor(*kv_lead, rows_out, head_dim),
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
-               "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32"}  # fmt: skip
+               "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32", "window_left": "i32",
+               "window_right": "i32"}  # fmt: skip
         if consts["DQ_TMA"]:  # dq_accum's descriptor, fp32 blocks of a staging tile's shape
             rows_dq = backward_sm90.dq_rows(rows_q, consts["DQ_SPLIT"])  # one warpgroup's dQ partial
             block = backward_sm90.dq_staging_block(rows_dq, consts["DQ_PERMUTED"])
@@ -355,10 +356,16 @@ def gluon_variants() -> list[Variant]:
         name = f"forward_sm90 D{head_dim} {cfg['NUM_WG'] * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
         for mask in ("full", "causal"):
             for flags, even_k in (("off", True), ("ragged-k", False)):
-                consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
+                consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k, LOCAL=False)
                 variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts))
+        # a sliding window (CAUSAL off, LOCAL on), with a ragged last key tile or not, and head-major
+        for flags, even_k, head_major in (("off", True, ""), ("ragged-k", False, ""), ("head-major", True, "qkv")):
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, EVEN_K=even_k, LOCAL=True)
+            variants.append(Variant(GLUON_FORWARD, name, "window", flags, consts, head_major=head_major))
         # the other setting of CAUSAL_PAIRS (causal query tiles walked in pairs, ``_paired_item``)
-        pairs_only = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=False)  # lists win in _walk
+        pairs_only = dict(
+            cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=False, LOCAL=False
+        )  # lists win in _walk
         flipped = dict(pairs_only, CAUSAL_PAIRS=not cfg["CAUSAL_PAIRS"])
         variants.append(Variant(GLUON_FORWARD, name, "causal", "unpaired" if cfg["CAUSAL_PAIRS"] else "pairs", flipped))
         # causal pairs with the other setting of CAUSAL_PERSISTENT (a persistent walk over pair slots or not)
@@ -367,7 +374,9 @@ def gluon_variants() -> list[Variant]:
         walk["CAUSAL_PERSISTENT"] = not persistent
         variants.append(Variant(GLUON_FORWARD, name, "causal", "pairs" if persistent else "persistent", walk))
         # the other setting of CAUSAL_SCHEDULE (a persistent walk over a host-made list of items, ``causal_schedule``)
-        listed = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=not cfg["CAUSAL_SCHEDULE"])
+        listed = dict(
+            cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=not cfg["CAUSAL_SCHEDULE"], LOCAL=False
+        )
         variants.append(
             Variant(GLUON_FORWARD, name, "causal", "pair-slots" if cfg["CAUSAL_SCHEDULE"] else "listed", listed)
         )
@@ -377,21 +386,29 @@ def gluon_variants() -> list[Variant]:
             ("full", "head-major", True, "qkv"), ("causal", "head-major", True, "qkv"),
             ("full", "head-major,ragged-k", False, "qkv"), ("causal", "head-major-kv", True, "kv"),
         ):  # fmt: skip
-            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k, LOCAL=False)
             variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, head_major=head_major))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         stages = f"s{cfg['STAGES']}" + (f"/do{cfg['DO_STAGES']}" if cfg["DO_STAGES"] != cfg["STAGES"] else "")
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/{stages}"
         for mask, (flags, grouped) in itertools.product(("full", "causal"), (("off", False), ("gqa", True))):
-            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped, LOCAL=False)
             variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts))
+        # a sliding window (CAUSAL off, LOCAL on), MHA and GQA, and head-major
+        for flags, grouped, head_major in (("off", False, ""), ("gqa", True, ""), ("head-major", False, "qkv")):
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=grouped, LOCAL=True)
+            variants.append(Variant(GLUON_BACKWARD, name, "window", flags, consts, head_major=head_major))
         # the other setting of KEY_PAIRS (causal key tiles walked in pairs, ``backward_sm90.programs``)
         paired = "unpaired" if cfg["KEY_PAIRS"] else "pairs"
         for flags, grouped in ((paired, False), (f"{paired},gqa", True)):
-            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=True, GROUPED=grouped, KEY_PAIRS=not cfg["KEY_PAIRS"])
+            consts = dict(
+                cfg, HEAD_D=head_dim, CAUSAL=True, GROUPED=grouped, KEY_PAIRS=not cfg["KEY_PAIRS"], LOCAL=False
+            )
             variants.append(Variant(GLUON_BACKWARD, name, "causal", flags, consts))
         # the other setting of DQ_PERMUTED (the dQ staging tile's row order, ``backward_sm90.dq_staging_block``)
-        consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=False, DQ_PERMUTED=not cfg["DQ_PERMUTED"])
+        consts = dict(
+            cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=False, DQ_PERMUTED=not cfg["DQ_PERMUTED"], LOCAL=False
+        )
         flags = "plain-dq" if cfg["DQ_PERMUTED"] else "permuted-dq"
         variants.append(Variant(GLUON_BACKWARD, name, "full", flags, consts))
         # torch's (B, H, N, D) layout: q, dout, k, v (and dk, dv) through head-major descriptors, k and v alone (a
@@ -401,7 +418,7 @@ def gluon_variants() -> list[Variant]:
             ("causal", "head-major,gqa", True, "qkv"), ("causal", "head-major-kv", False, "kv"),
             ("full", "head-major-q,gqa", True, "q"),
         ):  # fmt: skip
-            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped, LOCAL=False)
             variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts, head_major=head_major))
     return variants
 

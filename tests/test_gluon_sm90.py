@@ -16,7 +16,7 @@ import torch
 
 import flashtile
 from conftest import DEVICE, capture
-from flashtile import _backend
+from flashtile import _backend, checks
 from flashtile.ops import _launch
 from flashtile.ops.attention import backward
 from flashtile.ops.common import grid
@@ -49,6 +49,53 @@ def test_qualifies_plain_layouts():
     assert forward_sm90.qualifies(*qkv(batch=1, seqlen_q=128, seqlen_k=128, nheads=1, nheads_k=1), options())
     packed = torch.empty(2, 256, 3, 4, 128, dtype=torch.bfloat16)  # q, k, v sliced from a packed qkv
     assert forward_sm90.qualifies(*packed.unbind(2), options())
+
+
+@pytest.mark.parametrize("window", [(8, 0), (8, 8), (None, 8), (8, None), (None, -128)], ids=str)
+def test_windows_qualify(window):
+    """Both kernels take a sliding window (window_left, window_right as the options hold them; a negative right side
+    is top-left causal with Sq < Sk), causal or not, at every head dim; the backward keeps its length rule."""
+    for head_dim in (64, 128, 256):
+        opts = AttentionOptions(0.1, *window, deterministic=False)
+        q, k, v = qkv(head_dim=head_dim)
+        assert forward_sm90.qualifies(q, k, v, opts) and backward_sm90.qualifies(q, k, v, torch.empty_like(q), opts)
+        q, k, v = qkv(seqlen_q=17, seqlen_k=113, head_dim=head_dim)
+        assert forward_sm90.qualifies(q, k, v, opts) and not backward_sm90.qualifies(q, k, v, torch.empty_like(q), opts)
+
+
+def test_window_bounds():
+    """The kernels' window arguments: an unbounded side past every key (seqlen_q + seqlen_k), unread zeros without a
+    window."""
+    assert sm90_common.window_bounds(None, 100, 300) == (0, 0)
+    assert sm90_common.window_bounds((8, 0), 100, 300) == (8, 0)
+    assert sm90_common.window_bounds((None, -200), 100, 300) == (400, -200)
+    assert sm90_common.window_bounds((5, None), 100, 300) == (5, 400)
+
+
+def test_window_launches_without_causal(monkeypatch):
+    """A window launch runs with CAUSAL off and LOCAL on, its bounds the kernel's last two int arguments, and walks its
+    items as a launch without causal does (persistent at D=128: min(items, SMs) CTAs); a causal launch keeps LOCAL
+    off. Each its own plan."""
+    launches = []
+    monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx)))
+    monkeypatch.setattr(
+        backward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx))
+    )
+    monkeypatch.setattr(forward_sm90, "sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward_sm90, "_PLANS", _launch.Plans())
+    q, k, v = qkv(batch=4, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_k=16)
+    out, lse = torch.empty_like(q), torch.empty(4, 16, 1024)
+    forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, True, window=(256, 0))
+    grid, args, constexprs = launches[-1]
+    assert constexprs["LOCAL"] and not constexprs["CAUSAL"] and args[-2:] == (256, 0) and grid == (132, 1, 1)
+    forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, True)
+    assert not launches[-1][2]["LOCAL"] and launches[-1][2]["CAUSAL"]
+    assert len(forward_sm90._PLANS) == 2
+    backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, lse, lse, 0.1, True, window=(None, 5))
+    grid, args, constexprs = launches[-1]
+    assert constexprs["LOCAL"] and not constexprs["CAUSAL"] and args[-2:] == (2048, 5)
+    assert grid[0] == 1024 // backward_sm90.CONFIGS[128]["BLOCK_N"]  # one CTA per key tile: no causal pairs
 
 
 @pytest.mark.parametrize("seqlens", [(1, 1), (17, 113), (113, 17), (64, 1000), (1000, 1000), (257, 1023)], ids=str)
@@ -616,10 +663,10 @@ def test_backward_key_pairs_launch_one_cta_per_pair_of_key_tiles(monkeypatch):
 
 def _recorded(launch, tag, calls):
     """``launch`` (a Gluon launcher, called only for inputs the dispatcher found qualifying) appending (tag,
-    causal) to ``calls`` at each launch."""
+    causal), or (tag, window) for a window launch, to ``calls`` at each launch."""
 
     def recorded(*args, **kwargs):
-        calls.append((tag, kwargs["causal"]))
+        calls.append((tag, kwargs.get("window") or kwargs["causal"]))
         return launch(*args, **kwargs)
 
     return recorded
@@ -627,7 +674,7 @@ def _recorded(launch, tag, calls):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Records the launches of the Gluon kernels: ("fwd" or "bwd", causal)."""
+    """Records the launches of the Gluon kernels: ("fwd" or "bwd", causal or the window)."""
     calls = []
     monkeypatch.setattr(
         forward_sm90, "attention_forward_sm90", _recorded(forward_sm90.attention_forward_sm90, "fwd", calls)
@@ -663,6 +710,40 @@ def test_against_oracle(launches, dtype, causal, case):
     check(*make_inputs(*shape, head_dim, dtype=dtype), causal=causal)
     gluon_backward = head_dim in backward_sm90.CONFIGS and shape[1] % 128 == 0 and shape[2] % 128 == 0
     assert launches == [("fwd", causal)] + ([("bwd", causal)] if gluon_backward else [])
+
+
+WINDOW_CASES = {
+    **{f"D{d}-B{b}-Sq{sq}-Sk{sk}-H{h}_{hk}": (d, (b, sq, sk, h, hk))
+       for d in (64, 128, 256)
+       for b, sq, sk, h, hk in [(2, 512, 512, 4, 2), (1, 384, 1152, 2, 1), (1, 640, 256, 4, 4), (2, 257, 1023, 4, 2)]},
+}  # fmt: skip
+"""(head dim, (B, Sq, Sk, H, Hk)) of the window tests: lengths the Gluon backward takes (multiples of 128; equal,
+Sq < Sk and Sq > Sk) and odd ones (its backward the Triton kernels'), MHA, GQA and MQA."""
+
+WINDOWS = [(200, 0), (64, 0), (100, 100), (-1, 50), (300, -1), (0, 0), (1, 300)]
+"""flash_attn window_size values: causal sliding windows (one of a tile's width or less), both sides, a right or a
+left side alone, the diagonal alone, and a window wider on the right."""
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WINDOW_CASES.values(), ids=WINDOW_CASES.keys())
+@pytest.mark.parametrize("window_size", WINDOWS, ids=str)
+def test_window_against_oracle(launches, window_size, case):
+    """Sliding windows on the Gluon kernels: out, lse, dq, dk and dv against the oracle by the tolerance rule, out and
+    lse written over NaN. Rows and key tiles that see nothing (Sq > Sk; keys outside every row's window) run one
+    fully masked tile: out 0, lse -inf, no gradient. The forward is Gluon for every case, the backward where both
+    lengths are multiples of 128 (one launch each, with the window the options hold)."""
+    head_dim, shape = case
+    q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
+    results = run_flashtile(q, k, v, dout, window_size=window_size)
+    check_against_oracle(results, q, k, v, dout, window_size=window_size)
+    seqlen_q, seqlen_k = shape[1:3]
+    window = tuple(None if side < 0 else side for side in window_size)
+    window = checks.bounded_window(*window, seqlen_q, seqlen_k)
+    launched = window if window[0] is not None or window[1] not in (None, 0) else window[1] == 0
+    gluon_backward = seqlen_q % 128 == 0 and seqlen_k % 128 == 0
+    assert launches == [("fwd", launched)] + [("bwd", launched)] * gluon_backward
 
 
 BACKWARD_HEAD_MAJOR_SHAPES = [(2, 128, 128, 4, 4), (1, 256, 640, 4, 2), (2, 512, 256, 2, 2), (1, 384, 1152, 8, 1),
@@ -712,9 +793,9 @@ def test_head_major_against_oracle(launches, causal, head_dim, layouts, shape):
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_head_major_sdpa_against_oracle(launches, is_causal, head_dim, shape):
     """``flashtile.scaled_dot_product_attention`` on contiguous (B, H, N, D) tensors (GQA through enable_gqa) against
-    the oracle: the Gluon forward runs for every call but a causal one with Sq != Sk (top-left causal is a window in
-    the kernels' terms, which the Gluon kernels do not take), the Gluon backward for those with lengths multiples of
-    128; the gradients come back in the leaves' (B, H, N, D) layout."""
+    the oracle: the Gluon forward runs for every call (a causal one with Sq != Sk as the window (None, Sq - Sk):
+    top-left causal in the kernels' bottom-right terms), the Gluon backward for those with lengths multiples of 128;
+    the gradients come back in the leaves' (B, H, N, D) layout."""
     q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
     leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
     out = flashtile.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=0.2, enable_gqa=True)
@@ -725,10 +806,9 @@ def test_head_major_sdpa_against_oracle(launches, is_causal, head_dim, shape):
     top_left = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda").tril() if is_causal else None
     check_against_oracle(results, q, k, v, dout, softmax_scale=0.2, mask=top_left)
     assert [x.grad.stride() for x in leaves] == [x.stride() for x in leaves]
-    gluon_forward = not is_causal or seqlen_q == seqlen_k
-    gluon_backward = gluon_forward and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
-    expected = [("fwd", is_causal)] * gluon_forward + [("bwd", is_causal)] * gluon_backward
-    assert launches == expected
+    gluon_backward = seqlen_q % 128 == 0 and seqlen_k % 128 == 0
+    launched = (None, seqlen_q - seqlen_k) if is_causal and seqlen_q != seqlen_k else is_causal
+    assert launches == [("fwd", launched)] + [("bwd", launched)] * gluon_backward
 
 
 @hopper
@@ -1297,14 +1377,14 @@ class _Routed:
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
         monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)
 
-    def forward(self, q, k, v, out, lse, softmax_scale, causal):
-        self.calls.append(("fwd", causal))
+    def forward(self, q, k, v, out, lse, softmax_scale, causal, window=None):
+        self.calls.append(("fwd", window or causal))
         out.zero_()
         lse.zero_()
         return True
 
-    def backward(self, dout, q, k, v, lse, delta, softmax_scale, causal):
-        self.calls.append(("bwd", causal))
+    def backward(self, dout, q, k, v, lse, delta, softmax_scale, causal, window=None):
+        self.calls.append(("bwd", window or causal))
         self.backward_scales.append(softmax_scale)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
@@ -1323,7 +1403,7 @@ def _forward_backward(q, k, v, **kwargs):
         (dict(causal=True), [("fwd", True), ("bwd", True)]),
         (dict(window_size=(-1, 0)), [("fwd", True), ("bwd", True)]),
         (dict(causal=True, deterministic=True), [("fwd", True)]),
-        (dict(window_size=(8, 0)), []),
+        (dict(window_size=(8, 0)), [("fwd", (8, 0)), ("bwd", (8, 0))]),
         (dict(softcap=5.0), []),
         (dict(dropout_p=0.1), []),
         (dict(alibi_slopes=torch.ones(2)), []),

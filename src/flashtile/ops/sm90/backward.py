@@ -246,6 +246,7 @@ from flashtile.ops.common.descriptors import Template, per_layout, rebase, templ
 from flashtile.ops.common.grid import head_grid
 from flashtile.ops.common.math import LOG2E
 from flashtile.ops.sm90.common import (
+    Window,
     box_buffers,
     box_tile,
     descriptor,
@@ -263,6 +264,7 @@ from flashtile.ops.sm90.common import (
     shared_layout,
     tma_load,
     tma_store,
+    window_bounds,
 )
 from flashtile.ops.sm90.forward import ROWS
 from flashtile.options import AttentionOptions
@@ -426,13 +428,32 @@ def _flat_index(i):
 
 
 @gluon.jit
-def _key_tile(n, seqlen_q, seqlen_k, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _key_tile(
+    n,
+    seqlen_q,
+    seqlen_k,
+    group,
+    window_left,
+    window_right,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    LOCAL: gl.constexpr,
+):
     """Key tile n (of a K/V head and batch entry) as a work item: (kv_start, m_start, n_tiles, n_iters), its
     first key row n * BLOCK_N, the first query row it sees (causal: the start of the query tile holding row
     kv_start - (seqlen_k - seqlen_q), clipped to [0, seqlen_q]; else 0), the query tiles per head from there,
-    and its iterations, group * n_tiles (``_pair``)."""
+    and its iterations, group * n_tiles (``_pair``). LOCAL: the query tiles holding a row whose window holds one of
+    the tile's keys (key j is in the windows of rows j - diag_off - window_right .. j - diag_off + window_left), at
+    least one (a key tile no row sees runs one fully masked query tile, whose P is 0)."""
     kv_start = n * BLOCK_N
     diag_off = seqlen_k - seqlen_q
+    if LOCAL:
+        m_start = (gl.maximum(kv_start - diag_off - window_right, 0) // BLOCK_M) * BLOCK_M
+        m_start = gl.minimum(m_start, seqlen_q - BLOCK_M)
+        m_end = gl.cdiv(gl.maximum(kv_start + BLOCK_N - diag_off + window_left, 0), BLOCK_M) * BLOCK_M
+        n_tiles = gl.maximum(gl.minimum(m_end, seqlen_q) - m_start, BLOCK_M) // BLOCK_M
+        return kv_start, m_start, n_tiles, group * n_tiles
     if CAUSAL:
         # the first query row that sees key kv_start is kv_start - diag_off
         m_start = (gl.maximum(kv_start - diag_off, 0) // BLOCK_M) * BLOCK_M
@@ -564,25 +585,35 @@ def _probs(
     key0,
     q0,
     diag_off,
+    left_off,
     N_WG: gl.constexpr,
     BLOCK_M: gl.constexpr,
     CAUSAL: gl.constexpr,
+    LOCAL: gl.constexpr,
 ):
     """P^T (fp32, mma layout) of a [N_WG keys, BLOCK_M queries] tile from S^T and the queries' lse in base 2
     (lse2, +inf for rows that see no key, so that exp2 gives 0). Keys key0.., queries q0..; the causal
-    mask (key j visible to query i iff j <= i + diag_off) only on tiles that cross the diagonal."""
+    mask (key j visible to query i iff j <= i + diag_off) only on tiles that cross the diagonal; with LOCAL (the
+    kernel's diag_off then the window's right edge, seqlen_k - seqlen_q + window_right) also the left edge's (j >= i
+    + left_off, left_off = seqlen_k - seqlen_q - window_left) on tiles that cross it."""
     s_layout: gl.constexpr = s_acc.type.layout
     if lse2 is None:  # S^T's accumulator started at -lse / qk_scale (``_consumer``'s STATS_IN_ACC)
         p = gl.exp2(s_acc * qk_scale)
     else:
         p = gl.exp2(s_acc * qk_scale - lse2[None, :])
-    if CAUSAL:
+    if CAUSAL or LOCAL:
         if key0 + N_WG - 1 > q0 + diag_off:
             # (written so that no loop-invariant [BLOCK_M] tensor is formed, which LLVM would hoist out of the
             # loop into registers)
             keys = key0 - diag_off + gl.arange(0, N_WG, layout=gl.SliceLayout(1, s_layout))
             queries = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             keep = keys[:, None] <= queries[None, :]
+            p = gl.where(keep, p, gl.zeros_like(p))
+    if LOCAL:
+        if key0 < q0 + BLOCK_M - 1 + left_off:
+            keys = key0 - left_off + gl.arange(0, N_WG, layout=gl.SliceLayout(1, s_layout))
+            queries = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            keep = keys[:, None] >= queries[None, :]
             p = gl.where(keep, p, gl.zeros_like(p))
     return p
 
@@ -773,6 +804,7 @@ def _consumer(
     DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
+    LOCAL: gl.constexpr,
 ):
     """One consumer warpgroup (WG 0 or 1) of the key split (head dims 64 and 128; OUTPUT_SPLIT off): key rows
     kv_start + WG * N_WG .. + N_WG of the CTA's tile, all
@@ -811,11 +843,12 @@ def _consumer(
         n_tiles,
         kv_start,
         diag_off,
+        left_off,
         n_iters,
         qk_scale,
         sm_scale,
-    ) = args[:29]  # the kernel's consumer_args; with DQ_TMA four more follow
-    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[29:], DQ_TMA)
+    ) = args[:30]  # the kernel's consumer_args; with DQ_TMA four more follow
+    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[30:], DQ_TMA)
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
     gl.static_assert(BLOCK_M == 64 or (BLOCK_M == 128 and not DQ_SPLIT), "128-row tiles at D=64 only (registers)")
@@ -871,7 +904,7 @@ def _consumer(
 
             # ---- P^T and dS^T, then dV += P^T dO and dK += dS^T Q (A from registers)
             s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
-            p = _probs(s_acc, lse2, qk_scale, key0, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
+            p = _probs(s_acc, lse2, qk_scale, key0, q0, diag_off, left_off, N_WG, BLOCK_M, CAUSAL, LOCAL)
             dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, k_wg, v_wg))[0]
             if not STATS_IN_ACC:
                 dp_acc = dp_acc - delta[None, :]
@@ -947,6 +980,7 @@ def _consumer_by_output(
     DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
+    LOCAL: gl.constexpr,
 ):
     """One consumer warpgroup of the OUTPUT_SPLIT kernel (head dim 256): both warpgroups see all N_WG keys of
     the CTA's tile and split the work by output. WG 0: S^T = K Q^T, P^T (to p_smem for WG 1), dV += P^T dO;
@@ -985,14 +1019,15 @@ def _consumer_by_output(
         n_tiles,
         kv_start,
         diag_off,
+        left_off,
         n_iters,
         qk_scale,
         sm_scale,
         p_smem,
         p_ready,
         p_free,
-    ) = args[:32]
-    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[32:], DQ_TMA)
+    ) = args[:33]
+    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[33:], DQ_TMA)
     gl.static_assert(DQ_SPLIT, "each warpgroup computes half of the dQ columns")
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2
@@ -1025,7 +1060,7 @@ def _consumer_by_output(
                     # S^T, this warpgroup's only reader of Q, has retired (lse's slot frees with WG 1's arrival, which
                     # follows every thread's P^T: module docstring)
                     mbarrier.arrive(q_empty.index(s), count=1)
-                p = _probs(s_acc, lse2, qk_scale, kv_start, q0, diag_off, N_WG, BLOCK_M, CAUSAL)
+                p = _probs(s_acc, lse2, qk_scale, kv_start, q0, diag_off, left_off, N_WG, BLOCK_M, CAUSAL, LOCAL)
                 mbarrier.wait(p_free, (i & 1) ^ 1)
                 p_smem.store(p)
                 partition_barrier()  # every thread has written its part before the (single-thread) arrive
@@ -1078,7 +1113,7 @@ def _consumer_by_output(
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "group"])  # common.launch
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "group", "window_left", "window_right"])  # launch
 def _attention_backward_sm90_kernel(
     q_desc,
     do_desc,
@@ -1096,6 +1131,8 @@ def _attention_backward_sm90_kernel(
     seqlen_k,
     nheads,
     group,
+    window_left,
+    window_right,
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -1108,6 +1145,7 @@ def _attention_backward_sm90_kernel(
     DQ_PERMUTED: gl.constexpr,
     KEY_PAIRS: gl.constexpr,
     GROUPED: gl.constexpr,
+    LOCAL: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -1117,8 +1155,14 @@ def _attention_backward_sm90_kernel(
     hk = gl.program_id(1)  # K/V head; query heads hk * group .. (hk + 1) * group - 1 read it
     b = gl.program_id(2)
     h0 = hk * group
-    kv_start, m_start, n_tiles, n_iters = _key_tile(pid_n, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+    gl.static_assert(not (CAUSAL and LOCAL), "a window launch runs with CAUSAL off (its window_right is 0)")
+    kv_start, m_start, n_tiles, n_iters = _key_tile(
+        pid_n, seqlen_q, seqlen_k, group, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL
+    )
     diag_off = seqlen_k - seqlen_q
+    left_off = diag_off - window_left  # LOCAL: the window's left edge (``_probs``)
+    if LOCAL:
+        diag_off = diag_off + window_right  # its right edge, where causal has the diagonal
 
     row_stride = nheads * HEAD_D
     q_col0 = h0 * HEAD_D
@@ -1214,6 +1258,7 @@ def _attention_backward_sm90_kernel(
         n_tiles,
         kv_start,
         diag_off,
+        left_off,
         n_iters,
         qk_scale,
         sm_scale,
@@ -1225,7 +1270,9 @@ def _attention_backward_sm90_kernel(
         mirror = seqlen_k // BLOCK_N - 1 - pid_n
         kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_free, count=2)  # one arrival per consumer warpgroup
-        start2, m_start2, n_tiles2, n_iters2 = _key_tile(mirror, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+        start2, m_start2, n_tiles2, n_iters2 = _key_tile(
+            mirror, seqlen_q, seqlen_k, group, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL
+        )
         next_item = (kv_row0 + start2, m_start2, n_tiles2, start2, n_iters2)
         pairs = (kv_free, 1 + (mirror > pid_n).to(gl.int32), next_item)
     else:
@@ -1249,11 +1296,39 @@ def _attention_backward_sm90_kernel(
         [
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (0, consumer_args, pairs, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
+                (
+                    0,
+                    consumer_args,
+                    pairs,
+                    HEAD_D,
+                    BLOCK_M,
+                    N_WG,
+                    STAGES,
+                    DO_STAGES,
+                    CAUSAL,
+                    DQ_SPLIT,
+                    DQ_TMA,
+                    GROUPED,
+                    LOCAL,
+                ),
             ),
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (1, consumer_args, pairs, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED),
+                (
+                    1,
+                    consumer_args,
+                    pairs,
+                    HEAD_D,
+                    BLOCK_M,
+                    N_WG,
+                    STAGES,
+                    DO_STAGES,
+                    CAUSAL,
+                    DQ_SPLIT,
+                    DQ_TMA,
+                    GROUPED,
+                    LOCAL,
+                ),
             ),
             (
                 _producer,
@@ -1356,12 +1431,12 @@ def programs(n_n: int, cfg: dict, causal: bool) -> int:
 class BackwardPlan(NamedTuple):
     """What a launch follows from its inputs' layouts (``backward_plan``'s key), kept per key: the grid, the
     descriptor templates of q, dout, k, v, dk, dv and dq_accum (None without DQ_TMA), the kernel's int arguments
-    (seqlen_q, seqlen_k, nheads, group), the constexprs, and ``launch``'s ``keyed``."""
+    (seqlen_q, seqlen_k, nheads, group, and the window's bounds: ``common.window_bounds``), the constexprs, and ``launch``'s ``keyed``."""
 
     grid: tuple[int, int, int]
     descriptors: tuple[Template, ...]
     dq_descriptor: Template | None
-    ints: tuple[int, int, int, int]
+    ints: tuple[int, int, int, int, int, int]
     constexprs: dict
     keyed: tuple[list, tuple]
 
@@ -1370,34 +1445,41 @@ _PLANS = _launch.Plans()
 """``backward_plan``'s plans by ``_plan_key``; None for inputs that do not qualify."""
 
 
-def _plan_key(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> tuple:
+def _plan_key(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool, window: Window | None) -> tuple:
     """What a plan follows from: the shapes and strides of q, k and v, the strides of dout, lse and delta, the dtypes
-    of q and dout (k and v have q's, lse and delta are float32: the callers' contract), the device, causal, whether
+    of q and dout (k and v have q's, lse and delta are float32: the callers' contract), the device, causal, the
+    window, whether
     softmax_scale is positive, whether every tensor's address is 16-byte aligned, the head dim's CONFIGS entry (read on
     every call, so a changed entry makes new plans) and MAX_CAUSAL_GROUP."""
     cfg = CONFIGS.get(q.shape[3])
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | lse.data_ptr() | delta.data_ptr()) % 16
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), lse.stride(), delta.stride(),
-        q.dtype, dout.dtype, q.device, causal, softmax_scale > 0, aligned == 0, cfg and tuple(cfg.values()),
+        q.dtype, dout.dtype, q.device, causal, window, softmax_scale > 0, aligned == 0, cfg and tuple(cfg.values()),
         MAX_CAUSAL_GROUP,
     )  # fmt: skip
 
 
-def backward_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> BackwardPlan:
+def backward_plan(
+    dout, q, k, v, lse, delta, softmax_scale: float, causal: bool, window: Window | None = None
+) -> BackwardPlan:
     """The plan of a launch on these tensors (``attention_backward_sm90``'s; they qualify: ``qualifies``): made on
     the first call of a ``_plan_key`` and kept."""
-    key = _plan_key(dout, q, k, v, lse, delta, softmax_scale, causal)
-    return _PLANS.plan(key, _make_plan, dout, q, k, v, lse, delta, softmax_scale, causal)
+    key = _plan_key(dout, q, k, v, lse, delta, softmax_scale, causal, window)
+    return _PLANS.plan(key, _make_plan, dout, q, k, v, lse, delta, softmax_scale, causal, window)
 
 
-def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) -> tuple[BackwardPlan, bool]:
+def _make_plan(
+    dout, q, k, v, lse, delta, softmax_scale: float, causal: bool, window: Window | None
+) -> tuple[BackwardPlan, bool]:
     """``backward_plan``'s plan made anew, and True: keep it. The outputs' descriptor templates come from tensors of
     their layouts on the meta device (no memory, no zero fill: a first call allocates its outputs once). q and dout
     go through descriptors of one form, k, v, dk and dv of another (``common.head_major_form``): rows views'
-    (``common.descriptor``) or head-major ones (``common.head_major_descriptor``); dq_accum has rows views."""
+    (``common.descriptor``) or head-major ones (``common.head_major_descriptor``); dq_accum has rows views. A window
+    launch runs with CAUSAL off (its key tiles' query tiles come from the window, ``_key_tile``)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    causal = causal and window is None
     cfg = CONFIGS[head_dim]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     rows_out = block_n if cfg["OUTPUT_SPLIT"] else block_n // 2  # the dK / dV rows one warpgroup stores
@@ -1410,9 +1492,9 @@ def _make_plan(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool) ->
         q_form(q, block_m), q_form(dout, block_m), kv_form(k, block_n), kv_form(v, block_n), kv_form(dk, rows_out),
         kv_form(dv, rows_out),
     )  # fmt: skip
-    ints = (seqlen_q, seqlen_k, nheads, nheads // nheads_k)
+    ints = (seqlen_q, seqlen_k, nheads, nheads // nheads_k, *window_bounds(window, seqlen_q, seqlen_k))
     args = (*descriptors, lse, delta, dq_accum, dq_desc, 1.0, 1.0, *ints)
-    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, **cfg)
+    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, LOCAL=window is not None, **cfg)
     keyed = keyed_for(_attention_backward_sm90_kernel, args, constexprs)
     grid = head_grid(programs(seqlen_k // block_n, cfg, causal), batch, nheads_k)
     dq_template = None if dq_desc is None else template(dq_desc)
@@ -1437,6 +1519,7 @@ def attention_backward_sm90(
     delta: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    window: Window | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Launch the kernel on inputs that qualify (``qualifies``) on an sm_90 GPU (``_backend.gluon_refusal``; the
     dispatcher has checked both) and return the gradients. Per call: the plan of the inputs' layouts
@@ -1450,12 +1533,13 @@ def attention_backward_sm90(
         delta: (batch, nheads, seqlen_q) float32, contiguous: rowsum(dout * out) - dlse
         softmax_scale: as given to the forward
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
+        window: None, or the forward's sliding window (``forward.attention_forward_sm90``), in place of causal
 
     Returns:
         dq, dk, dv shaped like q, k, v in their dtype and, where those are dense, their layouts (``_outputs``;
         contiguous otherwise): dq converted from dq_accum in one copy
     """
-    plan = backward_plan(dout, q, k, v, lse, delta, softmax_scale, causal)
+    plan = backward_plan(dout, q, k, v, lse, delta, softmax_scale, causal, window)
     dq_accum, dk, dv = _outputs(q, k, v, q.device)
     q_desc, dout_desc, k_desc, v_desc, dk_desc, dv_desc = plan.descriptors
     dq_desc = None if plan.dq_descriptor is None else rebase(plan.dq_descriptor, dq_accum)
@@ -1472,4 +1556,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse:
     """The dispatcher's entry (``_backend.backward_choice``): (dq, dk, dv) as ``ops.attention.attention_backward``
     gives them (same arguments), by this kernel after the Triton delta kernel (rowsum(dout * out) - dlse)."""
     delta = imported("flashtile.ops.attention").attention_delta(dout, out, dlse)
-    return attention_backward_sm90(dout, q, k, v, lse, delta, options.softmax_scale, causal=options.causal)
+    window = (options.window_left, options.window_right) if options.local else None
+    return attention_backward_sm90(
+        dout, q, k, v, lse, delta, options.softmax_scale, causal=options.causal, window=window
+    )

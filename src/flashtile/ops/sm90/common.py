@@ -35,12 +35,25 @@ def mma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
+Window = tuple[int | None, int | None]
+"""flash_attn's sliding window as ``AttentionOptions`` holds it: (window_left, window_right), None for a side
+without a bound."""
+
+
+def window_bounds(window: Window | None, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """The kernels' window_left and window_right arguments: ``window``'s sides, an unbounded side as seqlen_q +
+    seqlen_k (past every key: query i's keys then run from below 0 to past seqlen_k); (0, 0), unread, without a
+    window."""
+    if window is None:
+        return 0, 0
+    return tuple(seqlen_q + seqlen_k if side is None else side for side in window)
+
+
 def option_refusals(options: AttentionOptions, varlen: bool) -> tuple[str | None, ...]:
     """Why the options of a call keep it off both sm_90 kernels (None where a condition holds): they compute plain
-    attention, causal or not, over a (batch, seqlen, nheads, headdim) batch, with softmax_scale > 0 (the forward
-    scales masked (-inf) scores: 0 * -inf would be NaN)."""
+    attention, causal, with a sliding window or with neither, over a (batch, seqlen, nheads, headdim) batch, with
+    softmax_scale > 0 (the forward scales masked (-inf) scores: 0 * -inf would be NaN)."""
     return (
-        "a sliding window (causal or none only)" if options.local else None,
         "softcap" if options.softcap != 0.0 else None,
         "ALiBi slopes" if options.alibi_slopes is not None else None,
         "dropout" if options.dropout_p > 0.0 else None,

@@ -81,6 +81,7 @@ from flashtile.ops.common.descriptors import Template, per_layout, rebase, templ
 from flashtile.ops.common.grid import cdiv
 from flashtile.ops.common.math import LN2, LOG2E
 from flashtile.ops.sm90.common import (
+    Window,
     box_buffers,
     box_tile,
     dtype_refusal,
@@ -97,6 +98,7 @@ from flashtile.ops.sm90.common import (
     shared_layout,
     tma_load,
     tma_store,
+    window_bounds,
 )
 from flashtile.options import AttentionOptions
 
@@ -335,13 +337,18 @@ def _work(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     schedule,
+    window_left,
+    window_right,
     CAUSAL: gl.constexpr,
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
     CAUSAL_SCHEDULE: gl.constexpr,
+    LOCAL: gl.constexpr,
 ):
-    """Work item t of n_items: (b, h, m0, n_blocks), the batch entry, query head, first query row and key tiles
-    to visit. Query tiles vary fastest, then heads, then batch entries, as the blocks of a (query tiles, heads,
+    """Work item t of n_items: (b, h, m0, first, n_blocks), the batch entry, query head, first query row, and the
+    first key tile and number of key tiles to visit (first is 0 but with LOCAL, whose tiles are those holding a
+    key of some row's window: rows m0.. see keys from m0 + seqlen_k - seqlen_q - window_left up to the last
+    row's + window_right). Query tiles vary fastest, then heads, then batch entries, as the blocks of a (query tiles, heads,
     batch) grid: CTAs side by side read the same head's K and V (L2 hits). Causal: each head's heaviest (last)
     query tile first, so the long walks start first and the short ones fill in at the end; with CAUSAL_PAIRS
     the heaviest and lightest tiles of a head go to one CTA (``_paired_item``), and with CAUSAL_PERSISTENT too t
@@ -363,12 +370,22 @@ def _work(
     b = bh // nheads
     h = bh - b * nheads
     m0 = m * BLOCK_M
-    if CAUSAL:
-        kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M + seqlen_k - seqlen_q)
-        kv_end = gl.maximum(kv_end, 1)  # a tile that sees no key still runs one (fully masked) block
+    if LOCAL:
+        diag_off = seqlen_k - seqlen_q
+        kv_lo = gl.maximum(m0 + diag_off - window_left, 0)  # < seqlen_k: m0 < seqlen_q, window_left >= 0
+        kv_end = gl.minimum(m0 + BLOCK_M + diag_off + window_right, seqlen_k)
+        first = kv_lo // BLOCK_N
+        # a tile that sees no key still runs one (fully masked) block
+        n_blocks = gl.maximum(gl.cdiv(kv_end, BLOCK_N) - first, 1)
     else:
-        kv_end = seqlen_k
-    return b, h, m0, gl.cdiv(kv_end, BLOCK_N)
+        if CAUSAL:
+            kv_end = gl.minimum(seqlen_k, m0 + BLOCK_M + seqlen_k - seqlen_q)
+            kv_end = gl.maximum(kv_end, 1)  # a tile that sees no key still runs one (fully masked) block
+        else:
+            kv_end = seqlen_k
+        first = 0
+        n_blocks = gl.cdiv(kv_end, BLOCK_N)
+    return b, h, m0, first, n_blocks
 
 
 # ------------------------------------------------------------------------------------------------ producer
@@ -393,6 +410,8 @@ def _producer(
     seqlen_q,
     seqlen_k,
     schedule,
+    window_left,
+    window_right,
     HEAD_D: gl.constexpr,
     M_WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -401,6 +420,7 @@ def _producer(
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
     CAUSAL_SCHEDULE: gl.constexpr,
+    LOCAL: gl.constexpr,
 ):
     """Per work item of this CTA (``_work``): the NUM_WG Q tiles ([M_WG, HEAD_D] each), once the consumers are
     done with the previous ones (q_empty), then the K and V tiles through the ring; the ring position (it) runs
@@ -414,9 +434,9 @@ def _producer(
     item = 0
     start, stop, step = _walk(n_m, n_items, schedule, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT, CAUSAL_SCHEDULE)
     for t in range(start, stop, step):
-        b, h, m0, n_blocks = _work(
-            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, schedule, CAUSAL, CAUSAL_PAIRS,
-            CAUSAL_PERSISTENT, CAUSAL_SCHEDULE,
+        b, h, m0, first, n_blocks = _work(
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, schedule, window_left, window_right,
+            CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL,
         )  # fmt: skip
         kv_head = h // group
         kv_col = kv_head * HEAD_D
@@ -429,7 +449,7 @@ def _producer(
         for i in range(n_blocks):
             s = it % STAGES
             ph = ((it // STAGES) & 1) ^ 1
-            row = i * BLOCK_N
+            row = (first + i) * BLOCK_N
             mbarrier.wait(k_empty.index(s), ph)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             tma_load(k_desc, _box_at(k_desc, b, kv_head, kv_col, row), k_ready.index(s), k_smem.index(s))
@@ -451,17 +471,31 @@ def _softmax_step(
     q_pos0,
     diag_off,
     seqlen_k,
+    window_left,
+    window_right,
     M_WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     EVEN_K: gl.constexpr,
+    LOCAL: gl.constexpr,
 ):
     """One online-softmax step on the raw scores tile s_acc [M_WG, BLOCK_N] (fp32, mma layout) of keys
     kv_start.. and query rows q_pos0.. . m_i is kept in scaled log2 units (max of s * softmax_scale *
     log2(e)). Returns p (fp32), alpha, m_new, l_new."""
     s_layout: gl.constexpr = s_acc.type.layout
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    if CAUSAL:
+    if LOCAL:
+        # Query row r sees keys r + diag_off - window_left .. r + diag_off + window_right below seqlen_k. Only tiles
+        # that reach past the last row's first key, the first row's last key or seqlen_k need the mask.
+        last_key = gl.minimum(q_pos0 + diag_off + window_right, seqlen_k - 1)
+        if (kv_start < q_pos0 + M_WG - 1 + diag_off - window_left) | (kv_start + BLOCK_N - 1 > last_key):
+            rows = q_pos0 + gl.arange(0, M_WG, layout=gl.SliceLayout(1, s_layout))
+            cols = kv_start + gl.arange(0, BLOCK_N, layout=col_layout)
+            offset = cols[None, :] - rows[:, None]
+            keep = (offset >= diag_off - window_left) & (offset <= diag_off + window_right)
+            keep = keep & (cols[None, :] < seqlen_k)
+            s_acc = gl.where(keep, s_acc, gl.full(s_acc.shape, float("-inf"), gl.float32, s_layout))
+    elif CAUSAL:
         # Only tiles that cross the diagonal of this warpgroup's rows need the mask. It also hides the keys
         # past seqlen_k from every query row below seqlen_q (cols <= row + seqlen_k - seqlen_q < seqlen_k),
         # and a tile with such keys crosses the diagonal of any warpgroup that has such a row.
@@ -479,8 +513,8 @@ def _softmax_step(
             keep = cols[None, :] < seqlen_k
             s_acc = gl.where(keep, s_acc, gl.full(s_acc.shape, float("-inf"), gl.float32, s_layout))
     m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
-    if CAUSAL:
-        # rows that have seen no key yet (only when seqlen_q > seqlen_k): keep exp2 finite
+    if CAUSAL or LOCAL:
+        # rows that have seen no key yet (causal: only when seqlen_q > seqlen_k): keep exp2 finite
         m_use = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
     else:
         m_use = m_new
@@ -505,6 +539,7 @@ def _consumer(
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
     CAUSAL_SCHEDULE: gl.constexpr,
+    LOCAL: gl.constexpr,
 ):
     """Consumer warpgroup WG (0 .. NUM_WG - 1): rows WG * M_WG.. of each work item's query tile (``_work``); the
     ring position (it), the item count and the ping-pong parity run on across items as the producer's do.
@@ -530,6 +565,8 @@ def _consumer(
         seqlen_k,
         qk_scale,
         schedule,
+        window_left,
+        window_right,
     ) = args
     dtype: gl.constexpr = q_smem.dtype
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
@@ -555,11 +592,12 @@ def _consumer(
     item = 0
     start, stop, step = _walk(n_m, n_items, schedule, CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT, CAUSAL_SCHEDULE)
     for t in range(start, stop, step):
-        b, h, m0, n_blocks = _work(
-            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, schedule, CAUSAL, CAUSAL_PAIRS,
-            CAUSAL_PERSISTENT, CAUSAL_SCHEDULE,
+        b, h, m0, first, n_blocks = _work(
+            t, n_m, n_items, nheads, seqlen_q, seqlen_k, NUM_WG * M_WG, BLOCK_N, schedule, window_left, window_right,
+            CAUSAL, CAUSAL_PAIRS, CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL,
         )  # fmt: skip
         q_pos0 = m0 + WG * M_WG
+        kv_first = first * BLOCK_N
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
         l_i = gl.full([M_WG], 0.0, gl.float32, row_s)
@@ -583,8 +621,9 @@ def _consumer(
             s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s0), count=1)
             p, alpha, m_i, l_i = _softmax_step(
-                s_acc, m_i, l_i, qk_scale, 0, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
-            )
+                s_acc, m_i, l_i, qk_scale, kv_first, q_pos0, diag_off, seqlen_k, window_left, window_right, M_WG,
+                BLOCK_N, CAUSAL, EVEN_K, LOCAL,
+            )  # fmt: skip
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         # ---- steady state: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together
@@ -612,8 +651,9 @@ def _consumer(
             s_acc, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s), count=1)
             p, alpha, m_i, l_i = _softmax_step(
-                s_acc, m_i, l_i, qk_scale, i * BLOCK_N, q_pos0, diag_off, seqlen_k, M_WG, BLOCK_N, CAUSAL, EVEN_K
-            )
+                s_acc, m_i, l_i, qk_scale, kv_first + i * BLOCK_N, q_pos0, diag_off, seqlen_k, window_left,
+                window_right, M_WG, BLOCK_N, CAUSAL, EVEN_K, LOCAL,
+            )  # fmt: skip
             acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
             if FOLD:
                 mbarrier.arrive(v_empty.index(sp), count=1, pred=i > 0)  # V_0 is released after its real product
@@ -660,7 +700,9 @@ def _consumer(
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "batch", "nheads", "group"])  # ``launch``
+@gluon.jit(
+    do_not_specialize=["seqlen_q", "seqlen_k", "batch", "nheads", "group", "window_left", "window_right"]
+)  # ``launch``
 def _attention_forward_sm90_kernel(
     q_desc,
     k_desc,
@@ -674,6 +716,8 @@ def _attention_forward_sm90_kernel(
     nheads,
     group,
     schedule,
+    window_left,
+    window_right,
     HEAD_D: gl.constexpr,
     M_WG: gl.constexpr,
     NUM_WG: gl.constexpr,
@@ -686,9 +730,11 @@ def _attention_forward_sm90_kernel(
     CAUSAL_PAIRS: gl.constexpr,
     CAUSAL_PERSISTENT: gl.constexpr,
     CAUSAL_SCHEDULE: gl.constexpr,
+    LOCAL: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
+    gl.static_assert(not (CAUSAL and LOCAL), "a window launch runs with CAUSAL off (its window_right is 0)")
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups (the partitions below)")
     n_m = gl.cdiv(seqlen_q, NUM_WG * M_WG)
     n_items = n_m * batch * nheads
@@ -747,6 +793,8 @@ def _attention_forward_sm90_kernel(
         seqlen_k,
         qk_scale,
         schedule,
+        window_left,
+        window_right,
     )
     # Consumer warpgroup 0 is the default partition; the workers are consumer warpgroup 1, the 1-warp producer and,
     # with NUM_WG = 3, consumer warpgroup 2, which the slices drop at NUM_WG = 2 (after the producer, so that the
@@ -756,12 +804,12 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE),
+                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL),
             ),
             (
                 _consumer,
                 (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE),
+                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL),
             ),
             (
                 _producer,
@@ -785,6 +833,8 @@ def _attention_forward_sm90_kernel(
                     seqlen_q,
                     seqlen_k,
                     schedule,
+                    window_left,
+                    window_right,
                     HEAD_D,
                     M_WG,
                     BLOCK_N,
@@ -793,12 +843,13 @@ def _attention_forward_sm90_kernel(
                     CAUSAL_PAIRS,
                     CAUSAL_PERSISTENT,
                     CAUSAL_SCHEDULE,
+                    LOCAL,
                 ),
             ),
             (
                 _consumer,
                 (2, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE),
+                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL),
             ),
         ][: NUM_WG + 1],
         [4, 1, 4][:NUM_WG],
@@ -918,13 +969,14 @@ def causal_schedule(
 class ForwardPlan(NamedTuple):
     """What a launch follows from its inputs' layouts (``forward_plan``'s key), kept per key: the grid, the descriptor
     templates of q, k, v and out (``descriptors.template``), the kernel's int arguments (seqlen_q, seqlen_k, batch,
-    nheads, group), the causal schedule or None, the constexprs, and ``launch``'s ``keyed`` (their values in parameter
+    nheads, group), the causal schedule or None, the window's bounds (``window_bounds``), the constexprs, and ``launch``'s ``keyed`` (their values in parameter
     order and the arguments' ``launch_key``)."""
 
     grid: tuple[int, int, int]
     descriptors: tuple[Template, Template, Template, Template]
     ints: tuple[int, int, int, int, int]
     schedule: torch.Tensor | None
+    window: tuple[int, int]
     constexprs: dict
     keyed: tuple[list, tuple]
 
@@ -933,9 +985,10 @@ _PLANS = _launch.Plans()
 """``forward_plan``'s plans by ``_plan_key``; None for inputs that do not qualify."""
 
 
-def _plan_key(q, k, v, out, lse, causal: bool) -> tuple:
+def _plan_key(q, k, v, out, lse, causal: bool, window: Window | None) -> tuple:
     """What a plan follows from: the shapes and strides of q, k and v, the strides of out and lse, the dtypes of q
-    and out (k and v have q's, lse is float32: the callers' contract), the device, causal, whether every tensor's
+    and out (k and v have q's, lse is float32: the callers' contract), the device, causal, the window, whether every
+    tensor's
     address is 16-byte aligned, the device's SM count, and the head dim's config (``config``, read on every call, so a
     changed CONFIGS entry makes new plans) and CAUSAL_MIN_SEQLEN_Q."""
     head_dim = q.shape[3]
@@ -943,20 +996,24 @@ def _plan_key(q, k, v, out, lse, causal: bool) -> tuple:
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) % 16 == 0
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), lse.stride(), q.dtype, out.dtype,
-        q.device, sm_count(q.device), causal, aligned, cfg, CAUSAL_MIN_SEQLEN_Q.get(head_dim),
+        q.device, sm_count(q.device), causal, window, aligned, cfg, CAUSAL_MIN_SEQLEN_Q.get(head_dim),
     )  # fmt: skip
 
 
-def forward_plan(q, k, v, out, lse, causal: bool) -> ForwardPlan:
+def forward_plan(q, k, v, out, lse, causal: bool, window: Window | None = None) -> ForwardPlan:
     """The plan of a launch on these tensors (``attention_forward_sm90``'s; they qualify: ``qualifies``): made on the
     first call of a ``_plan_key`` and kept, except a causal launch's made while its schedule's first use is being
     captured into a CUDA graph (``causal_schedule``: that launch walks pair slots)."""
-    return _PLANS.plan(_plan_key(q, k, v, out, lse, causal), _make_plan, q, k, v, out, lse, causal)
+    key = _plan_key(q, k, v, out, lse, causal, window)
+    return _PLANS.plan(key, _make_plan, q, k, v, out, lse, causal, window)
 
 
-def _make_plan(q, k, v, out, lse, causal: bool) -> tuple[ForwardPlan, bool]:
-    """``forward_plan``'s plan made anew, and whether to keep it."""
+def _make_plan(q, k, v, out, lse, causal: bool, window: Window | None) -> tuple[ForwardPlan, bool]:
+    """``forward_plan``'s plan made anew, and whether to keep it. A window launch runs with CAUSAL off (its items'
+    key tiles come from the window, ``_work``) and walks its items as a launch without causal does."""
     batch, seqlen_q, nheads, head_dim = q.shape
+    bounds = window_bounds(window, seqlen_q, k.shape[1])
+    causal = causal and window is None
     cfg = config(head_dim, causal, seqlen_q)
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
     block_m = cfg["NUM_WG"] * m_wg
@@ -973,11 +1030,12 @@ def _make_plan(q, k, v, out, lse, causal: bool) -> tuple[ForwardPlan, bool]:
     q_form, kv_form = descriptor_of(q), descriptor_of(k, v)
     descriptors = (q_form(q, m_wg), kv_form(k, block_n), kv_form(v, block_n), q_form(out, m_wg))
     ints = (seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2])
-    args = (*descriptors, lse, 1.0, *ints, schedule)
-    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, **cfg)
+    args = (*descriptors, lse, 1.0, *ints, schedule, *bounds)
+    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, LOCAL=window is not None, **cfg)
     keyed = keyed_for(_attention_forward_sm90_kernel, args, constexprs)
     grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
-    return ForwardPlan(grid, tuple(map(template, descriptors)), ints, schedule, constexprs, keyed), not capturing
+    plan = ForwardPlan(grid, tuple(map(template, descriptors)), ints, schedule, bounds, constexprs, keyed)
+    return plan, not capturing
 
 
 def attention_forward_sm90(
@@ -988,6 +1046,7 @@ def attention_forward_sm90(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    window: Window | None = None,
 ) -> None:
     """Launch the kernel on inputs that qualify (``qualifies``) on an sm_90 GPU (``_backend.gluon_refusal``): the
     dispatcher has checked both. Per call: the plan of the inputs' layouts (``forward_plan``), four descriptors
@@ -1000,12 +1059,15 @@ def attention_forward_sm90(
         lse: (batch, nheads, seqlen_q) float32, contiguous; written (natural log)
         softmax_scale: multiplies q @ k^T before the softmax
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
+        window: None, or flash_attn's (window_left, window_right) as ``AttentionOptions`` holds them (None for an
+            unbounded side; a causal window has window_right 0): query i sees key j iff i + seqlen_k - seqlen_q -
+            window_left <= j <= i + seqlen_k - seqlen_q + window_right; it takes the place of causal
     """
-    plan = forward_plan(q, k, v, out, lse, causal)
+    plan = forward_plan(q, k, v, out, lse, causal, window)
     q_desc, k_desc, v_desc, out_desc = plan.descriptors
     args = (
         rebase(q_desc, q), rebase(k_desc, k), rebase(v_desc, v), rebase(out_desc, out), lse,
-        softmax_scale * LOG2E.value, *plan.ints, plan.schedule,
+        softmax_scale * LOG2E.value, *plan.ints, plan.schedule, *plan.window,
     )  # fmt: skip
     launch(_attention_forward_sm90_kernel, plan.grid, args, plan.constexprs, plan.keyed)
 
@@ -1015,9 +1077,11 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dispatcher's entry (``_backend.forward_choice``): (out, lse) as ``ops.attention.attention_forward``
-    gives them, computed by this kernel; options: plain attention, causal (window_right 0) or not."""
+    gives them, computed by this kernel; options: plain attention, causal (window_right 0) or not, or a sliding
+    window (``options.local``)."""
     batch, seqlen_q, nheads, _ = q.shape
     out = empty_output((batch, seqlen_q, nheads, v.shape[3]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
-    attention_forward_sm90(q, k, v, out, lse, options.softmax_scale, causal=options.causal)
+    window = (options.window_left, options.window_right) if options.local else None
+    attention_forward_sm90(q, k, v, out, lse, options.softmax_scale, causal=options.causal, window=window)
     return out, lse
