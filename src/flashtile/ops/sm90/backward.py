@@ -1431,7 +1431,8 @@ def programs(n_n: int, cfg: dict, causal: bool) -> int:
 class BackwardPlan(NamedTuple):
     """What a launch follows from its inputs' layouts (``backward_plan``'s key), kept per key: the grid, the
     descriptor templates of q, dout, k, v, dk, dv and dq_accum (None without DQ_TMA), the kernel's int arguments
-    (seqlen_q, seqlen_k, nheads, group, and the window's bounds: ``common.window_bounds``), the constexprs, and ``launch``'s ``keyed``."""
+    (seqlen_q, seqlen_k, nheads, group, and the window's bounds: ``common.window_bounds``), the constexprs, and
+    ``launch``'s ``keyed``."""
 
     grid: tuple[int, int, int]
     descriptors: tuple[Template, ...]

@@ -348,12 +348,13 @@ def _work(
     """Work item t of n_items: (b, h, m0, first, n_blocks), the batch entry, query head, first query row, and the
     first key tile and number of key tiles to visit (first is 0 but with LOCAL, whose tiles are those holding a
     key of some row's window: rows m0.. see keys from m0 + seqlen_k - seqlen_q - window_left up to the last
-    row's + window_right). Query tiles vary fastest, then heads, then batch entries, as the blocks of a (query tiles, heads,
-    batch) grid: CTAs side by side read the same head's K and V (L2 hits). Causal: each head's heaviest (last)
-    query tile first, so the long walks start first and the short ones fill in at the end; with CAUSAL_PAIRS
-    the heaviest and lightest tiles of a head go to one CTA (``_paired_item``), and with CAUSAL_PERSISTENT too t
-    is the CTA's own item number (0, 1, ...) in its walk over pair slots (``_pair_slot_item``); with
-    CAUSAL_SCHEDULE t is a position in ``schedule`` (``_walk``), whose entry there is the item bh * n_m + m."""
+    row's + window_right). Query tiles vary fastest, then heads, then batch entries, as the blocks of a (query
+    tiles, heads, batch) grid: CTAs side by side read the same head's K and V (L2 hits). Causal: each head's
+    heaviest (last) query tile first, so the long walks start first and the short ones fill in at the end; with
+    CAUSAL_PAIRS the heaviest and lightest tiles of a head go to one CTA (``_paired_item``), and with
+    CAUSAL_PERSISTENT too t is the CTA's own item number (0, 1, ...) in its walk over pair slots
+    (``_pair_slot_item``); with CAUSAL_SCHEDULE t is a position in ``schedule`` (``_walk``), whose entry there is the
+    item bh * n_m + m."""
     if CAUSAL and CAUSAL_SCHEDULE:
         item = gl.load(schedule + gl.num_programs(0) + 1 + t)
         bh = item // n_m
@@ -969,8 +970,8 @@ def causal_schedule(
 class ForwardPlan(NamedTuple):
     """What a launch follows from its inputs' layouts (``forward_plan``'s key), kept per key: the grid, the descriptor
     templates of q, k, v and out (``descriptors.template``), the kernel's int arguments (seqlen_q, seqlen_k, batch,
-    nheads, group), the causal schedule or None, the window's bounds (``window_bounds``), the constexprs, and ``launch``'s ``keyed`` (their values in parameter
-    order and the arguments' ``launch_key``)."""
+    nheads, group), the causal schedule or None, the window's bounds (``common.window_bounds``), the constexprs, and
+    ``launch``'s ``keyed`` (their values in parameter order and the arguments' ``launch_key``)."""
 
     grid: tuple[int, int, int]
     descriptors: tuple[Template, Template, Template, Template]
