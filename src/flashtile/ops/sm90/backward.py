@@ -1,12 +1,14 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by TMA reduce-adds.
 
 On an H100/H200 (``flashtile._backend.gluon_refusal``) the backwards that qualify (``qualifies``: no
-dropout, attn_mask, ALiBi, softcap, window or packed batch, and ``deterministic=False``, flash_attn's default)
+dropout, attn_mask, ALiBi, softcap or packed batch, and ``deterministic=False``, flash_attn's default)
 run this kernel instead
 of the portable Triton ones (ops/attention/backward.py): five matrix products per (query tile, key tile) pair instead of
 seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory,
 ``CONFIGS``' DQ_TMA, at every head dim; per-thread atomics with it off), in an order that varies from run to run
-(``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal or not; head dim
+(``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal, with a sliding window
+(LOCAL: any ``window_size``; each key tile visits the query tiles whose rows' windows hold one of its keys,
+``_key_tile``, and the tiles that cross either edge of the window are masked, ``_probs``) or neither; head dim
 64, 128 or 256 (256: the OUTPUT_SPLIT variant below); MHA, GQA or MQA (nheads a multiple of nheads_k; causal:
 at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; q, k, v and dout in
 any layout whose last dimension is contiguous and whose other strides are 16-byte multiples

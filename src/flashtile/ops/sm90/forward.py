@@ -1,9 +1,10 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
 
 On an H100/H200 (``flashtile._backend.gluon_refusal``) the forwards that qualify (``qualifies``: no
-options) run this kernel instead of the portable Triton one (which every other GPU and
-the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap, sink, window or packed batch; head dim 64, 128 or
-256 for q, k and v (``CONFIGS``), causal or not (``CAUSAL_MIN_SEQLEN_Q``: every length); bf16/fp16; any seqlen_q
+options but causal or a sliding window) run this kernel instead of the portable Triton one (which every other GPU
+and the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap, sink or packed batch; head dim 64, 128 or
+256 for q, k and v (``CONFIGS``), causal (``CAUSAL_MIN_SEQLEN_Q``: every length), with a sliding window (any
+``window_size``: LOCAL below) or neither; bf16/fp16; any seqlen_q
 and seqlen_k >= 1; q, k and v in any layout whose last dimension is contiguous and whose other strides are 16-byte
 multiples (``common.layout_refusal``): flash_attn's (batch, seqlen, nheads, headdim), q/k/v sliced from a packed
 qkv, or torch's (batch, nheads, seqlen, headdim) as ``flashtile.scaled_dot_product_attention`` gets it.
@@ -30,6 +31,12 @@ drops them on stores. Keys past seqlen_k in the last key tile (zeros) get score 
 (zeros) compute rows that the O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq)
 fp32, natural log; a query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton
 kernel.
+
+A sliding window (LOCAL; CAUSAL off, a causal window being window_right = 0): each work item visits the key tiles
+that hold a key of one of its rows' windows (``_work``: rows m0.. see keys m0 + seqlen_k - seqlen_q - window_left up to
+the last row's + window_right), and the tiles that reach past a row's window on either side, or past seqlen_k, are
+masked (``_softmax_step``); items are walked as without causal (persistent CTAs where O_TILE), as every item but
+the first few visits about the same number of key tiles.
 
 Work items: a NUM_WG * M_WG-row query tile of one head and batch entry, numbered query tiles fastest, then heads, then
 batch entries (``_work``; causal: each head's heaviest, last, query tile first). Each CTA walks items t =
