@@ -304,6 +304,7 @@ def gluon_source(kernel_name: str, consts: dict, head_major: str = ""):
     ones."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    consts = {**OPTIONS_OFF, **consts}
     head_dim = consts["HEAD_D"]
 
     def descriptor(*block: int, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -320,7 +321,8 @@ def gluon_source(kernel_name: str, consts: dict, head_major: str = ""):
         sig = {"q_desc": descriptor(*q_box), "k_desc": descriptor(*kv_box), "v_desc": descriptor(*kv_box),
                "o_desc": descriptor(*q_box),
                "lse_ptr": "*fp32", "qk_scale": "fp32", "seqlen_q": "i32", "seqlen_k": "i32", "batch": "i32",
-               "nheads": "i32", "group": "i32", "window_left": "i32", "window_right": "i32"}  # fmt: skip
+               "nheads": "i32", "group": "i32", "window_left": "i32", "window_right": "i32", "softcap": "fp32",
+               "alibi_stride_b": "i32"}  # fmt: skip
         if consts["CAUSAL"] and consts["CAUSAL_SCHEDULE"]:  # the launcher's causal_schedule
             sig["schedule"] = "*i32"
         else:  # the launcher passes None: a constexpr
@@ -336,17 +338,25 @@ def gluon_source(kernel_name: str, consts: dict, head_major: str = ""):
                "dv_desc": descriptor(*kv_lead, rows_out, head_dim),
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
                "seqlen_q": "i32", "seqlen_k": "i32", "nheads": "i32", "group": "i32", "window_left": "i32",
-               "window_right": "i32"}  # fmt: skip
+               "window_right": "i32", "softcap": "fp32", "alibi_stride_b": "i32"}  # fmt: skip
         if consts["DQ_TMA"]:  # dq_accum's descriptor, fp32 blocks of a staging tile's shape
             rows_dq = backward_sm90.dq_rows(rows_q, consts["DQ_SPLIT"])  # one warpgroup's dQ partial
             block = backward_sm90.dq_staging_block(rows_dq, consts["DQ_PERMUTED"])
             sig["dq_desc"] = descriptor(*block, dtype=torch.float32)
         else:  # the launcher passes None: a constexpr
             consts = dict(consts, dq_desc=None)
+    if consts["ALIBI"]:  # the slopes, fp32
+        sig["alibi_ptr"] = "*fp32"
+    else:  # the launcher passes None: a constexpr
+        consts = dict(consts, alibi_ptr=None)
     sig.update(dict.fromkeys(consts, "constexpr"))
     pointers = [name for name, kind in sig.items() if kind in ("*fp32", "*i32")]  # torch allocations: 16-byte aligned
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
     return GluonASTSource(kernel, sig, consts, attrs)
+
+
+OPTIONS_OFF = {"LOCAL": False, "SOFTCAP": False, "ALIBI": False}
+"""The Gluon kernels' option constexprs, off unless a variant sets them."""
 
 
 def gluon_variants() -> list[Variant]:
@@ -356,16 +366,23 @@ def gluon_variants() -> list[Variant]:
         name = f"forward_sm90 D{head_dim} {cfg['NUM_WG'] * cfg['M_WG']}x{cfg['BLOCK_N']}/s{cfg['STAGES']}"
         for mask in ("full", "causal"):
             for flags, even_k in (("off", True), ("ragged-k", False)):
-                consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k, LOCAL=False)
+                consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
                 variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts))
         # a sliding window (CAUSAL off, LOCAL on), with a ragged last key tile or not, and head-major
         for flags, even_k, head_major in (("off", True, ""), ("ragged-k", False, ""), ("head-major", True, "qkv")):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, EVEN_K=even_k, LOCAL=True)
             variants.append(Variant(GLUON_FORWARD, name, "window", flags, consts, head_major=head_major))
+        # score modifications: softcap, ALiBi, both (with a ragged last key tile: the bounds check too)
+        for mask, flags, mods in (
+            ("causal", "softcap", dict(SOFTCAP=True)), ("causal", "alibi", dict(ALIBI=True)),
+            ("full", "alibi,ragged-k", dict(ALIBI=True)), ("window", "softcap", dict(SOFTCAP=True)),
+            ("full", "softcap,alibi", dict(SOFTCAP=True, ALIBI=True)),
+        ):  # fmt: skip
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K="ragged-k" not in flags,
+                          LOCAL=mask == "window", **mods)  # fmt: skip
+            variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts))
         # the other setting of CAUSAL_PAIRS (causal query tiles walked in pairs, ``_paired_item``)
-        pairs_only = dict(
-            cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=False, LOCAL=False
-        )  # lists win in _walk
+        pairs_only = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=False)  # lists win in _walk
         flipped = dict(pairs_only, CAUSAL_PAIRS=not cfg["CAUSAL_PAIRS"])
         variants.append(Variant(GLUON_FORWARD, name, "causal", "unpaired" if cfg["CAUSAL_PAIRS"] else "pairs", flipped))
         # causal pairs with the other setting of CAUSAL_PERSISTENT (a persistent walk over pair slots or not)
@@ -374,9 +391,7 @@ def gluon_variants() -> list[Variant]:
         walk["CAUSAL_PERSISTENT"] = not persistent
         variants.append(Variant(GLUON_FORWARD, name, "causal", "pairs" if persistent else "persistent", walk))
         # the other setting of CAUSAL_SCHEDULE (a persistent walk over a host-made list of items, ``causal_schedule``)
-        listed = dict(
-            cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=not cfg["CAUSAL_SCHEDULE"], LOCAL=False
-        )
+        listed = dict(cfg, HEAD_D=head_dim, CAUSAL=True, EVEN_K=True, CAUSAL_SCHEDULE=not cfg["CAUSAL_SCHEDULE"])
         variants.append(
             Variant(GLUON_FORWARD, name, "causal", "pair-slots" if cfg["CAUSAL_SCHEDULE"] else "listed", listed)
         )
@@ -386,29 +401,34 @@ def gluon_variants() -> list[Variant]:
             ("full", "head-major", True, "qkv"), ("causal", "head-major", True, "qkv"),
             ("full", "head-major,ragged-k", False, "qkv"), ("causal", "head-major-kv", True, "kv"),
         ):  # fmt: skip
-            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k, LOCAL=False)
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
             variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts, head_major=head_major))
     for head_dim, cfg in backward_sm90.CONFIGS.items():
         stages = f"s{cfg['STAGES']}" + (f"/do{cfg['DO_STAGES']}" if cfg["DO_STAGES"] != cfg["STAGES"] else "")
         name = f"backward_sm90 D{head_dim} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}/{stages}"
         for mask, (flags, grouped) in itertools.product(("full", "causal"), (("off", False), ("gqa", True))):
-            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped, LOCAL=False)
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
             variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts))
         # a sliding window (CAUSAL off, LOCAL on), MHA and GQA, and head-major
         for flags, grouped, head_major in (("off", False, ""), ("gqa", True, ""), ("head-major", False, "qkv")):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=grouped, LOCAL=True)
             variants.append(Variant(GLUON_BACKWARD, name, "window", flags, consts, head_major=head_major))
+        # score modifications: ALiBi at every head dim (MHA and GQA), softcap where S^T starts at zero (BLOCK_M 64:
+        # ``backward_sm90.qualifies``), both
+        mods = [("causal", "alibi", False, dict(ALIBI=True)), ("full", "alibi,gqa", True, dict(ALIBI=True))]
+        if cfg["BLOCK_M"] == 64:
+            mods += [("causal", "softcap", False, dict(SOFTCAP=True)), ("window", "softcap", False, dict(SOFTCAP=True)),
+                     ("causal", "softcap,alibi,gqa", True, dict(SOFTCAP=True, ALIBI=True))]  # fmt: skip
+        for mask, flags, grouped, on in mods:
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped, LOCAL=mask == "window", **on)
+            variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts))
         # the other setting of KEY_PAIRS (causal key tiles walked in pairs, ``backward_sm90.programs``)
         paired = "unpaired" if cfg["KEY_PAIRS"] else "pairs"
         for flags, grouped in ((paired, False), (f"{paired},gqa", True)):
-            consts = dict(
-                cfg, HEAD_D=head_dim, CAUSAL=True, GROUPED=grouped, KEY_PAIRS=not cfg["KEY_PAIRS"], LOCAL=False
-            )
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=True, GROUPED=grouped, KEY_PAIRS=not cfg["KEY_PAIRS"])
             variants.append(Variant(GLUON_BACKWARD, name, "causal", flags, consts))
         # the other setting of DQ_PERMUTED (the dQ staging tile's row order, ``backward_sm90.dq_staging_block``)
-        consts = dict(
-            cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=False, DQ_PERMUTED=not cfg["DQ_PERMUTED"], LOCAL=False
-        )
+        consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=False, DQ_PERMUTED=not cfg["DQ_PERMUTED"])
         flags = "plain-dq" if cfg["DQ_PERMUTED"] else "permuted-dq"
         variants.append(Variant(GLUON_BACKWARD, name, "full", flags, consts))
         # torch's (B, H, N, D) layout: q, dout, k, v (and dk, dv) through head-major descriptors, k and v alone (a
@@ -418,7 +438,7 @@ def gluon_variants() -> list[Variant]:
             ("causal", "head-major,gqa", True, "qkv"), ("causal", "head-major-kv", False, "kv"),
             ("full", "head-major-q,gqa", True, "q"),
         ):  # fmt: skip
-            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped, LOCAL=False)
+            consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
             variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts, head_major=head_major))
     return variants
 

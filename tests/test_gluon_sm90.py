@@ -63,6 +63,28 @@ def test_windows_qualify(window):
         assert forward_sm90.qualifies(q, k, v, opts) and not backward_sm90.qualifies(q, k, v, torch.empty_like(q), opts)
 
 
+def test_score_modifications_qualify():
+    """Both kernels take softcap and ALiBi ((nheads,) or (batch, nheads) slopes), causal or not; ALiBi with a sliding
+    window keeps the Triton kernels, and so does softcap in the backward at head dim 64 (its 128-row query tiles start
+    S^T's accumulator at -lse, which the cap's tanh cannot follow)."""
+    for head_dim in (64, 128, 256):
+        q, k, v = qkv(head_dim=head_dim)
+        dout = torch.empty_like(q)
+        for slopes in (torch.ones(4), torch.ones(2, 4)):
+            for causal in (False, True):
+                opts = AttentionOptions(0.1, None, 0 if causal else None, alibi_slopes=slopes, deterministic=False)
+                assert forward_sm90.qualifies(q, k, v, opts) and backward_sm90.qualifies(q, k, v, dout, opts)
+        windowed = AttentionOptions(0.1, 8, 0, alibi_slopes=torch.ones(4), deterministic=False)
+        for verdict in (forward_sm90.qualifies(q, k, v, windowed), backward_sm90.qualifies(q, k, v, dout, windowed)):
+            assert verdict.reasons == ("ALiBi with a sliding window",)
+        capped = AttentionOptions(0.1, None, 0, softcap=30.0, deterministic=False)
+        assert forward_sm90.qualifies(q, k, v, capped)
+        found = backward_sm90.qualifies(q, k, v, dout, capped).reasons
+        assert found == (
+            () if head_dim != 64 else ("softcap at head dim 64 (its 128-row query tiles start S^T at -lse)",)
+        )
+
+
 def test_window_bounds():
     """The kernels' window arguments: an unbounded side past every key (seqlen_q + seqlen_k), unread zeros without a
     window."""
@@ -73,8 +95,8 @@ def test_window_bounds():
 
 
 def test_window_launches_without_causal(monkeypatch):
-    """A window launch runs with CAUSAL off and LOCAL on, its bounds the kernel's last two int arguments, and walks its
-    items as a launch without causal does (persistent at D=128: min(items, SMs) CTAs); a causal launch keeps LOCAL
+    """A window launch runs with CAUSAL off and LOCAL on, its bounds the int arguments before the score
+    modifications', and walks its items as a launch without causal does (persistent at D=128: min(items, SMs) CTAs); a causal launch keeps LOCAL
     off. Each its own plan."""
     launches = []
     monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx)))
@@ -88,13 +110,13 @@ def test_window_launches_without_causal(monkeypatch):
     out, lse = torch.empty_like(q), torch.empty(4, 16, 1024)
     forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, True, window=(256, 0))
     grid, args, constexprs = launches[-1]
-    assert constexprs["LOCAL"] and not constexprs["CAUSAL"] and args[-2:] == (256, 0) and grid == (132, 1, 1)
+    assert constexprs["LOCAL"] and not constexprs["CAUSAL"] and args[-5:-3] == (256, 0) and grid == (132, 1, 1)
     forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, True)
     assert not launches[-1][2]["LOCAL"] and launches[-1][2]["CAUSAL"]
     assert len(forward_sm90._PLANS) == 2
     backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, lse, lse, 0.1, True, window=(None, 5))
     grid, args, constexprs = launches[-1]
-    assert constexprs["LOCAL"] and not constexprs["CAUSAL"] and args[-2:] == (2048, 5)
+    assert constexprs["LOCAL"] and not constexprs["CAUSAL"] and args[-5:-3] == (2048, 5)
     assert grid[0] == 1024 // backward_sm90.CONFIGS[128]["BLOCK_N"]  # one CTA per key tile: no causal pairs
 
 
@@ -746,6 +768,38 @@ def test_window_against_oracle(launches, window_size, case):
     assert launches == [("fwd", launched)] + [("bwd", launched)] * gluon_backward
 
 
+SCORE_MOD_CASES = {
+    f"D{d}-B{b}-Sq{sq}-Sk{sk}-H{h}_{hk}": (d, (b, sq, sk, h, hk))
+    for d in (64, 128, 256)
+    for b, sq, sk, h, hk in [(2, 384, 384, 4, 2), (1, 256, 640, 2, 1), (2, 200, 77, 4, 4)]
+}
+"""(head dim, (B, Sq, Sk, H, Hk)) of the softcap and ALiBi tests: lengths the Gluon backward takes (Sq = Sk and Sq <
+Sk) and odd ones with Sq > Sk (the backward the Triton kernels'), MHA, GQA and MQA."""
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SCORE_MOD_CASES.values(), ids=SCORE_MOD_CASES.keys())
+@pytest.mark.parametrize("mods", ["softcap", "softcap-tight", "alibi", "alibi-batch", "softcap+alibi"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_score_modifications_against_oracle(launches, causal, mods, case):
+    """softcap (30, and 2: most scores in the tanh's curve) and ALiBi ((nheads,) slopes, and (batch, nheads)) on the
+    Gluon kernels: out, lse, dq, dk and dv against the oracle by the tolerance rule. The forward is Gluon for every
+    case; the backward where both lengths are multiples of 128, but not with softcap at head dim 64."""
+    head_dim, shape = case
+    batch, seqlen_q, seqlen_k, nheads, _ = shape
+    q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
+    options = {}
+    if "softcap" in mods:
+        options["softcap"] = 2.0 if mods == "softcap-tight" else 30.0
+    if "alibi" in mods:
+        slopes = torch.rand(batch, nheads) if mods == "alibi-batch" else torch.rand(nheads)
+        options["alibi_slopes"] = slopes.to("cuda")
+    check(q, k, v, dout, causal=causal, **options)
+    gluon_backward = seqlen_q % 128 == 0 and seqlen_k % 128 == 0 and not ("softcap" in mods and head_dim == 64)
+    assert launches == [("fwd", causal)] + [("bwd", causal)] * gluon_backward
+
+
 BACKWARD_HEAD_MAJOR_SHAPES = [(2, 128, 128, 4, 4), (1, 256, 640, 4, 2), (2, 512, 256, 2, 2), (1, 384, 1152, 8, 1),
                               (2, 384, 384, 8, 2)]  # fmt: skip
 """(B, Sq, Sk, H, Hk) with lengths the Gluon backward takes (multiples of 128): MHA, GQA and MQA, Sq < Sk and Sq > Sk
@@ -1377,13 +1431,13 @@ class _Routed:
         monkeypatch.setattr(forward_sm90, "attention_forward_sm90", self.forward)
         monkeypatch.setattr(backward_sm90, "attention_backward_sm90", self.backward)
 
-    def forward(self, q, k, v, out, lse, softmax_scale, causal, window=None):
+    def forward(self, q, k, v, out, lse, softmax_scale, causal, window=None, softcap=0.0, alibi_slopes=None):
         self.calls.append(("fwd", window or causal))
         out.zero_()
         lse.zero_()
         return True
 
-    def backward(self, dout, q, k, v, lse, delta, softmax_scale, causal, window=None):
+    def backward(self, dout, q, k, v, lse, delta, softmax_scale, causal, window=None, softcap=0.0, alibi_slopes=None):
         self.calls.append(("bwd", window or causal))
         self.backward_scales.append(softmax_scale)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -1404,9 +1458,9 @@ def _forward_backward(q, k, v, **kwargs):
         (dict(window_size=(-1, 0)), [("fwd", True), ("bwd", True)]),
         (dict(causal=True, deterministic=True), [("fwd", True)]),
         (dict(window_size=(8, 0)), [("fwd", (8, 0)), ("bwd", (8, 0))]),
-        (dict(softcap=5.0), []),
+        (dict(softcap=5.0), [("fwd", False), ("bwd", False)]),
         (dict(dropout_p=0.1), []),
-        (dict(alibi_slopes=torch.ones(2)), []),
+        (dict(alibi_slopes=torch.ones(2)), [("fwd", False), ("bwd", False)]),
         (dict(learnable_sink=torch.zeros(2)), [("bwd", False)]),
     ],
     ids=["full", "causal", "window-causal", "deterministic", "window", "softcap", "dropout", "alibi", "sink"],

@@ -248,9 +248,12 @@ from flashtile.ops.common.descriptors import Template, per_layout, rebase, templ
 from flashtile.ops.common.grid import head_grid
 from flashtile.ops.common.math import LOG2E
 from flashtile.ops.sm90.common import (
+    ScoreMods,
     Window,
+    alibi_bias,
     box_buffers,
     box_tile,
+    capped_scores,
     descriptor,
     dtype_refusal,
     head_dim_refusal,
@@ -588,21 +591,39 @@ def _probs(
     q0,
     diag_off,
     left_off,
+    softcap,
+    slope,
     N_WG: gl.constexpr,
     BLOCK_M: gl.constexpr,
     CAUSAL: gl.constexpr,
     LOCAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr,
 ):
     """P^T (fp32, mma layout) of a [N_WG keys, BLOCK_M queries] tile from S^T and the queries' lse in base 2
     (lse2, +inf for rows that see no key, so that exp2 gives 0). Keys key0.., queries q0..; the causal
     mask (key j visible to query i iff j <= i + diag_off) only on tiles that cross the diagonal; with LOCAL (the
     kernel's diag_off then the window's right edge, seqlen_k - seqlen_q + window_right) also the left edge's (j >= i
-    + left_off, left_off = seqlen_k - seqlen_q - window_left) on tiles that cross it."""
+    + left_off, left_off = seqlen_k - seqlen_q - window_left) on tiles that cross it. With SOFTCAP or ALIBI the
+    scores are modified first (``common.capped_scores``, ``common.alibi_bias``; ALiBi's distance from diag_off,
+    which is then seqlen_k - seqlen_q: no window). Returns P^T and, for dS^T, P^T times the cap's derivative 1 -
+    tanh^2 (P^T itself without SOFTCAP)."""
     s_layout: gl.constexpr = s_acc.type.layout
+    gl.static_assert(not (SOFTCAP and lse2 is None), "softcap: S^T without the lse in its accumulator")
+    x, t = capped_scores(s_acc, qk_scale, softcap, SOFTCAP)
+    if ALIBI:
+        queries = (q0 + diag_off) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        keys = key0 + gl.arange(0, N_WG, layout=gl.SliceLayout(1, s_layout))
+        if CAUSAL and lse2 is not None:
+            # the bias's query part joins the lse (a vector held anyway), its key part is a column: no tile of it
+            lse2 = lse2 + queries.to(gl.float32) * slope
+            x = x + keys.to(gl.float32)[:, None] * slope
+        else:
+            x = x + alibi_bias(queries[None, :], keys[:, None], slope, CAUSAL)
     if lse2 is None:  # S^T's accumulator started at -lse / qk_scale (``_consumer``'s STATS_IN_ACC)
-        p = gl.exp2(s_acc * qk_scale)
+        p = gl.exp2(x)
     else:
-        p = gl.exp2(s_acc * qk_scale - lse2[None, :])
+        p = gl.exp2(x - lse2[None, :])
     if CAUSAL or LOCAL:
         if key0 + N_WG - 1 > q0 + diag_off:
             # (written so that no loop-invariant [BLOCK_M] tensor is formed, which LLVM would hoist out of the
@@ -617,7 +638,22 @@ def _probs(
             queries = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             keep = keys[:, None] >= queries[None, :]
             p = gl.where(keep, p, gl.zeros_like(p))
-    return p
+    if SOFTCAP:
+        p_grad = p * (1.0 - t * t)
+    else:
+        p_grad = p
+    return p, p_grad
+
+
+@gluon.jit
+def _slope(alibi_ptr, alibi_off, g, ALIBI: gl.constexpr):
+    """The ALiBi slope of the group's query head g in log2 units (alibi_off: the offset of the batch entry's slope of
+    the group's first head), 0.0 without."""
+    if ALIBI:
+        slope = gl.load(alibi_ptr + alibi_off + g) * LOG2E
+    else:
+        slope = 0.0
+    return slope
 
 
 @gluon.jit
@@ -807,6 +843,8 @@ def _consumer(
     DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
     LOCAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr,
 ):
     """One consumer warpgroup (WG 0 or 1) of the key split (head dims 64 and 128; OUTPUT_SPLIT off): key rows
     kv_start + WG * N_WG .. + N_WG of the CTA's tile, all
@@ -849,8 +887,11 @@ def _consumer(
         n_iters,
         qk_scale,
         sm_scale,
-    ) = args[:30]  # the kernel's consumer_args; with DQ_TMA four more follow
-    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[30:], DQ_TMA)
+        softcap,
+        alibi_ptr,
+        alibi_off,
+    ) = args[:33]  # the kernel's consumer_args; with DQ_TMA four more follow
+    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[33:], DQ_TMA)
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2 if DQ_SPLIT else HEAD_D
     gl.static_assert(BLOCK_M == 64 or (BLOCK_M == 128 and not DQ_SPLIT), "128-row tiles at D=64 only (registers)")
@@ -906,11 +947,15 @@ def _consumer(
 
             # ---- P^T and dS^T, then dV += P^T dO and dK += dS^T Q (A from registers)
             s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
-            p = _probs(s_acc, lse2, qk_scale, key0, q0, diag_off, left_off, N_WG, BLOCK_M, CAUSAL, LOCAL)
+            slope = _slope(alibi_ptr, alibi_off, g, ALIBI)
+            p, p_grad = _probs(
+                s_acc, lse2, qk_scale, key0, q0, diag_off, left_off, softcap, slope, N_WG, BLOCK_M, CAUSAL, LOCAL,
+                SOFTCAP, ALIBI,
+            )  # fmt: skip
             dp_acc = warpgroup_mma_wait(0, deps=(dp_tok, k_wg, v_wg))[0]
             if not STATS_IN_ACC:
                 dp_acc = dp_acc - delta[None, :]
-            ds16 = (p * dp_acc * sm_scale).to(dtype)
+            ds16 = (p_grad * dp_acc * sm_scale).to(dtype)
             dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
             dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
 
@@ -983,6 +1028,8 @@ def _consumer_by_output(
     DQ_TMA: gl.constexpr,
     GROUPED: gl.constexpr,
     LOCAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr,
 ):
     """One consumer warpgroup of the OUTPUT_SPLIT kernel (head dim 256): both warpgroups see all N_WG keys of
     the CTA's tile and split the work by output. WG 0: S^T = K Q^T, P^T (to p_smem for WG 1), dV += P^T dO;
@@ -1025,11 +1072,14 @@ def _consumer_by_output(
         n_iters,
         qk_scale,
         sm_scale,
+        softcap,
+        alibi_ptr,
+        alibi_off,
         p_smem,
         p_ready,
         p_free,
-    ) = args[:33]
-    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[33:], DQ_TMA)
+    ) = args[:36]
+    dq_dst = _dq_destination(WG, dq_ptr, row_stride, args[36:], DQ_TMA)
     gl.static_assert(DQ_SPLIT, "each warpgroup computes half of the dQ columns")
     dtype: gl.constexpr = q_smem.dtype
     DQ_COLS: gl.constexpr = HEAD_D // 2
@@ -1062,9 +1112,13 @@ def _consumer_by_output(
                     # S^T, this warpgroup's only reader of Q, has retired (lse's slot frees with WG 1's arrival, which
                     # follows every thread's P^T: module docstring)
                     mbarrier.arrive(q_empty.index(s), count=1)
-                p = _probs(s_acc, lse2, qk_scale, kv_start, q0, diag_off, left_off, N_WG, BLOCK_M, CAUSAL, LOCAL)
+                slope = _slope(alibi_ptr, alibi_off, g, ALIBI)
+                p, p_grad = _probs(
+                    s_acc, lse2, qk_scale, kv_start, q0, diag_off, left_off, softcap, slope, N_WG, BLOCK_M, CAUSAL,
+                    LOCAL, SOFTCAP, ALIBI,
+                )  # fmt: skip
                 mbarrier.wait(p_free, (i & 1) ^ 1)
-                p_smem.store(p)
+                p_smem.store(p_grad)  # WG 1's dS^T = P^T (1 - tanh^2) (dP^T - delta) * scale
                 partition_barrier()  # every thread has written its part before the (single-thread) arrive
                 mbarrier.arrive(p_ready, count=1)
                 mbarrier.wait(do_ready.index(sd), dph)
@@ -1115,7 +1169,9 @@ def _consumer_by_output(
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "group", "window_left", "window_right"])  # launch
+@gluon.jit(
+    do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "group", "window_left", "window_right", "alibi_stride_b"]
+)  # launch
 def _attention_backward_sm90_kernel(
     q_desc,
     do_desc,
@@ -1135,6 +1191,9 @@ def _attention_backward_sm90_kernel(
     group,
     window_left,
     window_right,
+    softcap,
+    alibi_ptr,
+    alibi_stride_b,
     HEAD_D: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -1148,6 +1207,8 @@ def _attention_backward_sm90_kernel(
     KEY_PAIRS: gl.constexpr,
     GROUPED: gl.constexpr,
     LOCAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -1161,6 +1222,7 @@ def _attention_backward_sm90_kernel(
     kv_start, m_start, n_tiles, n_iters = _key_tile(
         pid_n, seqlen_q, seqlen_k, group, window_left, window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL
     )
+    alibi_off = b * alibi_stride_b + h0  # the slope of the batch entry's first head of the group
     diag_off = seqlen_k - seqlen_q
     left_off = diag_off - window_left  # LOCAL: the window's left edge (``_probs``)
     if LOCAL:
@@ -1264,6 +1326,9 @@ def _attention_backward_sm90_kernel(
         n_iters,
         qk_scale,
         sm_scale,
+        softcap,
+        alibi_ptr,
+        alibi_off,
     )
     if CAUSAL and KEY_PAIRS:
         # the CTA's second work item: key tile n_n - 1 - pid_n, the lightest of the pair (``programs``), unless
@@ -1312,6 +1377,8 @@ def _attention_backward_sm90_kernel(
                     DQ_TMA,
                     GROUPED,
                     LOCAL,
+                    SOFTCAP,
+                    ALIBI,
                 ),
             ),
             (
@@ -1330,6 +1397,8 @@ def _attention_backward_sm90_kernel(
                     DQ_TMA,
                     GROUPED,
                     LOCAL,
+                    SOFTCAP,
+                    ALIBI,
                 ),
             ),
             (
@@ -1415,6 +1484,8 @@ def qualifies(
             None if group_ok else f"nheads {nheads} not a multiple of nheads_k {nheads_k}",
             f"causal with {nheads // nheads_k} query heads per K/V head (at most {MAX_CAUSAL_GROUP})"
             if group_ok and options.causal and nheads // nheads_k > MAX_CAUSAL_GROUP else None,
+            f"softcap at head dim {head_dim} (its {CONFIGS[head_dim]['BLOCK_M']}-row query tiles start S^T at -lse)"
+            if options.softcap != 0.0 and head_dim in CONFIGS and CONFIGS[head_dim]["BLOCK_M"] > 64 else None,
             None if seqlen_q % ROWS == 0 and seqlen_k % ROWS == 0 and seqlen_k > 0
             else f"seqlen_q {seqlen_q}, seqlen_k {seqlen_k} (positive multiples of {ROWS} only)",
             "dQ offsets past 2**31" if seqlen_q * nheads * head_dim >= 2**31 else None,
@@ -1448,32 +1519,34 @@ _PLANS = _launch.Plans()
 """``backward_plan``'s plans by ``_plan_key``; None for inputs that do not qualify."""
 
 
-def _plan_key(dout, q, k, v, lse, delta, softmax_scale: float, causal: bool, window: Window | None) -> tuple:
+def _plan_key(
+    dout, q, k, v, lse, delta, softmax_scale: float, causal: bool, window: Window | None, mods: ScoreMods
+) -> tuple:
     """What a plan follows from: the shapes and strides of q, k and v, the strides of dout, lse and delta, the dtypes
     of q and dout (k and v have q's, lse and delta are float32: the callers' contract), the device, causal, the
-    window, whether
+    window, the score modifications' key (``common.ScoreMods.key``), whether
     softmax_scale is positive, whether every tensor's address is 16-byte aligned, the head dim's CONFIGS entry (read on
     every call, so a changed entry makes new plans) and MAX_CAUSAL_GROUP."""
     cfg = CONFIGS.get(q.shape[3])
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | lse.data_ptr() | delta.data_ptr()) % 16
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.stride(), lse.stride(), delta.stride(),
-        q.dtype, dout.dtype, q.device, causal, window, softmax_scale > 0, aligned == 0, cfg and tuple(cfg.values()),
-        MAX_CAUSAL_GROUP,
+        q.dtype, dout.dtype, q.device, causal, window, mods.key, softmax_scale > 0, aligned == 0,
+        cfg and tuple(cfg.values()), MAX_CAUSAL_GROUP,
     )  # fmt: skip
 
 
 def backward_plan(
-    dout, q, k, v, lse, delta, softmax_scale: float, causal: bool, window: Window | None = None
+    dout, q, k, v, lse, delta, softmax_scale: float, causal: bool, window: Window | None, mods: ScoreMods
 ) -> BackwardPlan:
     """The plan of a launch on these tensors (``attention_backward_sm90``'s; they qualify: ``qualifies``): made on
     the first call of a ``_plan_key`` and kept."""
-    key = _plan_key(dout, q, k, v, lse, delta, softmax_scale, causal, window)
-    return _PLANS.plan(key, _make_plan, dout, q, k, v, lse, delta, softmax_scale, causal, window)
+    key = _plan_key(dout, q, k, v, lse, delta, softmax_scale, causal, window, mods)
+    return _PLANS.plan(key, _make_plan, dout, q, k, v, lse, delta, causal, window, mods)
 
 
 def _make_plan(
-    dout, q, k, v, lse, delta, softmax_scale: float, causal: bool, window: Window | None
+    dout, q, k, v, lse, delta, causal: bool, window: Window | None, mods: ScoreMods
 ) -> tuple[BackwardPlan, bool]:
     """``backward_plan``'s plan made anew, and True: keep it. The outputs' descriptor templates come from tensors of
     their layouts on the meta device (no memory, no zero fill: a first call allocates its outputs once). q and dout
@@ -1496,8 +1569,10 @@ def _make_plan(
         kv_form(dv, rows_out),
     )  # fmt: skip
     ints = (seqlen_q, seqlen_k, nheads, nheads // nheads_k, *window_bounds(window, seqlen_q, seqlen_k))
-    args = (*descriptors, lse, delta, dq_accum, dq_desc, 1.0, 1.0, *ints)
-    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, LOCAL=window is not None, **cfg)
+    args = (*descriptors, lse, delta, dq_accum, dq_desc, 1.0, 1.0, *ints, *mods.args)
+    constexprs = dict(
+        HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, LOCAL=window is not None, **mods.constexprs, **cfg
+    )
     keyed = keyed_for(_attention_backward_sm90_kernel, args, constexprs)
     grid = head_grid(programs(seqlen_k // block_n, cfg, causal), batch, nheads_k)
     dq_template = None if dq_desc is None else template(dq_desc)
@@ -1523,6 +1598,8 @@ def attention_backward_sm90(
     softmax_scale: float,
     causal: bool,
     window: Window | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Launch the kernel on inputs that qualify (``qualifies``) on an sm_90 GPU (``_backend.gluon_refusal``; the
     dispatcher has checked both) and return the gradients. Per call: the plan of the inputs' layouts
@@ -1537,18 +1614,20 @@ def attention_backward_sm90(
         softmax_scale: as given to the forward
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q
         window: None, or the forward's sliding window (``forward.attention_forward_sm90``), in place of causal
+        softcap, alibi_slopes: the forward's (``forward.attention_forward_sm90``)
 
     Returns:
         dq, dk, dv shaped like q, k, v in their dtype and, where those are dense, their layouts (``_outputs``;
         contiguous otherwise): dq converted from dq_accum in one copy
     """
-    plan = backward_plan(dout, q, k, v, lse, delta, softmax_scale, causal, window)
+    mods = ScoreMods.of(softmax_scale, softcap, alibi_slopes)
+    plan = backward_plan(dout, q, k, v, lse, delta, softmax_scale, causal, window, mods)
     dq_accum, dk, dv = _outputs(q, k, v, q.device)
     q_desc, dout_desc, k_desc, v_desc, dk_desc, dv_desc = plan.descriptors
     dq_desc = None if plan.dq_descriptor is None else rebase(plan.dq_descriptor, dq_accum)
     args = (
         rebase(q_desc, q), rebase(dout_desc, dout), rebase(k_desc, k), rebase(v_desc, v), rebase(dk_desc, dk),
-        rebase(dv_desc, dv), lse, delta, dq_accum, dq_desc, softmax_scale * LOG2E.value, softmax_scale, *plan.ints,
+        rebase(dv_desc, dv), lse, delta, dq_accum, dq_desc, mods.qk_scale, softmax_scale, *plan.ints, *mods.args,
     )  # fmt: skip
     launch(_attention_backward_sm90_kernel, plan.grid, args, plan.constexprs, plan.keyed)
     return empty_output_like(q).copy_(dq_accum), dk, dv
@@ -1561,5 +1640,6 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse:
     delta = imported("flashtile.ops.attention").attention_delta(dout, out, dlse)
     window = (options.window_left, options.window_right) if options.local else None
     return attention_backward_sm90(
-        dout, q, k, v, lse, delta, options.softmax_scale, causal=options.causal, window=window
-    )
+        dout, q, k, v, lse, delta, options.softmax_scale, causal=options.causal, window=window,
+        softcap=options.softcap, alibi_slopes=options.alibi_slopes,
+    )  # fmt: skip

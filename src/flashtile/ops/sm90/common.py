@@ -6,6 +6,7 @@ kernels' views of their boxes, and the launch past Triton's binder with its key.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -14,6 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch
+from flashtile.ops.attention.tiles import alibi_batch_stride, score_scales
 from flashtile.ops.common.descriptors import per_layout, tma_ready
 from flashtile.options import AttentionOptions
 
@@ -27,6 +29,41 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 # Triton 3.6: gl.thread_barrier(); 3.7: gl.barrier() (both: a barrier among the warps of the calling partition).
 partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@gluon.jit
+def tanh_approx(x):
+    """tanh of an fp32 tensor by the SFU's tanh.approx.f32 (one instruction, as exp2; relative error about 2**-11,
+    below bf16's rounding): the softcap's in both kernels."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def capped_scores(s, qk_scale, softcap, SOFTCAP: gl.constexpr):
+    """Scores in log2 units from raw products ``s`` (fp32), before any bias: s * qk_scale, or softcap * tanh(s *
+    qk_scale) with SOFTCAP (the launchers pass ``tiles.score_scales``' qk_scale and softcap: scale / cap and cap *
+    log2(e)), and tanh of the scaled products with SOFTCAP (the backward's 1 - tanh^2), s otherwise (unused)."""
+    if SOFTCAP:
+        t = tanh_approx(s * qk_scale)
+        x = t * softcap
+    else:
+        t = s
+        x = s * qk_scale
+    return x, t
+
+
+@gluon.jit
+def alibi_bias(queries, keys, slope, CAUSAL: gl.constexpr):
+    """flash_attn's ALiBi bias in log2 units, -slope * |query + seqlen_k - seqlen_q - key|, from ``queries`` (query +
+    seqlen_k - seqlen_q) and ``keys`` (the key indices), int32 vectors broadcast against each other; slope in log2
+    units. With CAUSAL slope * key - slope * (query + seqlen_k - seqlen_q), one product per row and per column: the
+    same where the causal mask leaves the score (key <= query + seqlen_k - seqlen_q), and no integer tile of the
+    distances to hold."""
+    if CAUSAL:
+        bias = keys.to(gl.float32) * slope - queries.to(gl.float32) * slope
+    else:
+        bias = -slope * gl.abs(queries - keys).to(gl.float32)
+    return bias
 
 
 @gluon.constexpr_function
@@ -49,13 +86,43 @@ def window_bounds(window: Window | None, seqlen_q: int, seqlen_k: int) -> tuple[
     return tuple(seqlen_q + seqlen_k if side is None else side for side in window)
 
 
+class ScoreMods(NamedTuple):
+    """A launch's score modifications as both kernels take them (``modified_scores``): qk_scale and softcap from
+    ``tiles.score_scales`` (softcap 0.0: off), and the ALiBi slopes or None."""
+
+    qk_scale: float
+    softcap: float
+    alibi_slopes: torch.Tensor | None
+
+    @classmethod
+    def of(cls, softmax_scale: float, softcap: float, alibi_slopes: torch.Tensor | None) -> ScoreMods:
+        return cls(*score_scales(softmax_scale, softcap), alibi_slopes)
+
+    @property
+    def constexprs(self) -> dict:
+        return dict(SOFTCAP=self.softcap != 0.0, ALIBI=self.alibi_slopes is not None)
+
+    @property
+    def args(self) -> tuple:
+        """The kernels' softcap, alibi_ptr and alibi_stride_b arguments."""
+        return self.softcap, self.alibi_slopes, alibi_batch_stride(self.alibi_slopes)
+
+    @property
+    def key(self) -> tuple:
+        """What a plan follows from: the constexprs, and the slopes' dimensions and 16-byte alignment (a launch key's
+        part, ``launch_key``)."""
+        slopes = self.alibi_slopes
+        layout = None if slopes is None else (slopes.dim(), slopes.data_ptr() % 16 == 0)
+        return (*self.constexprs.values(), layout)
+
+
 def option_refusals(options: AttentionOptions, varlen: bool) -> tuple[str | None, ...]:
-    """Why the options of a call keep it off both sm_90 kernels (None where a condition holds): they compute plain
-    attention, causal, with a sliding window or with neither, over a (batch, seqlen, nheads, headdim) batch, with
-    softmax_scale > 0 (the forward scales masked (-inf) scores: 0 * -inf would be NaN)."""
+    """Why the options of a call keep it off both sm_90 kernels (None where a condition holds): they compute
+    attention, causal, with a sliding window or with neither, softcap and ALiBi (not with a window), over a (batch,
+    seqlen, nheads, headdim) batch, with softmax_scale > 0 (the forward scales masked (-inf) scores: 0 * -inf would
+    be NaN)."""
     return (
-        "softcap" if options.softcap != 0.0 else None,
-        "ALiBi slopes" if options.alibi_slopes is not None else None,
+        "ALiBi with a sliding window" if options.alibi_slopes is not None and options.local else None,
         "dropout" if options.dropout_p > 0.0 else None,
         "an attn_mask" if options.attn_mask is not None else None,
         "a packed variable-length batch" if varlen else None,

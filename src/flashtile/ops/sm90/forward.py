@@ -88,9 +88,12 @@ from flashtile.ops.common.descriptors import Template, per_layout, rebase, templ
 from flashtile.ops.common.grid import cdiv
 from flashtile.ops.common.math import LN2, LOG2E
 from flashtile.ops.sm90.common import (
+    ScoreMods,
     Window,
+    alibi_bias,
     box_buffers,
     box_tile,
+    capped_scores,
     dtype_refusal,
     head_dim_refusal,
     head_major,
@@ -481,17 +484,30 @@ def _softmax_step(
     seqlen_k,
     window_left,
     window_right,
+    softcap,
+    slope,
     M_WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     EVEN_K: gl.constexpr,
     LOCAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr,
 ):
     """One online-softmax step on the raw scores tile s_acc [M_WG, BLOCK_N] (fp32, mma layout) of keys
     kv_start.. and query rows q_pos0.. . m_i is kept in scaled log2 units (max of s * softmax_scale *
-    log2(e)). Returns p (fp32), alpha, m_new, l_new."""
+    log2(e)). With SOFTCAP or ALIBI the scores are modified first (``common.capped_scores``,
+    ``common.alibi_bias``), then masked.
+    Returns p (fp32), alpha, m_new, l_new."""
     s_layout: gl.constexpr = s_acc.type.layout
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    if SOFTCAP or ALIBI:
+        s_acc, _ = capped_scores(s_acc, qk_scale, softcap, SOFTCAP)
+        if ALIBI:
+            queries = (q_pos0 + diag_off) + gl.arange(0, M_WG, layout=gl.SliceLayout(1, s_layout))
+            keys = kv_start + gl.arange(0, BLOCK_N, layout=col_layout)
+            s_acc = s_acc + alibi_bias(queries[:, None], keys[None, :], slope, CAUSAL)
+        qk_scale = 1.0  # s_acc is in log2 units now
     if LOCAL:
         # Query row r sees keys r + diag_off - window_left .. r + diag_off + window_right below seqlen_k. Only tiles
         # that reach past the last row's first key, the first row's last key or seqlen_k need the mask.
@@ -548,6 +564,8 @@ def _consumer(
     CAUSAL_PERSISTENT: gl.constexpr,
     CAUSAL_SCHEDULE: gl.constexpr,
     LOCAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr,
 ):
     """Consumer warpgroup WG (0 .. NUM_WG - 1): rows WG * M_WG.. of each work item's query tile (``_work``); the
     ring position (it), the item count and the ping-pong parity run on across items as the producer's do.
@@ -575,6 +593,9 @@ def _consumer(
         schedule,
         window_left,
         window_right,
+        softcap,
+        alibi_ptr,
+        alibi_stride_b,
     ) = args
     dtype: gl.constexpr = q_smem.dtype
     NUM_WG: gl.constexpr = q_smem.shape[0]  # one Q tile per consumer warpgroup
@@ -606,6 +627,10 @@ def _consumer(
         )  # fmt: skip
         q_pos0 = m0 + WG * M_WG
         kv_first = first * BLOCK_N
+        if ALIBI:
+            slope = gl.load(alibi_ptr + b * alibi_stride_b + h) * LOG2E
+        else:
+            slope = 0.0
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
         l_i = gl.full([M_WG], 0.0, gl.float32, row_s)
@@ -629,8 +654,8 @@ def _consumer(
             s_acc, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
             mbarrier.arrive(k_empty.index(s0), count=1)
             p, alpha, m_i, l_i = _softmax_step(
-                s_acc, m_i, l_i, qk_scale, kv_first, q_pos0, diag_off, seqlen_k, window_left, window_right, M_WG,
-                BLOCK_N, CAUSAL, EVEN_K, LOCAL,
+                s_acc, m_i, l_i, qk_scale, kv_first, q_pos0, diag_off, seqlen_k, window_left, window_right, softcap,
+                slope, M_WG, BLOCK_N, CAUSAL, EVEN_K, LOCAL, SOFTCAP, ALIBI,
             )  # fmt: skip
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -660,7 +685,7 @@ def _consumer(
             mbarrier.arrive(k_empty.index(s), count=1)
             p, alpha, m_i, l_i = _softmax_step(
                 s_acc, m_i, l_i, qk_scale, kv_first + i * BLOCK_N, q_pos0, diag_off, seqlen_k, window_left,
-                window_right, M_WG, BLOCK_N, CAUSAL, EVEN_K, LOCAL,
+                window_right, softcap, slope, M_WG, BLOCK_N, CAUSAL, EVEN_K, LOCAL, SOFTCAP, ALIBI,
             )  # fmt: skip
             acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, v_tile))
             if FOLD:
@@ -709,7 +734,16 @@ def _consumer(
 
 # ------------------------------------------------------------------------------------------------ kernel
 @gluon.jit(
-    do_not_specialize=["seqlen_q", "seqlen_k", "batch", "nheads", "group", "window_left", "window_right"]
+    do_not_specialize=[
+        "seqlen_q",
+        "seqlen_k",
+        "batch",
+        "nheads",
+        "group",
+        "window_left",
+        "window_right",
+        "alibi_stride_b",
+    ]
 )  # ``launch``
 def _attention_forward_sm90_kernel(
     q_desc,
@@ -726,6 +760,9 @@ def _attention_forward_sm90_kernel(
     schedule,
     window_left,
     window_right,
+    softcap,
+    alibi_ptr,
+    alibi_stride_b,
     HEAD_D: gl.constexpr,
     M_WG: gl.constexpr,
     NUM_WG: gl.constexpr,
@@ -739,6 +776,8 @@ def _attention_forward_sm90_kernel(
     CAUSAL_PERSISTENT: gl.constexpr,
     CAUSAL_SCHEDULE: gl.constexpr,
     LOCAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
@@ -803,6 +842,9 @@ def _attention_forward_sm90_kernel(
         schedule,
         window_left,
         window_right,
+        softcap,
+        alibi_ptr,
+        alibi_stride_b,
     )
     # Consumer warpgroup 0 is the default partition; the workers are consumer warpgroup 1, the 1-warp producer and,
     # with NUM_WG = 3, consumer warpgroup 2, which the slices drop at NUM_WG = 2 (after the producer, so that the
@@ -812,12 +854,12 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (0, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL),
+                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL, SOFTCAP, ALIBI),
             ),
             (
                 _consumer,
                 (1, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL),
+                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL, SOFTCAP, ALIBI),
             ),
             (
                 _producer,
@@ -857,7 +899,7 @@ def _attention_forward_sm90_kernel(
             (
                 _consumer,
                 (2, consumer_args, M_WG, HEAD_D, BLOCK_N, STAGES, CAUSAL, EVEN_K, PINGPONG, O_TILE, CAUSAL_PAIRS,
-                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL),
+                 CAUSAL_PERSISTENT, CAUSAL_SCHEDULE, LOCAL, SOFTCAP, ALIBI),
             ),
         ][: NUM_WG + 1],
         [4, 1, 4][:NUM_WG],
@@ -993,10 +1035,10 @@ _PLANS = _launch.Plans()
 """``forward_plan``'s plans by ``_plan_key``; None for inputs that do not qualify."""
 
 
-def _plan_key(q, k, v, out, lse, causal: bool, window: Window | None) -> tuple:
+def _plan_key(q, k, v, out, lse, causal: bool, window: Window | None, mods: ScoreMods) -> tuple:
     """What a plan follows from: the shapes and strides of q, k and v, the strides of out and lse, the dtypes of q
-    and out (k and v have q's, lse is float32: the callers' contract), the device, causal, the window, whether every
-    tensor's
+    and out (k and v have q's, lse is float32: the callers' contract), the device, causal, the window, the score
+    modifications' key (``common.ScoreMods.key``), whether every tensor's
     address is 16-byte aligned, the device's SM count, and the head dim's config (``config``, read on every call, so a
     changed CONFIGS entry makes new plans) and CAUSAL_MIN_SEQLEN_Q."""
     head_dim = q.shape[3]
@@ -1004,19 +1046,19 @@ def _plan_key(q, k, v, out, lse, causal: bool, window: Window | None) -> tuple:
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) % 16 == 0
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), lse.stride(), q.dtype, out.dtype,
-        q.device, sm_count(q.device), causal, window, aligned, cfg, CAUSAL_MIN_SEQLEN_Q.get(head_dim),
+        q.device, sm_count(q.device), causal, window, mods.key, aligned, cfg, CAUSAL_MIN_SEQLEN_Q.get(head_dim),
     )  # fmt: skip
 
 
-def forward_plan(q, k, v, out, lse, causal: bool, window: Window | None = None) -> ForwardPlan:
+def forward_plan(q, k, v, out, lse, causal: bool, window: Window | None, mods: ScoreMods) -> ForwardPlan:
     """The plan of a launch on these tensors (``attention_forward_sm90``'s; they qualify: ``qualifies``): made on the
     first call of a ``_plan_key`` and kept, except a causal launch's made while its schedule's first use is being
     captured into a CUDA graph (``causal_schedule``: that launch walks pair slots)."""
-    key = _plan_key(q, k, v, out, lse, causal, window)
-    return _PLANS.plan(key, _make_plan, q, k, v, out, lse, causal, window)
+    key = _plan_key(q, k, v, out, lse, causal, window, mods)
+    return _PLANS.plan(key, _make_plan, q, k, v, out, lse, causal, window, mods)
 
 
-def _make_plan(q, k, v, out, lse, causal: bool, window: Window | None) -> tuple[ForwardPlan, bool]:
+def _make_plan(q, k, v, out, lse, causal: bool, window: Window | None, mods: ScoreMods) -> tuple[ForwardPlan, bool]:
     """``forward_plan``'s plan made anew, and whether to keep it. A window launch runs with CAUSAL off (its items'
     key tiles come from the window, ``_work``) and walks its items as a launch without causal does."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -1038,8 +1080,11 @@ def _make_plan(q, k, v, out, lse, causal: bool, window: Window | None) -> tuple[
     q_form, kv_form = descriptor_of(q), descriptor_of(k, v)
     descriptors = (q_form(q, m_wg), kv_form(k, block_n), kv_form(v, block_n), q_form(out, m_wg))
     ints = (seqlen_q, k.shape[1], batch, nheads, nheads // k.shape[2])
-    args = (*descriptors, lse, 1.0, *ints, schedule, *bounds)
-    constexprs = dict(HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, LOCAL=window is not None, **cfg)
+    args = (*descriptors, lse, 1.0, *ints, schedule, *bounds, *mods.args)
+    constexprs = dict(
+        HEAD_D=head_dim, CAUSAL=causal, EVEN_K=k.shape[1] % block_n == 0, LOCAL=window is not None, **mods.constexprs,
+        **cfg,
+    )  # fmt: skip
     keyed = keyed_for(_attention_forward_sm90_kernel, args, constexprs)
     grid = (programs(n_m, batch * nheads, cfg, causal, q.device), 1, 1)
     plan = ForwardPlan(grid, tuple(map(template, descriptors)), ints, schedule, bounds, constexprs, keyed)
@@ -1055,6 +1100,8 @@ def attention_forward_sm90(
     softmax_scale: float,
     causal: bool,
     window: Window | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel on inputs that qualify (``qualifies``) on an sm_90 GPU (``_backend.gluon_refusal``): the
     dispatcher has checked both. Per call: the plan of the inputs' layouts (``forward_plan``), four descriptors
@@ -1070,12 +1117,16 @@ def attention_forward_sm90(
         window: None, or flash_attn's (window_left, window_right) as ``AttentionOptions`` holds them (None for an
             unbounded side; a causal window has window_right 0): query i sees key j iff i + seqlen_k - seqlen_q -
             window_left <= j <= i + seqlen_k - seqlen_q + window_right; it takes the place of causal
+        softcap: > 0 caps the scaled scores at softcap * tanh(score / softcap); 0.0: off
+        alibi_slopes: None, or (nheads,) or (batch, nheads) float32 slopes of flash_attn's ALiBi bias
+            (-slope * |i + seqlen_k - seqlen_q - j|), each row's heads contiguous; not with a window
     """
-    plan = forward_plan(q, k, v, out, lse, causal, window)
+    mods = ScoreMods.of(softmax_scale, softcap, alibi_slopes)
+    plan = forward_plan(q, k, v, out, lse, causal, window, mods)
     q_desc, k_desc, v_desc, out_desc = plan.descriptors
     args = (
         rebase(q_desc, q), rebase(k_desc, k), rebase(v_desc, v), rebase(out_desc, out), lse,
-        softmax_scale * LOG2E.value, *plan.ints, plan.schedule, *plan.window,
+        mods.qk_scale, *plan.ints, plan.schedule, *plan.window, *mods.args,
     )  # fmt: skip
     launch(_attention_forward_sm90_kernel, plan.grid, args, plan.constexprs, plan.keyed)
 
@@ -1085,11 +1136,14 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dispatcher's entry (``_backend.forward_choice``): (out, lse) as ``ops.attention.attention_forward``
-    gives them, computed by this kernel; options: plain attention, causal (window_right 0) or not, or a sliding
-    window (``options.local``)."""
+    gives them, computed by this kernel; options: causal (window_right 0), a sliding window (``options.local``) or
+    neither, softcap and ALiBi."""
     batch, seqlen_q, nheads, _ = q.shape
     out = empty_output((batch, seqlen_q, nheads, v.shape[3]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
     window = (options.window_left, options.window_right) if options.local else None
-    attention_forward_sm90(q, k, v, out, lse, options.softmax_scale, causal=options.causal, window=window)
+    attention_forward_sm90(
+        q, k, v, out, lse, options.softmax_scale, causal=options.causal, window=window, softcap=options.softcap,
+        alibi_slopes=options.alibi_slopes,
+    )  # fmt: skip
     return out, lse
