@@ -96,8 +96,8 @@ def test_window_bounds():
 
 def test_window_launches_without_causal(monkeypatch):
     """A window launch runs with CAUSAL off and LOCAL on, its bounds the int arguments before the score
-    modifications', and walks its items as a launch without causal does (persistent at D=128: min(items, SMs) CTAs); a causal launch keeps LOCAL
-    off. Each its own plan."""
+    modifications', and walks its items as a launch without causal does (persistent at D=128: min(items, SMs)
+    CTAs); a causal launch keeps LOCAL off. Each its own plan."""
     launches = []
     monkeypatch.setattr(forward_sm90, "launch", lambda kernel, grid, args, cx, keyed: launches.append((grid, args, cx)))
     monkeypatch.setattr(
