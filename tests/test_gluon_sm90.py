@@ -114,6 +114,9 @@ def test_window_launches_without_causal(monkeypatch):
     forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, True)
     assert not launches[-1][2]["LOCAL"] and launches[-1][2]["CAUSAL"]
     assert len(forward_sm90._PLANS) == 2
+    q64, k64, v64 = qkv(batch=4, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_k=16, head_dim=64)
+    forward_sm90.attention_forward_sm90(q64, k64, v64, torch.empty_like(q64), lse, 0.1, False, window=(256, 256))
+    assert launches[-1][2]["NUM_WG"] == 2  # D=64 window launches: 128-row items (WINDOW_CHANGES)
     backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, lse, lse, 0.1, True, window=(None, 5))
     grid, args, constexprs = launches[-1]
     assert constexprs["LOCAL"] and not constexprs["CAUSAL"] and args[-5:-3] == (2048, 5)

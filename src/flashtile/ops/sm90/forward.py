@@ -221,9 +221,20 @@ rounds) N=1k 327.0 [325.9-327.2] against the Triton kernel's 317.2-341.7 (one ke
 is the longer one)."""
 
 
-def config(head_dim: int, causal: bool, seqlen_q: int) -> dict:
+WINDOW_CHANGES = {64: {"NUM_WG": 2, "CONSUMER_REGS": 240}}
+"""Per head dim, the CONFIGS entries a window launch (LOCAL) changes (``config``). D=64: 128-row items of two
+consumer warpgroups, as causal launches below 8k take (CAUSAL_CHANGES): with three, whose prologue and loop each
+hold the window's mask, the forward of a 1024-key causal window ran at 211-237 TFLOP/s against the Triton kernel's
+296-299 (H100, bf16, B=4 H=16 N=4096, flex_attention's benchmark, 2026-12-07), the loss CAUSAL_CHANGES describes for
+causal launches with three warpgroups before the fold."""
+
+
+def config(head_dim: int, causal: bool, seqlen_q: int, local: bool = False) -> dict:
     """The constexprs of a launch's config: ``CONFIGS[head_dim]``, updated by ``CAUSAL_CHANGES`` for causal
-    launches with seqlen_q below ``CAUSAL_CHANGES_UNTIL``."""
+    launches with seqlen_q below ``CAUSAL_CHANGES_UNTIL`` and by ``WINDOW_CHANGES`` for window launches (``local``;
+    causal then False)."""
+    if local:
+        return {**CONFIGS[head_dim], **WINDOW_CHANGES.get(head_dim, {})}
     if causal and seqlen_q < CAUSAL_CHANGES_UNTIL.get(head_dim, 0):
         return {**CONFIGS[head_dim], **CAUSAL_CHANGES[head_dim]}
     return CONFIGS[head_dim]
@@ -1042,7 +1053,7 @@ def _plan_key(q, k, v, out, lse, causal: bool, window: Window | None, mods: Scor
     address is 16-byte aligned, the device's SM count, and the head dim's config (``config``, read on every call, so a
     changed CONFIGS entry makes new plans) and CAUSAL_MIN_SEQLEN_Q."""
     head_dim = q.shape[3]
-    cfg = CONFIGS.get(head_dim) and tuple(config(head_dim, causal, q.shape[1]).values())
+    cfg = CONFIGS.get(head_dim) and tuple(config(head_dim, causal, q.shape[1], local=window is not None).values())
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) % 16 == 0
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), lse.stride(), q.dtype, out.dtype,
@@ -1064,7 +1075,7 @@ def _make_plan(q, k, v, out, lse, causal: bool, window: Window | None, mods: Sco
     batch, seqlen_q, nheads, head_dim = q.shape
     bounds = window_bounds(window, seqlen_q, k.shape[1])
     causal = causal and window is None
-    cfg = config(head_dim, causal, seqlen_q)
+    cfg = config(head_dim, causal, seqlen_q, local=window is not None)
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
     block_m = cfg["NUM_WG"] * m_wg
     n_m = cdiv(seqlen_q, block_m)
