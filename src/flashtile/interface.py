@@ -242,9 +242,9 @@ def flash_attn_func(
         alibi_slopes: (nheads,) or (batch_size, nheads), float32, on q's device: the ALiBi bias above,
             for causal and non-causal attention alike; it gets no gradient (as in flash_attn)
         deterministic: False (flash_attn's default) lets the backward add dQ with atomics where that is
-            faster (on sm_90: head dim 64/128/256, no options but causal or a sliding window, lengths multiples
-            of 128; MHA, GQA or MQA, causal with at most 8 query heads per K/V head), so its bits may vary from
-            run to run; True always gives bitwise repeatable gradients
+            faster (on sm_90: head dim 64/128/256, lengths multiples of 128, no dropout or attn_mask, ALiBi
+            without a window, softcap at head dims 128/256; MHA, GQA or MQA, causal with at most 8 query heads per
+            K/V head), so its bits may vary from run to run; True always gives bitwise repeatable gradients
         return_attn_probs: also return softmax_lse and, with dropout, flash_attn's S_dmask (for tests: the
             probabilities with the dropout pattern, ``dropout_probabilities``, O(seqlen_q * seqlen_k) memory);
             without dropout the third element is None, as in flash_attn

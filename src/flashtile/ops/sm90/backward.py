@@ -1,14 +1,17 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style, dQ by TMA reduce-adds.
 
 On an H100/H200 (``flashtile._backend.gluon_refusal``) the backwards that qualify (``qualifies``: no
-dropout, attn_mask, ALiBi, softcap or packed batch, and ``deterministic=False``, flash_attn's default)
-run this kernel instead
+dropout, attn_mask or packed batch; softcap but at head dim 64, ALiBi but with a window; and ``deterministic=False``,
+flash_attn's default) run this kernel instead
 of the portable Triton ones (ops/attention/backward.py): five matrix products per (query tile, key tile) pair instead of
 seven, because dQ is added into an fp32 accumulator with atomic adds (TMA reduce-adds from shared memory,
 ``CONFIGS``' DQ_TMA, at every head dim; per-thread atomics with it off), in an order that varies from run to run
 (``deterministic=True`` keeps the Triton kernels, which are bitwise repeatable). Causal, with a sliding window
 (LOCAL: any ``window_size``; each key tile visits the query tiles whose rows' windows hold one of its keys,
-``_key_tile``, and the tiles that cross either edge of the window are masked, ``_probs``) or neither; head dim
+``_key_tile``, and the tiles that cross either edge of the window are masked, ``_probs``) or neither; softcap
+and ALiBi (``_probs``: P^T from the modified scores; dS^T = P^T (1 - tanh^2) (dP^T - delta) * scale with softcap,
+P^T (1 - tanh^2) being what WG 0 hands WG 1 at D=256; causal ALiBi's query part of the bias joins the lse); head
+dim
 64, 128 or 256 (256: the OUTPUT_SPLIT variant below); MHA, GQA or MQA (nheads a multiple of nheads_k; causal:
 at most MAX_CAUSAL_GROUP query heads per K/V head); bf16/fp16; both lengths multiples of 128; q, k, v and dout in
 any layout whose last dimension is contiguous and whose other strides are 16-byte multiples

@@ -1,10 +1,11 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp specialized, FA-3 style.
 
-On an H100/H200 (``flashtile._backend.gluon_refusal``) the forwards that qualify (``qualifies``: no
-options but causal or a sliding window) run this kernel instead of the portable Triton one (which every other GPU
-and the CPU interpreter run): no dropout, attn_mask, ALiBi, softcap, sink or packed batch; head dim 64, 128 or
-256 for q, k and v (``CONFIGS``), causal (``CAUSAL_MIN_SEQLEN_Q``: every length), with a sliding window (any
-``window_size``: LOCAL below) or neither; bf16/fp16; any seqlen_q
+On an H100/H200 (``flashtile._backend.gluon_refusal``) the forwards that qualify (``qualifies``: causal or a
+sliding window, softcap and ALiBi; no dropout, attn_mask, sink or packed batch) run this kernel instead of the
+portable Triton one (which every other GPU and the CPU interpreter run): head dim 64, 128 or 256 for q, k and v
+(``CONFIGS``), causal (``CAUSAL_MIN_SEQLEN_Q``: every length), with a sliding window (any ``window_size``: LOCAL
+below) or neither; softcap (by the SFU's tanh) and ALiBi (not with a window; ``common.capped_scores``,
+``common.alibi_bias``: SOFTCAP, ALIBI); bf16/fp16; any seqlen_q
 and seqlen_k >= 1; q, k and v in any layout whose last dimension is contiguous and whose other strides are 16-byte
 multiples (``common.layout_refusal``): flash_attn's (batch, seqlen, nheads, headdim), q/k/v sliced from a packed
 qkv, or torch's (batch, nheads, seqlen, headdim) as ``flashtile.scaled_dot_product_attention`` gets it.
@@ -31,6 +32,11 @@ drops them on stores. Keys past seqlen_k in the last key tile (zeros) get score 
 (zeros) compute rows that the O store drops and the LSE store masks. Outputs: out (B, Sq, H, D) and lse (B, H, Sq)
 fp32, natural log; a query row that sees no key (causal, seqlen_q > seqlen_k) gets out 0 and lse -inf, as the Triton
 kernel.
+
+Softcap and ALiBi modify each score tile before its mask (``_softmax_step``): softcap * tanh(s * scale / softcap)
+in log2 units, and ALiBi's -slope * |i + seqlen_k - seqlen_q - j| (causal: slope * j - slope * (i + seqlen_k -
+seqlen_q), a row and a column product, exact where the mask leaves the score; no tile of distances held), the slope
+loaded once per work item.
 
 A sliding window (LOCAL; CAUSAL off, a causal window being window_right = 0): each work item visits the key tiles
 that hold a key of one of its rows' windows (``_work``: rows m0.. see keys m0 + seqlen_k - seqlen_q - window_left up to
