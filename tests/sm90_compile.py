@@ -368,15 +368,17 @@ def gluon_variants() -> list[Variant]:
             for flags, even_k in (("off", True), ("ragged-k", False)):
                 consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K=even_k)
                 variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts))
-        # a sliding window (CAUSAL off, LOCAL on), with a ragged last key tile or not, and head-major
+        # a sliding window (CAUSAL off, LOCAL on; the head dims that take windows, sm90_common.WINDOW_HEAD_DIMS), with
+        # a ragged last key tile or not, and head-major
+        windows = head_dim in sm90_common.WINDOW_HEAD_DIMS
         for flags, even_k, head_major in (("off", True, ""), ("ragged-k", False, ""), ("head-major", True, "qkv")):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, EVEN_K=even_k, LOCAL=True)
-            variants.append(Variant(GLUON_FORWARD, name, "window", flags, consts, head_major=head_major))
+            variants += [Variant(GLUON_FORWARD, name, "window", flags, consts, head_major=head_major)] * windows
         # score modifications: softcap, ALiBi, both (with a ragged last key tile: the bounds check too)
         for mask, flags, mods in (
             ("causal", "softcap", dict(SOFTCAP=True)), ("causal", "alibi", dict(ALIBI=True)),
-            ("full", "alibi,ragged-k", dict(ALIBI=True)), ("window", "softcap", dict(SOFTCAP=True)),
-            ("full", "softcap,alibi", dict(SOFTCAP=True, ALIBI=True)),
+            ("full", "alibi,ragged-k", dict(ALIBI=True)), ("full", "softcap,alibi", dict(SOFTCAP=True, ALIBI=True)),
+            *[("window", "softcap", dict(SOFTCAP=True))] * windows,
         ):  # fmt: skip
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", EVEN_K="ragged-k" not in flags,
                           LOCAL=mask == "window", **mods)  # fmt: skip
@@ -409,10 +411,11 @@ def gluon_variants() -> list[Variant]:
         for mask, (flags, grouped) in itertools.product(("full", "causal"), (("off", False), ("gqa", True))):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
             variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts))
-        # a sliding window (CAUSAL off, LOCAL on), MHA and GQA, and head-major
+        # a sliding window (CAUSAL off, LOCAL on; sm90_common.WINDOW_HEAD_DIMS), MHA and GQA, and head-major
+        windows = head_dim in sm90_common.WINDOW_HEAD_DIMS
         for flags, grouped, head_major in (("off", False, ""), ("gqa", True, ""), ("head-major", False, "qkv")):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=grouped, LOCAL=True)
-            variants.append(Variant(GLUON_BACKWARD, name, "window", flags, consts, head_major=head_major))
+            variants += [Variant(GLUON_BACKWARD, name, "window", flags, consts, head_major=head_major)] * windows
         # score modifications: ALiBi at every head dim (MHA and GQA), softcap where S^T starts at zero (BLOCK_M 64:
         # ``backward_sm90.qualifies``), both
         mods = [("causal", "alibi", False, dict(ALIBI=True)), ("full", "alibi,gqa", True, dict(ALIBI=True))]

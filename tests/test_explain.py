@@ -44,9 +44,7 @@ def test_plain_call_on_cpu(cpu_path):
 
 
 OPTION_REASONS = {  # flash_attn_func's keywords -> the reason both sm_90 kernels give
-    "window": (dict(window_size=(64, 0)), "a sliding window (causal or none only)"),
-    "softcap": (dict(softcap=30.0), "softcap"),
-    "alibi": (dict(alibi_slopes=torch.ones(4)), "ALiBi slopes"),
+    "alibi-window": (dict(window_size=(64, 0), alibi_slopes=torch.ones(4)), "ALiBi with a sliding window"),
     "dropout": (dict(dropout_p=0.1), "dropout"),
     "scale": (dict(softmax_scale=-0.5), "softmax_scale -0.5 (> 0 only)"),
 }
@@ -57,6 +55,30 @@ def test_options_keep_both_sm90_kernels_off(cpu_path, case):
     kwargs, reason = case
     explanation = flashtile.explain(*qkv(), **kwargs)
     assert explanation.forward.passed_over[0] == ("sm90-gluon", (NOT_SM90, reason))
+    assert explanation.backward.passed_over[0] == ("sm90-gluon", (NOT_SM90, reason))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(window_size=(64, 0)), dict(window_size=(32, 32)), dict(softcap=30.0), dict(alibi_slopes=torch.ones(4))],
+    ids=["causal-window", "window", "softcap", "alibi"],
+)
+def test_options_both_sm90_kernels_take(cpu_path, kwargs):
+    """Sliding windows, softcap and ALiBi at head dim 128: the only reason given is the device."""
+    explanation = flashtile.explain(*qkv(), **kwargs)
+    for pass_ in (explanation.forward, explanation.backward):
+        assert pass_.passed_over[0] == ("sm90-gluon", (NOT_SM90,))
+
+
+def test_head_dim_64_reasons(cpu_path):
+    """At head dim 64 a window keeps both kernels off, softcap only the backward (its 128-row tiles)."""
+    window = "a sliding window at head dim 64 (windows at 128, 256 only)"
+    explanation = flashtile.explain(*qkv(head_dim=64), window_size=(64, 0))
+    assert explanation.forward.passed_over[0] == ("sm90-gluon", (NOT_SM90, window))
+    assert explanation.backward.passed_over[0] == ("sm90-gluon", (NOT_SM90, window))
+    explanation = flashtile.explain(*qkv(head_dim=64), softcap=30.0)
+    assert explanation.forward.passed_over[0] == ("sm90-gluon", (NOT_SM90,))
+    reason = "softcap at head dim 64 (its 128-row query tiles start S^T at -lse)"
     assert explanation.backward.passed_over[0] == ("sm90-gluon", (NOT_SM90, reason))
 
 
@@ -174,9 +196,10 @@ def test_cli_explain(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
         "flash_attn_func on q (1, 100, 8, 64), k and v (1, 300, 2, 64), fp16, cpu",
-        "forward: cpu-tiled", f"  not sm90-gluon: {NOT_SM90}; softcap", f"  not triton: {NOT_CUDA}",
+        "forward: cpu-tiled", f"  not sm90-gluon: {NOT_SM90}", f"  not triton: {NOT_CUDA}",
         "  not cpu-torch: softcap",
         "backward: cpu-tiled",
-        f"  not sm90-gluon: {NOT_SM90}; softcap; seqlen_q 100, seqlen_k 300 (positive multiples of 128 only)",
+        f"  not sm90-gluon: {NOT_SM90}; softcap at head dim 64 (its 128-row query tiles start S^T at -lse); seqlen_q"
+        " 100, seqlen_k 300 (positive multiples of 128 only)",
         f"  not triton: {NOT_CUDA}", "  not cpu-torch: softcap",
     ]  # fmt: skip

@@ -54,13 +54,18 @@ def test_qualifies_plain_layouts():
 @pytest.mark.parametrize("window", [(8, 0), (8, 8), (None, 8), (8, None), (None, -128)], ids=str)
 def test_windows_qualify(window):
     """Both kernels take a sliding window (window_left, window_right as the options hold them; a negative right side
-    is top-left causal with Sq < Sk), causal or not, at every head dim; the backward keeps its length rule."""
-    for head_dim in (64, 128, 256):
-        opts = AttentionOptions(0.1, *window, deterministic=False)
+    is top-left causal with Sq < Sk), causal or not, at head dims 128 and 256 (``common.WINDOW_HEAD_DIMS``; 64 keeps
+    the Triton kernels, named); the backward keeps its length rule."""
+    opts = AttentionOptions(0.1, *window, deterministic=False)
+    for head_dim in (128, 256):
         q, k, v = qkv(head_dim=head_dim)
         assert forward_sm90.qualifies(q, k, v, opts) and backward_sm90.qualifies(q, k, v, torch.empty_like(q), opts)
         q, k, v = qkv(seqlen_q=17, seqlen_k=113, head_dim=head_dim)
         assert forward_sm90.qualifies(q, k, v, opts) and not backward_sm90.qualifies(q, k, v, torch.empty_like(q), opts)
+    q, k, v = qkv(head_dim=64)
+    refusal = ("a sliding window at head dim 64 (windows at 128, 256 only)",)
+    assert forward_sm90.qualifies(q, k, v, opts).reasons == refusal
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), opts).reasons == refusal
 
 
 def test_score_modifications_qualify():
@@ -76,7 +81,7 @@ def test_score_modifications_qualify():
                 assert forward_sm90.qualifies(q, k, v, opts) and backward_sm90.qualifies(q, k, v, dout, opts)
         windowed = AttentionOptions(0.1, 8, 0, alibi_slopes=torch.ones(4), deterministic=False)
         for verdict in (forward_sm90.qualifies(q, k, v, windowed), backward_sm90.qualifies(q, k, v, dout, windowed)):
-            assert verdict.reasons == ("ALiBi with a sliding window",)
+            assert verdict.reasons[0] == "ALiBi with a sliding window"
         capped = AttentionOptions(0.1, None, 0, softcap=30.0, deterministic=False)
         assert forward_sm90.qualifies(q, k, v, capped)
         found = backward_sm90.qualifies(q, k, v, dout, capped).reasons
@@ -114,9 +119,6 @@ def test_window_launches_without_causal(monkeypatch):
     forward_sm90.attention_forward_sm90(q, k, v, out, lse, 0.1, True)
     assert not launches[-1][2]["LOCAL"] and launches[-1][2]["CAUSAL"]
     assert len(forward_sm90._PLANS) == 2
-    q64, k64, v64 = qkv(batch=4, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_k=16, head_dim=64)
-    forward_sm90.attention_forward_sm90(q64, k64, v64, torch.empty_like(q64), lse, 0.1, False, window=(256, 256))
-    assert launches[-1][2]["NUM_WG"] == 2  # D=64 window launches: 128-row items (WINDOW_CHANGES)
     backward_sm90.attention_backward_sm90(torch.empty_like(q), q, k, v, lse, lse, 0.1, True, window=(None, 5))
     grid, args, constexprs = launches[-1]
     assert constexprs["LOCAL"] and not constexprs["CAUSAL"] and args[-5:-3] == (2048, 5)
@@ -757,8 +759,9 @@ left side alone, the diagonal alone, and a window wider on the right."""
 def test_window_against_oracle(launches, window_size, case):
     """Sliding windows on the Gluon kernels: out, lse, dq, dk and dv against the oracle by the tolerance rule, out and
     lse written over NaN. Rows and key tiles that see nothing (Sq > Sk; keys outside every row's window) run one
-    fully masked tile: out 0, lse -inf, no gradient. The forward is Gluon for every case, the backward where both
-    lengths are multiples of 128 (one launch each, with the window the options hold)."""
+    fully masked tile: out 0, lse -inf, no gradient. The forward is Gluon for every case at head dims 128 and 256,
+    the backward where both lengths are multiples of 128 too (one launch each, with the window the options hold);
+    head dim 64 runs the Triton kernels (``common.WINDOW_HEAD_DIMS``)."""
     head_dim, shape = case
     q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
     results = run_flashtile(q, k, v, dout, window_size=window_size)
@@ -766,9 +769,11 @@ def test_window_against_oracle(launches, window_size, case):
     seqlen_q, seqlen_k = shape[1:3]
     window = tuple(None if side < 0 else side for side in window_size)
     window = checks.bounded_window(*window, seqlen_q, seqlen_k)
-    launched = window if window[0] is not None or window[1] not in (None, 0) else window[1] == 0
-    gluon_backward = seqlen_q % 128 == 0 and seqlen_k % 128 == 0
-    assert launches == [("fwd", launched)] + [("bwd", launched)] * gluon_backward
+    local = window[0] is not None or window[1] not in (None, 0)
+    launched = window if local else window[1] == 0
+    gluon = not local or head_dim in sm90_common.WINDOW_HEAD_DIMS
+    gluon_backward = gluon and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
+    assert launches == [("fwd", launched)] * gluon + [("bwd", launched)] * gluon_backward
 
 
 SCORE_MOD_CASES = {
@@ -851,8 +856,9 @@ def test_head_major_against_oracle(launches, causal, head_dim, layouts, shape):
 def test_head_major_sdpa_against_oracle(launches, is_causal, head_dim, shape):
     """``flashtile.scaled_dot_product_attention`` on contiguous (B, H, N, D) tensors (GQA through enable_gqa) against
     the oracle: the Gluon forward runs for every call (a causal one with Sq != Sk as the window (None, Sq - Sk):
-    top-left causal in the kernels' bottom-right terms), the Gluon backward for those with lengths multiples of 128;
-    the gradients come back in the leaves' (B, H, N, D) layout."""
+    top-left causal in the kernels' bottom-right terms, but at head dim 64, whose windows run the Triton kernels), the
+    Gluon backward for those with lengths multiples of 128; the gradients come back in the leaves' (B, H, N, D)
+    layout."""
     q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
     leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
     out = flashtile.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=0.2, enable_gqa=True)
@@ -863,9 +869,11 @@ def test_head_major_sdpa_against_oracle(launches, is_causal, head_dim, shape):
     top_left = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda").tril() if is_causal else None
     check_against_oracle(results, q, k, v, dout, softmax_scale=0.2, mask=top_left)
     assert [x.grad.stride() for x in leaves] == [x.stride() for x in leaves]
-    gluon_backward = seqlen_q % 128 == 0 and seqlen_k % 128 == 0
-    launched = (None, seqlen_q - seqlen_k) if is_causal and seqlen_q != seqlen_k else is_causal
-    assert launches == [("fwd", launched)] + [("bwd", launched)] * gluon_backward
+    window = is_causal and seqlen_q != seqlen_k
+    gluon = not window or head_dim in sm90_common.WINDOW_HEAD_DIMS
+    gluon_backward = gluon and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
+    launched = (None, seqlen_q - seqlen_k) if window else is_causal
+    assert launches == [("fwd", launched)] * gluon + [("bwd", launched)] * gluon_backward
 
 
 @hopper

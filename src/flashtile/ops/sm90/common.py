@@ -116,6 +116,22 @@ class ScoreMods(NamedTuple):
         return (*self.constexprs.values(), layout)
 
 
+WINDOW_HEAD_DIMS = (128, 256)
+"""Head dims whose sliding-window calls take the sm_90 kernels (``window_refusal``). At D=64 the Triton kernels
+were as fast or faster (H100, bf16, B=4, H=16, N=4096, a causal 1024-key window, flash_attn_func on (B, H, N, D)
+views, medians of four runs in two alternating processes per tree, 2026-12-07): forward 0.200-0.205 ms against
+0.208-0.211 with two consumer warpgroups (and 298.7 against 237.1 TFLOP/s with three, flex_attention's benchmark),
+forward+backward 1.06-1.15 ms against 1.10-1.28; at D=128 0.333-0.337 against 0.280-0.288 ms forward and 1.45
+against 1.14-1.25 ms forward+backward."""
+
+
+def window_refusal(options: AttentionOptions, head_dim: int) -> str | None:
+    """Why a sliding window keeps a call of this head dim off the sm_90 kernels (``WINDOW_HEAD_DIMS``), or None."""
+    if options.local and head_dim not in WINDOW_HEAD_DIMS:
+        return f"a sliding window at head dim {head_dim} (windows at {', '.join(map(str, WINDOW_HEAD_DIMS))} only)"
+    return None
+
+
 def option_refusals(options: AttentionOptions, varlen: bool) -> tuple[str | None, ...]:
     """Why the options of a call keep it off both sm_90 kernels (None where a condition holds): they compute
     attention, causal, with a sliding window or with neither, softcap and ALiBi (not with a window), over a (batch,

@@ -115,6 +115,7 @@ from flashtile.ops.sm90.common import (
     tma_load,
     tma_store,
     window_bounds,
+    window_refusal,
 )
 from flashtile.options import AttentionOptions
 
@@ -227,20 +228,9 @@ rounds) N=1k 327.0 [325.9-327.2] against the Triton kernel's 317.2-341.7 (one ke
 is the longer one)."""
 
 
-WINDOW_CHANGES = {64: {"NUM_WG": 2, "CONSUMER_REGS": 240}}
-"""Per head dim, the CONFIGS entries a window launch (LOCAL) changes (``config``). D=64: 128-row items of two
-consumer warpgroups, as causal launches below 8k take (CAUSAL_CHANGES): with three, whose prologue and loop each
-hold the window's mask, the forward of a 1024-key causal window ran at 211-237 TFLOP/s against the Triton kernel's
-296-299 (H100, bf16, B=4 H=16 N=4096, flex_attention's benchmark, 2026-12-07), the loss CAUSAL_CHANGES describes for
-causal launches with three warpgroups before the fold."""
-
-
-def config(head_dim: int, causal: bool, seqlen_q: int, local: bool = False) -> dict:
+def config(head_dim: int, causal: bool, seqlen_q: int) -> dict:
     """The constexprs of a launch's config: ``CONFIGS[head_dim]``, updated by ``CAUSAL_CHANGES`` for causal
-    launches with seqlen_q below ``CAUSAL_CHANGES_UNTIL`` and by ``WINDOW_CHANGES`` for window launches (``local``;
-    causal then False)."""
-    if local:
-        return {**CONFIGS[head_dim], **WINDOW_CHANGES.get(head_dim, {})}
+    launches with seqlen_q below ``CAUSAL_CHANGES_UNTIL``."""
     if causal and seqlen_q < CAUSAL_CHANGES_UNTIL.get(head_dim, 0):
         return {**CONFIGS[head_dim], **CAUSAL_CHANGES[head_dim]}
     return CONFIGS[head_dim]
@@ -936,6 +926,7 @@ def qualifies(
     reasons = [*option_refusals(options, varlen), "a learnable sink" if options.learnable_sink is not None else None]
     if not varlen:
         head_dim = q.shape[3]
+        reasons.append(window_refusal(options, head_dim))
         causal_min = CAUSAL_MIN_SEQLEN_Q.get(head_dim, q.shape[1] + 1) if options.causal else 0
         reasons += (
             dtype_refusal(q),
@@ -1059,7 +1050,7 @@ def _plan_key(q, k, v, out, lse, causal: bool, window: Window | None, mods: Scor
     address is 16-byte aligned, the device's SM count, and the head dim's config (``config``, read on every call, so a
     changed CONFIGS entry makes new plans) and CAUSAL_MIN_SEQLEN_Q."""
     head_dim = q.shape[3]
-    cfg = CONFIGS.get(head_dim) and tuple(config(head_dim, causal, q.shape[1], local=window is not None).values())
+    cfg = CONFIGS.get(head_dim) and tuple(config(head_dim, causal and window is None, q.shape[1]).values())
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) % 16 == 0
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), lse.stride(), q.dtype, out.dtype,
@@ -1081,7 +1072,7 @@ def _make_plan(q, k, v, out, lse, causal: bool, window: Window | None, mods: Sco
     batch, seqlen_q, nheads, head_dim = q.shape
     bounds = window_bounds(window, seqlen_q, k.shape[1])
     causal = causal and window is None
-    cfg = config(head_dim, causal, seqlen_q, local=window is not None)
+    cfg = config(head_dim, causal, seqlen_q)
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
     block_m = cfg["NUM_WG"] * m_wg
     n_m = cdiv(seqlen_q, block_m)
