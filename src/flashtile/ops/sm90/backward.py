@@ -1367,43 +1367,13 @@ def _attention_backward_sm90_kernel(
         [
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (
-                    0,
-                    consumer_args,
-                    pairs,
-                    HEAD_D,
-                    BLOCK_M,
-                    N_WG,
-                    STAGES,
-                    DO_STAGES,
-                    CAUSAL,
-                    DQ_SPLIT,
-                    DQ_TMA,
-                    GROUPED,
-                    LOCAL,
-                    SOFTCAP,
-                    ALIBI,
-                ),
+                (0, consumer_args, pairs, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED,
+                 LOCAL, SOFTCAP, ALIBI),
             ),
             (
                 _consumer_by_output if OUTPUT_SPLIT else _consumer,
-                (
-                    1,
-                    consumer_args,
-                    pairs,
-                    HEAD_D,
-                    BLOCK_M,
-                    N_WG,
-                    STAGES,
-                    DO_STAGES,
-                    CAUSAL,
-                    DQ_SPLIT,
-                    DQ_TMA,
-                    GROUPED,
-                    LOCAL,
-                    SOFTCAP,
-                    ALIBI,
-                ),
+                (1, consumer_args, pairs, HEAD_D, BLOCK_M, N_WG, STAGES, DO_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, GROUPED,
+                 LOCAL, SOFTCAP, ALIBI),
             ),
             (
                 _producer,
@@ -1445,7 +1415,7 @@ def _attention_backward_sm90_kernel(
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
-    )
+    )  # fmt: skip
 
 
 MAX_CAUSAL_GROUP = 8
