@@ -90,13 +90,13 @@ def test_score_modifications_qualify():
         )
 
 
-def test_window_bounds():
+def test_window_args():
     """The kernels' window arguments: an unbounded side past every key (seqlen_q + seqlen_k), unread zeros without a
     window."""
-    assert sm90_common.window_bounds(None, 100, 300) == (0, 0)
-    assert sm90_common.window_bounds((8, 0), 100, 300) == (8, 0)
-    assert sm90_common.window_bounds((None, -200), 100, 300) == (400, -200)
-    assert sm90_common.window_bounds((5, None), 100, 300) == (5, 400)
+    assert sm90_common.window_args(None, 100, 300) == (0, 0)
+    assert sm90_common.window_args((8, 0), 100, 300) == (8, 0)
+    assert sm90_common.window_args((None, -200), 100, 300) == (400, -200)
+    assert sm90_common.window_args((5, None), 100, 300) == (5, 400)
 
 
 def test_window_launches_without_causal(monkeypatch):

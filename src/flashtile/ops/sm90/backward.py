@@ -272,7 +272,7 @@ from flashtile.ops.sm90.common import (
     shared_layout,
     tma_load,
     tma_store,
-    window_bounds,
+    window_args,
     window_refusal,
 )
 from flashtile.ops.sm90.forward import ROWS
@@ -1479,7 +1479,7 @@ def programs(n_n: int, cfg: dict, causal: bool) -> int:
 class BackwardPlan(NamedTuple):
     """What a launch follows from its inputs' layouts (``backward_plan``'s key), kept per key: the grid, the
     descriptor templates of q, dout, k, v, dk, dv and dq_accum (None without DQ_TMA), the kernel's int arguments
-    (seqlen_q, seqlen_k, nheads, group, and the window's bounds: ``common.window_bounds``), the constexprs, and
+    (seqlen_q, seqlen_k, nheads, group, and the window's bounds: ``common.window_args``), the constexprs, and
     ``launch``'s ``keyed``."""
 
     grid: tuple[int, int, int]
@@ -1543,7 +1543,7 @@ def _make_plan(
         q_form(q, block_m), q_form(dout, block_m), kv_form(k, block_n), kv_form(v, block_n), kv_form(dk, rows_out),
         kv_form(dv, rows_out),
     )  # fmt: skip
-    ints = (seqlen_q, seqlen_k, nheads, nheads // nheads_k, *window_bounds(window, seqlen_q, seqlen_k))
+    ints = (seqlen_q, seqlen_k, nheads, nheads // nheads_k, *window_args(window, seqlen_q, seqlen_k))
     args = (*descriptors, lse, delta, dq_accum, dq_desc, 1.0, 1.0, *ints, *mods.args)
     constexprs = dict(
         HEAD_D=head_dim, CAUSAL=causal, GROUPED=nheads != nheads_k, LOCAL=window is not None, **mods.constexprs, **cfg

@@ -77,7 +77,7 @@ Window = tuple[int | None, int | None]
 without a bound."""
 
 
-def window_bounds(window: Window | None, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+def window_args(window: Window | None, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     """The kernels' window_left and window_right arguments: ``window``'s sides, an unbounded side as seqlen_q +
     seqlen_k (past every key: query i's keys then run from below 0 to past seqlen_k); (0, 0), unread, without a
     window."""
@@ -87,8 +87,8 @@ def window_bounds(window: Window | None, seqlen_q: int, seqlen_k: int) -> tuple[
 
 
 class ScoreMods(NamedTuple):
-    """A launch's score modifications as both kernels take them (``modified_scores``): qk_scale and softcap from
-    ``tiles.score_scales`` (softcap 0.0: off), and the ALiBi slopes or None."""
+    """A launch's score modifications as both kernels take them (``capped_scores``, ``alibi_bias``): qk_scale and
+    softcap from ``tiles.score_scales`` (softcap 0.0: off), and the ALiBi slopes or None."""
 
     qk_scale: float
     softcap: float

@@ -114,7 +114,7 @@ from flashtile.ops.sm90.common import (
     shared_layout,
     tma_load,
     tma_store,
-    window_bounds,
+    window_args,
     window_refusal,
 )
 from flashtile.options import AttentionOptions
@@ -1027,7 +1027,7 @@ def causal_schedule(
 class ForwardPlan(NamedTuple):
     """What a launch follows from its inputs' layouts (``forward_plan``'s key), kept per key: the grid, the descriptor
     templates of q, k, v and out (``descriptors.template``), the kernel's int arguments (seqlen_q, seqlen_k, batch,
-    nheads, group), the causal schedule or None, the window's bounds (``common.window_bounds``), the constexprs, and
+    nheads, group), the causal schedule or None, the window's bounds (``common.window_args``), the constexprs, and
     ``launch``'s ``keyed`` (their values in parameter order and the arguments' ``launch_key``)."""
 
     grid: tuple[int, int, int]
@@ -1070,7 +1070,7 @@ def _make_plan(q, k, v, out, lse, causal: bool, window: Window | None, mods: Sco
     """``forward_plan``'s plan made anew, and whether to keep it. A window launch runs with CAUSAL off (its items'
     key tiles come from the window, ``_work``) and walks its items as a launch without causal does."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    bounds = window_bounds(window, seqlen_q, k.shape[1])
+    bounds = window_args(window, seqlen_q, k.shape[1])
     causal = causal and window is None
     cfg = config(head_dim, causal, seqlen_q)
     m_wg, block_n = cfg["M_WG"], cfg["BLOCK_N"]
