@@ -416,10 +416,10 @@ def gluon_variants() -> list[Variant]:
         for flags, grouped, head_major in (("off", False, ""), ("gqa", True, ""), ("head-major", False, "qkv")):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=grouped, LOCAL=True)
             variants += [Variant(GLUON_BACKWARD, name, "window", flags, consts, head_major=head_major)] * windows
-        # score modifications: ALiBi at every head dim (MHA and GQA), softcap where S^T starts at zero (BLOCK_M 64:
-        # ``backward_sm90.qualifies``), both
+        # score modifications: ALiBi at every head dim (MHA and GQA), softcap where S^T starts at zero
+        # (``backward_sm90.stats_in_acc`` off: ``backward_sm90.qualifies``), both
         mods = [("causal", "alibi", False, dict(ALIBI=True)), ("full", "alibi,gqa", True, dict(ALIBI=True))]
-        if cfg["BLOCK_M"] == 64:
+        if not backward_sm90.stats_in_acc(cfg["BLOCK_M"]):
             mods += [("causal", "softcap", False, dict(SOFTCAP=True)), ("window", "softcap", False, dict(SOFTCAP=True)),
                      ("causal", "softcap,alibi,gqa", True, dict(SOFTCAP=True, ALIBI=True))]  # fmt: skip
         for mask, flags, grouped, on in mods:

@@ -767,11 +767,9 @@ def test_window_against_oracle(launches, window_size, case):
     results = run_flashtile(q, k, v, dout, window_size=window_size)
     check_against_oracle(results, q, k, v, dout, window_size=window_size)
     seqlen_q, seqlen_k = shape[1:3]
-    window = tuple(None if side < 0 else side for side in window_size)
-    window = checks.bounded_window(*window, seqlen_q, seqlen_k)
-    local = window[0] is not None or window[1] not in (None, 0)
-    launched = window if local else window[1] == 0
-    gluon = not local or head_dim in sm90_common.WINDOW_HEAD_DIMS
+    opts = AttentionOptions(1.0, *checks.bounded_window(*checks.window_bounds(window_size, False), seqlen_q, seqlen_k))
+    launched = sm90_common.window_of(opts) or opts.causal
+    gluon = not opts.local or head_dim in sm90_common.WINDOW_HEAD_DIMS
     gluon_backward = gluon and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
     assert launches == [("fwd", launched)] * gluon + [("bwd", launched)] * gluon_backward
 

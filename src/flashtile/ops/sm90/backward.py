@@ -254,6 +254,7 @@ from flashtile.ops.sm90.common import (
     ScoreMods,
     Window,
     alibi_bias,
+    alibi_slope,
     box_buffers,
     box_tile,
     capped_scores,
@@ -273,6 +274,7 @@ from flashtile.ops.sm90.common import (
     tma_load,
     tma_store,
     window_args,
+    window_of,
     window_refusal,
 )
 from flashtile.ops.sm90.forward import ROWS
@@ -586,6 +588,14 @@ def _put_stats(lse, delta, lse_slot, delta_slot, stat_ready):
 
 
 # ------------------------------------------------------------------------------------------------ consumer
+@gluon.constexpr_function
+def stats_in_acc(block_m):
+    """Whether S^T's and dP^T's accumulators start at the row statistics (-lse / qk_scale, -delta: ``_consumer``'s
+    STATS_IN_ACC), as 128-query tiles do: the [BLOCK_M] lse and delta slices would take BLOCK_M / 4 registers per
+    thread each beside both products. softcap's tanh cannot follow a shifted S^T (``qualifies``)."""
+    return block_m > 64
+
+
 @gluon.jit
 def _probs(
     s_acc,
@@ -647,17 +657,6 @@ def _probs(
     else:
         p_grad = p
     return p, p_grad
-
-
-@gluon.jit
-def _slope(alibi_ptr, alibi_off, g, ALIBI: gl.constexpr):
-    """The ALiBi slope of the group's query head g in log2 units (alibi_off: the offset of the batch entry's slope of
-    the group's first head), 0.0 without."""
-    if ALIBI:
-        slope = gl.load(alibi_ptr + alibi_off + g) * LOG2E
-    else:
-        slope = 0.0
-    return slope
 
 
 @gluon.jit
@@ -905,9 +904,7 @@ def _consumer(
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    # 128-query S^T tiles: the [BLOCK_M] lse and delta slices of s_layout take BLOCK_M / 4 registers per thread
-    # each, too many to hold beside both products (module docstring); they start the accumulators instead
-    STATS_IN_ACC: gl.constexpr = BLOCK_M > 64
+    STATS_IN_ACC: gl.constexpr = stats_in_acc(BLOCK_M)  # (module docstring)
     if STATS_IN_ACC:
         inv_qk_scale = 1.0 / qk_scale
 
@@ -951,7 +948,7 @@ def _consumer(
 
             # ---- P^T and dS^T, then dV += P^T dO and dK += dS^T Q (A from registers)
             s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
-            slope = _slope(alibi_ptr, alibi_off, g, ALIBI)
+            slope = alibi_slope(alibi_ptr, alibi_off, g, ALIBI)
             p, p_grad = _probs(
                 s_acc, lse2, qk_scale, key0, q0, diag_off, left_off, softcap, slope, N_WG, BLOCK_M, CAUSAL, LOCAL,
                 SOFTCAP, ALIBI,
@@ -1116,7 +1113,7 @@ def _consumer_by_output(
                     # S^T, this warpgroup's only reader of Q, has retired (lse's slot frees with WG 1's arrival, which
                     # follows every thread's P^T: module docstring)
                     mbarrier.arrive(q_empty.index(s), count=1)
-                slope = _slope(alibi_ptr, alibi_off, g, ALIBI)
+                slope = alibi_slope(alibi_ptr, alibi_off, g, ALIBI)
                 p, p_grad = _probs(
                     s_acc, lse2, qk_scale, kv_start, q0, diag_off, left_off, softcap, slope, N_WG, BLOCK_M, CAUSAL,
                     LOCAL, SOFTCAP, ALIBI,
@@ -1460,7 +1457,7 @@ def qualifies(
             f"causal with {nheads // nheads_k} query heads per K/V head (at most {MAX_CAUSAL_GROUP})"
             if group_ok and options.causal and nheads // nheads_k > MAX_CAUSAL_GROUP else None,
             f"softcap at head dim {head_dim} (its {CONFIGS[head_dim]['BLOCK_M']}-row query tiles start S^T at -lse)"
-            if options.softcap != 0.0 and head_dim in CONFIGS and CONFIGS[head_dim]["BLOCK_M"] > 64 else None,
+            if options.softcap != 0.0 and head_dim in CONFIGS and stats_in_acc(CONFIGS[head_dim]["BLOCK_M"]) else None,
             None if seqlen_q % ROWS == 0 and seqlen_k % ROWS == 0 and seqlen_k > 0
             else f"seqlen_q {seqlen_q}, seqlen_k {seqlen_k} (positive multiples of {ROWS} only)",
             "dQ offsets past 2**31" if seqlen_q * nheads * head_dim >= 2**31 else None,
@@ -1613,8 +1610,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse:
     """The dispatcher's entry (``_backend.backward_choice``): (dq, dk, dv) as ``ops.attention.attention_backward``
     gives them (same arguments), by this kernel after the Triton delta kernel (rowsum(dout * out) - dlse)."""
     delta = imported("flashtile.ops.attention").attention_delta(dout, out, dlse)
-    window = (options.window_left, options.window_right) if options.local else None
     return attention_backward_sm90(
-        dout, q, k, v, lse, delta, options.softmax_scale, causal=options.causal, window=window,
+        dout, q, k, v, lse, delta, options.softmax_scale, causal=options.causal, window=window_of(options),
         softcap=options.softcap, alibi_slopes=options.alibi_slopes,
     )  # fmt: skip

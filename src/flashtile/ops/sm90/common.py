@@ -17,6 +17,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashtile.ops import _launch
 from flashtile.ops.attention.tiles import alibi_batch_stride, score_scales
 from flashtile.ops.common.descriptors import per_layout, tma_ready
+from flashtile.ops.common.math import LOG2E
 from flashtile.options import AttentionOptions
 
 # Gluon's TMA copies are tma.async_load / tma.async_store since triton 3.9, where the older names (the only ones
@@ -53,6 +54,17 @@ def capped_scores(s, qk_scale, softcap, SOFTCAP: gl.constexpr):
 
 
 @gluon.jit
+def alibi_slope(alibi_ptr, row, head, ALIBI: gl.constexpr):
+    """The ALiBi slope at alibi_ptr + row + head in log2 units (row: the batch entry's offset, its index times the
+    slopes' batch stride, 0 for (nheads,) slopes), 0.0 without ALiBi (alibi_ptr then None)."""
+    if ALIBI:
+        slope = gl.load(alibi_ptr + row + head) * LOG2E
+    else:
+        slope = 0.0
+    return slope
+
+
+@gluon.jit
 def alibi_bias(queries, keys, slope, CAUSAL: gl.constexpr):
     """flash_attn's ALiBi bias in log2 units, -slope * |query + seqlen_k - seqlen_q - key|, from ``queries`` (query +
     seqlen_k - seqlen_q) and ``keys`` (the key indices), int32 vectors broadcast against each other; slope in log2
@@ -75,6 +87,12 @@ def mma_layout(n):
 Window = tuple[int | None, int | None]
 """flash_attn's sliding window as ``AttentionOptions`` holds it: (window_left, window_right), None for a side
 without a bound."""
+
+
+def window_of(options: AttentionOptions) -> Window | None:
+    """The launchers' ``window`` for these options: (window_left, window_right) where the window hides more than the
+    causal mask does (``options.local``), else None (causal or no mask)."""
+    return (options.window_left, options.window_right) if options.local else None
 
 
 def window_args(window: Window | None, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
@@ -109,11 +127,10 @@ class ScoreMods(NamedTuple):
 
     @property
     def key(self) -> tuple:
-        """What a plan follows from: the constexprs, and the slopes' dimensions and 16-byte alignment (a launch key's
-        part, ``launch_key``)."""
+        """What a plan follows from (read on every launch): whether softcap is on, and the slopes' dimensions and
+        16-byte alignment (a launch key's part, ``launch_key``), None without ALiBi."""
         slopes = self.alibi_slopes
-        layout = None if slopes is None else (slopes.dim(), slopes.data_ptr() % 16 == 0)
-        return (*self.constexprs.values(), layout)
+        return self.softcap != 0.0, None if slopes is None else (slopes.dim(), slopes.data_ptr() % 16 == 0)
 
 
 WINDOW_HEAD_DIMS = (128, 256)

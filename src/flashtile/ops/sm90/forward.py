@@ -92,11 +92,12 @@ from flashtile.ops._alloc import empty_output
 from flashtile.ops._device import on_input_device, sm_count
 from flashtile.ops.common.descriptors import Template, per_layout, rebase, template
 from flashtile.ops.common.grid import cdiv
-from flashtile.ops.common.math import LN2, LOG2E
+from flashtile.ops.common.math import LN2
 from flashtile.ops.sm90.common import (
     ScoreMods,
     Window,
     alibi_bias,
+    alibi_slope,
     box_buffers,
     box_tile,
     capped_scores,
@@ -115,6 +116,7 @@ from flashtile.ops.sm90.common import (
     tma_load,
     tma_store,
     window_args,
+    window_of,
     window_refusal,
 )
 from flashtile.options import AttentionOptions
@@ -634,10 +636,7 @@ def _consumer(
         )  # fmt: skip
         q_pos0 = m0 + WG * M_WG
         kv_first = first * BLOCK_N
-        if ALIBI:
-            slope = gl.load(alibi_ptr + b * alibi_stride_b + h) * LOG2E
-        else:
-            slope = 0.0
+        slope = alibi_slope(alibi_ptr, b * alibi_stride_b, h, ALIBI)
         acc = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
         l_i = gl.full([M_WG], 0.0, gl.float32, row_s)
@@ -1149,9 +1148,9 @@ def attention_forward(
     batch, seqlen_q, nheads, _ = q.shape
     out = empty_output((batch, seqlen_q, nheads, v.shape[3]), q.dtype, q.device)
     lse = empty_output((batch, nheads, seqlen_q), torch.float32, q.device)
-    window = (options.window_left, options.window_right) if options.local else None
     attention_forward_sm90(
-        q, k, v, out, lse, options.softmax_scale, causal=options.causal, window=window, softcap=options.softcap,
+        q, k, v, out, lse, options.softmax_scale, causal=options.causal, window=window_of(options),
+        softcap=options.softcap,
         alibi_slopes=options.alibi_slopes,
     )  # fmt: skip
     return out, lse
