@@ -18,10 +18,14 @@ from flashtile import _backend
 from flashtile.bench import results
 from flashtile.flex import patterns
 from flashtile.flex.api import _checked_block_mask
-from flashtile.flex.block_mask import FULL, PARTIAL, BlockMask, _ordered
+from flashtile.flex.block_mask import FULL, PARTIAL, TILE, BlockMask, _ordered, tiles
 from oracle import assert_within_rule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LISTS = (
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+)  # fmt: skip
 DOCS = (5, 17, 1, 30, 9, 64, 3, 100)  # packed document lengths (cut to the sequence)
 
 
@@ -172,12 +176,12 @@ def _oracle(name, inputs, params, mask, scale, dtype, dout, dlse=None):
 
 def run_case(
     name, backend, dtype=torch.float32, B=2, H=2, H_kv=2, L=45, S=45, D=16, block=16, grads=True, scale=None,
-    learned=None, lse_grad=False,
+    learned=None, lse_grad=False, out_grad=True,
 ):  # fmt: skip
     """flashtile's output, LSE and gradients (of captured tensors too) for case ``name`` against the oracle's, by
     the tolerance rule; ``scale`` defaults to flex_attention's, 1 / sqrt(D); ``learned``: whether the captured float
     tensors require grad (default: ``grads``); ``lse_grad``: the loss reads the LSE too (a gradient arrives at
-    both outputs)."""
+    both outputs); ``out_grad=False`` (with ``lse_grad``): the loss reads only the LSE."""
     params = _params(H, L, S, grads if learned is None else learned)
     score_mod, mask_mod = _mods(name, params)
     q = torch.randn(B, H, L, D, device=DEVICE, dtype=dtype, requires_grad=grads)
@@ -194,11 +198,13 @@ def run_case(
         kernel_options={"BACKEND": backend},
     )  # fmt: skip
     results = {"out": out, "lse": lse}
-    dout = torch.randn_like(out)
+    dout = torch.randn_like(out) if out_grad else torch.zeros_like(out)
     dlse = torch.randn_like(lse) if lse_grad else None
     if grads:
         floats = {n: t for n, t in params.items() if t.requires_grad}
         outputs, grad_outputs = ((out, lse), (dout, dlse)) if lse_grad else (out, dout)
+        if not out_grad:
+            outputs, grad_outputs = lse, dlse
         got = torch.autograd.grad(outputs, [q, k, v, *floats.values()], grad_outputs, allow_unused=True)
         names = ["dq", "dk", "dv", *(f"d{n}" for n in floats)]
         results.update({n: torch.zeros_like(t) if g is None else g for n, g, t in
@@ -382,11 +388,33 @@ def test_gradient_through_lse(name, backend):
     run_case(name, backend, L=40, S=33, lse_grad=True)
 
 
+@pytest.mark.parametrize("out_grad", [True, False], ids=["out and lse", "lse only"])
+def test_prefix_lm_gradients_through_the_builtin_calls(out_grad, builtin_calls):
+    """Prefix-LM on the built-in attention (two calls, one backward over both): gradients reaching out and the LSE,
+    or the LSE alone (no gradient at out), with GQA and a head dim that is padded, against the oracle."""
+    run_case("prefix_lm", "AUTO", B=2, H=4, H_kv=2, L=37, S=37, D=20, learned=False, lse_grad=True,
+             out_grad=out_grad)  # fmt: skip
+    assert len(builtin_calls) == 2
+
+
 @pytest.mark.parametrize("name", ["document", "sliding_window"])
 def test_kernel_tiles_smaller_than_blocks(name):
     """Sparse blocks of several tiles each ((64, 128) against the interpreter's 32 x 64 tiles): one loop walks the
     tiles of all listed blocks, partial and full, forward and backward."""
     run_case(name, "TRITON", B=1, L=150, S=260, D=32, block=(64, 128))
+
+
+@pytest.mark.parametrize("L, S", [(256, 256), (200, 300)])
+def test_kernel_walks_the_finer_tiles(L, S, monkeypatch):
+    """A document mask made with 128 x 128 blocks keeps a 64 x 64 table (``tiles``), which the generated kernel
+    walks forward and backward: against the oracle, lengths even and ragged, Sq != Sk."""
+    from flashtile.flex import kernel  # imports Triton
+
+    walked = []
+    forward = kernel._forward
+    monkeypatch.setattr(kernel, "_forward", lambda *args: walked.append(args[5].BLOCK_SIZE) or forward(*args))
+    run_case("document", "TRITON", B=1, L=L, S=S, D=32, block=128)
+    assert walked == [(TILE, TILE)]
 
 
 @pytest.mark.parametrize(
@@ -544,16 +572,18 @@ second call's options given)."""
 
 @pytest.fixture
 def builtin_calls(monkeypatch):
-    """The options of every call flex_attention makes to the built-in attention (``interface.attention``)."""
-    from flashtile import interface
+    """The options (window, softcap, ALiBi slopes) of every call flex_attention makes to the built-in attention
+    (``_ops.attention``, which ``flash_attn_func`` calls too)."""
+    from flashtile import _ops
 
-    calls, attention = [], interface.attention
+    calls, attention = [], _ops.attention
+    names = ("window_left", "window_right", "softcap", "alibi_slopes")
 
-    def spy(q, k, v, **options):
-        calls.append(options)
-        return attention(q, k, v, **options)
+    def spy(q, k, v, options):
+        calls.append({name: getattr(options, name) for name in names})
+        return attention(q, k, v, options)
 
-    monkeypatch.setattr(interface, "attention", spy)
+    monkeypatch.setattr(_ops, "attention", spy)
     return calls
 
 
@@ -860,8 +890,7 @@ def test_block_mask_matches_torch():
                                                               lambda b, h, q, kv: h == 1))  # fmt: skip
     ours = flashtile.create_block_mask(mask_mod, 2, 2, 64, 96, device=DEVICE, BLOCK_SIZE=(16, 32))
     theirs = flex.create_block_mask(mask_mod, 2, 2, 64, 96, device=DEVICE, BLOCK_SIZE=(16, 32))
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                 "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+    for name in LISTS:
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
     assert ours.shape == theirs.shape == (2, 2, 64, 96) and ours.BLOCK_SIZE == (16, 32)
     assert ours.seq_lengths == (64, 96) and ours.mask_mod is mask_mod
@@ -871,6 +900,45 @@ def test_block_mask_matches_torch():
     assert flashtile.create_block_mask(flashtile.noop_mask, None, None, 8, 8, device=DEVICE).sparsity() == 0
     half = flashtile.create_block_mask(lambda b, h, q, kv: kv < 16, None, None, 20, 20, device=DEVICE, BLOCK_SIZE=16)
     assert half.sparsity() == pytest.approx(100 * 4 / 20)  # the 4 keys past 16 sit in a skipped block
+
+
+@pytest.mark.parametrize("L, S", [(256, 256), (300, 200)])
+def test_block_mask_with_tiles_matches_torch(L, S):
+    """At BLOCK_SIZE 128 the positions are counted per 64 x 64 tile and summed per block: the lists are still
+    torch's, ragged lengths included; the finer table kept beside them (``tiles``, where it computes fewer positions)
+    is create_block_mask's at BLOCK_SIZE 64."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    doc = _document_ids(max(L, S))
+
+    def mask_mod(b, h, q_idx, kv_idx):  # documents, and causal on head 1 of batch entry 1
+        return (doc[q_idx] == doc[kv_idx]) | ((b == 1) & (h == 1) & (q_idx >= kv_idx))
+
+    ours = flashtile.create_block_mask(mask_mod, 2, 2, L, S, device=DEVICE)
+    theirs = flex.create_block_mask(mask_mod, 2, 2, L, S, device=DEVICE)
+    for name in LISTS:
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    finer = tiles(ours)
+    assert finer is not ours and finer.BLOCK_SIZE == (64, 64) and finer.seq_lengths == (L, S)
+    at_64 = flashtile.create_block_mask(mask_mod, 2, 2, L, S, device=DEVICE, BLOCK_SIZE=64)
+    for name in LISTS:
+        assert torch.equal(getattr(finer, name), getattr(at_64, name)), name
+
+
+def test_finer_tiles_only_where_they_skip_more():
+    """The finer table is kept only where it computes at most TILE_SHARE of the positions, only for block sizes
+    TILE divides (and is smaller than one of), and is forgotten once the mask's lists change in place."""
+    n = 4096
+    doc = _document_ids(n)
+    documents = flashtile.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv], None, None, n, n, device=DEVICE)
+    assert tiles(documents).BLOCK_SIZE == (TILE, TILE)
+    causal_mask = flashtile.create_block_mask(causal, None, None, n, n, device=DEVICE)
+    assert tiles(causal_mask) is causal_mask  # 98.5% of the positions: not worth the smaller tiles
+    for block in (TILE, (128, 96)):
+        other = flashtile.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv], None, None, 512, 512,
+                                            device=DEVICE, BLOCK_SIZE=block)  # fmt: skip
+        assert tiles(other) is other
+    documents.kv_num_blocks.add_(0)  # an in-place change (its version moves)
+    assert tiles(documents) is documents
 
 
 # ----------------------------------------------------------------------------------------------------- errors

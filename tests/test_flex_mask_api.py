@@ -13,14 +13,10 @@ import torch
 import flashtile
 from flashtile.flex.block_mask import BlockMask, check_lists
 from oracle import assert_within_rule
-from test_flex import DEVICE, dense_flex
+from test_flex import DEVICE, LISTS, dense_flex
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
-LISTS = (
-    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
-)  # fmt: skip
 DOC = torch.tensor([0] * 13 + [1] * 30 + [2] * 9 + [3] * 48, device=DEVICE)  # document ids of 100 packed tokens
 
 

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashtile import _backend, interface
+from flashtile import _backend, _ops, interface
 from flashtile.errors import InputError, InputTypeError, UnsupportedDtypeError
 from flashtile.flex import patterns
 from flashtile.flex.block_mask import BlockMask, as_block_mask, check_lists, full_block_mask, require_mod
@@ -259,11 +259,54 @@ def _builtin(query, key, value, scale: float, builtin: patterns.Builtin) -> tupl
 
 
 def _prefix_lm(q, k, v, scale: float, builtin: patterns.Builtin, deterministic: bool):
-    """``_builtin`` for a prefix-LM mask, from q, k, v in (B, L, H, E)."""
+    """``_builtin`` for a prefix-LM mask, from q, k, v in (B, L, H, E): ``_PrefixLM`` on the inputs as the built-in
+    attention takes them (``interface.prepared``: checked, a head dim that is not a multiple of 8 padded, the output
+    sliced back)."""
     p = builtin.prefix
-    rows = [(q[:, :p], k[:, :p], v[:, :p], {"window_left": None, "window_right": None}), (q[:, p:], k, v, {})]
-    parts = [
-        interface.attention(*qkv, softmax_scale=scale, deterministic=deterministic, **(builtin.options | window))
-        for *qkv, window in rows
-    ]  # fmt: skip
-    return torch.cat([out for out, _ in parts], 1).transpose(1, 2), torch.cat([lse for _, lse in parts], 2)
+    q, k, v, options, head_dim = interface.prepared(
+        q, k, v, softmax_scale=scale, deterministic=deterministic, **builtin.options
+    )  # fmt: skip
+    prefix_options = interface.attention_options(
+        q, p, p, softmax_scale=options.softmax_scale, softcap=options.softcap, deterministic=deterministic
+    )  # fmt: skip
+    result = _PrefixLM.apply(q, k, v, p, prefix_options, options)
+    out, lse = result if head_dim is None else interface.sliced(result, head_dim)
+    return out.transpose(1, 2), lse
+
+
+class _PrefixLM(torch.autograd.Function):
+    """(out (B, L, H, Ev), lse (B, H, L)) of a prefix-LM mask from q, k, v (B, L, H, E) by two built-in calls: the
+    first ``prefix`` query rows on the prefix's keys with ``prefix_options`` (no mask), the others on every key with
+    ``options`` (causal, bottom-right aligned). The backward writes dQ in q's layout and adds the first call's dK
+    and dV into the prefix rows of the second's: autograd over slices and a concatenation would zero-fill and add
+    whole gradients and copy them again into the leaves' layout."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prefix: int, prefix_options, options):
+        parts = [_ops.attention(q[:, :prefix], k[:, :prefix], v[:, :prefix], prefix_options),
+                 _ops.attention(q[:, prefix:], k, v, options)]  # fmt: skip
+        ctx.save_for_backward(q, k, v, *(out for out, _ in parts), *(lse for _, lse in parts))
+        ctx.prefix, ctx.options = prefix, (prefix_options, options)
+        ctx.set_materialize_grads(False)  # no (B, H, L) zeros for an lse the loss does not read
+        return torch.cat([out for out, _ in parts], 1), torch.cat([lse for _, lse in parts], 2)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out_prefix, out_rest, lse_prefix, lse_rest = ctx.saved_tensors
+        p, (prefix_options, options) = ctx.prefix, ctx.options
+        if dout is None:
+            dout = torch.zeros((*q.shape[:3], v.shape[3]), dtype=out_prefix.dtype, device=q.device)
+        elif dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dlse_prefix = dlse_rest = None
+        if dlse is not None:
+            dlse_prefix, dlse_rest = (x.float().contiguous() for x in (dlse[..., :p], dlse[..., p:]))
+        dq_prefix, dk_prefix, dv_prefix = _ops.attention_gradients(
+            dout[:, :p], q[:, :p], k[:, :p], v[:, :p], out_prefix, lse_prefix, dlse_prefix, prefix_options
+        )  # fmt: skip
+        dq_rest, dk, dv = _ops.attention_gradients(dout[:, p:], q[:, p:], k, v, out_rest, lse_rest, dlse_rest, options)
+        dq = torch.empty_like(q)
+        dq[:, :p], dq[:, p:] = dq_prefix, dq_rest
+        dk[:, :p] += dk_prefix
+        dv[:, :p] += dv_prefix
+        return dq, dk, dv, None, None, None

@@ -391,7 +391,11 @@ def create_block_mask(
     True everywhere is *full* (mask_mod skipped), one where it is False everywhere is skipped, the rest *partial*.
 
     mask_mod is evaluated one row of query blocks at a time (B * H * BLOCK_SIZE[0] * KV_LEN positions at once), so
-    memory grows linearly with the lengths.
+    memory grows linearly with the lengths. Where TILE (64) divides both block sizes and is smaller than one of
+    them, the counts are taken per TILE x TILE tile, and the mask keeps a second table of those tiles beside its own
+    when it skips notably more (``tiles``: packed documents of a few hundred tokens leave whole 64 x 64 tiles of
+    their 128 x 128 blocks empty); the generated kernel walks that one. Deciding reads one count from the device (a
+    host synchronisation on CUDA).
 
     Raises:
         flashtile.InputError: a size that is not a positive int (B and H may be None), or a bad BLOCK_SIZE
@@ -404,20 +408,51 @@ def create_block_mask(
     q_block, kv_block = _block_size(BLOCK_SIZE)
     device = torch.device(device)
     rows, cols = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
+    finer = q_block % TILE == 0 and kv_block % TILE == 0 and max(q_block, kv_block) > TILE
+    tile_q, tile_k = (TILE, TILE) if finer else (q_block, kv_block)
+    per_q, per_k = q_block // tile_q, kv_block // tile_k  # tiles per block along each side
     b, h, kv = index(0, B, device), index(0, H, device), index(0, KV_LEN, device)
-    counts = torch.empty(B, H, rows, cols, dtype=torch.int64, device=device)
+    counts = torch.empty(B, H, rows * per_q, cols * per_k, dtype=torch.int64, device=device)  # per tile
     for r in range(rows):  # one row of query blocks at a time: memory linear in the lengths
         mask = evaluate_mask(mask_mod, b, h, index(r * q_block, min((r + 1) * q_block, Q_LEN), device), kv)
-        mask = torch.nn.functional.pad(mask, (0, cols * kv_block - KV_LEN))  # the padding never attends
-        counts[:, :, r] = mask.reshape(B, H, -1, cols, kv_block).sum((2, 4))
+        padding = (0, cols * kv_block - KV_LEN, 0, q_block - mask.shape[2])  # the padding never attends
+        mask = torch.nn.functional.pad(mask, padding).reshape(B, H, per_q, tile_q, cols * per_k, tile_k)
+        counts[:, :, r * per_q : (r + 1) * per_q] = mask.sum((3, 5))
+    per_block = counts.reshape(B, H, rows, per_q, cols, per_k).sum((3, 5))
+    block_mask = _from_counts(per_block, q_block, kv_block, mask_mod, (Q_LEN, KV_LEN))
+    if finer:
+        counts = counts[:, :, : -(-Q_LEN // tile_q), : -(-KV_LEN // tile_k)]  # the tiles within the lengths
+        computed_tiles, computed_blocks = torch.stack([(counts > 0).sum(), (per_block > 0).sum()]).tolist()
+        if computed_tiles <= TILE_SHARE * per_q * per_k * computed_blocks:
+            remember(_TILES, block_mask, _from_counts(counts, tile_q, tile_k, mask_mod, (Q_LEN, KV_LEN)))
+    return block_mask
+
+
+def _from_counts(counts: torch.Tensor, q_block: int, kv_block: int, mask_mod: MaskMod, lengths: tuple[int, int]):
+    """The BlockMask of the attended positions' counts per (q_block, kv_block) block (B, H, rows, cols): full where
+    every position of the block attends (a block cut by the lengths never is), skipped where none does."""
     full = counts == q_block * kv_block
     partial = (counts > 0) & ~full
     block_mask = BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
-        seq_lengths=(Q_LEN, KV_LEN),
-    )  # fmt: skip
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod, seq_lengths=lengths
+    )
     _known_valid(block_mask)  # valid by construction
     return block_mask
+
+
+TILE = 64
+"""The tile of the finer table ``create_block_mask`` may keep beside a mask's (``tiles``): the generated kernels'
+tiles are at most 64 x 64 but at head dim 64 forward (128 x 64)."""
+TILE_SHARE = 0.85
+"""The finer table is kept where its tiles compute at most this share of the positions the mask's blocks compute."""
+_TILES: dict[int, tuple] = {}
+"""The finer tables ``create_block_mask`` kept (``remember``)."""
+
+
+def tiles(mask: BlockMask) -> BlockMask:
+    """The block table the generated kernel walks for ``mask``: the TILE x TILE table ``create_block_mask`` kept
+    beside it (the same positions, fewer of them in computed tiles) while its lists are unchanged, else ``mask``."""
+    return recall(_TILES, mask) or mask
 
 
 def _sizes(caller: str, least: int, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int) -> tuple[int, ...]:

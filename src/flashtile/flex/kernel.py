@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from flashtile.flex import codegen
-from flashtile.flex.block_mask import BlockMask
+from flashtile.flex.block_mask import BlockMask, tiles
 from flashtile.flex.mods import MaskMod, ScoreMod, noop_mask
 from flashtile.ops._alloc import empty_output
 from flashtile.ops._launch import launch
@@ -251,7 +251,8 @@ def flex_attention_triton(
     q, k, v, score_mod: ScoreMod | None, block_mask: BlockMask, scale: float, output_max: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(out, lse, the rows' largest scores after the mods where ``output_max``, else None) by the Triton kernels,
-    for a call ``unsupported`` lets through."""
+    for a call ``unsupported`` lets through; they walk the mask's finer table where ``create_block_mask`` kept one
+    (``block_mask.tiles``)."""
     module, captured = kernels_for(score_mod, block_mask.mask_mod, q.device)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return _FlexFunction.apply(q, k, v, module, captured, block_mask, scale, output_max, *captured.needing_grad)
+    return _FlexFunction.apply(q, k, v, module, captured, tiles(block_mask), scale, output_max, *captured.needing_grad)
