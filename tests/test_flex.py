@@ -924,15 +924,16 @@ def test_block_mask_with_tiles_matches_torch(L, S):
         assert torch.equal(getattr(finer, name), getattr(at_64, name)), name
 
 
-def test_finer_tiles_only_where_they_skip_more():
-    """The finer table is kept only where it computes at most TILE_SHARE of the positions, only for block sizes
-    TILE divides (and is smaller than one of), and is forgotten once the mask's lists change in place."""
+def test_finer_tiles_only_where_they_cost_less():
+    """The finer table is kept only where the kernels' work on it (``_cost``: computed positions, partial ones
+    twice) is at most TILE_SHARE of their work on the mask's blocks, only for block sizes TILE divides (and is
+    smaller than one of), and is forgotten once the mask's lists change in place."""
     n = 4096
     doc = _document_ids(n)
     documents = flashtile.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv], None, None, n, n, device=DEVICE)
     assert tiles(documents).BLOCK_SIZE == (TILE, TILE)
     causal_mask = flashtile.create_block_mask(causal, None, None, n, n, device=DEVICE)
-    assert tiles(causal_mask) is causal_mask  # 98.5% of the positions: not worth the smaller tiles
+    assert tiles(causal_mask) is causal_mask  # 96% of the work: not worth the smaller tiles
     for block in (TILE, (128, 96)):
         other = flashtile.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv], None, None, 512, 512,
                                             device=DEVICE, BLOCK_SIZE=block)  # fmt: skip

@@ -393,9 +393,9 @@ def create_block_mask(
     mask_mod is evaluated one row of query blocks at a time (B * H * BLOCK_SIZE[0] * KV_LEN positions at once), so
     memory grows linearly with the lengths. Where TILE (64) divides both block sizes and is smaller than one of
     them, the counts are taken per TILE x TILE tile, and the mask keeps a second table of those tiles beside its own
-    when it skips notably more (``tiles``: packed documents of a few hundred tokens leave whole 64 x 64 tiles of
-    their 128 x 128 blocks empty); the generated kernel walks that one. Deciding reads one count from the device (a
-    host synchronisation on CUDA).
+    where it costs the kernels notably less (``tiles``: packed documents of a few hundred tokens leave whole 64 x 64
+    tiles of their 128 x 128 blocks empty and others full); the generated kernel walks that one. Deciding reads two
+    counts from the device (a host synchronisation on CUDA).
 
     Raises:
         flashtile.InputError: a size that is not a positive int (B and H may be None), or a bad BLOCK_SIZE
@@ -422,10 +422,17 @@ def create_block_mask(
     block_mask = _from_counts(per_block, q_block, kv_block, mask_mod, (Q_LEN, KV_LEN))
     if finer:
         counts = counts[:, :, : -(-Q_LEN // tile_q), : -(-KV_LEN // tile_k)]  # the tiles within the lengths
-        computed_tiles, computed_blocks = torch.stack([(counts > 0).sum(), (per_block > 0).sum()]).tolist()
-        if computed_tiles <= TILE_SHARE * per_q * per_k * computed_blocks:
+        costs = torch.stack([_cost(counts, tile_q * tile_k), _cost(per_block, q_block * kv_block)]).tolist()
+        cost_tiles, cost_blocks = costs
+        if cost_tiles <= TILE_SHARE * cost_blocks:
             remember(_TILES, block_mask, _from_counts(counts, tile_q, tile_k, mask_mod, (Q_LEN, KV_LEN)))
     return block_mask
+
+
+def _cost(counts: torch.Tensor, area: int) -> torch.Tensor:
+    """What the kernels' work on a table of blocks of ``area`` positions (attended counts per block) comes to, in
+    positions: each computed block's, once more for each partial one (its mask is evaluated position by position)."""
+    return ((counts > 0).sum() + ((counts > 0) & (counts < area)).sum()) * area
 
 
 def _from_counts(counts: torch.Tensor, q_block: int, kv_block: int, mask_mod: MaskMod, lengths: tuple[int, int]):
@@ -444,7 +451,7 @@ TILE = 64
 """The tile of the finer table ``create_block_mask`` may keep beside a mask's (``tiles``): the generated kernels'
 tiles are at most 64 x 64 but at head dim 64 forward (128 x 64)."""
 TILE_SHARE = 0.85
-"""The finer table is kept where its tiles compute at most this share of the positions the mask's blocks compute."""
+"""The finer table is kept where its tiles' work is at most this share of the mask's blocks' (``_cost``)."""
 _TILES: dict[int, tuple] = {}
 """The finer tables ``create_block_mask`` kept (``remember``)."""
 
