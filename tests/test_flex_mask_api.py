@@ -99,11 +99,14 @@ INDICES = [
 ]  # fmt: skip
 
 
-def _same_lists(ours, theirs) -> None:
+def _same_lists(ours, theirs, lengths: bool = True) -> None:
+    """Every list, the block size and block table of ``ours`` are those of torch's mask ``theirs``; with ``lengths``
+    its seq_lengths and shape too."""
     for name in LISTS:
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
-    assert ours.seq_lengths == tuple(theirs.seq_lengths) and ours.BLOCK_SIZE == tuple(theirs.BLOCK_SIZE)
-    assert ours.shape == theirs.shape
+    assert ours.BLOCK_SIZE == tuple(theirs.BLOCK_SIZE)
+    if lengths:
+        assert ours.seq_lengths == tuple(theirs.seq_lengths) and ours.shape == theirs.shape
     assert torch.equal(ours.to_dense(), theirs.to_dense())
 
 
@@ -209,7 +212,9 @@ def test_adjust_matches_torch(mod):
         except IndexError:  # torch's crop lists blocks past the new key length, which its transposition indexes
             continue
         if all(_inside(torch_adjusted, side, cols) for side in ("kv", "full_kv")):
-            _same_lists(adjusted, torch_adjusted)
+            # (torch's crop can keep lengths rounded up to whole blocks: on CUDA _adjust(1, 1) of this prefix-LM
+            # mask reports seq_lengths (16, 16); ours are the new lengths, asserted above)
+            _same_lists(adjusted, torch_adjusted, lengths=False)
             compared += 1
     assert compared > 50
 
