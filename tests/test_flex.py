@@ -924,10 +924,10 @@ def test_block_mask_with_tiles_matches_torch(L, S):
         assert torch.equal(getattr(finer, name), getattr(at_64, name)), name
 
 
-def test_finer_tiles_only_where_they_cost_less():
+def test_finer_tiles_only_where_they_cost_less(monkeypatch):
     """The finer table is kept only where the kernels' work on it (``_cost``: computed positions, partial ones
     twice) is at most TILE_SHARE of their work on the mask's blocks, only for block sizes TILE divides (and is
-    smaller than one of), and is forgotten once the mask's lists change in place."""
+    smaller than one of), not past MAX_TILE_ENTRIES, and is forgotten once the mask's lists change in place."""
     n = 4096
     doc = _document_ids(n)
     documents = flashtile.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv], None, None, n, n, device=DEVICE)
@@ -940,6 +940,11 @@ def test_finer_tiles_only_where_they_cost_less():
         assert tiles(other) is other
     documents.kv_num_blocks.add_(0)  # an in-place change (its version moves)
     assert tiles(documents) is documents
+    from flashtile.flex import block_mask
+
+    monkeypatch.setattr(block_mask, "MAX_TILE_ENTRIES", 64 * 64 - 1)  # one tile fewer than 4096 tokens' table holds
+    large = flashtile.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv], None, None, n, n, device=DEVICE)
+    assert tiles(large) is large
 
 
 # ----------------------------------------------------------------------------------------------------- errors

@@ -409,16 +409,17 @@ def create_block_mask(
     device = torch.device(device)
     rows, cols = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
     finer = q_block % TILE == 0 and kv_block % TILE == 0 and max(q_block, kv_block) > TILE
+    finer = finer and B * H * -(-Q_LEN // TILE) * -(-KV_LEN // TILE) <= MAX_TILE_ENTRIES
     tile_q, tile_k = (TILE, TILE) if finer else (q_block, kv_block)
     per_q, per_k = q_block // tile_q, kv_block // tile_k  # tiles per block along each side
     b, h, kv = index(0, B, device), index(0, H, device), index(0, KV_LEN, device)
-    counts = torch.empty(B, H, rows * per_q, cols * per_k, dtype=torch.int64, device=device)  # per tile
+    counts = torch.empty(B, H, rows * per_q, cols * per_k, dtype=torch.int32, device=device)  # per tile
     for r in range(rows):  # one row of query blocks at a time: memory linear in the lengths
         mask = evaluate_mask(mask_mod, b, h, index(r * q_block, min((r + 1) * q_block, Q_LEN), device), kv)
         padding = (0, cols * kv_block - KV_LEN, 0, q_block - mask.shape[2])  # the padding never attends
         mask = torch.nn.functional.pad(mask, padding).reshape(B, H, per_q, tile_q, cols * per_k, tile_k)
-        counts[:, :, r * per_q : (r + 1) * per_q] = mask.sum((3, 5))
-    per_block = counts.reshape(B, H, rows, per_q, cols, per_k).sum((3, 5))
+        counts[:, :, r * per_q : (r + 1) * per_q] = mask.sum((3, 5), dtype=torch.int32)
+    per_block = counts.reshape(B, H, rows, per_q, cols, per_k).sum((3, 5), dtype=torch.int32)
     block_mask = _from_counts(per_block, q_block, kv_block, mask_mod, (Q_LEN, KV_LEN))
     if finer:
         counts = counts[:, :, : -(-Q_LEN // tile_q), : -(-KV_LEN // tile_k)]  # the tiles within the lengths
@@ -452,6 +453,9 @@ TILE = 64
 tiles are at most 64 x 64 but at head dim 64 forward (128 x 64)."""
 TILE_SHARE = 0.85
 """The finer table is kept where its tiles' work is at most this share of the mask's blocks' (``_cost``)."""
+MAX_TILE_ENTRIES = 2**24
+"""Nor where its table would hold more (B * H * query tiles * key tiles) entries: each of its four lists is then
+64 MiB of int32 (at most about 4096 x 4096 tiles, a 256k-token sequence, for one batch entry and head)."""
 _TILES: dict[int, tuple] = {}
 """The finer tables ``create_block_mask`` kept (``remember``)."""
 
