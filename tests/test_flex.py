@@ -905,7 +905,7 @@ def test_block_mask_matches_torch():
 @pytest.mark.parametrize("L, S", [(256, 256), (300, 200)])
 def test_block_mask_with_tiles_matches_torch(L, S):
     """At BLOCK_SIZE 128 the positions are counted per 64 x 64 tile and summed per block: the lists are still
-    torch's, ragged lengths included; the finer table kept beside them (``tiles``, where it computes fewer positions)
+    torch's, ragged lengths included; the finer table kept beside them (``tiles``, where it costs the kernels less)
     is create_block_mask's at BLOCK_SIZE 64."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     doc = _document_ids(max(L, S))
@@ -942,7 +942,7 @@ def test_finer_tiles_only_where_they_cost_less(monkeypatch):
     assert tiles(documents) is documents
     from flashtile.flex import block_mask
 
-    monkeypatch.setattr(block_mask, "MAX_TILE_ENTRIES", 64 * 64 - 1)  # one tile fewer than 4096 tokens' table holds
+    monkeypatch.setattr(block_mask, "MAX_TILE_ENTRIES", 64 * 64 - 1)  # one entry fewer than this table needs
     large = flashtile.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv], None, None, n, n, device=DEVICE)
     assert tiles(large) is large
 
