@@ -282,8 +282,9 @@ def _saved_options(ctx, tensors: tuple) -> AttentionOptions:
     return dataclasses.replace(ctx.options, **dict(zip(_TENSOR_OPTIONS, tensors, strict=True)))
 
 
-def _grad_inputs(dout: torch.Tensor | None, out: torch.Tensor, dlse: torch.Tensor | None):
-    """dout (zeros where the loss does not use out) with a contiguous last dimension, and dlse float32 contiguous."""
+def grad_inputs(dout: torch.Tensor | None, out: torch.Tensor, dlse: torch.Tensor | None):
+    """dout (zeros where the loss does not use out) with a contiguous last dimension, and dlse float32 contiguous: the
+    gradients at (out, lse) as ``attention_gradients`` takes them (for callers that run their own backward too)."""
     if dout is None:
         dout = torch.zeros_like(out)
     if dout.stride(-1) != 1:
@@ -309,7 +310,7 @@ def _backward_with(ops, ctx, dout, dlse):
     ``_OPS`` (the custom ops, which torch.compile traces) or ``_DIRECT`` (their implementations)."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     options = _saved_options(ctx, tensors)
-    dout, dlse = _grad_inputs(dout, out, dlse)
+    dout, dlse = grad_inputs(dout, out, dlse)
     attn_mask = options.attn_mask
     mask_needs_grad = attn_mask is not None and _needs_grad(ctx, _FORWARD_INPUTS, "attn_mask")
     mask_needs_grad = mask_needs_grad and attn_mask.is_floating_point()
@@ -436,7 +437,7 @@ def _varlen_backward_with(ops, ctx, dout, dlse):
     """The backward of ``varlen_attention_forward``, launching through ``ops`` (as ``_backward_with``)."""
     q, k, v, out, lse, cu_q, cu_k, block_table, *tensors = ctx.saved_tensors
     packing, options = Packing(cu_q, cu_k, *ctx.max_seqlens, block_table), _saved_options(ctx, tensors)
-    dout, dlse = _grad_inputs(dout, out, dlse)
+    dout, dlse = grad_inputs(dout, out, dlse)
     dq, dk, dv = ops.varlen_attention_backward(dout, out, lse, dlse, q, k, v, *_varlen_flat(packing, options))
     dsink = None
     if options.learnable_sink is not None and _needs_grad(ctx, _VARLEN_INPUT_NAMES, "learnable_sink"):

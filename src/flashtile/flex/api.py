@@ -283,30 +283,30 @@ class _PrefixLM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, prefix: int, prefix_options, options):
-        parts = [_ops.attention(q[:, :prefix], k[:, :prefix], v[:, :prefix], prefix_options),
-                 _ops.attention(q[:, prefix:], k, v, options)]  # fmt: skip
+        calls = (
+            (slice(None, prefix), slice(None, prefix), prefix_options),
+            (slice(prefix, None), slice(None), options),
+        )
+        parts = [_ops.attention(q[:, rows], k[:, keys], v[:, keys], opts) for rows, keys, opts in calls]
         ctx.save_for_backward(q, k, v, *(out for out, _ in parts), *(lse for _, lse in parts))
-        ctx.prefix, ctx.options = prefix, (prefix_options, options)
+        ctx.calls = calls  # (query rows, keys, options) of each call
         ctx.set_materialize_grads(False)  # no (B, H, L) zeros for an lse the loss does not read
         return torch.cat([out for out, _ in parts], 1), torch.cat([lse for _, lse in parts], 2)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out_prefix, out_rest, lse_prefix, lse_rest = ctx.saved_tensors
-        p, (prefix_options, options) = ctx.prefix, ctx.options
-        if dout is None:
-            dout = torch.zeros((*q.shape[:3], v.shape[3]), dtype=out_prefix.dtype, device=q.device)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dlse_prefix = dlse_rest = None
-        if dlse is not None:
-            dlse_prefix, dlse_rest = (x.float().contiguous() for x in (dlse[..., :p], dlse[..., p:]))
-        dq_prefix, dk_prefix, dv_prefix = _ops.attention_gradients(
-            dout[:, :p], q[:, :p], k[:, :p], v[:, :p], out_prefix, lse_prefix, dlse_prefix, prefix_options
-        )  # fmt: skip
-        dq_rest, dk, dv = _ops.attention_gradients(dout[:, p:], q[:, p:], k, v, out_rest, lse_rest, dlse_rest, options)
+        q, k, v, *saved = ctx.saved_tensors
+        grads = []
+        for (rows, keys, opts), out, lse in zip(ctx.calls, saved[:2], saved[2:], strict=True):
+            dout_rows, dlse_rows = _ops.grad_inputs(
+                None if dout is None else dout[:, rows], out, None if dlse is None else dlse[..., rows]
+            )  # fmt: skip
+            grads.append(_ops.attention_gradients(dout_rows, q[:, rows], k[:, keys], v[:, keys], out, lse, dlse_rows,
+                                                  opts))  # fmt: skip
+        (dq_prefix, dk_prefix, dv_prefix), (dq_rest, dk, dv) = grads
+        (prefix_rows, prefix_keys, _), (rest_rows, _, _) = ctx.calls
         dq = torch.empty_like(q)
-        dq[:, :p], dq[:, p:] = dq_prefix, dq_rest
-        dk[:, :p] += dk_prefix
-        dv[:, :p] += dv_prefix
+        dq[:, prefix_rows], dq[:, rest_rows] = dq_prefix, dq_rest
+        dk[:, prefix_keys] += dk_prefix
+        dv[:, prefix_keys] += dv_prefix
         return dq, dk, dv, None, None, None

@@ -423,8 +423,9 @@ def create_block_mask(
     block_mask = _from_counts(per_block, q_block, kv_block, mask_mod, (Q_LEN, KV_LEN))
     if finer:
         counts = counts[:, :, : -(-Q_LEN // tile_q), : -(-KV_LEN // tile_k)]  # the tiles within the lengths
-        costs = torch.stack([_cost(counts, tile_q * tile_k), _cost(per_block, q_block * kv_block)]).tolist()
-        cost_tiles, cost_blocks = costs
+        cost_tiles, cost_blocks = torch.stack(
+            [_cost(counts, tile_q * tile_k), _cost(per_block, q_block * kv_block)]
+        ).tolist()
         if cost_tiles <= TILE_SHARE * cost_blocks:
             remember(_TILES, block_mask, _from_counts(counts, tile_q, tile_k, mask_mod, (Q_LEN, KV_LEN)))
     return block_mask
