@@ -53,6 +53,20 @@ def path(request, monkeypatch):
     return request.param
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): a worker per CPU core, at most 16, since on a GPU machine every worker
+    holds its own CUDA context and compiled kernels on the same device."""
+    return min(os.cpu_count() or 1, 16)
+
+
+def pytest_configure(config):
+    """Each pytest-xdist worker takes its share of the CPU cores for torch's own threads, so the workers do not
+    oversubscribe them (the Triton interpreter is single-threaded; torch's CPU kernels are not)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 def pytest_collection_modifyitems(config, items):
     if DEVICE == "cuda":
         return

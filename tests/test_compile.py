@@ -38,6 +38,10 @@ SHAPES = [(2, 17, 30), (4, 9, 25), (5, 30, 13)]
 DYNAMIC = {"dynamic": True, "automatic": None}
 """torch.compile's ``dynamic``: True marks every size symbolic from the start; None (the default) compiles the
 first call's sizes and recompiles once with the sizes that changed made symbolic."""
+ONE_PATH = pytest.mark.parametrize("path", ["cpu" if DEVICE == "cpu" else "triton"], indirect=True)
+"""The path of the shape-changing tests: the custom ops are opaque to the compiler, so what is traced and
+compiled does not depend on the kernels behind them. On a CPU-only machine these tests run flashtile.cpu
+(the Triton interpreter takes about eight times as long on them); opcheck and the inductor tests run both paths."""
 
 
 def test_opcheck(path):
@@ -121,6 +125,7 @@ def _assert_equal(eager, traced):
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_flash_attn_func_dynamic(path, backend, dynamic):
     """Batch, seqlen_q and seqlen_k change, four times; MQA, causal, softmax_lse returned (and differentiated)."""
 
@@ -134,6 +139,7 @@ def test_flash_attn_func_dynamic(path, backend, dynamic):
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_flash_attn_qkvpacked_func_dynamic(path, backend, dynamic):
     """Batch and seqlen change; ALiBi slopes (nheads,), softcap and a head dim of 36 (zero-padded to 40)."""
 
@@ -149,6 +155,7 @@ def test_flash_attn_qkvpacked_func_dynamic(path, backend, dynamic):
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_flash_attn_kvpacked_func_dynamic(path, backend, dynamic):
     """Batch, seqlen_q and seqlen_k change; MQA, a sliding window and a learnable sink."""
 
@@ -173,6 +180,7 @@ def _varlen_call(seqlens_q, seqlens_k, nheads_k=HK, **kwargs):
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_flash_attn_varlen_func_dynamic(path, backend, dynamic):
     """Batch, token counts and max_seqlen change; causal, softcap, a learnable sink, softmax_lse returned."""
 
@@ -186,6 +194,7 @@ def test_flash_attn_varlen_func_dynamic(path, backend, dynamic):
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_flash_attn_varlen_qkvpacked_func_dynamic(path, backend, dynamic):
     """Batch, token count and max_seqlen change; (batch, nheads) ALiBi slopes (their batch changes too)."""
 
@@ -201,6 +210,7 @@ def test_flash_attn_varlen_qkvpacked_func_dynamic(path, backend, dynamic):
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_flash_attn_varlen_kvpacked_func_dynamic(path, backend, dynamic):
     """Batch, token counts and max_seqlen change; MQA and a sliding window."""
 
@@ -216,6 +226,7 @@ def test_flash_attn_varlen_kvpacked_func_dynamic(path, backend, dynamic):
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_flash_attn_varlen_func_paged_dynamic(path, backend, dynamic):
     """Paged keys and values (block_table): batch, token counts, max_seqlen, the number of pages and the
     block table's width change."""
@@ -233,6 +244,7 @@ def test_flash_attn_varlen_func_paged_dynamic(path, backend, dynamic):
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_flash_attn_func_dropout_dynamic(path, backend, dynamic):
     """dropout_p arrives as an argument; the seed is drawn in the graph. The custom op takes dropout_p as a
     Python float, so a graph holds one value of it (another value compiles again), as a model's does."""
@@ -256,6 +268,7 @@ to one query: torch specializes sizes 0 and 1, so seqlen_q = 1 after seqlen_q > 
 @pytest.mark.parametrize("layout", ["paged-rotary", "contiguous-int-seqlens"])
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_flash_attn_with_kvcache_dynamic(path, backend, dynamic, layout):
     """The caches are updated in place (compared after each call too). Paged with rotary: the number of pages
     and the block table's width change; contiguous: cache_seqlens is a Python int that changes every call,
@@ -285,6 +298,7 @@ def _sdpa_inputs(batch, seqlen_q, seqlen_k):
 @pytest.mark.parametrize("mask", ["causal", "additive", "bool"])
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_scaled_dot_product_attention_dynamic(path, backend, dynamic, mask):
     """is_causal (top left, Sq != Sk both ways), an additive (batch, 1, seqlen_q, seqlen_k) mask that gets a
     gradient, a boolean (seqlen_q, seqlen_k) mask; three query heads per key head (enable_gqa) throughout."""
@@ -326,6 +340,7 @@ these two options it captures them as symbolic sizes and the whole function is o
 @pytest.mark.parametrize("capture", CAPTURE)
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_scaled_dot_product_attention_key_padding_dynamic(path, backend, dynamic, capture):
     """A boolean (batch, 1, 1, seqlen_k) key padding mask takes the varlen route through unpad_input."""
 
@@ -342,6 +357,7 @@ def test_scaled_dot_product_attention_key_padding_dynamic(path, backend, dynamic
 @pytest.mark.parametrize("capture", CAPTURE)
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_unpad_varlen_pad_dynamic(path, backend, dynamic, capture):
     """A padded batch through unpad_input, flash_attn_varlen_func and pad_input, as a Hugging Face attention
     layer does (k and v gathered with q's indices, so all three share one symbolic token count)."""
@@ -362,6 +378,7 @@ def test_unpad_varlen_pad_dynamic(path, backend, dynamic, capture):
 
 @pytest.mark.parametrize("dynamic", DYNAMIC.values(), ids=DYNAMIC.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
+@ONE_PATH
 def test_pad_input_dynamic(path, backend, dynamic):
     """pad_input alone (its batch and seqlen symbolic) traces without a graph break."""
 

@@ -48,6 +48,7 @@ from flashtile.ops import _alloc
 from flashtile.reference import visibility_mask
 from oracle import check_against_oracle
 
+pytestmark = pytest.mark.xdist_group("distributed")  # one pytest-xdist worker runs the module: its fixtures spawn once
 SPAWN_DEADLINE_S = 240  # the whole spawn; ~20 s on a 2-core CI machine
 SHORT_TIMEOUT = timedelta(seconds=2)  # process group timeout in the cases where a peer fails
 GPU_WORLD = min(torch.cuda.device_count(), 4)  # NCCL processes, one per GPU

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import triton
 
+pytestmark = pytest.mark.xdist_group("sm90_compile")  # one pytest-xdist worker runs the module: one compile of it all
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 
 STACK_TRITON = (3, 7)
