@@ -5,6 +5,7 @@ here, tiny shapes; compiled on a GPU)."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
@@ -90,6 +91,34 @@ def test_create_mask_bad_inputs(mod, sizes, error, match):
         flashtile.create_mask(mod, *sizes, device=DEVICE)
 
 
+# ------------------------------------------------------------------------------------------- create_block_mask
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+@pytest.mark.parametrize("mod", [per_entry, document], ids=lambda m: m.__name__)
+def test_create_block_mask_without_full_blocks(mod, backend):
+    """separate_full_blocks=False lists every block that attends anywhere as partial and no full ones (torch's lists,
+    where torch's create_block_mask takes the option); flex_attention with it is still right."""
+    B, H, L, S = 2, 2, 48, 40
+    ours = flashtile.create_block_mask(mod, B, H, L, S, device=DEVICE, BLOCK_SIZE=16, separate_full_blocks=False)
+    separate = flashtile.create_block_mask(mod, B, H, L, S, device=DEVICE, BLOCK_SIZE=16)
+    assert separate.full_kv_num_blocks.sum() > 0  # the masks have full blocks to list otherwise
+    assert all(getattr(ours, name) is None for name in LISTS if name.startswith("full_"))
+    assert torch.equal(ours.to_dense(), separate.to_dense())
+    if "separate_full_blocks" in inspect.signature(flex.create_block_mask).parameters:
+        _same_lists(ours, flex.create_block_mask(mod, B, H, L, S, DEVICE, 16, separate_full_blocks=False))
+    _check_against_oracle(ours, flex.create_mask(mod, B, H, L, S, device=DEVICE), backend, B, H, L, S)
+
+
+def test_create_block_mask_default_device_and_compile_flag():
+    """device defaults to the current accelerator (the CPU without one), as FlexAttention's; ``_compile`` is accepted
+    and gives the same lists."""
+    default = torch.accelerator.current_accelerator() or torch.device("cpu")
+    assert flashtile.create_block_mask(causal, 1, 1, 40, 40, BLOCK_SIZE=16).kv_indices.device.type == default.type
+    compiled = flashtile.create_block_mask(document, 1, 1, 100, 100, DEVICE, 32, _compile=True)
+    _same_lists(compiled, flashtile.create_block_mask(document, 1, 1, 100, 100, DEVICE, 32))
+
+
 # ------------------------------------------------------------------------------------------- BlockMask slicing
 
 INDICES = [
@@ -103,7 +132,8 @@ def _same_lists(ours, theirs, lengths: bool = True) -> None:
     """Every list, the block size and block table of ``ours`` are those of torch's mask ``theirs``; with ``lengths``
     its seq_lengths and shape too."""
     for name in LISTS:
-        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+        mine, torchs = getattr(ours, name), getattr(theirs, name)
+        assert (mine is None and torchs is None) or torch.equal(mine, torchs), name
     assert ours.BLOCK_SIZE == tuple(theirs.BLOCK_SIZE)
     if lengths:
         assert ours.seq_lengths == tuple(theirs.seq_lengths) and ours.shape == theirs.shape

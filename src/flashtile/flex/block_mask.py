@@ -376,8 +376,10 @@ def create_block_mask(
     H: int | None,
     Q_LEN: int,
     KV_LEN: int,
-    device: torch.device | str = "cuda",
+    device: torch.device | str | None = None,
     BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    _compile: bool = False,
+    separate_full_blocks: bool = True,
 ) -> BlockMask:
     """The BlockMask of ``mask_mod`` (FlexAttention's ``create_block_mask``, same arguments and result).
 
@@ -386,9 +388,14 @@ def create_block_mask(
     B, H: the batch size and number of query heads the mask is made for; None makes that dimension 1, which
     broadcasts over any batch size or number of heads (the mask must then not depend on b or h).
     Q_LEN, KV_LEN: the query and key lengths (the lengths of the attention it is used with).
-    device: where the mask is evaluated and kept (default "cuda"; "cpu" for CPU tensors).
+    device: where the mask is evaluated and kept; default (None) CUDA where there is a GPU, else the CPU
+    (FlexAttention's: the current accelerator).
     BLOCK_SIZE: int or (query, key) pair, default 128: the tile of the block table. A block where mask_mod is
     True everywhere is *full* (mask_mod skipped), one where it is False everywhere is skipped, the rest *partial*.
+    _compile: accepted for FlexAttention's signature (where it compiles the evaluation, a deprecated flag); the
+    evaluation here is the same either way.
+    separate_full_blocks: False lists every block that attends anywhere as partial (no full blocks: mask_mod is
+    evaluated on all of them), as FlexAttention's.
 
     mask_mod is evaluated one row of query blocks at a time (B * H * BLOCK_SIZE[0] * KV_LEN positions at once), so
     memory grows linearly with the lengths. Where TILE (64) divides both block sizes and is smaller than one of
@@ -406,7 +413,7 @@ def create_block_mask(
         raise InputTypeError("create_block_mask needs a mask_mod(b, h, q_idx, kv_idx) function, got None.")
     B, H, Q_LEN, KV_LEN = _sizes("create_block_mask", 1, B, H, Q_LEN, KV_LEN)
     q_block, kv_block = _block_size(BLOCK_SIZE)
-    device = torch.device(device)
+    device = _device(device)
     rows, cols = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
     finer = q_block % TILE == 0 and kv_block % TILE == 0 and max(q_block, kv_block) > TILE
     finer = finer and B * H * -(-Q_LEN // TILE) * -(-KV_LEN // TILE) <= MAX_TILE_ENTRIES
@@ -420,14 +427,15 @@ def create_block_mask(
         mask = torch.nn.functional.pad(mask, padding).reshape(B, H, per_q, tile_q, cols * per_k, tile_k)
         counts[:, :, r * per_q : (r + 1) * per_q] = mask.sum((3, 5), dtype=torch.int32)
     per_block = counts.reshape(B, H, rows, per_q, cols, per_k).sum((3, 5), dtype=torch.int32)
-    block_mask = _from_counts(per_block, q_block, kv_block, mask_mod, (Q_LEN, KV_LEN))
+    block_mask = _from_counts(per_block, q_block, kv_block, mask_mod, (Q_LEN, KV_LEN), separate_full_blocks)
     if finer:
         counts = counts[:, :, : -(-Q_LEN // tile_q), : -(-KV_LEN // tile_k)]  # the tiles within the lengths
         cost_tiles, cost_blocks = torch.stack(
             [_cost(counts, tile_q * tile_k), _cost(per_block, q_block * kv_block)]
         ).tolist()
         if cost_tiles <= TILE_SHARE * cost_blocks:
-            remember(_TILES, block_mask, _from_counts(counts, tile_q, tile_k, mask_mod, (Q_LEN, KV_LEN)))
+            tiles = _from_counts(counts, tile_q, tile_k, mask_mod, (Q_LEN, KV_LEN), separate_full_blocks)
+            remember(_TILES, block_mask, tiles)
     return block_mask
 
 
@@ -437,14 +445,18 @@ def _cost(counts: torch.Tensor, area: int) -> torch.Tensor:
     return ((counts > 0).sum() + ((counts > 0) & (counts < area)).sum()) * area
 
 
-def _from_counts(counts: torch.Tensor, q_block: int, kv_block: int, mask_mod: MaskMod, lengths: tuple[int, int]):
+def _from_counts(
+    counts: torch.Tensor, q_block: int, kv_block: int, mask_mod: MaskMod, lengths: tuple[int, int], separate_full: bool
+) -> BlockMask:
     """The BlockMask of the attended positions' counts per (q_block, kv_block) block (B, H, rows, cols): full where
-    every position of the block attends (a block cut by the lengths never is), skipped where none does."""
-    full = counts == q_block * kv_block
-    partial = (counts > 0) & ~full
+    every position of the block attends (a block cut by the lengths never is) if ``separate_full``, else partial
+    like the blocks where some do; skipped where none does."""
+    full = (counts == q_block * kv_block) & separate_full
+    full_lists = _ordered(full) if separate_full else (None, None)
     block_mask = BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod, seq_lengths=lengths
-    )
+        *_ordered((counts > 0) & ~full), *full_lists, BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
+        seq_lengths=lengths,
+    )  # fmt: skip
     _known_valid(block_mask)  # valid by construction
     return block_mask
 
@@ -514,7 +526,7 @@ def create_mask(
             f"{mod_fn!r}" + ("." if arguments is None else f" with {arguments} arguments without a default.")
         )
     B, H, Q_LEN, KV_LEN = _sizes("create_mask", 0, B, H, Q_LEN, KV_LEN)
-    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    device = _device(device)
     if 0 in (B, H, Q_LEN, KV_LEN):  # no position: the mod is not called (vmap over an empty score cannot be)
         return torch.empty(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
     b, h, q_idx, kv_idx = (index(0, n, device) for n in (B, H, Q_LEN, KV_LEN))
@@ -522,6 +534,11 @@ def create_mask(
         return evaluate_mask(mod_fn, b, h, q_idx, kv_idx)
     scores = torch.zeros(B, H, Q_LEN, KV_LEN, dtype=torch.float32, device=device)
     return ~torch.isneginf(apply_score_mod(mod_fn, scores, b, h, q_idx, kv_idx))
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """The device masks are made on: ``device``, or (None) CUDA where there is a GPU, else the CPU."""
+    return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def remember(store: dict, mask: BlockMask, value: object) -> None:
