@@ -8,9 +8,11 @@ masks itself: ``flashtile._interpreter``).
 import os
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -51,6 +53,21 @@ def path(request, monkeypatch):
     if request.param == "cpu":
         monkeypatch.setattr(_backend, "TRITON_INTERPRET", False)
     return request.param
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder ``name``, filled by ``make(folder)`` once per test run: pytest-xdist's workers share it (the first
+    to ask makes it under a file lock, the others wait for it), so an expensive module fixture runs once however
+    the module's tests are spread over the workers. A ``make`` that raises leaves it to the next one to ask."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's folder, above the workers'
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            make(folder)
+            done.touch()
+    return folder
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import made_once
 from flashtile import _backend
 from flashtile.distributed import (
     group,
@@ -48,7 +49,6 @@ from flashtile.ops import _alloc
 from flashtile.reference import visibility_mask
 from oracle import check_against_oracle
 
-pytestmark = pytest.mark.xdist_group("distributed")  # one pytest-xdist worker runs the module: its fixtures spawn once
 SPAWN_DEADLINE_S = 240  # the whole spawn; ~20 s on a 2-core CI machine
 SHORT_TIMEOUT = timedelta(seconds=2)  # process group timeout in the cases where a peer fails
 GPU_WORLD = min(torch.cuda.device_count(), 4)  # NCCL processes, one per GPU
@@ -474,10 +474,9 @@ def _spawn(nprocs: int, tmp: Path, cases: list[Case], backend: str) -> None:
 
 @pytest.fixture(scope="module")
 def ring_runs(tmp_path_factory) -> Path:
-    """Run every case in one spawn of 4 gloo processes; returns the folder holding their results."""
-    tmp = tmp_path_factory.mktemp("ring")
-    _spawn(4, tmp, CASES, "gloo")
-    return tmp
+    """Run every case in one spawn of 4 gloo processes (once per test run); returns the folder holding their
+    results."""
+    return made_once(tmp_path_factory, "ring", lambda folder: _spawn(4, folder, CASES, "gloo"))
 
 
 def _outcome(ring_runs: Path, name: str) -> dict:
@@ -538,13 +537,16 @@ needs_gpus = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def nccl_runs(tmp_path_factory) -> Path:
-    """Run every GPU case in one spawn of GPU_WORLD NCCL processes; returns the folder of their results."""
-    tmp = tmp_path_factory.mktemp("ring-nccl")
-    with pytest.MonkeyPatch.context() as patch:  # the children inherit the environment
-        for name, value in MULTICAST_OFF.items():
-            patch.setenv(name, value)
-        _spawn(GPU_WORLD, tmp, GPU_CASES, "nccl")
-    return tmp
+    """Run every GPU case in one spawn of GPU_WORLD NCCL processes (once per test run); returns the folder of their
+    results."""
+
+    def spawn(folder: Path) -> None:
+        with pytest.MonkeyPatch.context() as patch:  # the children inherit the environment
+            for name, value in MULTICAST_OFF.items():
+                patch.setenv(name, value)
+            _spawn(GPU_WORLD, folder, GPU_CASES, "nccl")
+
+    return made_once(tmp_path_factory, "ring-nccl", spawn)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import triton
 
-pytestmark = pytest.mark.xdist_group("sm90_compile")  # one pytest-xdist worker runs the module: one compile of it all
+from conftest import made_once
+
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 
 STACK_TRITON = (3, 7)
@@ -123,20 +124,25 @@ EXPECTED_STACK = {
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sm90") / "rows.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # Compiling every variant from an empty cache takes about 9 minutes with triton 3.7.1 and 11 with 3.9.0 on a
-    # busy two-core machine (two processes): the limit only stops a compile that hangs.
-    # Under another Triton (CI's newest) the stack sizes are not compared: one variant per config is compiled
-    # (``sample_variants``), so that every config still meets that compiler.
-    sample = ["--sample"] if OTHER_TRITON else []
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--json", str(out), *sample], env=env, capture_output=True, text=True,
-        timeout=1200,
-    )  # fmt: skip
-    if not out.exists():
-        pytest.fail(f"tests/sm90_compile.py wrote no results (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(out.read_text())
+    """Every variant's compile result (tests/sm90_compile.py's rows), compiled once per test run."""
+
+    def compile_all(folder: Path) -> None:
+        out = folder / "rows.json"
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        # Compiling every variant from an empty cache takes about 9 minutes with triton 3.7.1 and 11 with 3.9.0 on a
+        # busy two-core machine (two processes): the limit only stops a compile that hangs.
+        # Under another Triton (CI's newest) the stack sizes are not compared: one variant per config is compiled
+        # (``sample_variants``), so that every config still meets that compiler.
+        sample = ["--sample"] if OTHER_TRITON else []
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--json", str(out), *sample], env=env, capture_output=True, text=True,
+            timeout=1200,
+        )  # fmt: skip
+        if not out.exists():
+            output = f"{proc.stdout}\n{proc.stderr}"
+            pytest.fail(f"tests/sm90_compile.py wrote no results (exit {proc.returncode}):\n{output}")
+
+    return json.loads((made_once(tmp_path_factory, "sm90", compile_all) / "rows.json").read_text())
 
 
 def test_every_shipped_config_compiles_for_sm90(rows):
