@@ -70,6 +70,7 @@ def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path
     return folder
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): a worker per CPU core, at most 16, since on a GPU machine every worker
     holds its own CUDA context and compiled kernels on the same device."""

@@ -427,36 +427,46 @@ def create_block_mask(
         mask = torch.nn.functional.pad(mask, padding).reshape(B, H, per_q, tile_q, cols * per_k, tile_k)
         counts[:, :, r * per_q : (r + 1) * per_q] = mask.sum((3, 5), dtype=torch.int32)
     per_block = counts.reshape(B, H, rows, per_q, cols, per_k).sum((3, 5), dtype=torch.int32)
-    block_mask = _from_counts(per_block, q_block, kv_block, mask_mod, (Q_LEN, KV_LEN), separate_full_blocks)
+    blocks = _kinds(per_block, q_block * kv_block, separate_full_blocks=separate_full_blocks)
+    block_mask = _from_kinds(*blocks, q_block, kv_block, mask_mod, (Q_LEN, KV_LEN))
     if finer:
         counts = counts[:, :, : -(-Q_LEN // tile_q), : -(-KV_LEN // tile_k)]  # the tiles within the lengths
+        tiles = _kinds(counts, tile_q * tile_k, separate_full_blocks=separate_full_blocks)
         cost_tiles, cost_blocks = torch.stack(
-            [_cost(counts, tile_q * tile_k), _cost(per_block, q_block * kv_block)]
+            [_cost(*tiles, tile_q * tile_k), _cost(*blocks, q_block * kv_block)]
         ).tolist()
         if cost_tiles <= TILE_SHARE * cost_blocks:
-            tiles = _from_counts(counts, tile_q, tile_k, mask_mod, (Q_LEN, KV_LEN), separate_full_blocks)
-            remember(_TILES, block_mask, tiles)
+            remember(_TILES, block_mask, _from_kinds(*tiles, tile_q, tile_k, mask_mod, (Q_LEN, KV_LEN)))
     return block_mask
 
 
-def _cost(counts: torch.Tensor, area: int) -> torch.Tensor:
-    """What the kernels' work on a table of blocks of ``area`` positions (attended counts per block) comes to, in
-    positions: each computed block's, once more for each partial one (its mask is evaluated position by position)."""
-    return ((counts > 0).sum() + ((counts > 0) & (counts < area)).sum()) * area
+def _kinds(counts: torch.Tensor, area: int, separate_full_blocks: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(partial, full) bool tables of blocks of ``area`` positions from their attended counts (B, H, rows, cols): full
+    where every position attends (a block cut by the lengths never does), partial where some others do; without
+    ``separate_full_blocks`` there are no full blocks (None): every block that attends anywhere is partial."""
+    attended = counts > 0
+    if not separate_full_blocks:
+        return attended, None
+    full = counts == area
+    return attended & ~full, full
 
 
-def _from_counts(
-    counts: torch.Tensor, q_block: int, kv_block: int, mask_mod: MaskMod, lengths: tuple[int, int], separate_full: bool
-) -> BlockMask:
-    """The BlockMask of the attended positions' counts per (q_block, kv_block) block (B, H, rows, cols): full where
-    every position of the block attends (a block cut by the lengths never is) if ``separate_full``, else partial
-    like the blocks where some do; skipped where none does."""
-    full = (counts == q_block * kv_block) & separate_full
-    full_lists = _ordered(full) if separate_full else (None, None)
+def _cost(partial: torch.Tensor, full: torch.Tensor | None, area: int) -> torch.Tensor:
+    """What the kernels' work on a table of blocks of ``area`` positions comes to, in positions: each computed
+    block's, once more for each partial one (its mask is evaluated position by position)."""
+    return (2 * partial.sum() + (0 if full is None else full.sum())) * area
+
+
+def _from_kinds(
+    partial: torch.Tensor, full: torch.Tensor | None, q_block: int, kv_block: int, mask_mod: MaskMod,
+    lengths: tuple[int, int],
+) -> BlockMask:  # fmt: skip
+    """The BlockMask of the (partial, full) tables of (q_block, kv_block) blocks (``_kinds``); blocks in neither are
+    skipped."""
+    full_lists = (None, None) if full is None else _ordered(full)
     block_mask = BlockMask.from_kv_blocks(
-        *_ordered((counts > 0) & ~full), *full_lists, BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
-        seq_lengths=lengths,
-    )  # fmt: skip
+        *_ordered(partial), *full_lists, BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod, seq_lengths=lengths
+    )
     _known_valid(block_mask)  # valid by construction
     return block_mask
 
