@@ -980,6 +980,21 @@ def test_bad_inputs_raise_input_error(changes, match):
         flashtile.flex_attention(**_qkv(**changes))
 
 
+def test_kernel_options_as_flex_attention_takes_them():
+    """``FlexKernelOptions`` is FlexAttention's kernel_options type: FlexAttention's BACKEND "TRITON_DECODE" runs the
+    generated kernel ("TRITON"), its tuning keys are ignored, and its "FLASH" is refused with what to use instead."""
+    q, k, v = (torch.randn(1, 2, 40, 16, device=DEVICE) for _ in range(3))
+    block_mask = flashtile.create_block_mask(causal, None, None, 40, 40, device=DEVICE, BLOCK_SIZE=16)
+    generated = flashtile.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "TRITON"})
+    for options in (
+        flashtile.FlexKernelOptions(BACKEND="TRITON_DECODE"),
+        {"BACKEND": "TRITON", "BLOCK_M": 32, "num_warps": 2, "PRESCALE_QK": True},
+    ):
+        assert torch.equal(flashtile.flex_attention(q, k, v, block_mask=block_mask, kernel_options=options), generated)
+    with pytest.raises(flashtile.InputError, match="'AUTO' runs flashtile's FlashAttention kernels"):
+        flashtile.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"})
+
+
 def test_hand_built_block_mask_lists_are_checked(monkeypatch):
     """A hand-built block mask whose lists name a block outside the lengths, count more blocks than a row holds, or
     have too few rows raises InputError before any kernel runs (the kernels read listed tiles without bounds checks

@@ -119,6 +119,82 @@ def test_create_block_mask_default_device_and_compile_flag():
     _same_lists(compiled, flashtile.create_block_mask(document, 1, 1, 100, 100, DEVICE, 32))
 
 
+def test_dq_write_order_arguments_are_accepted():
+    """FlexAttention's dQ write-order arguments (create_block_mask, the constructor, from_kv_blocks) are accepted and
+    change nothing; the mask's write-order fields read None (flashtile's backward needs no write order)."""
+    plain = flashtile.create_block_mask(document, 1, 1, 100, 100, DEVICE, 32)
+    ordered = flashtile.create_block_mask(document, 1, 1, 100, 100, DEVICE, 32, compute_dq_write_order=True,
+                                          dq_kv_order=False)  # fmt: skip
+    _same_lists(ordered, plain)
+    rebuilt = BlockMask.from_kv_blocks(plain.kv_num_blocks, plain.kv_indices, BLOCK_SIZE=32, seq_lengths=(100, 100),
+                                       dq_write_order=plain.kv_indices, dq_kv_order=True)  # fmt: skip
+    made = BlockMask(
+        *plain.as_tuple(flatten=False)[:9], BLOCK_SIZE=(32, 32), dq_write_order=plain.kv_indices, dq_kv_order_spt=True
+    )
+    for mask in (ordered, rebuilt, made):
+        assert mask.as_tuple()[10:14] == (None,) * 4
+        assert (mask.dq_write_order, mask.dq_write_order_full, mask.dq_kv_order, mask.dq_kv_order_spt) == (None,) * 4
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_as_tuple_order(flatten):
+    """as_tuple gives FlexAttention's fields in its order: seq_lengths, the eight lists, the four dQ write-order
+    fields (None), the block size and mask_mod; the lengths and block size flattened or as pairs."""
+    made = flashtile.create_block_mask(per_entry, 2, 2, 50, 45, DEVICE, 16)
+    lengths, block_size = ((50, 45), (16, 16)) if flatten else (((50, 45),), ((16, 16),))
+    expected = (*lengths, *(getattr(made, name) for name in LISTS), None, None, None, None, *block_size, per_entry)
+    found = made.as_tuple(flatten)
+    assert len(found) == len(expected) and all(x is y or x == y for x, y in zip(found, expected, strict=True))
+
+
+@pytest.mark.skipif(
+    "dq_write_order" not in inspect.signature(flex.BlockMask.__init__).parameters,
+    reason=f"torch {torch.__version__}'s BlockMask has no dQ write-order fields (its as_tuple is shorter)",
+)
+@pytest.mark.parametrize("flatten", [True, False])
+def test_as_tuple_matches_torch(flatten):
+    """as_tuple of flashtile's mask equals torch's for the same mask_mod, entry by entry."""
+    ours = flashtile.create_block_mask(per_entry, 2, 2, 50, 45, DEVICE, 16).as_tuple(flatten)
+    theirs = flex.create_block_mask(per_entry, 2, 2, 50, 45, DEVICE, 16).as_tuple(flatten)
+    assert len(ours) == len(theirs)
+    for mine, torchs in zip(ours, theirs, strict=True):
+        assert torch.equal(mine, torchs) if isinstance(mine, torch.Tensor) else mine == torchs
+
+
+def test_to_string_grid_size_pair():
+    """to_string takes grid_size as an int or a (rows, columns) pair, as FlexAttention's: the drawing of a causal mask
+    of 16 x 16 blocks at (4, 8) has 4 rows of 8 two-character cells, and the last row's diagonal cell is mixed."""
+    block_mask = flashtile.create_block_mask(causal, None, None, 256, 256, device=DEVICE, BLOCK_SIZE=16)
+    rows = block_mask.to_string(grid_size=(4, 8)).splitlines()[1:]
+    assert len(rows) == 4 and all(len(row) == 16 for row in rows)
+    assert rows[-1] == "█" * 12 + "░" * 4
+    assert block_mask.to_string(grid_size=4) == block_mask.to_string(grid_size=(4, 4))
+
+
+@pytest.mark.parametrize("backend", ["AUTO", "TRITON"])
+def test_from_kv_blocks_without_q_blocks(backend):
+    """compute_q_blocks=False leaves the q_* lists None (a forward-only mask, as FlexAttention's): the generated
+    kernel takes it without autograd; with a gradient wanted AUTO runs the PyTorch route, which needs no q_* lists
+    (checked against the oracle), and BACKEND "TRITON" says why it cannot."""
+    made = flashtile.create_block_mask(document, 1, None, 100, 100, device=DEVICE, BLOCK_SIZE=32)
+    forward_only = BlockMask.from_kv_blocks(*made.as_tuple()[2:6], BLOCK_SIZE=32, mask_mod=document,
+                                            seq_lengths=(100, 100), compute_q_blocks=False)  # fmt: skip
+    assert all(getattr(forward_only, name) is None for name in LISTS if "q_" in name and "kv_" not in name)
+    q, k, v = (torch.randn(1, 2, 100, 32, device=DEVICE) for _ in range(3))
+    with torch.no_grad():
+        out = flashtile.flex_attention(q, k, v, block_mask=forward_only, kernel_options={"BACKEND": backend})
+        expected = flashtile.flex_attention(q, k, v, block_mask=made, kernel_options={"BACKEND": backend})
+    assert torch.equal(out, expected)
+    dense = flex.create_mask(document, 1, None, 100, 100, device=DEVICE)
+    if backend == "AUTO":
+        _check_against_oracle(forward_only, dense, backend, 1, 2, 100, 100)
+    else:
+        with pytest.raises(flashtile.InputError, match="without its q_\\* lists"):
+            flashtile.flex_attention(
+                q.requires_grad_(), k, v, block_mask=forward_only, kernel_options={"BACKEND": backend}
+            )
+
+
 # ------------------------------------------------------------------------------------------- BlockMask slicing
 
 INDICES = [

@@ -5,7 +5,7 @@
 Triton kernels and their launcher) and ``patterns`` (mods recognised as flashtile's built-in options, which then run
 the built-in attention)."""
 
-from flashtile.flex.api import AuxOutput, AuxRequest, flex_attention
+from flashtile.flex.api import AuxOutput, AuxRequest, FlexKernelOptions, flex_attention
 from flashtile.flex.block_mask import BlockMask, create_block_mask, create_mask
 from flashtile.flex.mods import and_masks, noop_mask, or_masks
 
@@ -13,6 +13,7 @@ __all__ = [
     "AuxOutput",
     "AuxRequest",
     "BlockMask",
+    "FlexKernelOptions",
     "and_masks",
     "create_block_mask",
     "create_mask",

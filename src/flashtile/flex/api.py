@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 
@@ -20,6 +20,19 @@ from flashtile.options import scale_or_default
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("AUTO", "TRITON", "TORCH")
+TORCH_BACKENDS = {"TRITON_DECODE": "TRITON"}
+"""FlexAttention's BACKEND values that flashtile runs as one of its own: its decoding kernel's as the generated
+kernel, which serves every query length. Its "FLASH" (FlashAttention's CuTe DSL kernels) is refused, as
+FlexAttention refuses it where those kernels are not installed: "AUTO" runs flashtile's FlashAttention kernels
+wherever the mods are their options."""
+
+
+class FlexKernelOptions(TypedDict, total=False):
+    """flex_attention's ``kernel_options``, as FlexAttention's type of that name: a dict whose "BACKEND" picks the
+    implementation (``flex_attention``); FlexAttention's other keys (tile sizes, warps, stages, ...) are accepted
+    and ignored: flashtile chooses its kernels' tiles itself."""
+
+    BACKEND: str
 
 
 class AuxRequest(NamedTuple):
@@ -131,16 +144,21 @@ def _checked_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor)
     return mask
 
 
-def _backend_of(kernel_options: dict | None) -> str:
-    """kernel_options["BACKEND"] (default "AUTO"); InputError for a value flashtile does not know."""
+def _backend_of(kernel_options: FlexKernelOptions | None) -> str:
+    """kernel_options["BACKEND"] (default "AUTO"; FlexAttention's own values as ``TORCH_BACKENDS`` maps them);
+    InputError for a value neither knows."""
     if kernel_options is None:
         return "AUTO"
     if not isinstance(kernel_options, dict):
         raise InputTypeError(f"flex_attention: kernel_options must be a dict or None, got {type(kernel_options)}.")
     backend = kernel_options.get("BACKEND", "AUTO")
-    if backend not in BACKENDS:
-        raise InputError(f"flex_attention: kernel_options['BACKEND'] must be one of {BACKENDS}, got {backend!r}.")
-    return backend
+    if backend not in BACKENDS and backend not in TORCH_BACKENDS:
+        raise InputError(
+            f"flex_attention: kernel_options['BACKEND'] must be one of {BACKENDS} (or FlexAttention's "
+            f"{tuple(TORCH_BACKENDS)}), got {backend!r}; 'AUTO' runs flashtile's FlashAttention kernels wherever "
+            "the mods are their options."
+        )
+    return TORCH_BACKENDS.get(backend, backend)
 
 
 def flex_attention(
@@ -152,7 +170,7 @@ def flex_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
-    kernel_options: dict | None = None,
+    kernel_options: FlexKernelOptions | None = None,
     *,
     return_aux: AuxRequest | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, AuxOutput]:
@@ -178,7 +196,7 @@ def flex_attention(
     flashtile's built-in attention, the kernels of ``flash_attn_func``, on CUDA and CPU alike; else the Triton
     kernel generated from the mods on CUDA where it can take them, else the PyTorch route), "TRITON" (the generated
     kernel, never the built-in one, or InputError saying why it cannot run), "TORCH" (flashtile's tiled PyTorch
-    route). Other keys are ignored.
+    route); FlexAttention's "TRITON_DECODE" runs as "TRITON". Other keys are ignored.
 
     Returns out (B, Hq, L, Ev) in query's dtype (from the built-in attention, a transposed view of a (B, L, Hq, Ev)
     tensor); with return_lse (out, lse), lse (B, Hq, L) float32; with return_aux (out, AuxOutput). A row that attends

@@ -78,8 +78,15 @@ class BlockMask:
     - ``BLOCK_SIZE`` (query block, key block), ``mask_mod``, ``seq_lengths`` (Q_LEN, KV_LEN).
 
     ``shape`` is (Bm, Hm, Q_LEN, KV_LEN); ``to_dense()`` gives the (Bm, Hm, Qb, Kb) int32 table of computed blocks,
-    ``sparsity()`` the percentage of skipped blocks, ``to_string()`` draws it and ``to(device)`` moves it. Build one
-    with ``create_block_mask`` or ``BlockMask.from_kv_blocks``; the constructor takes every field as given.
+    ``sparsity()`` the percentage of skipped blocks, ``to_string()`` draws it, ``to(device)`` moves it and
+    ``as_tuple()`` lists its fields in FlexAttention's order. Build one with ``create_block_mask`` or
+    ``BlockMask.from_kv_blocks``; the constructor takes every field as given.
+
+    FlexAttention's BlockMask also carries dQ write-order metadata (``dq_write_order``, ``dq_write_order_full``,
+    ``dq_kv_order``, ``dq_kv_order_spt``) for the deterministic backward of its FlashAttention (CuTe DSL) kernel. The
+    constructor, ``from_kv_blocks`` and ``create_block_mask`` accept those arguments, and the attributes read None:
+    flashtile's backward computes dQ in a kernel of its own, one query block per program, in the same order on
+    every run, and needs no write order.
 
     ``block_mask[index]`` is the mask of some batch entries, heads or query-block rows (``__getitem__``: ints keep
     their dimension; the result's mask_mod must be set before use, as in FlexAttention);
@@ -99,6 +106,11 @@ class BlockMask:
         full_q_indices: torch.Tensor | None,
         BLOCK_SIZE: tuple[int, int] = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE),
         mask_mod: MaskMod = noop_mask,
+        *,
+        dq_write_order: torch.Tensor | None = None,
+        dq_write_order_full: torch.Tensor | None = None,
+        dq_kv_order: torch.Tensor | None = None,
+        dq_kv_order_spt: bool | None = None,
     ) -> None:
         if kv_indices.dim() != 4 or kv_num_blocks.shape != kv_indices.shape[:-1]:
             raise InputError(
@@ -115,6 +127,9 @@ class BlockMask:
         self.BLOCK_SIZE = _block_size(BLOCK_SIZE)
         self.mask_mod = mask_mod
 
+    dq_write_order = dq_write_order_full = dq_kv_order = dq_kv_order_spt = None
+    """FlexAttention's dQ write-order fields: None here (the class docstring says why)."""
+
     @classmethod
     def from_kv_blocks(
         cls,
@@ -125,17 +140,28 @@ class BlockMask:
         BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
         mask_mod: MaskMod | None = None,
         seq_lengths: tuple[int, int] | None = None,
+        compute_q_blocks: bool = True,
+        *,
+        dq_write_order: torch.Tensor | None = None,
+        dq_write_order_full: torch.Tensor | None = None,
+        dq_kv_order: torch.Tensor | bool | None = None,
     ) -> BlockMask:
         """A BlockMask from its key-block lists (shapes as in the class docstring), with the query-block lists
-        computed by transposing them. seq_lengths defaults to the blocks' extent (Qb * BLOCK_SIZE[0],
-        Kb * BLOCK_SIZE[1]); mask_mod to ``noop_mask``."""
+        computed by transposing them, or left None with ``compute_q_blocks=False`` (a mask for the forward pass
+        alone, as FlexAttention's: the generated kernel's backward walks those lists, so a call that needs a gradient
+        then takes the PyTorch route). seq_lengths defaults to the blocks' extent (Qb * BLOCK_SIZE[0],
+        Kb * BLOCK_SIZE[1]); mask_mod to ``noop_mask``. The dq_* arguments are accepted and not kept (class
+        docstring)."""
         q_block, kv_block = _block_size(BLOCK_SIZE)
         if seq_lengths is None:
             seq_lengths = (kv_indices.shape[-2] * q_block, kv_indices.shape[-1] * kv_block)
         cols = -(-seq_lengths[1] // kv_block)
+        q_lists = (None,) * 4
+        if compute_q_blocks:
+            q_lists = (*_transposed(kv_num_blocks, kv_indices, cols), *_transposed(full_kv_num_blocks, full_kv_indices,
+                                                                                   cols))  # fmt: skip
         return cls(
-            seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-            *_transposed(kv_num_blocks, kv_indices, cols), *_transposed(full_kv_num_blocks, full_kv_indices, cols),
+            seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *q_lists,
             BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod or noop_mask,
         )  # fmt: skip
 
@@ -178,12 +204,14 @@ class BlockMask:
         computed = (self.to_dense() * rows[:, None] * cols[None, :]).sum().item()
         return 100 * (1 - computed / max(self.numel(), 1))
 
-    def to_string(self, grid_size: int = 20, limit: int = 4) -> str:
-        """A drawing of the block table of the first ``limit`` (batch, head) pairs, at most grid_size x grid_size
-        characters each: '█' computed blocks, ' ' skipped ones, '░' a cell that merges both."""
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+        """A drawing of the block table of the first ``limit`` (batch, head) pairs, at most grid_size (rows,
+        columns; an int for both) cells each, a cell two characters wide: '█' computed blocks, ' ' skipped ones,
+        '░' a cell that merges both."""
+        grid_rows, grid_cols = (grid_size, grid_size) if isinstance(grid_size, int) else grid_size
         dense = self.to_dense()
         rows, cols = dense.shape[-2:]
-        row_step, col_step = -(-rows // grid_size), -(-cols // grid_size)
+        row_step, col_step = -(-rows // grid_rows), -(-cols // grid_cols)
         pictures = []
         for n, (b, h) in enumerate((b, h) for b in range(dense.shape[0]) for h in range(dense.shape[1])):
             if n == limit:
@@ -210,6 +238,15 @@ class BlockMask:
             f"BlockMask(\n{fields}    BLOCK_SIZE={self.BLOCK_SIZE},\n    shape={self.shape},\n"
             f"    sparsity={self.sparsity():.2f}%,\n    mask_mod={name}\n)"
         )
+
+    def as_tuple(self, flatten: bool = True) -> tuple:
+        """The fields in FlexAttention's ``as_tuple`` order: seq_lengths, the eight kv_* / q_* lists, the four dQ
+        write-order fields (None), BLOCK_SIZE and mask_mod; with ``flatten`` (default) seq_lengths and BLOCK_SIZE
+        give two entries each, else one pair each."""
+        pairs = (self.seq_lengths, self.BLOCK_SIZE)
+        lengths, block_size = pairs if flatten else ((pairs[0],), (pairs[1],))
+        write_order = (self.dq_write_order, self.dq_write_order_full, self.dq_kv_order, self.dq_kv_order_spt)
+        return (*lengths, *(getattr(self, name) for name in _TENSORS), *write_order, *block_size, self.mask_mod)
 
     def to(self, device: torch.device | str) -> BlockMask:
         """A copy with every tensor on ``device``."""
@@ -380,6 +417,8 @@ def create_block_mask(
     BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
     _compile: bool = False,
     separate_full_blocks: bool = True,
+    compute_dq_write_order: bool = False,
+    dq_kv_order: bool = True,
 ) -> BlockMask:
     """The BlockMask of ``mask_mod`` (FlexAttention's ``create_block_mask``, same arguments and result).
 
@@ -396,6 +435,8 @@ def create_block_mask(
     evaluation here is the same either way.
     separate_full_blocks: False lists every block that attends anywhere as partial (no full blocks: mask_mod is
     evaluated on all of them), as FlexAttention's.
+    compute_dq_write_order, dq_kv_order: accepted for FlexAttention's signature; the mask keeps no dQ write order
+    (``BlockMask``: flashtile's backward needs none).
 
     mask_mod is evaluated one row of query blocks at a time (B * H * BLOCK_SIZE[0] * KV_LEN positions at once), so
     memory grows linearly with the lengths. Where TILE (64) divides both block sizes and is smaller than one of
