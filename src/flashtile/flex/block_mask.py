@@ -85,8 +85,9 @@ class BlockMask:
     FlexAttention's BlockMask also carries dQ write-order metadata (``dq_write_order``, ``dq_write_order_full``,
     ``dq_kv_order``, ``dq_kv_order_spt``) for the deterministic backward of its FlashAttention (CuTe DSL) kernel. The
     constructor, ``from_kv_blocks`` and ``create_block_mask`` accept those arguments, and the attributes read None:
-    flashtile's backward computes dQ in a kernel of its own, one query block per program, in the same order on
-    every run, and needs no write order.
+    no flashtile kernel reads them. The generated kernels' backward computes dQ in a kernel of its own, one query
+    tile per program, without atomic adds (the same bits on every run, gradients of captured tensors aside); the
+    built-in kernels that recognised mods run are deterministic under ``torch.use_deterministic_algorithms(True)``.
 
     ``block_mask[index]`` is the mask of some batch entries, heads or query-block rows (``__getitem__``: ints keep
     their dimension; the result's mask_mod must be set before use, as in FlexAttention);
@@ -436,7 +437,7 @@ def create_block_mask(
     separate_full_blocks: False lists every block that attends anywhere as partial (no full blocks: mask_mod is
     evaluated on all of them), as FlexAttention's.
     compute_dq_write_order, dq_kv_order: accepted for FlexAttention's signature; the mask keeps no dQ write order
-    (``BlockMask``: flashtile's backward needs none).
+    (``BlockMask``: no flashtile kernel reads one).
 
     mask_mod is evaluated one row of query blocks at a time (B * H * BLOCK_SIZE[0] * KV_LEN positions at once), so
     memory grows linearly with the lengths. Where TILE (64) divides both block sizes and is smaller than one of
