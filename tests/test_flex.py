@@ -291,20 +291,25 @@ def check_random_block_mask(L, S, block, per_head, seed, backend):
         assert_within_rule(name if name in ("out", "lse") else "grad", x, precise[name].to(x.dtype), base[name])
 
 
-def test_matches_torch_flex_attention():
-    """The same mods and torch's own BlockMask give what torch's flex_attention gives (its eager CPU path)."""
+@pytest.mark.parametrize("enable_gqa", [False, True])
+@pytest.mark.parametrize("name", CASES)
+def test_matches_torch_flex_attention(name, enable_gqa):
+    """The same mods and torch's own BlockMask give what torch's flex_attention gives (its eager path, which
+    materialises the scores), on the PyTorch route and, on the CPU, as flex_attention runs by default (AUTO: the
+    built-in attention where the mods are its options); with two query heads per key/value head too."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    B, H, L, S, D = 1, 2, 33, 47, 16
-    params = _params(H, L, S)
-    score_mod, mask_mod = _mods("alibi", params)
-    q, k, v = (torch.randn(B, H, n, D, device=DEVICE) for n in (L, S, S))
-    block_mask = flex.create_block_mask(mask_mod, B, H, L, S, device=DEVICE, BLOCK_SIZE=16)
+    B, H, L, S, D = 2, 4, 33, 47, 16
+    score_mod, mask_mod = _mods(name, _params(H, L, S))
+    q = torch.randn(B, H, L, D, device=DEVICE)
+    k, v = (torch.randn(B, H // 2 if enable_gqa else H, S, D, device=DEVICE) for _ in range(2))
+    block_mask = flex.create_block_mask(mask_mod or flex.noop_mask, B, H, L, S, device=DEVICE, BLOCK_SIZE=16)
     with torch.no_grad():
-        theirs, their_lse = flex.flex_attention(q, k, v, score_mod, block_mask, return_lse=True)
-        ours, lse = flashtile.flex_attention(q, k, v, score_mod, block_mask, return_lse=True,
-                                             kernel_options={"BACKEND": "TORCH"})  # fmt: skip
-    torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(lse, their_lse, atol=2e-6, rtol=1e-5)
+        theirs = flex.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=enable_gqa, return_lse=True)
+        for backend in ("TORCH", "AUTO") if DEVICE == "cpu" else ("TORCH",):
+            ours = flashtile.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=enable_gqa, return_lse=True,
+                                            kernel_options={"BACKEND": backend})  # fmt: skip
+            for mine, torchs in zip(ours, theirs, strict=True):
+                torch.testing.assert_close(mine, torchs, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["AUTO", "TRITON", "TORCH"])
