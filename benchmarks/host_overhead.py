@@ -10,7 +10,9 @@ that ask for tensor descriptors (as the Hopper table does for some passes), so `
 descriptors are counted too. Rows: microseconds per call, min over 7 repetitions of the mean of
 ``--calls`` calls; B=2, N=32, H=4, D=128, bf16, causal (the size does not change the Python work; small
 tensors keep the CPU's allocator and the autograd engine's CPU ops, such as the gradient of an unbind, out
-of the numbers). Backward rows call ``torch.autograd.grad`` (no accumulation into ``.grad``).
+of the numbers). Backward rows call ``torch.autograd.grad`` (no accumulation into ``.grad``). The flex rows
+call ``flex_attention`` on (B, H, N, D) views with a causal or a prefix-LM block mask (the first N / 4 keys seen by
+every query), mods that run the built-in attention: one call, two for prefix-LM.
 ``--profile CASE`` prints cProfile's top entries for one row.
 
     PYTHONPATH=src python3 benchmarks/host_overhead.py --decode-step [--device cuda] [--prompt 1024 2048]
@@ -95,6 +97,14 @@ def cases() -> dict[str, Callable[[], Any]]:
     dout_flat = dout.view(BATCH * SEQLEN, NHEADS, HEAD_DIM)
     sq, sk, sv = (t.transpose(1, 2) for t in (qg, kg, vg))
     leaves = [qg, kg, vg, packed, kv, *flat_g]
+    prefix = SEQLEN // 4
+    flex_masks = {
+        name: flashtile.create_block_mask(mask_mod, None, None, SEQLEN, SEQLEN, device="cpu", BLOCK_SIZE=16)
+        for name, mask_mod in (
+            ("causal", lambda b, h, q_idx, kv_idx: q_idx >= kv_idx),
+            ("prefix-LM", lambda b, h, q_idx, kv_idx: (kv_idx < prefix) | (q_idx >= kv_idx)),
+        )
+    }
 
     def fwd_bwd(call: Callable[[], torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
         def step() -> None:
@@ -117,6 +127,12 @@ def cases() -> dict[str, Callable[[], Any]]:
         "sdpa fwd+bwd": fwd_bwd(
             lambda: flashtile.scaled_dot_product_attention(sq, sk, sv, is_causal=True), dout.transpose(1, 2)
         ),
+        **{
+            f"flex {name} fwd+bwd": fwd_bwd(
+                lambda mask=mask: flashtile.flex_attention(sq, sk, sv, block_mask=mask), dout.transpose(1, 2)
+            )
+            for name, mask in flex_masks.items()
+        },
         "varlen fwd": lambda: flashtile.flash_attn_varlen_func(*flat, cu, cu, SEQLEN, SEQLEN, causal=True),
         "varlen fwd+bwd": fwd_bwd(
             lambda: flashtile.flash_attn_varlen_func(*flat_g, cu, cu, SEQLEN, SEQLEN, causal=True), dout_flat

@@ -219,6 +219,21 @@ def test_latency_cpu_host_overhead_runs_and_restores(monkeypatch):
     assert forward._attention_forward_kernel is not backward._delta_kernel
 
 
+def test_host_overhead_flex_rows(tmp_path):
+    """host_overhead.py's flex rows (flex_attention with a causal and a prefix-LM block mask, the built-in attention
+    behind them) run with the kernels stubbed and write their rows; the kernels are put back afterwards."""
+    import json
+
+    import host_overhead
+
+    kernels = [getattr(module, name) for module, name in host_overhead.ATTENTION_KERNELS]
+    cases = ["flex causal fwd+bwd", "flex prefix-LM fwd+bwd"]
+    host_overhead.main(["--calls", "2", "--out", str(tmp_path), *(arg for case in cases for arg in ("--only", case))])
+    rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
+    assert [row["case"] for row in rows] == cases and all(row["us_per_call"] > 0 for row in rows)
+    assert [getattr(module, name) for module, name in host_overhead.ATTENTION_KERNELS] == kernels
+
+
 def _fields(descriptor) -> dict:
     return {name: value for name, value in vars(descriptor).items() if name != "base"}
 
