@@ -936,12 +936,13 @@ def test_finer_tiles_only_where_they_cost_less(monkeypatch):
     n = 4096
     doc = _document_ids(n)
     documents = flashtile.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv], None, None, n, n, device=DEVICE)
-    assert tiles(documents).BLOCK_SIZE == (TILE, TILE)
+    documents_tiles = tiles(documents)
+    assert documents_tiles.BLOCK_SIZE == (TILE, TILE)
     unseparated = flashtile.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv], None, None, n, n,
                                               device=DEVICE, separate_full_blocks=False)  # fmt: skip
     finer = tiles(unseparated)  # its table has no full tiles either (its tiles: 55% of the blocks' work)
     assert finer.BLOCK_SIZE == (TILE, TILE) and finer.full_kv_num_blocks is None
-    assert torch.equal(finer.kv_num_blocks, tiles(documents).kv_num_blocks + tiles(documents).full_kv_num_blocks)
+    assert torch.equal(finer.kv_num_blocks, documents_tiles.kv_num_blocks + documents_tiles.full_kv_num_blocks)
     causal_mask = flashtile.create_block_mask(causal, None, None, n, n, device=DEVICE)
     assert tiles(causal_mask) is causal_mask  # 96% of the work: not worth the smaller tiles
     for block in (TILE, (128, 96)):

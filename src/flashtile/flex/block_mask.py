@@ -157,12 +157,12 @@ class BlockMask:
         if seq_lengths is None:
             seq_lengths = (kv_indices.shape[-2] * q_block, kv_indices.shape[-1] * kv_block)
         cols = -(-seq_lengths[1] // kv_block)
+        kv_lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         q_lists = (None,) * 4
         if compute_q_blocks:
-            q_lists = (*_transposed(kv_num_blocks, kv_indices, cols), *_transposed(full_kv_num_blocks, full_kv_indices,
-                                                                                   cols))  # fmt: skip
+            q_lists = (*_transposed(*kv_lists[:2], cols), *_transposed(*kv_lists[2:], cols))
         return cls(
-            seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *q_lists,
+            seq_lengths, *kv_lists, *q_lists,
             BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod or noop_mask,
         )  # fmt: skip
 
