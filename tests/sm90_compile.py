@@ -370,7 +370,7 @@ def gluon_variants() -> list[Variant]:
                 variants.append(Variant(GLUON_FORWARD, name, mask, flags, consts))
         # a sliding window (CAUSAL off, LOCAL on; the head dims that take windows, sm90_common.WINDOW_HEAD_DIMS), with
         # a ragged last key tile or not, and head-major
-        windows = head_dim in sm90_common.WINDOW_HEAD_DIMS
+        windows = head_dim in sm90_common.WINDOW_HEAD_DIMS["forward"]
         for flags, even_k, head_major in (("off", True, ""), ("ragged-k", False, ""), ("head-major", True, "qkv")):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, EVEN_K=even_k, LOCAL=True)
             variants += [Variant(GLUON_FORWARD, name, "window", flags, consts, head_major=head_major)] * windows
@@ -412,7 +412,7 @@ def gluon_variants() -> list[Variant]:
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=mask == "causal", GROUPED=grouped)
             variants.append(Variant(GLUON_BACKWARD, name, mask, flags, consts))
         # a sliding window (CAUSAL off, LOCAL on; sm90_common.WINDOW_HEAD_DIMS), MHA and GQA, and head-major
-        windows = head_dim in sm90_common.WINDOW_HEAD_DIMS
+        windows = head_dim in sm90_common.WINDOW_HEAD_DIMS["backward"]
         for flags, grouped, head_major in (("off", False, ""), ("gqa", True, ""), ("head-major", False, "qkv")):
             consts = dict(cfg, HEAD_D=head_dim, CAUSAL=False, GROUPED=grouped, LOCAL=True)
             variants += [Variant(GLUON_BACKWARD, name, "window", flags, consts, head_major=head_major)] * windows

@@ -54,8 +54,9 @@ def test_qualifies_plain_layouts():
 @pytest.mark.parametrize("window", [(8, 0), (8, 8), (None, 8), (8, None), (None, -128)], ids=str)
 def test_windows_qualify(window):
     """Both kernels take a sliding window (window_left, window_right as the options hold them; a negative right side
-    is top-left causal with Sq < Sk), causal or not, at head dims 128 and 256 (``common.WINDOW_HEAD_DIMS``; 64 keeps
-    the Triton kernels, named); the backward keeps its length rule."""
+    is top-left causal with Sq < Sk), causal or not, at head dims 128 and 256, the backward at 64 too
+    (``common.WINDOW_HEAD_DIMS``; the forward at 64 keeps the Triton kernel, named); the backward keeps its length
+    rule."""
     opts = AttentionOptions(0.1, *window, deterministic=False)
     for head_dim in (128, 256):
         q, k, v = qkv(head_dim=head_dim)
@@ -63,9 +64,9 @@ def test_windows_qualify(window):
         q, k, v = qkv(seqlen_q=17, seqlen_k=113, head_dim=head_dim)
         assert forward_sm90.qualifies(q, k, v, opts) and not backward_sm90.qualifies(q, k, v, torch.empty_like(q), opts)
     q, k, v = qkv(head_dim=64)
-    refusal = ("a sliding window at head dim 64 (windows at 128, 256 only)",)
+    refusal = ("a sliding window at head dim 64 (the forward takes windows at 128, 256)",)
     assert forward_sm90.qualifies(q, k, v, opts).reasons == refusal
-    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), opts).reasons == refusal
+    assert backward_sm90.qualifies(q, k, v, torch.empty_like(q), opts)
 
 
 def test_score_modifications_qualify():
@@ -760,8 +761,8 @@ def test_window_against_oracle(launches, window_size, case):
     """Sliding windows on the Gluon kernels: out, lse, dq, dk and dv against the oracle by the tolerance rule, out and
     lse written over NaN. Rows and key tiles that see nothing (Sq > Sk; keys outside every row's window) run one
     fully masked tile: out 0, lse -inf, no gradient. The forward is Gluon for every case at head dims 128 and 256,
-    the backward where both lengths are multiples of 128 too (one launch each, with the window the options hold);
-    head dim 64 runs the Triton kernels (``common.WINDOW_HEAD_DIMS``)."""
+    the backward where both lengths are multiples of 128 (one launch each, with the window the options hold), at
+    head dim 64 too, whose forward runs the Triton kernel (``common.WINDOW_HEAD_DIMS``)."""
     head_dim, shape = case
     q, k, v, dout = make_inputs(*shape, head_dim, dtype=torch.bfloat16)
     results = run_flashtile(q, k, v, dout, window_size=window_size)
@@ -769,8 +770,10 @@ def test_window_against_oracle(launches, window_size, case):
     seqlen_q, seqlen_k = shape[1:3]
     opts = AttentionOptions(1.0, *checks.bounded_window(*checks.window_bounds(window_size, False), seqlen_q, seqlen_k))
     launched = sm90_common.window_of(opts) or opts.causal
-    gluon = not opts.local or head_dim in sm90_common.WINDOW_HEAD_DIMS
-    gluon_backward = gluon and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
+    gluon, gluon_backward = (
+        not opts.local or head_dim in sm90_common.WINDOW_HEAD_DIMS[kernel] for kernel in ("forward", "backward")
+    )
+    gluon_backward = gluon_backward and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
     assert launches == [("fwd", launched)] * gluon + [("bwd", launched)] * gluon_backward
 
 
@@ -868,8 +871,10 @@ def test_head_major_sdpa_against_oracle(launches, is_causal, head_dim, shape):
     check_against_oracle(results, q, k, v, dout, softmax_scale=0.2, mask=top_left)
     assert [x.grad.stride() for x in leaves] == [x.stride() for x in leaves]
     window = is_causal and seqlen_q != seqlen_k
-    gluon = not window or head_dim in sm90_common.WINDOW_HEAD_DIMS
-    gluon_backward = gluon and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
+    gluon, gluon_backward = (
+        not window or head_dim in sm90_common.WINDOW_HEAD_DIMS[kernel] for kernel in ("forward", "backward")
+    )
+    gluon_backward = gluon_backward and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
     launched = (None, seqlen_q - seqlen_k) if window else is_causal
     assert launches == [("fwd", launched)] * gluon + [("bwd", launched)] * gluon_backward
 

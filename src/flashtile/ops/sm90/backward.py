@@ -1451,7 +1451,7 @@ def qualifies(
         reasons += (
             dtype_refusal(q),
             head_dim_refusal(q, k, v, CONFIGS),
-            window_refusal(options, head_dim),
+            window_refusal(options, head_dim, kernel="backward"),
             None if v.shape[2:] == k.shape[2:] else f"v {tuple(v.shape)} with other heads or head dim than k",
             None if group_ok else f"nheads {nheads} not a multiple of nheads_k {nheads_k}",
             f"causal with {nheads // nheads_k} query heads per K/V head (at most {MAX_CAUSAL_GROUP})"

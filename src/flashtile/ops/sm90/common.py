@@ -133,19 +133,21 @@ class ScoreMods(NamedTuple):
         return self.softcap != 0.0, None if slopes is None else (slopes.dim(), slopes.data_ptr() % 16 == 0)
 
 
-WINDOW_HEAD_DIMS = (128, 256)
-"""Head dims whose sliding-window calls take the sm_90 kernels (``window_refusal``). At D=64 the Triton kernels
-were as fast or faster (H100, bf16, B=4, H=16, N=4096, a causal 1024-key window, flash_attn_func on (B, H, N, D)
-views, medians of four runs in two alternating processes per tree, 2026-12-07): forward 0.200-0.205 ms against
-0.208-0.211 with two consumer warpgroups (and 298.7 against 237.1 TFLOP/s with three, flex_attention's benchmark),
-forward+backward 1.06-1.15 ms against 1.10-1.28; at D=128 0.333-0.337 against 0.280-0.288 ms forward and 1.45
-against 1.14-1.25 ms forward+backward."""
+WINDOW_HEAD_DIMS = {"forward": (128, 256), "backward": (64, 128, 256)}
+"""Head dims whose sliding-window calls take each sm_90 kernel (``window_refusal``). At D=64 the Triton forward is
+the faster one, the Gluon backward the faster one (H100, bf16, B=4, H=16, N=4096, a causal 1024-key window,
+flash_attn_func on (B, H, N, D) views, ``triton.testing.do_bench`` medians, 2026-12-07): forward 0.203 ms (Triton)
+against 0.253 (Gluon, three consumer warpgroups; 0.208-0.211 with two), backward 0.702 against 0.537. At D=128 and
+256 both Gluon kernels are the faster ones (D=128: 0.280-0.288 against 0.333-0.337 ms forward, 1.14-1.25 against
+1.45 ms forward+backward)."""
 
 
-def window_refusal(options: AttentionOptions, head_dim: int) -> str | None:
-    """Why a sliding window keeps a call of this head dim off the sm_90 kernels (``WINDOW_HEAD_DIMS``), or None."""
-    if options.local and head_dim not in WINDOW_HEAD_DIMS:
-        return f"a sliding window at head dim {head_dim} (windows at {', '.join(map(str, WINDOW_HEAD_DIMS))} only)"
+def window_refusal(options: AttentionOptions, head_dim: int, kernel: str) -> str | None:
+    """Why a sliding window keeps a call of this head dim off the sm_90 ``kernel`` ("forward" or "backward";
+    ``WINDOW_HEAD_DIMS``), or None."""
+    dims = WINDOW_HEAD_DIMS[kernel]
+    if options.local and head_dim not in dims:
+        return f"a sliding window at head dim {head_dim} (the {kernel} takes windows at {', '.join(map(str, dims))})"
     return None
 
 

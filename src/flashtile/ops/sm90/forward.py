@@ -925,7 +925,7 @@ def qualifies(
     reasons = [*option_refusals(options, varlen), "a learnable sink" if options.learnable_sink is not None else None]
     if not varlen:
         head_dim = q.shape[3]
-        reasons.append(window_refusal(options, head_dim))
+        reasons.append(window_refusal(options, head_dim, kernel="forward"))
         causal_min = CAUSAL_MIN_SEQLEN_Q.get(head_dim, q.shape[1] + 1) if options.causal else 0
         reasons += (
             dtype_refusal(q),
