@@ -137,7 +137,8 @@ WINDOW_HEAD_DIMS = {"forward": (128, 256), "backward": (64, 128, 256)}
 """Head dims whose sliding-window calls take each sm_90 kernel (``window_refusal``). At D=64 the Triton forward is
 the faster one, the Gluon backward the faster one (H100, bf16, B=4, H=16, N=4096, a causal 1024-key window,
 flash_attn_func on (B, H, N, D) views, ``triton.testing.do_bench`` medians, 2026-12-07): forward 0.203 ms (Triton)
-against 0.253 (Gluon, three consumer warpgroups; 0.208-0.211 with two), backward 0.702 against 0.537. At D=128 and
+against 0.253 (Gluon, three consumer warpgroups; 0.208-0.211 with two), backward 0.702 against 0.537; the device time of
+a forward+backward with the Gluon backward 0.739-0.745 ms against 0.905-0.910 with the Triton one. At D=128 and
 256 both Gluon kernels are the faster ones (D=128: 0.280-0.288 against 0.333-0.337 ms forward, 1.14-1.25 against
 1.45 ms forward+backward)."""
 
