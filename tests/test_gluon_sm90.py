@@ -740,6 +740,17 @@ def test_against_oracle(launches, dtype, causal, case):
     assert launches == [("fwd", causal)] + ([("bwd", causal)] if gluon_backward else [])
 
 
+def gluon_launches(window: bool, head_dim: int, seqlen_q: int, seqlen_k: int, launched) -> list[tuple]:
+    """The sm_90 launches (``launches``) of one forward+backward with ``launched`` its mask: without a window both
+    kernels, with one each kernel at its ``common.WINDOW_HEAD_DIMS``; the backward only where both lengths are
+    multiples of 128."""
+    forward, backward = (
+        not window or head_dim in sm90_common.WINDOW_HEAD_DIMS[kernel] for kernel in ("forward", "backward")
+    )
+    backward = backward and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
+    return [("fwd", launched)] * forward + [("bwd", launched)] * backward
+
+
 WINDOW_CASES = {
     **{f"D{d}-B{b}-Sq{sq}-Sk{sk}-H{h}_{hk}": (d, (b, sq, sk, h, hk))
        for d in (64, 128, 256)
@@ -770,11 +781,7 @@ def test_window_against_oracle(launches, window_size, case):
     seqlen_q, seqlen_k = shape[1:3]
     opts = AttentionOptions(1.0, *checks.bounded_window(*checks.window_bounds(window_size, False), seqlen_q, seqlen_k))
     launched = sm90_common.window_of(opts) or opts.causal
-    gluon, gluon_backward = (
-        not opts.local or head_dim in sm90_common.WINDOW_HEAD_DIMS[kernel] for kernel in ("forward", "backward")
-    )
-    gluon_backward = gluon_backward and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
-    assert launches == [("fwd", launched)] * gluon + [("bwd", launched)] * gluon_backward
+    assert launches == gluon_launches(opts.local, head_dim, seqlen_q, seqlen_k, launched)
 
 
 SCORE_MOD_CASES = {
@@ -871,12 +878,8 @@ def test_head_major_sdpa_against_oracle(launches, is_causal, head_dim, shape):
     check_against_oracle(results, q, k, v, dout, softmax_scale=0.2, mask=top_left)
     assert [x.grad.stride() for x in leaves] == [x.stride() for x in leaves]
     window = is_causal and seqlen_q != seqlen_k
-    gluon, gluon_backward = (
-        not window or head_dim in sm90_common.WINDOW_HEAD_DIMS[kernel] for kernel in ("forward", "backward")
-    )
-    gluon_backward = gluon_backward and seqlen_q % 128 == 0 and seqlen_k % 128 == 0
     launched = (None, seqlen_q - seqlen_k) if window else is_causal
-    assert launches == [("fwd", launched)] * gluon + [("bwd", launched)] * gluon_backward
+    assert launches == gluon_launches(window, head_dim, seqlen_q, seqlen_k, launched)
 
 
 @hopper
