@@ -6,7 +6,7 @@ kernels' views of their boxes, and the launch past Triton's binder with its key.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -134,16 +134,15 @@ class ScoreMods(NamedTuple):
 
 
 WINDOW_HEAD_DIMS = {"forward": (128, 256), "backward": (64, 128, 256)}
-"""Head dims whose sliding-window calls take each sm_90 kernel (``window_refusal``). At D=64 the Triton forward is
-the faster one, the Gluon backward the faster one (H100, bf16, B=4, H=16, N=4096, a causal 1024-key window,
-flash_attn_func on (B, H, N, D) views, ``triton.testing.do_bench`` medians, 2026-12-07): forward 0.203 ms (Triton)
-against 0.253 (Gluon, three consumer warpgroups; 0.208-0.211 with two), backward 0.702 against 0.537; the device time of
-a forward+backward with the Gluon backward 0.739-0.745 ms against 0.905-0.910 with the Triton one. At D=128 and
-256 both Gluon kernels are the faster ones (D=128: 0.280-0.288 against 0.333-0.337 ms forward, 1.14-1.25 against
-1.45 ms forward+backward)."""
+"""Head dims whose sliding-window calls take each sm_90 kernel (``window_refusal``): at each, the faster one (H100,
+bf16, B=4, H=16, N=4096, a causal 1024-key window, flash_attn_func on (B, H, N, D) views, 2026-12-07). At D=64 the
+Triton forward, 0.203 ms against the Gluon kernel's 0.253 (0.208-0.211 with two consumer warpgroups in an earlier
+run), and the Gluon backward, 0.537 ms against 0.702 (do_bench medians of each pass; the device time of a
+forward+backward 0.739-0.745 ms with it, 0.905-0.910 with the Triton one). At D=128 and 256 both Gluon kernels
+(D=128: 0.280-0.288 against 0.333-0.337 ms forward, 1.14-1.25 against 1.45 ms forward+backward)."""
 
 
-def window_refusal(options: AttentionOptions, head_dim: int, kernel: str) -> str | None:
+def window_refusal(options: AttentionOptions, head_dim: int, kernel: Literal["forward", "backward"]) -> str | None:
     """Why a sliding window keeps a call of this head dim off the sm_90 ``kernel`` ("forward" or "backward";
     ``WINDOW_HEAD_DIMS``), or None."""
     dims = WINDOW_HEAD_DIMS[kernel]
